@@ -1,0 +1,256 @@
+"""``HiCacheStorage``: the L3 interface the HiCache controller talks to (vocabulary after SGLang's
+``HiCacheStorage``; our own code).
+
+Units. The unit of transfer is a *page* (one host-pool slot: all layers, K and V, this host's KV
+heads). A page is named by its chain key (``hicache.storage.keys.page_keys``) and identified by
+its absolute index in its chain (``first_page + i``). Storage groups consecutive pages of a chain
+into objects (``pages_per_object``); callers only ever see pages.
+
+Buffer ownership. The host pool (``HostPool``, implemented by the worker's host pool) owns its
+slots. Storage calls ``read_slots`` / ``write_slots`` only from the thread that called
+``batch_get`` / ``batch_set`` and only during that call; ``read_slots`` returns a fresh array that
+storage owns and drops when the call returns; ``write_slots`` copies out of a buffer storage owns.
+The caller must keep the slots of an in-flight call pinned (not freed, not reused) until it
+returns. Storage never keeps a reference to pool memory between calls.
+
+Who calls. Storage is per host: each host's worker holds one instance over its own shard (its
+``ShardCoord``) and answers for its shard only; the replica's head combines hosts (MIN of
+``batch_exists``, AND of per-key results). Storage knows neither the tree nor device pools.
+
+Errors. Bad arguments raise ``TypeError``/``ValueError`` naming the offending value, before any I/O
+and without changing state. Backend trouble (missing, corrupt, short, mismatched objects,
+exceptions, hangs beyond the call's timeout) never raises and never returns ``None``: it shows up
+as per-page ``False`` / a shorter hit count, plus a counter in ``stats()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, check_key
+
+
+class PoolKind(str, enum.Enum):
+    """Which host pool a transfer targets (hybrid models have several)."""
+
+    KV = "kv"  # full-attention KV pages
+    SWA = "swa"  # sliding-window-attention KV pages
+    MAMBA = "mamba"  # recurrent state snapshots (usually one key per request tip)
+
+
+@runtime_checkable
+class HostPool(Protocol):
+    """What storage needs from a host (L2) pool. One slot = one page of this host's shard."""
+
+    slot_shape: tuple[int, ...]
+    dtype: np.dtype
+    slot_bytes: int
+
+    def read_slots(self, slots: np.ndarray) -> np.ndarray:  # slots: i32[n] -> [n, *slot_shape]
+        """Copy of the slots' contents (owned by the caller)."""
+        ...
+
+    def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:  # data: [n, *slot_shape]
+        """Copy ``data`` into the slots (``data`` stays owned by the caller)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PoolTransfer:
+    """Pages ``first_page .. first_page+len(keys)-1`` of one chain, for one pool.
+
+    ``keys[i]`` is the chain key of page ``first_page + i``; ``host_slots[i]`` its slot.
+    """
+
+    pool: PoolKind
+    keys: Sequence[str]
+    host_slots: np.ndarray  # i32[len(keys)]
+    first_page: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredPrefix:
+    """A manifest entry trimmed to what is stored: for warm restart of a head's tree."""
+
+    tokens: np.ndarray  # i64[num_pages * page_size]
+    num_pages: int
+    keys: tuple[str, ...]  # chain keys of the stored pages
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageStats:
+    """Monotonic counters since construction (plus current ``used_bytes`` where tracked)."""
+
+    exists_calls: int = 0
+    get_calls: int = 0
+    set_calls: int = 0
+    hit_pages: int = 0  # pages loaded into host slots
+    miss_pages: int = 0  # pages requested by batch_get and not loaded
+    set_pages: int = 0  # pages confirmed stored by batch_set (written or already present)
+    objects_read: int = 0
+    objects_written: int = 0
+    objects_skipped_existing: int = 0  # batch_set found the object already stored
+    objects_raced: int = 0  # write-once lost a race to a concurrent writer (still stored)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    corrupt_objects: int = 0
+    corrupt_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    errors: int = 0  # backend exceptions (object-level)
+    timeouts: int = 0  # object operations abandoned at the call's deadline
+    evicted_objects: int = 0
+    evicted_bytes: int = 0
+    used_bytes: int = -1  # -1: not tracked (only file:// with a byte cap tracks it)
+
+
+class HiCacheStorage(abc.ABC):
+    """Abstract L3 store. Implementations: ``FsspecStorage`` (file://, memory://, gs://)."""
+
+    fingerprint: ModelFingerprint
+
+    # ---- pools ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def register_host_pool(
+        self,
+        pool: HostPool,
+        *,
+        shard: ShardCoord,
+        kind: PoolKind = PoolKind.KV,
+        pages_per_object: int | None = None,
+    ) -> None:
+        """Attach the host pool whose slots ``batch_get``/``batch_set`` address for ``kind``."""
+
+    @abc.abstractmethod
+    def pages_per_object(self, kind: PoolKind = PoolKind.KV) -> int:
+        """Chunk size of ``kind``'s objects; ``batch_set`` needs ``first_page`` aligned to it."""
+
+    # ---- data path -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def batch_exists(
+        self,
+        keys: Sequence[str],
+        *,
+        first_page: int = 0,
+        pool: PoolKind = PoolKind.KV,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Number of consecutive pages, from ``keys[0]``, that ``batch_get`` can load now."""
+
+    @abc.abstractmethod
+    def batch_get_pools(
+        self, transfers: Sequence[PoolTransfer], *, timeout_s: float | None = None
+    ) -> list[list[bool]]:
+        """Load pages into host slots; per transfer, per page: loaded or not."""
+
+    @abc.abstractmethod
+    def batch_set_pools(
+        self, transfers: Sequence[PoolTransfer], *, timeout_s: float | None = None
+    ) -> list[list[bool]]:
+        """Store pages from host slots; per transfer, per page: stored (now or before) or not."""
+
+    def batch_get(
+        self,
+        keys: Sequence[str],
+        host_slots: np.ndarray,
+        *,
+        first_page: int = 0,
+        pool: PoolKind = PoolKind.KV,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
+        return self.batch_get_pools([PoolTransfer(pool, keys, host_slots, first_page)], timeout_s=timeout_s)[0]
+
+    def batch_set(
+        self,
+        keys: Sequence[str],
+        host_slots: np.ndarray,
+        *,
+        first_page: int = 0,
+        pool: PoolKind = PoolKind.KV,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
+        return self.batch_set_pools([PoolTransfer(pool, keys, host_slots, first_page)], timeout_s=timeout_s)[0]
+
+    @abc.abstractmethod
+    def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:
+        """Whether an object ending exactly at page ``page_index`` (named ``key``) is stored."""
+
+    # ---- warm restart --------------------------------------------------------------------
+    @abc.abstractmethod
+    def record_prefix(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> bool:
+        """Add a manifest entry for the full pages of ``tokens`` (call after they are stored)."""
+
+    @abc.abstractmethod
+    def list_prefixes(
+        self, namespace: Namespace, *, pool: PoolKind = PoolKind.KV, verify: bool = True
+    ) -> list[StoredPrefix]:
+        """Manifest entries of ``namespace``, trimmed to stored pages when ``verify``."""
+
+    # ---- admin ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Delete every object and manifest entry of this store's fingerprint."""
+
+    @abc.abstractmethod
+    def stats(self) -> StorageStats: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release threads/sessions. Idempotent."""
+
+    def __enter__(self) -> HiCacheStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- shared argument validation ------------------------------------------------------------
+
+
+def check_keys(keys: object) -> list[str]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a sequence of hex str, got {type(keys).__name__}")
+    out = list(keys)
+    for i, k in enumerate(out):
+        check_key(k, what=f"keys[{i}]")
+    return out
+
+
+def check_first_page(first_page: object) -> int:
+    if isinstance(first_page, bool) or not isinstance(first_page, (int, np.integer)):
+        raise TypeError(f"first_page must be an int, got {type(first_page).__name__}: {first_page!r}")
+    if first_page < 0:
+        raise ValueError(f"first_page must be >= 0, got {first_page}")
+    return int(first_page)
+
+
+def check_slots(host_slots: object, n: int) -> np.ndarray:
+    if isinstance(host_slots, (list, tuple)):
+        for i, s in enumerate(host_slots):
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+                raise TypeError(f"host_slots[{i}] must be an int, got {s!r}")
+        host_slots = np.asarray(host_slots, dtype=np.int64).reshape(-1)
+    if not isinstance(host_slots, np.ndarray):
+        raise TypeError(f"host_slots must be an int32 numpy array, got {type(host_slots).__name__}")
+    if host_slots.dtype.kind not in "iu":
+        raise TypeError(f"host_slots must be an integer array, got dtype {host_slots.dtype}")
+    if host_slots.ndim != 1 or host_slots.shape[0] != n:
+        raise ValueError(f"host_slots must have shape ({n},) to match keys, got {host_slots.shape}")
+    if n and int(host_slots.min()) < 0:
+        i = int(np.argmin(host_slots))
+        raise ValueError(f"host_slots[{i}] = {int(host_slots[i])} is negative")
+    if n and int(host_slots.max()) >= 2**31:
+        i = int(np.argmax(host_slots))
+        raise ValueError(f"host_slots[{i}] = {int(host_slots[i])} does not fit int32")
+    return host_slots.astype(np.int32, copy=False)
+
+
+def check_pool_kind(kind: object) -> PoolKind:
+    try:
+        return PoolKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown pool kind {kind!r}; expected one of {[k.value for k in PoolKind]}") from None

@@ -1,0 +1,187 @@
+"""L3 object format: a small self-verifying header followed by the raw payload.
+
+Layout (little-endian)::
+
+    off  size  field
+      0     8  magic  b"HICKV\\x00\\r\\n"
+      8     2  format_version (u16)            -- checked right after the magic
+     10     2  header_len (u16)                -- 128 + 4*ndim
+     12     1  kind (u8: 1 = KV/state pages, 2 = manifest entry)
+     13     1  ndim (u8) of the per-page shape
+     14     2  reserved (0)
+     16    32  model fingerprint digest
+     48    32  object key (chain hash of the last page; manifest: namespace seed)
+     80     8  first_page (u64, absolute page index of the first page in the chain)
+     88     4  num_pages (u32; manifest: number of tokens)
+     92     4  reserved (0)
+     96    16  dtype name, ASCII, NUL-padded (``np.dtype.name``, e.g. "bfloat16")
+    112     8  payload_len (u64)
+    120     4  crc32c(payload)
+    124 4*ndim per-page shape (u32 each)
+      .     4  crc32c(header bytes before this field)
+
+The payload is ``num_pages`` pages, each ``prod(shape) * itemsize`` bytes, C order.
+
+Buffers: ``encode_header`` returns a fresh ``bytes`` the caller owns; it never copies the payload
+(the writer sends header and payload as two buffers). ``decode`` returns a zero-copy
+``memoryview`` of the payload inside the caller's buffer; the caller keeps that buffer alive
+while it uses the view. Any mismatch raises ``CorruptObjectError`` with a ``CorruptReason``;
+callers turn it into a counted miss and never hand the bytes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import struct
+
+import google_crc32c
+import numpy as np
+
+MAGIC = b"HICKV\x00\r\n"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<8sHHBBH32s32sQII16sQI")  # up to and including payload crc
+assert _FIXED.size == 124
+_HEADER_CRC = struct.Struct("<I")
+MAX_NDIM = 16
+
+
+class ObjectKind(enum.IntEnum):
+    PAGES = 1
+    MANIFEST = 2
+
+
+class CorruptReason(str, enum.Enum):
+    SHORT = "short"  # fewer bytes than the header or the header's payload_len announce
+    TRAILING = "trailing"  # more bytes than announced
+    BAD_MAGIC = "bad_magic"
+    BAD_VERSION = "bad_version"
+    BAD_HEADER = "bad_header"  # header checksum or impossible header fields
+    BAD_KIND = "bad_kind"
+    BAD_FINGERPRINT = "bad_fingerprint"
+    BAD_KEY = "bad_key"  # object content belongs to another key / position
+    BAD_SHAPE = "bad_shape"
+    BAD_DTYPE = "bad_dtype"
+    BAD_CHECKSUM = "bad_checksum"  # payload checksum
+
+
+class CorruptObjectError(ValueError):
+    """An L3 object failed verification; it must be treated as a miss."""
+
+    def __init__(self, reason: CorruptReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+
+
+def crc32c(buf: bytes | bytearray | memoryview | np.ndarray) -> int:
+    """CRC32C of any contiguous buffer, without copying it."""
+    return int(google_crc32c.value(np.frombuffer(buf, dtype=np.uint8)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectMeta:
+    """What a reader expects (and a writer declares) about one object."""
+
+    kind: ObjectKind
+    fingerprint: bytes  # 32 bytes
+    key: bytes  # 32 bytes
+    first_page: int
+    num_pages: int
+    dtype: str
+    shape: tuple[int, ...]  # per page
+
+    def __post_init__(self) -> None:
+        if len(self.fingerprint) != 32 or len(self.key) != 32:
+            raise ValueError("fingerprint and key must be 32 bytes")
+        if len(self.dtype.encode("ascii")) > 16:
+            raise ValueError(f"dtype name too long for the header: {self.dtype!r}")
+        if len(self.shape) > MAX_NDIM or any(int(d) < 0 or int(d) >= 2**32 for d in self.shape):
+            raise ValueError(f"unsupported page shape {self.shape}")
+        if self.first_page < 0 or not (0 <= self.num_pages < 2**32):
+            raise ValueError(f"bad first_page/num_pages {self.first_page}/{self.num_pages}")
+
+    @property
+    def header_len(self) -> int:
+        return _FIXED.size + 4 * len(self.shape) + _HEADER_CRC.size
+
+    def payload_len(self, itemsize: int) -> int:
+        return self.num_pages * math.prod(self.shape) * itemsize
+
+
+def encode_header(meta: ObjectMeta, payload: bytes | memoryview | np.ndarray) -> bytes:
+    """Header for ``payload`` (checksummed here; the payload itself is not copied)."""
+    plen = np.frombuffer(payload, dtype=np.uint8).size
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        meta.header_len,
+        int(meta.kind),
+        len(meta.shape),
+        0,
+        meta.fingerprint,
+        meta.key,
+        meta.first_page,
+        meta.num_pages,
+        0,
+        meta.dtype.encode("ascii"),
+        plen,
+        crc32c(payload),
+    )
+    head = fixed + struct.pack(f"<{len(meta.shape)}I", *meta.shape)
+    return head + _HEADER_CRC.pack(crc32c(head))
+
+
+def decode(
+    buf: bytes | bytearray | memoryview,
+    expect: ObjectMeta,
+    *,
+    payload_len: int | None = None,
+    verify_payload: bool = True,
+) -> memoryview:
+    """Verify ``buf`` against ``expect`` (and the expected ``payload_len`` if given); return the
+    payload view or raise ``CorruptObjectError``."""
+    mv = memoryview(buf).cast("B")
+    n = len(mv)
+    if n < 12:
+        raise CorruptObjectError(CorruptReason.SHORT, f"{n} bytes < minimal header")
+    if bytes(mv[:8]) != MAGIC:
+        raise CorruptObjectError(CorruptReason.BAD_MAGIC, f"magic {bytes(mv[:8])!r}")
+    version, header_len = struct.unpack_from("<HH", mv, 8)
+    if version != FORMAT_VERSION:
+        raise CorruptObjectError(CorruptReason.BAD_VERSION, f"format version {version} != {FORMAT_VERSION}")
+    if n < _FIXED.size + _HEADER_CRC.size or n < header_len:
+        raise CorruptObjectError(CorruptReason.SHORT, f"{n} bytes < header")
+    (_, _, _, kind, ndim, _, fp, key, first_page, num_pages, _, dtype_raw, plen, pcrc) = _FIXED.unpack_from(mv, 0)
+    if header_len != _FIXED.size + 4 * ndim + _HEADER_CRC.size:
+        raise CorruptObjectError(CorruptReason.BAD_HEADER, f"header_len {header_len} vs ndim {ndim}")
+    (hcrc,) = _HEADER_CRC.unpack_from(mv, header_len - _HEADER_CRC.size)
+    if crc32c(mv[: header_len - _HEADER_CRC.size]) != hcrc:
+        raise CorruptObjectError(CorruptReason.BAD_HEADER, "header checksum mismatch")
+    if kind != int(expect.kind):
+        raise CorruptObjectError(CorruptReason.BAD_KIND, f"kind {kind} != {int(expect.kind)}")
+    if fp != expect.fingerprint:
+        raise CorruptObjectError(CorruptReason.BAD_FINGERPRINT, f"fingerprint {fp.hex()[:16]}… differs")
+    if key != expect.key or first_page != expect.first_page or num_pages != expect.num_pages:
+        raise CorruptObjectError(
+            CorruptReason.BAD_KEY,
+            f"object is (key {key.hex()[:12]}…, first_page {first_page}, {num_pages} pages), expected "
+            f"(key {expect.key.hex()[:12]}…, first_page {expect.first_page}, {expect.num_pages} pages)",
+        )
+    dtype = dtype_raw.rstrip(b"\x00").decode("ascii", "replace")
+    if dtype != expect.dtype:
+        raise CorruptObjectError(CorruptReason.BAD_DTYPE, f"dtype {dtype!r} != {expect.dtype!r}")
+    shape = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
+    if tuple(shape) != tuple(expect.shape):
+        raise CorruptObjectError(CorruptReason.BAD_SHAPE, f"shape {shape} != {tuple(expect.shape)}")
+    if payload_len is not None and plen != payload_len:
+        raise CorruptObjectError(CorruptReason.BAD_SHAPE, f"payload_len {plen} != {payload_len}")
+    have = n - header_len
+    if have < plen:
+        raise CorruptObjectError(CorruptReason.SHORT, f"payload {have} < {plen} bytes")
+    if have > plen:
+        raise CorruptObjectError(CorruptReason.TRAILING, f"payload {have} > {plen} bytes")
+    payload = mv[header_len:]
+    if verify_payload and crc32c(payload) != pcrc:
+        raise CorruptObjectError(CorruptReason.BAD_CHECKSUM, "payload checksum mismatch")
+    return payload
