@@ -145,7 +145,13 @@ class HiCacheStorage(abc.ABC):
     def batch_get_pools(
         self, transfers: Sequence[PoolTransfer], *, timeout_s: float | None = None
     ) -> list[list[bool]]:
-        """Load pages into host slots; per transfer, per page: loaded or not."""
+        """Load the longest stored prefix of each transfer into its host slots.
+
+        Per transfer, per page: loaded or not. Only a contiguous prefix is usable by the tree, so
+        every page after the first missing/corrupt/failed one reports ``False`` (and pages after
+        the first *missing* object are not even fetched). Slots of ``False`` pages may have been
+        overwritten and must be treated as garbage.
+        """
 
     @abc.abstractmethod
     def batch_set_pools(

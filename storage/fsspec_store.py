@@ -494,7 +494,6 @@ class FsspecStorage(HiCacheStorage):
         if not isinstance(transfers, Sequence):
             raise TypeError(f"transfers must be a sequence of PoolTransfer, got {type(transfers).__name__}")
         out = []
-        seen_kinds: set[PoolKind] = set()
         for ti, tr in enumerate(transfers):
             if not isinstance(tr, PoolTransfer):
                 raise TypeError(f"transfers[{ti}] must be a PoolTransfer, got {type(tr).__name__}")
@@ -507,12 +506,8 @@ class FsspecStorage(HiCacheStorage):
                     f"first_page={first} is not a multiple of pages_per_object={reg.ppo} for pool "
                     f"{reg.kind.value!r}; batch_set must start at a chunk boundary"
                 )
-            if not for_set:
-                if len(np.unique(slots)) != len(slots):
-                    raise ValueError(f"transfers[{ti}].host_slots has duplicate slots: {slots.tolist()}")
-                if reg.kind in seen_kinds:
-                    pass  # several chains per pool in one call are fine
-            seen_kinds.add(reg.kind)
+            if not for_set and len(np.unique(slots)) != len(slots):
+                raise ValueError(f"transfers[{ti}].host_slots has duplicate slots: {slots.tolist()}")
             out.append((reg, keys, slots, first))
         return out
 
@@ -548,6 +543,15 @@ class FsspecStorage(HiCacheStorage):
 
     def pages_per_object(self, kind: PoolKind = PoolKind.KV) -> int:
         return self._reg(kind).ppo
+
+    def object_path(self, key: str, *, pool: PoolKind = PoolKind.KV) -> str:
+        """Backend path of the object named ``key`` (admin, debugging, tests)."""
+        return self._path(self._reg(pool), check_key(key))
+
+    @property
+    def fs(self) -> Any:
+        """The underlying fsspec filesystem."""
+        return self._io.fs
 
     # ---- resolution ----------------------------------------------------------------------------
     def _naturals(self, t: int, reg: _PoolReg, keys: list[str], first: int) -> list[_Obj]:
@@ -678,6 +682,10 @@ class FsspecStorage(HiCacheStorage):
                 self._count(objects_read=1, bytes_read=len(r))
             if self._local:
                 self._io.touch(loaded)
+        for r in results:  # only the contiguous prefix counts
+            if False in r:
+                cut = r.index(False)
+                r[cut:] = [False] * (len(r) - cut)
         hits = sum(sum(r) for r in results)
         self._count(hit_pages=hits, miss_pages=sum(len(r) for r in results) - hits)
         return results

@@ -36,3 +36,15 @@ class NumpyHostPool:
         rng = np.random.default_rng(seed)
         raw = rng.integers(0, 256, size=(len(slots), self.slot_bytes), dtype=np.uint8)
         self.buf.reshape(self.num_slots, -1).view(np.uint8)[np.asarray(slots)] = raw
+
+
+def slot_range(a: int, b: int) -> np.ndarray:
+    """``i32[b-a]`` slot ids ``a..b-1``."""
+    return np.arange(a, b, dtype=np.int32)
+
+
+def same_bytes(x: np.ndarray, y: np.ndarray) -> bool:
+    """Bit-identical (NaN payloads included)."""
+    return x.shape == y.shape and x.dtype == y.dtype and np.array_equal(
+        np.ascontiguousarray(x).view(np.uint8), np.ascontiguousarray(y).view(np.uint8)
+    )

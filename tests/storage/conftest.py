@@ -1,0 +1,101 @@
+"""Shared fixtures: one in-process GCS emulator per session (127.0.0.1 only), a fresh store per
+test for each URL scheme, and a numpy host pool (a real buffer)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import numpy as np
+import pytest
+
+from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
+from hicache.storage.testing import NumpyHostPool
+
+FP = ModelFingerprint("tiny-test", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+SLOT_SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, page, heads, head_dim]
+PPO = 4  # pages per object in the suite
+BUCKET = "hicache-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """Start gcp-storage-emulator in-process; yields the bucket URL prefix ``gs://BUCKET``."""
+    from gcp_storage_emulator.server import create_server
+
+    port = _free_port()
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
+    server.start()
+    try:
+        yield f"gs://{BUCKET}"
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+SCHEMES = ["memory", "file", "gs"]
+
+
+@pytest.fixture
+def make_url(request, tmp_path):
+    """``make_url(scheme)`` → a fresh, empty root for that scheme."""
+
+    def make(scheme: str) -> str:
+        tag = uuid.uuid4().hex[:10]
+        if scheme == "memory":
+            return f"memory://hicache-{tag}"
+        if scheme == "file":
+            return f"file://{tmp_path}/l3-{tag}"
+        if scheme == "gs":
+            return f"{request.getfixturevalue('gcs_emulator')}/run-{tag}"
+        raise ValueError(scheme)
+
+    return make
+
+
+def storage_options(scheme: str) -> dict:
+    return {"token": "anon"} if scheme == "gs" else {}
+
+
+@pytest.fixture
+def make_store(make_url):
+    """``make_store(scheme, url=None, fp=FP, **config)`` with a registered KV pool of 64 slots."""
+    made: list[FsspecStorage] = []
+
+    def make(scheme: str, url: str | None = None, fp: ModelFingerprint = FP, pool: NumpyHostPool | None = None, **cfg):
+        cfg.setdefault("pages_per_object", PPO)
+        cfg.setdefault("timeout_s", 20.0)
+        st = FsspecStorage(url or make_url(scheme), fp, StorageConfig(storage_options=storage_options(scheme), **cfg))
+        pool = pool or NumpyHostPool(64, SLOT_SHAPE, np.dtype(fp.dtype))
+        st.register_host_pool(pool, shard=ShardCoord.full(fp))
+        st.pool = pool  # for the tests' convenience
+        made.append(st)
+        return st
+
+    yield make
+    for st in made:
+        st.close()
+
+
+@pytest.fixture(params=SCHEMES)
+def scheme(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def fp() -> ModelFingerprint:
+    return FP

@@ -1,0 +1,302 @@
+"""The abstract storage suite: every test runs against memory://, file:// and gs:// (emulator)."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hicache.storage import (
+    CorruptReason,
+    FsspecStorage,
+    ModelFingerprint,
+    Namespace,
+    PoolKind,
+    PoolTransfer,
+    ShardCoord,
+    StorageConfig,
+    page_keys,
+)
+from hicache.storage.format import FORMAT_VERSION, ObjectKind, ObjectMeta, encode_header
+from hicache.storage.testing import NumpyHostPool, same_bytes
+from hicache.storage.testing import slot_range as S
+
+
+def _chain(fp, n_pages, *, start=0, salt=None, extra=None):
+    ns = Namespace(fp, extra_key=extra, cache_salt=salt)
+    toks = np.arange(start, start + n_pages * fp.page_size, dtype=np.int64) % 50000
+    return ns, toks, page_keys(ns, toks)
+
+
+def _fill(st, a, b, seed=1):
+    st.pool.fill_random(S(a, b), seed)
+
+
+def test_roundtrip_bit_identical(scheme, make_store, fp):
+    st = make_store(scheme)
+    _, _, keys = _chain(fp, 10)  # chunks of 4: 4 + 4 + partial 2
+    _fill(st, 0, 10)
+    assert st.batch_exists(keys) == 0
+    assert st.batch_set(keys, S(0, 10)) == [True] * 10
+    assert st.stats().objects_written == 3
+    assert st.batch_exists(keys) == 10
+    assert st.batch_get(keys, S(20, 30)) == [True] * 10
+    assert same_bytes(st.pool.buf[0:10], st.pool.buf[20:30])
+    # a second set finds everything stored and writes nothing
+    assert st.batch_set(keys, S(0, 10)) == [True] * 10
+    s = st.stats()
+    assert (s.objects_written, s.objects_skipped_existing, s.hit_pages, s.miss_pages) == (3, 3, 10, 0)
+
+
+def test_second_instance_sees_first_writes(scheme, make_store, make_url, fp):
+    url = make_url(scheme)
+    a, b = make_store(scheme, url=url), make_store(scheme, url=url)
+    _, _, keys = _chain(fp, 8)
+    _fill(a, 0, 8, seed=7)
+    a.batch_set(keys, S(0, 8))
+    assert b.batch_exists(keys) == 8
+    assert b.batch_get(keys, S(0, 8)) == [True] * 8
+    assert same_bytes(a.pool.buf[:8], b.pool.buf[:8])
+
+
+def test_exists_is_prefix_ordered(scheme, make_store, fp):
+    st = make_store(scheme)
+    _, _, keys = _chain(fp, 12)
+    _fill(st, 0, 12)
+    st.batch_set(keys, S(0, 12))
+    st.fs.rm_file(st.object_path(keys[7]))  # drop the middle chunk (pages 4..7)
+    assert st.batch_exists(keys) == 4
+    res = st.batch_get(keys, S(20, 32))
+    assert res == [True] * 4 + [False] * 8  # only the contiguous prefix is loaded
+    assert st.stats().miss_pages == 8
+
+
+def test_prefix_ending_mid_chunk_then_longer_sequence(scheme, make_store, fp):
+    """Documented chunking rule: a partial tail is found by a later longer query via the probe;
+    the longer sequence then stores the full chunk."""
+    st = make_store(scheme)
+    _, _, keys = _chain(fp, 11)
+    _fill(st, 0, 11)
+    assert st.batch_set(keys[:6], S(0, 6)) == [True] * 6  # chunk 0 full + partial (pages 4,5)
+    assert st.batch_exists(keys) == 6  # probe finds the partial object of chunk 1
+    assert st.batch_get(keys, S(30, 41)) == [True] * 6 + [False] * 5
+    assert same_bytes(st.pool.buf[0:6], st.pool.buf[30:36])
+    # the longer sequence writes full chunk 1 and partial chunk 2 (chunk 0 skipped)
+    before = st.stats()
+    assert st.batch_set(keys, S(0, 11)) == [True] * 11
+    after = st.stats()
+    assert after.objects_written - before.objects_written == 2
+    assert st.batch_exists(keys) == 11
+    # a shorter query ending inside a chunk only stored in full loses the chunk's head pages,
+    # unless a partial object ends there (pages 4,5 do):
+    assert st.batch_exists(keys[:7]) == 6
+    assert st.batch_exists(keys[:6]) == 6
+    assert st.batch_exists(keys[:5]) == 4  # at most C-1 pages lost
+
+
+def test_misaligned_query(scheme, make_store, fp):
+    st = make_store(scheme)
+    _, _, keys = _chain(fp, 12)
+    _fill(st, 0, 12)
+    st.batch_set(keys, S(0, 12))
+    assert st.batch_exists(keys[5:], first_page=5) == 7
+    assert st.batch_get(keys[5:], S(40, 47), first_page=5) == [True] * 7
+    assert same_bytes(st.pool.buf[5:12], st.pool.buf[40:47])
+    with pytest.raises(ValueError, match="first_page=5"):
+        st.batch_set(keys[5:], S(5, 12), first_page=5)
+
+
+def _opts(scheme):
+    return {"token": "anon"} if scheme == "gs" else {}
+
+
+def test_multi_pool_transfer(scheme, make_url, fp):
+    st = FsspecStorage(make_url(scheme), fp, StorageConfig(pages_per_object=4, storage_options=_opts(scheme)))
+    kv = NumpyHostPool(32, (2, 2, 4, 2, 8), np.float32)
+    mamba = NumpyHostPool(8, (3, 5), np.float16)
+    st.register_host_pool(kv, shard=ShardCoord.full(fp))
+    st.register_host_pool(mamba, shard=ShardCoord(0, 1, 1, 0, 2, 2), kind=PoolKind.MAMBA, pages_per_object=1)
+    with pytest.raises(ValueError, match="already registered"):
+        st.register_host_pool(mamba, shard=ShardCoord(0, 1, 1, 0, 2, 2), kind=PoolKind.MAMBA)
+    _, _, keys = _chain(fp, 6)
+    kv.fill_random(S(0, 6), 3)
+    mamba.fill_random(S(0, 1), 4)
+    tr = [PoolTransfer(PoolKind.KV, keys, S(0, 6)), PoolTransfer(PoolKind.MAMBA, keys[5:], S(0, 1), first_page=5)]
+    assert st.batch_set_pools(tr) == [[True] * 6, [True]]
+    assert st.batch_exists(keys[5:], first_page=5, pool=PoolKind.MAMBA) == 1
+    assert st.batch_exists(keys[4:5], first_page=4, pool=PoolKind.MAMBA) == 0
+    back = [PoolTransfer(PoolKind.KV, keys, S(10, 16)), PoolTransfer("mamba", keys[5:], S(3, 4), first_page=5)]
+    assert st.batch_get_pools(back) == [[True] * 6, [True]]
+    assert same_bytes(kv.buf[0:6], kv.buf[10:16]) and same_bytes(mamba.buf[0:1], mamba.buf[3:4])
+    with pytest.raises(ValueError, match="swa"):
+        st.batch_get_pools([PoolTransfer(PoolKind.SWA, keys, S(0, 6))])
+    st.close()
+
+
+def test_bfloat16_pool(scheme, make_url):
+    fp16 = ModelFingerprint("bf", "bfloat16", 4, 2, 2, 8)
+    st = FsspecStorage(make_url(scheme), fp16, StorageConfig(storage_options=_opts(scheme)))
+    pool = NumpyHostPool(8, (2, 2, 4, 2, 8), ml_dtypes.bfloat16)
+    st.register_host_pool(pool, shard=ShardCoord.full(fp16))
+    assert st.pages_per_object() == st.config.target_object_bytes or st.pages_per_object() >= 1
+    _, _, keys = _chain(fp16, 3)
+    pool.fill_random(S(0, 3), 9)
+    assert st.batch_set(keys, S(0, 3)) == [True] * 3
+    assert st.batch_get(keys, S(4, 7)) == [True] * 3
+    assert same_bytes(pool.buf[0:3], pool.buf[4:7])
+    st.close()
+
+
+@pytest.mark.parametrize("which", ["salt", "extra_key", "fingerprint"])
+def test_isolation(scheme, make_store, make_url, fp, which):
+    url = make_url(scheme)
+    st = make_store(scheme, url=url)
+    _, _, keys = _chain(fp, 8)
+    _fill(st, 0, 8)
+    st.batch_set(keys, S(0, 8))
+    if which == "fingerprint":
+        fp2 = dataclasses.replace(fp, layout_version=2)
+        other = make_store(scheme, url=url, fp=fp2)
+        _, _, keys2 = _chain(fp2, 8)
+    else:
+        other = st
+        _, _, keys2 = _chain(fp, 8, salt="tenant-b" if which == "salt" else None, extra="lora-x" if which == "extra_key" else None)
+    assert set(keys2).isdisjoint(keys)
+    assert other.batch_exists(keys2) == 0
+    assert other.batch_get(keys2, S(30, 38)) == [False] * 8
+    if which == "fingerprint":  # same key, other fingerprint's store: still nothing
+        assert other.batch_exists(keys) == 0
+
+
+def _rewrite(st, key, data: bytes):
+    st.fs.pipe_file(st.object_path(key), data)
+
+
+def _corruptions(st, fp, key, blob: bytes):
+    hlen = len(blob) - 4 * st.pool.slot_bytes
+    flip_payload = bytearray(blob)
+    flip_payload[hlen + 37] ^= 0x10
+    flip_header = bytearray(blob)
+    flip_header[90] ^= 0x01  # inside num_pages
+    wrong_version = bytearray(blob)
+    struct.pack_into("<H", wrong_version, 8, FORMAT_VERSION + 1)
+    other_fp = dataclasses.replace(fp, model_id="other").digest()
+    meta = ObjectMeta(ObjectKind.PAGES, other_fp, bytes.fromhex(key), 0, 4, "float32", st.pool.slot_shape)
+    payload = np.frombuffer(blob[hlen:], np.uint8)
+    wrong_fp = encode_header(meta, payload) + bytes(payload)
+    meta_shape = dataclasses.replace(meta, fingerprint=fp.digest(), shape=(2, 2, 4, 8, 2))
+    wrong_shape = encode_header(meta_shape, payload) + bytes(payload)
+    meta_dtype = dataclasses.replace(meta, fingerprint=fp.digest(), dtype="int32")
+    wrong_dtype = encode_header(meta_dtype, payload) + bytes(payload)
+    return {
+        "flip_payload": (bytes(flip_payload), CorruptReason.BAD_CHECKSUM),
+        "flip_header": (bytes(flip_header), CorruptReason.BAD_HEADER),
+        "truncate": (blob[:-100], CorruptReason.SHORT),
+        "truncate_header": (blob[:50], CorruptReason.SHORT),
+        "trailing": (blob + b"x", CorruptReason.TRAILING),
+        "wrong_version": (bytes(wrong_version), CorruptReason.BAD_VERSION),
+        "wrong_fingerprint": (wrong_fp, CorruptReason.BAD_FINGERPRINT),
+        "wrong_shape": (wrong_shape, CorruptReason.BAD_SHAPE),
+        "wrong_dtype": (wrong_dtype, CorruptReason.BAD_DTYPE),
+        "garbage": (b"not an object at all", CorruptReason.BAD_MAGIC),
+    }
+
+
+def test_corrupt_objects_are_counted_misses(scheme, make_store, fp):
+    st = make_store(scheme)
+    _, _, keys = _chain(fp, 4)  # exactly one object
+    _fill(st, 0, 4)
+    st.batch_set(keys, S(0, 4))
+    blob = st.fs.cat_file(st.object_path(keys[3]))
+    cases = _corruptions(st, fp, keys[3], blob)
+    # also: the object of another key/position copied under this name
+    _, _, keys_b = _chain(fp, 4, start=999)
+    st.batch_set(keys_b, S(0, 4))
+    cases["swapped"] = (st.fs.cat_file(st.object_path(keys_b[3])), CorruptReason.BAD_KEY)
+    sentinel = np.full((4, *st.pool.slot_shape), 7.0, np.float32)
+    for name, (bad, reason) in cases.items():
+        _rewrite(st, keys[3], bad)
+        st.pool.buf[40:44] = sentinel
+        before = st.stats().corrupt_by_reason.get(reason.value, 0)
+        assert st.batch_get(keys, S(40, 44)) == [False] * 4, name
+        assert same_bytes(st.pool.buf[40:44], sentinel), f"{name}: corrupt bytes reached the pool"
+        assert st.stats().corrupt_by_reason.get(reason.value, 0) == before + 1, name
+        # the corrupt object was removed, so the page can be stored again and then loads
+        assert st.batch_exists(keys) == 0, name
+        assert st.batch_set(keys, S(0, 4)) == [True] * 4, name
+        assert st.batch_get(keys, S(40, 44)) == [True] * 4, name
+        assert same_bytes(st.pool.buf[40:44], st.pool.buf[0:4]), name
+    assert st.stats().corrupt_objects == len(cases)
+
+
+def test_bad_input_raises_and_changes_nothing(scheme, make_store, fp):
+    st = make_store(scheme)
+    _, _, keys = _chain(fp, 4)
+    _fill(st, 0, 4)
+    before = st.stats()
+    bad_calls = [
+        (lambda: st.batch_set(keys, S(0, 3)), ValueError, r"\(4,\)"),
+        (lambda: st.batch_set(keys, np.arange(4.0)), TypeError, "float"),
+        (lambda: st.batch_set(keys[:3] + ["xyz"], S(0, 4)), ValueError, "keys\\[3\\]"),
+        (lambda: st.batch_set(keys[:3] + [b"k" * 64], S(0, 4)), TypeError, "keys\\[3\\]"),
+        (lambda: st.batch_set(keys, np.array([0, 1, -2, 3], np.int32)), ValueError, "-2"),
+        (lambda: st.batch_set(keys, S(0, 4), first_page=-1), ValueError, "-1"),
+        (lambda: st.batch_set(keys, S(0, 4), first_page=2), ValueError, "first_page=2"),
+        (lambda: st.batch_set("abc", S(0, 4)), TypeError, "str"),
+        (lambda: st.batch_get(keys, np.array([1, 1, 2, 3], np.int32)), ValueError, "duplicate"),
+        (lambda: st.batch_get(keys, S(0, 4), pool="nope"), ValueError, "nope"),
+        (lambda: st.batch_exists(keys, timeout_s=0), ValueError, "timeout_s"),
+        (lambda: st.batch_set_pools([object()]), TypeError, "transfers\\[0\\]"),
+    ]
+    for call, exc, match in bad_calls:
+        with pytest.raises(exc, match=match):
+            call()
+    assert st.stats() == before
+    assert st.batch_exists(keys) == 0
+
+
+def test_manifest_warm_restart(scheme, make_store, make_url, fp):
+    url = make_url(scheme)
+    st = make_store(scheme, url=url)
+    ns, toks, keys = _chain(fp, 10)
+    _fill(st, 0, 10)
+    st.batch_set(keys, S(0, 10))
+    assert st.record_prefix(ns, toks[: 6 * fp.page_size + 1])  # partial page dropped
+    assert st.record_prefix(ns, toks)
+    assert st.record_prefix(ns, toks)  # idempotent
+    ns_b, toks_b, keys_b = _chain(fp, 3, salt="b")
+    st.batch_set(keys_b, S(0, 3))
+    st.record_prefix(ns_b, toks_b)
+    # "restart": a new instance over the same URL
+    st2 = make_store(scheme, url=url)
+    got = st2.list_prefixes(ns)
+    assert len(got) == 1  # the 6-page entry is a prefix of the 10-page one
+    assert got[0].num_pages == 10 and np.array_equal(got[0].tokens, toks) and got[0].keys == tuple(keys)
+    assert [p.num_pages for p in st2.list_prefixes(ns_b)] == [3]
+    # pages evicted behind the manifest's back: entries are trimmed to what is stored
+    st.fs.rm_file(st.object_path(keys[7]))
+    got = st2.list_prefixes(ns)
+    assert [p.num_pages for p in got] == [4]  # both entries trimmed to chunk 0, deduplicated
+    assert np.array_equal(got[0].tokens, toks[: 4 * fp.page_size])
+    with pytest.raises(ValueError, match="fingerprint"):
+        st2.list_prefixes(Namespace(dataclasses.replace(fp, head_dim=16)))
+
+
+def test_clear(scheme, make_store, fp):
+    st = make_store(scheme)
+    _, _, keys = _chain(fp, 8)
+    st.batch_set(keys, S(0, 8))
+    assert st.batch_exists(keys) == 8
+    st.clear()
+    assert st.batch_exists(keys) == 0
+    assert st.batch_set(keys, S(0, 8)) == [True] * 8
+
+
+def test_empty_batches(scheme, make_store):
+    st = make_store(scheme)
+    assert st.batch_exists([]) == 0
+    assert st.batch_get([], S(0, 0)) == []
+    assert st.batch_set([], S(0, 0)) == []
