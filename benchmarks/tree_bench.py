@@ -1,0 +1,127 @@
+"""Radix-tree control-plane benchmark on the multi-turn chat workload (issue: foundation).
+
+Per request, the scheduler's sequence: match -> lock -> alloc (evicts if short) -> cache_finished_req
+(insert prompt + output, free duplicates and the partial tail, unlock). Reports requests/s of tree ops
+only, µs per op, token hit rate, and tree metadata bytes per cached token (tracemalloc, separate pass).
+
+    python benchmarks/tree_bench.py [--json out.json] [--components full] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from hicache.cluster.tree import RadixKey, RadixTree, RequestState, TreeConfig
+from hicache.workloads import MultiTurnSpec, multi_turn
+
+
+@dataclass(frozen=True)
+class TreeBenchRecord:
+    components: str
+    page_size: int
+    capacity_tokens: int  # 0 = unbounded
+    requests: int
+    requests_per_s: float
+    us_per_op: float
+    hit_rate: float
+    bytes_per_token: float
+    cached_tokens: int
+    num_nodes: int
+
+
+def build_tree(page_size: int, capacity_tokens: int, components: str) -> RadixTree:
+    capacity_pages = capacity_tokens // page_size if capacity_tokens else None
+    if components != "full":
+        from hicache.cluster.builder import build_tree_components  # later issue: hybrid components
+
+        return RadixTree(TreeConfig(page_size, capacity_pages), build_tree_components(components))
+    return RadixTree(TreeConfig(page_size, capacity_pages))
+
+
+def serve(tree: RadixTree, rounds) -> tuple[int, int, int]:
+    """Runs every turn through the tree; returns (requests, hit tokens, prompt tokens)."""
+    hits = prompt_tokens = requests = 0
+    for turns in rounds:
+        for turn in turns:
+            key = RadixKey(turn.prompt)
+            m = tree.match_prefix(key)
+            tree.inc_lock_ref(m.last_device_node)
+            seq = turn.sequence
+            pages = tree.alloc(len(seq) - m.device_hit_len)
+            state = RequestState(RadixKey(seq), np.concatenate([m.device_pages, pages]), m.device_hit_len,
+                                 m.last_device_node)
+            tree.cache_finished_req(state)
+            hits += m.device_hit_len
+            prompt_tokens += len(turn.prompt)
+            requests += 1
+    return requests, hits, prompt_tokens
+
+
+OPS_PER_REQUEST = 4  # match, lock, alloc, cache_finished_req (insert + free + unlock)
+
+
+def run_one(rounds, page_size: int, capacity_tokens: int, components: str) -> TreeBenchRecord:
+    tree = build_tree(page_size, capacity_tokens, components)
+    gc.collect()
+    t0 = time.perf_counter()
+    requests, hits, prompt_tokens = serve(tree, rounds)
+    elapsed = time.perf_counter() - t0
+    stats = tree.stats()
+    # Memory pass: same stream into a fresh tree under tracemalloc.
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    mem_tree = build_tree(page_size, capacity_tokens, components)
+    serve(mem_tree, rounds)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    cached = mem_tree.stats().cached_tokens
+    return TreeBenchRecord(
+        components=components,
+        page_size=page_size,
+        capacity_tokens=capacity_tokens,
+        requests=requests,
+        requests_per_s=requests / elapsed,
+        us_per_op=elapsed / (requests * OPS_PER_REQUEST) * 1e6,
+        hit_rate=hits / prompt_tokens,
+        bytes_per_token=used / max(cached, 1),
+        cached_tokens=stats.cached_tokens,
+        num_nodes=stats.num_nodes,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--components", default="full", help="full | swa | mamba")
+    parser.add_argument("--page-sizes", default="1,16")
+    parser.add_argument("--capacities", default="0,200000", help="tokens; 0 = unbounded")
+    parser.add_argument("--quick", action="store_true", help="40 conversations x 4 turns")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    spec = MultiTurnSpec(seed=args.seed) if not args.quick else MultiTurnSpec(conversations=40, turns=4, seed=args.seed)
+    rounds = multi_turn(spec)
+    records = []
+    print(f"{'components':>10} {'page':>5} {'capacity':>9} {'req/s':>9} {'us/op':>7} {'hit':>6} {'B/token':>8} {'nodes':>6}")
+    for ps in (int(x) for x in args.page_sizes.split(",")):
+        for cap in (int(x) for x in args.capacities.split(",")):
+            rec = run_one(rounds, ps, cap, args.components)
+            records.append(rec)
+            print(f"{rec.components:>10} {rec.page_size:>5} {rec.capacity_tokens or 'inf':>9} "
+                  f"{rec.requests_per_s:>9.0f} {rec.us_per_op:>7.1f} {rec.hit_rate:>6.3f} "
+                  f"{rec.bytes_per_token:>8.2f} {rec.num_nodes:>6}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in records], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The radix tree of one replica: keys, nodes, components, allocator, eviction (no bytes, no I/O)."""
+
+from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner
+from hicache.cluster.tree.component import TreeComponent
+from hicache.cluster.tree.eviction import EvictionPolicy
+from hicache.cluster.tree.full import FullComponent
+from hicache.cluster.tree.key import RadixKey, as_token_array
+from hicache.cluster.tree.node import TreeNode
+from hicache.cluster.tree.params import (
+    EvictResult,
+    FinishResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+    RequestState,
+    TreeStats,
+)
+from hicache.cluster.tree.radix import RadixTree, TreeConfig
+
+__all__ = [
+    "CacheCapacityError",
+    "EvictResult",
+    "EvictionPolicy",
+    "FinishResult",
+    "FullComponent",
+    "InsertParams",
+    "InsertResult",
+    "MatchPrefixParams",
+    "MatchResult",
+    "PageAllocator",
+    "PageOwner",
+    "RadixKey",
+    "RadixTree",
+    "RequestState",
+    "TreeComponent",
+    "TreeConfig",
+    "TreeNode",
+    "TreeStats",
+    "as_token_array",
+]

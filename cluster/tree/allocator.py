@@ -1,0 +1,144 @@
+"""Page allocator with ownership tracking, for L1 pages (and reused for L2 slots by the head).
+
+Owned by the tree's owner (the head). Every page is in exactly one state: FREE (on the free stack),
+REQUEST (handed out by ``alloc``, held by a running request) or TREE (referenced by a tree node).
+The free list is a numpy stack, so alloc/free of n pages is O(n) numpy work, not Python loops.
+``capacity=None`` means unbounded: the pool grows by doubling (benchmarks, tests of the tree alone).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+PAGE_DTYPE = np.int32
+
+
+class PageOwner(IntEnum):
+    FREE = 0
+    REQUEST = 1
+    TREE = 2
+
+
+_FREE, _REQUEST, _TREE = int(PageOwner.FREE), int(PageOwner.REQUEST), int(PageOwner.TREE)
+
+
+class CacheCapacityError(RuntimeError):
+    """Not enough free plus evictable pages for an allocation; nothing was changed."""
+
+
+def as_page_array(pages: np.ndarray | list[int] | tuple[int, ...], what: str = "pages") -> np.ndarray:
+    """Returns page ids as a 1-D int32 array or raises TypeError naming the value."""
+    if isinstance(pages, np.ndarray):
+        arr = pages
+    elif isinstance(pages, (list, tuple)):
+        arr = np.asarray(pages, dtype=np.int64) if len(pages) else np.empty(0, dtype=PAGE_DTYPE)
+    else:
+        raise TypeError(f"{what} must be a numpy integer array or a list of ints, got {type(pages).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=PAGE_DTYPE)
+
+
+class PageAllocator:
+    def __init__(self, capacity: int | None, initial: int = 1024) -> None:
+        if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
+            raise ValueError(f"capacity must be a positive int or None (unbounded), got {capacity!r}")
+        self.bounded = capacity is not None
+        size = capacity if capacity is not None else initial
+        self._owner = np.zeros(size, dtype=np.int8)
+        self._free = np.arange(size - 1, -1, -1, dtype=PAGE_DTYPE)  # stack; top = end, pops low ids first
+        self._num_free = size
+        self._scratch = np.zeros(size, dtype=PAGE_DTYPE)  # duplicate detection without sorting
+        self._positions = np.arange(size, dtype=PAGE_DTYPE)
+
+    @property
+    def capacity(self) -> int:
+        return int(self._owner.shape[0])
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def count(self, owner: PageOwner) -> int:
+        return int(np.count_nonzero(self._owner == owner))
+
+    def owners(self, pages: np.ndarray) -> np.ndarray:
+        return self._owner[pages]
+
+    def _grow(self, needed: int) -> None:
+        old = self.capacity
+        new = max(old * 2, old + needed)
+        owner = np.zeros(new, dtype=np.int8)
+        owner[:old] = self._owner
+        free = np.empty(new, dtype=PAGE_DTYPE)
+        free[: self._num_free] = self._free[: self._num_free]
+        added = np.arange(new - 1, old - 1, -1, dtype=PAGE_DTYPE)
+        free[self._num_free : self._num_free + added.size] = added
+        self._owner, self._free = owner, free
+        self._num_free += added.size
+        self._scratch = np.zeros(new, dtype=PAGE_DTYPE)
+        self._positions = np.arange(new, dtype=PAGE_DTYPE)
+
+    def alloc(self, num_pages: int) -> np.ndarray:
+        """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed)."""
+        if num_pages > self._num_free:
+            if self.bounded:
+                raise CacheCapacityError(f"need {num_pages} pages, {self._num_free} free")
+            self._grow(num_pages - self._num_free)
+        top = self._num_free
+        pages = self._free[top - num_pages : top][::-1].copy()
+        self._num_free = top - num_pages
+        self._owner[pages] = _REQUEST
+        return pages
+
+    def check(self, pages: np.ndarray, expected: PageOwner, what: str = "pages") -> None:
+        """Raises ValueError unless every page is in range, unique and owned by ``expected``."""
+        n = pages.size
+        if n == 0:
+            return
+        try:
+            owners = self._owner[pages.view(np.uint32)]  # negative ids wrap around and fail the bound
+        except IndexError:
+            bad = int(pages.min()) if int(pages.min()) < 0 else int(pages.max())
+            raise ValueError(f"{what}: page id {bad} out of range [0, {self.capacity})") from None
+        want = int(expected)
+        if (owners != want).any():
+            i = int(np.flatnonzero(owners != want)[0])
+            state = PageOwner(int(owners[i])).name
+            hint = " (double free?)" if state == "FREE" else ""
+            raise ValueError(f"{what}: page {int(pages[i])} is {state}, expected {expected.name}{hint}")
+        if n > 1:
+            # Scatter each page's position, gather back: a duplicate page reads another position.
+            positions = self._positions[:n]
+            self._scratch[pages] = positions
+            back = self._scratch[pages]
+            if (back != positions).any():
+                i = int(np.flatnonzero(back != positions)[0])
+                raise ValueError(f"{what}: page {int(pages[i])} appears more than once")
+
+    def transfer(self, pages: np.ndarray, new_owner: PageOwner) -> None:
+        """Changes ownership of already-checked pages between REQUEST and TREE."""
+        self._owner[pages] = int(new_owner)
+
+    def release(self, pages: np.ndarray) -> None:
+        """Returns already-checked pages to the free stack."""
+        n = pages.size
+        if n == 0:
+            return
+        self._owner[pages] = _FREE
+        self._free[self._num_free : self._num_free + n] = pages[::-1]
+        self._num_free += n
+
+    def free(self, pages: np.ndarray, expected: PageOwner = PageOwner.REQUEST) -> None:
+        self.check(pages, expected)
+        self.release(pages)
+
+    def reset(self) -> None:
+        size = self.capacity
+        self._owner[:] = PageOwner.FREE
+        self._free = np.arange(size - 1, -1, -1, dtype=PAGE_DTYPE)
+        self._num_free = size

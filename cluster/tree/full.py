@@ -1,0 +1,146 @@
+"""Full-attention KV component: L1 page values of nodes, their allocator, locks and eviction order.
+
+Owned by the head. Every L1 page is owned exactly once: by the allocator's free stack, by a running
+request (``alloc``), or by exactly one tree node (``node.device_pages``). ``evictable_tokens`` counts
+tree tokens in L1 with no lock, ``protected_tokens`` the locked ones; their sum is the tree's L1 usage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hicache.cluster.tree.allocator import PageAllocator, PageOwner
+from hicache.cluster.tree.component import TreeComponent
+from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
+from hicache.cluster.tree.node import TreeNode
+from hicache.cluster.tree.params import InsertParams
+
+
+class FullComponent(TreeComponent):
+    name = "full"
+
+    def __init__(self, capacity_pages: int | None, policy: EvictionPolicy) -> None:
+        self.allocator = PageAllocator(capacity_pages)
+        self.queue = EvictionQueue(policy, self.is_evictable)
+        self.evictable_tokens = 0
+        self.protected_tokens = 0
+
+    @staticmethod
+    def is_evictable(node: TreeNode) -> bool:
+        """Unlocked, alive, in L1, and no child in L1 (eviction goes leaf-first)."""
+        if node.lock_ref or node.device_pages is None or node.parent is None:
+            return False
+        for child in node.children.values():
+            if child.device_pages is not None:
+                return False
+        return True
+
+    def maybe_push(self, node: TreeNode) -> None:
+        if self.is_evictable(node):
+            self.queue.push(node)
+
+    # -- structure hooks ---------------------------------------------------------------------------
+    def validate_insert(self, params: InsertParams, new_page_ranges: list[tuple[int, int]]) -> None:
+        if not new_page_ranges:
+            return
+        pages = params.device_pages
+        taken = pages[new_page_ranges[0][0] : new_page_ranges[0][1]] if len(new_page_ranges) == 1 else (
+            np.concatenate([pages[s:e] for s, e in new_page_ranges])
+        )
+        self.allocator.check(taken, PageOwner.REQUEST, "insert device_pages")
+
+    def _take(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
+        pages = params.device_pages[page_start:page_end].copy()
+        self.allocator.transfer(pages, PageOwner.TREE)
+        node.device_pages = pages
+        if node.lock_ref:
+            self.protected_tokens += node.key.shape[0]
+        else:
+            self.evictable_tokens += node.key.shape[0]
+
+    def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
+        self._take(node, params, page_start, page_end)
+
+    def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
+        self._take(node, params, page_start, page_end)
+
+    def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        if suffix.device_pages is not None:
+            k = prefix.key.shape[0] // self.tree.page_size
+            prefix.device_pages = suffix.device_pages[:k].copy()
+            suffix.device_pages = suffix.device_pages[k:].copy()
+
+    def on_remove(self, node: TreeNode) -> None:
+        if node.device_pages is not None:
+            self.drop_device(node)
+
+    def drop_device(self, node: TreeNode) -> int:
+        """Frees the node's L1 pages; returns the tokens freed. The node itself stays (caller decides)."""
+        n = node.key.shape[0]
+        self.allocator.release(node.device_pages)
+        node.device_pages = None
+        if node.lock_ref:
+            self.protected_tokens -= n
+        else:
+            self.evictable_tokens -= n
+        return n
+
+    # -- locks -----------------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> int:
+        """Locks the path root..node; returns the change in evictable tokens (<= 0)."""
+        delta = 0
+        while node.parent is not None:
+            if node.lock_ref == 0 and node.device_pages is not None:
+                n = node.key.shape[0]
+                self.evictable_tokens -= n
+                self.protected_tokens += n
+                delta -= n
+            node.lock_ref += 1
+            node = node.parent
+        return delta
+
+    def unlock(self, node: TreeNode) -> int:
+        """Unlocks the path root..node (caller checked lock_ref > 0); returns the evictable change."""
+        delta = 0
+        leaf = node
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0 and node.device_pages is not None:
+                n = node.key.shape[0]
+                self.evictable_tokens += n
+                self.protected_tokens -= n
+                delta += n
+            node = node.parent
+        if leaf.lock_ref == 0:
+            self.maybe_push(leaf)
+        return delta
+
+    # -- checks ----------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        alloc = self.allocator
+        tree_pages = [n.device_pages for n in self.tree.iter_nodes() if n.device_pages is not None]
+        owned = np.concatenate(tree_pages) if tree_pages else np.empty(0, np.int32)
+        assert np.unique(owned).size == owned.size, "an L1 page is referenced by two nodes"
+        assert owned.size == alloc.count(PageOwner.TREE), "tree pages disagree with the allocator"
+        assert np.all(alloc.owners(owned) == PageOwner.TREE), "a node references a non-TREE page"
+        ps = self.tree.page_size
+        assert (self.evictable_tokens + self.protected_tokens) == owned.size * ps, "token accounting drifted"
+        locked = sum(n.key.shape[0] for n in self.tree.iter_nodes() if n.lock_ref and n.device_pages is not None)
+        assert locked == self.protected_tokens, f"protected {self.protected_tokens} != locked {locked}"
+        assert alloc.num_free == alloc.count(PageOwner.FREE), "free stack disagrees with owners"
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "evictable_tokens": self.evictable_tokens,
+            "protected_tokens": self.protected_tokens,
+            "free_pages": self.allocator.num_free,
+            "capacity_pages": self.allocator.capacity,
+        }
+
+    def reset(self) -> None:
+        self.allocator.reset()
+        self.queue.clear()
+        self.evictable_tokens = 0
+        self.protected_tokens = 0

@@ -1,0 +1,77 @@
+"""Tree nodes. Owned by the radix tree of one replica (the head); never shared across processes.
+
+A node holds a page-aligned run of tokens and, per tier, where their KV lives: ``device_pages`` (L1 page
+ids, one per page; ``None`` once evicted from L1) and ``host_slots`` (L2 slot ids; ``None`` when not backed
+up). Components (SWA, Mamba) keep their per-node values in ``component_data``. Nodes cross process
+boundaries only as their integer ``id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class TreeNode:
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "key",
+        "device_pages",
+        "host_slots",
+        "lock_ref",
+        "host_pin",
+        "hit_count",
+        "last_access",
+        "created",
+        "priority",
+        "heap_version",
+        "component_data",
+        "pending",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: TreeNode | None,
+        key: np.ndarray,
+        device_pages: np.ndarray | None,
+        tick: int,
+        priority: int = 0,
+    ) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[Any, TreeNode] = {}
+        self.key = key  # i32[num_tokens], num_tokens % page_size == 0
+        self.device_pages = device_pages  # i32[num_tokens // page_size] or None (evicted from L1)
+        self.host_slots: np.ndarray | None = None  # i32[num_tokens // page_size] or None (no L2 copy)
+        self.lock_ref = 0  # requests (and in-flight transfers) that need the device KV of this node
+        self.host_pin = 0  # in-flight work that needs the host copy (L2->L3 backup, load-back)
+        self.hit_count = 0
+        self.last_access = tick
+        self.created = tick
+        self.priority = priority
+        self.heap_version = 0  # bumped on every push into the eviction queue; older entries are stale
+        self.component_data: dict[str, Any] | None = None
+        self.pending: Any = None  # the in-flight transfer this node waits on (HiCache), if any
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.key.shape[0])
+
+    @property
+    def evicted(self) -> bool:
+        """True when the node's KV is no longer in L1 (it may still be on the host)."""
+        return self.device_pages is None
+
+    @property
+    def backed_up(self) -> bool:
+        return self.host_slots is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, tokens={self.num_tokens}, lock_ref={self.lock_ref}, "
+            f"device={'no' if self.evicted else 'yes'}, host={'yes' if self.backed_up else 'no'})"
+        )

@@ -1,0 +1,476 @@
+"""The radix tree of one serving replica: structure, match, insert, locks, eviction, request flows.
+
+Owned by the head (one per replica, DESIGN.md §1); a single thread mutates it. Keys are page-aligned
+runs of int32 token ids; children are indexed by their first page (an int at page size 1, the page's
+bytes otherwise). Every public method validates its input completely before it mutates anything, so a
+ValueError/TypeError leaves the tree exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hicache.cluster.tree.allocator import CacheCapacityError, PageOwner, as_page_array
+from hicache.cluster.tree.component import TreeComponent
+from hicache.cluster.tree.eviction import EvictionPolicy, parse_policy
+from hicache.cluster.tree.full import FullComponent
+from hicache.cluster.tree.key import Namespace, RadixKey
+from hicache.cluster.tree.node import TreeNode
+from hicache.cluster.tree.params import (
+    EvictResult,
+    FinishResult,
+    InsertParams,
+    InsertResult,
+    MatchResult,
+    RequestState,
+    TreeStats,
+)
+
+_EMPTY_PAGES = np.empty(0, dtype=np.int32)
+_EMPTY_TOKENS = np.empty(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    page_size: int = 1
+    capacity_pages: int | None = None  # L1 pages; None = unbounded (grows on demand)
+    eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {self.page_size!r}")
+        if self.capacity_pages is not None and (
+            not isinstance(self.capacity_pages, int) or isinstance(self.capacity_pages, bool) or self.capacity_pages <= 0
+        ):
+            raise ValueError(f"capacity_pages must be a positive int or None, got {self.capacity_pages!r}")
+        object.__setattr__(self, "eviction_policy", parse_policy(self.eviction_policy))
+
+
+class RadixTree:
+    def __init__(self, config: TreeConfig, components: Sequence[TreeComponent] = ()) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.full = FullComponent(config.capacity_pages, config.eviction_policy)
+        self.extra_components = list(components)
+        for comp in [self.full, *self.extra_components]:
+            comp.attach(self)
+        names = [c.name for c in [self.full, *self.extra_components]]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate component names {names}")
+        self.component_names = tuple(names)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self._next_id = 0
+        self._tick = 0
+        self._nodes: dict[int, TreeNode] = {}
+        self._roots: dict[Namespace, TreeNode] = {}
+        self._match_calls = 0
+        self._matched_tokens = 0
+        self._queried_tokens = 0
+        self._evicted_tokens = 0
+        self.default_root = self._root_for((None, None))
+
+    # -- nodes -------------------------------------------------------------------------------------
+    def _new_node(self, parent: TreeNode | None, key: np.ndarray, priority: int = 0) -> TreeNode:
+        node = TreeNode(self._next_id, parent, key, None, self._tick, priority)
+        self._next_id += 1
+        self._nodes[node.id] = node
+        return node
+
+    def _root_for(self, namespace: Namespace) -> TreeNode:
+        """The namespace's root, created on first use (roots are small and never removed)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._new_node(None, _EMPTY_TOKENS)
+            root.lock_ref = 1  # roots are never evicted
+            self._roots[namespace] = root
+        return root
+
+    def node(self, node_id: int) -> TreeNode:
+        if not isinstance(node_id, (int, np.integer)) or isinstance(node_id, bool):
+            raise TypeError(f"node id must be an int, got {node_id!r}")
+        node = self._nodes.get(int(node_id))
+        if node is None:
+            raise ValueError(f"unknown node id {node_id!r}")
+        return node
+
+    def is_root(self, node: TreeNode) -> bool:
+        return node.parent is None
+
+    def roots(self) -> dict[Namespace, TreeNode]:
+        """Namespace -> root node (read-only view for checks and dumps)."""
+        return dict(self._roots)
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node."""
+        return (n for n in self._nodes.values() if n.parent is not None)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes) - len(self._roots)
+
+    def _child_key(self, tokens: np.ndarray, pos: int) -> Any:
+        if self.page_size == 1:
+            return int(tokens[pos])
+        return tokens[pos : pos + self.page_size].tobytes()
+
+    def _common_len(self, node_key: np.ndarray, tokens: np.ndarray, pos: int, end: int) -> int:
+        """Page-aligned length of the common prefix of ``node_key`` and ``tokens[pos:end]``."""
+        klen = node_key.shape[0]
+        n = min(klen, end - pos)
+        seg = tokens[pos : pos + n]
+        if n == klen and node_key.tobytes() == seg.tobytes():
+            return klen
+        diff = np.flatnonzero(node_key[:n] != seg)
+        m = int(diff[0]) if diff.size else n
+        return m - m % self.page_size
+
+    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
+        """Splits ``node`` after ``split_len`` tokens; returns the new prefix node (parent of ``node``)."""
+        ps = self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < split_len < node.key.shape[0] and split_len % ps == 0
+        prefix = self._new_node(parent, node.key[:split_len].copy(), node.priority)
+        prefix.lock_ref = node.lock_ref
+        prefix.host_pin = node.host_pin
+        prefix.hit_count = node.hit_count
+        prefix.last_access = node.last_access
+        prefix.created = node.created
+        if node.host_slots is not None:
+            k = split_len // ps
+            prefix.host_slots = node.host_slots[:k].copy()
+            node.host_slots = node.host_slots[k:].copy()
+        self.full.on_split(prefix, node)
+        for comp in self.extra_components:
+            comp.on_split(prefix, node)
+        ck = self._child_key(node.key, 0)
+        node.key = node.key[split_len:].copy()
+        node.parent = prefix
+        prefix.children[self._child_key(node.key, 0)] = node
+        parent.children[ck] = prefix
+        return prefix
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        """Drops a childless node from the structure (its L1 pages must already be released)."""
+        for comp in self.extra_components:
+            comp.on_remove(node)
+        self.full.on_remove(node)
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[self._child_key(node.key, 0)]
+        del self._nodes[node.id]
+        node.parent = None
+
+    # -- match -------------------------------------------------------------------------------------
+    def _walk(self, key: RadixKey, end: int) -> tuple[TreeNode, list[TreeNode], int]:
+        """Follows ``key`` from its root; returns (root, fully matched path, partial len in next child).
+
+        When the match stops inside a child, that child is the last element of the returned path and
+        the partial length (> 0, < its key length) says where.
+        """
+        tokens = key.token_ids
+        root = self._root_for(key.namespace)
+        node, pos, path = root, 0, []
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            m = self._common_len(child.key, tokens, pos, end)
+            if m == 0:
+                break
+            path.append(child)
+            if m < child.key.shape[0]:
+                return root, path, m
+            pos += m
+            node = child
+        return root, path, 0
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        if not isinstance(key, RadixKey):
+            raise TypeError(f"match_prefix expects a RadixKey, got {type(key).__name__}")
+        ps = self.page_size
+        end = len(key) - len(key) % ps
+        self._match_calls += 1
+        self._queried_tokens += end
+        root, path, partial = self._walk(key, end)
+        if partial:
+            path[-1] = self._split(path[-1], partial)
+        self._tick += 1
+        tick = self._tick
+        device_nodes = 0
+        for node in path:
+            node.last_access = tick
+            if node.device_pages is not None:
+                device_nodes += 1
+        device_path = path[:device_nodes]
+        for comp in self.extra_components:
+            allowed = comp.limit_match(device_path)
+            if allowed < len(device_path):
+                device_path = device_path[:allowed]
+                path = device_path  # a component that cannot serve L1 cannot serve L2 beyond it either
+        if device_path:
+            last_device = device_path[-1]
+            self.full.maybe_push(last_device)
+            pages = (
+                device_path[0].device_pages
+                if len(device_path) == 1
+                else np.concatenate([n.device_pages for n in device_path])
+            )
+        else:
+            last_device, pages = root, _EMPTY_PAGES
+        device_len = pages.shape[0] * ps
+        host_len = 0
+        last_host = root
+        for node in path:
+            if node.host_slots is not None:
+                last_host = node
+        for node in path[len(device_path) :]:
+            host_len += node.key.shape[0]
+        best = path[-1] if path else root
+        self._matched_tokens += device_len + host_len
+        return MatchResult(pages, device_len, host_len, last_device.id, last_host.id, best.id)
+
+    # -- insert ------------------------------------------------------------------------------------
+    def insert(self, params: InsertParams) -> InsertResult:
+        return self._insert(params, pages_checked=False)
+
+    def _insert(self, params: InsertParams, pages_checked: bool) -> InsertResult:
+        if not isinstance(params, InsertParams):
+            raise TypeError(f"insert expects InsertParams, got {type(params).__name__}")
+        key = params.key
+        if not isinstance(key, RadixKey):
+            raise TypeError(f"InsertParams.key must be a RadixKey, got {type(key).__name__}")
+        pages = as_page_array(params.device_pages, "device_pages")
+        if pages is not params.device_pages:
+            params = InsertParams(key, pages, params.priority)
+        ps = self.page_size
+        end = len(key) - len(key) % ps
+        if pages.shape[0] < end // ps:
+            raise ValueError(
+                f"device_pages has {pages.shape[0]} pages but the key has {end // ps} whole pages "
+                f"({len(key)} tokens, page_size {ps})"
+            )
+        root, path, partial = self._walk(key, end)
+        # Ranges whose pages the tree takes: L1-evicted nodes being revived, and the new leaf.
+        new_ranges: list[tuple[int, int]] = []
+        pos, prefix_len, in_device_prefix = 0, 0, True
+        for i, node in enumerate(path):
+            span = partial if (partial and i == len(path) - 1) else node.key.shape[0]
+            if node.device_pages is None:
+                in_device_prefix = False
+                new_ranges.append((pos // ps, (pos + span) // ps))
+            elif in_device_prefix:
+                prefix_len += span
+            pos += span
+        if pos < end:
+            new_ranges.append((pos // ps, end // ps))
+        if not pages_checked:
+            self.full.validate_insert(params, new_ranges)
+        for comp in self.extra_components:
+            comp.validate_insert(params, new_ranges)
+        # -- mutation starts here; nothing below raises on valid state --
+        if partial:
+            path[-1] = self._split(path[-1], partial)
+        self._tick += 1
+        tick = self._tick
+        pos = 0
+        for node in path:
+            n = node.key.shape[0]
+            node.last_access = tick
+            node.hit_count += 1
+            if node.device_pages is None:
+                self.full.on_revive(node, params, pos // ps, (pos + n) // ps)
+                for comp in self.extra_components:
+                    comp.on_revive(node, params, pos // ps, (pos + n) // ps)
+            pos += n
+        parent = path[-1] if path else root
+        if pos < end:
+            leaf = self._new_node(parent, key.token_ids[pos:end].copy(), params.priority)
+            parent.children[self._child_key(leaf.key, 0)] = leaf
+            self.full.on_create(leaf, params, pos // ps, end // ps)
+            for comp in self.extra_components:
+                comp.on_create(leaf, params, pos // ps, end // ps)
+            self.full.queue.push(leaf)
+        elif path:
+            self.full.maybe_push(path[-1])
+        return InsertResult(prefix_len)
+
+    # -- locks -------------------------------------------------------------------------------------
+    def inc_lock_ref(self, node_id: int) -> int:
+        node = self.node(node_id)
+        if node.parent is None:
+            return 0
+        return self.full.lock(node)
+
+    def dec_lock_ref(self, node_id: int) -> int:
+        node = self.node(node_id)
+        if node.parent is None:
+            return 0
+        if node.lock_ref <= 0:
+            raise ValueError(f"lock underflow: node {node_id} is not locked")
+        return self.full.unlock(node)
+
+    # -- eviction and allocation ---------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> EvictResult:
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        freed = 0
+        queue = self.full.queue
+        while freed < num_tokens:
+            node = queue.pop()
+            if node is None:
+                break
+            freed += self.full.drop_device(node)
+            parent = node.parent
+            if node.host_slots is None and not node.children:
+                self._remove_leaf(node)
+            if parent is not None and parent.parent is not None:
+                self.full.maybe_push(parent)
+        self._evicted_tokens += freed
+        queue.maybe_compact(self.iter_nodes(), len(self._nodes))
+        return EvictResult(freed)
+
+    def alloc(self, num_tokens: int) -> np.ndarray:
+        """L1 pages for ``num_tokens`` tokens (rounded up to pages), evicting unlocked leaves if needed."""
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        ps = self.page_size
+        need = -(-int(num_tokens) // ps)
+        alloc = self.full.allocator
+        short = need - alloc.num_free
+        if short > 0 and alloc.bounded:
+            if short * ps > self.full.evictable_tokens:
+                raise CacheCapacityError(
+                    f"alloc({num_tokens}) needs {need} pages: {alloc.num_free} free and "
+                    f"{self.full.evictable_tokens // ps} evictable"
+                )
+            self.evict(short * ps)
+            if alloc.num_free < need:  # evictable tokens were locked behind children; report honestly
+                raise CacheCapacityError(f"alloc({num_tokens}) needs {need} pages, only {alloc.num_free} free")
+        return alloc.alloc(need)
+
+    def free(self, pages: np.ndarray | Sequence[int]) -> None:
+        """Returns request-held pages to the free list (never pages the tree owns)."""
+        self.full.allocator.free(as_page_array(pages), PageOwner.REQUEST)
+
+    # -- request flows (what a scheduler calls) --------------------------------------------------------
+    def _check_request(self, state: RequestState) -> tuple[TreeNode, np.ndarray, int]:
+        if not isinstance(state, RequestState):
+            raise TypeError(f"expected RequestState, got {type(state).__name__}")
+        if not isinstance(state.key, RadixKey):
+            raise TypeError(f"RequestState.key must be a RadixKey, got {type(state.key).__name__}")
+        ps = self.page_size
+        pages = as_page_array(state.device_pages, "device_pages")
+        n_tokens = len(state.key)
+        if pages.shape[0] * ps < n_tokens:
+            raise ValueError(f"{pages.shape[0]} pages cannot hold {n_tokens} tokens at page_size {ps}")
+        if state.prefix_len < 0 or state.prefix_len % ps or state.prefix_len > n_tokens:
+            raise ValueError(f"prefix_len {state.prefix_len} must be a page multiple within [0, {n_tokens}]")
+        node = self.node(state.last_node)
+        if node.parent is not None and node.lock_ref <= 0:
+            raise ValueError(f"request's last_node {state.last_node} is not locked")
+        depth = self.depth(node)
+        if depth != state.prefix_len:
+            raise ValueError(
+                f"prefix_len {state.prefix_len} does not end at last_node {state.last_node} (depth {depth})"
+            )
+        # The prefix pages belong to the locked path and are never touched here; the rest must be ours.
+        k = state.prefix_len // ps
+        self.full.allocator.check(pages[k:], PageOwner.REQUEST, "request pages")
+        return node, pages, k
+
+    @staticmethod
+    def depth(node: TreeNode) -> int:
+        """Tokens from the namespace root to the end of ``node``."""
+        total = 0
+        while node.parent is not None:
+            total += node.key.shape[0]
+            node = node.parent
+        return total
+
+    def cache_finished_req(self, state: RequestState) -> FinishResult:
+        """Inserts the finished request's whole pages, frees duplicates and the tail, unlocks its path."""
+        last, pages, k = self._check_request(state)
+        ps = self.page_size
+        whole = len(state.key) // ps
+        new_prefix = self._insert(
+            InsertParams(state.key.prefix(whole * ps), pages[:whole], state.priority), pages_checked=True
+        ).prefix_len
+        dup = pages[k : max(k, new_prefix // ps)]
+        tail = pages[whole:]
+        alloc = self.full.allocator
+        alloc.release(dup)
+        alloc.release(tail)
+        if last.parent is not None:
+            self.full.unlock(last)
+        return FinishResult(new_prefix, int(dup.shape[0] + tail.shape[0]))
+
+    def cache_unfinished_req(self, state: RequestState) -> RequestState:
+        """Chunked prefill: caches what the request computed so far and moves its lock to the new end.
+
+        Returns the request's new state: its pages now start with the tree's pages for every whole page
+        (duplicates were freed), followed by the request's own pages for the partial tail.
+        """
+        last, pages, k = self._check_request(state)
+        ps = self.page_size
+        whole = len(state.key) // ps
+        prefix_key = state.key.prefix(whole * ps)
+        new_prefix = self._insert(InsertParams(prefix_key, pages[:whole], state.priority), True).prefix_len
+        alloc = self.full.allocator
+        alloc.release(pages[k : max(k, new_prefix // ps)])
+        match = self.match_prefix(prefix_key)
+        new_last = self.node(match.last_device_node)
+        if new_last.parent is not None:
+            self.full.lock(new_last)
+        if last.parent is not None:
+            self.full.unlock(last)
+        new_pages = np.concatenate([match.device_pages, pages[match.device_pages.shape[0] :]])
+        return RequestState(state.key, new_pages, match.device_hit_len, new_last.id, state.priority)
+
+    # -- bookkeeping -----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empties the tree and frees every L1 page (pages held by running requests become invalid)."""
+        for comp in [self.full, *self.extra_components]:
+            comp.reset()
+        self._init_state()
+
+    def stats(self) -> TreeStats:
+        full = self.full
+        return TreeStats(
+            page_size=self.page_size,
+            num_nodes=self.num_nodes,
+            cached_tokens=full.evictable_tokens + full.protected_tokens,
+            evictable_tokens=full.evictable_tokens,
+            protected_tokens=full.protected_tokens,
+            free_pages=full.allocator.num_free,
+            request_pages=full.allocator.count(PageOwner.REQUEST),
+            capacity_pages=full.allocator.capacity,
+            match_calls=self._match_calls,
+            matched_tokens=self._matched_tokens,
+            queried_tokens=self._queried_tokens,
+            evicted_tokens=self._evicted_tokens,
+            components=self.component_names,
+        )
+
+    def check_invariants(self) -> None:
+        """Full structural check (O(nodes)); for tests and debugging."""
+        ps = self.page_size
+        for node in self.iter_nodes():
+            parent = node.parent
+            assert node.key.shape[0] > 0 and node.key.shape[0] % ps == 0, f"{node} not page aligned"
+            assert parent.children.get(self._child_key(node.key, 0)) is node, f"{node} not linked"
+            assert self._nodes.get(node.id) is node
+            if node.device_pages is not None:
+                assert node.device_pages.shape[0] * ps == node.key.shape[0], f"{node} pages/tokens mismatch"
+                assert parent.parent is None or parent.device_pages is not None, f"{node} in L1 under evicted parent"
+            else:
+                assert node.host_slots is not None, f"{node} is in no tier"
+            if parent.parent is not None:
+                assert parent.lock_ref >= node.lock_ref, f"{node} locked more than its parent"
+        for comp in [self.full, *self.extra_components]:
+            comp.check_invariants()
