@@ -111,7 +111,8 @@ _TMP_PREFIX = ".tmp-"
 @dataclasses.dataclass(frozen=True)
 class StorageConfig:
     timeout_s: float = 30.0  # default deadline of one call (exists/get/set)
-    io_threads: int = 8  # sync backends: worker threads; async: max concurrent requests
+    io_threads: int = 8  # sync backends: worker threads; async: max concurrent requests / 4
+    max_pending_ops: int | None = None  # sync backends: unfinished ops cap (default 8 * io_threads)
     target_object_bytes: int | None = None  # None → DEFAULT_TARGET_OBJECT_BYTES[scheme]
     pages_per_object: int | None = None  # overrides target_object_bytes for every pool
     write_partial_chunks: bool = True  # store the tail of a sequence that ends mid-chunk
@@ -150,9 +151,15 @@ class _Deadline:
 class _Backend:
     """Thread-pool execution of per-path sync primitives (generic fsspec sync filesystems)."""
 
-    def __init__(self, fs: Any, threads: int) -> None:
+    def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
         self.fs = fs
         self._ex = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hicache-l3")
+        # Admission control: operations submitted and not yet finished (abandoned ones included).
+        # A hung backend fills this up; further operations then fail fast instead of queueing
+        # without bound (and holding their payloads) behind the stuck ones.
+        self._max_pending = max_pending or threads * 8
+        self._pending = 0
+        self._plock = threading.Lock()
 
     # per-path primitives (run on worker threads) -------------------------------------------
     def _exists(self, path: str) -> bool:
@@ -187,7 +194,27 @@ class _Backend:
     # batch forms ---------------------------------------------------------------------------
     def map(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
         """Yield ``(index, result or exception)`` as completed; ``TimeoutError`` at the deadline."""
-        futs = {self._ex.submit(fn, *it): i for i, it in enumerate(items)}
+        futs: dict[cf.Future, int] = {}
+        refused: list[int] = []
+
+        def run(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            finally:
+                with self._plock:
+                    self._pending -= 1
+
+        for i, it in enumerate(items):
+            with self._plock:
+                ok = self._pending < self._max_pending
+                if ok:
+                    self._pending += 1
+            if ok:
+                futs[self._ex.submit(run, *it)] = i
+            else:
+                refused.append(i)
+        for i in refused:
+            yield i, BlockingIOError("storage backend saturated: too many unfinished operations")
         seen: set[int] = set()
         try:
             for f in cf.as_completed(futs, timeout=deadline.left()):
@@ -198,8 +225,7 @@ class _Backend:
         except cf.TimeoutError:
             pass
         for f, i in futs.items():
-            if i not in seen:
-                f.cancel()
+            if i not in seen:  # abandoned; it finishes (harmlessly) in the background
                 yield i, TimeoutError(f"storage operation {i} did not finish by the deadline")
 
     def exists_many(self, paths: Sequence[str], deadline: _Deadline) -> list[Any]:
@@ -316,9 +342,9 @@ class _LocalBackend(_Backend):
 class _AsyncBackend(_Backend):
     """Async fsspec filesystems (gcsfs): coroutines gathered on the filesystem's loop."""
 
-    def __init__(self, fs: Any, threads: int) -> None:
+    def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
         super().__init__(fs, 1)
-        self._limit = threads * 4
+        self._limit = threads * 4  # concurrent requests; pending ones are cancelled at the deadline
 
     def _amap_sync(self, make_coro: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> list[Any]:
         if not items:
@@ -380,12 +406,12 @@ class _AsyncBackend(_Backend):
         return list(dict(self.map(self.fs._rm_file, [(p,) for p in paths], deadline)).values())
 
 
-def _make_backend(fs: Any, threads: int) -> _Backend:
+def _make_backend(fs: Any, threads: int, max_pending: int | None) -> _Backend:
     if isinstance(fs, LocalFileSystem):
-        return _LocalBackend(fs, threads)
+        return _LocalBackend(fs, threads, max_pending)
     if isinstance(fs, AsyncFileSystem):
-        return _AsyncBackend(fs, threads)
-    return _Backend(fs, threads)
+        return _AsyncBackend(fs, threads, max_pending)
+    return _Backend(fs, threads, max_pending)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +476,7 @@ class FsspecStorage(HiCacheStorage):
         self._fp = fingerprint.digest()
         self._root = root.rstrip("/")
         self._base = f"{self._root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
-        self._io = _make_backend(fs, config.io_threads)
+        self._io = _make_backend(fs, config.io_threads, config.max_pending_ops)
         self._local = isinstance(self._io, _LocalBackend)
         if self._local:
             os.makedirs(self._root, exist_ok=True)

@@ -1,0 +1,224 @@
+"""Outages (backend raising or hanging → bounded time, per-key False, nothing lost from L2) and
+concurrent writers of one key from two processes (one valid object, no torn reads)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
+from hicache.storage.testing import NumpyHostPool, same_bytes
+from hicache.storage.testing import slot_range as S
+
+FP = ModelFingerprint("tiny-test", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+SLOT = (2, 2, 4, 2, 8)
+
+
+class FaultyMemoryFS(MemoryFileSystem):
+    """A real in-memory filesystem whose data calls can be switched to raise or to hang."""
+
+    protocol = ("faultymem",)
+    root_marker = "/"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.mode = "ok"
+        self.release = threading.Event()
+
+    def _fault(self):
+        if self.mode == "raise":
+            raise ConnectionError("backend down")
+        if self.mode == "hang":
+            self.release.wait(60)
+
+    def exists(self, path, **kw):
+        self._fault()
+        return super().exists(path, **kw)
+
+    def cat_file(self, path, *a, **kw):
+        self._fault()
+        return super().cat_file(path, *a, **kw)
+
+    def pipe_file(self, path, value, *a, **kw):
+        self._fault()
+        return super().pipe_file(path, value, *a, **kw)
+
+
+@pytest.fixture
+def faulty():
+    fs = FaultyMemoryFS(skip_instance_cache=True)
+    st = FsspecStorage(f"memory://faulty-{time.monotonic_ns()}", FP, StorageConfig(pages_per_object=4, timeout_s=0.5, io_threads=4), fs=fs)
+    pool = NumpyHostPool(64, SLOT)
+    st.register_host_pool(pool, shard=ShardCoord.full(FP))
+    yield st, fs, pool
+    fs.release.set()
+    st.close()
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_outage_is_bounded_and_per_key_false(faulty, mode):
+    st, fs, pool = faulty
+    keys = page_keys(Namespace(FP), np.arange(40))  # 10 pages
+    pool.fill_random(S(0, 10), 5)
+    assert st.batch_set(keys[:8], S(0, 8)) == [True] * 8  # stored before the outage
+    l2_before = pool.buf.copy()
+    fs.mode = mode
+    for call, expect in [
+        (lambda: st.batch_exists(keys), 0),
+        (lambda: st.batch_get(keys, S(20, 30)), [False] * 10),
+        (lambda: st.batch_set(keys, S(0, 10)), [False] * 10),
+        (lambda: st.exists(keys[3], 3), False),
+    ]:
+        t0 = time.monotonic()
+        assert call() == expect
+        assert time.monotonic() - t0 < 2.0  # timeout_s=0.5 plus slack
+    assert same_bytes(pool.buf[:10], l2_before[:10])  # nothing lost from L2
+    s = st.stats()
+    assert (s.timeouts if mode == "hang" else s.errors) > 0
+    # recovery: the backend comes back, earlier objects are still served
+    fs.mode = "ok"
+    fs.release.set()
+    deadline = time.monotonic() + 5
+    while st.batch_exists(keys) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)  # abandoned operations drain in the background
+    assert st.batch_exists(keys) == 8
+    assert st.batch_get(keys[:8], S(20, 28)) == [True] * 8
+    assert same_bytes(pool.buf[20:28], pool.buf[0:8])
+
+
+def test_hung_backend_does_not_queue_without_bound(faulty):
+    st, fs, pool = faulty
+    keys = page_keys(Namespace(FP), np.arange(240))  # 60 pages = 15 objects per call
+    fs.mode = "hang"
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert st.batch_set(keys, S(0, 60), timeout_s=0.2) == [False] * 60
+    assert time.monotonic() - t0 < 5
+    assert st._io._pending <= st._io._max_pending  # abandoned work is capped (4 threads * 8)
+    assert st.stats().errors > 0  # later operations were refused fast, not queued
+
+
+# ---- two processes ---------------------------------------------------------------------------
+
+_CHILD = r"""
+import os, sys, time, numpy as np
+from hicache.storage import *
+from hicache.storage.testing import NumpyHostPool
+role, url, go, n, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+fp = ModelFingerprint("tiny-test", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+st = FsspecStorage(url, fp, StorageConfig(pages_per_object=64, io_threads=2))
+pool = NumpyHostPool(64, (2, 2, 4, 2, 8, 16))  # 16 KiB pages, 1 MiB objects
+st.register_host_pool(pool, shard=ShardCoord.full(fp))
+pool.fill_random(np.arange(64, dtype=np.int32), seed)
+chains = [page_keys(Namespace(fp, cache_salt=str(c)), np.arange(64 * 4)) for c in range(n)]
+while not os.path.exists(go):
+    time.sleep(0.001)
+if role == "writer":
+    for keys in chains:
+        assert st.batch_set(keys, np.arange(64, dtype=np.int32)) == [True] * 64
+else:
+    reads = 0
+    t_end = time.monotonic() + 3
+    while time.monotonic() < t_end:
+        for keys in chains:
+            r = st.batch_get(keys, np.arange(64, dtype=np.int32))
+            assert r in ([True] * 64, [False] * 64), r
+            reads += r[0]
+        if reads >= n:
+            break
+s = st.stats()
+print(s.objects_written, s.objects_raced, s.objects_skipped_existing, s.corrupt_objects, s.hit_pages)
+"""
+
+
+def test_two_process_writers_one_valid_object(tmp_path):
+    url = f"file://{tmp_path}/shared"
+    go = tmp_path / "go"
+    n = 20
+    # writers hold *different* bytes for the same keys, so a mixed object would be detected
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CHILD, role, url, str(go), str(n), str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for role, seed in (("writer", 1), ("writer", 2), ("reader", 0))
+    ]
+    time.sleep(0.3)
+    go.touch()
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        outs.append([int(x) for x in out.split()])
+    (w1, r1, s1, c1, _), (w2, r2, s2, c2, _), (_, _, _, c3, reader_hits) = outs
+    assert w1 + w2 == n  # every object written exactly once
+    assert w1 + r1 + s1 == n and w2 + r2 + s2 == n  # the other writer saw it stored (or lost the race)
+    assert c1 == c2 == c3 == 0  # nobody ever saw a torn or mixed object
+    assert reader_hits > 0
+    files = [f for _, _, fs in os.walk(tmp_path / "shared") for f in fs]
+    assert len(files) == n and not [f for f in files if f.startswith(".tmp")]
+    # each object is entirely one writer's bytes
+    st = FsspecStorage(url, FP, StorageConfig(pages_per_object=64))
+    pool = NumpyHostPool(64, (2, 2, 4, 2, 8, 16))
+    st.register_host_pool(pool, shard=ShardCoord.full(FP))
+    refs = []
+    for seed in (1, 2):
+        ref = NumpyHostPool(64, (2, 2, 4, 2, 8, 16))
+        ref.fill_random(S(0, 64), seed)
+        refs.append(ref.buf)
+    for c in range(n):
+        keys = page_keys(Namespace(FP, cache_salt=str(c)), np.arange(256))
+        assert st.batch_get(keys, S(0, 64)) == [True] * 64
+        assert same_bytes(pool.buf, refs[0]) or same_bytes(pool.buf, refs[1])
+    st.close()
+
+
+def test_concurrent_writers_memory_threads():
+    st = FsspecStorage(f"memory://race-{time.monotonic_ns()}", FP, StorageConfig(pages_per_object=4))
+    pool = NumpyHostPool(16, SLOT)
+    st.register_host_pool(pool, shard=ShardCoord.full(FP))
+    pool.fill_random(S(0, 8), 3)
+    keys = page_keys(Namespace(FP), np.arange(32))
+    res = []
+    ts = [threading.Thread(target=lambda: res.append(st.batch_set(keys, S(0, 8)))) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert res == [[True] * 8] * 4
+    s = st.stats()
+    assert s.objects_written + s.objects_raced + s.objects_skipped_existing == 8  # 4 calls x 2 objects
+    assert s.objects_written == 2
+    assert st.batch_get(keys, S(8, 16)) == [True] * 8 and same_bytes(pool.buf[:8], pool.buf[8:])
+    st.close()
+
+
+def test_local_write_once_race_threads(tmp_path):
+    """The os.link publish step itself: many racing writers of one name → exactly one wins, the
+    object is one writer's complete bytes, no temp files remain."""
+    st = FsspecStorage(f"file://{tmp_path}/l3", FP, StorageConfig(pages_per_object=4))
+    path = f"{tmp_path}/l3/x/obj"
+    n = 8
+    barrier = threading.Barrier(n)
+    payloads = [np.full(1 << 18, i, np.uint8) for i in range(n)]
+    won = []
+
+    def writer(i):
+        barrier.wait()
+        won.append((i, st._io._write_once(path, b"H%d" % i, payloads[i])))
+
+    ts = [threading.Thread(target=writer, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    winners = [i for i, w in won if w]
+    assert len(winners) == 1
+    data = open(path, "rb").read()
+    assert data == b"H%d" % winners[0] + payloads[winners[0]].tobytes()
+    assert os.listdir(f"{tmp_path}/l3/x") == ["obj"]
+    st.close()
