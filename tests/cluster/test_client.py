@@ -1,0 +1,54 @@
+"""The embedded client: same answers as the head, batched step with per-call errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.cluster import Call, CacheClient, CacheHead, EmbeddedTransport, HeadConfig, Method, embedded
+from hicache.cluster.tree import CacheCapacityError, RadixKey, RequestState, TreeConfig
+
+
+def test_step_batches_calls_and_keeps_going_after_an_error():
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=2, capacity_pages=8)))
+    key = RadixKey([1, 2, 3, 4, 5])
+    res = client.step([
+        Call(Method.MATCH_PREFIX, key),
+        Call("alloc", 5),
+        Call("free", [7]),  # never allocated
+        Call("alloc", 100),  # over capacity
+        Call(Method.STATS),
+    ])
+    assert [r.ok for r in res] == [True, True, False, False, True]
+    assert res[0].value.device_hit_len == 0
+    assert res[1].value.size == 3
+    assert isinstance(res[2].error, ValueError) and "page 7" in str(res[2].error)
+    assert isinstance(res[3].error, CacheCapacityError)
+    assert res[4].value.request_pages == 3
+    with pytest.raises(ValueError):
+        res[2].unwrap()
+
+
+def test_full_request_cycle_through_client():
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=4, capacity_pages=32)))
+    seq = np.arange(40, dtype=np.int32)
+    for expected_hit in (0, 36):
+        key = RadixKey(seq[:37])
+        m = client.match_prefix(key)
+        assert m.device_hit_len == expected_hit
+        client.inc_lock_ref(m.last_device_node)
+        pages = np.r_[m.device_pages, client.alloc(40 - m.device_hit_len)]
+        client.cache_finished_req(RequestState(RadixKey(seq), pages, m.device_hit_len, m.last_device_node))
+    st = client.stats()
+    assert st.cached_tokens == 40 and st.request_pages == 0 and st.protected_tokens == 0
+
+
+def test_bad_construction():
+    with pytest.raises(TypeError):
+        EmbeddedTransport(object())
+    with pytest.raises(ValueError):
+        Call("no_such_method", None)
+    with pytest.raises(ValueError):
+        HeadConfig(replica="a/b")
+    head = CacheHead()
+    assert CacheClient(EmbeddedTransport(head), head.page_size).stats().num_nodes == 0
