@@ -689,7 +689,7 @@ class FsspecStorage(HiCacheStorage):
             def post(i: int, raw: Any) -> memoryview:
                 return decode(raw, metas[i], payload_len=plens[i], verify_payload=verify)
 
-            loaded: list[str] = []
+            loaded: list[tuple[int, int, str]] = []
             for i, r in self._io.read_many([o.path for o in objs], post, deadline):
                 o = objs[i]
                 if isinstance(r, CorruptObjectError):
@@ -704,10 +704,10 @@ class FsspecStorage(HiCacheStorage):
                 reg.pool.write_slots(slots[lo - first : hi - first], pages[lo - o.start : hi - o.start])
                 for p in range(lo, hi):
                     results[o.t][p - first] = True
-                loaded.append(o.path)
+                loaded.append((o.t, o.start, o.path))
                 self._count(objects_read=1, bytes_read=len(r))
-            if self._local:
-                self._io.touch(loaded)
+            if self._local:  # chain order (not completion order): shallow pages newest
+                self._io.touch([p for _, _, p in sorted(loaded)])
         for r in results:  # only the contiguous prefix counts
             if False in r:
                 cut = r.index(False)
@@ -754,7 +754,7 @@ class FsspecStorage(HiCacheStorage):
                 self._count(objects_skipped_existing=1)
             else:
                 todo.append(o)
-        written: list[tuple[str, int]] = []
+        written: list[tuple[int, int, str, int]] = []  # (transfer, start, path, size)
         # Gather from the pool in groups bounded by max_inflight_bytes, write each group concurrently.
         gi = 0
         while gi < len(todo) and deadline.left() > 0:
@@ -786,16 +786,17 @@ class FsspecStorage(HiCacheStorage):
                 if r:
                     size = self._meta(queries[o.t][0], o.start, o.m, o.key).header_len + o.m * int(queries[o.t][0].pool.slot_bytes)
                     self._count(objects_written=1, bytes_written=size)
-                    written.append((o.path, size))
+                    written.append((o.t, o.start, o.path, size))
                 else:
                     self._count(objects_raced=1)
         for o in todo[gi:]:
             self._count(timeouts=1)
         self._count(set_pages=sum(sum(r) for r in results))
         if self._local:
-            self._io.touch([p for p, _ in written])
+            written.sort()  # chain order (not completion order): shallow pages newest
+            self._io.touch([p for _, _, p, _ in written])
             if self.config.max_bytes is not None:
-                self._account(written)
+                self._account([(p, n) for _, _, p, n in written])
         return results
 
     # ---- file:// capacity ------------------------------------------------------------------------
