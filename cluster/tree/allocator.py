@@ -53,7 +53,6 @@ class PageAllocator:
         self._free = np.arange(size - 1, -1, -1, dtype=PAGE_DTYPE)  # stack; top = end, pops low ids first
         self._num_free = size
         self._scratch = np.zeros(size, dtype=PAGE_DTYPE)  # duplicate detection without sorting
-        self._positions = np.arange(size, dtype=PAGE_DTYPE)
 
     @property
     def capacity(self) -> int:
@@ -81,7 +80,6 @@ class PageAllocator:
         self._owner, self._free = owner, free
         self._num_free += added.size
         self._scratch = np.zeros(new, dtype=PAGE_DTYPE)
-        self._positions = np.arange(new, dtype=PAGE_DTYPE)
 
     def alloc(self, num_pages: int) -> np.ndarray:
         """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed)."""
@@ -113,7 +111,7 @@ class PageAllocator:
             raise ValueError(f"{what}: page {int(pages[i])} is {state}, expected {expected.name}{hint}")
         if n > 1:
             # Scatter each page's position, gather back: a duplicate page reads another position.
-            positions = self._positions[:n]
+            positions = np.arange(n, dtype=PAGE_DTYPE)
             self._scratch[pages] = positions
             back = self._scratch[pages]
             if (back != positions).any():

@@ -167,24 +167,43 @@ class RadixTree:
         node.parent = None
 
     # -- match -------------------------------------------------------------------------------------
-    def _walk(self, key: RadixKey, end: int) -> tuple[TreeNode, list[TreeNode], int]:
+    def _walk(
+        self, key: RadixKey, end: int, start: TreeNode | None = None
+    ) -> tuple[TreeNode, list[TreeNode], int]:
         """Follows ``key`` from its root; returns (root, fully matched path, partial len in next child).
 
         When the match stops inside a child, that child is the last element of the returned path and
-        the partial length (> 0, < its key length) says where.
+        the partial length (> 0, < its key length) says where. ``start`` is a node already known to
+        match the key's first ``depth(start)`` tokens (a request's locked node): comparison resumes there.
         """
         tokens = key.token_ids
-        root = self._root_for(key.namespace)
-        node, pos, path = root, 0, []
+        if start is None or start.parent is None:
+            root = self._root_for(key.namespace)
+            node, pos, path = root, 0, []
+        else:
+            node, pos, path = start, 0, []
+            while node.parent is not None:
+                path.append(node)
+                pos += node.key.shape[0]
+                node = node.parent
+            root = node
+            path.reverse()
+            node = start
+        ps = self.page_size
         while pos < end:
-            child = node.children.get(self._child_key(tokens, pos))
+            child = node.children.get(int(tokens[pos]) if ps == 1 else tokens[pos : pos + ps].tobytes())
             if child is None:
                 break
-            m = self._common_len(child.key, tokens, pos, end)
-            if m == 0:
-                break
+            ckey = child.key
+            klen = ckey.shape[0]
+            if klen <= end - pos and ckey.tobytes() == tokens[pos : pos + klen].tobytes():
+                m = klen  # the common case: the whole node matches
+            else:
+                m = self._common_len(ckey, tokens, pos, end)
+                if m == 0:
+                    break
             path.append(child)
-            if m < child.key.shape[0]:
+            if m < klen:
                 return root, path, m
             pos += m
             node = child
@@ -194,7 +213,8 @@ class RadixTree:
         if not isinstance(key, RadixKey):
             raise TypeError(f"match_prefix expects a RadixKey, got {type(key).__name__}")
         ps = self.page_size
-        end = len(key) - len(key) % ps
+        n = key.token_ids.shape[0]
+        end = n - n % ps
         self._match_calls += 1
         self._queried_tokens += end
         root, path, partial = self._walk(key, end)
@@ -239,7 +259,7 @@ class RadixTree:
     def insert(self, params: InsertParams) -> InsertResult:
         return self._insert(params, pages_checked=False)
 
-    def _insert(self, params: InsertParams, pages_checked: bool) -> InsertResult:
+    def _insert(self, params: InsertParams, pages_checked: bool, start: TreeNode | None = None) -> InsertResult:
         if not isinstance(params, InsertParams):
             raise TypeError(f"insert expects InsertParams, got {type(params).__name__}")
         key = params.key
@@ -255,7 +275,7 @@ class RadixTree:
                 f"device_pages has {pages.shape[0]} pages but the key has {end // ps} whole pages "
                 f"({len(key)} tokens, page_size {ps})"
             )
-        root, path, partial = self._walk(key, end)
+        root, path, partial = self._walk(key, end, start)
         # Ranges whose pages the tree takes: L1-evicted nodes being revived, and the new leaf.
         new_ranges: list[tuple[int, int]] = []
         pos, prefix_len, in_device_prefix = 0, 0, True
@@ -374,7 +394,11 @@ class RadixTree:
         node = self.node(state.last_node)
         if node.parent is not None and node.lock_ref <= 0:
             raise ValueError(f"request's last_node {state.last_node} is not locked")
+        if node.parent is None and node is not self._roots.get(state.key.namespace):
+            raise ValueError(f"last_node {state.last_node} is not the root of the key's namespace")
         depth = self.depth(node)
+        if node.parent is not None and self._root_of(node) is not self._roots.get(state.key.namespace):
+            raise ValueError(f"last_node {state.last_node} belongs to another namespace than the key")
         if depth != state.prefix_len:
             raise ValueError(
                 f"prefix_len {state.prefix_len} does not end at last_node {state.last_node} (depth {depth})"
@@ -383,6 +407,12 @@ class RadixTree:
         k = state.prefix_len // ps
         self.full.allocator.check(pages[k:], PageOwner.REQUEST, "request pages")
         return node, pages, k
+
+    @staticmethod
+    def _root_of(node: TreeNode) -> TreeNode:
+        while node.parent is not None:
+            node = node.parent
+        return node
 
     @staticmethod
     def depth(node: TreeNode) -> int:
@@ -399,7 +429,7 @@ class RadixTree:
         ps = self.page_size
         whole = len(state.key) // ps
         new_prefix = self._insert(
-            InsertParams(state.key.prefix(whole * ps), pages[:whole], state.priority), pages_checked=True
+            InsertParams(state.key.prefix(whole * ps), pages[:whole], state.priority), True, last
         ).prefix_len
         dup = pages[k : max(k, new_prefix // ps)]
         tail = pages[whole:]
@@ -420,7 +450,7 @@ class RadixTree:
         ps = self.page_size
         whole = len(state.key) // ps
         prefix_key = state.key.prefix(whole * ps)
-        new_prefix = self._insert(InsertParams(prefix_key, pages[:whole], state.priority), True).prefix_len
+        new_prefix = self._insert(InsertParams(prefix_key, pages[:whole], state.priority), True, last).prefix_len
         alloc = self.full.allocator
         alloc.release(pages[k : max(k, new_prefix // ps)])
         match = self.match_prefix(prefix_key)
