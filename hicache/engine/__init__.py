@@ -1,0 +1,26 @@
+"""Reference engine: a tiny deterministic JAX transformer over the paged L1 pool.
+
+``ModelConfig``/``ForwardConfig`` (config), ``forward_chunk``/``init_params``/``reference_forward``
+(model), ``ModelRunner`` (params + pools + chunk loop), ``kv_layout`` (the one place that knows the
+L1 pool layout). The scheduler loop that drives the runner with the cache lives elsewhere.
+"""
+
+from hicache.engine import kv_layout
+from hicache.engine.config import ForwardConfig, ModelConfig, numerics_key
+from hicache.engine.model import chunk_rows, forward_chunk, init_params, reference_forward
+from hicache.engine.runner import Generation, ModelRunner, pages_needed, prefill_start
+
+__all__ = [
+    "ForwardConfig",
+    "Generation",
+    "ModelConfig",
+    "ModelRunner",
+    "chunk_rows",
+    "forward_chunk",
+    "init_params",
+    "kv_layout",
+    "numerics_key",
+    "pages_needed",
+    "prefill_start",
+    "reference_forward",
+]

@@ -1,0 +1,266 @@
+"""The reference model: a tiny deterministic decoder-only transformer over the paged L1 pool.
+
+RMSNorm -> GQA attention (RoPE, causal, optional sliding window per layer) -> RMSNorm -> SwiGLU MLP,
+untied LM head. Weights are a pure function of ``ModelConfig.seed`` (threefry PRNG).
+
+Buffers: ``params`` are owned by the caller (a ``ModelRunner``) and never donated. ``k_pool`` and
+``v_pool`` (layout in ``hicache.engine.kv_layout``) belong to the L1 owner; ``forward_chunk``
+*donates* them and returns the updated pools, so the caller must drop its old references and use the
+returned ones. Any other reader or writer of L1 (the transfer engine) runs between forwards, on the
+thread that owns the pools.
+
+Bit-exactness: why cached KV and recomputed KV are the same bits
+-----------------------------------------------------------------
+Claim: for a fixed model, forward shape (``ForwardConfig``) and backend, the K/V written for position
+``p`` and the logits of position ``p`` are a function of ``tokens[0..p]`` only, bit for bit. They do not
+depend on how the sequence was split into chunks, on whether earlier positions came from prefill or
+decode, on which request computed them, or on which pages hold them. Hence a request that reuses
+pages of a prefix computed by anyone else produces exactly the logits, KV and greedy tokens of a
+request that recomputes everything.
+
+Why it holds, step by step:
+
+1. *One program.* Every forward (prefill chunk or decode step) calls the same jitted function with the
+   same shapes: ``tokens: i32[C]``, ``positions: i32[C]``, ``valid: bool[C]``, ``page_table:
+   i32[max_pages]``, pools of fixed shape. XLA compiles it once; the kernels, blocking and reduction
+   orders are then fixed. (On XLA:CPU a matmul with M=1 and one with M=16 are different kernels and
+   round differently; this is why a decode step is a padded chunk, not an M=1 matmul.)
+2. *Fixed row.* Position ``p`` is always computed in row ``p % C`` (``chunk_rows``): a token's row does
+   not depend on where the chunk starts, so even a kernel whose code path depends on the row index
+   (edge tiles, vector tails) treats it identically every time.
+3. *Row independence.* Every op in the forward is row-wise: embedding lookup, RMSNorm (reduces over
+   features), the projections and MLP (row ``r`` of ``x @ W`` reads only row ``r`` of ``x``), RoPE
+   (from the row's own position), the LM head. The values in the other rows (padding, other tokens of
+   the chunk) never enter row ``r``'s arithmetic.
+4. *Attention reads the pool, not the fresh values.* Each layer first scatters the chunk's K/V into the
+   pool (cast to the pool dtype), then gathers the request's whole context from the pool. So a query
+   always sees exactly the bits that a later request will read from those pages.
+5. *Fixed-size, masked attention.* Keys are gathered into ``max_pages * page_size`` rows; key row
+   ``t`` *is* position ``t`` regardless of page ids. Scores of masked keys are replaced (``where``) by
+   ``-inf`` so their probability is exactly ``0.0``; K/V rows that no valid query of the chunk may see
+   (not yet written, or outside every query's sliding window) are replaced by ``0.0``, so stale or even
+   NaN data in those slots cannot leak in (``0 * NaN`` would). The softmax max is taken over visible
+   keys only. Sums over the key axis then add exact zeros at fixed indices; ``x + 0.0 == x``, and the
+   grouping of the remaining terms depends only on key positions, which are the same in every run.
+6. *Induction over positions.* Position 0 depends only on token 0. If all positions ``< p`` hold the
+   same bits in every run, then by 1-5 the K/V and logits of ``p`` are the same bits, whether ``p`` is
+   computed now or was computed earlier by another request and then read from its pages.
+
+What it does *not* cover: another chunk size, page size, ``max_pages``, dtype, backend or jax/XLA
+version, or a sharded forward over another mesh (split reductions round differently). These are the
+``numerics_key`` a KV fingerprint must include. The tests in ``tests/engine`` check the claim on the
+current backend, and ``reference_forward`` (dense, no pages) checks that the model is what it says it
+is, to floating-point tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hicache.engine import kv_layout
+from hicache.engine.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+# --- weights -------------------------------------------------------------------------------------
+
+def init_params(cfg: ModelConfig, device: jax.Device | None = None) -> Params:
+    """Deterministic weights from ``cfg.seed``; scaled so activations stay O(1) through the layers."""
+    dt = cfg.jnp_dtype
+    key = jax.random.key(cfg.seed)
+    k_embed, k_head, k_layers = jax.random.split(key, 3)
+
+    def dense(k: jax.Array, fan_in: int, fan_out: int) -> jax.Array:
+        return (jax.random.normal(k, (fan_in, fan_out), jnp.float32) / np.sqrt(fan_in)).astype(dt)
+
+    def norm_w(k: jax.Array, n: int) -> jax.Array:
+        return (1.0 + 0.1 * jax.random.normal(k, (n,), jnp.float32)).astype(dt)
+
+    h, q_dim, kv_dim = cfg.hidden, cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = []
+    for lk in jax.random.split(k_layers, cfg.num_layers):
+        ks = jax.random.split(lk, 9)
+        layers.append({
+            "attn_norm": norm_w(ks[0], h),
+            "wq": dense(ks[1], h, q_dim),
+            "wk": dense(ks[2], h, kv_dim),
+            "wv": dense(ks[3], h, kv_dim),
+            "wo": dense(ks[4], q_dim, h),
+            "mlp_norm": norm_w(ks[5], h),
+            "w_gate": dense(ks[6], h, cfg.mlp_hidden),
+            "w_up": dense(ks[7], h, cfg.mlp_hidden),
+            "w_down": dense(ks[8], cfg.mlp_hidden, h),
+        })
+    params = {
+        "embed": jax.random.normal(k_embed, (cfg.vocab_size, h), jnp.float32).astype(dt),
+        "layers": layers,
+        "final_norm": jnp.ones((h,), dt),
+        "lm_head": dense(k_head, h, cfg.vocab_size),
+    }
+    if device is not None:
+        params = jax.device_put(params, device)
+    return params
+
+
+# --- building blocks (shared by the paged forward and the dense reference) -----------------------
+
+def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x: [n, H] -> [n, H]; normalised in float32, returned in x.dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE. x: [n, heads, D]; positions: i32[n]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))  # [D/2], a constant
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [n, D/2]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _mlp(x: jax.Array, lp: Params) -> jax.Array:
+    """SwiGLU. x: [n, H] -> [n, H]."""
+    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+
+
+def _qkv(h: jax.Array, lp: Params, positions: jax.Array,
+         cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h: [n, H] -> q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] (RoPE applied to q and k)."""
+    n = h.shape[0]
+    q = (h @ lp["wq"]).reshape(n, cfg.num_q_heads, cfg.head_dim)
+    k = (h @ lp["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = (h @ lp["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    return _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta), v
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Masked GQA attention in float32.
+
+    q: [n, Hq, D]; k, v: [T, Hkv, D]; mask: bool[n, T] (True = visible). Returns [n, Hq * D] in q.dtype.
+    Rows with no visible key return zeros.
+    """
+    n = q.shape[0]
+    qg = q.astype(jnp.float32).reshape(n, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim)
+    qg = qg * (1.0 / np.sqrt(cfg.head_dim))
+    s = jnp.einsum("ngqd,tgd->ngqt", qg, k.astype(jnp.float32))  # [n, Hkv, G, T]
+    m4 = mask[:, None, None, :]
+    s = jnp.where(m4, s, -jnp.inf)
+    s_max = jnp.max(s, axis=-1, keepdims=True)
+    s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
+    p = jnp.where(m4, jnp.exp(s - s_max), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("ngqt,tgd->ngqd", p, v.astype(jnp.float32))
+    o = o / jnp.where(denom > 0.0, denom, 1.0)
+    return o.reshape(n, cfg.num_q_heads * cfg.head_dim).astype(q.dtype)
+
+
+def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """bool[n, T]: causal, and within the last ``window`` positions (query included) if given."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+# --- the paged forward ---------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k_pool", "v_pool"))
+def forward_chunk(
+    params: Params,
+    k_pool: jax.Array,  # [L, P, S, Hkv, D], donated
+    v_pool: jax.Array,  # [L, P, S, Hkv, D], donated
+    tokens: jax.Array,  # i32[C]; row r holds the token at positions[r]
+    positions: jax.Array,  # i32[C]; must be p with p % C == r in row r for the exactness guarantee
+    valid: jax.Array,  # bool[C]; True rows form one contiguous run of positions
+    page_table: jax.Array,  # i32[max_pages]; the request's pages in position order, padded
+    *,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One chunk of one request: write its K/V into the request's pages and return its logits.
+
+    Valid rows attend to every earlier position of the request (already in the pool or in this chunk)
+    through ``page_table``. Invalid rows write nothing and return zero logits. All positions ``<`` the
+    first valid position must already be in the pool. Use ``chunk_rows`` to build the row arrays.
+
+    Returns ``(logits f32[C, vocab], k_pool, v_pool)``; the returned pools replace the donated ones.
+    """
+    num_pages, page_size = k_pool.shape[1], k_pool.shape[2]
+    ctx = page_table.shape[0] * page_size
+    k_pos = jnp.arange(ctx, dtype=jnp.int32)  # key row t is position t
+
+    # Where each row's K/V goes; padding rows get an out-of-range page and are dropped.
+    page_ids = jnp.where(valid, page_table[jnp.clip(positions // page_size, 0, page_table.shape[0] - 1)],
+                         num_pages)
+    slots = positions % page_size
+    lo = jnp.min(jnp.where(valid, positions, ctx))  # first valid position
+    hi = jnp.max(jnp.where(valid, positions + 1, 0))  # one past the last valid position
+
+    x = params["embed"][tokens]  # [C, H]
+    for layer, lp in enumerate(params["layers"]):
+        window = cfg.window_of(layer)
+        h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        q, k, v = _qkv(h, lp, positions, cfg)
+        k_pool = kv_layout.write_tokens(k_pool, layer, page_ids, slots, k)
+        v_pool = kv_layout.write_tokens(v_pool, layer, page_ids, slots, v)
+        k_ctx = kv_layout.read_context(k_pool, layer, page_table)  # [ctx, Hkv, D]
+        v_ctx = kv_layout.read_context(v_pool, layer, page_table)
+        # Key rows no valid query may see are zeroed: stale/NaN slots cannot leak through 0 * x.
+        live = k_pos < hi
+        if window is not None:
+            live &= k_pos > lo - window
+        k_ctx = jnp.where(live[:, None, None], k_ctx, 0)
+        v_ctx = jnp.where(live[:, None, None], v_ctx, 0)
+        mask = _window_mask(positions, k_pos, window) & valid[:, None] & live[None, :]
+        x = x + _attend(q, k_ctx, v_ctx, mask, cfg) @ lp["wo"]
+        x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
+
+    logits = (_rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]).astype(jnp.float32)
+    return jnp.where(valid[:, None], logits, 0.0), k_pool, v_pool
+
+
+def chunk_rows(start: int, end: int, chunk_size: int) -> list[tuple[int, int, int]]:
+    """Split positions ``[start, end)`` into aligned chunks ``(base, lo, hi)``.
+
+    ``base`` is a multiple of ``chunk_size``; row ``r`` of the chunk is position ``base + r`` and is
+    valid iff ``lo <= base + r < hi``. So position ``p`` always lands in row ``p % chunk_size``.
+    """
+    if not 0 <= start < end:
+        raise ValueError(f"need 0 <= start < end, got start={start}, end={end}")
+    out = []
+    base = start - start % chunk_size
+    while base < end:
+        out.append((base, max(start, base), min(end, base + chunk_size)))
+        base += chunk_size
+    return out
+
+
+# --- dense reference (no pages, no chunks) -------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def reference_forward(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """Plain causal forward over a whole sequence. tokens: i32[T] -> logits f32[T, vocab].
+
+    Same math as ``forward_chunk`` without paging or chunking; equal to it up to float rounding
+    (not bit-exact: other shapes, other kernels). Used to check that the paged path is the model.
+    """
+    pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    x = params["embed"][tokens]
+    for layer, lp in enumerate(params["layers"]):
+        h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        q, k, v = _qkv(h, lp, pos, cfg)
+        k = k.astype(cfg.jnp_dtype)
+        v = v.astype(cfg.jnp_dtype)
+        x = x + _attend(q, k, v, _window_mask(pos, pos, cfg.window_of(layer)), cfg) @ lp["wo"]
+        x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
+    return (_rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]).astype(jnp.float32)

@@ -1,0 +1,224 @@
+"""``ModelRunner``: params + the L1 KV pools + the chunk loop, for one process that owns a device.
+
+Ownership: the runner owns ``params`` and, between forwards, the L1 pools ``k_pool``/``v_pool``
+(layout in ``hicache.engine.kv_layout``). Each forward donates the pools and the runner rebinds to the
+returned arrays, so nobody else may keep a reference across a forward. The data plane reads or writes
+L1 between forwards on the same thread: take ``runner.pools``, transfer, hand back with
+``runner.set_pools(k, v)``. On a TPU host the runner lives inside the HostWorker process (DESIGN.md
+§1); in the embedded default it is a plain object.
+
+Page ownership is *not* the runner's: the caller (scheduler / cache head) allocates pages and passes
+each request's page table (page ids in position order). The runner validates it and writes exactly the
+slots of the positions it computes. Pages of a reused prefix are only read.
+
+Typical scheduler use (``hit`` = cached prefix length from the cache, page-aligned)::
+
+    start = prefill_start(hit, len(prompt), page_size)  # at least one token is computed
+    logits = runner.prefill(prompt, page_table, start_pos=start)
+    gen = runner.decode(prompt, logits, page_table, max_new_tokens=8)
+    # or step by step, interleaving requests: runner.decode_step(seq, page_table) -> logits
+
+Every forward is one fixed-shape chunk (see ``hicache.engine.model`` for why this makes cached and
+recomputed KV bit-identical).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from hicache.engine import kv_layout
+from hicache.engine.config import ForwardConfig, ModelConfig
+from hicache.engine.model import Params, chunk_rows, forward_chunk, init_params
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy output: ``tokens[i] == argmax(logits[i])``."""
+
+    tokens: tuple[int, ...]
+    logits: np.ndarray  # f32[len(tokens), vocab]
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Pages that hold positions ``[0, num_tokens)``."""
+    return -(-num_tokens // page_size)
+
+
+def prefill_start(hit_len: int, num_tokens: int, page_size: int) -> int:
+    """Where prefill starts given a cached prefix of ``hit_len`` tokens: page-aligned and leaving at
+    least the last prompt token to compute (its logits start decoding)."""
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    usable = min(max(hit_len, 0), num_tokens - 1)
+    return usable - usable % page_size
+
+
+class ModelRunner:
+    """Runs the reference model over an L1 pool. One thread at a time (it owns the pools)."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        fwd: ForwardConfig = ForwardConfig(),
+        num_pages: int = 256,
+        *,
+        device: jax.Device | None = None,
+        params: Params | None = None,
+        pools: tuple[jax.Array, jax.Array] | None = None,
+    ) -> None:
+        if not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        self.model = model
+        self.fwd = fwd
+        self.device = device if device is not None else jax.devices()[0]
+        self.params = params if params is not None else init_params(model, self.device)
+        if pools is None:
+            pools = kv_layout.make_pools(model, num_pages, fwd.page_size, self.device)
+        self.set_pools(*pools)
+        self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
+
+    # --- pools ---------------------------------------------------------------------------------
+
+    @property
+    def pools(self) -> tuple[jax.Array, jax.Array]:
+        """``(k_pool, v_pool)``; valid until the next forward (which donates them)."""
+        return self._k, self._v
+
+    def set_pools(self, k_pool: jax.Array, v_pool: jax.Array) -> None:
+        """Hand (possibly updated) pools back to the runner, e.g. after a host->device load."""
+        geo = kv_layout.check_pools(self.model, k_pool, v_pool)
+        if geo.page_size != self.fwd.page_size:
+            raise ValueError(
+                f"pool page_size={geo.page_size} != ForwardConfig.page_size={self.fwd.page_size}")
+        self._k, self._v = k_pool, v_pool
+        self.num_pages = geo.num_pages
+
+    # --- forwards ------------------------------------------------------------------------------
+
+    def extend(self, tokens: Sequence[int], page_table: Sequence[int], start_pos: int) -> np.ndarray:
+        """Compute positions ``[start_pos, len(tokens))`` of a sequence whose positions
+        ``< start_pos`` are already in its pages; writes their K/V. ``tokens`` is the whole sequence.
+
+        Returns logits ``f32[len(tokens) - start_pos, vocab]``.
+        """
+        toks, table = self._check(tokens, page_table, start_pos)
+        return self._run(toks, table, start_pos)
+
+    def prefill(self, tokens: Sequence[int], page_table: Sequence[int], start_pos: int = 0) -> np.ndarray:
+        """Prefill a prompt after a cached prefix of ``start_pos`` tokens (a multiple of the page size,
+        its K/V already in the first pages of ``page_table``). Returns the last logits ``f32[vocab]``."""
+        if not isinstance(start_pos, (int, np.integer)) or start_pos % self.fwd.page_size:
+            raise ValueError(
+                f"start_pos={start_pos!r} must be a multiple of page_size={self.fwd.page_size}")
+        return self.extend(tokens, page_table, int(start_pos))[-1]
+
+    def decode_step(self, tokens: Sequence[int], page_table: Sequence[int]) -> np.ndarray:
+        """One decode step: computes the last position of ``tokens`` (all earlier ones are in the
+        pages) and returns its logits ``f32[vocab]``."""
+        return self.extend(tokens, page_table, len(tokens) - 1)[0]
+
+    def decode(self, tokens: Sequence[int], last_logits: np.ndarray, page_table: Sequence[int],
+               max_new_tokens: int, stop_token: int | None = None) -> Generation:
+        """Greedy decoding after a prefill of ``tokens`` whose last logits are ``last_logits``.
+
+        Generates up to ``max_new_tokens`` (stops after ``stop_token``). Writes K/V for every
+        generated token except the last, so ``page_table`` must cover
+        ``len(tokens) + max_new_tokens - 1`` positions.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        need = pages_needed(len(tokens) + max_new_tokens - 1, self.fwd.page_size)
+        if len(page_table) < need:
+            raise ValueError(f"page_table has {len(page_table)} pages, {need} needed for "
+                             f"{len(tokens)} tokens + {max_new_tokens} new tokens")
+        seq = [int(t) for t in tokens]
+        out_tokens: list[int] = []
+        out_logits = [np.asarray(last_logits, np.float32)]
+        while True:
+            nxt = int(np.argmax(out_logits[-1]))
+            out_tokens.append(nxt)
+            seq.append(nxt)
+            if len(out_tokens) == max_new_tokens or nxt == stop_token:
+                break
+            out_logits.append(self.decode_step(seq, page_table))
+        return Generation(tuple(out_tokens), np.stack(out_logits))
+
+    def generate(self, tokens: Sequence[int], page_table: Sequence[int], max_new_tokens: int,
+                 start_pos: int = 0, stop_token: int | None = None) -> Generation:
+        """``prefill`` from ``start_pos`` then greedy ``decode``, in the runner's pools."""
+        logits = self.prefill(tokens, page_table, start_pos)
+        return self.decode(tokens, logits, page_table, max_new_tokens, stop_token)
+
+    def generate_no_cache(self, tokens: Sequence[int], max_new_tokens: int,
+                          stop_token: int | None = None) -> Generation:
+        """Reference path: the same greedy generation in fresh zeroed pools (same shape as L1, so
+        the same compiled forward), nothing reused and the runner's L1 pools untouched."""
+        saved = self.pools
+        num_tokens = len(tokens) + max(max_new_tokens, 1) - 1
+        table = list(range(min(pages_needed(max(num_tokens, 1), self.fwd.page_size), self.num_pages)))
+        self._k, self._v = kv_layout.make_pools(self.model, self.num_pages, self.fwd.page_size,
+                                                self.device)
+        try:
+            return self.generate(tokens, table, max_new_tokens, 0, stop_token)
+        finally:
+            self._k, self._v = saved
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _check(self, tokens: Sequence[int], page_table: Sequence[int],
+               start_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """Validate one request; returns ``tokens i32[n]`` and the padded ``page_table i32[max_pages]``."""
+        toks = np.asarray(tokens)
+        if toks.ndim != 1 or toks.size == 0 or not np.issubdtype(toks.dtype, np.integer):
+            raise ValueError(f"tokens must be a non-empty 1-D sequence of ints, got {tokens!r:.80}")
+        bad = np.flatnonzero((toks < 0) | (toks >= self.model.vocab_size))
+        if bad.size:
+            raise ValueError(f"token id {int(toks[bad[0]])} at index {int(bad[0])} is outside the "
+                             f"vocabulary [0, {self.model.vocab_size})")
+        n = int(toks.size)
+        if not isinstance(start_pos, (int, np.integer)) or not 0 <= start_pos < n:
+            raise ValueError(f"start_pos={start_pos!r} must be in [0, {n}) for {n} tokens")
+        ps, max_pages = self.fwd.page_size, self.fwd.max_pages
+        if n > self.fwd.max_context:
+            raise ValueError(f"{n} tokens exceed max_context={self.fwd.max_context} "
+                             f"(max_pages={max_pages} x page_size={ps})")
+        table = np.asarray(page_table)
+        if table.ndim != 1 or (table.size and not np.issubdtype(table.dtype, np.integer)):
+            raise ValueError(f"page_table must be a 1-D sequence of ints, got {page_table!r:.80}")
+        need = pages_needed(n, ps)
+        if table.size < need:
+            raise ValueError(f"page_table has {table.size} pages, {need} needed for {n} tokens "
+                             f"at page_size={ps}")
+        used = table[:need]
+        bad = np.flatnonzero((used < 0) | (used >= self.num_pages))
+        if bad.size:
+            raise ValueError(f"page id {int(used[bad[0]])} at index {int(bad[0])} is outside the "
+                             f"pool [0, {self.num_pages})")
+        if np.unique(used).size != need:
+            raise ValueError(f"page_table repeats a page among its first {need}: {used.tolist()}")
+        padded = np.zeros(max_pages, np.int32)
+        padded[:need] = used
+        return toks.astype(np.int32), padded
+
+    def _run(self, toks: np.ndarray, table: np.ndarray, start: int) -> np.ndarray:
+        """Run the aligned chunks of positions ``[start, len(toks))``; rebinds the pools after each
+        forward (the old ones are donated). Returns logits f32[len(toks) - start, vocab]."""
+        c = self.fwd.chunk_size
+        table_d = jax.device_put(table, self.device)
+        rows = np.arange(c, dtype=np.int32)
+        out = []
+        for base, lo, hi in chunk_rows(start, int(toks.size), c):
+            positions = base + rows
+            valid = (positions >= lo) & (positions < hi)
+            chunk = np.zeros(c, np.int32)
+            chunk[lo - base: hi - base] = toks[lo:hi]
+            chunk_d, pos_d, valid_d = jax.device_put((chunk, positions, valid), self.device)
+            logits, self._k, self._v = forward_chunk(self.params, self._k, self._v, chunk_d, pos_d,
+                                                     valid_d, table_d, cfg=self.model)
+            self.forwards += 1
+            out.append(np.asarray(logits)[lo - base: hi - base])
+        return np.concatenate(out)
