@@ -12,7 +12,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hicache.cluster.controller import LoadBackParams, LoadBackResult
+from hicache.cluster.events import KVEvent
 from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig, Method
+from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
     EvictResult,
     FinishResult,
@@ -88,12 +91,34 @@ class CacheClient:
     def stats(self) -> TreeStats:
         return self._call(Method.STATS)
 
+    def cache_stats(self) -> dict[str, Any]:
+        return self._call(Method.CACHE_STATS)
+
+    # -- HiCache hooks ---------------------------------------------------------------------------
+    def init_load_back(self, params: LoadBackParams) -> LoadBackResult:
+        return self._call(Method.INIT_LOAD_BACK, params)
+
+    def wait_load_back(self, load_id: int) -> bool:
+        return self._call(Method.WAIT_LOAD_BACK, load_id)
+
+    def ready_to_load_host_cache(self) -> int:
+        return self._call(Method.READY_TO_LOAD_HOST_CACHE)
+
+    def check_hicache_events(self) -> int:
+        return self._call(Method.CHECK_HICACHE_EVENTS)
+
+    def flush_write_through_acks(self) -> int:
+        return self._call(Method.FLUSH_WRITE_THROUGH_ACKS)
+
+    def take_events(self) -> list[KVEvent]:
+        return self._call(Method.TAKE_EVENTS)
+
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
         """Many calls in one round trip; results in order, errors per call."""
         return self._transport.step(calls)
 
 
-def embedded(config: HeadConfig | None = None) -> CacheClient:
+def embedded(config: HeadConfig | None = None, workers: WorkerGroup | None = None) -> CacheClient:
     """A client bound to a fresh in-process head (the embedded default)."""
-    head = CacheHead(config)
+    head = CacheHead(config, workers)
     return CacheClient(EmbeddedTransport(head), head.page_size)

@@ -14,6 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBackResult
+from hicache.cluster.events import KVEvent
+from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
     EvictResult,
     FinishResult,
@@ -33,6 +37,7 @@ from hicache.cluster.tree import (
 class HeadConfig:
     replica: str = "default"
     tree: TreeConfig = field(default_factory=TreeConfig)
+    hicache: HiCacheConfig | None = None  # None: L1 only (no host tier, no workers needed)
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica, str) or not self.replica or "/" in self.replica:
@@ -53,9 +58,19 @@ class Method(str, Enum):
     FREE = "free"
     RESET = "reset"
     STATS = "stats"
+    CACHE_STATS = "cache_stats"
+    INIT_LOAD_BACK = "init_load_back"
+    WAIT_LOAD_BACK = "wait_load_back"
+    READY_TO_LOAD_HOST_CACHE = "ready_to_load_host_cache"
+    CHECK_HICACHE_EVENTS = "check_hicache_events"
+    FLUSH_WRITE_THROUGH_ACKS = "flush_write_through_acks"
+    TAKE_EVENTS = "take_events"
 
 
-_NO_ARG = frozenset({Method.RESET, Method.STATS})
+_NO_ARG = frozenset({
+    Method.RESET, Method.STATS, Method.CACHE_STATS, Method.READY_TO_LOAD_HOST_CACHE,
+    Method.CHECK_HICACHE_EVENTS, Method.FLUSH_WRITE_THROUGH_ACKS, Method.TAKE_EVENTS,
+})
 
 
 @dataclass(frozen=True)
@@ -83,30 +98,49 @@ class CallResult:
 
 
 class CacheHead:
-    def __init__(self, config: HeadConfig | None = None) -> None:
+    def __init__(self, config: HeadConfig | None = None, workers: WorkerGroup | None = None) -> None:
         self.config = config or HeadConfig()
         self.tree = RadixTree(self.config.tree)
+        self.controller: HiCacheController | None = None
+        if self.config.hicache is not None:
+            if workers is None:
+                raise ValueError("a head with a host tier (HeadConfig.hicache) needs its workers")
+            self.controller = HiCacheController(self.tree, self.config.hicache, workers)
 
     @property
     def page_size(self) -> int:
         return self.tree.page_size
 
+    def _hicache(self) -> HiCacheController:
+        if self.controller is None:
+            raise RuntimeError("this head has no host tier (HeadConfig.hicache is None)")
+        return self.controller
+
+    def _sent(self, result: Any) -> Any:
+        """Sends the transfers a call queued (one plan per call) and returns its result."""
+        if self.controller is not None:
+            self.controller.submit()
+        return result
+
     # -- control API (DESIGN.md §3) ----------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams | RadixKey) -> MatchResult:
         key = params.key if isinstance(params, MatchPrefixParams) else params
-        return self.tree.match_prefix(key)
+        result = self.tree.match_prefix(key)
+        if self.controller is not None:
+            self.controller.record_match(key, result)
+        return result
 
     def insert(self, params: InsertParams) -> InsertResult:
-        return self.tree.insert(params)
+        return self._sent(self.tree.insert(params))
 
     def cache_finished_req(self, state: RequestState) -> FinishResult:
-        return self.tree.cache_finished_req(state)
+        return self._sent(self.tree.cache_finished_req(state))
 
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
-        return self.tree.cache_unfinished_req(state)
+        return self._sent(self.tree.cache_unfinished_req(state))
 
     def evict(self, num_tokens: int) -> EvictResult:
-        return self.tree.evict(num_tokens)
+        return self._sent(self.tree.evict(num_tokens))
 
     def inc_lock_ref(self, node_id: int) -> int:
         return self.tree.inc_lock_ref(node_id)
@@ -115,16 +149,54 @@ class CacheHead:
         return self.tree.dec_lock_ref(node_id)
 
     def alloc(self, num_tokens: int) -> np.ndarray:
-        return self.tree.alloc(num_tokens)
+        return self._sent(self.tree.alloc(num_tokens))
 
     def free(self, pages: np.ndarray | Sequence[int]) -> None:
         self.tree.free(pages)
 
     def reset(self) -> None:
+        if self.controller is not None and self.controller.in_flight:
+            raise RuntimeError(f"cannot reset with {self.controller.in_flight} transfers in flight")
         self.tree.reset()
+        if self.controller is not None:
+            self.controller = HiCacheController(self.tree, self.controller.config, self.controller.workers)
 
     def stats(self) -> TreeStats:
         return self.tree.stats()
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Tier occupancy and hit/miss counters (L1 always; L2 with a host tier)."""
+        st = self.tree.stats()
+        out: dict[str, Any] = {"device_tokens": st.cached_tokens, "device_capacity_tokens": st.capacity_pages * st.page_size}
+        if self.controller is not None:
+            ctl = self.controller
+            out.update(
+                host_tokens=ctl.host.host_tokens,
+                host_capacity_tokens=ctl.host.num_slots * st.page_size,
+                host_evicted_tokens=ctl.host.evicted_tokens,
+                in_flight=ctl.in_flight,
+                **ctl.counters.snapshot(),
+            )
+        return out
+
+    # -- HiCache hooks (scheduler loop) --------------------------------------------------------------
+    def init_load_back(self, params: LoadBackParams) -> LoadBackResult:
+        return self._hicache().init_load_back(params)
+
+    def wait_load_back(self, load_id: int) -> bool:
+        return self._hicache().wait_load_back(load_id)
+
+    def ready_to_load_host_cache(self) -> int:
+        return self._hicache().submit()
+
+    def check_hicache_events(self) -> int:
+        return self._hicache().check_events()
+
+    def flush_write_through_acks(self) -> int:
+        return self._hicache().flush_write_through_acks()
+
+    def take_events(self) -> list[KVEvent]:
+        return self._hicache().take_events()
 
     def call(self, call: Call) -> Any:
         """Dispatches one ``Call`` (the single entry point a transport needs)."""

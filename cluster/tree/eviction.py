@@ -2,8 +2,10 @@
 
 A candidate is a node that may leave a tier now (for L1: unlocked, device-resident, no device-resident
 children). Instead of re-heapifying all leaves on every eviction (O(n) per call), the tree pushes a node
-whenever it becomes a candidate or its priority changes; each push bumps ``node.heap_version`` so older
-entries go stale and are skipped when popped. The heap is rebuilt when stale entries dominate.
+whenever it becomes a candidate; each push bumps ``node.heap_version`` so older entries go stale and are
+skipped when popped. Priorities only grow (access ticks, hit counts) or never change, so an entry whose
+node was touched since its push is simply requeued with its current priority when it surfaces: the
+order stays exact without a push on every touch. The heap is rebuilt when stale entries dominate.
 """
 
 from __future__ import annotations
@@ -59,10 +61,15 @@ class EvictionQueue:
         """Removes and returns the best current candidate, or None when there is none."""
         heap = self._heap
         while heap:
-            _, _, version, node = heapq.heappop(heap)
-            if version == node.heap_version and self._is_candidate(node):
-                node.heap_version += 1  # consumed: its remaining entries (none newer) are stale
-                return node
+            key, _, version, node = heapq.heappop(heap)
+            if version != node.heap_version or not self._is_candidate(node):
+                continue
+            current = self._key(node)
+            if current != key:  # touched since it was pushed (keys only grow): requeue in its place
+                heapq.heappush(heap, (current, node.id, version, node))
+                continue
+            node.heap_version += 1  # consumed: its remaining entries (none newer) are stale
+            return node
         return None
 
     def maybe_compact(self, live_nodes: Iterable[TreeNode], num_live: int) -> None:

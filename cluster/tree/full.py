@@ -52,7 +52,11 @@ class FullComponent(TreeComponent):
         self.allocator.check(taken, PageOwner.REQUEST, "insert device_pages")
 
     def _take(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        pages = params.device_pages[page_start:page_end].copy()
+        self.attach_pages(node, params.device_pages[page_start:page_end].copy())
+
+    def attach_pages(self, node: TreeNode, pages: np.ndarray) -> None:
+        """Gives an L1-evicted node fresh request-held pages (load-back target)."""
+        assert node.device_pages is None and pages.shape[0] * self.tree.page_size == node.key.shape[0]
         self.allocator.transfer(pages, PageOwner.TREE)
         node.device_pages = pages
         if node.lock_ref:

@@ -30,6 +30,8 @@ class TreeNode:
         "heap_version",
         "component_data",
         "pending",
+        "staged_slots",
+        "loading",
     )
 
     def __init__(
@@ -56,6 +58,8 @@ class TreeNode:
         self.heap_version = 0  # bumped on every push into the eviction queue; older entries are stale
         self.component_data: dict[str, Any] | None = None
         self.pending: Any = None  # the in-flight transfer this node waits on (HiCache), if any
+        self.staged_slots: np.ndarray | None = None  # L2 slots reserved for an in-flight D->H backup
+        self.loading = False  # device_pages are allocated but the H->D load is not acked yet
 
     @property
     def num_tokens(self) -> int:

@@ -8,9 +8,9 @@ ValueError/TypeError leaves the tree exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,6 +32,14 @@ from hicache.cluster.tree.params import (
 
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 _EMPTY_TOKENS = np.empty(0, dtype=np.int32)
+
+
+class TierListener(Protocol):
+    """Told when a node's KV enters or leaves a tier ("device", "host"); the head turns this into events."""
+
+    def on_stored(self, node: TreeNode, tier: str) -> None: ...
+
+    def on_removed(self, node: TreeNode, tier: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,11 @@ class RadixTree:
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate component names {names}")
         self.component_names = tuple(names)
+        # Set by the HiCache controller: called with a batch of L1 victims before their pages are freed
+        # (write_back backs them up there), and told about tier changes (events, metrics).
+        self.before_device_evict: Callable[[list[TreeNode]], None] | None = None
+        self.after_insert: Callable[[list[TreeNode]], None] | None = None  # path + new leaf, root first
+        self.listener: TierListener | None = None
         self._init_state()
 
     def _init_state(self) -> None:
@@ -141,10 +154,17 @@ class RadixTree:
         prefix.hit_count = node.hit_count
         prefix.last_access = node.last_access
         prefix.created = node.created
+        k = split_len // ps
         if node.host_slots is not None:
-            k = split_len // ps
             prefix.host_slots = node.host_slots[:k].copy()
             node.host_slots = node.host_slots[k:].copy()
+        if node.staged_slots is not None:
+            prefix.staged_slots = node.staged_slots[:k].copy()
+            node.staged_slots = node.staged_slots[k:].copy()
+        prefix.loading = node.loading
+        if node.pending is not None:
+            prefix.pending = node.pending
+            node.pending.on_split(prefix, node)
         self.full.on_split(prefix, node)
         for comp in self.extra_components:
             comp.on_split(prefix, node)
@@ -222,11 +242,13 @@ class RadixTree:
             path[-1] = self._split(path[-1], partial)
         self._tick += 1
         tick = self._tick
-        device_nodes = 0
+        device_nodes, counting = 0, True
         for node in path:
             node.last_access = tick
-            if node.device_pages is not None:
+            if counting and node.device_pages is not None and not node.loading:
                 device_nodes += 1
+            else:
+                counting = False
         device_path = path[:device_nodes]
         for comp in self.extra_components:
             allowed = comp.limit_match(device_path)
@@ -246,12 +268,15 @@ class RadixTree:
         device_len = pages.shape[0] * ps
         host_len = 0
         last_host = root
-        for node in path:
+        for node in device_path:
             if node.host_slots is not None:
                 last_host = node
         for node in path[len(device_path) :]:
+            if node.host_slots is None or node.loading:
+                break  # a load already in flight: usable once acked, not loadable again
             host_len += node.key.shape[0]
-        best = path[-1] if path else root
+            last_host = node
+        best = last_host if host_len else last_device
         self._matched_tokens += device_len + host_len
         return MatchResult(pages, device_len, host_len, last_device.id, last_host.id, best.id)
 
@@ -307,6 +332,8 @@ class RadixTree:
                 self.full.on_revive(node, params, pos // ps, (pos + n) // ps)
                 for comp in self.extra_components:
                     comp.on_revive(node, params, pos // ps, (pos + n) // ps)
+                if self.listener is not None:
+                    self.listener.on_stored(node, "device")
             pos += n
         parent = path[-1] if path else root
         if pos < end:
@@ -316,8 +343,13 @@ class RadixTree:
             for comp in self.extra_components:
                 comp.on_create(leaf, params, pos // ps, end // ps)
             self.full.queue.push(leaf)
+            if self.listener is not None:
+                self.listener.on_stored(leaf, "device")
+            path.append(leaf)
         elif path:
             self.full.maybe_push(path[-1])
+        if self.after_insert is not None and path:
+            self.after_insert(path)
         return InsertResult(prefix_len)
 
     # -- locks -------------------------------------------------------------------------------------
@@ -337,23 +369,49 @@ class RadixTree:
 
     # -- eviction and allocation ---------------------------------------------------------------------
     def evict(self, num_tokens: int) -> EvictResult:
+        """Frees at least ``num_tokens`` L1 tokens if possible, leaf-first in policy order.
+
+        Victims with an L2 copy stay in the tree as host-only nodes; others are removed. With a
+        ``before_device_evict`` hook (write_back), each batch of victims is offered to it first.
+        """
         if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         freed = 0
         queue = self.full.queue
         while freed < num_tokens:
-            node = queue.pop()
-            if node is None:
+            batch, batch_tokens = [], 0
+            while freed + batch_tokens < num_tokens:
+                node = queue.pop()
+                if node is None:
+                    break
+                batch.append(node)
+                batch_tokens += node.key.shape[0]
+            if not batch:
                 break
-            freed += self.full.drop_device(node)
-            parent = node.parent
-            if node.host_slots is None and not node.children:
-                self._remove_leaf(node)
-            if parent is not None and parent.parent is not None:
-                self.full.maybe_push(parent)
+            if self.before_device_evict is not None:
+                self.before_device_evict(batch)
+            for node in batch:
+                if node.parent is None or node.device_pages is None or node.lock_ref:
+                    continue  # changed while the hook ran (it may process transfer acks)
+                freed += self.full.drop_device(node)
+                if self.listener is not None:
+                    self.listener.on_removed(node, "device")
+                parent = node.parent
+                if node.host_slots is None and not node.children:
+                    self._remove_leaf(node)
+                if parent.parent is not None:
+                    self.full.maybe_push(parent)
         self._evicted_tokens += freed
         queue.maybe_compact(self.iter_nodes(), len(self._nodes))
         return EvictResult(freed)
+
+    def remove_host_only(self, node: TreeNode) -> None:
+        """Deletes a host-only leaf (host eviction); its slots must already be released by the caller."""
+        assert node.device_pages is None and not node.children and node.parent is not None
+        parent = node.parent
+        self._remove_leaf(node)
+        if parent.parent is not None:
+            self.full.maybe_push(parent)
 
     def alloc(self, num_tokens: int) -> np.ndarray:
         """L1 pages for ``num_tokens`` tokens (rounded up to pages), evicting unlocked leaves if needed."""

@@ -1,0 +1,345 @@
+"""HiCache controller: the L1<->L2 policy of one replica, running inside the head.
+
+It decides backups (write policies), load-backs and host eviction, turns them into ``TransferOp`` s, sends
+them to every host of the replica in ``seq`` order, and applies a node's state change only when every
+host acked (DESIGN.md §1). A failed transfer rolls the nodes back and frees what was reserved.
+
+Node states (Full KV): device-only -> device + staged (backup in flight, path locked) -> device+host ->
+host-only (L1 evicted) -> removed (L2 evicted); load-back: host-only -> loading (L1 pages attached,
+locked, host copy pinned) -> device+host. Runs on the head's single thread; workers never decide.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicache.cluster.events import CacheCounters, EventKind, KVEvent, MissReason, Tier
+from hicache.cluster.host_tier import HostTier
+from hicache.cluster.policy import HiCacheConfig, WritePolicy
+from hicache.cluster.transfers import PendingTransfer, WorkerGroup
+from hicache.cluster.tree import CacheCapacityError, MatchResult, RadixKey, RadixTree, TreeNode
+from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
+
+_MAX_EVENTS = 100_000
+_MAX_GHOSTS = 65_536
+
+
+@dataclass(frozen=True)
+class LoadBackParams:
+    node_id: int  # MatchResult.best_match_node
+    host_hit_len: int  # MatchResult.host_hit_len (checked against the tree)
+    mem_quota: int | None = None  # max L1 tokens this load may take; None = no limit
+
+
+@dataclass(frozen=True, eq=False)
+class LoadBackResult:
+    """Pages of the whole cached prefix after the load; the caller locks ``last_node`` as after a match.
+
+    ``load_id`` is -1 when nothing was loaded (then ``miss_reason`` says why, if there was a host hit).
+    The loaded pages may be read only after ``wait_load_back(load_id)`` returned True.
+    """
+
+    device_pages: np.ndarray  # i32[device_hit_len // page_size]
+    device_hit_len: int
+    last_node: int
+    loaded_tokens: int
+    load_id: int
+    miss_reason: MissReason | None = None
+
+
+class HiCacheController:
+    def __init__(self, tree: RadixTree, config: HiCacheConfig, workers: WorkerGroup) -> None:
+        self.tree = tree
+        self.config = config
+        self.workers = workers
+        self.host = HostTier(tree, config.host_slots)
+        self.counters = CacheCounters()
+        self._pending: dict[int, PendingTransfer] = {}  # op_id -> in flight
+        self._finished_loads: dict[int, bool] = {}  # load op_id -> ok, until asked
+        self._queued: list[PendingTransfer] = []  # built, not yet sent
+        self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
+        self._seq = itertools.count()
+        self._op_ids = itertools.count()
+        self._events: deque[KVEvent] = deque(maxlen=_MAX_EVENTS)
+        self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
+        tree.listener = self
+        tree.after_insert = self._after_insert
+        if config.write_policy is WritePolicy.WRITE_BACK:
+            tree.before_device_evict = self._write_back
+
+    # -- tier listener (events, ghosts for miss reasons) ---------------------------------------------
+    def on_stored(self, node: TreeNode, tier: str) -> None:
+        self._events.append(KVEvent(EventKind.STORED, Tier(tier), node.id, node.num_tokens))
+
+    def on_removed(self, node: TreeNode, tier: str) -> None:
+        self._events.append(KVEvent(EventKind.REMOVED, Tier(tier), node.id, node.num_tokens))
+        leaving = node.host_slots is None if tier == Tier.DEVICE.value else node.device_pages is None
+        if leaving and node.parent is not None:
+            reason = MissReason.EVICTED_L1 if tier == Tier.DEVICE.value else MissReason.EVICTED_L2
+            ghost = (node.parent.id, node.key[: self.tree.page_size].tobytes())
+            self._ghosts[ghost] = reason
+            self._ghosts.move_to_end(ghost)
+            if len(self._ghosts) > _MAX_GHOSTS:
+                self._ghosts.popitem(last=False)
+
+    def take_events(self) -> list[KVEvent]:
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    # -- match accounting ------------------------------------------------------------------------------
+    def record_match(self, key: RadixKey, m: MatchResult) -> None:
+        ps = self.tree.page_size
+        whole = len(key) - len(key) % ps
+        c = self.counters
+        c.queried_tokens += whole
+        c.device_hit_tokens += m.device_hit_len
+        c.host_hit_tokens += m.host_hit_len
+        missing = whole - m.device_hit_len - m.host_hit_len
+        if missing > 0:
+            pos = m.device_hit_len + m.host_hit_len
+            page = key.token_ids[pos : pos + ps].tobytes()
+            c.miss_tokens[self._ghosts.get((m.best_match_node, page), MissReason.NOT_CACHED)] += missing
+
+    # -- backups (L1 -> L2) -------------------------------------------------------------------------
+    def _after_insert(self, path: list[TreeNode]) -> None:
+        threshold = self.config.backup_hits
+        if not threshold:
+            return
+        for node in path:
+            if node.host_slots is None and node.staged_slots is None and node.hit_count >= threshold:
+                self._backup_chain(node)
+
+    def _backup_chain(self, node: TreeNode) -> bool:
+        """Backs up ``node`` and every ancestor without an L2 copy, in one op. False if not started."""
+        chain = []
+        n = node
+        while n.parent is not None and n.host_slots is None:
+            if n.staged_slots is not None or n.device_pages is None or n.loading:
+                if n.staged_slots is not None and n is not node:
+                    self._deferred[node.id] = node  # an ancestor's backup is in flight: after its ack
+                return False
+            chain.append(n)
+            n = n.parent
+        if not chain:
+            return False
+        chain.reverse()
+        pages = np.concatenate([c.device_pages for c in chain])
+        anchor = n  # the chain hangs below it: host eviction must not drop its copy meanwhile
+        anchor.host_pin += 1
+        try:
+            slots = self.host.reserve(pages.shape[0])
+        finally:
+            anchor.host_pin -= 1
+        if slots is None:
+            return False  # L2 full of pinned / in-flight entries: this node stays L1-only
+        start = 0
+        for c in chain:
+            k = c.device_pages.shape[0]
+            c.staged_slots = slots[start : start + k]
+            start += k
+        self.tree.full.lock(chain[-1])
+        op = TransferOp(next(self._op_ids), OpKind.BACKUP_D2H, pages, slots)
+        self._queue(op, chain)
+        return True
+
+    def _write_back(self, victims: list[TreeNode]) -> None:
+        """write_back: L1 victims without an L2 copy are backed up (and waited for) before eviction."""
+        started = [v for v in victims if v.host_slots is None and self._backup_chain(v)]
+        if started:
+            self.submit()
+            self.flush_write_through_acks()
+
+    # -- load-back (L2 -> L1) -----------------------------------------------------------------------
+    def init_load_back(self, params: LoadBackParams) -> LoadBackResult:
+        if not isinstance(params, LoadBackParams):
+            raise TypeError(f"init_load_back expects LoadBackParams, got {type(params).__name__}")
+        if params.mem_quota is not None and (not isinstance(params.mem_quota, int) or params.mem_quota < 0):
+            raise ValueError(f"mem_quota must be an int >= 0 or None, got {params.mem_quota!r}")
+        node = self.tree.node(params.node_id)
+        chain = []
+        n = node
+        while n.parent is not None and n.device_pages is None:
+            chain.append(n)
+            n = n.parent
+        last_device = n
+        if node.parent is not None and node.device_pages is not None and node.loading:
+            raise ValueError(f"node {params.node_id} is already loading")
+        chain.reverse()
+        tokens = sum(c.num_tokens for c in chain)
+        if params.host_hit_len != tokens:
+            raise ValueError(
+                f"host_hit_len {params.host_hit_len} does not match node {params.node_id} "
+                f"({tokens} host-only tokens above it): match again"
+            )
+        if any(c.host_slots is None or c.pending is not None for c in chain):
+            raise ValueError(f"node {params.node_id} is not loadable (no host copy or a transfer in flight)")
+        reason = None
+        if not chain:
+            pass
+        elif tokens < self.config.load_back_threshold:
+            reason = MissReason.BELOW_THRESHOLD
+        elif params.mem_quota is not None and tokens > params.mem_quota:
+            reason = MissReason.OVER_QUOTA
+        if reason is None and chain:
+            return self._start_load(chain, last_device, tokens)
+        if reason is not None:
+            self.counters.miss_tokens[reason] += tokens
+        return self._prefix_result(last_device, 0, -1, reason)
+
+    def _start_load(self, chain: list[TreeNode], last_device: TreeNode, tokens: int) -> LoadBackResult:
+        full = self.tree.full
+        if last_device.parent is not None:
+            full.lock(last_device)  # its pages must survive the eviction alloc() may do
+        for c in chain:
+            c.host_pin += 1
+        try:
+            pages = self.tree.alloc(tokens)
+        except CacheCapacityError:
+            for c in chain:
+                c.host_pin -= 1
+            if last_device.parent is not None:
+                full.unlock(last_device)
+            self.counters.miss_tokens[MissReason.NO_SPACE] += tokens
+            return self._prefix_result(last_device, 0, -1, MissReason.NO_SPACE)
+        ps = self.tree.page_size
+        start = 0
+        for c in chain:
+            k = c.num_tokens // ps
+            full.attach_pages(c, pages[start : start + k])
+            c.loading = True
+            start += k
+        full.lock(chain[-1])
+        if last_device.parent is not None:
+            full.unlock(last_device)
+        slots = np.concatenate([c.host_slots for c in chain])
+        op = TransferOp(next(self._op_ids), OpKind.LOAD_H2D, pages, slots)
+        self._queue(op, chain)
+        return self._prefix_result(chain[-1], tokens, op.op_id, None)
+
+    def _prefix_result(self, node: TreeNode, loaded: int, load_id: int, reason: MissReason | None) -> LoadBackResult:
+        parts = []
+        n = node
+        while n.parent is not None:
+            parts.append(n.device_pages)
+            n = n.parent
+        pages = np.concatenate(parts[::-1]) if parts else np.empty(0, np.int32)
+        return LoadBackResult(pages, pages.shape[0] * self.tree.page_size, node.id, loaded, load_id, reason)
+
+    def wait_load_back(self, load_id: int, timeout_s: float | None = None) -> bool:
+        """True once load ``load_id`` is acked by every host; False if it failed or timed out."""
+        if load_id == -1:
+            return True
+        timeout = self.config.ack_timeout_s if timeout_s is None else timeout_s
+        if load_id not in self._finished_loads and load_id not in self._pending:
+            if not any(p.op.op_id == load_id for p in self._queued):
+                raise ValueError(f"unknown load id {load_id}")
+        self.submit()
+        self._apply(self.workers.poll())
+        if load_id in self._pending:
+            self._apply(self.workers.wait(timeout))
+        return self._finished_loads.pop(load_id, False)
+
+    # -- sending and acks ---------------------------------------------------------------------------
+    def _queue(self, op: TransferOp, nodes: list[TreeNode]) -> None:
+        pending = PendingTransfer(op, -1, nodes, self.workers.num_hosts)
+        for n in nodes:
+            n.pending = pending
+        self._queued.append(pending)
+
+    def submit(self) -> int:
+        """Sends every queued op as one plan to all hosts; returns the number of ops sent."""
+        if not self._queued:
+            return 0
+        seq = next(self._seq)
+        queued, self._queued = self._queued, []
+        for p in queued:
+            p.seq = seq
+            self._pending[p.op.op_id] = p
+        self.workers.submit(TransferPlan(seq, tuple(p.op for p in queued)))
+        return len(queued)
+
+    def check_events(self) -> int:
+        """Applies every ack that arrived; returns the number of transfers completed."""
+        self.submit()
+        return self._apply(self.workers.poll())
+
+    def flush_write_through_acks(self) -> int:
+        """Waits (bounded by ``ack_timeout_s``) until every in-flight transfer is acked, and applies them."""
+        self.submit()
+        done = self._apply(self.workers.poll())
+        if self._pending:
+            done += self._apply(self.workers.wait(self.config.ack_timeout_s))
+        return done
+
+    def _apply(self, acks: list[TransferAck]) -> int:
+        done = 0
+        for ack in acks:
+            pending = self._pending.get(ack.op_id)
+            if pending is None:
+                continue  # an ack for a transfer already given up on
+            pending.record(ack)
+            if pending.done:
+                del self._pending[ack.op_id]
+                self._complete(pending)
+                done += 1
+        if done and self._deferred:
+            retry, self._deferred = list(self._deferred.values()), {}
+            for node in retry:
+                if node.parent is not None and node.host_slots is None and node.staged_slots is None:
+                    self._backup_chain(node)
+            self.submit()
+        return done
+
+    def _complete(self, p: PendingTransfer) -> None:
+        c = self.counters
+        c.bytes_moved[p.kind.value] += p.bytes_moved
+        if not p.ok:
+            c.transfer_failures += 1
+        for n in p.nodes:
+            n.pending = None
+        full = self.tree.full
+        if p.kind is OpKind.BACKUP_D2H:
+            for n in p.nodes:
+                if p.ok:
+                    self.host.commit(n)
+                    c.backed_up_tokens += n.num_tokens
+                else:
+                    self.host.unreserve(n.staged_slots)
+                    n.staged_slots = None
+            full.unlock(p.nodes[-1])
+        elif p.kind is OpKind.LOAD_H2D:
+            full.unlock(p.nodes[-1])
+            for n in p.nodes:
+                n.loading = False
+                n.host_pin -= 1
+                if not p.ok:
+                    full.drop_device(n)  # the pages never got the data: host-only again
+            if p.ok:
+                c.loaded_tokens += sum(n.num_tokens for n in p.nodes)
+                for n in p.nodes:
+                    self.tree.listener.on_stored(n, Tier.DEVICE.value)
+            else:
+                c.miss_tokens[MissReason.LOAD_FAILED] += sum(n.num_tokens for n in p.nodes)
+            self._finished_loads[p.op.op_id] = p.ok
+            if len(self._finished_loads) > _MAX_EVENTS:
+                self._finished_loads.pop(next(iter(self._finished_loads)))
+            for n in p.nodes:
+                full.maybe_push(n)
+                self.host.maybe_push(n)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending) + len(self._queued)
+
+    def check_invariants(self) -> None:
+        self.host.check_invariants()
+        for node in self.tree.iter_nodes():
+            if node.staged_slots is not None or node.loading:
+                assert node.pending is not None and node.lock_ref > 0, f"{node}: in flight but not locked"
+            if node.loading:
+                assert node.host_pin > 0 and node.host_slots is not None

@@ -1,0 +1,105 @@
+"""L2 bookkeeping on the head: which host slots hold which node's pages, and host eviction.
+
+The head decides; workers only store. Every L2 slot is in one state: FREE, reserved for an in-flight
+backup (REQUEST state of the allocator, referenced by ``node.staged_slots``), or holding a committed copy
+(TREE state, ``node.host_slots``). Host eviction takes host leaves in LRU order: nodes with an L2 copy,
+no pin, no transfer in flight, and no child with an L2 copy (backups stay a contiguous chain from the
+root). A host-only victim leaves the tree; a device+host victim just loses its L2 copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache.cluster.events import Tier
+from hicache.cluster.tree import PageAllocator, PageOwner, RadixTree, TreeNode
+from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
+
+
+class HostTier:
+    def __init__(self, tree: RadixTree, num_slots: int, policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
+        self.tree = tree
+        self.slots = PageAllocator(num_slots)
+        self.queue = EvictionQueue(policy, self.is_evictable)
+        self.host_tokens = 0  # tokens with a committed L2 copy
+        self.evicted_tokens = 0
+
+    @staticmethod
+    def is_evictable(node: TreeNode) -> bool:
+        if node.parent is None or node.host_slots is None or node.host_pin or node.pending is not None:
+            return False
+        for child in node.children.values():
+            if child.host_slots is not None or child.staged_slots is not None:
+                return False
+        return True
+
+    def maybe_push(self, node: TreeNode) -> None:
+        if self.is_evictable(node):
+            self.queue.push(node)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.capacity
+
+    def reserve(self, num_slots: int) -> np.ndarray | None:
+        """Reserves slots for a backup, evicting host leaves if short; None when L2 cannot make room."""
+        short = num_slots - self.slots.num_free
+        if short > 0:
+            self.evict(short)
+            if self.slots.num_free < num_slots:
+                return None
+        return self.slots.alloc(num_slots)
+
+    def unreserve(self, slots: np.ndarray) -> None:
+        self.slots.free(slots, PageOwner.REQUEST)
+
+    def commit(self, node: TreeNode) -> None:
+        """The node's staged backup was acked by every host: its L2 copy is now valid."""
+        slots = node.staged_slots
+        assert slots is not None and node.host_slots is None
+        self.slots.transfer(slots, PageOwner.TREE)
+        node.host_slots, node.staged_slots = slots, None
+        self.host_tokens += node.key.shape[0]
+        self.maybe_push(node)
+        if self.tree.listener is not None:
+            self.tree.listener.on_stored(node, Tier.HOST.value)
+
+    def drop(self, node: TreeNode) -> int:
+        """Releases the node's L2 copy; a host-only node leaves the tree. Returns tokens dropped."""
+        n = node.key.shape[0]
+        self.slots.free(node.host_slots, PageOwner.TREE)
+        node.host_slots = None
+        self.host_tokens -= n
+        if self.tree.listener is not None:
+            self.tree.listener.on_removed(node, Tier.HOST.value)
+        parent = node.parent
+        if node.device_pages is None:
+            self.tree.remove_host_only(node)
+        if parent is not None and parent.parent is not None:
+            self.maybe_push(parent)
+        return n
+
+    def evict(self, num_slots: int) -> int:
+        """Frees at least ``num_slots`` slots if possible; returns slots freed."""
+        ps = self.tree.page_size
+        freed = 0
+        while freed < num_slots:
+            node = self.queue.pop()
+            if node is None:
+                break
+            freed += self.drop(node) // ps
+        self.evicted_tokens += freed * ps
+        self.queue.maybe_compact(self.tree.iter_nodes(), self.tree.num_nodes)
+        return freed
+
+    def check_invariants(self) -> None:
+        committed = [n.host_slots for n in self.tree.iter_nodes() if n.host_slots is not None]
+        staged = [n.staged_slots for n in self.tree.iter_nodes() if n.staged_slots is not None]
+        for arrays, owner in ((committed, PageOwner.TREE), (staged, PageOwner.REQUEST)):
+            flat = np.concatenate(arrays) if arrays else np.empty(0, np.int32)
+            assert np.unique(flat).size == flat.size, f"an L2 slot is referenced twice ({owner.name})"
+            assert flat.size == self.slots.count(owner), f"{owner.name} slots disagree with the allocator"
+        assert self.host_tokens == sum(c.size for c in committed) * self.tree.page_size
+        for node in self.tree.iter_nodes():
+            if node.host_slots is not None and node.parent.parent is not None:
+                assert node.parent.host_slots is not None, f"{node}: L2 chain broken at its parent"

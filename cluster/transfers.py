@@ -1,0 +1,93 @@
+"""In-flight transfers on the head: which nodes wait on which op, and when every host has acked.
+
+The head numbers plans (``seq``) and ops (``op_id``), sends each plan to every host worker of the
+replica, and applies an op's state change only when all hosts acked it (DESIGN.md §1); one failed host
+fails the op for everyone. ``WorkerGroup`` is the head's view of the replica's workers: a list of
+in-process ``HostWorker`` objects in embedded mode, Ray actor handles in the cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hicache.cluster.tree import TreeNode
+from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
+
+
+class WorkerGroup(Protocol):
+    @property
+    def num_hosts(self) -> int: ...
+
+    def submit(self, plan: TransferPlan) -> None: ...
+
+    def poll(self) -> list[TransferAck]: ...
+
+    def wait(self, timeout_s: float) -> list[TransferAck]: ...
+
+
+class LocalWorkerGroup:
+    """Workers living in this process (embedded mode; tests)."""
+
+    def __init__(self, workers: Sequence) -> None:  # Sequence[HostWorker]
+        if not workers:
+            raise ValueError("a worker group needs at least one worker")
+        self.workers = list(workers)
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.workers)
+
+    def submit(self, plan: TransferPlan) -> None:
+        for worker in self.workers:
+            worker.submit(plan)
+
+    def poll(self) -> list[TransferAck]:
+        return [ack for worker in self.workers for ack in worker.poll()]
+
+    def wait(self, timeout_s: float) -> list[TransferAck]:
+        deadline = time.monotonic() + timeout_s
+        acks = []
+        for worker in self.workers:
+            acks += worker.wait(max(0.0, deadline - time.monotonic()))
+        return acks
+
+
+@dataclass
+class PendingTransfer:
+    """One op in flight and the nodes whose state waits on it (in root-to-leaf order)."""
+
+    op: TransferOp
+    seq: int
+    nodes: list[TreeNode]
+    num_hosts: int
+    acked_hosts: set[int] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+    bytes_moved: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def kind(self) -> OpKind:
+        return self.op.kind
+
+    @property
+    def done(self) -> bool:
+        return len(self.acked_hosts) == self.num_hosts
+
+    @property
+    def ok(self) -> bool:
+        return self.done and not self.errors
+
+    def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        """The tree split ``suffix``; ``prefix`` now carries the first part of the same transfer."""
+        self.nodes.insert(self.nodes.index(suffix), prefix)
+
+    def record(self, ack: TransferAck) -> None:
+        if ack.host in self.acked_hosts:
+            return  # a duplicate ack changes nothing
+        self.acked_hosts.add(ack.host)
+        self.bytes_moved += ack.bytes_moved
+        if not ack.ok:
+            self.errors.append(f"host {ack.host}: {ack.error}")
