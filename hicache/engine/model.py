@@ -70,42 +70,67 @@ Params = dict[str, Any]
 
 # --- weights -------------------------------------------------------------------------------------
 
-def init_params(cfg: ModelConfig, device: jax.Device | None = None) -> Params:
-    """Deterministic weights from ``cfg.seed``; scaled so activations stay O(1) through the layers."""
-    dt = cfg.jnp_dtype
-    key = jax.random.key(cfg.seed)
-    k_embed, k_head, k_layers = jax.random.split(key, 3)
+_BLOCK = 1 << 16
 
-    def dense(k: jax.Array, fan_in: int, fan_out: int) -> jax.Array:
-        return (jax.random.normal(k, (fan_in, fan_out), jnp.float32) / np.sqrt(fan_in)).astype(dt)
 
-    def norm_w(k: jax.Array, n: int) -> jax.Array:
-        return (1.0 + 0.1 * jax.random.normal(k, (n,), jnp.float32)).astype(dt)
+@jax.jit
+def _normal_block(seed: jax.Array, index: jax.Array) -> jax.Array:
+    """f32[_BLOCK] standard normals, block ``index`` of the stream of ``seed`` (threefry)."""
+    return jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), (_BLOCK,), jnp.float32)
 
+
+def _normal_stream(seed: int, n: int) -> np.ndarray:
+    """The first ``n`` numbers of the seed's normal stream: fixed-shape blocks, so one compile serves
+    every config (per-tensor PRNG calls cost seconds of op-by-op compiles on a busy CPU)."""
+    blocks = [np.asarray(_normal_block(np.int32(seed), np.int32(b))) for b in range(-(-n // _BLOCK))]
+    return np.concatenate(blocks)[:n]
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The params pytree with shapes as leaves (same structure as ``init_params``)."""
     h, q_dim, kv_dim = cfg.hidden, cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layers = []
-    for lk in jax.random.split(k_layers, cfg.num_layers):
-        ks = jax.random.split(lk, 9)
-        layers.append({
-            "attn_norm": norm_w(ks[0], h),
-            "wq": dense(ks[1], h, q_dim),
-            "wk": dense(ks[2], h, kv_dim),
-            "wv": dense(ks[3], h, kv_dim),
-            "wo": dense(ks[4], q_dim, h),
-            "mlp_norm": norm_w(ks[5], h),
-            "w_gate": dense(ks[6], h, cfg.mlp_hidden),
-            "w_up": dense(ks[7], h, cfg.mlp_hidden),
-            "w_down": dense(ks[8], cfg.mlp_hidden, h),
-        })
-    params = {
-        "embed": jax.random.normal(k_embed, (cfg.vocab_size, h), jnp.float32).astype(dt),
-        "layers": layers,
-        "final_norm": jnp.ones((h,), dt),
-        "lm_head": dense(k_head, h, cfg.vocab_size),
+    layer = {
+        "attn_norm": (h,), "wq": (h, q_dim), "wk": (h, kv_dim), "wv": (h, kv_dim), "wo": (q_dim, h),
+        "mlp_norm": (h,), "w_gate": (h, cfg.mlp_hidden), "w_up": (h, cfg.mlp_hidden),
+        "w_down": (cfg.mlp_hidden, h),
     }
-    if device is not None:
-        params = jax.device_put(params, device)
-    return params
+    return {"embed": (cfg.vocab_size, h), "layers": [dict(layer) for _ in range(cfg.num_layers)],
+            "final_norm": (h,), "lm_head": (h, cfg.vocab_size)}
+
+
+def init_params(cfg: ModelConfig, device: jax.Device | None = None) -> Params:
+    """Deterministic weights, a pure function of ``cfg`` (seed and shapes).
+
+    Tensors take consecutive slices of the seed's normal stream in a fixed order (embed, then each
+    layer's tensors in ``param_shapes`` order, then the head): matrices scaled by 1/sqrt(fan_in) so
+    activations stay O(1), norm weights 1 + 0.1 * noise (the final norm is ones).
+    """
+    shapes = param_shapes(cfg)
+    sizes = [int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))]
+    stream = _normal_stream(cfg.seed, sum(sizes))
+    offset = 0
+
+    def take(shape: tuple[int, ...]) -> np.ndarray:
+        nonlocal offset
+        n = int(np.prod(shape))
+        out = stream[offset: offset + n].reshape(shape)
+        offset += n
+        return out
+
+    def tensor(name: str, shape: tuple[int, ...]) -> jax.Array:
+        x = take(shape)
+        if name.endswith("norm"):
+            x = 1.0 + 0.1 * x
+        elif name != "embed":
+            x = x / np.sqrt(shape[0])
+        return jnp.asarray(x.astype(np.float32), cfg.jnp_dtype, device=device)
+
+    embed = tensor("embed", shapes["embed"])
+    layers = [{name: tensor(name, shape) for name, shape in layer.items()} for layer in shapes["layers"]]
+    final_norm = jnp.ones(shapes["final_norm"], cfg.jnp_dtype, device=device)
+    take(shapes["final_norm"])  # keep the stream order independent of how the final norm is set
+    lm_head = tensor("lm_head", shapes["lm_head"])
+    return {"embed": embed, "layers": layers, "final_norm": final_norm, "lm_head": lm_head}
 
 
 # --- building blocks (shared by the paged forward and the dense reference) -----------------------

@@ -129,12 +129,7 @@ class ModelRunner:
         generated token except the last, so ``page_table`` must cover
         ``len(tokens) + max_new_tokens - 1`` positions.
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        need = pages_needed(len(tokens) + max_new_tokens - 1, self.fwd.page_size)
-        if len(page_table) < need:
-            raise ValueError(f"page_table has {len(page_table)} pages, {need} needed for "
-                             f"{len(tokens)} tokens + {max_new_tokens} new tokens")
+        self._check_decode(tokens, page_table, max_new_tokens)
         seq = [int(t) for t in tokens]
         out_tokens: list[int] = []
         out_logits = [np.asarray(last_logits, np.float32)]
@@ -150,6 +145,7 @@ class ModelRunner:
     def generate(self, tokens: Sequence[int], page_table: Sequence[int], max_new_tokens: int,
                  start_pos: int = 0, stop_token: int | None = None) -> Generation:
         """``prefill`` from ``start_pos`` then greedy ``decode``, in the runner's pools."""
+        self._check_decode(tokens, page_table, max_new_tokens)
         logits = self.prefill(tokens, page_table, start_pos)
         return self.decode(tokens, logits, page_table, max_new_tokens, stop_token)
 
@@ -168,6 +164,15 @@ class ModelRunner:
             self._k, self._v = saved
 
     # --- internals -----------------------------------------------------------------------------
+
+    def _check_decode(self, tokens: Sequence[int], page_table: Sequence[int],
+                      max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        need = pages_needed(len(tokens) + max_new_tokens - 1, self.fwd.page_size)
+        if len(page_table) < need:
+            raise ValueError(f"page_table has {len(page_table)} pages, {need} needed for "
+                             f"{len(tokens)} tokens + {max_new_tokens} new tokens")
 
     def _check(self, tokens: Sequence[int], page_table: Sequence[int],
                start_pos: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,307 @@
+"""Reference engine: cached KV == recomputed KV, bit for bit; the paged model is the dense model.
+
+Real JAX on CPU, no mocks. One ``ModelRunner`` per model config per module (one compile each); each
+test takes fresh pages from a per-runner page counter, so tests share the pools without interfering.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from hicache.engine import (
+    ForwardConfig,
+    ModelConfig,
+    ModelRunner,
+    chunk_rows,
+    init_params,
+    kv_layout,
+    numerics_key,
+    pages_needed,
+    prefill_start,
+    reference_forward,
+)
+
+PAGE = 8
+FWD = ForwardConfig(chunk_size=16, page_size=PAGE, max_pages=16)  # max context 128
+NUM_PAGES = 512
+BASE = ModelConfig(num_layers=2)
+SWA = ModelConfig(num_layers=3, sliding_window=12)  # window on layers 0 and 2, full on layer 1
+
+
+class Pages:
+    """Hands out never-reused page ids of one runner (the tests' stand-in for the L1 allocator)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._next = itertools.count()
+
+    def take(self, n: int) -> list[int]:
+        ids = [next(self._next) for _ in range(n)]
+        assert ids[-1] < NUM_PAGES, "test page budget exhausted; raise NUM_PAGES"
+        return ids
+
+
+@pytest.fixture(scope="module")
+def base() -> Pages:
+    return Pages(ModelRunner(BASE, FWD, NUM_PAGES))
+
+
+@pytest.fixture(scope="module")
+def swa() -> Pages:
+    return Pages(ModelRunner(SWA, FWD, NUM_PAGES))
+
+
+@pytest.fixture(params=["base", "swa"])
+def pages(request: pytest.FixtureRequest) -> Pages:
+    return request.getfixturevalue(request.param)
+
+
+def _prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def _kv(runner: ModelRunner, table: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    k, v = runner.pools
+    return kv_layout.read_positions(k, np.asarray(table), n), kv_layout.read_positions(v, np.asarray(table), n)
+
+
+def _assert_same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.shape == b.shape, what
+    assert a.tobytes() == b.tobytes(), f"{what}: max |diff| {np.max(np.abs(a - b))}"
+
+
+# --- (1) prefix reuse, incl. KV written by decode steps --------------------------------------------
+
+@pytest.mark.parametrize("reuse_pages", [1, 3, 5, 6, 8])
+def test_prefill_with_reused_pages_is_bit_identical(pages: Pages, reuse_pages: int) -> None:
+    """Request A: 45-token prompt + 20 greedy tokens (positions 45..63 written by decode steps).
+    Request B: A's sequence + a new turn, reusing A's first ``reuse_pages`` pages (page 5 mixes
+    prefill and decode KV, pages 6-7 are decode-only). B's logits, KV and greedy tokens must equal
+    B recomputed from scratch."""
+    r = pages.runner
+    prompt_a = _prompt(1, 45)
+    table_a = pages.take(8)
+    gen_a = r.generate(prompt_a, table_a, max_new_tokens=20)
+    seq_a = prompt_a + list(gen_a.tokens)  # KV present for positions [0, 64)
+    prompt_b = seq_a[:64] + _prompt(2, 13)  # 77 tokens
+    new_tokens = 9
+    n_pages_b = pages_needed(len(prompt_b) + new_tokens - 1, PAGE)
+
+    table_scratch = pages.take(n_pages_b)
+    scratch = r.extend(prompt_b, table_scratch, 0)  # f32[77, vocab]
+    scratch_gen = r.decode(prompt_b, scratch[-1], table_scratch, new_tokens)
+
+    start = reuse_pages * PAGE
+    table_b = table_a[:reuse_pages] + pages.take(n_pages_b - reuse_pages)
+    reused = r.extend(prompt_b, table_b, start)
+    _assert_same_bits(reused, scratch[start:], "prompt logits after reuse")
+    gen_b = r.decode(prompt_b, reused[-1], table_b, new_tokens)
+    assert gen_b.tokens == scratch_gen.tokens
+    _assert_same_bits(gen_b.logits, scratch_gen.logits, "decode logits after reuse")
+
+    n_kv = len(prompt_b) + new_tokens - 1
+    for got, want, name in zip(_kv(r, table_b, n_kv), _kv(r, table_scratch, n_kv), "KV"):
+        _assert_same_bits(got, want, f"{name} in B's pages")
+    # A's decode-written KV equals the prefill-written KV of the same tokens.
+    for got, want, name in zip(_kv(r, table_a, 64), _kv(r, table_scratch, 64), "KV"):
+        _assert_same_bits(got, want, f"{name} of A (prefill+decode) vs scratch prefill")
+
+
+def test_chunk_split_does_not_change_bits(pages: Pages) -> None:
+    """The same 77 tokens computed in one pass, in odd splits, and token by token (as decode does)."""
+    r = pages.runner
+    seq = _prompt(3, 77)
+    n = pages_needed(len(seq), PAGE)
+    table_one = pages.take(n)
+    one = r.extend(seq, table_one, 0)
+    for cuts in ([5, 29, 30, 61], list(range(1, 77))):
+        table = pages.take(n)
+        parts = [r.extend(seq[:end], table, beg) for beg, end in zip([0] + cuts, cuts + [77])]
+        _assert_same_bits(np.concatenate(parts), one, f"logits with cuts {cuts[:6]}")
+        for got, want, name in zip(_kv(r, table, 77), _kv(r, table_one, 77), "KV"):
+            _assert_same_bits(got, want, f"{name} with cuts {cuts[:6]}")
+
+
+def test_reuse_from_copied_pages(pages: Pages) -> None:
+    """A prefix loaded back into *other* page ids (as an L2 -> L1 load does) gives the same bits."""
+    r = pages.runner
+    prompt = _prompt(4, 50)
+    table_src = pages.take(pages_needed(50, PAGE))
+    first = r.generate(prompt, table_src, max_new_tokens=1)
+    moved = pages.take(4)  # copy the first 4 pages (32 tokens) elsewhere
+    k, v = (np.array(a) for a in r.pools)
+    k[:, moved], v[:, moved] = k[:, table_src[:4]], v[:, table_src[:4]]
+    r.set_pools(*jax.device_put((k, v), r.device))
+    table = moved + pages.take(3)
+    again = r.generate(prompt, table, max_new_tokens=6, start_pos=32)
+    ref = r.generate_no_cache(prompt, max_new_tokens=6)
+    assert again.tokens == ref.tokens and again.tokens[0] == first.tokens[0]
+    _assert_same_bits(again.logits, ref.logits, "logits from moved pages")
+
+
+# --- (2) greedy decoding, multi-turn ---------------------------------------------------------------
+
+def test_multi_turn_greedy_matches_no_cache(pages: Pages) -> None:
+    """Three turns, each reusing everything the previous turn left in the pages."""
+    r = pages.runner
+    table = pages.take(FWD.max_pages)
+    seq: list[int] = []
+    cached = 0  # positions whose KV is in ``table``
+    for turn in range(3):
+        seq = seq + _prompt(10 + turn, 11 + 7 * turn)
+        start = prefill_start(cached, len(seq), PAGE)
+        gen = r.generate(seq, table, max_new_tokens=8, start_pos=start)
+        ref = r.generate_no_cache(seq, max_new_tokens=8)
+        assert gen.tokens == ref.tokens, f"turn {turn}"
+        _assert_same_bits(gen.logits, ref.logits, f"turn {turn} logits")
+        seq = seq + list(gen.tokens)
+        cached = len(seq) - 1
+
+
+def test_generate_no_cache_leaves_l1_untouched(base: Pages) -> None:
+    r = base.runner
+    before = [np.asarray(a).copy() for a in r.pools]
+    r.generate_no_cache(_prompt(5, 20), max_new_tokens=3)
+    for got, want in zip(r.pools, before):
+        _assert_same_bits(np.asarray(got), want, "L1 pool")
+
+
+def test_stop_token(base: Pages) -> None:
+    r = base.runner
+    ref = r.generate_no_cache(_prompt(6, 20), max_new_tokens=6)
+    stop = ref.tokens[2]
+    cut = r.generate_no_cache(_prompt(6, 20), max_new_tokens=6, stop_token=stop)
+    assert cut.tokens == ref.tokens[: ref.tokens.index(stop) + 1]
+
+
+# --- (3) the paged model is the dense model; sliding window ---------------------------------------
+
+def test_paged_forward_matches_dense_reference(pages: Pages) -> None:
+    r = pages.runner
+    seq = _prompt(7, 100)
+    got = r.extend(seq, pages.take(pages_needed(100, PAGE)), 0)
+    want = np.asarray(reference_forward(r.params, np.asarray(seq, np.int32), cfg=r.model))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.all(np.isfinite(got))
+
+
+def test_sliding_window_changes_only_late_positions(base: Pages, swa: Pages) -> None:
+    """Same weights (same seed and shapes up to layer 2); SWA differs only once the window cuts."""
+    seq = _prompt(8, 40)
+    b = base.runner.extend(seq, base.take(5), 0)
+    s_cfg = ModelConfig(num_layers=2, sliding_window=SWA.sliding_window)
+    s = np.asarray(reference_forward(init_params(s_cfg), np.asarray(seq, np.int32), cfg=s_cfg))
+    w = SWA.sliding_window
+    np.testing.assert_allclose(s[:w], b[:w], rtol=1e-4, atol=1e-4)
+    assert np.max(np.abs(s[w:] - b[w:])) > 1e-2
+
+
+def test_swa_layers_never_read_outside_the_window(swa: Pages) -> None:
+    """NaN in SWA-layer pages behind every window changes nothing; NaN inside a window does."""
+    r = swa.runner
+    w = SWA.sliding_window
+    prompt = _prompt(9, 70)
+    ref = r.generate_no_cache(prompt, max_new_tokens=5)
+    start = 48  # queries from 48 on see positions > 48 - 12 = 36: pages 0-3 (positions < 32) are dead
+    table = swa.take(pages_needed(70 + 4, PAGE))
+    r.extend(prompt[:start], table, 0)
+    dead = table[: (start - w + 1) // PAGE]
+    k, v = r.pools
+    r.set_pools(kv_layout.fill_pages(k, dead, np.nan, SWA.swa_layers),
+                kv_layout.fill_pages(v, dead, np.nan, SWA.swa_layers))
+    gen = r.generate(prompt, table, max_new_tokens=5, start_pos=start)
+    assert gen.tokens == ref.tokens
+    _assert_same_bits(gen.logits, ref.logits, "logits with NaN behind the window")
+
+    live_page = table[len(dead)]  # positions 32..39: inside the window of query 48
+    k, v = r.pools
+    r.set_pools(kv_layout.fill_pages(k, [live_page], np.nan, SWA.swa_layers[:1]), v)
+    poisoned = r.extend(prompt, table, start)
+    assert np.all(np.isnan(poisoned[0])), "query 48 must read positions 37..39 of layer 0"
+
+
+# --- (4) bad input and config ----------------------------------------------------------------------
+
+def test_bad_requests_raise_value_error_naming_the_value(base: Pages) -> None:
+    r = base.runner
+    prompt = _prompt(11, 20)
+    table = base.take(3)
+    with pytest.raises(ValueError, match=r"page_table has 2 pages, 3 needed"):
+        r.prefill(prompt, table[:2])
+    with pytest.raises(ValueError, match=r"token id 512 at index 4"):
+        r.prefill(prompt[:4] + [512] + prompt[5:], table)
+    with pytest.raises(ValueError, match=r"token id -1 at index 0"):
+        r.prefill([-1] + prompt[1:], table)
+    with pytest.raises(ValueError, match=r"start_pos=3 must be a multiple of page_size=8"):
+        r.prefill(prompt, table, start_pos=3)
+    with pytest.raises(ValueError, match=r"start_pos=24 must be in \[0, 20\)"):
+        r.prefill(prompt, table, start_pos=24)
+    with pytest.raises(ValueError, match=rf"page id {NUM_PAGES} at index 1"):
+        r.prefill(prompt, [table[0], NUM_PAGES, table[2]])
+    with pytest.raises(ValueError, match=r"repeats a page"):
+        r.prefill(prompt, [table[0], table[0], table[2]])
+    with pytest.raises(ValueError, match=r"129 tokens exceed max_context=128"):
+        r.prefill(_prompt(12, 129), list(range(17)))
+    with pytest.raises(ValueError, match=r"non-empty"):
+        r.prefill([], table)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be a positive int, got 0"):
+        r.generate(prompt, table, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"page_table has 3 pages, 4 needed for 20 tokens \+ 8 new"):
+        r.generate(prompt, table, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_q_heads": 3}, r"num_q_heads=3 must be a multiple of num_kv_heads=2"),
+    ({"head_dim": 31}, r"head_dim must be even for RoPE, got 31"),
+    ({"vocab_size": 0}, r"vocab_size must be a positive int, got 0"),
+    ({"dtype": "float16"}, r"dtype must be one of .*'float16'"),
+    ({"sliding_window": 0}, r"sliding_window must be a positive int, got 0"),
+    ({"sliding_window": 4, "sliding_window_layers": (0, 2)}, r"entry 2 not in \[0, 2\)"),
+    ({"sliding_window_layers": (0,)}, r"without sliding_window"),
+])
+def test_bad_model_config(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**kwargs)
+
+
+def test_bad_forward_config_and_pools() -> None:
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int, got 0"):
+        ForwardConfig(chunk_size=0)
+    k, v = kv_layout.make_pools(BASE, 4, PAGE)
+    with pytest.raises(ValueError, match=r"pool page_size=4 != ForwardConfig.page_size=8"):
+        ModelRunner(BASE, FWD, pools=kv_layout.make_pools(BASE, 4, 4))
+    with pytest.raises(ValueError, match=r"does not match the model"):
+        ModelRunner(BASE, FWD, pools=kv_layout.make_pools(SWA, 4, PAGE))
+    with pytest.raises(ValueError, match=r"k_pool shape .* != v_pool shape"):
+        ModelRunner(BASE, FWD, pools=(k, v[:, :2]))
+
+
+# --- small pure pieces -----------------------------------------------------------------------------
+
+def test_chunk_rows_pin_each_position_to_its_row() -> None:
+    assert chunk_rows(0, 16, 16) == [(0, 0, 16)]
+    assert chunk_rows(8, 40, 16) == [(0, 8, 16), (16, 16, 32), (32, 32, 40)]
+    assert chunk_rows(45, 46, 16) == [(32, 45, 46)]
+    with pytest.raises(ValueError, match=r"start=5, end=5"):
+        chunk_rows(5, 5, 16)
+
+
+def test_prefill_start_and_window_layers() -> None:
+    assert prefill_start(0, 20, 8) == 0
+    assert prefill_start(19, 20, 8) == 16
+    assert prefill_start(16, 16, 8) == 8  # fully cached: recompute the last page for the logits
+    assert prefill_start(40, 20, 8) == 16
+    assert SWA.swa_layers == (0, 2) and BASE.swa_layers == ()
+    assert ModelConfig(num_layers=4, sliding_window=8, sliding_window_layers=(1, 3)).swa_layers == (1, 3)
+    assert numerics_key(BASE, FWD, "cpu") != numerics_key(BASE, ForwardConfig(chunk_size=8), "cpu")
+
+
+def test_forward_donates_the_pools(base: Pages) -> None:
+    r = base.runner
+    old_k, _ = r.pools
+    r.prefill(_prompt(13, 5), base.take(1))
+    assert old_k.is_deleted(), "forward_chunk must donate k_pool (callers must drop old references)"
