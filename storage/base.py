@@ -7,9 +7,10 @@ its absolute index in its chain (``first_page + i``). Storage groups consecutive
 into objects (``pages_per_object``); callers only ever see pages.
 
 Buffer ownership. The host pool (``HostPool``, implemented by the worker's host pool) owns its
-slots. Storage calls ``read_slots`` / ``write_slots`` only from the thread that called
-``batch_get`` / ``batch_set`` and only during that call; ``read_slots`` returns a fresh array that
-storage owns and drops when the call returns; ``write_slots`` copies out of a buffer storage owns.
+slots. Storage calls ``read_slots`` / ``write_slots`` only during a ``batch_get`` /
+``batch_set`` call, from the calling thread (or from its I/O threads, on disjoint slots, if the
+pool declares ``concurrent_slot_io = True``), never after the call returned; ``read_slots``
+returns a fresh array that storage owns and drops when the call returns; ``write_slots`` copies out of a buffer storage owns.
 The caller must keep the slots of an in-flight call pinned (not freed, not reused) until it
 returns. Storage never keeps a reference to pool memory between calls.
 
@@ -51,6 +52,14 @@ class HostPool(Protocol):
     slot_shape: tuple[int, ...]
     dtype: np.dtype
     slot_bytes: int
+    # Optional (not part of the structural check): a pool that sets ``concurrent_slot_io = True``
+    # allows storage's I/O threads to call read_slots/write_slots concurrently on *disjoint*
+    # slots during a call (faster: copies and checksums run in parallel). Storage guarantees no
+    # such access after the call returns, also when the call times out. Such a pool may also
+    # offer ``slot_view(start, n) -> ndarray [n, *slot_shape]``: a C-contiguous view of
+    # consecutive slots; file:// then reads/writes objects straight from/to pool memory (one copy
+    # less). A payload that fails verification after landing in a view is zeroed, so corrupt
+    # bytes never stay in the pool.
 
     def read_slots(self, slots: np.ndarray) -> np.ndarray:  # slots: i32[n] -> [n, *slot_shape]
         """Copy of the slots' contents (owned by the caller)."""

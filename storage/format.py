@@ -132,29 +132,31 @@ def encode_header(meta: ObjectMeta, payload: bytes | memoryview | np.ndarray) ->
     return head + _HEADER_CRC.pack(crc32c(head))
 
 
-def decode(
-    buf: bytes | bytearray | memoryview,
-    expect: ObjectMeta,
-    *,
-    payload_len: int | None = None,
-    verify_payload: bool = True,
-) -> memoryview:
-    """Verify ``buf`` against ``expect`` (and the expected ``payload_len`` if given); return the
-    payload view or raise ``CorruptObjectError``."""
-    mv = memoryview(buf).cast("B")
-    n = len(mv)
-    if n < 12:
+def decode_header(
+    head: bytes | bytearray | memoryview, expect: ObjectMeta, *, payload_len: int, total_len: int
+) -> int:
+    """Verify the header bytes ``head`` of an object of ``total_len`` bytes whose payload must be
+    ``payload_len`` bytes; return the payload checksum to verify the payload against."""
+    return _check_header(memoryview(head).cast("B"), total_len, expect, payload_len)[1]
+
+
+def _check_header(mv: memoryview, n: int, expect: ObjectMeta, payload_len: int | None) -> tuple[int, int]:
+    """Checks everything but the payload checksum; ``n`` is the object's total size.
+    Returns (header_len, payload crc)."""
+    if len(mv) < 12:
         raise CorruptObjectError(CorruptReason.SHORT, f"{n} bytes < minimal header")
     if bytes(mv[:8]) != MAGIC:
         raise CorruptObjectError(CorruptReason.BAD_MAGIC, f"magic {bytes(mv[:8])!r}")
     version, header_len = struct.unpack_from("<HH", mv, 8)
     if version != FORMAT_VERSION:
         raise CorruptObjectError(CorruptReason.BAD_VERSION, f"format version {version} != {FORMAT_VERSION}")
-    if n < _FIXED.size + _HEADER_CRC.size or n < header_len:
+    if n < _FIXED.size + _HEADER_CRC.size or n < header_len or len(mv) < _FIXED.size + _HEADER_CRC.size:
         raise CorruptObjectError(CorruptReason.SHORT, f"{n} bytes < header")
     (_, _, _, kind, ndim, _, fp, key, first_page, num_pages, _, dtype_raw, plen, pcrc) = _FIXED.unpack_from(mv, 0)
     if header_len != _FIXED.size + 4 * ndim + _HEADER_CRC.size:
         raise CorruptObjectError(CorruptReason.BAD_HEADER, f"header_len {header_len} vs ndim {ndim}")
+    if len(mv) < header_len:
+        raise CorruptObjectError(CorruptReason.BAD_SHAPE, f"header of {header_len} bytes, expected {expect.header_len}")
     (hcrc,) = _HEADER_CRC.unpack_from(mv, header_len - _HEADER_CRC.size)
     if crc32c(mv[: header_len - _HEADER_CRC.size]) != hcrc:
         raise CorruptObjectError(CorruptReason.BAD_HEADER, "header checksum mismatch")
@@ -181,6 +183,20 @@ def decode(
         raise CorruptObjectError(CorruptReason.SHORT, f"payload {have} < {plen} bytes")
     if have > plen:
         raise CorruptObjectError(CorruptReason.TRAILING, f"payload {have} > {plen} bytes")
+    return header_len, pcrc
+
+
+def decode(
+    buf: bytes | bytearray | memoryview,
+    expect: ObjectMeta,
+    *,
+    payload_len: int | None = None,
+    verify_payload: bool = True,
+) -> memoryview:
+    """Verify ``buf`` against ``expect`` (and the expected ``payload_len`` if given); return the
+    payload view or raise ``CorruptObjectError``."""
+    mv = memoryview(buf).cast("B")
+    header_len, pcrc = _check_header(mv, len(mv), expect, payload_len)
     payload = mv[header_len:]
     if verify_payload and crc32c(payload) != pcrc:
         raise CorruptObjectError(CorruptReason.BAD_CHECKSUM, "payload checksum mismatch")

@@ -76,6 +76,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
+import google_crc32c
 import numpy as np
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -95,6 +96,9 @@ from hicache.storage.base import (
 from hicache.storage.format import (
     FORMAT_VERSION,
     CorruptObjectError,
+    CorruptReason,
+    crc32c,
+    decode_header,
     ObjectKind,
     ObjectMeta,
     decode,
@@ -106,13 +110,14 @@ MiB = 1 << 20
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
 _FALLBACK_TARGET_OBJECT_BYTES = 8 * MiB
 _TMP_PREFIX = ".tmp-"
+_READ_CHUNK = 256 << 10
 
 
 @dataclasses.dataclass(frozen=True)
 class StorageConfig:
     timeout_s: float = 30.0  # default deadline of one call (exists/get/set)
     io_threads: int = 8  # sync backends: worker threads; async: max concurrent requests / 4
-    max_pending_ops: int | None = None  # sync backends: unfinished ops cap (default 8 * io_threads)
+    max_pending_ops: int | None = None  # sync backends: cap on abandoned, still-running ops (8 * io_threads)
     target_object_bytes: int | None = None  # None → DEFAULT_TARGET_OBJECT_BYTES[scheme]
     pages_per_object: int | None = None  # overrides target_object_bytes for every pool
     write_partial_chunks: bool = True  # store the tail of a sequence that ends mid-chunk
@@ -154,11 +159,11 @@ class _Backend:
     def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
         self.fs = fs
         self._ex = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hicache-l3")
-        # Admission control: operations submitted and not yet finished (abandoned ones included).
-        # A hung backend fills this up; further operations then fail fast instead of queueing
+        # Admission control: operations abandoned at a deadline and still running. A hung
+        # backend accumulates them; past the cap, new calls fail fast instead of queueing
         # without bound (and holding their payloads) behind the stuck ones.
-        self._max_pending = max_pending or threads * 8
-        self._pending = 0
+        self._max_abandoned = max_pending or threads * 8
+        self._abandoned = 0
         self._plock = threading.Lock()
 
     # per-path primitives (run on worker threads) -------------------------------------------
@@ -194,27 +199,13 @@ class _Backend:
     # batch forms ---------------------------------------------------------------------------
     def map(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
         """Yield ``(index, result or exception)`` as completed; ``TimeoutError`` at the deadline."""
-        futs: dict[cf.Future, int] = {}
-        refused: list[int] = []
-
-        def run(*args: Any) -> Any:
-            try:
-                return fn(*args)
-            finally:
-                with self._plock:
-                    self._pending -= 1
-
-        for i, it in enumerate(items):
-            with self._plock:
-                ok = self._pending < self._max_pending
-                if ok:
-                    self._pending += 1
-            if ok:
-                futs[self._ex.submit(run, *it)] = i
-            else:
-                refused.append(i)
-        for i in refused:
-            yield i, BlockingIOError("storage backend saturated: too many unfinished operations")
+        with self._plock:
+            saturated = self._abandoned >= self._max_abandoned
+        if saturated:
+            for i in range(len(items)):
+                yield i, BlockingIOError("storage backend saturated: too many abandoned operations")
+            return
+        futs = {self._ex.submit(fn, *it): i for i, it in enumerate(items)}
         seen: set[int] = set()
         try:
             for f in cf.as_completed(futs, timeout=deadline.left()):
@@ -225,8 +216,16 @@ class _Backend:
         except cf.TimeoutError:
             pass
         for f, i in futs.items():
-            if i not in seen:  # abandoned; it finishes (harmlessly) in the background
+            if i not in seen:  # abandoned: it still runs (harmlessly) in the background; not
+                # cancelled, because a cancelled item would sit in the executor queue uncounted
+                with self._plock:
+                    self._abandoned += 1
+                f.add_done_callback(self._release)
                 yield i, TimeoutError(f"storage operation {i} did not finish by the deadline")
+
+    def _release(self, _: cf.Future) -> None:
+        with self._plock:
+            self._abandoned -= 1
 
     def exists_many(self, paths: Sequence[str], deadline: _Deadline) -> list[Any]:
         out: list[Any] = [None] * len(paths)
@@ -284,6 +283,29 @@ class _LocalBackend(_Backend):
                     break
                 got += n
         return mv[:got]
+
+    def read_into(self, path: str, meta: ObjectMeta, payload_len: int, dest: np.ndarray, guard: _CallGuard) -> int:
+        """Verify the header, then read the payload straight into ``dest`` (pool memory) and
+        verify it there; on a payload failure ``dest`` is zeroed (corrupt bytes never stay)."""
+        u8 = dest.reshape(-1).view(np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            total = os.fstat(f.fileno()).st_size
+            head = f.read(meta.header_len)
+            pcrc = decode_header(head, meta, payload_len=payload_len, total_len=total)
+            with guard:
+                mv = memoryview(u8)
+                got, crc = 0, 0
+                while got < payload_len:  # checksum each chunk while it is still in cache
+                    n = f.readinto(mv[got : got + _READ_CHUNK])
+                    if not n:
+                        break
+                    crc = google_crc32c.extend(crc, u8[got : got + n])
+                    got += n
+                if got != payload_len or crc != pcrc:
+                    u8[:] = 0
+                    reason = CorruptReason.SHORT if got != payload_len else CorruptReason.BAD_CHECKSUM
+                    raise CorruptObjectError(reason, f"payload {got}/{payload_len} bytes read")
+        return total
 
     def _write_once(self, path: str, header: bytes, payload: np.ndarray) -> bool:
         if os.path.exists(path):
@@ -417,6 +439,62 @@ def _make_backend(fs: Any, threads: int, max_pending: int | None) -> _Backend:
 # ---------------------------------------------------------------------------------------------
 # The store
 # ---------------------------------------------------------------------------------------------
+
+
+class _CallGuard:
+    """Pool access of one call from I/O threads (many at once) stops for good when the call
+    returns: ``close`` waits for copies in progress, later ``enter`` fails."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._cv:
+            if self._closed:
+                raise TimeoutError("the call returned before this object reached the host pool")
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cv:
+            self._active -= 1
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.wait_for(lambda: self._active == 0)
+
+
+def _concurrent_io(pool: HostPool) -> bool:
+    """Pools that declare ``concurrent_slot_io = True`` are read/written from I/O threads
+    (disjoint slots, concurrently); others only from the calling thread."""
+    return bool(getattr(pool, "concurrent_slot_io", False))
+
+
+def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
+    """Zero-copy view of consecutive slots if the pool offers ``slot_view(start, n)``."""
+    fn = getattr(pool, "slot_view", None)
+    n = len(slots)
+    if fn is None or n == 0:
+        return None
+    s0 = int(slots[0])
+    if int(slots[-1]) - s0 != n - 1 or (n > 2 and not bool(np.all(np.diff(slots) == 1))):
+        return None
+    v = fn(s0, n)
+    if (
+        not isinstance(v, np.ndarray)
+        or v.shape != (n, *pool.slot_shape)
+        or v.dtype != np.dtype(pool.dtype)
+        or not v.flags.c_contiguous
+    ):
+        return None
+    return v
+
+
+def _with_header(meta: ObjectMeta, data: np.ndarray) -> tuple[bytes, np.ndarray]:
+    return encode_header(meta, data.reshape(-1).view(np.uint8)), data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -684,28 +762,60 @@ class FsspecStorage(HiCacheStorage):
         if objs:
             metas = [self._meta(queries[o.t][0], o.start, o.m, o.key) for o in objs]
             plens = [o.m * int(queries[o.t][0].pool.slot_bytes) for o in objs]
-            verify = True
+            guard = _CallGuard()
 
-            def post(i: int, raw: Any) -> memoryview:
-                return decode(raw, metas[i], payload_len=plens[i], verify_payload=verify)
-
-            loaded: list[tuple[int, int, str]] = []
-            for i, r in self._io.read_many([o.path for o in objs], post, deadline):
-                o = objs[i]
-                if isinstance(r, CorruptObjectError):
-                    self._on_corrupt(o.path, r, deadline)
-                    continue
-                if isinstance(r, BaseException):
-                    self._count_exc(r)
-                    continue
+            def scatter(o: _Obj, payload: memoryview) -> None:
                 reg, keys, slots, first = queries[o.t]
                 lo, hi = max(o.start, first), min(o.start + o.m, first + len(keys))
-                pages = np.frombuffer(r, dtype=np.dtype(reg.pool.dtype)).reshape((o.m, *reg.pool.slot_shape))
+                pages = np.frombuffer(payload, dtype=np.dtype(reg.pool.dtype)).reshape((o.m, *reg.pool.slot_shape))
                 reg.pool.write_slots(slots[lo - first : hi - first], pages[lo - o.start : hi - o.start])
-                for p in range(lo, hi):
-                    results[o.t][p - first] = True
-                loaded.append((o.t, o.start, o.path))
-                self._count(objects_read=1, bytes_read=len(r))
+
+            def post(i: int, raw: Any) -> Any:
+                payload = decode(raw, metas[i], payload_len=plens[i])
+                o = objs[i]
+                if not _concurrent_io(queries[o.t][0].pool):
+                    return payload  # scattered on the calling thread below
+                with guard:  # never touch the pool after the call returned
+                    scatter(o, payload)
+                return len(raw)
+
+            views: list[np.ndarray | None] = [None] * len(objs)
+            if self._local:
+                for i, o in enumerate(objs):
+                    reg, keys, slots, first = queries[o.t]
+                    if o.start >= first and o.start + o.m <= first + len(keys) and _concurrent_io(reg.pool):
+                        views[i] = _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m])
+
+            def task(i: int, path: str) -> Any:
+                v = views[i]
+                if v is not None:
+                    return self._io.read_into(path, metas[i], plens[i], v, guard)  # type: ignore[attr-defined]
+                return post(i, self._io._read(path))
+
+            loaded: list[tuple[int, int, str]] = []
+            try:
+                reads = (
+                    self._io.map(task, [(i, o.path) for i, o in enumerate(objs)], deadline)
+                    if self._local
+                    else self._io.read_many([o.path for o in objs], post, deadline)
+                )
+                for i, r in reads:
+                    o = objs[i]
+                    if isinstance(r, CorruptObjectError):
+                        self._on_corrupt(o.path, r, deadline)
+                        continue
+                    if isinstance(r, BaseException):
+                        self._count_exc(r)
+                        continue
+                    if not isinstance(r, int):
+                        scatter(o, r)
+                    _, keys, _, first = queries[o.t]
+                    for p in range(max(o.start, first), min(o.start + o.m, first + len(keys))):
+                        results[o.t][p - first] = True
+                    loaded.append((o.t, o.start, o.path))
+                    self._count(objects_read=1, bytes_read=plens[i] + metas[i].header_len)
+            finally:
+                guard.close()
             if self._local:  # chain order (not completion order): shallow pages newest
                 self._io.touch([p for _, _, p in sorted(loaded)])
         for r in results:  # only the contiguous prefix counts
@@ -755,6 +865,31 @@ class FsspecStorage(HiCacheStorage):
             else:
                 todo.append(o)
         written: list[tuple[int, int, str, int]] = []  # (transfer, start, path, size)
+        guard = _CallGuard()
+        try:
+            self._write_groups(queries, todo, guard, deadline, mark, written)
+        finally:
+            guard.close()
+        self._count(set_pages=sum(sum(r) for r in results))
+        if self._local:
+            written.sort()  # chain order (not completion order): shallow pages newest
+            self._io.touch([p for _, _, p, _ in written])
+            if self.config.max_bytes is not None:
+                self._account([(p, n) for _, _, p, n in written])
+        return results
+
+    def _gather(self, reg: _PoolReg, slots: np.ndarray, o: _Obj, guard: _CallGuard) -> np.ndarray:
+        with guard:  # never read slots after the call returned (they may be reused)
+            data = reg.pool.read_slots(slots)
+        want = (o.m, *reg.pool.slot_shape)
+        if not isinstance(data, np.ndarray) or data.shape != want or data.dtype != np.dtype(reg.pool.dtype):
+            raise ValueError(
+                f"host pool read_slots returned {getattr(data, 'shape', type(data))}/"
+                f"{getattr(data, 'dtype', '')}, expected {want}/{np.dtype(reg.pool.dtype)}"
+            )
+        return np.ascontiguousarray(data)
+
+    def _write_groups(self, queries, todo, guard, deadline, mark, written) -> None:  # type: ignore[no-untyped-def]
         # Gather from the pool in groups bounded by max_inflight_bytes, write each group concurrently.
         gi = 0
         while gi < len(todo) and deadline.left() > 0:
@@ -770,14 +905,28 @@ class FsspecStorage(HiCacheStorage):
             items = []
             for o in group:
                 reg, keys, slots, first = queries[o.t]
-                data = reg.pool.read_slots(slots[o.start - first : o.start - first + o.m])
-                want = (o.m, *reg.pool.slot_shape)
-                if not isinstance(data, np.ndarray) or data.shape != want or data.dtype != np.dtype(reg.pool.dtype):
-                    raise ValueError(f"host pool read_slots returned {getattr(data, 'shape', type(data))}/{getattr(data, 'dtype', '')}, expected {want}/{reg.pool.dtype}")
-                data = np.ascontiguousarray(data)
                 meta = self._meta(reg, o.start, o.m, o.key)
-                items.append((o.path, (lambda meta=meta, data=data: (encode_header(meta, data.reshape(-1).view(np.uint8)), data))))
-            for i, r in self._io.write_many(items, deadline):
+                v = _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m]) if self._local and _concurrent_io(reg.pool) else None
+                if v is not None:  # zero-copy: checksum and write straight from pool memory
+                    items.append((o.path, meta, v))
+                    continue
+                gather = (lambda reg=reg, sl=slots[o.start - first : o.start - first + o.m], o=o: self._gather(reg, sl, o, guard))
+                if not _concurrent_io(reg.pool):
+                    data = gather()  # on the calling thread
+                    gather = (lambda data=data: data)
+                items.append((o.path, meta, gather))
+
+            def task(path: str, meta: ObjectMeta, src: Any) -> bool:
+                if isinstance(src, np.ndarray):
+                    with guard:  # pool memory is read until the write is done
+                        return self._io._write_once(path, *_with_header(meta, src))
+                return self._io._write_once(path, *_with_header(meta, src()))
+
+            if isinstance(self._io, _AsyncBackend):
+                writes = self._io.write_many([(p, (lambda m=m, g=g: _with_header(m, g()))) for p, m, g in items], deadline)
+            else:
+                writes = self._io.map(task, items, deadline)
+            for i, r in writes:
                 o = group[i]
                 if isinstance(r, BaseException):
                     self._count_exc(r)
@@ -791,13 +940,6 @@ class FsspecStorage(HiCacheStorage):
                     self._count(objects_raced=1)
         for o in todo[gi:]:
             self._count(timeouts=1)
-        self._count(set_pages=sum(sum(r) for r in results))
-        if self._local:
-            written.sort()  # chain order (not completion order): shallow pages newest
-            self._io.touch([p for _, _, p, _ in written])
-            if self.config.max_bytes is not None:
-                self._account([(p, n) for _, _, p, n in written])
-        return results
 
     # ---- file:// capacity ------------------------------------------------------------------------
     def _scan(self) -> None:

@@ -13,6 +13,8 @@ import numpy as np
 
 
 class NumpyHostPool:
+    concurrent_slot_io = True  # disjoint-slot copies from several threads are safe on one ndarray
+
     def __init__(self, num_slots: int, slot_shape: tuple[int, ...], dtype: np.dtype | str = np.float32) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -25,11 +27,30 @@ class NumpyHostPool:
     def num_slots(self) -> int:
         return self.buf.shape[0]
 
+    @staticmethod
+    def _as_range(slots: np.ndarray) -> slice | None:
+        """``slots`` as a slice when they are consecutive ids (the common case): memcpy speed."""
+        n = len(slots)
+        if n and int(slots[-1]) - int(slots[0]) == n - 1 and (n < 3 or bool(np.all(np.diff(slots) == 1))):
+            return slice(int(slots[0]), int(slots[0]) + n)
+        return None
+
     def read_slots(self, slots: np.ndarray) -> np.ndarray:  # slots: i32[n] -> [n, *slot_shape]
-        return self.buf[np.asarray(slots)]  # fancy indexing = copy
+        slots = np.asarray(slots)
+        r = self._as_range(slots)
+        return self.buf[r].copy() if r is not None else self.buf[slots]  # always a copy
+
+    def slot_view(self, start: int, n: int) -> np.ndarray:  # -> [n, *slot_shape], a view (no copy)
+        """Optional zero-copy access to consecutive slots (see ``HostPool``)."""
+        return self.buf[start : start + n]
 
     def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:  # data: [n, *slot_shape]
-        self.buf[np.asarray(slots)] = data
+        slots = np.asarray(slots)
+        r = self._as_range(slots)
+        if r is not None:
+            self.buf[r] = data
+        else:
+            self.buf[slots] = data
 
     def fill_random(self, slots: np.ndarray, seed: int) -> None:
         """Deterministic pseudo-random bytes in ``slots`` (any dtype, bit patterns included)."""

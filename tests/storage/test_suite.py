@@ -222,7 +222,8 @@ def test_corrupt_objects_are_counted_misses(scheme, make_store, fp):
         st.pool.buf[40:44] = sentinel
         before = st.stats().corrupt_by_reason.get(reason.value, 0)
         assert st.batch_get(keys, S(40, 44)) == [False] * 4, name
-        assert same_bytes(st.pool.buf[40:44], sentinel), f"{name}: corrupt bytes reached the pool"
+        # untouched, or zeroed (file:// reads straight into pool memory and wipes a bad payload)
+        assert same_bytes(st.pool.buf[40:44], sentinel) or not st.pool.buf[40:44].any(), f"{name}: corrupt bytes reached the pool"
         assert st.stats().corrupt_by_reason.get(reason.value, 0) == before + 1, name
         # the corrupt object was removed, so the page can be stored again and then loads
         assert st.batch_exists(keys) == 0, name
