@@ -11,6 +11,8 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hicache.engine import (
     ForwardConfig,
@@ -44,6 +46,14 @@ class Pages:
         assert ids[-1] < NUM_PAGES, "test page budget exhausted; raise NUM_PAGES"
         return ids
 
+    def reserved(self, name: str, n: int) -> list[int]:
+        """The same ``n`` pages on every call with ``name`` (for hypothesis examples)."""
+        if not hasattr(self, "_reserved"):
+            self._reserved: dict[str, list[int]] = {}
+        if name not in self._reserved:
+            self._reserved[name] = self.take(n)
+        return self._reserved[name]
+
 
 @pytest.fixture(scope="module")
 def base() -> Pages:
@@ -53,6 +63,12 @@ def base() -> Pages:
 @pytest.fixture(scope="module")
 def swa() -> Pages:
     return Pages(ModelRunner(SWA, FWD, NUM_PAGES))
+
+
+@pytest.fixture(scope="module")
+def bf16() -> Pages:
+    return Pages(ModelRunner(ModelConfig(num_layers=2, dtype="bfloat16", sliding_window=12), FWD,
+                             NUM_PAGES))
 
 
 @pytest.fixture(params=["base", "swa"])
@@ -78,6 +94,15 @@ def _assert_same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
 
 @pytest.mark.parametrize("reuse_pages", [1, 3, 5, 6, 8])
 def test_prefill_with_reused_pages_is_bit_identical(pages: Pages, reuse_pages: int) -> None:
+    _check_reuse(pages, reuse_pages)
+
+
+def test_bfloat16_reuse_is_bit_identical(bf16: Pages) -> None:
+    """bf16 weights and pools: attention reads the pool, so the bf16 rounding of K/V is shared."""
+    _check_reuse(bf16, 6)
+
+
+def _check_reuse(pages: Pages, reuse_pages: int) -> None:
     """Request A: 45-token prompt + 20 greedy tokens (positions 45..63 written by decode steps).
     Request B: A's sequence + a new turn, reusing A's first ``reuse_pages`` pages (page 5 mixes
     prefill and decode KV, pages 6-7 are decode-only). B's logits, KV and greedy tokens must equal
@@ -124,6 +149,27 @@ def test_chunk_split_does_not_change_bits(pages: Pages) -> None:
         _assert_same_bits(np.concatenate(parts), one, f"logits with cuts {cuts[:6]}")
         for got, want, name in zip(_kv(r, table, 77), _kv(r, table_one, 77), "KV"):
             _assert_same_bits(got, want, f"{name} with cuts {cuts[:6]}")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 100), cuts=st.lists(st.integers(1, 99), max_size=4, unique=True),
+       reuse=st.integers(0, 12), seed=st.integers(0, 2**16))
+def test_any_split_any_reuse_property(base: Pages, n: int, cuts: list[int], reuse: int,
+                                      seed: int) -> None:
+    """Arbitrary lengths, chunk cuts and reused page counts: always the one-pass bits."""
+    r = base.runner
+    # The same pages for all examples: every example rewrites what it reads.
+    t_one, t_split, t_reuse = (base.reserved(name, FWD.max_pages) for name in ("one", "split", "reuse"))
+    seq = _prompt(seed, n)
+    one = r.extend(seq, t_one, 0)
+    cuts = sorted(c for c in cuts if c < n)
+    parts = [r.extend(seq[:end], t_split, beg) for beg, end in zip([0] + cuts, cuts + [n])]
+    _assert_same_bits(np.concatenate(parts), one, f"logits, cuts {cuts}")
+    for got, want, name in zip(_kv(r, t_split, n), _kv(r, t_one, n), "KV"):
+        _assert_same_bits(got, want, f"{name}, cuts {cuts}")
+    k = min(reuse, (n - 1) // PAGE)
+    reused = r.extend(seq, t_split[:k] + t_reuse[k:], k * PAGE)
+    _assert_same_bits(reused, one[k * PAGE:], f"logits reusing {k} pages")
 
 
 def test_reuse_from_copied_pages(pages: Pages) -> None:
