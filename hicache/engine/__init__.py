@@ -1,7 +1,7 @@
 """Reference engine: a tiny deterministic JAX transformer over the paged L1 pool.
 
 ``ModelConfig``/``ForwardConfig`` (config), ``forward_chunk``/``init_params``/``reference_forward``
-(model), ``ModelRunner`` (params + pools + chunk loop), ``kv_layout`` (the one place that knows the
+(model), ``ModelRunner`` (params + L1 pool + chunk loop), ``kv_layout`` (the one place that knows the
 L1 pool layout). The scheduler loop that drives the runner with the cache lives elsewhere.
 """
 

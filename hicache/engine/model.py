@@ -3,11 +3,10 @@
 RMSNorm -> GQA attention (RoPE, causal, optional sliding window per layer) -> RMSNorm -> SwiGLU MLP,
 untied LM head. Weights are a pure function of ``ModelConfig.seed`` (threefry PRNG).
 
-Buffers: ``params`` are owned by the caller (a ``ModelRunner``) and never donated. ``k_pool`` and
-``v_pool`` (layout in ``hicache.engine.kv_layout``) belong to the L1 owner; ``forward_chunk``
-*donates* them and returns the updated pools, so the caller must drop its old references and use the
-returned ones. Any other reader or writer of L1 (the transfer engine) runs between forwards, on the
-thread that owns the pools.
+Buffers: ``params`` are owned by the caller (a ``ModelRunner``) and never donated. ``kv_pool``
+(layout in ``hicache.engine.kv_layout``) belongs to the L1 owner; ``forward_chunk`` *donates* it and
+returns the updated pool, so the caller must drop its old reference and use the returned one. Any other reader or writer of L1 (the transfer engine) runs between forwards, on the
+thread that owns the pool.
 
 Bit-exactness: why cached KV and recomputed KV are the same bits
 -----------------------------------------------------------------
@@ -22,7 +21,7 @@ Why it holds, step by step:
 
 1. *One program.* Every forward (prefill chunk or decode step) calls the same jitted function with the
    same shapes: ``tokens: i32[C]``, ``positions: i32[C]``, ``valid: bool[C]``, ``page_table:
-   i32[max_pages]``, pools of fixed shape. XLA compiles it once; the kernels, blocking and reduction
+   i32[max_pages]``, a pool of fixed shape. XLA compiles it once; the kernels, blocking and reduction
    orders are then fixed. (On XLA:CPU a matmul with M=1 and one with M=16 are different kernels and
    round differently; this is why a decode step is a padded chunk, not an M=1 matmul.)
 2. *Fixed row.* Position ``p`` is always computed in row ``p % C`` (``chunk_rows``): a token's row does
@@ -200,11 +199,10 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.
 
 # --- the paged forward ---------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("k_pool", "v_pool"))
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv_pool",))
 def forward_chunk(
     params: Params,
-    k_pool: jax.Array,  # [L, P, S, Hkv, D], donated
-    v_pool: jax.Array,  # [L, P, S, Hkv, D], donated
+    kv_pool: jax.Array,  # [L, 2, P, S, Hkv, D] (kv_layout), donated
     tokens: jax.Array,  # i32[C]; row r holds the token at positions[r]
     positions: jax.Array,  # i32[C]; must be p with p % C == r in row r for the exactness guarantee
     valid: jax.Array,  # bool[C]; True rows form one contiguous run of positions
@@ -218,9 +216,10 @@ def forward_chunk(
     through ``page_table``. Invalid rows write nothing and return zero logits. All positions ``<`` the
     first valid position must already be in the pool. Use ``chunk_rows`` to build the row arrays.
 
-    Returns ``(logits f32[C, vocab], k_pool, v_pool)``; the returned pools replace the donated ones.
+    Returns ``(logits f32[C, vocab], kv_pool)``; the returned pool replaces the donated one.
     """
-    num_pages, page_size = k_pool.shape[1], k_pool.shape[2]
+    geo = kv_layout.geometry(kv_pool)
+    num_pages, page_size = geo.num_pages, geo.page_size
     ctx = page_table.shape[0] * page_size
     k_pos = jnp.arange(ctx, dtype=jnp.int32)  # key row t is position t
 
@@ -236,10 +235,8 @@ def forward_chunk(
         window = cfg.window_of(layer)
         h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
         q, k, v = _qkv(h, lp, positions, cfg)
-        k_pool = kv_layout.write_tokens(k_pool, layer, page_ids, slots, k)
-        v_pool = kv_layout.write_tokens(v_pool, layer, page_ids, slots, v)
-        k_ctx = kv_layout.read_context(k_pool, layer, page_table)  # [ctx, Hkv, D]
-        v_ctx = kv_layout.read_context(v_pool, layer, page_table)
+        kv_pool = kv_layout.write_tokens(kv_pool, layer, page_ids, slots, k, v)
+        k_ctx, v_ctx = kv_layout.read_context(kv_pool, layer, page_table)  # [ctx, Hkv, D] each
         # Key rows no valid query may see are zeroed: stale/NaN slots cannot leak through 0 * x.
         live = k_pos < hi
         if window is not None:
@@ -251,7 +248,7 @@ def forward_chunk(
         x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
 
     logits = (_rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]).astype(jnp.float32)
-    return jnp.where(valid[:, None], logits, 0.0), k_pool, v_pool
+    return jnp.where(valid[:, None], logits, 0.0), kv_pool
 
 
 def chunk_rows(start: int, end: int, chunk_size: int) -> list[tuple[int, int, int]]:

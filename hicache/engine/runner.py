@@ -1,10 +1,10 @@
-"""``ModelRunner``: params + the L1 KV pools + the chunk loop, for one process that owns a device.
+"""``ModelRunner``: params + the L1 KV pool + the chunk loop, for one process that owns a device.
 
-Ownership: the runner owns ``params`` and, between forwards, the L1 pools ``k_pool``/``v_pool``
-(layout in ``hicache.engine.kv_layout``). Each forward donates the pools and the runner rebinds to the
-returned arrays, so nobody else may keep a reference across a forward. The data plane reads or writes
-L1 between forwards on the same thread: take ``runner.pools``, transfer, hand back with
-``runner.set_pools(k, v)``. On a TPU host the runner lives inside the HostWorker process (DESIGN.md
+Ownership: the runner owns ``params`` and, between forwards, the L1 pool ``kv_pool`` (layout in
+``hicache.engine.kv_layout``, the same array the data plane's paged-copy kernels move). Each forward
+donates the pool and the runner rebinds to the returned array, so nobody else may keep a reference
+across a forward. The data plane reads or writes L1 between forwards on the same thread: take
+``runner.pool``, transfer (donating it), hand the result back with ``runner.set_pool(kv)``. On a TPU host the runner lives inside the HostWorker process (DESIGN.md
 §1); in the embedded default it is a plain object.
 
 Page ownership is *not* the runner's: the caller (scheduler / cache head) allocates pages and passes
@@ -58,7 +58,7 @@ def prefill_start(hit_len: int, num_tokens: int, page_size: int) -> int:
 
 
 class ModelRunner:
-    """Runs the reference model over an L1 pool. One thread at a time (it owns the pools)."""
+    """Runs the reference model over an L1 pool. One thread at a time (it owns the pool)."""
 
     def __init__(
         self,
@@ -68,7 +68,7 @@ class ModelRunner:
         *,
         device: jax.Device | None = None,
         params: Params | None = None,
-        pools: tuple[jax.Array, jax.Array] | None = None,
+        pool: jax.Array | None = None,
     ) -> None:
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
@@ -76,25 +76,25 @@ class ModelRunner:
         self.fwd = fwd
         self.device = device if device is not None else jax.devices()[0]
         self.params = params if params is not None else init_params(model, self.device)
-        if pools is None:
-            pools = kv_layout.make_pools(model, num_pages, fwd.page_size, self.device)
-        self.set_pools(*pools)
+        if pool is None:
+            pool = kv_layout.make_pool(model, num_pages, fwd.page_size, self.device)
+        self.set_pool(pool)
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
 
     # --- pools ---------------------------------------------------------------------------------
 
     @property
-    def pools(self) -> tuple[jax.Array, jax.Array]:
-        """``(k_pool, v_pool)``; valid until the next forward (which donates them)."""
-        return self._k, self._v
+    def pool(self) -> jax.Array:
+        """The L1 pool ``[L, 2, P, S, Hkv, D]``; valid until the next forward (which donates it)."""
+        return self._kv
 
-    def set_pools(self, k_pool: jax.Array, v_pool: jax.Array) -> None:
-        """Hand (possibly updated) pools back to the runner, e.g. after a host->device load."""
-        geo = kv_layout.check_pools(self.model, k_pool, v_pool)
+    def set_pool(self, kv_pool: jax.Array) -> None:
+        """Hand a (possibly updated) pool back to the runner, e.g. after a host->device load."""
+        geo = kv_layout.check_pool(self.model, kv_pool)
         if geo.page_size != self.fwd.page_size:
             raise ValueError(
                 f"pool page_size={geo.page_size} != ForwardConfig.page_size={self.fwd.page_size}")
-        self._k, self._v = k_pool, v_pool
+        self._kv = kv_pool
         self.num_pages = geo.num_pages
 
     # --- forwards ------------------------------------------------------------------------------
@@ -144,24 +144,23 @@ class ModelRunner:
 
     def generate(self, tokens: Sequence[int], page_table: Sequence[int], max_new_tokens: int,
                  start_pos: int = 0, stop_token: int | None = None) -> Generation:
-        """``prefill`` from ``start_pos`` then greedy ``decode``, in the runner's pools."""
+        """``prefill`` from ``start_pos`` then greedy ``decode``, in the runner's pool."""
         self._check_decode(tokens, page_table, max_new_tokens)
         logits = self.prefill(tokens, page_table, start_pos)
         return self.decode(tokens, logits, page_table, max_new_tokens, stop_token)
 
     def generate_no_cache(self, tokens: Sequence[int], max_new_tokens: int,
                           stop_token: int | None = None) -> Generation:
-        """Reference path: the same greedy generation in fresh zeroed pools (same shape as L1, so
-        the same compiled forward), nothing reused and the runner's L1 pools untouched."""
-        saved = self.pools
+        """Reference path: the same greedy generation in a fresh zeroed pool (same shape as L1, so
+        the same compiled forward), nothing reused and the runner's L1 pool untouched."""
+        saved = self._kv
         num_tokens = len(tokens) + max(max_new_tokens, 1) - 1
         table = list(range(min(pages_needed(max(num_tokens, 1), self.fwd.page_size), self.num_pages)))
-        self._k, self._v = kv_layout.make_pools(self.model, self.num_pages, self.fwd.page_size,
-                                                self.device)
+        self._kv = kv_layout.make_pool(self.model, self.num_pages, self.fwd.page_size, self.device)
         try:
             return self.generate(tokens, table, max_new_tokens, 0, stop_token)
         finally:
-            self._k, self._v = saved
+            self._kv = saved
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -210,8 +209,8 @@ class ModelRunner:
         return toks.astype(np.int32), padded
 
     def _run(self, toks: np.ndarray, table: np.ndarray, start: int) -> np.ndarray:
-        """Run the aligned chunks of positions ``[start, len(toks))``; rebinds the pools after each
-        forward (the old ones are donated). Returns logits f32[len(toks) - start, vocab]."""
+        """Run the aligned chunks of positions ``[start, len(toks))``; rebinds the pool after each
+        forward (the old one is donated). Returns logits f32[len(toks) - start, vocab]."""
         c = self.fwd.chunk_size
         table_d = jax.device_put(table, self.device)
         rows = np.arange(c, dtype=np.int32)
@@ -222,8 +221,8 @@ class ModelRunner:
             chunk = np.zeros(c, np.int32)
             chunk[lo - base: hi - base] = toks[lo:hi]
             chunk_d, pos_d, valid_d = jax.device_put((chunk, positions, valid), self.device)
-            logits, self._k, self._v = forward_chunk(self.params, self._k, self._v, chunk_d, pos_d,
-                                                     valid_d, table_d, cfg=self.model)
+            logits, self._kv = forward_chunk(self.params, self._kv, chunk_d, pos_d, valid_d, table_d,
+                                             cfg=self.model)
             self.forwards += 1
             out.append(np.asarray(logits)[lo - base: hi - base])
         return np.concatenate(out)

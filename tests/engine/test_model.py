@@ -1,14 +1,13 @@
 """Reference engine: cached KV == recomputed KV, bit for bit; the paged model is the dense model.
 
 Real JAX on CPU, no mocks. One ``ModelRunner`` per model config per module (one compile each); each
-test takes fresh pages from a per-runner page counter, so tests share the pools without interfering.
+test takes fresh pages from a per-runner page counter, so tests share the pool without interfering.
 """
 
 from __future__ import annotations
 
 import itertools
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -81,8 +80,7 @@ def _prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
 
 
 def _kv(runner: ModelRunner, table: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
-    k, v = runner.pools
-    return kv_layout.read_positions(k, np.asarray(table), n), kv_layout.read_positions(v, np.asarray(table), n)
+    return kv_layout.read_positions(runner.pool, np.asarray(table), n)
 
 
 def _assert_same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
@@ -179,9 +177,7 @@ def test_reuse_from_copied_pages(pages: Pages) -> None:
     table_src = pages.take(pages_needed(50, PAGE))
     first = r.generate(prompt, table_src, max_new_tokens=1)
     moved = pages.take(4)  # copy the first 4 pages (32 tokens) elsewhere
-    k, v = (np.array(a) for a in r.pools)
-    k[:, moved], v[:, moved] = k[:, table_src[:4]], v[:, table_src[:4]]
-    r.set_pools(*jax.device_put((k, v), r.device))
+    r.set_pool(kv_layout.copy_pages(r.pool, table_src[:4], moved))
     table = moved + pages.take(3)
     again = r.generate(prompt, table, max_new_tokens=6, start_pos=32)
     ref = r.generate_no_cache(prompt, max_new_tokens=6)
@@ -210,10 +206,9 @@ def test_multi_turn_greedy_matches_no_cache(pages: Pages) -> None:
 
 def test_generate_no_cache_leaves_l1_untouched(base: Pages) -> None:
     r = base.runner
-    before = [np.asarray(a).copy() for a in r.pools]
+    before = np.array(r.pool)
     r.generate_no_cache(_prompt(5, 20), max_new_tokens=3)
-    for got, want in zip(r.pools, before):
-        _assert_same_bits(np.asarray(got), want, "L1 pool")
+    _assert_same_bits(np.asarray(r.pool), before, "L1 pool")
 
 
 def test_stop_token(base: Pages) -> None:
@@ -256,16 +251,13 @@ def test_swa_layers_never_read_outside_the_window(swa: Pages) -> None:
     table = swa.take(pages_needed(70 + 4, PAGE))
     r.extend(prompt[:start], table, 0)
     dead = table[: (start - w + 1) // PAGE]
-    k, v = r.pools
-    r.set_pools(kv_layout.fill_pages(k, dead, np.nan, SWA.swa_layers),
-                kv_layout.fill_pages(v, dead, np.nan, SWA.swa_layers))
+    r.set_pool(kv_layout.fill_pages(r.pool, dead, np.nan, SWA.swa_layers))
     gen = r.generate(prompt, table, max_new_tokens=5, start_pos=start)
     assert gen.tokens == ref.tokens
     _assert_same_bits(gen.logits, ref.logits, "logits with NaN behind the window")
 
     live_page = table[len(dead)]  # positions 32..39: inside the window of query 48
-    k, v = r.pools
-    r.set_pools(kv_layout.fill_pages(k, [live_page], np.nan, SWA.swa_layers[:1]), v)
+    r.set_pool(kv_layout.fill_pages(r.pool, [live_page], np.nan, SWA.swa_layers[:1]))
     poisoned = r.extend(prompt, table, start)
     assert np.all(np.isnan(poisoned[0])), "query 48 must read positions 37..39 of layer 0"
 
@@ -314,16 +306,17 @@ def test_bad_model_config(kwargs: dict, match: str) -> None:
         ModelConfig(**kwargs)
 
 
-def test_bad_forward_config_and_pools() -> None:
+def test_bad_forward_config_and_pool() -> None:
     with pytest.raises(ValueError, match=r"chunk_size must be a positive int, got 0"):
         ForwardConfig(chunk_size=0)
-    k, v = kv_layout.make_pools(BASE, 4, PAGE)
     with pytest.raises(ValueError, match=r"pool page_size=4 != ForwardConfig.page_size=8"):
-        ModelRunner(BASE, FWD, pools=kv_layout.make_pools(BASE, 4, 4))
+        ModelRunner(BASE, FWD, pool=kv_layout.make_pool(BASE, 4, 4))
     with pytest.raises(ValueError, match=r"does not match the model"):
-        ModelRunner(BASE, FWD, pools=kv_layout.make_pools(SWA, 4, PAGE))
-    with pytest.raises(ValueError, match=r"k_pool shape .* != v_pool shape"):
-        ModelRunner(BASE, FWD, pools=(k, v[:, :2]))
+        ModelRunner(BASE, FWD, pool=kv_layout.make_pool(SWA, 4, PAGE))
+    with pytest.raises(ValueError, match=r"must be \[layers, 2, pages.*got shape \(2, 4, 8, 2, 32\)"):
+        ModelRunner(BASE, FWD, pool=kv_layout.make_pool(BASE, 4, PAGE)[:, 0])
+    with pytest.raises(ValueError, match=r"dtype bfloat16 != model dtype float32"):
+        ModelRunner(BASE, FWD, pool=kv_layout.make_pool(BASE, 4, PAGE).astype("bfloat16"))
 
 
 # --- small pure pieces -----------------------------------------------------------------------------
@@ -346,8 +339,8 @@ def test_prefill_start_and_window_layers() -> None:
     assert numerics_key(BASE, FWD, "cpu") != numerics_key(BASE, ForwardConfig(chunk_size=8), "cpu")
 
 
-def test_forward_donates_the_pools(base: Pages) -> None:
+def test_forward_donates_the_pool(base: Pages) -> None:
     r = base.runner
-    old_k, _ = r.pools
+    old = r.pool
     r.prefill(_prompt(13, 5), base.take(1))
-    assert old_k.is_deleted(), "forward_chunk must donate k_pool (callers must drop old references)"
+    assert old.is_deleted(), "forward_chunk must donate kv_pool (callers must drop old references)"
