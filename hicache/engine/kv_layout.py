@@ -25,6 +25,7 @@ from hicache.engine.config import ModelConfig
 
 LAYOUT_VERSION = 2
 K, V = 0, 1  # index of the K / V half on axis 1
+KV_HEAD_AXIS = 4  # the axis the data plane shards over a replica's mesh
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,26 @@ def geometry(pool: jax.Array) -> PoolGeometry:
 
 
 def make_pool(cfg: ModelConfig, num_pages: int, page_size: int,
-              device: jax.Device | None = None) -> jax.Array:
-    """A zero-filled pool on ``device`` (default device when ``None``)."""
+              device: jax.Device | jax.sharding.Sharding | None = None) -> jax.Array:
+    """A zero-filled pool on ``device`` or with that sharding (default device when ``None``)."""
     return jnp.zeros(pool_shape(cfg, num_pages, page_size), cfg.jnp_dtype, device=device)
+
+
+def sharded_spec(axis_name: str) -> jax.sharding.PartitionSpec:
+    """PartitionSpec of a pool sharded on the KV-head axis over mesh axis ``axis_name``."""
+    spec: list[str | None] = [None] * 6
+    spec[KV_HEAD_AXIS] = axis_name
+    return jax.sharding.PartitionSpec(*spec)
+
+
+def replicated_like(pool: jax.Array) -> jax.sharding.Sharding:
+    """Where the forward's other operands go: replicated over the pool's mesh, or the pool's device."""
+    sharding = pool.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    if len(sharding.device_set) != 1:
+        raise ValueError(f"KV pool sharding {sharding} is neither one device nor a NamedSharding")
+    return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
 
 
 def check_pool(cfg: ModelConfig, pool: jax.Array) -> PoolGeometry:

@@ -97,7 +97,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
             "final_norm": (h,), "lm_head": (h, cfg.vocab_size)}
 
 
-def init_params(cfg: ModelConfig, device: jax.Device | None = None) -> Params:
+def init_params(cfg: ModelConfig, device: jax.Device | jax.sharding.Sharding | None = None) -> Params:
     """Deterministic weights, a pure function of ``cfg`` (seed and shapes).
 
     Tensors take consecutive slices of the seed's normal stream in a fixed order (embed, then each

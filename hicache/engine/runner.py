@@ -70,14 +70,19 @@ class ModelRunner:
         params: Params | None = None,
         pool: jax.Array | None = None,
     ) -> None:
+        """Without ``pool``, a zeroed pool of ``num_pages`` pages is made on ``device`` (default: the
+        first device). With ``pool`` (e.g. the HostWorker's L1 array, possibly sharded on the KV-head
+        axis over a mesh), ``num_pages`` and ``device`` are ignored: params and per-step inputs are
+        replicated over the pool's devices (``kv_layout.replicated_like``)."""
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         self.model = model
         self.fwd = fwd
-        self.device = device if device is not None else jax.devices()[0]
-        self.params = params if params is not None else init_params(model, self.device)
         if pool is None:
-            pool = kv_layout.make_pool(model, num_pages, fwd.page_size, self.device)
+            dev = device if device is not None else jax.devices()[0]
+            pool = kv_layout.make_pool(model, num_pages, fwd.page_size, dev)
+        self.placement = kv_layout.replicated_like(pool)  # where params and step inputs live
+        self.params = params if params is not None else init_params(model, self.placement)
         self.set_pool(pool)
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
 
@@ -91,6 +96,9 @@ class ModelRunner:
     def set_pool(self, kv_pool: jax.Array) -> None:
         """Hand a (possibly updated) pool back to the runner, e.g. after a host->device load."""
         geo = kv_layout.check_pool(self.model, kv_pool)
+        if kv_layout.replicated_like(kv_pool) != self.placement:
+            raise ValueError(f"pool sharding {kv_pool.sharding} is not on the runner's devices "
+                             f"({self.placement})")
         if geo.page_size != self.fwd.page_size:
             raise ValueError(
                 f"pool page_size={geo.page_size} != ForwardConfig.page_size={self.fwd.page_size}")
@@ -156,7 +164,8 @@ class ModelRunner:
         saved = self._kv
         num_tokens = len(tokens) + max(max_new_tokens, 1) - 1
         table = list(range(min(pages_needed(max(num_tokens, 1), self.fwd.page_size), self.num_pages)))
-        self._kv = kv_layout.make_pool(self.model, self.num_pages, self.fwd.page_size, self.device)
+        self._kv = kv_layout.make_pool(self.model, self.num_pages, self.fwd.page_size,
+                                       saved.sharding)
         try:
             return self.generate(tokens, table, max_new_tokens, 0, stop_token)
         finally:
@@ -212,7 +221,7 @@ class ModelRunner:
         """Run the aligned chunks of positions ``[start, len(toks))``; rebinds the pool after each
         forward (the old one is donated). Returns logits f32[len(toks) - start, vocab]."""
         c = self.fwd.chunk_size
-        table_d = jax.device_put(table, self.device)
+        table_d = jax.device_put(table, self.placement)
         rows = np.arange(c, dtype=np.int32)
         out = []
         for base, lo, hi in chunk_rows(start, int(toks.size), c):
@@ -220,7 +229,7 @@ class ModelRunner:
             valid = (positions >= lo) & (positions < hi)
             chunk = np.zeros(c, np.int32)
             chunk[lo - base: hi - base] = toks[lo:hi]
-            chunk_d, pos_d, valid_d = jax.device_put((chunk, positions, valid), self.device)
+            chunk_d, pos_d, valid_d = jax.device_put((chunk, positions, valid), self.placement)
             logits, self._kv = forward_chunk(self.params, self._kv, chunk_d, pos_d, valid_d, table_d,
                                              cfg=self.model)
             self.forwards += 1

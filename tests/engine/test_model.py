@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -70,6 +71,15 @@ def bf16() -> Pages:
                              NUM_PAGES))
 
 
+@pytest.fixture(scope="module")
+def sharded() -> Pages:
+    """The pool sharded on the KV-head axis over 2 fake CPU devices (as the data plane lays it out)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("kv",))
+    pool = kv_layout.make_pool(BASE, NUM_PAGES, PAGE,
+                               jax.sharding.NamedSharding(mesh, kv_layout.sharded_spec("kv")))
+    return Pages(ModelRunner(BASE, FWD, pool=pool))
+
+
 @pytest.fixture(params=["base", "swa"])
 def pages(request: pytest.FixtureRequest) -> Pages:
     return request.getfixturevalue(request.param)
@@ -98,6 +108,14 @@ def test_prefill_with_reused_pages_is_bit_identical(pages: Pages, reuse_pages: i
 def test_bfloat16_reuse_is_bit_identical(bf16: Pages) -> None:
     """bf16 weights and pools: attention reads the pool, so the bf16 rounding of K/V is shared."""
     _check_reuse(bf16, 6)
+
+
+def test_sharded_pool_reuse_is_bit_identical(sharded: Pages) -> None:
+    r = sharded.runner
+    assert len(r.pool.sharding.device_set) == 2 and len(r.pool.addressable_shards) == 2
+    _check_reuse(sharded, 6)
+    with pytest.raises(ValueError, match=r"not on the runner's devices"):
+        r.set_pool(kv_layout.make_pool(BASE, NUM_PAGES, PAGE, jax.devices()[3]))
 
 
 def _check_reuse(pages: Pages, reuse_pages: int) -> None:
