@@ -5,8 +5,9 @@ untied LM head. Weights are a pure function of ``ModelConfig.seed`` (threefry PR
 
 Buffers: ``params`` are owned by the caller (a ``ModelRunner``) and never donated. ``kv_pool``
 (layout in ``hicache.engine.kv_layout``) belongs to the L1 owner; ``forward_chunk`` *donates* it and
-returns the updated pool, so the caller must drop its old reference and use the returned one. Any other reader or writer of L1 (the transfer engine) runs between forwards, on the
-thread that owns the pool.
+returns the updated pool, so the caller must drop its old reference and use the returned one. Any
+other reader or writer of L1 (the transfer engine) runs between forwards, on the thread that owns
+the pool.
 
 Bit-exactness: why cached KV and recomputed KV are the same bits
 -----------------------------------------------------------------
@@ -22,8 +23,10 @@ Why it holds, step by step:
 1. *One program.* Every forward (prefill chunk or decode step) calls the same jitted function with the
    same shapes: ``tokens: i32[C]``, ``positions: i32[C]``, ``valid: bool[C]``, ``page_table:
    i32[max_pages]``, a pool of fixed shape. XLA compiles it once; the kernels, blocking and reduction
-   orders are then fixed. (On XLA:CPU a matmul with M=1 and one with M=16 are different kernels and
-   round differently; this is why a decode step is a padded chunk, not an M=1 matmul.)
+   orders are then fixed. (On XLA:CPU the same row of a matmul rounds differently with a different
+   number of rows, e.g. M=1 vs M=16: different kernels and blocking. Measured here: the dense forward
+   over 17 vs 40 tokens differs by ~1e-6 in row 16. Hence a decode step is a padded chunk, not an M=1
+   matmul, and attention always spans the padded maximum context.)
 2. *Fixed row.* Position ``p`` is always computed in row ``p % C`` (``chunk_rows``): a token's row does
    not depend on where the chunk starts, so even a kernel whose code path depends on the row index
    (edge tiles, vector tails) treats it identically every time.
@@ -35,12 +38,18 @@ Why it holds, step by step:
    pool (cast to the pool dtype), then gathers the request's whole context from the pool. So a query
    always sees exactly the bits that a later request will read from those pages.
 5. *Fixed-size, masked attention.* Keys are gathered into ``max_pages * page_size`` rows; key row
-   ``t`` *is* position ``t`` regardless of page ids. Scores of masked keys are replaced (``where``) by
-   ``-inf`` so their probability is exactly ``0.0``; K/V rows that no valid query of the chunk may see
-   (not yet written, or outside every query's sliding window) are replaced by ``0.0``, so stale or even
-   NaN data in those slots cannot leak in (``0 * NaN`` would). The softmax max is taken over visible
-   keys only. Sums over the key axis then add exact zeros at fixed indices; ``x + 0.0 == x``, and the
-   grouping of the remaining terms depends only on key positions, which are the same in every run.
+   ``t`` *is* position ``t`` regardless of page ids. For each query the mask keeps exactly its visible
+   keys (causal, inside its window), which hold the same bits in every run (induction, step 6).
+   Scores of the other keys are replaced (``where``) by ``-inf``, so the max is taken over visible keys
+   only and every masked probability is exactly ``+0.0``; the softmax denominator then adds exact
+   zeros at fixed indices, and ``x + 0.0 == x``. In ``p @ V`` a masked key contributes ``0 * v``,
+   which is ``+0.0`` or ``-0.0``: adding it to a nonzero partial sum changes nothing, so it can at most
+   flip the sign of an attention output element that is exactly zero, and that element is consumed
+   only as a summand of the ``wo`` projection, where it again changes nothing. The masked slots
+   themselves differ between runs (stale data, another request's tokens, later positions of this
+   chunk); key rows that no valid query of the chunk may see are replaced by ``0.0`` so that NaN or
+   inf left there cannot turn ``0 * v`` into NaN. The grouping of the summed terms depends only on key
+   positions, the same in every run.
 6. *Induction over positions.* Position 0 depends only on token 0. If all positions ``< p`` hold the
    same bits in every run, then by 1-5 the K/V and logits of ``p`` are the same bits, whether ``p`` is
    computed now or was computed earlier by another request and then read from its pages.
@@ -209,7 +218,7 @@ def forward_chunk(
     page_table: jax.Array,  # i32[max_pages]; the request's pages in position order, padded
     *,
     cfg: ModelConfig,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:
     """One chunk of one request: write its K/V into the request's pages and return its logits.
 
     Valid rows attend to every earlier position of the request (already in the pool or in this chunk)
