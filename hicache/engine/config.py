@@ -45,8 +45,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "hidden",
-                     "mlp_hidden"):
+        for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
+                     "hidden", "mlp_hidden"):
             _positive_int(name, getattr(self, name))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
@@ -120,12 +120,15 @@ class ForwardConfig:
         return self.page_size * self.max_pages
 
 
-def numerics_key(model: ModelConfig, fwd: ForwardConfig, backend: str) -> str:
+def numerics_key(model: ModelConfig, fwd: ForwardConfig, backend: str,
+                 mesh_shape: tuple[int, ...] = ()) -> str:
     """Everything the KV bits depend on, as a stable string for a cache fingerprint.
 
     Two engines produce bit-identical KV for the same tokens only when all of these agree (same
-    compiled program: same backend and jax/XLA version). ``backend`` is e.g. ``jax.default_backend()``; a sharded
-    forward (another mesh) must add its mesh shape, since split reductions round differently.
+    compiled program: same backend and jax/XLA version). ``backend`` is e.g.
+    ``jax.default_backend()``; ``mesh_shape`` is the shape of the mesh a sharded pool lives on (``()``
+    for one device), since a forward split over another mesh may round its reductions differently.
     """
     return (f"hicache-engine-v1|{model!r}|chunk={fwd.chunk_size}|page={fwd.page_size}"
-            f"|max_pages={fwd.max_pages}|backend={backend}|jax={jax.__version__}")
+            f"|max_pages={fwd.max_pages}|backend={backend}|mesh={tuple(mesh_shape)}"
+            f"|jax={jax.__version__}")

@@ -1,6 +1,7 @@
 """The L1 paged KV pool layout, in one place.
 
-    kv_pool: jax.Array  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]; [:, 0] = K, [:, 1] = V
+    kv_pool: jax.Array  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
+                        # kv_pool[:, 0] = K, kv_pool[:, 1] = V
 
 This is the layout of ``hicache.kernels.paged_copy`` (one global array, sharded on the KV-head axis
 by ``hicache.workers``). Token position ``p`` of a request lives in page ``page_table[p // page_size]``,

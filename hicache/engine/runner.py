@@ -4,8 +4,10 @@ Ownership: the runner owns ``params`` and, between forwards, the L1 pool ``kv_po
 ``hicache.engine.kv_layout``, the same array the data plane's paged-copy kernels move). Each forward
 donates the pool and the runner rebinds to the returned array, so nobody else may keep a reference
 across a forward. The data plane reads or writes L1 between forwards on the same thread: take
-``runner.pool``, transfer (donating it), hand the result back with ``runner.set_pool(kv)``. On a TPU host the runner lives inside the HostWorker process (DESIGN.md
-§1); in the embedded default it is a plain object.
+``runner.pool``, transfer (donating it), hand the result back with ``runner.set_pool(kv)``. On a
+TPU host the runner lives inside the HostWorker process (DESIGN.md §1) and takes that worker's L1
+array, sharded on the KV-head axis (``ModelRunner(..., pool=...)``); in the embedded default it is a
+plain object with its own pool.
 
 Page ownership is *not* the runner's: the caller (scheduler / cache head) allocates pages and passes
 each request's page table (page ids in position order). The runner validates it and writes exactly the
@@ -160,7 +162,8 @@ class ModelRunner:
     def generate_no_cache(self, tokens: Sequence[int], max_new_tokens: int,
                           stop_token: int | None = None) -> Generation:
         """Reference path: the same greedy generation in a fresh zeroed pool (same shape as L1, so
-        the same compiled forward), nothing reused and the runner's L1 pool untouched."""
+        the same compiled forward), nothing reused and the runner's L1 pool untouched. Allocates
+        a pool the size of L1 for the call."""
         saved = self._kv
         num_tokens = len(tokens) + max(max_new_tokens, 1) - 1
         table = list(range(min(pages_needed(max(num_tokens, 1), self.fwd.page_size), self.num_pages)))
