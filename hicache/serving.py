@@ -1,0 +1,132 @@
+"""A serving loop over the cache and the reference engine, in the order SGLang's scheduler uses its tree.
+
+Per request: match (all prompt tokens but the last, whose logits start decoding) -> load-back of an
+L2 hit (waited for, bounded) -> lock -> alloc pages for the rest -> chunked prefill (each chunk but
+the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req``.
+
+Buffer ownership: the runner's forward donates the L1 pool; in a HiCache setup the host worker moves
+pages of the same pool. ``PoolLink`` hands the array between them on this one thread: before a
+forward the runner takes the worker's latest array, after it the worker takes the runner's. Any
+transfer a cache call dispatches therefore reads or writes the array the last forward produced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from hicache.cluster.client import CacheClient
+from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.tree import RadixKey, RequestState
+from hicache.engine.runner import ModelRunner
+
+
+class PoolLink(Protocol):
+    def to_runner(self, runner: ModelRunner) -> None: ...
+
+    def from_runner(self, runner: ModelRunner) -> None: ...
+
+
+class RunnerOwnsPool:
+    """L1 only: the runner's pool is the only copy; nothing to hand over."""
+
+    def to_runner(self, runner: ModelRunner) -> None:
+        pass
+
+    def from_runner(self, runner: ModelRunner) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    prompt: np.ndarray  # i32[n], n >= 1
+    max_new_tokens: int
+    extra_key: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class ServeResult:
+    output: tuple[int, ...]
+    last_logits: np.ndarray  # f32[vocab]: logits of the last prompt token
+    ttft_s: float
+    latency_s: float
+    prompt_len: int
+    device_hit_tokens: int  # prefix found in L1
+    loaded_tokens: int  # prefix brought back from L2 (or L3 via L2)
+    computed_tokens: int  # prompt tokens prefilled
+    load_failed: bool = False
+
+
+class Scheduler:
+    def __init__(self, client: CacheClient, runner: ModelRunner, link: PoolLink | None = None,
+                 *, hicache: bool = False, prefill_budget: int = 0) -> None:
+        """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
+        caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does."""
+        ps = client.page_size
+        if ps != runner.fwd.page_size:
+            raise ValueError(f"cache page_size {ps} != engine page_size {runner.fwd.page_size}")
+        if prefill_budget < 0 or prefill_budget % ps:
+            raise ValueError(f"prefill_budget must be a multiple of page_size {ps}, got {prefill_budget}")
+        self.client = client
+        self.runner = runner
+        self.link = link or RunnerOwnsPool()
+        self.hicache = hicache
+        self.prefill_budget = prefill_budget
+
+    def _match(self, req: ServeRequest) -> tuple[np.ndarray, int, int, int, bool]:
+        """(prefix pages, hit len, locked node, loaded tokens, load failed) — the node comes back locked."""
+        key = RadixKey(req.prompt[:-1], req.extra_key, req.cache_salt)
+        m = self.client.match_prefix(key)
+        pages, hit, node, loaded, failed = m.device_pages, m.device_hit_len, m.last_device_node, 0, False
+        if self.hicache and m.host_hit_len > 0:
+            r = self.client.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+            if r.load_id >= 0:
+                if self.client.wait_load_back(r.load_id):
+                    pages, hit, node, loaded = r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens
+                else:
+                    failed = True  # the L2 copy could not be loaded: recompute from the L1 prefix
+                    m = self.client.match_prefix(key)
+                    pages, hit, node = m.device_pages, m.device_hit_len, m.last_device_node
+        self.client.inc_lock_ref(node)
+        return pages, hit, node, loaded, failed
+
+    def serve(self, req: ServeRequest) -> ServeResult:
+        prompt = np.asarray(req.prompt, dtype=np.int32)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError(f"prompt must be a non-empty 1-D token array, got shape {prompt.shape}")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        t0 = time.perf_counter()
+        if self.hicache:
+            self.client.check_hicache_events()
+        prefix_pages, hit, node, loaded, failed = self._match(req)
+        total = prompt.size + req.max_new_tokens
+        table = np.concatenate([prefix_pages, self.client.alloc(total - hit)]).astype(np.int32)
+        ns = (req.extra_key, req.cache_salt)
+        start, prefix_len = hit, hit
+        budget = self.prefill_budget
+        while budget and prompt.size - start > budget:
+            end = start + budget
+            self.link.to_runner(self.runner)
+            self.runner.extend(prompt[:end], table, start)
+            self.link.from_runner(self.runner)
+            state = self.client.cache_unfinished_req(RequestState(RadixKey(prompt[:end], *ns), table, prefix_len, node))
+            table, prefix_len, node = state.device_pages, state.prefix_len, state.last_node
+            start = end
+        self.link.to_runner(self.runner)
+        logits = self.runner.extend(prompt, table, start)[-1]
+        ttft = time.perf_counter() - t0
+        gen = self.runner.decode(prompt, logits, table, req.max_new_tokens)
+        self.link.from_runner(self.runner)
+        seq = np.concatenate([prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
+        self.client.cache_finished_req(RequestState(RadixKey(seq, *ns), table, prefix_len, node))
+        return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size), hit - loaded,
+                           loaded, int(prompt.size) - hit, failed)
+
+    def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
+        return [self.serve(r) for r in requests]

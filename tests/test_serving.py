@@ -1,0 +1,41 @@
+"""End-to-end exactness on the embedded L1-only setup: cached runs equal no-cache runs, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.cluster import HeadConfig, embedded
+from hicache.cluster.tree import TreeConfig
+from hicache.engine.config import ForwardConfig, ModelConfig
+from hicache.engine.runner import ModelRunner
+from hicache.serving import Scheduler, ServeRequest
+
+MODEL = ModelConfig()
+FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=32)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(MODEL, FWD, num_pages=96)
+
+
+def test_multi_turn_with_l1_cache_equals_no_cache(runner):
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=8, capacity_pages=96)))
+    sched = Scheduler(client, runner, prefill_budget=32)
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, MODEL.vocab_size, 40, dtype=np.int32)
+    histories = [system.copy() for _ in range(2)]
+    hits = 0
+    for turn in range(3):
+        for c in range(2):
+            prompt = np.concatenate([histories[c], rng.integers(0, MODEL.vocab_size, 9, dtype=np.int32)])
+            res = sched.serve(ServeRequest(prompt, max_new_tokens=4))
+            ref = runner.generate_no_cache(prompt, 4)
+            assert res.output == ref.tokens
+            np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+            hits += res.device_hit_tokens
+            histories[c] = np.concatenate([prompt, np.asarray(res.output, dtype=np.int32)])
+    assert hits > 0
+    st = client.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0
