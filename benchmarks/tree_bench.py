@@ -1,10 +1,14 @@
 """Radix-tree control-plane benchmark on the multi-turn chat workload (issue: foundation).
 
-Per request, the scheduler's sequence: match -> lock -> alloc (evicts if short) -> cache_finished_req
-(insert prompt + output, free duplicates and the partial tail, unlock). Reports requests/s of tree ops
-only, µs per op, token hit rate, and tree metadata bytes per cached token (tracemalloc, separate pass).
+Per request, the scheduler's sequence: match -> lock -> begin_request -> alloc (evicts if short) ->
+trim_request (SWA: free pages outside the window) -> cache_finished_req (insert prompt + output, free
+duplicates and the partial tail, unlock). The same scheduler code runs every composition (the cache comes
+from ``build_kv_cache``). Reports requests/s of tree ops only, µs per op, token hit rate, and tree metadata
+bytes per cached token (tracemalloc, separate pass).
 
-    python benchmarks/tree_bench.py [--json out.json] [--components full] [--quick]
+    python benchmarks/tree_bench.py [--json out.json] [--components full|swa|mamba|swa,mamba] [--quick]
+
+Hybrid pools are sized like L1 (the same token capacity; unbounded when L1 is), window 1024 by default.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from hicache.cluster.builder import KVCacheConfig, MambaConfig, SWAConfig, build_kv_cache, parse_components
 from hicache.cluster.tree import RadixKey, RadixTree, RequestState, TreeConfig
 from hicache.workloads import MultiTurnSpec, multi_turn
 
@@ -37,13 +42,18 @@ class TreeBenchRecord:
     num_nodes: int
 
 
-def build_tree(page_size: int, capacity_tokens: int, components: str) -> RadixTree:
+def build_tree(page_size: int, capacity_tokens: int, components: str, window: int = 1024) -> RadixTree:
     capacity_pages = capacity_tokens // page_size if capacity_tokens else None
-    if components != "full":
-        from hicache.cluster.builder import build_tree_components  # later issue: hybrid components
-
-        return RadixTree(TreeConfig(page_size, capacity_pages), build_tree_components(components))
-    return RadixTree(TreeConfig(page_size, capacity_pages))
+    kinds = parse_components(components)
+    names = {k.value for k in kinds}
+    config = KVCacheConfig(
+        TreeConfig(page_size, capacity_pages),
+        kinds,
+        swa=SWAConfig(window, capacity_tokens or None) if "swa" in names else None,
+        # One state per cached node and per running request: nodes ~ requests here, so L1 tokens / 64.
+        mamba=MambaConfig(capacity_tokens // 64 if capacity_tokens else None) if "mamba" in names else None,
+    )
+    return build_kv_cache(config)
 
 
 def serve(tree: RadixTree, rounds) -> tuple[int, int, int]:
@@ -54,10 +64,12 @@ def serve(tree: RadixTree, rounds) -> tuple[int, int, int]:
             key = RadixKey(turn.prompt)
             m = tree.match_prefix(key)
             tree.inc_lock_ref(m.last_device_node)
+            values = tree.begin_request(m)
             seq = turn.sequence
             pages = tree.alloc(len(seq) - m.device_hit_len)
             state = RequestState(RadixKey(seq), np.concatenate([m.device_pages, pages]), m.device_hit_len,
-                                 m.last_device_node)
+                                 m.last_device_node, 0, values)
+            tree.trim_request(state)  # after the forward: SWA pages out of the window go back
             tree.cache_finished_req(state)
             hits += m.device_hit_len
             prompt_tokens += len(turn.prompt)
@@ -65,13 +77,15 @@ def serve(tree: RadixTree, rounds) -> tuple[int, int, int]:
     return requests, hits, prompt_tokens
 
 
-OPS_PER_REQUEST = 4  # match, lock, alloc, cache_finished_req (insert + free + unlock)
+OPS_PER_REQUEST = 4  # match, lock, alloc, cache_finished_req (insert + free + unlock); begin/trim ride along
 
 
-def run_one(rounds, page_size: int, capacity_tokens: int, components: str, repeat: int) -> TreeBenchRecord:
+def run_one(
+    rounds, page_size: int, capacity_tokens: int, components: str, repeat: int, window: int = 1024
+) -> TreeBenchRecord:
     elapsed = float("inf")
     for _ in range(repeat):  # best of N: this machine is shared and noisy
-        tree = build_tree(page_size, capacity_tokens, components)
+        tree = build_tree(page_size, capacity_tokens, components, window)
         gc.collect()
         t0 = time.perf_counter()
         requests, hits, prompt_tokens = serve(tree, rounds)
@@ -81,7 +95,7 @@ def run_one(rounds, page_size: int, capacity_tokens: int, components: str, repea
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    mem_tree = build_tree(page_size, capacity_tokens, components)
+    mem_tree = build_tree(page_size, capacity_tokens, components, window)
     serve(mem_tree, rounds)
     gc.collect()
     snap = tracemalloc.take_snapshot()
@@ -109,7 +123,8 @@ def run_one(rounds, page_size: int, capacity_tokens: int, components: str, repea
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the records here")
-    parser.add_argument("--components", default="full", help="full | swa | mamba")
+    parser.add_argument("--components", default="full", help="full | swa | mamba | swa,mamba")
+    parser.add_argument("--window", type=int, default=1024, help="SWA window in tokens")
     parser.add_argument("--page-sizes", default="1,16")
     parser.add_argument("--capacities", default="0,200000", help="tokens; 0 = unbounded")
     parser.add_argument("--quick", action="store_true", help="40 conversations x 4 turns")
@@ -122,7 +137,7 @@ def main() -> None:
     print(f"{'components':>10} {'page':>5} {'capacity':>9} {'req/s':>9} {'us/op':>7} {'hit':>6} {'B/token':>8} {'alloc B/page':>12} {'nodes':>6}")
     for ps in (int(x) for x in args.page_sizes.split(",")):
         for cap in (int(x) for x in args.capacities.split(",")):
-            rec = run_one(rounds, ps, cap, args.components, args.repeat)
+            rec = run_one(rounds, ps, cap, args.components, args.repeat, args.window)
             records.append(rec)
             print(f"{rec.components:>10} {rec.page_size:>5} {rec.capacity_tokens or 'inf':>9} "
                   f"{rec.requests_per_s:>9.0f} {rec.us_per_op:>7.1f} {rec.hit_rate:>6.3f} "

@@ -1,7 +1,7 @@
 """The radix tree of one replica: keys, nodes, components, allocator, eviction (no bytes, no I/O)."""
 
 from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner
-from hicache.cluster.tree.component import TreeComponent
+from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
 from hicache.cluster.tree.eviction import EvictionPolicy
 from hicache.cluster.tree.full import FullComponent
 from hicache.cluster.tree.key import RadixKey, as_token_array
@@ -17,9 +17,18 @@ from hicache.cluster.tree.params import (
     TreeStats,
 )
 from hicache.cluster.tree.radix import RadixTree, TreeConfig
+from hicache.cluster.tree.swa import SWAComponent  # noqa: E402  (imports the tree types above)
+from hicache.cluster.tree.mamba import MambaComponent, MambaMatch, MambaRequest  # noqa: E402
 
 __all__ = [
     "CacheCapacityError",
+    "ComponentTransfer",
+    "HiCachePhase",
+    "HostEvictionTracker",
+    "MambaComponent",
+    "MambaMatch",
+    "MambaRequest",
+    "SWAComponent",
     "EvictResult",
     "EvictionPolicy",
     "FinishResult",

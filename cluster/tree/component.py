@@ -4,17 +4,75 @@ The radix tree owns structure (keys, parents, children, access times); each comp
 per-node value and its pool: Full attention KV (``FullComponent``, always present), later sliding-window
 KV and Mamba state. The tree calls the hooks below at the points where node values must follow the
 structure. Hooks run on the head, once per replica, never on the workers.
+
+Full-only trees never call the optional hooks below ``on_revive``: the tree loops over
+``extra_components`` only, so a tree without SWA/Mamba pays nothing for them.
+
+HiCache hooks (L1 <-> L2 per component; the controller owns the host pools and the transfers):
+
+- ``build_hicache_transfers(node, phase)`` says what this component must move for ``node``. For
+  ``BACKUP`` the destinations are host ids the host tier fills in (``dst=None``); for ``LOAD_BACK`` the
+  controller has already attached device pages to the loading chain (``node.loading``) and the component
+  names sources (host ids) and destinations (device ids), reserving device ids it owns (Mamba slots).
+  Full: one KV transfer along the chain of ancestors without host copy (backup) / host-only ancestors
+  (load-back); the controller builds that one itself today. SWA: backup the SWA pages of live nodes;
+  load back only host-only nodes within the window before ``node``'s end. Mamba: the single state of
+  ``node`` (restore into a fresh tree slot; requests then copy-on-write from it).
+- ``commit_hicache_transfer(node, phase, transfers, ok)`` runs after every host acked (``ok``) or the
+  transfer failed (``ok=False``: release what ``build`` reserved, change nothing else).
+- ``drive_host_eviction(num_tokens, tracker)`` drops this component's own host copies (never the Full
+  chain) in LRU order until ``num_tokens`` tokens' worth were freed, reporting each through ``tracker``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from hicache.cluster.tree.params import NO_VALUES  # shared empty per-component mapping
 
 if TYPE_CHECKING:
     from hicache.cluster.tree.node import TreeNode
-    from hicache.cluster.tree.params import InsertParams
+    from hicache.cluster.tree.params import InsertParams, MatchResult, RequestState
     from hicache.cluster.tree.radix import RadixTree
+
+__all__ = ["NO_VALUES", "ComponentTransfer", "HiCachePhase", "HostEvictionTracker", "TreeComponent"]
+
+
+class HiCachePhase(str, Enum):
+    BACKUP = "backup"  # L1 -> L2 (device -> host)
+    LOAD_BACK = "load_back"  # L2 -> L1 (host -> device)
+
+
+@dataclass(frozen=True, eq=False)
+class ComponentTransfer:
+    """One copy a component needs for a HiCache phase; ids are plain ints (they cross to workers)."""
+
+    component: str
+    phase: HiCachePhase
+    node_id: int
+    src: np.ndarray  # i32[n]: device ids (BACKUP) or host ids (LOAD_BACK)
+    dst: np.ndarray | None  # i32[n]: host ids (BACKUP, filled in by the host tier) or device ids
+    num_tokens: int  # tokens whose state this transfer carries (host accounting)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.phase, HiCachePhase):
+            raise TypeError(f"phase must be a HiCachePhase, got {self.phase!r}")
+        if self.dst is not None and np.shape(self.dst) != np.shape(self.src):
+            raise ValueError(f"transfer dst shape {np.shape(self.dst)} != src shape {np.shape(self.src)}")
+
+
+class HostEvictionTracker(Protocol):
+    """Receives the host copies a component drops during host eviction (the host tier frees them)."""
+
+    def release(self, component: str, node_id: int, host_ids: np.ndarray, num_tokens: int) -> None: ...
+
+    def pinned(self, node_id: int) -> bool: ...
 
 
 class TreeComponent(ABC):
@@ -48,6 +106,72 @@ class TreeComponent(ABC):
 
     def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         """An L1-evicted node got fresh L1 values from an insert (recompute after eviction)."""
+
+    # -- optional hooks of extra components (never called for the Full component) ----------------
+    def insert_boundaries(self, params: InsertParams, page_start: int, page_end: int) -> Sequence[int]:
+        """Page indices strictly inside (page_start, page_end) where a new leaf must be cut in nodes."""
+        return ()
+
+    def on_insert_existing(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
+        """An insert passed through ``node`` (already in L1), which covers pages [page_start, page_end)."""
+
+    def on_device_drop(self, node: TreeNode) -> None:
+        """The node's L1 KV was evicted; the node stays in the tree (it has a host copy)."""
+
+    def on_lock(self, node: TreeNode) -> None:
+        """A request locked the path root..node (after the Full lock)."""
+
+    def on_unlock(self, node: TreeNode) -> None:
+        """A request unlocked the path root..node (after the Full unlock)."""
+
+    def limit_host_match(self, device_path: list[TreeNode], host_path: list[TreeNode]) -> int:
+        """How many host-only nodes after ``device_path`` this component can serve (default: all)."""
+        return len(host_path)
+
+    def match_value(self, device_path: list[TreeNode], branch_len: int) -> Any:
+        """Per-component part of a MatchResult (``MatchResult.components[name]``); None for none.
+
+        ``branch_len`` is the L1 hit length before any component limited it (where the key leaves the tree).
+        """
+        return None
+
+    def validate_request(self, state: RequestState) -> None:
+        """Raise ValueError/TypeError if the request's per-component value is wrong; must not mutate."""
+
+    def begin_request(self, match: MatchResult) -> Any:
+        """Per-request resources for a request continuing from ``match`` (None: the component needs none)."""
+        return None
+
+    def trim_request(self, state: RequestState) -> int:
+        """Releases per-request values no later step needs; returns how many were released."""
+        return 0
+
+    def on_request_cached(self, state: RequestState, end: TreeNode, finished: bool) -> Any:
+        """After the tree inserted the request's whole pages (``end``: node ending there, or the root).
+
+        ``finished``: release or hand over the request's values, return None. Otherwise return the value
+        the continuing request carries on with (``RequestState.components[name]``).
+        """
+        return None
+
+    evict_param: str = ""  # keyword of RadixTree.evict that drives this component's own eviction
+
+    def evict_component(self, amount: int) -> int:
+        """Component-own eviction (SWA tokens, Mamba states); returns what was freed in the same unit."""
+        return 0
+
+    # -- HiCache (see the module docstring) --------------------------------------------------------
+    def build_hicache_transfers(self, node: TreeNode, phase: HiCachePhase) -> tuple[ComponentTransfer, ...]:
+        return ()
+
+    def commit_hicache_transfer(
+        self, node: TreeNode, phase: HiCachePhase, transfers: Sequence[ComponentTransfer], ok: bool = True
+    ) -> None:
+        """Applies (``ok``) or rolls back the transfers ``build_hicache_transfers`` returned."""
+
+    def drive_host_eviction(self, num_tokens: int, tracker: HostEvictionTracker) -> int:
+        """Drops this component's host copies until ``num_tokens`` were freed; returns tokens freed."""
+        return 0
 
     # -- match -----------------------------------------------------------------------------------
     def limit_match(self, path: list[TreeNode]) -> int:

@@ -6,11 +6,38 @@ Small frozen dataclasses; nodes are referred to by integer id because these cros
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from hicache.cluster.tree.key import RadixKey
+
+
+class _NoValues(Mapping):
+    """The shared, immutable, hashable empty mapping (a dataclass default needs a hashable value)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "{}"
+
+
+NO_VALUES: Mapping[str, Any] = _NoValues()
+_NO_VALUES = NO_VALUES
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,7 +53,8 @@ class MatchResult:
     follow in L2 only (load them back with ``init_load_back``). ``last_device_node`` is the deepest node
     whose KV is in L1 (lock it while using the pages), ``last_host_node`` the deepest matched node with an
     L2 copy, ``best_match_node`` the deepest matched node on any tier. The namespace root's id stands for
-    "nothing matched".
+    "nothing matched". ``components`` holds per-component results by component name (Mamba: the
+    state slot of exactly ``device_hit_len`` tokens and the branching seqlen); empty for Full-only trees.
     """
 
     device_pages: np.ndarray  # i32[device_hit_len // page_size]
@@ -35,6 +63,7 @@ class MatchResult:
     last_device_node: int
     last_host_node: int
     best_match_node: int
+    components: Mapping[str, Any] = _NO_VALUES
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,7 +84,9 @@ class RequestState:
 
     ``device_pages`` cover the request's tokens in order (the first ``prefix_len // page_size`` pages came
     from the tree at match time, the rest were allocated for the request; extra pages past the last token
-    are allowed). ``last_node`` is the node locked at match time.
+    are allowed). ``last_node`` is the node locked at match time. ``components`` carries the request's
+    per-component values from ``RadixTree.begin_request`` (Mamba: its working state slot); empty for
+    Full-only and SWA trees.
     """
 
     key: RadixKey
@@ -63,6 +94,7 @@ class RequestState:
     prefix_len: int
     last_node: int
     priority: int = 0
+    components: Mapping[str, Any] = _NO_VALUES
 
 
 @dataclass(frozen=True)
@@ -74,6 +106,7 @@ class FinishResult:
 @dataclass(frozen=True)
 class EvictResult:
     evicted_tokens: int
+    components: Mapping[str, int] = _NO_VALUES  # evict_param -> amount freed (SWA tokens, Mamba states)
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,22 @@ Owned by the head (one per replica, DESIGN.md §1); a single thread mutates it. 
 runs of int32 token ids; children are indexed by their first page (an int at page size 1, the page's
 bytes otherwise). Every public method validates its input completely before it mutates anything, so a
 ValueError/TypeError leaves the tree exactly as it was.
+
+Extra components (SWA, Mamba; see ``component.py``) are called through ``self.extra_components`` loops
+only, so a Full-only tree runs the same code as before they existed. Per-request component values
+travel in ``MatchResult.components`` / ``RequestState.components`` (``begin_request`` creates them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from hicache.cluster.tree.allocator import CacheCapacityError, PageOwner, as_page_array
-from hicache.cluster.tree.component import TreeComponent
+from hicache.cluster.tree.component import NO_VALUES, TreeComponent
 from hicache.cluster.tree.eviction import EvictionPolicy, parse_policy
 from hicache.cluster.tree.full import FullComponent
 from hicache.cluster.tree.key import Namespace, RadixKey
@@ -118,6 +122,13 @@ class RadixTree:
     def roots(self) -> dict[Namespace, TreeNode]:
         """Namespace -> root node (read-only view for checks and dumps)."""
         return dict(self._roots)
+
+    def component(self, name: str) -> TreeComponent:
+        """The component called ``name`` ("full", "swa", "mamba"); ValueError naming it if absent."""
+        for comp in (self.full, *self.extra_components):
+            if comp.name == name:
+                return comp
+        raise ValueError(f"no component {name!r} in this tree (components: {', '.join(self.component_names)})")
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node."""
@@ -250,11 +261,9 @@ class RadixTree:
             else:
                 counting = False
         device_path = path[:device_nodes]
-        for comp in self.extra_components:
-            allowed = comp.limit_match(device_path)
-            if allowed < len(device_path):
-                device_path = device_path[:allowed]
-                path = device_path  # a component that cannot serve L1 cannot serve L2 beyond it either
+        values = NO_VALUES
+        if self.extra_components:
+            device_path, path, values = self._component_match(device_path, path)
         if device_path:
             last_device = device_path[-1]
             self.full.maybe_push(last_device)
@@ -278,13 +287,43 @@ class RadixTree:
             last_host = node
         best = last_host if host_len else last_device
         self._matched_tokens += device_len + host_len
-        return MatchResult(pages, device_len, host_len, last_device.id, last_host.id, best.id)
+        return MatchResult(pages, device_len, host_len, last_device.id, last_host.id, best.id, values)
+
+    def _component_match(
+        self, device_path: list[TreeNode], path: list[TreeNode]
+    ) -> tuple[list[TreeNode], list[TreeNode], Any]:
+        """Lets every extra component shorten the L1 and L2 parts of a match and add its own result."""
+        branch_len = sum(n.key.shape[0] for n in device_path)
+        for comp in self.extra_components:
+            allowed = comp.limit_match(device_path)
+            if allowed < len(device_path):
+                device_path = device_path[:allowed]
+                path = device_path  # a component that cannot serve L1 cannot serve L2 beyond it either
+        host_path = []
+        for node in path[len(device_path) :]:
+            if node.host_slots is None or node.loading:
+                break
+            host_path.append(node)
+        for comp in self.extra_components:
+            allowed = comp.limit_host_match(device_path, host_path)
+            if allowed < len(host_path):
+                host_path = host_path[:allowed]
+        path = device_path + host_path
+        values = {}
+        for comp in self.extra_components:
+            value = comp.match_value(device_path, branch_len)
+            if value is not None:
+                values[comp.name] = value
+        return device_path, path, values
 
     # -- insert ------------------------------------------------------------------------------------
     def insert(self, params: InsertParams) -> InsertResult:
-        return self._insert(params, pages_checked=False)
+        return self._insert(params, pages_checked=False)[0]
 
-    def _insert(self, params: InsertParams, pages_checked: bool, start: TreeNode | None = None) -> InsertResult:
+    def _insert(
+        self, params: InsertParams, pages_checked: bool, start: TreeNode | None = None
+    ) -> tuple[InsertResult, TreeNode]:
+        """Inserts; returns the result and the node ending at the key's last whole page (or the root)."""
         if not isinstance(params, InsertParams):
             raise TypeError(f"insert expects InsertParams, got {type(params).__name__}")
         key = params.key
@@ -293,6 +332,7 @@ class RadixTree:
         pages = as_page_array(params.device_pages, "device_pages")
         if pages is not params.device_pages:
             params = InsertParams(key, pages, params.priority)
+        extra = self.extra_components
         ps = self.page_size
         end = len(key) - len(key) % ps
         if pages.shape[0] < end // ps:
@@ -316,7 +356,7 @@ class RadixTree:
             new_ranges.append((pos // ps, end // ps))
         if not pages_checked:
             self.full.validate_insert(params, new_ranges)
-        for comp in self.extra_components:
+        for comp in extra:
             comp.validate_insert(params, new_ranges)
         # -- mutation starts here; nothing below raises on valid state --
         if partial:
@@ -334,8 +374,23 @@ class RadixTree:
                     comp.on_revive(node, params, pos // ps, (pos + n) // ps)
                 if self.listener is not None:
                     self.listener.on_stored(node, "device")
+            elif extra:
+                for comp in extra:
+                    comp.on_insert_existing(node, params, pos // ps, (pos + n) // ps)
             pos += n
         parent = path[-1] if path else root
+        if pos < end and extra:
+            cuts = sorted({c for comp in extra for c in comp.insert_boundaries(params, pos // ps, end // ps)})
+            for cut in cuts:  # components need the new run in several nodes (SWA: tombstone | live)
+                node = self._new_node(parent, key.token_ids[pos : cut * ps].copy(), params.priority)
+                parent.children[self._child_key(node.key, 0)] = node
+                self.full.on_create(node, params, pos // ps, cut)
+                for comp in extra:
+                    comp.on_create(node, params, pos // ps, cut)
+                if self.listener is not None:
+                    self.listener.on_stored(node, "device")
+                path.append(node)
+                parent, pos = node, cut * ps
         if pos < end:
             leaf = self._new_node(parent, key.token_ids[pos:end].copy(), params.priority)
             parent.children[self._child_key(leaf.key, 0)] = leaf
@@ -350,14 +405,17 @@ class RadixTree:
             self.full.maybe_push(path[-1])
         if self.after_insert is not None and path:
             self.after_insert(path)
-        return InsertResult(prefix_len)
+        return InsertResult(prefix_len), (path[-1] if path else root)
 
     # -- locks -------------------------------------------------------------------------------------
     def inc_lock_ref(self, node_id: int) -> int:
         node = self.node(node_id)
         if node.parent is None:
             return 0
-        return self.full.lock(node)
+        delta = self.full.lock(node)
+        for comp in self.extra_components:
+            comp.on_lock(node)
+        return delta
 
     def dec_lock_ref(self, node_id: int) -> int:
         node = self.node(node_id)
@@ -365,18 +423,38 @@ class RadixTree:
             return 0
         if node.lock_ref <= 0:
             raise ValueError(f"lock underflow: node {node_id} is not locked")
-        return self.full.unlock(node)
+        delta = self.full.unlock(node)
+        for comp in self.extra_components:
+            comp.on_unlock(node)
+        return delta
 
     # -- eviction and allocation ---------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> EvictResult:
+    def evict(self, num_tokens: int = 0, **component_amounts: int) -> EvictResult:
         """Frees at least ``num_tokens`` L1 tokens if possible, leaf-first in policy order.
 
         Victims with an L2 copy stay in the tree as host-only nodes; others are removed. With a
         ``before_device_evict`` hook (write_back), each batch of victims is offered to it first.
+        ``component_amounts`` drive the extra components' own eviction by their ``evict_param``
+        (``swa_num_tokens=...``: SWA tombstones, ``mamba_num=...``: Mamba states).
         """
         if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if component_amounts:
+            params = {c.evict_param: c for c in self.extra_components if c.evict_param}
+            for name, amount in component_amounts.items():
+                if name not in params:
+                    raise ValueError(f"unknown eviction amount {name!r}; this tree takes {sorted(params)}")
+                if not isinstance(amount, (int, np.integer)) or isinstance(amount, bool) or amount < 0:
+                    raise ValueError(f"{name} must be an int >= 0, got {amount!r}")
+        freed = self._evict_full(num_tokens) if num_tokens else 0
+        if not component_amounts:
+            return EvictResult(freed)
+        done = {name: params[name].evict_component(int(amount)) for name, amount in component_amounts.items()}
+        return EvictResult(freed, done)
+
+    def _evict_full(self, num_tokens: int) -> int:
         freed = 0
+        extra = self.extra_components
         queue = self.full.queue
         while freed < num_tokens:
             batch, batch_tokens = [], 0
@@ -394,6 +472,8 @@ class RadixTree:
                 if node.parent is None or node.device_pages is None or node.lock_ref:
                     continue  # changed while the hook ran (it may process transfer acks)
                 freed += self.full.drop_device(node)
+                for comp in extra:
+                    comp.on_device_drop(node)
                 if self.listener is not None:
                     self.listener.on_removed(node, "device")
                 parent = node.parent
@@ -403,7 +483,7 @@ class RadixTree:
                     self.full.maybe_push(parent)
         self._evicted_tokens += freed
         queue.maybe_compact(self.iter_nodes(), len(self._nodes))
-        return EvictResult(freed)
+        return freed
 
     def remove_host_only(self, node: TreeNode) -> None:
         """Deletes a host-only leaf (host eviction); its slots must already be released by the caller."""
@@ -464,7 +544,56 @@ class RadixTree:
         # The prefix pages belong to the locked path and are never touched here; the rest must be ours.
         k = state.prefix_len // ps
         self.full.allocator.check(pages[k:], PageOwner.REQUEST, "request pages")
+        if state.components or self.extra_components:
+            self._check_request_components(state)
         return node, pages, k
+
+    def _check_request_components(self, state: RequestState) -> None:
+        unknown = set(state.components) - set(self.component_names)
+        if unknown:
+            raise ValueError(
+                f"RequestState.components has unknown component(s) {sorted(unknown)}; "
+                f"this tree has {list(self.component_names)}"
+            )
+        for comp in self.extra_components:
+            comp.validate_request(state)
+
+    # -- per-request component values (no-ops for Full-only trees) ------------------------------------
+    def begin_request(self, match: MatchResult) -> Mapping[str, Any]:
+        """Per-component resources of a request that continues from ``match`` (lock its node first).
+
+        Returns the mapping to pass as ``RequestState.components``; empty for Full-only and SWA trees.
+        Mamba: a fresh working state slot plus the copy-on-write instruction from the cached state.
+        """
+        if not isinstance(match, MatchResult):
+            raise TypeError(f"begin_request expects a MatchResult, got {type(match).__name__}")
+        if not self.extra_components:
+            return NO_VALUES
+        values = {}
+        for comp in self.extra_components:
+            value = comp.begin_request(match)
+            if value is not None:
+                values[comp.name] = value
+        return values
+
+    def trim_request(self, state: RequestState) -> int:
+        """Releases per-request values that no later step needs (SWA pages outside the window).
+
+        Call it between forward steps of a running request; returns how many values were released.
+        """
+        if not self.extra_components:
+            return 0
+        self._check_request(state)
+        return sum(comp.trim_request(state) for comp in self.extra_components)
+
+    def _path_pages(self, node: TreeNode) -> np.ndarray:
+        parts = []
+        while node.parent is not None:
+            parts.append(node.device_pages)
+            node = node.parent
+        if not parts:
+            return _EMPTY_PAGES
+        return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
 
     @staticmethod
     def _root_of(node: TreeNode) -> TreeNode:
@@ -486,16 +615,22 @@ class RadixTree:
         last, pages, k = self._check_request(state)
         ps = self.page_size
         whole = len(state.key) // ps
-        new_prefix = self._insert(
+        result, end = self._insert(
             InsertParams(state.key.prefix(whole * ps), pages[:whole], state.priority), True, last
-        ).prefix_len
+        )
+        new_prefix = result.prefix_len
         dup = pages[k : max(k, new_prefix // ps)]
         tail = pages[whole:]
         alloc = self.full.allocator
         alloc.release(dup)
         alloc.release(tail)
+        extra = self.extra_components
         if last.parent is not None:
             self.full.unlock(last)
+            for comp in extra:
+                comp.on_unlock(last)
+        for comp in extra:
+            comp.on_request_cached(state, end, True)
         return FinishResult(new_prefix, int(dup.shape[0] + tail.shape[0]))
 
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
@@ -508,9 +643,12 @@ class RadixTree:
         ps = self.page_size
         whole = len(state.key) // ps
         prefix_key = state.key.prefix(whole * ps)
-        new_prefix = self._insert(InsertParams(prefix_key, pages[:whole], state.priority), True, last).prefix_len
+        result, end = self._insert(InsertParams(prefix_key, pages[:whole], state.priority), True, last)
+        new_prefix = result.prefix_len
         alloc = self.full.allocator
         alloc.release(pages[k : max(k, new_prefix // ps)])
+        if self.extra_components:
+            return self._continue_request(state, last, end, pages)
         match = self.match_prefix(prefix_key)
         new_last = self.node(match.last_device_node)
         if new_last.parent is not None:
@@ -519,6 +657,28 @@ class RadixTree:
             self.full.unlock(last)
         new_pages = np.concatenate([match.device_pages, pages[match.device_pages.shape[0] :]])
         return RequestState(state.key, new_pages, match.device_hit_len, new_last.id, state.priority)
+
+    def _continue_request(self, state: RequestState, last: TreeNode, end: TreeNode, pages: np.ndarray) -> RequestState:
+        """cache_unfinished_req with extra components: the lock moves to ``end`` itself (not to what a
+        component would let a *match* use: the request holds its own KV there), then components hand the
+        request its continuing values."""
+        extra = self.extra_components
+        if end.parent is not None:
+            self.full.lock(end)
+            for comp in extra:
+                comp.on_lock(end)
+        if last.parent is not None:
+            self.full.unlock(last)
+            for comp in extra:
+                comp.on_unlock(last)
+        prefix = self._path_pages(end)
+        values = {}
+        for comp in extra:
+            value = comp.on_request_cached(state, end, False)
+            if value is not None:
+                values[comp.name] = value
+        new_pages = np.concatenate([prefix, pages[prefix.shape[0] :]])
+        return RequestState(state.key, new_pages, prefix.shape[0] * self.page_size, end.id, state.priority, values)
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -1,0 +1,534 @@
+"""Sliding-window attention (SWA) component: a second KV pool that only needs the last ``window`` tokens.
+
+Runs on the head, inside the replica's radix tree (DESIGN.md §1); workers only see page ids.
+
+Pools and mapping (SGLang's SWA radix cache idea). Every L1 full-attention page has at most one SWA page:
+``swa_of[full_page]`` is its SWA page id or -1. ``RadixTree.alloc`` hands out full pages and SWA pages
+together (the SWA component installs a ``MappedPageAllocator`` as the Full component's allocator), and
+releasing a full page releases its SWA page. The model reads SWA KV through ``translate(full_pages)``,
+so scheduler code never deals with SWA page ids. SWA pages carry the owner of their full page (FREE /
+REQUEST / TREE) in their own ``PageAllocator`` (capacity ``num_tokens // page_size``; None = unbounded).
+
+Window rule. The query at position ``p`` attends to keys in ``(p - window, p]``; we keep it one token
+conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p - window, p)``.
+
+- Requests: ``trim_request`` frees the SWA pages of the request's own pages that end at or before
+  ``e - window``, where ``e`` is the request's last whole-page boundary (the point it will be cached at).
+- Tombstones: a node whose full pages have no SWA pages is a tombstone (full KV kept, SWA gone). A node
+  is always wholly live or wholly tombstone: an insert cuts a new run where the mapping changes
+  (``insert_boundaries``); a revived node with mixed pages is tombstoned whole (conservative).
+- An insert passing through a tombstone whose pages the request holds with live SWA gives the node the
+  request's SWA pages (``swa_of`` is re-pointed, no data moves).
+- Match: accepted only at node ends whose window ``[p - window, p)`` is live (or live back to the root).
+- Eviction: ``evict(swa_num_tokens=n)`` (and SWA allocation when short) tombstones unlocked live nodes in
+  LRU order (leaf or inner); Full eviction stays independent and frees SWA pages with the full pages.
+- Locks: a request lock on node N (position p) locks, for SWA, only the nodes intersecting
+  ``[p - window, p)``. Unlock recomputes the same walk; exactness across later splits comes from
+  ``bounds``: the topmost (partially covered) node records the lock's window start ``q``, and a split
+  gives the prefix exactly the locks that reach into it. No unlock handle is needed.
+
+HiCache (see ``component.py``): BACKUP copies the SWA pages of a live node to host ids the host tier
+chooses; LOAD_BACK restores SWA only for loading host-only nodes within the window before the loaded
+node's end (those without a host SWA copy, and those outside the window, become tombstones on commit);
+host eviction drops SWA host copies in LRU order, independently of the Full host chain.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner
+from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
+from hicache.cluster.tree.node import TreeNode
+from hicache.cluster.tree.params import InsertParams, RequestState
+
+if TYPE_CHECKING:
+    from hicache.cluster.tree.radix import RadixTree
+
+
+def check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if allow_none and value is None:
+        return
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+class ComponentQueue:
+    """Lazy LRU heap of one component's eviction candidates (own version counter per node value).
+
+    Same scheme as the Full queue (``eviction.py``): push when a node becomes a candidate, skip stale or
+    no-longer-candidate entries when popped, requeue entries whose node was touched since.
+    """
+
+    def __init__(self, state: Callable[[TreeNode], Any], is_candidate: Callable[[TreeNode], bool]) -> None:
+        self._state = state  # node -> its component value (has a ``version`` attribute)
+        self._is_candidate = is_candidate
+        self._heap: list[tuple[int, int, int, TreeNode]] = []
+
+    def push(self, node: TreeNode) -> None:
+        st = self._state(node)
+        st.version += 1
+        heapq.heappush(self._heap, (node.last_access, node.id, st.version, node))
+
+    def pop(self) -> TreeNode | None:
+        heap = self._heap
+        while heap:
+            key, _, version, node = heapq.heappop(heap)
+            if node.component_data is None:
+                continue
+            st = self._state(node)
+            if version != st.version or not self._is_candidate(node):
+                continue
+            if node.last_access != key:
+                heapq.heappush(heap, (node.last_access, node.id, version, node))
+                continue
+            st.version += 1
+            return node
+        return None
+
+    def maybe_compact(self, tree: RadixTree) -> None:
+        if len(self._heap) > 4 * tree.num_nodes + 4096:
+            self.rebuild(tree)
+
+    def rebuild(self, tree: RadixTree) -> None:
+        self._heap = []
+        for node in tree.iter_nodes():
+            if self._is_candidate(node):
+                self.push(node)
+
+    def clear(self) -> None:
+        self._heap = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class _SWANode:
+    __slots__ = ("lock", "bounds", "version", "host_slots")
+
+    def __init__(self) -> None:
+        self.lock = 0  # SWA locks covering (part of) this node
+        self.bounds: dict[int, int] | None = None  # window start q -> locks whose topmost node is this one
+        self.version = 0
+        self.host_slots: np.ndarray | None = None  # i32[pages]: host copy of the SWA pages
+
+
+@dataclass(frozen=True)
+class SWAStats:
+    window: int
+    capacity_pages: int
+    free_pages: int
+    tree_pages: int
+    request_pages: int
+    tombstone_nodes: int
+    live_nodes: int
+    evicted_tokens: int
+
+
+class MappedPageAllocator(PageAllocator):
+    """The Full L1 allocator with an SWA page attached to every handed-out full page."""
+
+    def __init__(self, capacity: int | None, swa: SWAComponent) -> None:
+        super().__init__(capacity)
+        self.swa = swa
+        self.swa_of = np.full(self.capacity, -1, dtype=np.int32)  # full page -> SWA page or -1
+
+    def _grow(self, needed: int) -> None:
+        old = self.capacity
+        super()._grow(needed)
+        swa_of = np.full(self.capacity, -1, dtype=np.int32)
+        swa_of[:old] = self.swa_of
+        self.swa_of = swa_of
+
+    def alloc(self, num_pages: int) -> np.ndarray:
+        if self.bounded and num_pages > self.num_free:
+            raise CacheCapacityError(f"need {num_pages} pages, {self.num_free} free")
+        swa_pages = self.swa.alloc_swa(num_pages)  # may tombstone; raises before any full page is taken
+        pages = super().alloc(num_pages)
+        self.swa_of[pages] = swa_pages
+        return pages
+
+    def transfer(self, pages: np.ndarray, new_owner: PageOwner) -> None:
+        super().transfer(pages, new_owner)
+        sp = self.swa_of[pages]
+        self.swa.allocator.transfer(sp[sp >= 0], new_owner)
+
+    def release(self, pages: np.ndarray) -> None:
+        if pages.size == 0:
+            return
+        sp = self.swa_of[pages]
+        self.swa.allocator.release(sp[sp >= 0])
+        self.swa_of[pages] = -1
+        super().release(pages)
+
+    def reset(self) -> None:
+        super().reset()
+        self.swa_of[:] = -1
+
+
+class SWAComponent(TreeComponent):
+    name = "swa"
+    evict_param = "swa_num_tokens"
+
+    def __init__(self, window: int, num_tokens: int | None = None) -> None:
+        check_positive_int("sliding window", window)
+        check_positive_int("swa_num_tokens", num_tokens, allow_none=True)
+        self.window = int(window)
+        self.num_tokens = None if num_tokens is None else int(num_tokens)
+        self.queue = ComponentQueue(self._state, self.is_evictable)
+        self.evicted_tokens = 0
+        self.released_host_copies: list[tuple[str, int, np.ndarray]] = []
+
+    def attach(self, tree: RadixTree) -> None:
+        ps = tree.page_size
+        if self.num_tokens is not None and self.num_tokens < ps:
+            raise ValueError(f"swa_num_tokens {self.num_tokens} is less than one page ({ps} tokens)")
+        old = tree.full.allocator
+        if type(old) is not PageAllocator or old.num_free != old.capacity:
+            raise ValueError("the SWA component must be attached to a fresh tree (its allocator is in use)")
+        super().attach(tree)
+        self.page_size = ps
+        self.allocator = PageAllocator(None if self.num_tokens is None else self.num_tokens // ps)
+        self.mapped = MappedPageAllocator(old.capacity if old.bounded else None, self)
+        tree.full.allocator = self.mapped
+
+    # -- node values ---------------------------------------------------------------------------------
+    @staticmethod
+    def _state(node: TreeNode) -> _SWANode:
+        data = node.component_data
+        if data is None:
+            data = node.component_data = {}
+        st = data.get("swa")
+        if st is None:
+            st = data["swa"] = _SWANode()
+        return st
+
+    def is_live(self, node: TreeNode) -> bool:
+        """True when the node's full KV is in L1 and its SWA pages are present (not a tombstone)."""
+        pages = node.device_pages
+        return pages is not None and pages.shape[0] > 0 and self.mapped.swa_of[pages[0]] >= 0
+
+    def is_evictable(self, node: TreeNode) -> bool:
+        if node.parent is None or node.loading or not self.is_live(node):
+            return False
+        return self._state(node).lock == 0
+
+    def translate(self, full_pages: np.ndarray) -> np.ndarray:
+        """SWA page ids of full pages (-1 where the SWA KV is gone): what the model's SWA layers read."""
+        return self.mapped.swa_of[np.asarray(full_pages, dtype=np.int32)]
+
+    def alloc_swa(self, num_pages: int) -> np.ndarray:
+        alloc = self.allocator
+        short = num_pages - alloc.num_free
+        if short > 0 and alloc.bounded:
+            self.evict_component(short * self.page_size)
+            if alloc.num_free < num_pages:
+                raise CacheCapacityError(
+                    f"SWA pool: need {num_pages} pages, {alloc.num_free} free and nothing more to tombstone"
+                )
+        return alloc.alloc(num_pages)
+
+    def _tombstone(self, node: TreeNode) -> int:
+        """Frees the node's SWA pages (full KV stays); returns SWA pages freed."""
+        pages = node.device_pages
+        sp = self.mapped.swa_of[pages]
+        live = sp[sp >= 0]
+        self.allocator.release(live)
+        self.mapped.swa_of[pages] = -1
+        return int(live.shape[0])
+
+    # -- structure hooks -------------------------------------------------------------------------------
+    def insert_boundaries(self, params: InsertParams, page_start: int, page_end: int) -> Sequence[int]:
+        live = self.mapped.swa_of[params.device_pages[page_start:page_end]] >= 0
+        if live.all() or not live.any():
+            return ()
+        return (np.flatnonzero(live[1:] != live[:-1]) + 1 + page_start).tolist()
+
+    def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
+        self._state(node)
+        if self.is_live(node):
+            self.queue.push(node)
+
+    def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
+        self._state(node)
+        sp = self.mapped.swa_of[node.device_pages]
+        if (sp >= 0).all():
+            self.queue.push(node)
+        elif (sp >= 0).any():
+            self._tombstone(node)
+
+    def on_insert_existing(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
+        swa_of = self.mapped.swa_of
+        if node.loading or swa_of[node.device_pages[0]] >= 0:
+            return
+        theirs = params.device_pages[page_start:page_end]
+        sp = swa_of[theirs]
+        if (sp < 0).any() or np.array_equal(theirs, node.device_pages):
+            return
+        if (self.mapped.owners(theirs) != PageOwner.REQUEST).any():
+            return
+        # The request recomputed this tombstone with live SWA: the node takes the SWA pages.
+        swa_of[node.device_pages] = sp
+        swa_of[theirs] = -1
+        self.allocator.transfer(sp, PageOwner.TREE)
+        if self._state(node).lock == 0:
+            self.queue.push(node)
+
+    def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        st = self._state(suffix)
+        pst = self._state(prefix)
+        pst.lock = st.lock
+        if st.bounds:
+            split_at = self.tree.depth(prefix.parent) + prefix.key.shape[0]
+            inside = {q: c for q, c in st.bounds.items() if q < split_at}
+            rest = {q: c for q, c in st.bounds.items() if q >= split_at}
+            pst.lock = st.lock - sum(rest.values())
+            pst.bounds = inside or None
+            st.bounds = rest or None
+        if pst.lock == 0 and self.is_live(prefix):
+            self.queue.push(prefix)
+
+    def on_remove(self, node: TreeNode) -> None:
+        data = node.component_data
+        st = data.get("swa") if data else None
+        if st is not None and st.host_slots is not None:
+            self.released_host_copies.append((self.name, node.id, st.host_slots))
+            st.host_slots = None
+
+    def take_released_host_copies(self) -> list[tuple[str, int, np.ndarray]]:
+        """(component, node id, host ids) of removed nodes' SWA host copies, for the host tier to free."""
+        out, self.released_host_copies = self.released_host_copies, []
+        return out
+
+    # -- locks -----------------------------------------------------------------------------------------
+    def _lock_walk(self, node: TreeNode, delta: int) -> None:
+        q = self.tree.depth(node) - self.window
+        end = q + self.window
+        while node.parent is not None:
+            st = self._state(node)
+            st.lock += delta
+            start = end - node.key.shape[0]
+            if start <= q:
+                bounds = st.bounds
+                if delta > 0:
+                    if bounds is None:
+                        bounds = st.bounds = {}
+                    bounds[q] = bounds.get(q, 0) + 1
+                else:
+                    c = bounds[q] - 1
+                    if c:
+                        bounds[q] = c
+                    else:
+                        del bounds[q]
+                        if not bounds:
+                            st.bounds = None
+            if delta < 0 and st.lock == 0 and self.is_live(node):
+                self.queue.push(node)
+            if start <= q:
+                return
+            end = start
+            node = node.parent
+
+    def on_lock(self, node: TreeNode) -> None:
+        self._lock_walk(node, 1)
+
+    def on_unlock(self, node: TreeNode) -> None:
+        self._lock_walk(node, -1)
+
+    def window_nodes(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes intersecting ``[p - window, p)`` for node end ``p`` (what a lock on ``node`` covers)."""
+        q = self.tree.depth(node) - self.window
+        end, out = q + self.window, []
+        while node.parent is not None:
+            out.append(node)
+            end -= node.key.shape[0]
+            if end <= q:
+                break
+            node = node.parent
+        return out
+
+    # -- match -----------------------------------------------------------------------------------------
+    def limit_match(self, path: list[TreeNode]) -> int:
+        swa_of = self.mapped.swa_of
+        w = self.window
+        run, from_root, best = 0, True, 0
+        for i, node in enumerate(path):
+            if swa_of[node.device_pages[0]] >= 0:
+                run += node.key.shape[0]
+            else:
+                run, from_root = 0, False
+            if from_root or run >= w:
+                best = i + 1
+        return best
+
+    def limit_host_match(self, device_path: list[TreeNode], host_path: list[TreeNode]) -> int:
+        if not host_path:
+            return 0
+        swa_of = self.mapped.swa_of
+        run, from_root = 0, True
+        for node in device_path:
+            if swa_of[node.device_pages[0]] >= 0:
+                run += node.key.shape[0]
+            else:
+                run, from_root = 0, False
+        best = 0
+        for j, node in enumerate(host_path):
+            data = node.component_data
+            st = data.get("swa") if data else None
+            if st is not None and st.host_slots is not None:
+                run += node.key.shape[0]
+            else:
+                run, from_root = 0, False
+            if from_root or run >= self.window:
+                best = j + 1
+        return best
+
+    # -- requests --------------------------------------------------------------------------------------
+    def trim_request(self, state: RequestState) -> int:
+        ps = self.page_size
+        end = len(state.key) // ps * ps
+        cut = (end - self.window) // ps
+        k = state.prefix_len // ps
+        if cut <= k:
+            return 0
+        pages = np.asarray(state.device_pages, dtype=np.int32)[k:cut]
+        sp = self.mapped.swa_of[pages]
+        live = sp[sp >= 0]
+        self.allocator.release(live)
+        self.mapped.swa_of[pages] = -1
+        return int(live.shape[0])
+
+    # -- eviction --------------------------------------------------------------------------------------
+    def evict_component(self, amount: int) -> int:
+        freed = 0
+        ps = self.page_size
+        rebuilt = False
+        while freed < amount:
+            node = self.queue.pop()
+            if node is None:
+                if rebuilt:
+                    break
+                self.queue.rebuild(self.tree)  # candidates nobody pushed (e.g. after a load-back)
+                rebuilt = True
+                continue
+            freed += self._tombstone(node) * ps
+        self.evicted_tokens += freed
+        self.queue.maybe_compact(self.tree)
+        return freed
+
+    # -- HiCache ---------------------------------------------------------------------------------------
+    def _loading_chain(self, node: TreeNode) -> list[TreeNode]:
+        chain = []
+        while node.parent is not None and node.loading:
+            chain.append(node)
+            node = node.parent
+        return chain
+
+    def build_hicache_transfers(self, node: TreeNode, phase: HiCachePhase) -> tuple[ComponentTransfer, ...]:
+        if not isinstance(phase, HiCachePhase):
+            raise TypeError(f"phase must be a HiCachePhase, got {phase!r}")
+        if phase is HiCachePhase.BACKUP:
+            st = self._state(node)
+            if node.parent is None or not self.is_live(node) or st.host_slots is not None:
+                return ()
+            src = self.mapped.swa_of[node.device_pages].copy()
+            return (ComponentTransfer(self.name, phase, node.id, src, None, node.num_tokens),)
+        window = {n.id for n in self.window_nodes(node)} if node.parent is not None else set()
+        out = []
+        for n in reversed(self._loading_chain(node)):
+            st = self._state(n)
+            if n.id in window and st.host_slots is not None:
+                dst = self.mapped.swa_of[n.device_pages].copy()
+                if (dst >= 0).all():
+                    out.append(ComponentTransfer(self.name, phase, n.id, st.host_slots.copy(), dst, n.num_tokens))
+        return tuple(out)
+
+    def commit_hicache_transfer(
+        self, node: TreeNode, phase: HiCachePhase, transfers: Sequence[ComponentTransfer], ok: bool = True
+    ) -> None:
+        for t in transfers:
+            if t.component != self.name or t.phase is not phase:
+                raise ValueError(f"transfer for {t.component}/{t.phase.value} given to swa/{phase.value}")
+            if ok and t.dst is None:
+                raise ValueError(f"swa transfer for node {t.node_id} has no destination ids")
+        if not ok:
+            return  # BACKUP: nothing recorded; LOAD_BACK: the controller drops the chain's pages
+        if phase is HiCachePhase.BACKUP:
+            for t in transfers:
+                n = self.tree.node(t.node_id)
+                if n.device_pages is None or t.dst.shape[0] != n.device_pages.shape[0]:
+                    raise ValueError(f"swa backup of node {t.node_id}: {t.dst.shape[0]} host ids for {n}")
+                self._state(n).host_slots = np.asarray(t.dst, dtype=np.int32).copy()
+            return
+        # Contract: called before the controller clears ``loading`` on the chain.
+        restored = {t.node_id for t in transfers}
+        for n in self._loading_chain(node):
+            if n.id not in restored:
+                self._tombstone(n)  # outside the window or no host SWA copy: full KV only
+
+    def drive_host_eviction(self, num_tokens: int, tracker: HostEvictionTracker) -> int:
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        victims = []
+        for node in self.tree.iter_nodes():
+            data = node.component_data
+            st = data.get("swa") if data else None
+            if st is not None and st.host_slots is not None and not tracker.pinned(node.id):
+                victims.append((node.last_access, node.id, node, st))
+        victims.sort(key=lambda v: (v[0], v[1]))
+        freed = 0
+        for _, _, node, st in victims:
+            if freed >= num_tokens:
+                break
+            tracker.release(self.name, node.id, st.host_slots, node.num_tokens)
+            st.host_slots = None
+            freed += node.num_tokens
+        return freed
+
+    # -- checks and reporting ----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        mapped, swa = self.mapped, self.allocator
+        owners = mapped.owners(np.arange(mapped.capacity))
+        swa_of = mapped.swa_of
+        assert (swa_of[owners == PageOwner.FREE] == -1).all(), "a free full page keeps an SWA page"
+        sp = swa_of[swa_of >= 0]
+        assert np.unique(sp).size == sp.size, "an SWA page is mapped from two full pages"
+        for owner in (PageOwner.REQUEST, PageOwner.TREE):
+            mine = swa_of[(owners == owner) & (swa_of >= 0)]
+            assert (swa.owners(mine) == owner).all(), f"SWA page owner disagrees with its {owner.name} full page"
+            assert mine.size == swa.count(owner), f"{owner.name} SWA pages leaked"
+        assert swa.num_free == swa.count(PageOwner.FREE)
+        for node in self.tree.iter_nodes():
+            st = self._state(node)
+            assert st.lock >= 0 and st.lock <= node.lock_ref, f"{node}: SWA lock {st.lock} outside the Full lock"
+            assert st.bounds is None or (sum(st.bounds.values()) <= st.lock and all(st.bounds.values()))
+            if node.device_pages is not None:
+                live = swa_of[node.device_pages] >= 0
+                assert live.all() or not live.any(), f"{node} is partly tombstoned"
+
+    def stats(self) -> dict[str, Any]:
+        live = tomb = 0
+        for node in self.tree.iter_nodes():
+            if node.device_pages is not None:
+                if self.is_live(node):
+                    live += 1
+                else:
+                    tomb += 1
+        a = self.allocator
+        return {
+            "swa": SWAStats(
+                self.window, a.capacity, a.num_free, a.count(PageOwner.TREE), a.count(PageOwner.REQUEST),
+                tomb, live, self.evicted_tokens,
+            )
+        }
+
+    def reset(self) -> None:
+        self.allocator.reset()
+        self.queue.clear()
+        self.evicted_tokens = 0
+        self.released_host_copies = []
