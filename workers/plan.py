@@ -1,42 +1,108 @@
-"""Transfer plans and acks: the contract between the head (decides) and the host workers (execute).
+"""Transfer plans and acks: the only data the control plane (head) and the workers exchange.
 
-The head sends the same ``TransferPlan`` to every host worker of a replica; each worker executes plans
-strictly in ``seq`` order and answers one ``TransferAck`` per op. Page and slot ids are plain int32
-numpy arrays: no ``jax.Array`` ever crosses a process (Ray) boundary.
+Plain numpy/int/str data (no ``jax.Array``): these cross Ray boundaries. The head builds one
+``TransferPlan`` per step and sends the *same* plan to every host of a replica; each host's
+``HostWorker`` executes it on its own shards (its KV heads) and answers one ``TransferAck`` per op.
+``device_pages`` are global L1 page ids (identical on every host); ``host_slots`` are L2 slot ids,
+allocated by the head and identical on every host (each host stores its heads of the page there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
+import enum
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
-class OpKind(str, Enum):
+class OpKind(str, enum.Enum):
     BACKUP_D2H = "d2h"  # L1 pages -> L2 slots
     LOAD_H2D = "h2d"  # L2 slots -> L1 pages
-    BACKUP_H2S = "h2s"  # L2 slots -> L3 objects
+    BACKUP_H2S = "h2s"  # L2 slots -> L3 objects (storage_keys, one per slot)
     PREFETCH_S2H = "s2h"  # L3 objects -> L2 slots
+
+
+def _as_id_array(value: object, name: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.size == 0:
+        arr = arr.astype(np.int32)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"TransferOp.{name} must be integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"TransferOp.{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"TransferOp.{name} does not fit int32: {arr.tolist()[:8]}")
+    arr = arr.astype(np.int32)  # a private copy
+    arr.setflags(write=False)
+    return arr
 
 
 @dataclass(frozen=True, eq=False)
 class TransferOp:
+    """One copy between tiers. Pairs are positional: ``device_pages[i] <-> host_slots[i]``
+    (and ``host_slots[i] <-> storage_keys[i]`` for storage ops)."""
+
     op_id: int
     kind: OpKind
-    device_pages: np.ndarray  # i32[n] (empty for storage ops)
+    device_pages: np.ndarray  # i32[n]; empty for storage ops
     host_slots: np.ndarray  # i32[n]
-    storage_keys: tuple[str, ...] = ()  # chain keys, storage ops only
+    storage_keys: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", OpKind(self.kind))
+        object.__setattr__(self, "device_pages", _as_id_array(self.device_pages, "device_pages"))
+        object.__setattr__(self, "host_slots", _as_id_array(self.host_slots, "host_slots"))
+        object.__setattr__(self, "storage_keys", tuple(self.storage_keys))
+        if isinstance(self.op_id, bool) or not isinstance(self.op_id, (int, np.integer)):
+            raise TypeError(f"TransferOp.op_id must be an int, got {self.op_id!r}")
+        if self.kind in (OpKind.BACKUP_D2H, OpKind.LOAD_H2D):
+            if self.device_pages.size != self.host_slots.size:
+                raise ValueError(
+                    f"op {self.op_id}: {self.device_pages.size} device_pages vs "
+                    f"{self.host_slots.size} host_slots"
+                )
+        elif len(self.storage_keys) != self.host_slots.size:
+            raise ValueError(
+                f"op {self.op_id}: {len(self.storage_keys)} storage_keys vs {self.host_slots.size} host_slots"
+            )
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.host_slots.size)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferOp):
+            return NotImplemented
+        return (self.op_id, self.kind, self.storage_keys) == (other.op_id, other.kind, other.storage_keys) and (
+            np.array_equal(self.device_pages, other.device_pages) and np.array_equal(self.host_slots, other.host_slots)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class TransferPlan:
+    """Ops executed strictly in order; ``seq`` strictly increases per worker."""
+
     seq: int
-    ops: tuple[TransferOp, ...]
+    ops: tuple[TransferOp, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        if isinstance(self.seq, bool) or not isinstance(self.seq, (int, np.integer)):
+            raise TypeError(f"TransferPlan.seq must be an int, got {self.seq!r}")
+        ids = [op.op_id for op in self.ops]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"plan {self.seq}: duplicate op_id in {ids}")
+        for op in self.ops:
+            if not isinstance(op, TransferOp):
+                raise TypeError(f"plan {self.seq}: ops must be TransferOp, got {type(op).__name__}")
 
 
 @dataclass(frozen=True)
 class TransferAck:
+    """Outcome of one op on one host. ``ok=False`` means neither pool was changed by it."""
+
     seq: int
     op_id: int
     host: int
