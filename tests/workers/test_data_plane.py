@@ -264,7 +264,7 @@ def test_transfer_op_validation():
     with pytest.raises(ValueError, match="2 device_pages vs 1 host_slots"):
         _op(1, "d2h", [1, 2], [0])
     with pytest.raises(TypeError, match="integers"):
-        _op(1, "d2h", [1.5], [0])
+        TransferOp(1, OpKind.BACKUP_D2H, np.array([1.5]), np.array([0]))
     with pytest.raises(ValueError, match="'x2y'"):
         _op(1, "x2y", [1], [0])
     with pytest.raises(ValueError, match="duplicate op_id"):
