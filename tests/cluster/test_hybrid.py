@@ -1,0 +1,356 @@
+"""Unit tests of the hybrid components: SWA tombstones/locks/eviction, Mamba copy-on-write, the builder,
+the chunk cache, per-component HiCache hooks (with a recording host double) and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.cluster.builder import (
+    ChunkCache,
+    ComponentKind,
+    KVCacheConfig,
+    MambaConfig,
+    SWAConfig,
+    build_kv_cache,
+    parse_components,
+)
+from hicache.cluster.tree import (
+    CacheCapacityError,
+    ComponentTransfer,
+    HiCachePhase,
+    MambaComponent,
+    MambaRequest,
+    RadixKey,
+    RadixTree,
+    RequestState,
+    SWAComponent,
+    TreeConfig,
+)
+from support.hybrid_model import RecordingHost, RecordingTracker
+from support.tree_model import snapshot
+
+
+def swa_tree(window=4, page_size=1, capacity=None, swa_tokens=None) -> RadixTree:
+    return build_kv_cache(KVCacheConfig(TreeConfig(page_size, capacity), "swa", swa=SWAConfig(window, swa_tokens)))
+
+
+def mamba_tree(slots=None, page_size=1, capacity=None) -> RadixTree:
+    return build_kv_cache(KVCacheConfig(TreeConfig(page_size, capacity), "mamba", mamba=MambaConfig(slots)))
+
+
+def start(tree: RadixTree, tokens, extra=0):
+    key = RadixKey(np.asarray(tokens, dtype=np.int32))
+    m = tree.match_prefix(key)
+    tree.inc_lock_ref(m.last_device_node)
+    values = tree.begin_request(m)
+    pages = np.r_[m.device_pages, tree.alloc(len(key) + extra - m.device_hit_len)].astype(np.int32)
+    return m, RequestState(key, pages, m.device_hit_len, m.last_device_node, 0, values)
+
+
+def serve(tree: RadixTree, tokens, trim=True):
+    m, state = start(tree, tokens)
+    if trim:
+        tree.trim_request(state)
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+    return m
+
+
+# -- builder ---------------------------------------------------------------------------------------
+def test_builder_compositions_and_chunk_cache():
+    assert parse_components("swa") == (ComponentKind.FULL, ComponentKind.SWA)
+    assert parse_components(["mamba", "full", "swa"]) == (ComponentKind.FULL, ComponentKind.SWA, ComponentKind.MAMBA)
+    assert build_kv_cache(KVCacheConfig()).component_names == ("full",)
+    both = build_kv_cache(KVCacheConfig(TreeConfig(2), "swa,mamba", swa=SWAConfig(8), mamba=MambaConfig(4)))
+    assert both.component_names == ("full", "swa", "mamba")
+    chunk = build_kv_cache(KVCacheConfig(TreeConfig(2, 8), reuse=False))
+    assert isinstance(chunk, ChunkCache)
+    for _ in range(3):  # same scheduler code; nothing is ever reused, every page comes back
+        m = serve(chunk, range(7))
+        assert m.device_hit_len == 0
+    assert chunk.stats().free_pages == 8 and chunk.num_nodes == 0
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: SWAConfig(0), "window must be a positive int, got 0"),
+        (lambda: SWAConfig(-3), "got -3"),
+        (lambda: SWAComponent(0), "got 0"),
+        (lambda: KVCacheConfig(components="full,lstm"), "unknown cache component 'lstm'"),
+        (lambda: KVCacheConfig(components="swa"), "swa config is None"),
+        (lambda: KVCacheConfig(components="full,full"), "duplicate"),
+        (lambda: MambaComponent(4, state_shapes=((2, 0),)), r"\(2, 0\)"),
+        (lambda: MambaComponent(4, dtype="nope"), "'nope'"),
+        (lambda: build_kv_cache(KVCacheConfig(TreeConfig(4), "swa", swa=SWAConfig(8, 2))), "less than one page"),
+    ],
+)
+def test_bad_config_names_the_value(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# -- SWA -------------------------------------------------------------------------------------------
+def test_swa_trim_makes_tombstones_and_match_needs_the_window():
+    tree = swa_tree(window=4)
+    swa = tree.component("swa")
+    serve(tree, range(12))  # trim frees SWA of tokens [0, 8): node [0,8) tombstone + live [8,12)
+    assert tree.num_nodes == 2
+    # a continuation at 12 has its window [8, 12): full hit
+    assert tree.match_prefix(RadixKey(np.arange(13))).device_hit_len == 12
+    # ending at 6 would need [2, 6): tombstoned, so nothing is served
+    m = tree.match_prefix(RadixKey(np.r_[np.arange(6), 99]))
+    assert m.device_hit_len == 0 and tree.num_nodes == 3  # the split stays (structure), the hit does not
+    assert swa.stats()["swa"].tombstone_nodes == 2
+
+
+def test_swa_recompute_revives_tombstone_by_adopting_request_swa():
+    tree = swa_tree(window=4)
+    swa = tree.component("swa")
+    serve(tree, range(12))
+    serve(tree, np.r_[np.arange(6), 99, 98, 97, 96], trim=True)  # recomputes [0,6) with live SWA in [2,6)? no:
+    # its own window is [6,10) so [0,6) was trimmed: the tombstone [0,6) stays, nothing to adopt
+    assert tree.match_prefix(RadixKey(np.arange(6))).device_hit_len == 0
+    m, state = start(tree, np.arange(6))  # no trim: the request keeps SWA for all 6 tokens
+    assert m.device_hit_len == 0
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+    assert tree.match_prefix(RadixKey(np.arange(6))).device_hit_len == 6  # adopted: live now
+    assert swa.stats()["swa"].request_pages == 0
+
+
+def test_swa_eviction_tombstones_lru_but_never_a_locked_window():
+    tree = swa_tree(window=2, swa_tokens=13)
+    swa = tree.component("swa")
+    serve(tree, range(0, 6), trim=False)
+    serve(tree, range(10, 16), trim=False)
+    m, state = start(tree, np.r_[np.arange(6), 50])  # locks the window [4, 6) of the first sequence
+    assert m.device_hit_len == 6
+    res = tree.evict(0, swa_num_tokens=100)
+    assert res.components == {"swa_num_tokens": 6}  # only the second sequence could be tombstoned
+    assert tree.match_prefix(RadixKey(np.arange(10, 17))).device_hit_len == 0
+    assert tree.match_prefix(RadixKey(np.arange(7))).device_hit_len == 6
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+    # the SWA pool is short: alloc tombstones what it needs, then runs out honestly
+    assert swa.allocator.num_free == 13 - 7
+    tree.alloc(5)
+    with pytest.raises(CacheCapacityError, match="SWA pool"):
+        tree.alloc(12)
+
+
+def test_swa_lock_is_exact_across_later_splits():
+    tree = swa_tree(window=5)
+    swa = tree.component("swa")
+    serve(tree, range(10), trim=False)
+    m, state = start(tree, np.r_[np.arange(10), 77])  # locks window [5, 10) within node [0, 10)
+    node = tree.node(m.last_device_node)
+    assert swa._state(node).lock == 1 and swa._state(node).bounds == {5: 1}
+    serve(tree, np.r_[np.arange(3), 60, 61], trim=False)  # splits at 3: prefix [0,3) is outside the window
+    serve(tree, np.r_[np.arange(7), 70, 71], trim=False)  # splits at 7: [3,7) holds the boundary q=5
+    locks = {tree.depth(n): swa._state(n).lock for n in tree.iter_nodes()}
+    assert locks[3] == 0 and locks[7] == 1 and locks[10] == 1
+    tree.cache_finished_req(state)
+    assert all(swa._state(n).lock == 0 and swa._state(n).bounds is None for n in tree.iter_nodes())
+    tree.check_invariants()
+
+
+def test_swa_full_eviction_frees_swa_pages_and_paged_insert_cuts_at_page_boundaries():
+    tree = swa_tree(window=3, page_size=2, capacity=16)
+    swa = tree.component("swa")
+    serve(tree, range(11))  # whole pages end at 10; window [7, 10) -> pages 3.. live, pages 0..2 trimmed
+    depths = sorted(tree.depth(n) for n in tree.iter_nodes())
+    assert depths == [6, 10]
+    tree.evict(100)
+    assert tree.num_nodes == 0 and swa.allocator.num_free == swa.allocator.capacity
+    tree.check_invariants()
+
+
+# -- Mamba -----------------------------------------------------------------------------------------
+def test_mamba_copy_on_write_two_branches_never_share_a_slot():
+    tree = mamba_tree(slots=8)
+    mamba = tree.component("mamba")
+    serve(tree, range(8))
+    m1, r1 = start(tree, np.r_[np.arange(8), 1, 2])
+    m2, r2 = start(tree, np.r_[np.arange(8), 3, 4])
+    cached = m1.components["mamba"].state_slot
+    assert cached >= 0 and m2.components["mamba"].state_slot == cached and m1.device_hit_len == 8
+    a, b = r1.components["mamba"], r2.components["mamba"]
+    assert a.slot != b.slot and cached not in (a.slot, b.slot)
+    assert a.copies == ((cached, a.slot),) and b.copies == ((cached, b.slot),)
+    tree.cache_finished_req(r1)
+    tree.cache_finished_req(r2)
+    tree.check_invariants()
+    assert mamba.stats()["mamba"].request_slots == 0 and mamba.stats()["mamba"].tree_slots == 3
+
+
+def test_mamba_match_truncates_to_a_state_and_reports_branching_seqlen():
+    tree = mamba_tree()
+    serve(tree, range(10))
+    m = tree.match_prefix(RadixKey(np.r_[np.arange(6), 50]))  # splits at 6: the prefix has no state
+    assert m.device_hit_len == 0 and m.components["mamba"].branching_seqlen == 6
+    assert m.components["mamba"].state_slot == -1
+    # a scheduler ending a prefill chunk at the branch point gives it a state
+    _, state = start(tree, np.arange(6))
+    new = tree.cache_unfinished_req(state)
+    value = new.components["mamba"]
+    assert value.slot != state.components["mamba"].slot
+    assert value.copies == ((state.components["mamba"].slot, value.slot),)  # the tree kept the old slot
+    assert tree.match_prefix(RadixKey(np.r_[np.arange(6), 51])).device_hit_len == 6
+    tree.cache_finished_req(new)
+    tree.check_invariants()
+
+
+def test_mamba_unaligned_key_caches_no_state_and_eviction_skips_locked():
+    tree = mamba_tree(slots=3, page_size=4)
+    mamba = tree.component("mamba")
+    serve(tree, range(10))  # 10 tokens, page 4: the state after 10 is not a page boundary's
+    assert tree.match_prefix(RadixKey(np.arange(10))).device_hit_len == 0
+    serve(tree, range(100, 108))
+    serve(tree, range(200, 208))
+    m, state = start(tree, np.r_[np.arange(100, 108), 5])
+    assert m.device_hit_len == 8  # pool: 2 cached + 1 request slot; the locked state survives eviction
+    assert tree.evict(0, mamba_num=5).components == {"mamba_num": 1}
+    assert mamba.state_slot(tree.node(m.last_device_node)) >= 0
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+
+
+# -- HiCache hooks with a recording host ---------------------------------------------------------------
+def _host_only(tree: RadixTree, node_ids):
+    """What the Full host tier would have done: committed L2 copies, so eviction keeps the nodes."""
+    for nid in node_ids:
+        node = tree.node(nid)
+        node.host_slots = np.arange(node.device_pages.shape[0], dtype=np.int32) + 500 + 50 * nid
+
+
+def _load(tree: RadixTree, node):
+    """Controller side of a load-back: pages attached to the host-only chain, chain marked loading."""
+    chain = []
+    n = node
+    while n.parent is not None and n.device_pages is None:
+        chain.append(n)
+        n = n.parent
+    pages = tree.alloc(sum(c.num_tokens for c in chain))
+    start_ = 0
+    for c in reversed(chain):
+        k = c.num_tokens // tree.page_size
+        tree.full.attach_pages(c, pages[start_ : start_ + k])
+        c.loading = True
+        start_ += k
+    return chain
+
+
+def test_swa_hicache_backup_loads_only_the_window_and_host_eviction_records():
+    tree = swa_tree(window=3)
+    swa = tree.component("swa")
+    serve(tree, range(4), trim=False)
+    serve(tree, range(8), trim=False)  # nodes [0,4) and [4,8), both live
+    a, b = sorted(tree.iter_nodes(), key=tree.depth)
+    host = RecordingHost()
+    for node in (a, b):
+        t = swa.build_hicache_transfers(node, HiCachePhase.BACKUP)
+        assert len(t) == 1 and t[0].dst is None
+        np.testing.assert_array_equal(t[0].src, swa.translate(node.device_pages))
+        swa.commit_hicache_transfer(node, HiCachePhase.BACKUP, host.place(t))
+    assert swa.build_hicache_transfers(a, HiCachePhase.BACKUP) == ()  # already on the host
+    _host_only(tree, [a.id, b.id])
+    tree.evict(100)
+    assert a.device_pages is None and b.device_pages is None
+    m = tree.match_prefix(RadixKey(np.arange(9)))
+    assert m.host_hit_len == 8
+    chain = _load(tree, b)
+    transfers = swa.build_hicache_transfers(b, HiCachePhase.LOAD_BACK)
+    assert [t.node_id for t in transfers] == [b.id]  # window [5, 8) lies in b: a (ends at 4) needs no SWA
+    np.testing.assert_array_equal(transfers[0].src, np.arange(1004, 1008))
+    np.testing.assert_array_equal(transfers[0].dst, swa.translate(b.device_pages))
+    swa.commit_hicache_transfer(b, HiCachePhase.LOAD_BACK, host.run(transfers))
+    for c in chain:
+        c.loading = False
+    tree.check_invariants()
+    assert not swa.is_live(a) and swa.is_live(b)  # a came back as a tombstone: full KV only
+    assert tree.match_prefix(RadixKey(np.arange(9))).device_hit_len == 8
+    assert tree.match_prefix(RadixKey(np.r_[np.arange(4), 9])).device_hit_len == 0
+    tracker = RecordingTracker(pinned_ids={b.id})
+    assert swa.drive_host_eviction(100, tracker) == 4
+    assert tracker.released == [("swa", a.id, tuple(range(1000, 1004)), 4)]
+
+
+def test_mamba_hicache_single_state_restore_then_copy_on_write():
+    tree = mamba_tree(slots=6)
+    mamba = tree.component("mamba")
+    serve(tree, range(4))
+    serve(tree, range(8))
+    a, b = sorted(tree.iter_nodes(), key=tree.depth)
+    host = RecordingHost()
+    for node in (a, b):
+        t = mamba.build_hicache_transfers(node, HiCachePhase.BACKUP)
+        mamba.commit_hicache_transfer(node, HiCachePhase.BACKUP, host.place(t))
+    _host_only(tree, [a.id, b.id])
+    tree.evict(100)
+    assert mamba.state_slot(b) == -1 and mamba.stats()["mamba"].tree_slots == 0
+    assert tree.match_prefix(RadixKey(np.arange(9))).host_hit_len == 8
+    _load(tree, b)
+    transfers = mamba.build_hicache_transfers(b, HiCachePhase.LOAD_BACK)
+    assert len(transfers) == 1 and transfers[0].node_id == b.id  # the single state of the end node
+    before = mamba.allocator.owners(np.arange(mamba.allocator.capacity)).copy()
+    with pytest.raises(ValueError, match="shape"):
+        mamba.commit_hicache_transfer(b, HiCachePhase.LOAD_BACK, (ComponentTransfer(
+            "mamba", HiCachePhase.LOAD_BACK, b.id, np.r_[transfers[0].src, 1], np.r_[transfers[0].dst, 2], 4),))
+    np.testing.assert_array_equal(mamba.allocator.owners(np.arange(mamba.allocator.capacity)), before)
+    mamba.commit_hicache_transfer(b, HiCachePhase.LOAD_BACK, host.run(transfers))
+    for n in (a, b):
+        n.loading = False
+    m, state = start(tree, np.r_[np.arange(8), 9])
+    assert m.device_hit_len == 8 and m.components["mamba"].state_slot == int(transfers[0].dst[0])
+    assert state.components["mamba"].copies == ((int(transfers[0].dst[0]), state.components["mamba"].slot),)
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+    tracker = RecordingTracker()
+    assert mamba.drive_host_eviction(1, tracker) == 4 and tracker.released[0][:2] == ("mamba", a.id)
+
+
+def test_failed_mamba_load_releases_the_reserved_slot():
+    tree = mamba_tree(slots=4)
+    mamba = tree.component("mamba")
+    serve(tree, range(4))
+    (a,) = tree.iter_nodes()
+    host = RecordingHost()
+    mamba.commit_hicache_transfer(a, HiCachePhase.BACKUP, host.place(mamba.build_hicache_transfers(a, HiCachePhase.BACKUP)))
+    _host_only(tree, [a.id])
+    tree.evict(100)
+    _load(tree, a)
+    t = mamba.build_hicache_transfers(a, HiCachePhase.LOAD_BACK)
+    assert mamba.allocator.num_free == 3
+    mamba.commit_hicache_transfer(a, HiCachePhase.LOAD_BACK, t, ok=False)
+    assert mamba.allocator.num_free == 4 and mamba.state_slot(a) == -1
+
+
+# -- bad input changes nothing -------------------------------------------------------------------------
+def test_bad_request_values_change_nothing():
+    tree = build_kv_cache(KVCacheConfig(TreeConfig(1, 32), "swa,mamba", swa=SWAConfig(4), mamba=MambaConfig(4)))
+    serve(tree, range(8))
+    _, state = start(tree, np.r_[np.arange(8), 3])
+    before = snapshot(tree)
+    bad_values = [
+        {},  # no mamba value
+        {"mamba": 3},
+        {"mamba": MambaRequest(np.array([1, 2]))},
+        {"mamba": state.components["mamba"], "lstm": 1},
+    ]
+    for values in bad_values:
+        bad = RequestState(state.key, state.device_pages, state.prefix_len, state.last_node, 0, values)
+        for call in (tree.cache_finished_req, tree.cache_unfinished_req, tree.trim_request):
+            with pytest.raises((ValueError, TypeError)):
+                call(bad)
+        assert snapshot(tree) == before
+    with pytest.raises(ValueError, match="'swa_tokens'"):
+        tree.evict(1, swa_tokens=3)
+    with pytest.raises(ValueError, match="no component 'lstm'"):
+        tree.component("lstm")
+    with pytest.raises(TypeError, match="HiCachePhase"):
+        tree.component("swa").build_hicache_transfers(tree.node(state.last_node), "backup")
+    assert snapshot(tree) == before
+    tree.cache_finished_req(state)
+    tree.check_invariants()
