@@ -51,6 +51,18 @@ class HeadShard:
         return self.heads.stop - self.heads.start
 
 
+def storage_dtype(dtype: object, backend: str | None = None) -> np.dtype:
+    """dtype the L1 pool is *stored* in. On XLA:CPU, 16/8-bit floats are stored as their same-width
+    unsigned bit pattern: XLA:CPU upcasts every bf16 dynamic_update_slice/scatter to f32 over the
+    whole pool (O(pool) per transfer, see ``kernels/paged_copy/portable.py``). TPU/GPU store the
+    logical dtype. Consumers view pages back with ``DevicePool.to_logical``."""
+    dt = np.dtype(dtype)
+    name = (backend or jax.default_backend()).lower()
+    if name == "cpu" and dt.kind not in "iub" and dt.itemsize < 4:
+        return np.dtype(f"u{dt.itemsize}")
+    return dt
+
+
 def default_mesh(num_kv_heads: int, devices: list[jax.Device] | None = None, head_axis: str = "kv") -> Mesh:
     """A 1-D mesh over the largest prefix of ``devices`` whose size divides ``num_kv_heads``."""
     devs = list(devices if devices is not None else jax.devices())
@@ -106,10 +118,11 @@ class DevicePool:
         self.partition_spec = P(None, None, None, None, head_axis, None)
         self.sharding = NamedSharding(mesh, self.partition_spec)
         self.shape = spec.pool_shape(self.num_pages)
-        self.dtype = jnp.dtype(spec.np_dtype)
+        self.dtype = np.dtype(spec.np_dtype)  # logical dtype
+        self.storage_dtype = storage_dtype(self.dtype, mesh.devices.flat[0].platform)
         self.head_shards = local_head_shards(self.sharding, self.shape)
         self.host_head_range = (self.head_shards[0].heads.start, self.head_shards[-1].heads.stop)
-        self._kv = jax.jit(lambda: jnp.zeros(self.shape, self.dtype), out_shardings=self.sharding)()
+        self._kv = jax.jit(lambda: jnp.zeros(self.shape, self.storage_dtype), out_shardings=self.sharding)()
 
     @classmethod
     def from_memory_fraction(
@@ -129,15 +142,25 @@ class DevicePool:
     # -- the array the model forward uses ---------------------------------------------------------
     @property
     def kv(self) -> jax.Array:
-        """``[L, 2, P, S, H, D]``. After a forward that donated it, hand the result to ``set_kv``."""
+        """``[L, 2, P, S, H, D]`` in ``storage_dtype``. After a forward that donated it, hand the
+        result to ``set_kv``; view gathered pages with ``to_logical``."""
         return self._kv
+
+    def to_logical(self, x: jax.Array) -> jax.Array:
+        """Storage-dtype values (e.g. gathered pages) -> the model dtype (no-op off CPU)."""
+        return x if x.dtype == self.dtype else jax.lax.bitcast_convert_type(x, self.dtype)
+
+    def to_storage(self, x: jax.Array) -> jax.Array:
+        """Model-dtype values (new K/V to write into pages) -> the storage dtype."""
+        x = x.astype(self.dtype)
+        return x if x.dtype == self.storage_dtype else jax.lax.bitcast_convert_type(x, self.storage_dtype)
 
     def set_kv(self, new_kv: jax.Array) -> None:
         if not isinstance(new_kv, jax.Array):
             raise TypeError(f"set_kv expects a jax.Array, got {type(new_kv).__name__}")
-        if tuple(new_kv.shape) != self.shape or new_kv.dtype != self.dtype:
+        if tuple(new_kv.shape) != self.shape or new_kv.dtype != self.storage_dtype:
             raise ValueError(
-                f"set_kv: expected {self.dtype}{list(self.shape)}, got {new_kv.dtype}{list(new_kv.shape)}"
+                f"set_kv: expected {self.storage_dtype}{list(self.shape)}, got {new_kv.dtype}{list(new_kv.shape)}"
             )
         if not new_kv.sharding.is_equivalent_to(self.sharding, new_kv.ndim):
             raise ValueError(f"set_kv: sharding {new_kv.sharding} differs from the pool's {self.sharding}")
@@ -169,7 +192,7 @@ class DevicePool:
         a = self.host_head_range[0]
         for shard in self.head_shards:
             piece = next(s for s in rows.addressable_shards if s.device == shard.devices[0])
-            out[..., shard.heads.start - a : shard.heads.stop - a, :] = np.asarray(piece.data)
+            out[..., shard.heads.start - a : shard.heads.stop - a, :] = np.asarray(piece.data).view(self.dtype)
         return out
 
     def write_pages(self, pages: object, data: np.ndarray) -> None:
@@ -179,7 +202,7 @@ class DevicePool:
         want = (ids.size, *self.host_row_shape)
         if arr.shape != want:
             raise ValueError(f"data must have shape {want}, got {arr.shape}")
-        arr = arr.astype(self.dtype, copy=False)
+        arr = arr.astype(self.dtype, copy=False).view(self.storage_dtype)
         row_sharding = NamedSharding(self.mesh, P(None, None, None, None, self.head_axis, None))
         global_shape = (ids.size, *self.spec.page_shape)
         a = self.host_head_range[0]

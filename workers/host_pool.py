@@ -181,7 +181,8 @@ class HostPool(abc.ABC):
         self.head_shards: tuple[HeadShard, ...] = device_pool.head_shards
         self.head_range: tuple[int, int] = device_pool.host_head_range
         self.slot_shape: tuple[int, ...] = device_pool.host_row_shape
-        self.dtype: np.dtype = np.dtype(device_pool.dtype)
+        self.dtype: np.dtype = np.dtype(device_pool.dtype)  # logical dtype of read/write_slots
+        self.storage_dtype: np.dtype = np.dtype(device_pool.storage_dtype)  # dtype of device staging
 
     @property
     def slot_bytes(self) -> int:
@@ -287,7 +288,7 @@ class NumpySlabHostPool(HostPool):
             taken.append((k, buf))
             np.take(_bits(self._slabs[k]), ids, axis=0, out=_bits(buf)[: ids.size])
             # Zero-copy on CPU (aligned buffer): buf must stay untouched until release().
-            pieces += [jax.device_put(buf, dev, may_alias=True) for dev in shard.devices]
+            pieces += [jax.device_put(buf.view(self.storage_dtype), dev, may_alias=True) for dev in shard.devices]
         arr = jax.make_array_from_single_device_arrays(global_shape, _row_sharding(pool), pieces)
 
         def release() -> None:
@@ -346,11 +347,12 @@ class PinnedPagesHostPool(HostPool):
         for i, slot in enumerate(ids):
             page = self._pages[k][slot]
             if page is not None:
-                out[i] = np.asarray(page)
+                out[i] = np.asarray(page).view(self.dtype)
         return out
 
     def _write_shard(self, k: int, ids: np.ndarray, data: np.ndarray) -> None:
-        arrays = jax.device_put([np.array(row) for row in data], [self._host_sharding[k]] * ids.size)
+        rows = [np.array(row).view(self.storage_dtype) for row in data]
+        arrays = jax.device_put(rows, [self._host_sharding[k]] * ids.size)
         for slot, arr in zip(ids.tolist(), arrays):
             self._pages[k][slot] = arr
 
@@ -371,7 +373,7 @@ class PinnedPagesHostPool(HostPool):
             for slot in ids.tolist():
                 page = self._pages[k][slot]
                 if page is None:  # never written: zeros, like a fresh slab
-                    page = jax.device_put(np.zeros(self._shard_row_shape[k], self.dtype), self._host_sharding[k])
+                    page = jax.device_put(np.zeros(self._shard_row_shape[k], self.storage_dtype), self._host_sharding[k])
                 pages.append(page)
             for dev in shard.devices:
                 on_dev = jax.device_put(pages, [SingleDeviceSharding(dev)] * len(pages))  # batched H2D

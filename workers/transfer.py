@@ -132,7 +132,7 @@ class TransferEngine:
             return free.pop()
         pool = self.device_pool
         shape = (rows, *pool.spec.page_shape)
-        return jax.jit(lambda: jnp.zeros(shape, pool.dtype), out_shardings=pool.sharding)()
+        return _zeros_fn(shape, pool.storage_dtype, pool.sharding)()
 
     def _padded_ids(self, pages: np.ndarray, rows: int) -> jax.Array:
         ids = np.zeros(rows, np.int32)
@@ -166,6 +166,11 @@ class TransferEngine:
             raise
         self.device_pool.set_kv(new_kv)
         return TransferHandle(OpKind.LOAD_H2D, n, n * self.host_pool.slot_bytes, new_kv.is_ready, lambda: None, release)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=None)
