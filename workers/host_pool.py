@@ -162,6 +162,10 @@ class PendingBackup(abc.ABC):
     def is_ready(self) -> bool: ...
 
     @abc.abstractmethod
+    def block(self) -> None:
+        """Blocks until ``is_ready``."""
+
+    @abc.abstractmethod
     def commit(self) -> None: ...
 
     def release(self) -> None:  # return staging buffers; called after commit or on failure
@@ -311,6 +315,9 @@ class _SlabBackup(PendingBackup):
     def is_ready(self) -> bool:
         return self.staged.is_ready()
 
+    def block(self) -> None:
+        self.staged.block_until_ready()
+
     def commit(self) -> None:
         if self._done:
             return
@@ -388,6 +395,9 @@ class _PinnedBackup(PendingBackup):
 
     def is_ready(self) -> bool:
         return all(a.is_ready() for arrays in self.moved for a in arrays)
+
+    def block(self) -> None:
+        jax.block_until_ready(self.moved)
 
     def commit(self) -> None:
         for k, arrays in enumerate(self.moved):

@@ -56,6 +56,7 @@ class TransferHandle:
         num_pages: int,
         bytes_moved: int,
         ready: Callable[[], bool],
+        block: Callable[[], None],
         commit: Callable[[], None],
         release: Callable[[], None],
     ) -> None:
@@ -64,7 +65,7 @@ class TransferHandle:
         self.bytes_moved = bytes_moved
         self.started = time.perf_counter()
         self.finished_at: float | None = None
-        self._ready, self._commit, self._release = ready, commit, release
+        self._ready, self._block, self._commit, self._release = ready, block, commit, release
         self._done = False
 
     def is_ready(self) -> bool:
@@ -72,6 +73,10 @@ class TransferHandle:
 
     def block_until_ready(self, timeout_s: float | None = None) -> bool:
         """Waits until ready; ``False`` if ``timeout_s`` passed first."""
+        if timeout_s is None:
+            if not self._done:
+                self._block()
+            return True
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         delay = 20e-6
         while not self.is_ready():
@@ -134,10 +139,10 @@ class TransferEngine:
         shape = (rows, *pool.spec.page_shape)
         return _zeros_fn(shape, pool.storage_dtype, pool.sharding)()
 
-    def _padded_ids(self, pages: np.ndarray, rows: int) -> jax.Array:
-        ids = np.zeros(rows, np.int32)
+    def _padded_ids(self, pages: np.ndarray, rows: int) -> np.ndarray:
+        ids = np.zeros(rows, np.int32)  # numpy args: no per-call jnp dispatch
         ids[: pages.size] = pages
-        return jnp.asarray(ids)
+        return ids
 
     # -- transfers --------------------------------------------------------------------------------
     def backup(self, device_pages: object, host_slots: object) -> TransferHandle:
@@ -145,14 +150,14 @@ class TransferEngine:
         pages, slots = self.check(device_pages, host_slots)
         n, rows = pages.size, bucket(pages.size)
         staging = self._take_staging(rows)
-        staged = self._gather(self.device_pool.kv, self._padded_ids(pages, rows), jnp.int32(n), staging)
+        staged = self._gather(self.device_pool.kv, self._padded_ids(pages, rows), np.int32(n), staging)
         pending: PendingBackup = self.host_pool.begin_backup(slots, staged, n)
 
         def release() -> None:
             pending.release()
             self._staging[rows].append(staged)  # reused (donated) by the next gather of this size
 
-        return TransferHandle(OpKind.BACKUP_D2H, n, n * self.host_pool.slot_bytes, pending.is_ready, pending.commit, release)
+        return TransferHandle(OpKind.BACKUP_D2H, n, n * self.host_pool.slot_bytes, pending.is_ready, pending.block, pending.commit, release)
 
     def load(self, host_slots: object, device_pages: object) -> TransferHandle:
         """L2 slots -> L1 pages (H2D). Async; the pool array is replaced at dispatch."""
@@ -160,12 +165,12 @@ class TransferEngine:
         n, rows = pages.size, bucket(pages.size)
         staged, release = self.host_pool.stage_load(slots, rows)
         try:
-            new_kv = self._scatter(self.device_pool.kv, self._padded_ids(pages, rows), jnp.int32(n), staged)
+            new_kv = self._scatter(self.device_pool.kv, self._padded_ids(pages, rows), np.int32(n), staged)
         except BaseException:
             release()
             raise
         self.device_pool.set_kv(new_kv)
-        return TransferHandle(OpKind.LOAD_H2D, n, n * self.host_pool.slot_bytes, new_kv.is_ready, lambda: None, release)
+        return TransferHandle(OpKind.LOAD_H2D, n, n * self.host_pool.slot_bytes, new_kv.is_ready, new_kv.block_until_ready, lambda: None, release)
 
 
 @functools.lru_cache(maxsize=None)

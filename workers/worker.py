@@ -170,7 +170,7 @@ class HostWorker:
         out = self.poll()
         while self._pending:
             p = self._pending[0]
-            if p.handle is not None and p.ack is None:
+            if p.handle is not None and p.ack is None and not p.handle.is_ready():
                 left = deadline - time.perf_counter()
                 if left <= 0 or not p.handle.block_until_ready(left):
                     break

@@ -51,12 +51,14 @@ def validate_ids(
     if arr.size == 0 and not allow_empty:
         raise ValueError(f"{name} is empty: nothing to copy")
     arr = arr.astype(np.int64, copy=False)
-    bad = arr[(arr < 0) | (arr >= upper)]
-    if bad.size:
+    if arr.size and (arr.min() < 0 or arr.max() >= upper):
+        bad = arr[(arr < 0) | (arr >= upper)]
         raise ValueError(f"{name} out of range [0, {upper}): {_preview(np.unique(bad))}")
-    uniq, counts = np.unique(arr, return_counts=True)
-    if uniq.size != arr.size:
-        raise ValueError(f"{name} has duplicates: {_preview(uniq[counts > 1])}")
+    if arr.size > 1:
+        srt = np.sort(arr)
+        dup = srt[1:] == srt[:-1]
+        if dup.any():
+            raise ValueError(f"{name} has duplicates: {_preview(np.unique(srt[1:][dup]))}")
     return arr.astype(np.int32)
 
 
