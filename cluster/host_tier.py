@@ -20,7 +20,7 @@ class HostTier:
     def __init__(self, tree: RadixTree, num_slots: int, policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
         self.tree = tree
         self.slots = PageAllocator(num_slots)
-        self.queue = EvictionQueue(policy, self.is_evictable)
+        self.queue = EvictionQueue(policy, self.is_evictable, version_attr="host_heap_version")
         self.host_tokens = 0  # tokens with a committed L2 copy
         self.evicted_tokens = 0
 

@@ -2,7 +2,7 @@
 
 A candidate is a node that may leave a tier now (for L1: unlocked, device-resident, no device-resident
 children). Instead of re-heapifying all leaves on every eviction (O(n) per call), the tree pushes a node
-whenever it becomes a candidate; each push bumps ``node.heap_version`` so older entries go stale and are
+whenever it becomes a candidate; each push bumps the node's version field for that queue so older entries go stale and are
 skipped when popped. Priorities only grow (access ticks, hit counts) or never change, so an entry whose
 node was touched since its push is simply requeued with its current priority when it surfaces: the
 order stays exact without a push on every touch. The heap is rebuilt when stale entries dominate.
@@ -47,28 +47,33 @@ def parse_policy(policy: EvictionPolicy | str) -> EvictionPolicy:
 class EvictionQueue:
     """Min-heap of (priority, node id, version, node); stale entries are dropped lazily."""
 
-    def __init__(self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode], bool]) -> None:
+    def __init__(
+        self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode], bool], version_attr: str = "heap_version"
+    ) -> None:
+        """``version_attr`` names the node field that versions this queue's entries (one per queue)."""
         self.policy = policy
+        self._version_attr = version_attr
         self._key = priority_key(policy)
         self._is_candidate = is_candidate
         self._heap: list[tuple[tuple[int, ...], int, int, TreeNode]] = []
 
     def push(self, node: TreeNode) -> None:
-        node.heap_version += 1
-        heapq.heappush(self._heap, (self._key(node), node.id, node.heap_version, node))
+        version = getattr(node, self._version_attr) + 1
+        setattr(node, self._version_attr, version)
+        heapq.heappush(self._heap, (self._key(node), node.id, version, node))
 
     def pop(self) -> TreeNode | None:
         """Removes and returns the best current candidate, or None when there is none."""
         heap = self._heap
         while heap:
             key, _, version, node = heapq.heappop(heap)
-            if version != node.heap_version or not self._is_candidate(node):
+            if version != getattr(node, self._version_attr) or not self._is_candidate(node):
                 continue
             current = self._key(node)
             if current != key:  # touched since it was pushed (keys only grow): requeue in its place
                 heapq.heappush(heap, (current, node.id, version, node))
                 continue
-            node.heap_version += 1  # consumed: its remaining entries (none newer) are stale
+            setattr(node, self._version_attr, version + 1)  # consumed: remaining entries are stale
             return node
         return None
 
@@ -80,8 +85,9 @@ class EvictionQueue:
         self._heap = []
         for node in live_nodes:
             if self._is_candidate(node):
-                node.heap_version += 1
-                self._heap.append((self._key(node), node.id, node.heap_version, node))
+                version = getattr(node, self._version_attr) + 1
+                setattr(node, self._version_attr, version)
+                self._heap.append((self._key(node), node.id, version, node))
         heapq.heapify(self._heap)
 
     def clear(self) -> None:

@@ -28,6 +28,7 @@ class TreeNode:
         "created",
         "priority",
         "heap_version",
+        "host_heap_version",
         "component_data",
         "pending",
         "staged_slots",
@@ -55,7 +56,8 @@ class TreeNode:
         self.last_access = tick
         self.created = tick
         self.priority = priority
-        self.heap_version = 0  # bumped on every push into the eviction queue; older entries are stale
+        self.heap_version = 0  # bumped on every push into the L1 eviction queue; older entries are stale
+        self.host_heap_version = 0  # the same for the L2 (host) eviction queue
         self.component_data: dict[str, Any] | None = None
         self.pending: Any = None  # the in-flight transfer this node waits on (HiCache), if any
         self.staged_slots: np.ndarray | None = None  # L2 slots reserved for an in-flight D->H backup

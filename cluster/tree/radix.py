@@ -393,6 +393,7 @@ class RadixTree:
                 parent, pos = node, cut * ps
         if pos < end:
             leaf = self._new_node(parent, key.token_ids[pos:end].copy(), params.priority)
+            leaf.hit_count = 1  # its first insert counts as its first hit (write-through thresholds)
             parent.children[self._child_key(leaf.key, 0)] = leaf
             self.full.on_create(leaf, params, pos // ps, end // ps)
             for comp in self.extra_components:

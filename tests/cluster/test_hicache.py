@@ -1,0 +1,181 @@
+"""HiCache L1<->L2 on a real embedded setup (CacheHead + HostWorker with JAX pools on fake CPU devices).
+
+Every hit checks that the prefix pages hold exactly the KV written for those tokens (``HiCacheEnv.serve``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.events import EventKind, MissReason, Tier
+from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.tree import RadixKey
+from hicache.workers import OpKind
+from support.hicache_env import HiCacheEnv
+
+
+def seq(start, n):
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def check(env: HiCacheEnv) -> None:
+    env.head.tree.check_invariants()
+    env.head.controller.check_invariants()
+
+
+def test_write_through_evict_then_load_back_is_bit_identical():
+    env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
+    a = seq(0, 24)
+    env.serve(a)
+    assert env.head.flush_write_through_acks() >= 1
+    st = env.head.cache_stats()
+    assert st["host_tokens"] == 24 and st["backed_up_tokens"] == 24
+    check(env)
+    # Push `a` out of L1 with other traffic, then overwrite every free L1 page with garbage.
+    env.serve(seq(1000, 60))
+    env.head.flush_write_through_acks()
+    m = env.head.match_prefix(RadixKey(a))
+    assert m.device_hit_len < 24 and m.device_hit_len + m.host_hit_len == 24
+    free = env.head.alloc(env.head.stats().free_pages * 4)
+    env.worker.device_pool.write_pages(free, np.full((free.size, *env.row_shape), -7, np.float32))
+    env.head.free(free)
+    r = env.serve(a)  # serve() asserts the loaded pages hold a's KV exactly
+    assert r["loaded"] == 24 - r["device_hit"] and r["loaded"] > 0
+    check(env)
+    assert env.head.cache_stats()["loaded_tokens"] == r["loaded"]
+
+
+def test_write_through_selective_backs_up_on_second_hit():
+    env = HiCacheEnv(write_policy="write_through_selective")
+    a = seq(0, 16)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    assert env.head.cache_stats()["host_tokens"] == 0
+    env.serve(a)  # second insert over the same node
+    env.head.flush_write_through_acks()
+    assert env.head.cache_stats()["host_tokens"] == 16
+    check(env)
+
+
+def test_write_back_backs_up_only_on_eviction_and_keeps_the_data():
+    env = HiCacheEnv(page_size=4, device_pages=12, host_slots=32, write_policy="write_back")
+    a = seq(0, 20)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    assert env.head.cache_stats()["host_tokens"] == 0
+    env.serve(seq(500, 40))  # needs the L1 pages of `a`: backed up, then demoted
+    st = env.head.cache_stats()
+    assert st["host_tokens"] >= 20 and st["backed_up_tokens"] >= 20
+    m = env.head.match_prefix(RadixKey(a))
+    assert m.device_hit_len + m.host_hit_len == 20 and m.host_hit_len > 0
+    r = env.serve(a)
+    assert r["loaded"] > 0
+    check(env)
+
+
+def test_load_back_threshold_and_quota_are_misses_with_reasons():
+    env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32, load_back_threshold=16)
+    a = seq(0, 12)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    env.head.evict(100)
+    m = env.head.match_prefix(RadixKey(a))
+    assert (m.device_hit_len, m.host_hit_len) == (0, 12)
+    r = env.head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+    assert r.load_id == -1 and r.miss_reason is MissReason.BELOW_THRESHOLD and r.device_hit_len == 0
+    env2 = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
+    env2.serve(a)
+    env2.head.flush_write_through_acks()
+    env2.head.evict(100)
+    m = env2.head.match_prefix(RadixKey(a))
+    r = env2.head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, mem_quota=8))
+    assert r.load_id == -1 and r.miss_reason is MissReason.OVER_QUOTA
+    r = env2.head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, mem_quota=12))
+    assert r.load_id >= 0 and env2.head.wait_load_back(r.load_id) and r.device_hit_len == 12
+    misses = env.head.cache_stats()["miss_tokens"]
+    assert misses["below_threshold"] == 12
+    assert env2.head.cache_stats()["miss_tokens"]["over_quota"] == 12
+
+
+def test_bad_load_back_input_changes_nothing():
+    env = HiCacheEnv()
+    a = seq(0, 16)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    m = env.head.match_prefix(RadixKey(a))
+    before = env.head.cache_stats()
+    with pytest.raises(ValueError, match="unknown node id"):
+        env.head.init_load_back(LoadBackParams(10**6, 4))
+    with pytest.raises(ValueError, match="mem_quota"):
+        env.head.init_load_back(LoadBackParams(m.best_match_node, 0, mem_quota=-1))
+    with pytest.raises(ValueError, match="host_hit_len"):
+        env.head.init_load_back(LoadBackParams(m.best_match_node, 8))  # a device node: nothing on host only
+    with pytest.raises(TypeError):
+        env.head.init_load_back((m.best_match_node, 0))
+    with pytest.raises(ValueError, match="unknown load id"):
+        env.head.wait_load_back(12345)
+    assert env.head.cache_stats() == before
+    check(env)
+
+
+def test_host_tier_is_bounded_and_evicts_lru_host_leaves():
+    env = HiCacheEnv(page_size=4, device_pages=8, host_slots=10)
+    seqs = [seq(i * 100, 16) for i in range(5)]
+    for s in seqs:
+        env.serve(s)
+        env.head.flush_write_through_acks()
+        assert env.head.cache_stats()["host_tokens"] <= 40
+        check(env)
+    # The most recent sequence is fully cached across L1+L2, the oldest ones were dropped.
+    m_new = env.head.match_prefix(RadixKey(seqs[-1]))
+    m_old = env.head.match_prefix(RadixKey(seqs[0]))
+    assert m_new.device_hit_len + m_new.host_hit_len == 16
+    assert m_old.device_hit_len + m_old.host_hit_len == 0
+    st = env.head.cache_stats()
+    assert st["miss_tokens"].get("evicted_l2", 0) >= 16
+
+
+def test_failed_backup_frees_slots_and_node_stays_device_only():
+    env = HiCacheEnv(faults={"fail_kinds": (OpKind.BACKUP_D2H,), "fail_rate": 1.0})
+    env.serve(seq(0, 16))
+    env.head.flush_write_through_acks()
+    st = env.head.cache_stats()
+    assert st["host_tokens"] == 0 and st["transfer_failures"] == 1 and st["in_flight"] == 0
+    assert env.head.controller.host.slots.num_free == 64
+    assert env.head.stats().protected_tokens == 0
+    check(env)
+
+
+def test_failed_load_rolls_back_and_request_recomputes():
+    env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32,
+                     faults={"fail_kinds": (OpKind.LOAD_H2D,), "fail_rate": 1.0})
+    a = seq(0, 16)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    env.head.evict(100)
+    free_before = env.head.stats().free_pages
+    r = env.serve(a)
+    assert r["load_failed"] and r["loaded"] == 0 and r["device_hit"] == 0
+    st = env.head.cache_stats()
+    assert st["miss_tokens"]["load_failed"] == 16
+    assert env.head.stats().free_pages == free_before - 4  # only the recomputed request's pages
+    check(env)
+
+
+def test_events_report_tiers():
+    env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
+    env.serve(seq(0, 8))
+    env.head.flush_write_through_acks()
+    env.head.evict(100)
+    kinds = [(e.kind, e.tier) for e in env.head.take_events()]
+    assert kinds == [(EventKind.STORED, Tier.DEVICE), (EventKind.STORED, Tier.HOST), (EventKind.REMOVED, Tier.DEVICE)]
+    assert env.head.take_events() == []
+
+
+def test_config_validation():
+    for bad in (dict(host_slots=0), dict(host_slots=4, write_policy="sometimes"), dict(host_slots=4, load_back_threshold=-1),
+                dict(host_slots=4, ack_timeout_s=0)):
+        with pytest.raises(ValueError):
+            HiCacheConfig(**bad)

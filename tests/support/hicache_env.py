@@ -1,0 +1,120 @@
+"""A real embedded HiCache setup for tests: head + one HostWorker (real JAX pools) + helpers.
+
+``serve`` runs the scheduler's sequence for one request and writes the known KV pattern
+(``kv_pattern``) into the pages the request computed, so loaded-back bytes can be checked exactly.
+``FaultyWorkers`` wraps the real worker group to delay acks and turn chosen acks into failures (a
+host that failed its copy); the bytes still move on the real pools.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from hicache.cluster import CacheHead, HeadConfig
+from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.transfers import LocalWorkerGroup
+from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
+from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferAck, TransferPlan
+from support.kv_pattern import page_rows
+
+
+def make_spec(page_size: int) -> KVCacheSpec:
+    return KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, page_size=page_size, dtype="float32")
+
+
+@dataclass
+class FaultyWorkers:
+    """Real workers; acks may be held back for a few polls and chosen op kinds may fail."""
+
+    inner: LocalWorkerGroup
+    fail_kinds: tuple[OpKind, ...] = ()
+    fail_rate: float = 0.0
+    delay_polls: int = 0
+    seed: int = 0
+    _kinds: dict[int, OpKind] = field(default_factory=dict)
+    _held: list[list] = field(default_factory=list)  # [polls left, ack]
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    @property
+    def num_hosts(self) -> int:
+        return self.inner.num_hosts
+
+    def submit(self, plan: TransferPlan) -> None:
+        for op in plan.ops:
+            self._kinds[op.op_id] = op.kind
+        self.inner.submit(plan)
+
+    def _filter(self, acks: list[TransferAck], flush: bool) -> list[TransferAck]:
+        for ack in acks:
+            kind = self._kinds.pop(ack.op_id, None)
+            if kind in self.fail_kinds and self._rng.random() < self.fail_rate:
+                ack = replace(ack, ok=False, error="injected failure")
+            self._held.append([self._rng.randint(0, self.delay_polls), ack])
+        out, keep = [], []
+        for item in self._held:
+            if flush or item[0] <= 0:
+                out.append(item[1])
+            else:
+                item[0] -= 1
+                keep.append(item)
+        self._held = keep
+        return out
+
+    def poll(self) -> list[TransferAck]:
+        return self._filter(self.inner.poll(), flush=False)
+
+    def wait(self, timeout_s: float) -> list[TransferAck]:
+        return self._filter(self.inner.wait(timeout_s), flush=True)
+
+
+class HiCacheEnv:
+    def __init__(self, page_size: int = 4, device_pages: int = 32, host_slots: int = 64,
+                 write_policy: str = "write_through", load_back_threshold: int = 0, faults: dict | None = None):
+        self.ps = page_size
+        self.spec = make_spec(page_size)
+        self.worker = HostWorker(self.spec, device_pages, host_slots)
+        group = LocalWorkerGroup([self.worker])
+        self.workers = FaultyWorkers(group, **faults) if faults else group
+        config = HeadConfig(
+            tree=TreeConfig(page_size=page_size, capacity_pages=device_pages),
+            hicache=HiCacheConfig(host_slots=host_slots, write_policy=write_policy,
+                                  load_back_threshold=load_back_threshold, ack_timeout_s=10.0),
+        )
+        self.head = CacheHead(config, self.workers)
+        self.row_shape = self.spec.page_shape
+
+    def rows(self, tokens: np.ndarray, first_page: int, num_pages: int) -> np.ndarray:
+        return page_rows(tokens, first_page, num_pages, self.row_shape, self.ps)
+
+    def serve(self, tokens, load_back: bool = True):
+        """Match (+ load-back), lock, alloc, 'compute' the missing pages, finish. Returns stats."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        head, ps = self.head, self.ps
+        key = RadixKey(tokens)
+        m = head.match_prefix(key)
+        pages, hit, node, loaded, load_failed = m.device_pages, m.device_hit_len, m.last_device_node, 0, False
+        if load_back and m.host_hit_len:
+            r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+            if r.load_id >= 0:
+                if head.wait_load_back(r.load_id):
+                    pages, hit, node, loaded = r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens
+                else:
+                    load_failed = True
+                    m = head.match_prefix(key)
+                    pages, hit, node = m.device_pages, m.device_hit_len, m.last_device_node
+        head.inc_lock_ref(node)
+        # The cached prefix must hold exactly the KV of these tokens.
+        if hit:
+            np.testing.assert_array_equal(self.worker.device_pool.read_pages(pages), self.rows(tokens, 0, hit // ps))
+        own = head.alloc(len(tokens) - hit)
+        if own.size:
+            self.worker.device_pool.write_pages(own, self.rows(tokens, hit // ps, own.size))
+        head.cache_finished_req(RequestState(key, np.concatenate([pages, own]), hit, node))
+        return {"device_hit": hit - loaded, "loaded": loaded, "load_failed": load_failed,
+                "host_hit": m.host_hit_len}
