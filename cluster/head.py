@@ -19,6 +19,7 @@ from hicache.cluster.events import KVEvent
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
+    CacheCapacityError,
     EvictResult,
     FinishResult,
     InsertParams,
@@ -149,7 +150,15 @@ class CacheHead:
         return self.tree.dec_lock_ref(node_id)
 
     def alloc(self, num_tokens: int) -> np.ndarray:
-        return self._sent(self.tree.alloc(num_tokens))
+        """L1 pages, evicting as needed. Nodes locked only by in-flight backups become evictable once
+        acked, so when short the head applies (and, bounded, waits for) those acks and retries once."""
+        try:
+            return self._sent(self.tree.alloc(num_tokens))
+        except CacheCapacityError:
+            if self.controller is None or not self.controller.in_flight:
+                raise
+            self.controller.flush_write_through_acks()
+            return self._sent(self.tree.alloc(num_tokens))
 
     def free(self, pages: np.ndarray | Sequence[int]) -> None:
         self.tree.free(pages)
