@@ -60,7 +60,8 @@ def test_random_stream_with_faults(seed, policy):
     head.flush_write_through_acks()
     assert head.controller.in_flight == 0
     assert head.stats().protected_tokens == 0
-    # Everything still cached (either tier) loads back exactly.
+    # Everything still cached (either tier) loads back exactly; drop L1 first so L2 is exercised.
+    head.evict(10**6)
     for tokens in _stream(random.Random(seed), 45):
         m = head.match_prefix(RadixKey(tokens))
         if m.device_hit_len + m.host_hit_len:
