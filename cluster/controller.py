@@ -58,9 +58,10 @@ class HiCacheController:
         self.workers = workers
         self.host = HostTier(tree, config.host_slots)
         self.counters = CacheCounters()
-        self._pending: dict[int, PendingTransfer] = {}  # op_id -> in flight
+        self._pending: dict[int, list[PendingTransfer]] = {}  # sent op_id -> transfers it carries
         self._finished_loads: dict[int, bool] = {}  # load op_id -> ok, until asked
         self._queued: list[PendingTransfer] = []  # built, not yet sent
+        self._queued_backup_pages = 0
         self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
         self._seq = itertools.count()
         self._op_ids = itertools.count()
@@ -151,7 +152,6 @@ class HiCacheController:
         """write_back: L1 victims without an L2 copy are backed up (and waited for) before eviction."""
         started = [v for v in victims if v.host_slots is None and self._backup_chain(v)]
         if started:
-            self.submit()
             self.flush_write_through_acks()
 
     # -- load-back (L2 -> L1) -----------------------------------------------------------------------
@@ -238,7 +238,7 @@ class HiCacheController:
         if load_id not in self._finished_loads and load_id not in self._pending:
             if not any(p.op.op_id == load_id for p in self._queued):
                 raise ValueError(f"unknown load id {load_id}")
-        self.submit()
+        self.submit(force=True)
         self._apply(self.workers.poll())
         if load_id in self._pending:
             self._apply(self.workers.wait(timeout))
@@ -250,27 +250,55 @@ class HiCacheController:
         for n in nodes:
             n.pending = pending
         self._queued.append(pending)
+        if op.kind is OpKind.BACKUP_D2H:
+            self._queued_backup_pages += op.num_pages
 
-    def submit(self) -> int:
-        """Sends every queued op as one plan to all hosts; returns the number of ops sent."""
+    def submit(self, force: bool = False) -> int:
+        """Sends queued ops as one plan to all hosts; returns the number of transfers sent.
+
+        Loads are sent at once (a request waits for them). Backups are off the critical path: they
+        wait until ``backup_batch_pages`` are queued (or ``force``) and then travel as ONE merged op,
+        so a batch costs one dispatch and one ack per host instead of one per request.
+        """
         if not self._queued:
             return 0
+        backups = [p for p in self._queued if p.kind is OpKind.BACKUP_D2H]
+        hold = backups and not force and self._queued_backup_pages < self.config.backup_batch_pages
+        sending = [p for p in self._queued if not (hold and p.kind is OpKind.BACKUP_D2H)]
+        if not sending:
+            return 0
+        self._queued = [p for p in self._queued if hold and p.kind is OpKind.BACKUP_D2H]
         seq = next(self._seq)
-        queued, self._queued = self._queued, []
-        for p in queued:
-            p.seq = seq
-            self._pending[p.op.op_id] = p
-        self.workers.submit(TransferPlan(seq, tuple(p.op for p in queued)))
-        return len(queued)
+        ops, groups = [], []
+        for p in sending:
+            if p.kind is not OpKind.BACKUP_D2H:
+                ops.append(p.op)
+                groups.append([p])
+        merged = [p for p in sending if p.kind is OpKind.BACKUP_D2H]
+        if merged:
+            self._queued_backup_pages = 0
+            if len(merged) == 1:
+                ops.append(merged[0].op)
+            else:
+                ops.append(TransferOp(next(self._op_ids), OpKind.BACKUP_D2H,
+                                      np.concatenate([p.op.device_pages for p in merged]),
+                                      np.concatenate([p.op.host_slots for p in merged])))
+            groups.append(merged)
+        for op, group in zip(ops, groups):
+            for p in group:
+                p.seq = seq
+            self._pending[op.op_id] = group
+        self.workers.submit(TransferPlan(seq, tuple(ops)))
+        return len(sending)
 
     def check_events(self) -> int:
-        """Applies every ack that arrived; returns the number of transfers completed."""
-        self.submit()
+        """Sends what is queued and applies every ack that arrived; returns transfers completed."""
+        self.submit(force=True)
         return self._apply(self.workers.poll())
 
     def flush_write_through_acks(self) -> int:
         """Waits (bounded by ``ack_timeout_s``) until every in-flight transfer is acked, and applies them."""
-        self.submit()
+        self.submit(force=True)
         done = self._apply(self.workers.poll())
         if self._pending:
             done += self._apply(self.workers.wait(self.config.ack_timeout_s))
@@ -279,14 +307,18 @@ class HiCacheController:
     def _apply(self, acks: list[TransferAck]) -> int:
         done = 0
         for ack in acks:
-            pending = self._pending.get(ack.op_id)
-            if pending is None:
+            group = self._pending.get(ack.op_id)
+            if group is None:
                 continue  # an ack for a transfer already given up on
-            pending.record(ack)
-            if pending.done:
+            if ack.host not in group[0].acked_hosts:
+                self.counters.bytes_moved[group[0].kind.value] += ack.bytes_moved
+            for p in group:
+                p.record(ack)
+            if group[0].done:
                 del self._pending[ack.op_id]
-                self._complete(pending)
-                done += 1
+                for p in group:
+                    self._complete(p)
+                    done += 1
         if done and self._deferred:
             retry, self._deferred = list(self._deferred.values()), {}
             for node in retry:
@@ -297,7 +329,6 @@ class HiCacheController:
 
     def _complete(self, p: PendingTransfer) -> None:
         c = self.counters
-        c.bytes_moved[p.kind.value] += p.bytes_moved
         if not p.ok:
             c.transfer_failures += 1
         for n in p.nodes:
@@ -332,9 +363,33 @@ class HiCacheController:
                 full.maybe_push(n)
                 self.host.maybe_push(n)
 
+    def drop_host_tier(self, reason: str = "worker lost") -> int:
+        """Forgets all of L2 (a host worker died or restarted: its L2 shard is gone or stale).
+
+        In-flight transfers fail (their acks, if any ever come, are ignored), host-only nodes leave the
+        tree, device+host nodes become device-only, and every slot is free again. L1 keeps serving;
+        nothing is ever served from the lost L2. Returns the tokens dropped from L2.
+        """
+        queued, self._queued = self._queued, []
+        self._queued_backup_pages = 0
+        failed = [p for group in self._pending.values() for p in group] + queued
+        self._pending.clear()
+        for p in failed:
+            p.errors.append(reason)
+            p.acked_hosts = set(range(p.num_hosts))
+            self._complete(p)
+        self._deferred.clear()
+        dropped = 0
+        # Leaves first, so every host-only node is childless when it goes.
+        for node in sorted(self.tree.iter_nodes(), key=self.tree.depth, reverse=True):
+            if node.host_slots is not None:
+                dropped += self.host.drop(node)
+        self.host.queue.clear()
+        return dropped
+
     @property
     def in_flight(self) -> int:
-        return len(self._pending) + len(self._queued)
+        return sum(len(g) for g in self._pending.values()) + len(self._queued)
 
     def check_invariants(self) -> None:
         self.host.check_invariants()

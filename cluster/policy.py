@@ -19,6 +19,7 @@ class HiCacheConfig:
     write_through_threshold: int = 2  # hits before a selective backup
     load_back_threshold: int = 0  # tokens: shorter host hits are recomputed instead of loaded
     ack_timeout_s: float = 30.0  # bound on every wait for worker acks
+    backup_batch_pages: int = 64  # L1->L2 backups wait until this many pages are queued (one op)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_slots, int) or isinstance(self.host_slots, bool) or self.host_slots <= 0:
@@ -33,6 +34,8 @@ class HiCacheConfig:
             raise ValueError(f"write_through_threshold must be >= 1, got {self.write_through_threshold}")
         if self.load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0, got {self.load_back_threshold}")
+        if self.backup_batch_pages < 1:
+            raise ValueError(f"backup_batch_pages must be >= 1, got {self.backup_batch_pages}")
         if not self.ack_timeout_s > 0:
             raise ValueError(f"ack_timeout_s must be > 0, got {self.ack_timeout_s}")
 

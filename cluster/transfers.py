@@ -65,7 +65,6 @@ class PendingTransfer:
     num_hosts: int
     acked_hosts: set[int] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
-    bytes_moved: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -88,6 +87,5 @@ class PendingTransfer:
         if ack.host in self.acked_hosts:
             return  # a duplicate ack changes nothing
         self.acked_hosts.add(ack.host)
-        self.bytes_moved += ack.bytes_moved
         if not ack.ok:
             self.errors.append(f"host {ack.host}: {ack.error}")

@@ -118,6 +118,10 @@ class TreeComponent(ABC):
     def on_device_drop(self, node: TreeNode) -> None:
         """The node's L1 KV was evicted; the node stays in the tree (it has a host copy)."""
 
+    def after_device_evict(self, parent: TreeNode) -> int:
+        """A child of ``parent`` just left L1; may drop nodes that became useless. Returns tokens freed."""
+        return 0
+
     def on_lock(self, node: TreeNode) -> None:
         """A request locked the path root..node (after the Full lock)."""
 

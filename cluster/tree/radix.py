@@ -482,6 +482,8 @@ class RadixTree:
                     self._remove_leaf(node)
                 if parent.parent is not None:
                     self.full.maybe_push(parent)
+                    for comp in extra:
+                        freed += comp.after_device_evict(parent)
         self._evicted_tokens += freed
         queue.maybe_compact(self.iter_nodes(), len(self._nodes))
         return freed
@@ -584,7 +586,16 @@ class RadixTree:
         """
         if not self.extra_components:
             return 0
-        self._check_request(state)
+        # Light checks only (this runs every step): components validate exactly the values they release.
+        if not isinstance(state, RequestState):
+            raise TypeError(f"expected RequestState, got {type(state).__name__}")
+        if not isinstance(state.key, RadixKey):
+            raise TypeError(f"RequestState.key must be a RadixKey, got {type(state.key).__name__}")
+        as_page_array(state.device_pages, "device_pages")
+        n_tokens, ps = len(state.key), self.page_size
+        if state.prefix_len < 0 or state.prefix_len % ps or state.prefix_len > n_tokens:
+            raise ValueError(f"prefix_len {state.prefix_len} must be a page multiple within [0, {n_tokens}]")
+        self._check_request_components(state)
         return sum(comp.trim_request(state) for comp in self.extra_components)
 
     def _path_pages(self, node: TreeNode) -> np.ndarray:

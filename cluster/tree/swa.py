@@ -21,7 +21,8 @@ conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p -
   request's SWA pages (``swa_of`` is re-pointed, no data moves).
 - Match: accepted only at node ends whose window ``[p - window, p)`` is live (or live back to the root).
 - Eviction: ``evict(swa_num_tokens=n)`` (and SWA allocation when short) tombstones unlocked live nodes in
-  LRU order (leaf or inner); Full eviction stays independent and frees SWA pages with the full pages.
+  LRU order; a tombstoned leaf is deleted outright, and so is a parent left as an unlocked tombstone
+  leaf after a Full eviction (it could never end a match). Full eviction frees SWA with the full pages.
 - Locks: a request lock on node N (position p) locks, for SWA, only the nodes intersecting
   ``[p - window, p)``. Unlock recomputes the same walk; exactness across later splits comes from
   ``bounds``: the topmost (partially covered) node records the lock's window start ``q``, and a split
@@ -397,8 +398,18 @@ class SWAComponent(TreeComponent):
         if cut <= k:
             return 0
         pages = np.asarray(state.device_pages, dtype=np.int32)[k:cut]
-        sp = self.mapped.swa_of[pages]
-        live = sp[sp >= 0]
+        if pages.shape[0] < cut - k:
+            raise ValueError(f"{len(state.device_pages)} pages cannot hold {end} tokens at page_size {ps}")
+        try:
+            sp = self.mapped.swa_of[pages.view(np.uint32)]  # negative ids wrap around and fail the bound
+        except IndexError:
+            raise ValueError(f"request pages out of range [0, {self.mapped.capacity})") from None
+        mask = sp >= 0
+        if not mask.any():
+            return 0
+        pages = pages[mask]
+        self.mapped.check(pages, PageOwner.REQUEST, "trimmed request pages")  # in range, ours, no duplicates
+        live = sp[mask]
         self.allocator.release(live)
         self.mapped.swa_of[pages] = -1
         return int(live.shape[0])
@@ -417,9 +428,43 @@ class SWAComponent(TreeComponent):
                 rebuilt = True
                 continue
             freed += self._tombstone(node) * ps
+            self._drop_dead_leaves(node)  # a tombstoned leaf goes entirely (full pages too)
         self.evicted_tokens += freed
         self.queue.maybe_compact(self.tree)
         return freed
+
+    def _drop_dead_leaves(self, node: TreeNode) -> int:
+        """Deletes ``node`` and then its ancestors while each is an unlocked tombstone leaf in L1 only.
+
+        A tombstone leaf can never end a match (its window has no SWA KV), so its full KV is dead weight
+        (SGLang deletes tombstone leaves the same way). Returns the full tokens freed.
+        """
+        tree, freed = self.tree, 0
+        while (
+            node.parent is not None
+            and not node.children
+            and node.device_pages is not None
+            and node.host_slots is None
+            and node.staged_slots is None
+            and node.pending is None
+            and not node.lock_ref
+            and not node.loading
+            and not self.is_live(node)
+        ):
+            parent = node.parent
+            freed += tree.full.drop_device(node)
+            for comp in tree.extra_components:
+                comp.on_device_drop(node)
+            if tree.listener is not None:
+                tree.listener.on_removed(node, "device")
+            tree._remove_leaf(node)
+            node = parent
+        if node.parent is not None:
+            tree.full.maybe_push(node)
+        return freed
+
+    def after_device_evict(self, parent: TreeNode) -> int:
+        return self._drop_dead_leaves(parent)
 
     # -- HiCache ---------------------------------------------------------------------------------------
     def _loading_chain(self, node: TreeNode) -> list[TreeNode]:

@@ -179,3 +179,26 @@ def test_config_validation():
                 dict(host_slots=4, ack_timeout_s=0)):
         with pytest.raises(ValueError):
             HiCacheConfig(**bad)
+
+
+def test_drop_host_tier_keeps_l1_and_forgets_l2():
+    env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
+    a, b = seq(0, 16), seq(500, 16)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    env.head.evict(100)  # a: host-only
+    env.serve(b)  # b: device + backup queued / in flight
+    dropped = env.head.controller.drop_host_tier()
+    assert dropped == 16
+    st = env.head.cache_stats()
+    assert st["host_tokens"] == 0 and st["in_flight"] == 0
+    assert env.head.controller.host.slots.num_free == 32
+    ma, mb = env.head.match_prefix(RadixKey(a)), env.head.match_prefix(RadixKey(b))
+    assert (ma.device_hit_len, ma.host_hit_len) == (0, 0)
+    assert (mb.device_hit_len, mb.host_hit_len) == (16, 0)
+    env.head.flush_write_through_acks()  # late acks of the dropped transfers change nothing
+    check(env)
+    env.serve(b)
+    env.head.flush_write_through_acks()
+    assert env.head.cache_stats()["host_tokens"] == 16  # L2 fills again
+    check(env)
