@@ -15,6 +15,7 @@ import numpy as np
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
 from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig, Method
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
 from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
     EvictResult,
@@ -112,6 +113,19 @@ class CacheClient:
 
     def take_events(self) -> list[KVEvent]:
         return self._call(Method.TAKE_EVENTS)
+
+    # -- L3 ----------------------------------------------------------------------------------------
+    def attach_storage_backend(self, params: StorageParams) -> None:
+        self._call(Method.ATTACH_STORAGE_BACKEND, params)
+
+    def detach_storage_backend(self) -> None:
+        self._call(Method.DETACH_STORAGE_BACKEND)
+
+    def prefetch_from_storage(self, params: PrefetchParams) -> PrefetchProgress:
+        return self._call(Method.PREFETCH_FROM_STORAGE, params)
+
+    def check_prefetch_progress(self, req_id: str) -> PrefetchProgress:
+        return self._call(Method.CHECK_PREFETCH_PROGRESS, req_id)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
         """Many calls in one round trip; results in order, errors per call."""

@@ -12,6 +12,7 @@ locked, host copy pinned) -> device+host. Runs on the head's single thread; work
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import numpy as np
 from hicache.cluster.events import CacheCounters, EventKind, KVEvent, MissReason, Tier
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
 from hicache.cluster.transfers import PendingTransfer, WorkerGroup
 from hicache.cluster.tree import CacheCapacityError, MatchResult, RadixKey, RadixTree, TreeNode
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
@@ -65,6 +67,7 @@ class HiCacheController:
         self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
         self._seq = itertools.count()
         self._op_ids = itertools.count()
+        self.storage: StorageTier | None = None
         self._events: deque[KVEvent] = deque(maxlen=_MAX_EVENTS)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         tree.listener = self
@@ -245,13 +248,53 @@ class HiCacheController:
         return self._finished_loads.pop(load_id, False)
 
     # -- sending and acks ---------------------------------------------------------------------------
-    def _queue(self, op: TransferOp, nodes: list[TreeNode]) -> None:
+    def _queue(self, op: TransferOp, nodes: list[TreeNode]) -> PendingTransfer:
         pending = PendingTransfer(op, -1, nodes, self.workers.num_hosts)
         for n in nodes:
             n.pending = pending
         self._queued.append(pending)
         if op.kind is OpKind.BACKUP_D2H:
             self._queued_backup_pages += op.num_pages
+        return pending
+
+    # -- L3 ------------------------------------------------------------------------------------------
+    def attach_storage_backend(self, params: StorageParams) -> None:
+        """Attaches L3 at runtime; only while no transfer is in flight."""
+        if not isinstance(params, StorageParams):
+            raise TypeError(f"attach_storage_backend expects StorageParams, got {type(params).__name__}")
+        if self.storage is not None:
+            raise RuntimeError("a storage backend is already attached: detach it first")
+        if self.in_flight:
+            raise RuntimeError(f"cannot attach storage with {self.in_flight} transfers in flight")
+        self.storage = StorageTier(self.tree, self.host, self.workers, params, self._queue, self._op_ids)
+
+    def detach_storage_backend(self) -> None:
+        """Drains in-flight work (bounded by ``ack_timeout_s``), then detaches L3."""
+        if self.storage is None:
+            return
+        self.flush_write_through_acks()
+        if self.storage.in_flight:
+            raise RuntimeError(f"{self.storage.in_flight} storage ops still in flight after the ack timeout")
+        self.storage.detach()
+        self.storage = None
+
+    def prefetch_from_storage(self, params: PrefetchParams) -> PrefetchProgress:
+        if self.storage is None:
+            raise RuntimeError("no storage backend attached")
+        progress = self.storage.prefetch(params)
+        self.submit()
+        return progress
+
+    def check_prefetch_progress(self, req_id: str) -> PrefetchProgress:
+        """Applies acks; under ``wait_complete``/``timeout`` blocks (bounded) as the policy allows."""
+        if self.storage is None:
+            raise RuntimeError("no storage backend attached")
+        self.submit(force=True)
+        self._apply(self.workers.poll())
+        budget = self.storage.wait_budget_s(req_id, self.config.ack_timeout_s)
+        if budget > 0:
+            self._apply(self.workers.wait(budget))
+        return self.storage.progress(req_id)
 
     def submit(self, force: bool = False) -> int:
         """Sends queued ops as one plan to all hosts; returns the number of transfers sent.
@@ -298,10 +341,16 @@ class HiCacheController:
 
     def flush_write_through_acks(self) -> int:
         """Waits (bounded by ``ack_timeout_s``) until every in-flight transfer is acked, and applies them."""
-        self.submit(force=True)
-        done = self._apply(self.workers.poll())
-        if self._pending:
-            done += self._apply(self.workers.wait(self.config.ack_timeout_s))
+        deadline = time.monotonic() + self.config.ack_timeout_s
+        done = 0
+        while True:  # acks may queue follow-up work (L2->L3 after D->H, deferred backups)
+            self.submit(force=True)
+            done += self._apply(self.workers.poll())
+            left = deadline - time.monotonic()
+            if (not self._pending and not self._queued) or left <= 0:
+                break
+            if self._pending:
+                done += self._apply(self.workers.wait(left))
         return done
 
     def _apply(self, acks: list[TransferAck]) -> int:
@@ -334,6 +383,10 @@ class HiCacheController:
         for n in p.nodes:
             n.pending = None
         full = self.tree.full
+        if p.kind in (OpKind.BACKUP_H2S, OpKind.PREFETCH_S2H):
+            if self.storage is not None and self.storage.owns(p.op.op_id):
+                self.storage.complete(p)
+            return
         if p.kind is OpKind.BACKUP_D2H:
             for n in p.nodes:
                 if p.ok:
@@ -343,6 +396,8 @@ class HiCacheController:
                     self.host.unreserve(n.staged_slots)
                     n.staged_slots = None
             full.unlock(p.nodes[-1])
+            if p.ok and self.storage is not None:
+                self.storage.on_host_committed(p.nodes)
         elif p.kind is OpKind.LOAD_H2D:
             full.unlock(p.nodes[-1])
             for n in p.nodes:

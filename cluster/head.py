@@ -17,6 +17,7 @@ import numpy as np
 from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
 from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
 from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
     CacheCapacityError,
@@ -66,11 +67,15 @@ class Method(str, Enum):
     CHECK_HICACHE_EVENTS = "check_hicache_events"
     FLUSH_WRITE_THROUGH_ACKS = "flush_write_through_acks"
     TAKE_EVENTS = "take_events"
+    ATTACH_STORAGE_BACKEND = "attach_storage_backend"
+    DETACH_STORAGE_BACKEND = "detach_storage_backend"
+    PREFETCH_FROM_STORAGE = "prefetch_from_storage"
+    CHECK_PREFETCH_PROGRESS = "check_prefetch_progress"
 
 
 _NO_ARG = frozenset({
     Method.RESET, Method.STATS, Method.CACHE_STATS, Method.READY_TO_LOAD_HOST_CACHE,
-    Method.CHECK_HICACHE_EVENTS, Method.FLUSH_WRITE_THROUGH_ACKS, Method.TAKE_EVENTS,
+    Method.CHECK_HICACHE_EVENTS, Method.FLUSH_WRITE_THROUGH_ACKS, Method.TAKE_EVENTS, Method.DETACH_STORAGE_BACKEND,
 })
 
 
@@ -186,6 +191,8 @@ class CacheHead:
                 in_flight=ctl.in_flight,
                 **ctl.counters.snapshot(),
             )
+            if ctl.storage is not None:
+                out["storage"] = ctl.storage.counters.snapshot()
         return out
 
     # -- HiCache hooks (scheduler loop) --------------------------------------------------------------
@@ -206,6 +213,19 @@ class CacheHead:
 
     def take_events(self) -> list[KVEvent]:
         return self._hicache().take_events()
+
+    # -- L3 ------------------------------------------------------------------------------------------
+    def attach_storage_backend(self, params: StorageParams) -> None:
+        self._hicache().attach_storage_backend(params)
+
+    def detach_storage_backend(self) -> None:
+        self._hicache().detach_storage_backend()
+
+    def prefetch_from_storage(self, params: PrefetchParams) -> PrefetchProgress:
+        return self._hicache().prefetch_from_storage(params)
+
+    def check_prefetch_progress(self, req_id: str) -> PrefetchProgress:
+        return self._hicache().check_prefetch_progress(req_id)
 
     def call(self, call: Call) -> Any:
         """Dispatches one ``Call`` (the single entry point a transport needs)."""

@@ -13,8 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from hicache.cluster.tree import TreeNode
+from hicache.storage import Namespace
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
+from hicache.workers.storage_exec import StorageAttachment, StorageExecutor
 
 
 class WorkerGroup(Protocol):
@@ -26,6 +30,15 @@ class WorkerGroup(Protocol):
     def poll(self) -> list[TransferAck]: ...
 
     def wait(self, timeout_s: float) -> list[TransferAck]: ...
+
+    # L3: every host keeps its own storage client over its shard of each page.
+    def attach_storage(self, attachment: StorageAttachment | None) -> None: ...
+
+    def storage_pages_per_object(self) -> int: ...
+
+    def storage_exists(self, keys: list[str], first_page: int) -> int: ...  # MIN over hosts
+
+    def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
 
 
 class LocalWorkerGroup:
@@ -53,6 +66,27 @@ class LocalWorkerGroup:
         for worker in self.workers:
             acks += worker.wait(max(0.0, deadline - time.monotonic()))
         return acks
+
+    def attach_storage(self, attachment: StorageAttachment | None) -> None:
+        for worker in self.workers:
+            if isinstance(worker.storage_executor, StorageExecutor):
+                worker.storage_executor.close()
+            worker.storage_executor = None if attachment is None else StorageExecutor(attachment, worker.host_pool)
+
+    def _executors(self) -> list[StorageExecutor]:
+        execs = [w.storage_executor for w in self.workers]
+        if not all(isinstance(e, StorageExecutor) for e in execs):
+            raise RuntimeError("no storage backend attached")
+        return execs  # type: ignore[return-value]
+
+    def storage_pages_per_object(self) -> int:
+        return self._executors()[0].storage.pages_per_object()
+
+    def storage_exists(self, keys: list[str], first_page: int) -> int:
+        return min(e.storage.batch_exists(keys, first_page=first_page) for e in self._executors())
+
+    def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:
+        self._executors()[0].storage.record_prefix(namespace, tokens)
 
 
 @dataclass

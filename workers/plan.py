@@ -47,6 +47,7 @@ class TransferOp:
     device_pages: np.ndarray  # i32[n]; empty for storage ops
     host_slots: np.ndarray  # i32[n]
     storage_keys: tuple[str, ...] = ()
+    first_page: int = 0  # storage ops: chain index of the first key (chunk layout of L3 objects)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
@@ -55,6 +56,8 @@ class TransferOp:
         object.__setattr__(self, "storage_keys", tuple(self.storage_keys))
         if isinstance(self.op_id, bool) or not isinstance(self.op_id, (int, np.integer)):
             raise TypeError(f"TransferOp.op_id must be an int, got {self.op_id!r}")
+        if isinstance(self.first_page, bool) or not isinstance(self.first_page, (int, np.integer)) or self.first_page < 0:
+            raise ValueError(f"TransferOp.first_page must be an int >= 0, got {self.first_page!r}")
         if self.kind in (OpKind.BACKUP_D2H, OpKind.LOAD_H2D):
             if self.device_pages.size != self.host_slots.size:
                 raise ValueError(

@@ -122,6 +122,7 @@ class MambaComponent(TreeComponent):
 
     def attach(self, tree: RadixTree) -> None:
         super().attach(tree)
+        self.queue.tree = tree
         self.page_size = tree.page_size
 
     # -- node values ---------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ class TreeNode:
         "pending",
         "staged_slots",
         "loading",
+        "chain_key",
+        "stored",
     )
 
     def __init__(
@@ -62,6 +64,8 @@ class TreeNode:
         self.pending: Any = None  # the in-flight transfer this node waits on (HiCache), if any
         self.staged_slots: np.ndarray | None = None  # L2 slots reserved for an in-flight D->H backup
         self.loading = False  # device_pages are allocated but the H->D load is not acked yet
+        self.chain_key: str | None = None  # L3 chain key of the node's last page, once computed
+        self.stored = False  # every page of the node is in L3 (acked by every host)
 
     @property
     def num_tokens(self) -> int:

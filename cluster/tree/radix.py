@@ -173,6 +173,7 @@ class RadixTree:
             prefix.staged_slots = node.staged_slots[:k].copy()
             node.staged_slots = node.staged_slots[k:].copy()
         prefix.loading = node.loading
+        prefix.stored = node.stored  # chain_key stays None for the prefix: computed again on demand
         if node.pending is not None:
             prefix.pending = node.pending
             node.pending.on_split(prefix, node)
@@ -487,6 +488,27 @@ class RadixTree:
         self._evicted_tokens += freed
         queue.maybe_compact(self.iter_nodes(), len(self._nodes))
         return freed
+
+    def add_host_only_leaf(self, parent: TreeNode, tokens: np.ndarray) -> TreeNode | None:
+        """A new childless node below ``parent`` whose KV is in no tier yet (the caller gives it host
+        slots at once). None if ``parent`` already has a child starting with the same page."""
+        ps = self.page_size
+        assert tokens.shape[0] > 0 and tokens.shape[0] % ps == 0
+        ck = self._child_key(tokens, 0)
+        if ck in parent.children:
+            return None
+        self._tick += 1
+        leaf = self._new_node(parent, np.ascontiguousarray(tokens, dtype=np.int32).copy())
+        leaf.hit_count = 1
+        parent.children[ck] = leaf
+        return leaf
+
+    def namespace_of(self, node: TreeNode) -> Namespace:
+        root = self._root_of(node)
+        for ns, r in self._roots.items():
+            if r is root:
+                return ns
+        raise ValueError(f"node {node.id} is not in this tree")
 
     def remove_host_only(self, node: TreeNode) -> None:
         """Deletes a host-only leaf (host eviction); its slots must already be released by the caller."""

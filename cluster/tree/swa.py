@@ -70,11 +70,15 @@ class ComponentQueue:
         self._state = state  # node -> its component value (has a ``version`` attribute)
         self._is_candidate = is_candidate
         self._heap: list[tuple[int, int, int, TreeNode]] = []
+        self.tree: RadixTree | None = None  # set by the component's attach (for compaction)
+        self._limit = 64
 
     def push(self, node: TreeNode) -> None:
         st = self._state(node)
         st.version += 1
         heapq.heappush(self._heap, (node.last_access, node.id, st.version, node))
+        if len(self._heap) > self._limit and self.tree is not None:
+            self.rebuild(self.tree)  # stale entries dominate: O(nodes), amortised over the pushes
 
     def pop(self) -> TreeNode | None:
         heap = self._heap
@@ -97,10 +101,15 @@ class ComponentQueue:
             self.rebuild(tree)
 
     def rebuild(self, tree: RadixTree) -> None:
-        self._heap = []
+        heap = []
         for node in tree.iter_nodes():
             if self._is_candidate(node):
-                self.push(node)
+                st = self._state(node)
+                st.version += 1
+                heap.append((node.last_access, node.id, st.version, node))
+        heapq.heapify(heap)
+        self._heap = heap
+        self._limit = 2 * len(heap) + 4 * tree.num_nodes + 64  # stale entries pin removed nodes: keep few
 
     def clear(self) -> None:
         self._heap = []
@@ -193,6 +202,7 @@ class SWAComponent(TreeComponent):
         if type(old) is not PageAllocator or old.num_free != old.capacity:
             raise ValueError("the SWA component must be attached to a fresh tree (its allocator is in use)")
         super().attach(tree)
+        self.queue.tree = tree
         self.page_size = ps
         self.allocator = PageAllocator(None if self.num_tokens is None else self.num_tokens // ps)
         self.mapped = MappedPageAllocator(old.capacity if old.bounded else None, self)

@@ -16,6 +16,8 @@ import numpy as np
 from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
+from hicache.storage import ModelFingerprint
 from hicache.cluster.transfers import LocalWorkerGroup
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
 from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferAck, TransferPlan
@@ -75,7 +77,8 @@ class FaultyWorkers:
 
 class HiCacheEnv:
     def __init__(self, page_size: int = 4, device_pages: int = 32, host_slots: int = 64,
-                 write_policy: str = "write_through", load_back_threshold: int = 0, faults: dict | None = None):
+                 write_policy: str = "write_through", load_back_threshold: int = 0, faults: dict | None = None,
+                 storage_url: str | None = None, model_id: str = "test-model", storage_kwargs: dict | None = None):
         self.ps = page_size
         self.spec = make_spec(page_size)
         self.worker = HostWorker(self.spec, device_pages, host_slots)
@@ -88,6 +91,13 @@ class HiCacheEnv:
         )
         self.head = CacheHead(config, self.workers)
         self.row_shape = self.spec.page_shape
+        self.fingerprint = ModelFingerprint(model_id, "float32", page_size, self.spec.num_layers,
+                                            self.spec.num_kv_heads, self.spec.head_dim)
+        self.storage = storage_url is not None
+        self._req = 0
+        if self.storage:
+            kwargs = {"prefetch_min_tokens": page_size, "pages_per_object": 2, **(storage_kwargs or {})}
+            self.head.attach_storage_backend(StorageParams(storage_url, self.fingerprint, **kwargs))
 
     def rows(self, tokens: np.ndarray, first_page: int, num_pages: int) -> np.ndarray:
         return page_rows(tokens, first_page, num_pages, self.row_shape, self.ps)
@@ -98,6 +108,15 @@ class HiCacheEnv:
         head, ps = self.head, self.ps
         key = RadixKey(tokens)
         m = head.match_prefix(key)
+        prefetched = 0
+        if self.storage and m.device_hit_len + m.host_hit_len < len(tokens) - len(tokens) % ps:
+            self._req += 1
+            req = f"r{self._req}"
+            head.prefetch_from_storage(PrefetchParams(req, key, m.best_match_node))
+            progress = head.check_prefetch_progress(req)
+            if progress.state is PrefetchState.DONE:
+                prefetched = progress.tokens
+                m = head.match_prefix(key)
         pages, hit, node, loaded, load_failed = m.device_pages, m.device_hit_len, m.last_device_node, 0, False
         if load_back and m.host_hit_len:
             r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
@@ -117,4 +136,4 @@ class HiCacheEnv:
             self.worker.device_pool.write_pages(own, self.rows(tokens, hit // ps, own.size))
         head.cache_finished_req(RequestState(key, np.concatenate([pages, own]), hit, node))
         return {"device_hit": hit - loaded, "loaded": loaded, "load_failed": load_failed,
-                "host_hit": m.host_hit_len}
+                "host_hit": m.host_hit_len, "prefetched": prefetched}

@@ -1,0 +1,360 @@
+"""The host workers of one replica as Ray actors, and the head's ``WorkerGroup`` over them.
+
+Topology (DESIGN.md §1): a replica is ONE SPMD program over H hosts. Each host runs one
+``HostWorkerActor``, placed by a placement group with one bundle per host (STRICT_SPREAD; the bundle
+asks for the per-host resource ``hicache_host`` on fake hosts, ``{"TPU": chips_per_host}`` on a slice,
+see ``hicache.cluster.tpu``). Each actor is process ``i`` of a ``jax.distributed`` session whose
+coordinator runs in worker 0 (127.0.0.1 here; CPU uses gloo collectives and fake devices from
+``XLA_FLAGS``). The replica's mesh spans every device of every host; the L1 pool is one global
+``jax.Array`` sharded on KV heads, so host ``i`` holds heads ``host_head_range`` of every page.
+
+Who owns what:
+* each actor owns its host's ``HostWorker``: the L1 shard (device pool), the L2 shard (host pool)
+  and the transfer engine; all of it lives on the actor's default-group thread (max_concurrency 1),
+  which is the KV-owning thread of DESIGN.md §4. ``ping`` runs in a separate "health" group and
+  touches none of it.
+* the head actor owns the ``RayWorkerGroup`` (the actor handles and the placement group) and is the
+  only caller of ``submit``/``poll``/``wait``.
+
+Which calls run on every host vs once:
+* every host, same order (SPMD): ``init_jax``, ``begin_epoch`` (builds the pools), every plan
+  (``submit``), and the data-plane helpers ``write_pages``/``read_pages`` (the engine's forward in a
+  real deployment). The group sends each plan to all hosts in ``seq`` order; none of these programs
+  contain cross-host collectives (head-sharded pages never cross devices), so hosts need not
+  interleave other callers' calls identically.
+* once (worker 0): ``coordinator_address``. Per host, local: ``poll``, ``wait``, ``ping``.
+
+Failure model: a replica's hosts fail together. A host that dies takes its L1 *and* L2 shards with
+it, and ``jax.distributed`` cannot re-admit a restarted process into a running session, so the
+group is marked ``lost`` and the head rebuilds the whole gang: kill the survivors, start new actors
+in the same bundles, new coordinator port, fresh pools and a fresh ``seq`` state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hicache.cluster.errors import HiCacheUnavailableError
+from hicache.cluster.tpu import WorkerPlacement, cpu_placement
+from hicache.workers.plan import TransferAck, TransferPlan
+from hicache.workers.spec import KVCacheSpec
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "hicache"
+
+
+@dataclass(frozen=True)
+class WorkerGroupOptions:
+    """How a replica's host workers are placed and started (everything but the pool sizes, which come
+    from the head's ``TreeConfig.capacity_pages`` and ``HiCacheConfig.host_slots``)."""
+
+    spec: KVCacheSpec
+    placement: WorkerPlacement
+    platform: str = "cpu"  # JAX_PLATFORMS of the workers; "cpu" also selects gloo collectives
+    env_vars: Mapping[str, str] = field(default_factory=dict)  # runtime_env of the worker actors
+    coordinator_host: str | None = "127.0.0.1"  # None: worker 0's node IP (real multi-node clusters)
+    start_timeout_s: float = 120.0  # actors up + jax.distributed + pools
+    call_timeout_s: float = 30.0  # bound on any single poll/ping answer; longer = host lost
+    impl: str | None = None  # paged-copy implementation (None: per backend)
+    host_pool_kind: str | None = None  # None: per backend
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, KVCacheSpec):
+            raise TypeError(f"spec must be a KVCacheSpec, got {type(self.spec).__name__}")
+        if not isinstance(self.placement, WorkerPlacement):
+            raise TypeError(f"placement must be a WorkerPlacement, got {type(self.placement).__name__}")
+        if self.platform not in ("cpu", "tpu", "gpu", "cuda"):
+            raise ValueError(f"unknown platform {self.platform!r}")
+        object.__setattr__(self, "env_vars", dict(self.env_vars))
+        for name in ("start_timeout_s", "call_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def num_hosts(self) -> int:
+        return self.placement.num_hosts
+
+    @classmethod
+    def fake_cpu_hosts(cls, spec: KVCacheSpec, num_hosts: int, devices_per_host: int = 2, **kw: Any) -> WorkerGroupOptions:
+        """H fake hosts on this machine, each a process with ``devices_per_host`` fake CPU devices."""
+        env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_host}"}
+        env.update(kw.pop("env_vars", {}))
+        return cls(spec, kw.pop("placement", None) or cpu_placement(num_hosts), "cpu", env, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+@ray.remote(concurrency_groups={"health": 1})
+class HostWorkerActor:
+    """One host of a replica (see the module docstring for threads and ownership)."""
+
+    def __init__(self, replica: str, host_index: int, num_hosts: int) -> None:
+        self.replica, self.host_index, self.num_hosts = replica, host_index, num_hosts
+        self._worker = None  # HostWorker, built by begin_epoch
+        self._epoch: int | None = None
+        self._jax_session: str | None = None
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> dict[str, Any]:
+        return {"host": self.host_index, "pid": os.getpid(), "epoch": self._epoch, "jax": self._jax_session}
+
+    # -- once per gang (worker 0) / every host -----------------------------------------------------
+    def coordinator_address(self, host: str | None) -> str:
+        host = host or ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"{host}:{port}"
+
+    def init_jax(self, coordinator: str, platform: str, timeout_s: float) -> dict[str, int]:
+        """Joins the replica's ``jax.distributed`` session as process ``host_index`` (every host)."""
+        import jax
+
+        if self.num_hosts > 1:
+            if platform == "cpu":
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(
+                coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.host_index,
+                initialization_timeout=max(1, int(timeout_s)),
+            )
+        self._jax_session = coordinator
+        return {"process_index": jax.process_index(), "devices": jax.device_count(),
+                "local_devices": jax.local_device_count()}
+
+    def begin_epoch(self, epoch: int, spec: KVCacheSpec, num_device_pages: int, host_slots: int,
+                    impl: str | None, host_pool_kind: str | None) -> dict[str, Any]:
+        """Builds fresh pools over the global mesh (every host): empty L1/L2 shards, fresh seq state."""
+        import jax
+
+        from hicache.workers import HostWorker, default_mesh
+
+        self._worker = None
+        mesh = default_mesh(spec.num_kv_heads, jax.devices())
+        procs = {d.process_index for d in mesh.devices.flat}
+        if len(procs) != jax.process_count():
+            raise ValueError(
+                f"num_kv_heads={spec.num_kv_heads} cannot be sharded over the {jax.device_count()} devices of "
+                f"{jax.process_count()} hosts (the mesh would leave hosts {set(range(jax.process_count())) - procs} idle)"
+            )
+        self._worker = HostWorker(spec, num_device_pages, host_slots, host_index=self.host_index, mesh=mesh,
+                                  impl=impl, host_pool_kind=host_pool_kind)
+        self._epoch = epoch
+        pool = self._worker.device_pool
+        return {"host": self.host_index, "head_range": pool.host_head_range, "mesh_devices": int(mesh.devices.size)}
+
+    def _w(self):
+        if self._worker is None:
+            raise RuntimeError(f"host worker {self.host_index} of {self.replica!r} has no pools yet")
+        return self._worker
+
+    # -- plans and acks (the head) -------------------------------------------------------------------
+    def submit(self, plan: TransferPlan) -> None:
+        self._w().submit(plan)
+
+    def poll(self) -> list[TransferAck]:
+        return self._w().poll()
+
+    def wait(self, timeout_s: float) -> list[TransferAck]:
+        return self._w().wait(timeout_s)
+
+    # -- data plane (SPMD: every host, same ids; the engine's forward in a real deployment) ------------
+    def head_range(self) -> tuple[int, int]:
+        return self._w().device_pool.host_head_range
+
+    def write_pages(self, pages: np.ndarray, rows: np.ndarray) -> None:
+        """This host's heads of ``pages`` := ``rows [n, L, 2, S, H_host, D]``."""
+        self._w().device_pool.write_pages(pages, rows)
+
+    def read_pages(self, pages: np.ndarray) -> np.ndarray:
+        return self._w().device_pool.read_pages(pages)
+
+    def read_slots(self, slots: np.ndarray) -> np.ndarray:
+        return self._w().host_pool.read_slots(slots)
+
+
+# ------------------------------------------------------------------------------------------------
+def _actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:
+    res = dict(bundle)
+    out: dict[str, Any] = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0)}
+    if res:
+        out["resources"] = res
+    return out
+
+
+def placement_group_name(replica: str) -> str:
+    return f"hicache-workers-{replica}"
+
+
+class RayWorkerGroup:
+    """The head's view of its replica's host workers (implements ``WorkerGroup``).
+
+    Never raises from ``submit``/``poll``/``wait``: a dead, hung or diverged host sets ``lost`` (a
+    reason) and from then on no ack arrives; the head sees ``lost`` after the call and rebuilds.
+    """
+
+    def __init__(self, replica: str, options: WorkerGroupOptions, num_device_pages: int, host_slots: int,
+                 *, detached: bool = False) -> None:
+        self.replica = replica
+        self.options = options
+        self.num_device_pages = int(num_device_pages)
+        self.host_slots = int(host_slots)
+        self.detached = detached
+        self.actors: list[Any] = []
+        self.epoch: int | None = None
+        self.lost: str | None = None
+        self.head_ranges: list[tuple[int, int]] = []
+        self._submits: list[ray.ObjectRef] = []
+
+    @property
+    def num_hosts(self) -> int:
+        return self.options.num_hosts
+
+    # -- lifecycle (head's builder thread) -------------------------------------------------------------
+    def placement_group(self) -> PlacementGroup:
+        """The replica's placement group (one bundle per host), reused across gang and head restarts."""
+        name = placement_group_name(self.replica)
+        try:
+            pg = ray.util.get_placement_group(name)
+        except ValueError:
+            pl = self.options.placement
+            kw: dict[str, Any] = {}
+            if pl.bundle_label_selector is not None:
+                kw["bundle_label_selector"] = [dict(s) for s in pl.bundle_label_selector]
+            pg = placement_group([dict(b) for b in pl.bundles], strategy=pl.strategy, name=name,
+                                 lifetime="detached" if self.detached else None, **kw)
+        ready, _ = ray.wait([pg.ready()], timeout=self.options.start_timeout_s)
+        if not ready:
+            raise HiCacheUnavailableError(
+                f"replica {self.replica!r}: placement group {name} ({self.options.placement.bundles}, "
+                f"{self.options.placement.strategy}) not placed within {self.options.start_timeout_s}s"
+            )
+        return pg
+
+    def start(self, epoch: int) -> None:
+        """Starts every host (actors, jax.distributed session, pools). Blocks; kills what it started on failure."""
+        opts = self.options
+        deadline = time.monotonic() + opts.start_timeout_s
+        left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
+        pg = self.placement_group()
+        actors = []
+        try:
+            for i, bundle in enumerate(opts.placement.bundles):
+                actors.append(HostWorkerActor.options(
+                    name=f"worker-{self.replica}-{epoch:x}-{i}", namespace=NAMESPACE,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                    runtime_env={"env_vars": dict(opts.env_vars)} if opts.env_vars else None,
+                    max_restarts=0, max_concurrency=1, **_actor_resources(bundle),
+                ).remote(self.replica, i, opts.num_hosts))
+            ray.get([a.ping.remote() for a in actors], timeout=left())
+            coordinator = ray.get(actors[0].coordinator_address.remote(opts.coordinator_host), timeout=left())
+            ray.get([a.init_jax.remote(coordinator, opts.platform, left()) for a in actors], timeout=left())
+            infos = ray.get([a.begin_epoch.remote(epoch, opts.spec, self.num_device_pages, self.host_slots,
+                                                  opts.impl, opts.host_pool_kind) for a in actors], timeout=left())
+        except BaseException:
+            for a in actors:
+                _kill(a)
+            raise
+        self.actors, self.epoch, self.lost, self._submits = actors, epoch, None, []
+        self.head_ranges = [tuple(info["head_range"]) for info in infos]
+        log.info("replica %s: %d host workers up (epoch %x, heads %s)", self.replica, len(actors), epoch, self.head_ranges)
+
+    def kill(self) -> None:
+        """Kills every host worker (the placement group stays for the next gang)."""
+        for a in self.actors:
+            _kill(a)
+        self.actors, self._submits = [], []
+
+    def remove_placement_group(self) -> None:
+        try:
+            remove_placement_group(ray.util.get_placement_group(placement_group_name(self.replica)))
+        except ValueError:
+            pass
+
+    # -- WorkerGroup ------------------------------------------------------------------------------------
+    def _lose(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+            log.warning("replica %s: host workers lost: %s", self.replica, reason)
+
+    def submit(self, plan: TransferPlan) -> None:
+        """Sends ``plan`` to every host (each actor runs its calls in the order this thread sent them)."""
+        if self.lost is not None:
+            return
+        self._submits += [a.submit.remote(plan) for a in self.actors]
+
+    def _check_submits(self) -> None:
+        if not self._submits:
+            return
+        ready, self._submits = ray.wait(self._submits, num_returns=len(self._submits), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self._lose(f"a host worker died: {type(e).__name__}")
+            except Exception as e:  # a rejected plan: that host's state diverged from the head's
+                self._lose(f"a host worker rejected a plan: {e}")
+
+    def _gather(self, refs: list[ray.ObjectRef], timeout_s: float, what: str) -> list[TransferAck]:
+        try:
+            per_host = ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._lose(f"{what}: a host worker did not answer within {timeout_s:.1f}s")
+            return []
+        except ray.exceptions.RayActorError as e:
+            self._lose(f"{what}: a host worker died: {type(e).__name__}")
+            return []
+        except Exception as e:
+            self._lose(f"{what}: {type(e).__name__}: {e}")
+            return []
+        return [ack for acks in per_host for ack in acks]
+
+    def poll(self) -> list[TransferAck]:
+        if self.lost is not None:
+            return []
+        self._check_submits()
+        if self.lost is not None:
+            return []
+        return self._gather([a.poll.remote() for a in self.actors], self.options.call_timeout_s, "poll")
+
+    def wait(self, timeout_s: float) -> list[TransferAck]:
+        if self.lost is not None:
+            return []
+        self._check_submits()
+        if self.lost is not None:
+            return []
+        acks = self._gather([a.wait.remote(timeout_s) for a in self.actors], timeout_s + self.options.call_timeout_s, "wait")
+        self._check_submits()
+        return acks
+
+    def check_alive(self) -> bool:
+        """Pings every host (health group, never queued behind transfers); False once lost."""
+        if self.lost is not None or not self.actors:
+            return self.lost is None
+        refs = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.options.call_timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                self._lose(f"health check: a host worker is gone: {type(e).__name__}")
+        if len(ready) < len(refs):
+            self._lose(f"health check: a host worker did not answer within {self.options.call_timeout_s}s")
+        return self.lost is None
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass

@@ -1,0 +1,368 @@
+"""L3 policy on the head: L2->L3 backups after D->H acks, L3->L2 prefetch, the manifest.
+
+Runs inside the head (one per replica). Keys are the storage chain keys of each page (namespace =
+model fingerprint + ``extra_key`` + ``cache_salt``), cached per node as the key of its last page.
+Workers hold the storage clients (one per host, over that host's shard) and execute the ops; the
+head asks them for existence (MIN over hosts) and never touches bytes.
+
+- Backup: when a chain of nodes is committed to L2, the pages from the first not-yet-stored page on
+  the path (rounded down to an object boundary) go to L3 in one op; the nodes are host-pinned until
+  every host acked; then they are marked ``stored`` and the path is added to the manifest. Pending
+  backups are capped (``max_inflight_backup_pages``); beyond, backups are skipped and counted.
+- Prefetch: for a queued request, the pages after its matched prefix that L3 has (prefix-ordered,
+  all hosts) are fetched into fresh L2 slots below the deepest matched node (pinned meanwhile). When
+  every host acked, they become one host-only node; a request then loads them back like any L2 hit.
+  Stop policies decide how long ``check_prefetch_progress`` lets a request wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from hicache.cluster.host_tier import HostTier
+from hicache.cluster.transfers import PendingTransfer, WorkerGroup
+from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
+from hicache.storage import ModelFingerprint, Namespace, StorageConfig, page_keys
+from hicache.workers.plan import OpKind, TransferOp
+from hicache.workers.storage_exec import StorageAttachment
+
+
+class PrefetchPolicy(str, Enum):
+    BEST_EFFORT = "best_effort"  # never wait: use whatever arrived
+    WAIT_COMPLETE = "wait_complete"  # wait until the prefetch finished (bounded by the ack timeout)
+    TIMEOUT = "timeout"  # wait up to min(max_s, base_s + per_1k_s * tokens / 1000)
+
+
+@dataclass(frozen=True)
+class StorageParams:
+    url: str
+    fingerprint: ModelFingerprint
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.TIMEOUT
+    prefetch_min_tokens: int = 256
+    prefetch_timeout_base_s: float = 0.5
+    prefetch_timeout_per_1k_s: float = 0.25
+    prefetch_timeout_max_s: float = 5.0
+    max_inflight_prefetch_pages: int = 8192
+    max_inflight_backup_pages: int = 8192
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    pages_per_object: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or "://" not in self.url:
+            raise ValueError(f"url must be a fsspec URL like file:///path, memory://x or gs://bucket, got {self.url!r}")
+        if not isinstance(self.fingerprint, ModelFingerprint):
+            raise TypeError(f"fingerprint must be a ModelFingerprint, got {type(self.fingerprint).__name__}")
+        try:
+            object.__setattr__(self, "prefetch_policy", PrefetchPolicy(self.prefetch_policy))
+        except ValueError:
+            raise ValueError(f"unknown prefetch policy {self.prefetch_policy!r}; "
+                             f"choose one of {[p.value for p in PrefetchPolicy]}") from None
+        for name in ("prefetch_min_tokens", "max_inflight_prefetch_pages", "max_inflight_backup_pages"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def attachment(self) -> StorageAttachment:
+        return StorageAttachment(self.url, self.fingerprint, self.storage, self.pages_per_object)
+
+    def prefetch_timeout_s(self, tokens: int) -> float:
+        return min(self.prefetch_timeout_max_s,
+                   self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_s * tokens / 1000)
+
+
+@dataclass(frozen=True, eq=False)
+class PrefetchParams:
+    req_id: str
+    key: RadixKey
+    node_id: int  # MatchResult.best_match_node: fetched pages hang below it
+
+
+class PrefetchState(str, Enum):
+    NOT_STARTED = "not_started"  # nothing worth fetching (or no storage attached)
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class PrefetchProgress:
+    req_id: str
+    state: PrefetchState
+    tokens: int  # tokens fetched (DONE) or being fetched (RUNNING)
+    may_proceed: bool  # the stop policy lets the request go on now
+    reason: str = ""
+
+
+@dataclass
+class _Prefetch:
+    req_id: str
+    op_id: int
+    anchor: TreeNode
+    tokens: np.ndarray  # i32[n * page_size]: the fetched pages' tokens
+    keys: list[str]
+    slots: np.ndarray
+    started: float
+    deadline: float
+    state: PrefetchState = PrefetchState.RUNNING
+
+
+@dataclass
+class _Backup:
+    op_id: int
+    pinned: list[TreeNode]
+    last: TreeNode
+    num_pages: int
+
+
+@dataclass
+class StorageCounters:
+    backup_pages: int = 0
+    backup_skipped_pages: int = 0  # over the in-flight cap
+    backup_failures: int = 0
+    prefetch_started: int = 0
+    prefetch_pages: int = 0
+    prefetch_failures: int = 0
+    prefetch_redundant_pages: int = 0  # arrived but the tree already had those tokens
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+class StorageTier:
+    def __init__(self, tree: RadixTree, host: HostTier, workers: WorkerGroup, params: StorageParams,
+                 queue_op: Callable[[TransferOp, list[TreeNode]], PendingTransfer], op_ids: itertools.count) -> None:
+        if params.fingerprint.page_size != tree.page_size:
+            raise ValueError(f"fingerprint page_size {params.fingerprint.page_size} != tree page_size {tree.page_size}")
+        self.tree, self.host, self.workers, self.params = tree, host, workers, params
+        self._queue_op = queue_op
+        self._op_ids = op_ids
+        self.counters = StorageCounters()
+        self._backups: dict[int, _Backup] = {}
+        self._prefetches: dict[int, _Prefetch] = {}  # op_id -> task
+        self._by_req: dict[str, _Prefetch] = {}
+        self._inflight_backup_pages = 0
+        self._inflight_prefetch_pages = 0
+        workers.attach_storage(params.attachment())
+        self.pages_per_object = workers.storage_pages_per_object()
+
+    # -- keys --------------------------------------------------------------------------------------
+    def _namespace(self, node: TreeNode) -> Namespace:
+        extra_key, salt = self.tree.namespace_of(node)
+        return Namespace(self.params.fingerprint, extra_key, salt)
+
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def _page_keys(self, path: list[TreeNode], ns: Namespace, from_page: int) -> list[str]:
+        """Chain keys of pages [from_page, end of path), filling nodes' cached last-page keys."""
+        ps = self.tree.page_size
+        out: list[str] = []
+        prev: str | None = None
+        page = 0
+        for node in path:
+            n = node.num_tokens // ps
+            if node.chain_key is not None and page + n <= from_page:
+                prev = node.chain_key
+            else:
+                keys = page_keys(ns, node.key, parent=prev)
+                node.chain_key = keys[-1]
+                prev = keys[-1]
+                lo = max(0, from_page - page)
+                out += keys[lo:]
+            page += n
+        return out
+
+    # -- L2 -> L3 backups ----------------------------------------------------------------------------
+    def on_host_committed(self, nodes: list[TreeNode]) -> None:
+        """A chain of nodes just got its L2 copy: store what L3 does not have yet."""
+        last = nodes[-1]
+        if last.parent is None or last.host_slots is None:
+            return
+        path = self._path(last)
+        ps, C = self.tree.page_size, self.pages_per_object
+        first_new, page = None, 0
+        for node in path:
+            if not node.stored and first_new is None:
+                first_new = page
+            page += node.num_tokens // ps
+        if first_new is None:
+            return
+        start = first_new - first_new % C
+        pinned, slots, page = [], [], 0
+        for node in path:
+            n = node.num_tokens // ps
+            if page + n > start:
+                if node.host_slots is None:
+                    return  # chain broken (cannot happen while backups stay contiguous)
+                lo = max(0, start - page)
+                slots.append(node.host_slots[lo:])
+                pinned.append(node)
+            page += n
+        num_pages = page - start
+        if self._inflight_backup_pages + num_pages > self.params.max_inflight_backup_pages:
+            self.counters.backup_skipped_pages += num_pages
+            return
+        keys = self._page_keys(path, self._namespace(last), start)
+        op = TransferOp(next(self._op_ids), OpKind.BACKUP_H2S, np.empty(0, np.int32), np.concatenate(slots),
+                        tuple(keys), first_page=start)
+        for node in pinned:
+            node.host_pin += 1
+        self._backups[op.op_id] = _Backup(op.op_id, pinned, last, num_pages)
+        self._inflight_backup_pages += num_pages
+        self._queue_op(op, [])
+
+    # -- L3 -> L2 prefetch ---------------------------------------------------------------------------
+    def prefetch(self, params: PrefetchParams) -> PrefetchProgress:
+        if not isinstance(params, PrefetchParams):
+            raise TypeError(f"prefetch_from_storage expects PrefetchParams, got {type(params).__name__}")
+        if not isinstance(params.key, RadixKey):
+            raise TypeError(f"PrefetchParams.key must be a RadixKey, got {type(params.key).__name__}")
+        if params.req_id in self._by_req:
+            raise ValueError(f"request {params.req_id!r} already has a prefetch")
+        anchor = self.tree.node(params.node_id)
+        if self.tree.namespace_of(anchor) != params.key.namespace:
+            raise ValueError(f"node {params.node_id} is not in the key's namespace")
+        ps = self.tree.page_size
+        depth = self.tree.depth(anchor)
+        tokens = params.key.token_ids
+        whole = len(tokens) - len(tokens) % ps
+        if depth > whole or (depth and not np.array_equal(tokens[:depth], self._tokens_of(anchor))):
+            raise ValueError(f"node {params.node_id} is not a prefix of the request's tokens")
+
+        def skip(reason: str) -> PrefetchProgress:
+            return PrefetchProgress(params.req_id, PrefetchState.NOT_STARTED, 0, True, reason)
+
+        if whole - depth < max(self.params.prefetch_min_tokens, ps):
+            return skip("below prefetch_min_tokens")
+        if anchor.parent is not None and anchor.host_slots is None:
+            return skip("matched prefix has no L2 copy to hang fetched pages below")
+        path = self._path(anchor)
+        ns = Namespace(self.params.fingerprint, *params.key.namespace)
+        parent_key = self._page_keys(path, ns, depth // ps)  # fills chain keys; nothing new to return
+        assert not parent_key
+        prev = path[-1].chain_key if path else None
+        keys = page_keys(ns, tokens[depth:whole], parent=prev)
+        room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
+        keys = keys[: max(0, room)]
+        found = self.workers.storage_exists(keys, depth // ps) if keys else 0
+        if found * ps < self.params.prefetch_min_tokens or found == 0:
+            return skip("not enough pages in L3")
+        if anchor.parent is not None:
+            anchor.host_pin += 1
+        slots = self.host.reserve(found)
+        if slots is None:
+            if anchor.parent is not None:
+                anchor.host_pin -= 1
+            return skip("no L2 room")
+        op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
+                        tuple(keys[:found]), first_page=depth // ps)
+        now = time.monotonic()
+        task = _Prefetch(params.req_id, op.op_id, anchor, tokens[depth : depth + found * ps].copy(), keys[:found],
+                         slots, now, now + self.params.prefetch_timeout_s(found * ps))
+        self._prefetches[op.op_id] = task
+        self._by_req[params.req_id] = task
+        self._inflight_prefetch_pages += found
+        self.counters.prefetch_started += 1
+        self._queue_op(op, [])
+        return self.progress(params.req_id)
+
+    @staticmethod
+    def _tokens_of(node: TreeNode) -> np.ndarray:
+        parts = []
+        while node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int32)
+
+    def progress(self, req_id: str) -> PrefetchProgress:
+        task = self._by_req.get(req_id)
+        if task is None:
+            return PrefetchProgress(req_id, PrefetchState.NOT_STARTED, 0, True, "no prefetch for this request")
+        tokens = task.tokens.shape[0]
+        if task.state is not PrefetchState.RUNNING:
+            del self._by_req[req_id]  # reported once; the request matches again now
+            return PrefetchProgress(req_id, task.state, tokens if task.state is PrefetchState.DONE else 0, True)
+        policy = self.params.prefetch_policy
+        may = policy is PrefetchPolicy.BEST_EFFORT or (
+            policy is PrefetchPolicy.TIMEOUT and time.monotonic() >= task.deadline)
+        if may:
+            del self._by_req[req_id]  # the request goes on without it; the pages still land in L2
+        return PrefetchProgress(req_id, PrefetchState.RUNNING, tokens, may, "timed out" if may else "")
+
+    def wait_budget_s(self, req_id: str, ack_timeout_s: float) -> float:
+        """How long the head may block for this request's prefetch under the stop policy."""
+        task = self._by_req.get(req_id)
+        if task is None or task.state is not PrefetchState.RUNNING:
+            return 0.0
+        if self.params.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
+            return ack_timeout_s
+        if self.params.prefetch_policy is PrefetchPolicy.TIMEOUT:
+            return max(0.0, task.deadline - time.monotonic())
+        return 0.0
+
+    # -- acks --------------------------------------------------------------------------------------
+    def owns(self, op_id: int) -> bool:
+        return op_id in self._backups or op_id in self._prefetches
+
+    def complete(self, p: PendingTransfer) -> None:
+        op_id = p.op.op_id
+        if p.kind is OpKind.BACKUP_H2S:
+            b = self._backups.pop(op_id)
+            self._inflight_backup_pages -= b.num_pages
+            for node in b.pinned:
+                node.host_pin -= 1
+                if p.ok:
+                    node.stored = True
+                self.host.maybe_push(node)
+            if p.ok:
+                self.counters.backup_pages += b.num_pages
+                if b.last.parent is not None:
+                    ns = self._namespace(b.last)
+                    self.workers.storage_record_prefix(ns, self._tokens_of(b.last))
+            else:
+                self.counters.backup_failures += 1
+            return
+        task = self._prefetches.pop(op_id)
+        self._inflight_prefetch_pages -= len(task.keys)
+        anchor = task.anchor
+        if anchor.parent is not None:
+            anchor.host_pin -= 1
+        alive = anchor.parent is not None or anchor in self.tree.roots().values()
+        usable = p.ok and alive and (anchor.parent is None or anchor.host_slots is not None)
+        leaf = self.tree.add_host_only_leaf(anchor, task.tokens) if usable else None
+        if leaf is None:
+            self.host.unreserve(task.slots)
+            if p.ok:
+                self.counters.prefetch_redundant_pages += len(task.keys)
+            else:
+                self.counters.prefetch_failures += 1
+            task.state = PrefetchState.DONE if p.ok else PrefetchState.FAILED
+            if p.ok:
+                task.tokens = task.tokens[:0]
+            return
+        leaf.staged_slots = task.slots
+        self.host.commit(leaf)
+        leaf.stored = True
+        leaf.chain_key = task.keys[-1]
+        self.counters.prefetch_pages += len(task.keys)
+        task.state = PrefetchState.DONE
+        self.host.maybe_push(anchor)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._backups) + len(self._prefetches)
+
+    def detach(self) -> None:
+        self.workers.attach_storage(None)
