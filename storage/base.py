@@ -157,9 +157,11 @@ class HiCacheStorage(abc.ABC):
         """Load the longest stored prefix of each transfer into its host slots.
 
         Per transfer, per page: loaded or not. Only a contiguous prefix is usable by the tree, so
-        every page after the first missing/corrupt/failed one reports ``False`` (and pages after
-        the first *missing* object are not even fetched). Slots of ``False`` pages may have been
-        overwritten and must be treated as garbage.
+        every page after the first missing/corrupt/failed one reports ``False`` (pages after the
+        first *missing* object are not loaded; a backend that reads objects concurrently without
+        an existence round, file://, may already have started some of them). Slots of ``False``
+        pages may have been overwritten and must be treated as garbage; bytes that failed
+        verification never stay in them as data (they are wiped).
         """
 
     @abc.abstractmethod

@@ -6,9 +6,13 @@ Schemes
   ``FileExistsError`` if the name exists), so concurrent writers (threads or processes) leave
   exactly one complete object and readers never see a torn one. fsspec's own
   ``LocalFileSystem.pipe_file(mode="create")`` is exists-then-write, which is neither, hence the
-  local fast path (plain ``os`` calls, no fsspec listing cache involved). Optional byte cap
-  (``StorageConfig.max_bytes``) with LRU eviction; reads bump mtimes. No fsync: a cache; a crash
-  can lose objects, and anything damaged fails its checksum and is a miss.
+  local fast path (plain ``os`` calls, no fsspec listing cache involved). Reads have no separate
+  existence round: each object is opened directly (a failed ``open`` is the miss) and read with
+  one ``preadv``, header into a small buffer and payload straight into the pool's slots
+  (``slot_view``), then verified; a failure wipes those slots before the page is reported
+  ``False``. Optional byte cap (``StorageConfig.max_bytes``) with LRU eviction; reads and writes
+  set mtimes (on the open descriptor, chain order: shallow pages newest). No fsync: a cache; a
+  crash can lose objects, and anything damaged fails its checksum and is a miss.
 - ``memory://NAME`` — tests. ``pipe_file(mode="create")`` (per process).
 - ``gs://BUCKET/PREFIX`` — gcsfs. ``pipe_file(mode="create")`` → ``ifGenerationMatch=0`` (412 →
   ``FileExistsError``). Async batched I/O on gcsfs' loop; the instance and listings caches are off
@@ -56,7 +60,10 @@ request recomputes and rewrites). Recommended bucket configuration for ``gs://BU
   billable noncurrent bytes); new buckets ramp to ~1000 writes/s, hence multi-MiB objects.
 
 Threads. Calls may come from several threads. Backend I/O runs on this object's thread pool (or
-on gcsfs' event loop); the host pool is only touched on the calling thread. Every call has a
+on gcsfs' event loop; file:// runs one loop per I/O thread that pulls objects in chain order, not
+one task per object). The host pool is touched on the calling thread, or, for pools that declare
+``concurrent_slot_io``, by the I/O threads on disjoint slots and only until the call returns
+(``_CallGuard``). Every call has a
 deadline (``StorageConfig.timeout_s`` or ``timeout_s=``): operations not finished by then are
 abandoned (counted in ``timeouts``) and their pages report ``False``. A hung sync backend keeps
 its worker threads until it returns; later calls still return by their deadline.
@@ -67,8 +74,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import dataclasses
+import itertools
 import math
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -76,7 +85,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
-import google_crc32c
 import numpy as np
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -110,7 +118,6 @@ MiB = 1 << 20
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
 _FALLBACK_TARGET_OBJECT_BYTES = 8 * MiB
 _TMP_PREFIX = ".tmp-"
-_READ_CHUNK = 256 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +165,7 @@ class _Backend:
 
     def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
         self.fs = fs
+        self._threads = threads
         self._ex = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hicache-l3")
         # Admission control: operations abandoned at a deadline and still running. A hung
         # backend accumulates them; past the cap, new calls fail fast instead of queueing
@@ -223,6 +231,56 @@ class _Backend:
                 f.add_done_callback(self._release)
                 yield i, TimeoutError(f"storage operation {i} did not finish by the deadline")
 
+    def map_pull(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
+        """``map`` with one task per worker instead of one per item: up to ``threads`` loops pull
+        the next item index (items start in order) until none is left. A thread handoff costs
+        tens of microseconds on a busy host, per item that is as much as a small local I/O.
+        At the deadline the loops stop taking items; the ones still busy count as abandoned."""
+        n = len(items)
+        if not n:
+            return
+        with self._plock:
+            saturated = self._abandoned >= self._max_abandoned
+        if saturated:
+            for i in range(n):
+                yield i, BlockingIOError("storage backend saturated: too many abandoned operations")
+            return
+        nxt = itertools.count()
+        stop = threading.Event()
+        q: queue.SimpleQueue = queue.SimpleQueue()
+
+        def loop() -> None:
+            while not stop.is_set():
+                i = next(nxt)  # atomic under the GIL
+                if i >= n:
+                    return
+                try:
+                    r = fn(*items[i])
+                except BaseException as e:  # noqa: BLE001 - handed to the caller as a value
+                    r = e
+                q.put((i, r))
+
+        futs = [self._ex.submit(loop) for _ in range(min(n, self._threads))]
+        seen: set[int] = set()
+        try:
+            while len(seen) < n:
+                try:
+                    i, r = q.get(timeout=deadline.left())
+                except queue.Empty:
+                    break
+                seen.add(i)
+                yield i, r
+        finally:
+            stop.set()
+            for f in futs:
+                if not f.done():  # still busy with an item: runs (harmlessly) in the background
+                    with self._plock:
+                        self._abandoned += 1
+                    f.add_done_callback(self._release)
+        for i in range(n):
+            if i not in seen:
+                yield i, TimeoutError(f"storage operation {i} did not finish by the deadline")
+
     def _release(self, _: cf.Future) -> None:
         with self._plock:
             self._abandoned -= 1
@@ -258,15 +316,15 @@ class _Backend:
             out[i] = r
         return out
 
-    def touch(self, paths: Sequence[str]) -> None:
-        """LRU bump (only meaningful where eviction is ours)."""
-
     def close(self) -> None:
         self._ex.shutdown(wait=False, cancel_futures=True)
 
 
 class _LocalBackend(_Backend):
     """Local directory via ``os``: atomic write-once, zero-copy header+payload writes."""
+
+    def map(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
+        return self.map_pull(fn, items, deadline)
 
     def _exists(self, path: str) -> bool:
         return os.path.exists(path)
@@ -284,57 +342,118 @@ class _LocalBackend(_Backend):
                 got += n
         return mv[:got]
 
-    def read_into(self, path: str, meta: ObjectMeta, payload_len: int, dest: np.ndarray, guard: _CallGuard) -> int:
-        """Verify the header, then read the payload straight into ``dest`` (pool memory) and
-        verify it there; on a payload failure ``dest`` is zeroed (corrupt bytes never stay)."""
+    def exists_many(self, paths: Sequence[str], deadline: _Deadline) -> list[Any]:
+        # One task stats the whole batch (a stat is microseconds; one task per path would cost
+        # more in dispatch than the stats themselves). Still bounded by the deadline.
+        if not paths:
+            return []
+        paths = list(paths)
+        (r,) = dict(self.map(lambda: [os.path.exists(p) for p in paths], [()], deadline)).values()
+        return r if isinstance(r, list) else [r] * len(paths)
+
+    def read_into(
+        self,
+        path: str,
+        meta: ObjectMeta,
+        payload_len: int,
+        dest: np.ndarray,
+        guard: _CallGuard,
+        mtime_ns: int | None = None,
+    ) -> int:
+        """Read one object with a single ``preadv``: the header into a small buffer, the payload
+        straight into ``dest`` (pool memory). Then verify the header and the payload checksum;
+        on any failure ``dest`` is zeroed before raising, so unverified bytes never stay in the
+        pool. A missing object raises ``FileNotFoundError`` from the ``open`` (no separate
+        existence round). ``mtime_ns``: LRU bump, set on the open descriptor after verification.
+        Returns the object's size."""
         u8 = dest.reshape(-1).view(np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            total = os.fstat(f.fileno()).st_size
-            head = f.read(meta.header_len)
-            pcrc = decode_header(head, meta, payload_len=payload_len, total_len=total)
-            with guard:
-                mv = memoryview(u8)
-                got, crc = 0, 0
-                while got < payload_len:  # checksum each chunk while it is still in cache
-                    n = f.readinto(mv[got : got + _READ_CHUNK])
-                    if not n:
-                        break
-                    crc = google_crc32c.extend(crc, u8[got : got + n])
-                    got += n
-                if got != payload_len or crc != pcrc:
-                    u8[:] = 0
-                    reason = CorruptReason.SHORT if got != payload_len else CorruptReason.BAD_CHECKSUM
-                    raise CorruptObjectError(reason, f"payload {got}/{payload_len} bytes read")
+        hl = meta.header_len
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            total = os.fstat(fd).st_size
+            if total != hl + payload_len:  # wrong size: classify from the header, never touch the pool
+                head = os.pread(fd, min(total, hl), 0)
+                decode_header(head, meta, payload_len=payload_len, total_len=total)  # raises
+                raise CorruptObjectError(CorruptReason.SHORT, f"{total} bytes, expected {hl + payload_len}")  # pragma: no cover
+            head = bytearray(hl)
+            hv, mv = memoryview(head), memoryview(u8)
+            with guard:  # never touch the pool after the call returned
+                try:
+                    got = 0
+                    while got < total:  # one syscall unless the object is > 2 GiB
+                        bufs = [hv[got:], mv] if got < hl else [mv[got - hl :]]
+                        n = os.preadv(fd, bufs, got)
+                        if not n:
+                            break
+                        got += n
+                    if got != total:
+                        raise CorruptObjectError(CorruptReason.SHORT, f"read {got} of {total} bytes")
+                    pcrc = decode_header(head, meta, payload_len=payload_len, total_len=total)
+                    if crc32c(u8) != pcrc:
+                        raise CorruptObjectError(CorruptReason.BAD_CHECKSUM, "payload checksum mismatch")
+                except BaseException:
+                    u8[:] = 0  # corrupt or unverified bytes never stay in the pool
+                    raise
+            if mtime_ns is not None:
+                try:
+                    os.utime(fd, ns=(mtime_ns, mtime_ns))
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
         return total
 
-    def _write_once(self, path: str, header: bytes, payload: np.ndarray) -> bool:
+    # write-once outcomes of ``write_once_local``
+    WROTE, EXISTED, RACED = 1, 0, -1
+
+    def write_once_local(self, path: str, header: bytes, payload: np.ndarray, mtime_ns: int | None = None) -> int:
+        """Atomic write-once: a temp file in the object's directory (one ``writev``), its mtime set
+        (LRU), then ``os.link`` to the final name, which fails if another writer won. Returns
+        ``WROTE``, ``EXISTED`` (present before: nothing written) or ``RACED`` (lost the race)."""
         if os.path.exists(path):
-            return False
+            return self.EXISTED
         d = os.path.dirname(path)
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=_TMP_PREFIX)
         try:
-            with open(fd, "wb", buffering=0, closefd=True) as f:
-                for buf in (memoryview(header), memoryview(payload.reshape(-1).view(np.uint8))):
-                    while len(buf):
-                        n = f.write(buf)
-                        buf = buf[n:]
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=_TMP_PREFIX)
+        except FileNotFoundError:  # first object of this directory (or the tree was cleared)
+            os.makedirs(d, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=_TMP_PREFIX)
+        try:
+            try:
+                bufs = [b for b in (memoryview(header).cast("B"), memoryview(payload.reshape(-1).view(np.uint8))) if len(b)]
+                while bufs:
+                    n = os.writev(fd, bufs)
+                    while bufs and n >= len(bufs[0]):
+                        n -= len(bufs[0])
+                        bufs.pop(0)
+                    if bufs and n:
+                        bufs[0] = bufs[0][n:]
+                if mtime_ns is not None:
+                    try:
+                        os.utime(fd, ns=(mtime_ns, mtime_ns))
+                    except OSError:
+                        pass
+            finally:
+                os.close(fd)
             try:
                 os.link(tmp, path)  # atomic; FileExistsError if another writer won
             except FileExistsError:
-                return False
+                return self.RACED
             except OSError:  # no hard links on this filesystem: best effort (content is deterministic)
                 if os.path.exists(path):
-                    return False
+                    return self.RACED
                 os.replace(tmp, path)
                 tmp = ""
-            return True
+            return self.WROTE
         finally:
             if tmp:
                 try:
                     os.unlink(tmp)
                 except FileNotFoundError:
                     pass
+
+    def _write_once(self, path: str, header: bytes, payload: np.ndarray) -> bool:
+        return self.write_once_local(path, header, payload) == self.WROTE
 
     def _delete(self, path: str) -> None:
         os.unlink(path)
@@ -349,16 +468,6 @@ class _LocalBackend(_Backend):
         import shutil
 
         shutil.rmtree(prefix, ignore_errors=True)
-
-    def touch(self, paths: Sequence[str]) -> None:
-        # Shallow pages are bumped newest, so LRU evicts the deep end of a chain first.
-        now = time.time_ns()
-        for i, p in enumerate(paths):
-            t = now - i * 1000
-            try:
-                os.utime(p, ns=(t, t))
-            except OSError:
-                pass
 
 
 class _AsyncBackend(_Backend):
@@ -479,8 +588,9 @@ def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
     n = len(slots)
     if fn is None or n == 0:
         return None
-    s0 = int(slots[0])
-    if int(slots[-1]) - s0 != n - 1 or (n > 2 and not bool(np.all(np.diff(slots) == 1))):
+    ids = slots.tolist()  # (plain ints: far cheaper than numpy ops on a handful of slots)
+    s0 = ids[0]
+    if ids[-1] - s0 != n - 1 or (n > 2 and ids != list(range(s0, s0 + n))):
         return None
     v = fn(s0, n)
     if (
@@ -491,6 +601,9 @@ def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
     ):
         return None
     return v
+
+
+_SKIPPED = object()  # a read not started because an earlier object of its chain is missing
 
 
 def _with_header(meta: ObjectMeta, data: np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -505,6 +618,7 @@ class _PoolReg:
     ppo: int  # pages per object
     dtype_name: str
     prefix: str  # directory of this pool's objects
+    header_len: int  # bytes of an object header for this pool's page shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,7 +757,8 @@ class FsspecStorage(HiCacheStorage):
             raise ValueError(f"a host pool is already registered for {kind.value!r}")
         ppo = pages_per_object or self.config.pages_per_object or max(1, self._target // int(pool.slot_bytes))
         prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}"
-        self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix)
+        header_len = ObjectMeta(ObjectKind.PAGES, self._fp, bytes(32), 0, 1, dtype.name, shape).header_len
+        self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header_len)
 
     def pages_per_object(self, kind: PoolKind = PoolKind.KV) -> int:
         return self._reg(kind).ppo
@@ -757,67 +872,16 @@ class FsspecStorage(HiCacheStorage):
         deadline = self._timeout(timeout_s)
         self._count(get_calls=1)
         results = [[False] * len(keys) for _, keys, _, _ in queries]
-        per_t = self._resolve(queries, deadline)
-        objs = [o for os_ in per_t for o in os_]
-        if objs:
-            metas = [self._meta(queries[o.t][0], o.start, o.m, o.key) for o in objs]
-            plens = [o.m * int(queries[o.t][0].pool.slot_bytes) for o in objs]
-            guard = _CallGuard()
-
-            def scatter(o: _Obj, payload: memoryview) -> None:
-                reg, keys, slots, first = queries[o.t]
-                lo, hi = max(o.start, first), min(o.start + o.m, first + len(keys))
-                pages = np.frombuffer(payload, dtype=np.dtype(reg.pool.dtype)).reshape((o.m, *reg.pool.slot_shape))
-                reg.pool.write_slots(slots[lo - first : hi - first], pages[lo - o.start : hi - o.start])
-
-            def post(i: int, raw: Any) -> Any:
-                payload = decode(raw, metas[i], payload_len=plens[i])
-                o = objs[i]
-                if not _concurrent_io(queries[o.t][0].pool):
-                    return payload  # scattered on the calling thread below
-                with guard:  # never touch the pool after the call returned
-                    scatter(o, payload)
-                return len(raw)
-
-            views: list[np.ndarray | None] = [None] * len(objs)
+        guard = _CallGuard()
+        try:
             if self._local:
-                for i, o in enumerate(objs):
-                    reg, keys, slots, first = queries[o.t]
-                    if o.start >= first and o.start + o.m <= first + len(keys) and _concurrent_io(reg.pool):
-                        views[i] = _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m])
-
-            def task(i: int, path: str) -> Any:
-                v = views[i]
-                if v is not None:
-                    return self._io.read_into(path, metas[i], plens[i], v, guard)  # type: ignore[attr-defined]
-                return post(i, self._io._read(path))
-
-            loaded: list[tuple[int, int, str]] = []
-            try:
-                reads = (
-                    self._io.map(task, [(i, o.path) for i, o in enumerate(objs)], deadline)
-                    if self._local
-                    else self._io.read_many([o.path for o in objs], post, deadline)
-                )
-                for i, r in reads:
-                    o = objs[i]
-                    if isinstance(r, CorruptObjectError):
-                        self._on_corrupt(o.path, r, deadline)
-                        continue
-                    if isinstance(r, BaseException):
-                        self._count_exc(r)
-                        continue
-                    if not isinstance(r, int):
-                        scatter(o, r)
-                    _, keys, _, first = queries[o.t]
-                    for p in range(max(o.start, first), min(o.start + o.m, first + len(keys))):
-                        results[o.t][p - first] = True
-                    loaded.append((o.t, o.start, o.path))
-                    self._count(objects_read=1, bytes_read=plens[i] + metas[i].header_len)
-            finally:
-                guard.close()
-            if self._local:  # chain order (not completion order): shallow pages newest
-                self._io.touch([p for _, _, p in sorted(loaded)])
+                self._get_local(queries, results, guard, deadline)
+            else:
+                objs = [o for os_ in self._resolve(queries, deadline) for o in os_]
+                for o, r in zip(objs, self._read_objs(queries, objs, guard, deadline)):
+                    self._apply_read(queries, results, o, r, deadline)
+        finally:
+            guard.close()  # from here on no I/O thread touches the pool for this call
         for r in results:  # only the contiguous prefix counts
             if False in r:
                 cut = r.index(False)
@@ -825,6 +889,143 @@ class FsspecStorage(HiCacheStorage):
         hits = sum(sum(r) for r in results)
         self._count(hit_pages=hits, miss_pages=sum(len(r) for r in results) - hits)
         return results
+
+    def _get_local(self, queries, results, guard, deadline) -> None:  # type: ignore[no-untyped-def]
+        """file://: no existence round. Every natural object of the query is opened and read
+        straight away (a failed ``open`` is the miss); reads of a transfer's objects behind its
+        first missing one are skipped if not yet started, and never count (contiguous prefix).
+        Only when a natural object is missing are that chunk's shorter partial objects probed
+        (one batched existence round) and the longest one read."""
+        nats = [self._naturals(t, reg, keys, first) for t, (reg, keys, _, first) in enumerate(queries)]
+        objs = [o for ns in nats for o in ns]
+        pos = [(t, j) for t, ns in enumerate(nats) for j in range(len(ns))]
+        stop = [len(ns) for ns in nats]  # per transfer: index of the first missing natural object
+        lock = threading.Lock()
+
+        def skip(i: int) -> bool:
+            t, j = pos[i]
+            return j > stop[t]
+
+        def on_missing(i: int) -> None:
+            t, j = pos[i]
+            with lock:
+                stop[t] = min(stop[t], j)
+
+        now = time.time_ns()  # LRU: chain order, shallow pages newest
+        mtimes = [now - i * 1000 for i in range(len(objs))]
+        res = self._read_objs(queries, objs, guard, deadline, mtimes=mtimes, skip=skip, on_missing=on_missing)
+        ok = [self._apply_read(queries, results, o, r, deadline) for o, r in zip(objs, res)]
+        probes: list[tuple[int, list[_Obj], int]] = []
+        base = 0
+        for t, ns in enumerate(nats):
+            miss = [j for j in range(len(ns)) if isinstance(res[base + j], FileNotFoundError)]
+            if miss and all(ok[base : base + miss[0]]):
+                reg, keys, _, first = queries[t]
+                parts = self._partials(t, reg, keys, first, ns[miss[0]])
+                if parts:
+                    probes.append((t, parts, base + miss[0]))
+            base += len(ns)
+        if not probes:
+            return
+        flags = iter(self._exists_flags([o for _, ps, _ in probes for o in ps], deadline))
+        found: list[tuple[_Obj, int]] = []
+        for _, ps, rank in probes:
+            fl = [next(flags) for _ in ps]
+            if True in fl:
+                found.append((ps[fl.index(True)], mtimes[rank]))
+        if found:
+            objs2 = [o for o, _ in found]
+            res2 = self._read_objs(queries, objs2, guard, deadline, mtimes=[m for _, m in found])
+            for o, r in zip(objs2, res2):
+                self._apply_read(queries, results, o, r, deadline)
+
+    def _read_objs(  # type: ignore[no-untyped-def]
+        self,
+        queries,
+        objs: list[_Obj],
+        guard: _CallGuard,
+        deadline: _Deadline,
+        *,
+        mtimes: list[int] | None = None,
+        skip: Callable[[int], bool] | None = None,
+        on_missing: Callable[[int], None] | None = None,
+    ) -> list[Any]:
+        """Read and verify ``objs`` concurrently. Per object: the object's size (its pages are in
+        the pool), a verified payload view (to scatter on the calling thread: pools without
+        concurrent slot I/O), ``_SKIPPED`` or an exception (``FileNotFoundError``: missing)."""
+        out: list[Any] = [None] * len(objs)
+        if not objs:
+            return out
+        metas = [self._meta(queries[o.t][0], o.start, o.m, o.key) for o in objs]
+        plens = [o.m * int(queries[o.t][0].pool.slot_bytes) for o in objs]
+
+        def post(i: int, raw: Any) -> Any:
+            payload = decode(raw, metas[i], payload_len=plens[i])
+            o = objs[i]
+            if not _concurrent_io(queries[o.t][0].pool):
+                return payload  # scattered on the calling thread
+            with guard:  # never touch the pool after the call returned
+                self._scatter(queries, o, payload)
+            return len(raw)
+
+        if not self._local:
+            for i, r in self._io.read_many([o.path for o in objs], post, deadline):
+                out[i] = r
+            return out
+        views: list[np.ndarray | None] = [None] * len(objs)
+        for i, o in enumerate(objs):
+            reg, keys, slots, first = queries[o.t]
+            if o.start >= first and o.start + o.m <= first + len(keys) and _concurrent_io(reg.pool):
+                views[i] = _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m])
+        io: _LocalBackend = self._io  # type: ignore[assignment]
+
+        def task(i: int, path: str) -> Any:
+            if skip is not None and skip(i):
+                return _SKIPPED
+            mt = None if mtimes is None else mtimes[i]
+            try:
+                v = views[i]
+                if v is not None:
+                    return io.read_into(path, metas[i], plens[i], v, guard, mt)
+                r = post(i, io._read(path))
+            except FileNotFoundError:
+                if on_missing is not None:
+                    on_missing(i)
+                raise
+            if mt is not None:
+                try:
+                    os.utime(path, ns=(mt, mt))
+                except OSError:
+                    pass
+            return r
+
+        for i, r in io.map(task, [(i, o.path) for i, o in enumerate(objs)], deadline):
+            out[i] = r
+        return out
+
+    def _scatter(self, queries, o: _Obj, payload: memoryview) -> None:  # type: ignore[no-untyped-def]
+        reg, keys, slots, first = queries[o.t]
+        lo, hi = max(o.start, first), min(o.start + o.m, first + len(keys))
+        pages = np.frombuffer(payload, dtype=np.dtype(reg.pool.dtype)).reshape((o.m, *reg.pool.slot_shape))
+        reg.pool.write_slots(slots[lo - first : hi - first], pages[lo - o.start : hi - o.start])
+
+    def _apply_read(self, queries, results, o: _Obj, r: Any, deadline: _Deadline) -> bool:  # type: ignore[no-untyped-def]
+        """Account one read result; mark its pages loaded. True if the object was loaded."""
+        if r is _SKIPPED:
+            return False
+        if isinstance(r, CorruptObjectError):
+            self._on_corrupt(o.path, r, deadline)
+            return False
+        if isinstance(r, BaseException):
+            self._count_exc(r)
+            return False
+        if not isinstance(r, int):
+            self._scatter(queries, o, r)  # calling thread, before the call returns
+        reg, keys, _, first = queries[o.t]
+        for p in range(max(o.start, first), min(o.start + o.m, first + len(keys))):
+            results[o.t][p - first] = True
+        self._count(objects_read=1, bytes_read=o.m * int(reg.pool.slot_bytes) + reg.header_len)
+        return True
 
     def _on_corrupt(self, path: str, err: CorruptObjectError, deadline: _Deadline) -> None:
         with self._lock:
@@ -871,11 +1072,9 @@ class FsspecStorage(HiCacheStorage):
         finally:
             guard.close()
         self._count(set_pages=sum(sum(r) for r in results))
-        if self._local:
-            written.sort()  # chain order (not completion order): shallow pages newest
-            self._io.touch([p for _, _, p, _ in written])
-            if self.config.max_bytes is not None:
-                self._account([(p, n) for _, _, p, n in written])
+        if self._local and self.config.max_bytes is not None:
+            written.sort()
+            self._account([(p, n) for _, _, p, n in written])
         return results
 
     def _gather(self, reg: _PoolReg, slots: np.ndarray, o: _Obj, guard: _CallGuard) -> np.ndarray:
@@ -891,6 +1090,10 @@ class FsspecStorage(HiCacheStorage):
 
     def _write_groups(self, queries, todo, guard, deadline, mark, written) -> None:  # type: ignore[no-untyped-def]
         # Gather from the pool in groups bounded by max_inflight_bytes, write each group concurrently.
+        # file://: each object's mtime (LRU) is set before it is published: chain order (not
+        # completion order), shallow pages newest.
+        now = time.time_ns()
+        rank = {id(o): i for i, o in enumerate(todo)}
         gi = 0
         while gi < len(todo) and deadline.left() > 0:
             group, nbytes = [], 0
@@ -916,16 +1119,19 @@ class FsspecStorage(HiCacheStorage):
                     gather = (lambda data=data: data)
                 items.append((o.path, meta, gather))
 
-            def task(path: str, meta: ObjectMeta, src: Any) -> bool:
+            def task(path: str, meta: ObjectMeta, src: Any, mtime_ns: int | None = None) -> bool:
+                if not self._local:
+                    return self._io._write_once(path, *_with_header(meta, src()))
+                io: _LocalBackend = self._io  # type: ignore[assignment]
                 if isinstance(src, np.ndarray):
                     with guard:  # pool memory is read until the write is done
-                        return self._io._write_once(path, *_with_header(meta, src))
-                return self._io._write_once(path, *_with_header(meta, src()))
+                        return io.write_once_local(path, *_with_header(meta, src), mtime_ns) == io.WROTE
+                return io.write_once_local(path, *_with_header(meta, src()), mtime_ns) == io.WROTE
 
             if isinstance(self._io, _AsyncBackend):
                 writes = self._io.write_many([(p, (lambda m=m, g=g: _with_header(m, g()))) for p, m, g in items], deadline)
             else:
-                writes = self._io.map(task, items, deadline)
+                writes = self._io.map(task, [(*it, now - rank[id(o)] * 1000) for it, o in zip(items, group)], deadline)
             for i, r in writes:
                 o = group[i]
                 if isinstance(r, BaseException):
@@ -933,7 +1139,7 @@ class FsspecStorage(HiCacheStorage):
                     continue
                 mark(o)
                 if r:
-                    size = self._meta(queries[o.t][0], o.start, o.m, o.key).header_len + o.m * int(queries[o.t][0].pool.slot_bytes)
+                    size = queries[o.t][0].header_len + o.m * int(queries[o.t][0].pool.slot_bytes)
                     self._count(objects_written=1, bytes_written=size)
                     written.append((o.t, o.start, o.path, size))
                 else:

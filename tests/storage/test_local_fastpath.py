@@ -1,0 +1,207 @@
+"""file:// read path: one ``preadv`` per object straight into pool memory (``slot_view``), no
+separate existence round (a failed ``open`` is the miss), verification before anything counts as
+loaded, a wiped destination on failure, LRU mtimes set on the descriptor, bounded hangs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hicache.storage import CorruptReason, ModelFingerprint, Namespace, page_keys
+from hicache.storage.format import FORMAT_VERSION, ObjectKind, ObjectMeta, encode_header
+from hicache.storage.testing import NumpyHostPool, same_bytes
+from hicache.storage.testing import slot_range as S
+
+SLOT_SHAPE = (2, 2, 4, 2, 8)  # conftest's pool
+
+
+def _corruptions(st, fp, key: str, blob: bytes) -> dict[str, tuple[bytes, CorruptReason]]:
+    hlen = len(blob) - 4 * st.pool.slot_bytes
+    payload = np.frombuffer(blob[hlen:], np.uint8)
+    meta = ObjectMeta(ObjectKind.PAGES, fp.digest(), bytes.fromhex(key), 0, 4, "float32", SLOT_SHAPE)
+
+    def flip(at: int) -> bytes:
+        b = bytearray(blob)
+        b[at] ^= 0x10
+        return bytes(b)
+
+    version = bytearray(blob)
+    struct.pack_into("<H", version, 8, FORMAT_VERSION + 1)
+    other_fp = dataclasses.replace(fp, model_id="other").digest()
+    return {
+        "flip_payload": (flip(hlen + 37), CorruptReason.BAD_CHECKSUM),
+        "flip_header": (flip(90), CorruptReason.BAD_HEADER),
+        "wrong_version": (bytes(version), CorruptReason.BAD_VERSION),
+        "wrong_fingerprint": (encode_header(dataclasses.replace(meta, fingerprint=other_fp), payload) + bytes(payload), CorruptReason.BAD_FINGERPRINT),
+        "wrong_shape": (encode_header(dataclasses.replace(meta, shape=(2, 2, 4, 8, 2)), payload) + bytes(payload), CorruptReason.BAD_SHAPE),
+        "wrong_dtype": (encode_header(dataclasses.replace(meta, dtype="int32"), payload) + bytes(payload), CorruptReason.BAD_DTYPE),
+        "truncate": (blob[:-100], CorruptReason.SHORT),
+        "truncate_header": (blob[:50], CorruptReason.SHORT),
+        "trailing": (blob + b"x", CorruptReason.TRAILING),
+        "garbage": (b"not an object at all", CorruptReason.BAD_MAGIC),
+    }
+
+
+def _keys(fp: ModelFingerprint, n_pages: int, salt: str = "fast") -> list[str]:
+    return page_keys(Namespace(fp, cache_salt=salt), np.arange(n_pages * fp.page_size))
+
+
+def _rewrite(st, key: str, blob: bytes) -> None:
+    path = st.object_path(key)
+    os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(blob)
+
+
+class _CountingExists:
+    """Wraps the backend's ``exists_many`` to count existence rounds (and the paths asked)."""
+
+    def __init__(self, st) -> None:
+        self.rounds, self.paths, self._inner = 0, 0, st._io.exists_many
+        st._io.exists_many = self
+
+    def __call__(self, paths, deadline):
+        self.rounds += 1
+        self.paths += len(paths)
+        return self._inner(paths, deadline)
+
+
+# same-size corruptions land in the pool through the single read and must be wiped; wrong-size
+# ones are rejected from the header alone and never touch the pool
+_LANDED = {"flip_payload", "flip_header", "wrong_version", "wrong_fingerprint", "wrong_shape", "wrong_dtype", "swapped"}
+_SIZE = {"truncate", "truncate_header", "trailing", "garbage"}
+
+
+def test_corrupt_object_via_single_read_is_a_counted_miss_and_wiped(make_store, fp):
+    st = make_store("file")
+    keys = _keys(fp, 4)  # exactly one object
+    st.pool.fill_random(S(0, 4), 3)
+    assert st.batch_set(keys, S(0, 4)) == [True] * 4
+    blob = st.fs.cat_file(st.object_path(keys[3]))
+    cases = _corruptions(st, fp, keys[3], blob)
+    other = _keys(fp, 4, salt="other")
+    st.batch_set(other, S(0, 4))
+    cases["swapped"] = (st.fs.cat_file(st.object_path(other[3])), CorruptReason.BAD_KEY)
+    assert set(cases) == _LANDED | _SIZE
+    sentinel = np.full((4, *SLOT_SHAPE), 7.0, np.float32)
+    for name, (bad, reason) in cases.items():
+        _rewrite(st, keys[3], bad)
+        st.pool.buf[40:44] = sentinel
+        before = st.stats()
+        assert st.batch_get(keys, S(40, 44)) == [False] * 4, name
+        after = st.stats()
+        if name in _LANDED:  # read straight into the slots, then wiped: no byte of it stays
+            assert not st.pool.buf[40:44].view(np.uint32).any(), f"{name}: pool not wiped"
+        else:
+            assert same_bytes(st.pool.buf[40:44], sentinel), f"{name}: pool touched"
+        assert after.corrupt_by_reason.get(reason.value, 0) == before.corrupt_by_reason.get(reason.value, 0) + 1, name
+        assert (after.hit_pages, after.objects_read) == (before.hit_pages, before.objects_read), name
+        assert not os.path.exists(st.object_path(keys[3])), f"{name}: corrupt object kept"
+        assert st.batch_set(keys, S(0, 4)) == [True] * 4, name  # rewritable, then loads
+        assert st.batch_get(keys, S(40, 44)) == [True] * 4, name
+        assert same_bytes(st.pool.buf[40:44], st.pool.buf[0:4]), name
+
+
+@pytest.mark.parametrize("variant", ["no_slot_view", "calling_thread_only"])
+def test_corrupt_object_without_views_never_reaches_the_pool(make_store, fp, variant):
+    pool = NumpyHostPool(64, SLOT_SHAPE, np.float32)
+    if variant == "no_slot_view":
+        pool.slot_view = None  # I/O threads scatter verified payloads
+    else:
+        pool.concurrent_slot_io = False  # verified payloads are scattered on the calling thread
+    st = make_store("file", pool=pool)
+    keys = _keys(fp, 8)
+    pool.fill_random(S(0, 8), 4)
+    assert st.batch_set(keys, S(0, 8)) == [True] * 8
+    assert st.batch_get(keys, S(20, 28)) == [True] * 8
+    assert same_bytes(pool.buf[0:8], pool.buf[20:28])
+    path = st.object_path(keys[7])
+    blob = bytearray(st.fs.cat_file(path))
+    blob[-5] ^= 0xFF
+    _rewrite(st, keys[7], bytes(blob))
+    pool.buf[20:28] = 9.0
+    assert st.batch_get(keys, S(20, 28)) == [True] * 4 + [False] * 4
+    assert same_bytes(pool.buf[20:24], pool.buf[0:4])
+    assert (pool.buf[24:28] == 9.0).all()  # never scattered
+    assert st.stats().corrupt_by_reason == {"bad_checksum": 1}
+
+
+def test_no_existence_round_for_reads(make_store, fp):
+    st = make_store("file")
+    keys = _keys(fp, 12)  # 3 objects
+    st.pool.fill_random(S(0, 12), 5)
+    st.batch_set(keys, S(0, 12))
+    spy = _CountingExists(st)
+    assert st.batch_get(keys, S(20, 32)) == [True] * 12
+    assert spy.rounds == 0  # full hit: the reads alone
+    # a miss at a chunk whose shorter partial objects lie inside the query: one probe round
+    os.unlink(st.object_path(keys[7]))
+    assert st.batch_get(keys, S(20, 32)) == [True] * 4 + [False] * 8
+    assert (spy.rounds, spy.paths) == (1, 3)  # partial candidates of chunk 1 (pages 4..6)
+    # the partial object found by the probe is read in a second round
+    st.batch_set(keys[:6], S(0, 6))  # chunk 0 exists, writes the partial (pages 4, 5)
+    st.pool.buf[20:32] = 0
+    assert st.batch_get(keys, S(20, 32)) == [True] * 6 + [False] * 6
+    assert same_bytes(st.pool.buf[20:26], st.pool.buf[0:6])
+    # a one-page query at a chunk's first page: its natural object (ending at page 8) is not
+    # stored (chunk 2 is stored in full, named by page 11) and no shorter object exists: a miss
+    # with nothing to probe, so still no existence round
+    spy.rounds = 0
+    assert st.batch_get(keys[8:9], S(40, 41), first_page=8) == [False]
+    assert spy.rounds == 0
+
+
+def test_objects_behind_a_missing_one_do_not_count(make_store, fp):
+    st = make_store("file")
+    keys = _keys(fp, 16)  # 4 objects
+    st.pool.fill_random(S(0, 16), 6)
+    st.batch_set(keys, S(0, 16))
+    os.unlink(st.object_path(keys[7]))
+    before = st.stats()
+    assert st.batch_get(keys, S(20, 36)) == [True] * 4 + [False] * 12
+    after = st.stats()
+    assert after.hit_pages - before.hit_pages == 4
+    assert after.miss_pages - before.miss_pages == 12
+    assert after.corrupt_objects == before.corrupt_objects and after.errors == before.errors
+
+
+def test_reads_bump_lru_in_chain_order(make_store, fp):
+    st = make_store("file")
+    keys = _keys(fp, 12)
+    st.pool.fill_random(S(0, 12), 7)
+    st.batch_set(keys, S(0, 12))
+    paths = [st.object_path(keys[i]) for i in (3, 7, 11)]
+    written = [os.stat(p).st_mtime_ns for p in paths]
+    assert written[0] > written[1] > written[2]  # set before publishing, shallow pages newest
+    time.sleep(0.01)
+    assert st.batch_get(keys, S(20, 32)) == [True] * 12
+    read = [os.stat(p).st_mtime_ns for p in paths]
+    assert read[0] > read[1] > read[2] > max(written)
+
+
+def test_hung_read_is_bounded_and_never_touches_the_pool_later(make_store, fp):
+    """A FIFO in place of an object: ``open`` blocks (a hung mount behaves alike)."""
+    st = make_store("file", timeout_s=20.0)
+    keys = _keys(fp, 8)
+    st.pool.fill_random(S(0, 8), 8)
+    st.batch_set(keys, S(0, 8))
+    path = st.object_path(keys[7])
+    os.unlink(path)
+    os.mkfifo(path)
+    st.pool.buf[20:28] = 5.0
+    t0 = time.monotonic()
+    assert st.batch_get(keys, S(20, 28), timeout_s=0.5) == [True] * 4 + [False] * 4
+    assert time.monotonic() - t0 < 3.0
+    assert st.stats().timeouts >= 1
+    # release the blocked reader: its object is empty (a counted miss), long after the call
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    os.close(fd)
+    time.sleep(0.2)
+    assert (st.pool.buf[24:28] == 5.0).all()
+    assert threading.active_count() < 50
