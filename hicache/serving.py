@@ -12,6 +12,7 @@ transfer a cache call dispatches therefore reads or writes the array the last fo
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 
 from hicache.cluster.client import CacheClient
 from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
 from hicache.engine.runner import ModelRunner
 
@@ -41,6 +43,19 @@ class RunnerOwnsPool:
         pass
 
 
+class WorkerPoolLink:
+    """The runner forwards over the HostWorker's L1 array (embedded HiCache; on TPU, inside the worker)."""
+
+    def __init__(self, device_pool) -> None:  # hicache.workers.DevicePool
+        self.device_pool = device_pool
+
+    def to_runner(self, runner: ModelRunner) -> None:
+        runner.set_pool(self.device_pool.kv)
+
+    def from_runner(self, runner: ModelRunner) -> None:
+        self.device_pool.set_kv(runner.pool)
+
+
 @dataclass(frozen=True)
 class ServeRequest:
     prompt: np.ndarray  # i32[n], n >= 1
@@ -57,14 +72,15 @@ class ServeResult:
     latency_s: float
     prompt_len: int
     device_hit_tokens: int  # prefix found in L1
-    loaded_tokens: int  # prefix brought back from L2 (or L3 via L2)
+    loaded_tokens: int  # prefix brought back from L2 (including what L3 prefetched into L2)
     computed_tokens: int  # prompt tokens prefilled
+    storage_tokens: int = 0  # of loaded_tokens, fetched from L3 for this request
     load_failed: bool = False
 
 
 class Scheduler:
     def __init__(self, client: CacheClient, runner: ModelRunner, link: PoolLink | None = None,
-                 *, hicache: bool = False, prefill_budget: int = 0) -> None:
+                 *, hicache: bool = False, storage: bool = False, prefill_budget: int = 0) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
         caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does."""
         ps = client.page_size
@@ -76,12 +92,31 @@ class Scheduler:
         self.runner = runner
         self.link = link or RunnerOwnsPool()
         self.hicache = hicache
+        self.storage = storage
         self.prefill_budget = prefill_budget
+        self._req_ids = itertools.count()
 
-    def _match(self, req: ServeRequest) -> tuple[np.ndarray, int, int, int, bool]:
-        """(prefix pages, hit len, locked node, loaded tokens, load failed) — the node comes back locked."""
+    def _prefetch(self, key: RadixKey, m):  # -> (MatchResult, tokens fetched from L3)
+        """Asks L3 for what L1+L2 lack; waits as the prefetch stop policy allows; matches again."""
+        ps = self.client.page_size
+        if m.device_hit_len + m.host_hit_len >= len(key) - len(key) % ps:
+            return m, 0
+        req_id = f"req-{next(self._req_ids)}"
+        started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
+        if started.state is PrefetchState.NOT_STARTED:
+            return m, 0
+        progress = self.client.check_prefetch_progress(req_id)
+        if progress.state is PrefetchState.DONE and progress.tokens:
+            return self.client.match_prefix(key), progress.tokens
+        return m, 0
+
+    def _match(self, req: ServeRequest) -> tuple[np.ndarray, int, int, int, int, bool]:
+        """(prefix pages, hit len, locked node, loaded, from L3, load failed) — the node comes back locked."""
         key = RadixKey(req.prompt[:-1], req.extra_key, req.cache_salt)
         m = self.client.match_prefix(key)
+        fetched = 0
+        if self.storage:
+            m, fetched = self._prefetch(key, m)
         pages, hit, node, loaded, failed = m.device_pages, m.device_hit_len, m.last_device_node, 0, False
         if self.hicache and m.host_hit_len > 0:
             r = self.client.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
@@ -93,7 +128,7 @@ class Scheduler:
                     m = self.client.match_prefix(key)
                     pages, hit, node = m.device_pages, m.device_hit_len, m.last_device_node
         self.client.inc_lock_ref(node)
-        return pages, hit, node, loaded, failed
+        return pages, hit, node, loaded, min(fetched, loaded), failed
 
     def serve(self, req: ServeRequest) -> ServeResult:
         prompt = np.asarray(req.prompt, dtype=np.int32)
@@ -104,7 +139,7 @@ class Scheduler:
         t0 = time.perf_counter()
         if self.hicache:
             self.client.check_hicache_events()
-        prefix_pages, hit, node, loaded, failed = self._match(req)
+        prefix_pages, hit, node, loaded, fetched, failed = self._match(req)
         total = prompt.size + req.max_new_tokens
         table = np.concatenate([prefix_pages, self.client.alloc(total - hit)]).astype(np.int32)
         ns = (req.extra_key, req.cache_salt)
@@ -126,7 +161,7 @@ class Scheduler:
         seq = np.concatenate([prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
         self.client.cache_finished_req(RequestState(RadixKey(seq, *ns), table, prefix_len, node))
         return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size), hit - loaded,
-                           loaded, int(prompt.size) - hit, failed)
+                           loaded, int(prompt.size) - hit, fetched, failed)
 
     def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
         return [self.serve(r) for r in requests]

@@ -39,3 +39,35 @@ def test_multi_turn_with_l1_cache_equals_no_cache(runner):
     assert hits > 0
     st = client.stats()
     assert st.request_pages == 0 and st.protected_tokens == 0
+
+
+def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
+    """Tiny L1 forces L2 load-backs; a second stack (cold L1/L2) gets L3 hits; outputs stay exact."""
+    from hicache.embedded import StackOptions, build_stack
+
+    opts = StackOptions(MODEL, FWD, l1_pages=12, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    stack = build_stack(opts, runner)
+    rng = np.random.default_rng(1)
+    convs = [rng.integers(0, MODEL.vocab_size, 30, dtype=np.int32) for _ in range(3)]
+    tiers = {"l1": 0, "l2": 0, "l3": 0}
+    refs = {}
+    for turn in range(2):
+        for c in range(3):
+            prompt = np.concatenate([convs[c], rng.integers(0, MODEL.vocab_size, 5, dtype=np.int32)])
+            res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+            ref = runner.generate_no_cache(prompt, 3)
+            assert res.output == ref.tokens
+            np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+            tiers["l1"] += res.device_hit_tokens
+            tiers["l2"] += res.loaded_tokens
+            refs[c] = (prompt, ref)
+            convs[c] = np.concatenate([prompt, np.asarray(res.output, dtype=np.int32)])
+    stack.client.flush_write_through_acks()
+    assert tiers["l2"] > 0, tiers
+    cold = build_stack(opts, runner)
+    for c, (prompt, ref) in refs.items():
+        res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+        assert res.output == ref.tokens
+        np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+        tiers["l3"] += res.storage_tokens
+    assert tiers["l3"] > 0, tiers

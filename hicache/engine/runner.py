@@ -98,7 +98,7 @@ class ModelRunner:
     def set_pool(self, kv_pool: jax.Array) -> None:
         """Hand a (possibly updated) pool back to the runner, e.g. after a host->device load."""
         geo = kv_layout.check_pool(self.model, kv_pool)
-        if kv_layout.replicated_like(kv_pool) != self.placement:
+        if kv_pool.sharding.device_set != self.placement.device_set:
             raise ValueError(f"pool sharding {kv_pool.sharding} is not on the runner's devices "
                              f"({self.placement})")
         if geo.page_size != self.fwd.page_size:
