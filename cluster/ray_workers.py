@@ -32,6 +32,7 @@ in the same bundles, new coordinator port, fresh pools and a fresh ``seq`` state
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -215,6 +216,7 @@ class RayWorkerGroup:
         self.lost: str | None = None
         self.head_ranges: list[tuple[int, int]] = []
         self._submits: list[ray.ObjectRef] = []
+        self._wire_seq = itertools.count()
 
     @property
     def num_hosts(self) -> int:
@@ -288,10 +290,17 @@ class RayWorkerGroup:
             log.warning("replica %s: host workers lost: %s", self.replica, reason)
 
     def submit(self, plan: TransferPlan) -> None:
-        """Sends ``plan`` to every host (each actor runs its calls in the order this thread sent them)."""
+        """Sends ``plan`` to every host (each actor runs its calls in the order this thread sent them).
+
+        The plan travels under this gang's own strictly increasing ``seq`` (same order as the
+        controller's): a head ``reset`` starts a new controller whose seqs restart at 0, while the
+        workers' seq state lives as long as the gang. Acks are matched by ``op_id``; ``reset`` is only
+        allowed with nothing in flight, so no ack of an old op can meet a new op with the same id.
+        """
         if self.lost is not None:
             return
-        self._submits += [a.submit.remote(plan) for a in self.actors]
+        wire = TransferPlan(next(self._wire_seq), plan.ops)
+        self._submits += [a.submit.remote(wire) for a in self.actors]
 
     def _check_submits(self) -> None:
         if not self._submits:

@@ -1,0 +1,344 @@
+"""The head of a replica as a Ray actor: ``hicache/head-<replica>``, the one decision point (DESIGN.md §1).
+
+``CacheHeadActor`` wraps a plain ``CacheHead`` and owns the replica's ``RayWorkerGroup`` (its host
+worker actors and placement group). Runs once per replica, on the head node (``hicache_head``).
+
+Threads (Ray concurrency groups):
+* "control" (1 thread): ``step``/``call``, the only code that touches the tree, the allocators and the
+  HiCache controller; it sends plans to the workers and applies their acks.
+* "health" (2 threads): ``health``, ``workers``, ``config``, ``shutdown``; read a few attributes, never
+  the tree, so they never queue behind a transfer wait.
+* a monitor thread pings the host workers; a builder thread starts (and restarts) the gang.
+``_lock`` is held by the control thread for a whole call and by the others only to swap state.
+
+Epochs: every installed state (fresh tree + a started worker gang) gets a new, unique ``epoch``
+(time-based, so a restarted head never reuses one). Clients send the epoch they last saw; a call
+from another epoch is refused with ``status="reset"`` (the client raises
+``HiCacheReplicaResetError``) and nothing runs, so node ids and pages from a lost state are never
+applied to a new one.
+
+Rebuild path (constructor state is lost on restart; a lost host loses its L1 and L2 shards):
+* head restart (``max_restarts``): Ray re-runs ``__init__``; the old workers died with their owner
+  (the old head process); the builder starts a new gang in the same (named) placement group, and the
+  tree starts empty, L1 and L2 empty: never a stale hit. (The L3 integration will add a warm restart
+  from the L3 manifest here: ``_fresh_head``.)
+* host worker lost (died, hung, rejected a plan; seen by the group or by the monitor): the controller
+  drops its host tier (``drop_host_tier``), the head state is discarded (L1 died too: all processes
+  of the SPMD program restart), calls answer ``status="unavailable"`` while the builder kills the
+  survivors and starts a new gang (fresh jax session, pools and seq state); then a fresh state with a
+  new epoch is installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import ray
+
+from hicache.cluster.errors import HiCacheUnavailableError
+from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig
+from hicache.cluster.ray_workers import NAMESPACE, RayWorkerGroup, WorkerGroupOptions
+from hicache.cluster.tpu import HEAD_RESOURCE
+
+log = logging.getLogger(__name__)
+
+_epoch_counter = itertools.count()
+
+
+def _new_epoch() -> int:
+    """Unique across head incarnations: wall-clock microseconds, strictly increasing in a process."""
+    return (time.time_ns() // 1000) * 1000 + next(_epoch_counter) % 1000
+
+
+def head_name(replica: str) -> str:
+    return f"head-{replica}"
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One replica: its head (tree, HiCache policy) and, with a host tier or L1 on workers, its host workers."""
+
+    head: HeadConfig
+    workers: WorkerGroupOptions | None = None  # None: control plane only (no data plane, no L2)
+    head_resources: Mapping[str, float] = field(default_factory=lambda: {HEAD_RESOURCE: 0.01})
+    max_restarts: int = 4  # head actor restarts (each rebuilds an empty state)
+    detached: bool = True  # the head outlives the driver that started it
+    health_interval_s: float = 0.5  # monitor pings of the host workers
+    rebuild_backoff_s: float = 1.0  # between failed gang starts
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.head, HeadConfig):
+            raise TypeError(f"head must be a HeadConfig, got {type(self.head).__name__}")
+        object.__setattr__(self, "head_resources", dict(self.head_resources))
+        if self.head.hicache is not None and self.workers is None:
+            raise ValueError("a replica with a host tier (HeadConfig.hicache) needs WorkerGroupOptions")
+        if self.workers is not None:
+            if self.workers.spec.page_size != self.head.tree.page_size:
+                raise ValueError(f"spec.page_size {self.workers.spec.page_size} != tree page_size {self.head.tree.page_size}")
+            if self.head.tree.capacity_pages is None:
+                raise ValueError("workers hold the L1 pool: TreeConfig.capacity_pages must be set")
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
+        if not self.health_interval_s > 0 or not self.rebuild_backoff_s > 0:
+            raise ValueError("health_interval_s and rebuild_backoff_s must be > 0")
+
+    @property
+    def replica(self) -> str:
+        return self.head.replica
+
+
+class HeadState(str, Enum):
+    STARTING = "starting"  # first gang being built
+    READY = "ready"
+    REBUILDING = "rebuilding"  # a host was lost; new gang being built
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Answer of ``step``/``call``: ``status`` is "ok" (``results`` valid), "reset" (the caller's
+    epoch is gone; nothing ran) or "unavailable" (no state to serve from right now; nothing ran)."""
+
+    status: str
+    epoch: int | None
+    results: list[CallResult] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class HeadHealth:
+    replica: str
+    state: HeadState
+    epoch: int | None
+    reason: str
+    num_hosts: int
+    page_size: int
+    resets: int  # states discarded since this incarnation started
+    reconstructed: bool  # this incarnation is a Ray restart of the head actor
+    calls: int
+    last_call_s: float | None  # seconds since the last control call
+
+
+@ray.remote(concurrency_groups={"control": 1, "health": 2})
+class CacheHeadActor:
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        self._lock = threading.RLock()
+        self._state = HeadState.STARTING
+        self._epoch: int | None = None
+        self._head: CacheHead | None = None
+        self._group: RayWorkerGroup | None = None
+        self._reason = ""
+        self._resets = 0
+        self._calls = 0
+        self._last_call: float | None = None
+        self._stop = threading.Event()
+        with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if config.workers is None:
+            self._install(None)
+        else:
+            self._start_builder(None)
+            threading.Thread(target=self._monitor, name="hicache-monitor", daemon=True).start()
+
+    # -- state -------------------------------------------------------------------------------------
+    def _fresh_head(self, group: RayWorkerGroup | None) -> CacheHead:
+        """A new, empty head state (L1/L2 empty). The L3 integration adds the manifest warm start here."""
+        return CacheHead(self.config.head, group if self.config.head.hicache is not None else None)
+
+    def _install(self, group: RayWorkerGroup | None) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                if group is not None:
+                    group.kill()
+                return
+            self._head = self._fresh_head(group)
+            self._group = group
+            self._epoch = _new_epoch()
+            self._state = HeadState.READY
+            self._reason = ""
+        log.info("replica %s ready (epoch %x)", self.config.replica, self._epoch)
+
+    def _start_builder(self, old: RayWorkerGroup | None) -> None:
+        threading.Thread(target=self._build, args=(old,), name="hicache-builder", daemon=True).start()
+
+    def _build(self, old: RayWorkerGroup | None) -> None:
+        cfg = self.config
+        assert cfg.workers is not None
+        if old is not None:
+            old.kill()
+        while not self._stop.is_set():
+            group = RayWorkerGroup(cfg.replica, cfg.workers, cfg.head.tree.capacity_pages,
+                                   cfg.head.hicache.host_slots if cfg.head.hicache else 1, detached=cfg.detached)
+            try:
+                group.start(_new_epoch())
+            except Exception as e:  # placement, start or jax session failed: try again
+                log.warning("replica %s: starting host workers failed: %s", cfg.replica, e)
+                with self._lock:
+                    self._reason = f"starting host workers failed: {type(e).__name__}: {e}"
+                self._stop.wait(cfg.rebuild_backoff_s)
+                continue
+            self._install(group)
+            return
+
+    def _fail(self, reason: str) -> None:
+        """A host was lost: discard the state (lock held); the builder brings a new gang."""
+        if self._state is not HeadState.READY:
+            return
+        head, group = self._head, self._group
+        if head is not None and head.controller is not None:
+            head.controller.drop_host_tier(reason)  # in-flight transfers fail; nothing served from L2
+        self._head, self._group, self._epoch = None, None, None
+        self._state, self._reason = HeadState.REBUILDING, reason
+        self._resets += 1
+        log.warning("replica %s: %s; rebuilding", self.config.replica, reason)
+        self._start_builder(group)
+
+    def _monitor(self) -> None:
+        while not self._stop.wait(self.config.health_interval_s):
+            group = self._group
+            if group is None or self._state is not HeadState.READY:
+                continue
+            if not group.check_alive():
+                with self._lock:
+                    if self._group is group:
+                        self._fail(group.lost or "host worker lost")
+
+    # -- control (one thread) ---------------------------------------------------------------------------
+    def _run(self, epoch_seen: int | None, calls: Sequence[Call]) -> Reply:
+        with self._lock:
+            self._calls += 1
+            self._last_call = time.monotonic()
+            if self._state is not HeadState.READY:
+                return Reply("unavailable", None, reason=f"replica {self.config.replica!r} is {self._state.value}"
+                             + (f": {self._reason}" if self._reason else ""))
+            if epoch_seen is not None and epoch_seen != self._epoch:
+                return Reply("reset", self._epoch, reason=self._last_reset_reason())
+            group = self._group
+            if group is not None and group.lost is not None:
+                self._fail(group.lost)
+                return Reply("unavailable", None, reason=self._reason)
+            epoch = self._epoch
+            try:
+                results = self._head.step(calls)  # type: ignore[union-attr]
+            except Exception as e:  # not a per-call error the head knows: report it for every call
+                results = [CallResult(False, error=e)] * len(calls)
+            if group is not None and group.lost is not None:
+                reason = group.lost
+                self._fail(reason)
+                return Reply("reset", None, reason=reason)  # results refer to the state just lost
+            return Reply("ok", epoch, results)
+
+    def _last_reset_reason(self) -> str:
+        return f"{self._resets} reset(s) in this head incarnation" if self._resets else "the head restarted"
+
+    @ray.method(concurrency_group="control")
+    def step(self, epoch_seen: int | None, calls: Sequence[Call]) -> Reply:
+        return self._run(epoch_seen, list(calls))
+
+    @ray.method(concurrency_group="control")
+    def call(self, epoch_seen: int | None, call: Call) -> Reply:
+        return self._run(epoch_seen, [call])
+
+    # -- health (never behind the control thread) ---------------------------------------------------------
+    @ray.method(concurrency_group="health")
+    def health(self) -> HeadHealth:
+        last = self._last_call
+        return HeadHealth(
+            self.config.replica, self._state, self._epoch, self._reason,
+            self.config.workers.num_hosts if self.config.workers else 0, self.config.head.tree.page_size,
+            self._resets, self._reconstructed, self._calls, None if last is None else time.monotonic() - last,
+        )
+
+    @ray.method(concurrency_group="health")
+    def get_config(self) -> ReplicaConfig:
+        return self.config
+
+    @ray.method(concurrency_group="health")
+    def workers(self) -> tuple[int, list[Any], list[tuple[int, int]]]:
+        """(epoch, host worker handles in host order, KV-head range of each) of the current state."""
+        group = self._group
+        if self._state is not HeadState.READY or group is None:
+            raise HiCacheUnavailableError(f"replica {self.config.replica!r} has no host workers now ({self._state.value})")
+        return self._epoch, list(group.actors), list(group.head_ranges)
+
+    @ray.method(concurrency_group="health")
+    def shutdown(self) -> None:
+        """Stops monitor and builder, kills the host workers and removes their placement group."""
+        self._stop.set()
+        with self._lock:
+            self._state = HeadState.STOPPED
+            group, self._group, self._head = self._group, None, None
+        if group is not None:
+            group.kill()
+        if self.config.workers is not None:
+            RayWorkerGroup(self.config.replica, self.config.workers, 1, 1, detached=self.config.detached).remove_placement_group()
+
+
+# ------------------------------------------------------------------------------------------------
+def get_head(replica: str) -> Any:
+    """The head actor handle of ``replica`` (``HiCacheUnavailableError`` if there is none)."""
+    try:
+        return ray.get_actor(head_name(replica), namespace=NAMESPACE)
+    except ValueError:
+        raise HiCacheUnavailableError(f"no hicache replica {replica!r} in namespace {NAMESPACE!r}") from None
+
+
+def wait_ready(head: Any, timeout_s: float) -> HeadHealth:
+    deadline = time.monotonic() + timeout_s
+    h = None
+    while time.monotonic() < deadline:
+        try:
+            h = ray.get(head.health.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            h = None
+        if h is not None and h.state is HeadState.READY:
+            return h
+        time.sleep(0.1)
+    raise HiCacheUnavailableError(f"replica not ready within {timeout_s}s: {h}")
+
+
+def start_replica(config: ReplicaConfig, *, timeout_s: float = 180.0, address: str | None = None) -> Any:
+    """Creates (or finds) the head ``hicache/head-<replica>``, which starts its host workers; waits
+    until it serves. Needs a running Ray cluster (``address``; default: this process's Ray).
+
+    Returns the head's actor handle. With ``detached=False`` the head is owned by this process and
+    Ray destroys it when the last handle goes away: keep the returned handle.
+    """
+    if not isinstance(config, ReplicaConfig):
+        raise TypeError(f"expected a ReplicaConfig, got {type(config).__name__}")
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", namespace=NAMESPACE)
+    head = CacheHeadActor.options(
+        name=head_name(config.replica), namespace=NAMESPACE, get_if_exists=True,
+        lifetime="detached" if config.detached else None, max_restarts=config.max_restarts, max_task_retries=0,
+        num_cpus=0, resources=dict(config.head_resources),
+    ).remote(config)
+    existing = ray.get(head.get_config.remote(), timeout=timeout_s)
+    if existing != config:
+        raise ValueError(f"replica {config.replica!r} already runs with another config: {existing}")
+    wait_ready(head, timeout_s)
+    return head
+
+
+def stop_replica(replica: str, timeout_s: float = 30.0) -> None:
+    """Kills the workers, removes their placement group and kills the head (no restart)."""
+    head = get_head(replica)
+    try:
+        ray.get(head.shutdown.remote(), timeout=timeout_s)
+    finally:
+        ray.kill(head, no_restart=True)
+
+
+def worker_handles(replica: str, timeout_s: float = 30.0) -> tuple[int, list[Any], list[tuple[int, int]]]:
+    """(epoch, host worker handles, KV-head range per host) of a running replica (data-plane access)."""
+    return ray.get(get_head(replica).workers.remote(), timeout=timeout_s)

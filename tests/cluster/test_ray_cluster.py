@@ -1,0 +1,285 @@
+"""The Ray cluster: head actor + one HostWorker actor per fake host, Ray client, failures, two replicas.
+
+One loopback ``ray.cluster_utils.Cluster`` for the module: a head node (``hicache_head``) and two fake
+hosts (``hicache_host: 2`` each, so two replicas fit side by side), every host worker a
+``jax.distributed`` process with 2 fake CPU devices (the replica's mesh: 4 devices, KV heads 0-1 on
+host 0, 2-3 on host 1). The "forward" writes the known KV pattern into pages through the worker
+actors (SPMD: both hosts); every hit is read back from both hosts and compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import hicache  # noqa: E402
+from hicache.cluster import HeadConfig  # noqa: E402
+from hicache.cluster.controller import LoadBackParams  # noqa: E402
+from hicache.cluster.errors import (  # noqa: E402
+    HiCacheError,
+    HiCacheReplicaResetError,
+    HiCacheTimeoutError,
+    HiCacheUnavailableError,
+)
+from hicache.cluster.head import Call, Method  # noqa: E402
+from hicache.cluster.policy import HiCacheConfig  # noqa: E402
+from hicache.cluster.ray_head import HeadState, ReplicaConfig, get_head, stop_replica, worker_handles  # noqa: E402
+from hicache.cluster.ray_workers import WorkerGroupOptions  # noqa: E402
+from hicache.cluster.tree import RadixKey, RequestState, TreeConfig  # noqa: E402
+from hicache.workers import KVCacheSpec  # noqa: E402
+from hicache.workloads import MultiTurnSpec, multi_turn  # noqa: E402
+from support.kv_pattern import page_rows  # noqa: E402
+
+PS = 4
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=4, page_size=PS, dtype="float32")
+RETRYABLE = (HiCacheUnavailableError, HiCacheTimeoutError, ray.exceptions.RayActorError)
+
+
+def seq(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def replica_config(name: str, device_pages: int = 16, host_slots: int = 32, **hc) -> ReplicaConfig:
+    return ReplicaConfig(
+        HeadConfig(name, TreeConfig(PS, device_pages), HiCacheConfig(host_slots, ack_timeout_s=10.0, **hc)),
+        WorkerGroupOptions.fake_cpu_hosts(SPEC, num_hosts=2, devices_per_host=2),
+        detached=False, health_interval_s=0.25,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    for k, v in dict(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled").items():
+        os.environ.setdefault(k, v)
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"hicache_head": 1}, "node_ip_address": "127.0.0.1",
+        "include_dashboard": False})
+    for _ in range(2):
+        c.add_node(num_cpus=2, resources={"hicache_host": 2}, node_ip_address="127.0.0.1")
+    ray.init(address=c.address, namespace="hicache", log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replica_x(cluster):
+    handle = hicache.start_replica(replica_config("x"))  # a non-detached head lives as long as its handle
+    yield "x"
+    del handle
+
+
+class RayEnv:
+    """Scheduler stand-in: control calls through a ``connect`` client, the forward through the workers."""
+
+    def __init__(self, replica: str, timeout_s: float = 30.0) -> None:
+        self.replica = replica
+        self.client = hicache.connect(replica, timeout_s=timeout_s)
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.epoch, self.workers, self.ranges = worker_handles(self.replica)
+
+    def rows(self, tokens: np.ndarray, first_page: int, num_pages: int) -> np.ndarray:
+        return page_rows(tokens, first_page, num_pages, SPEC.page_shape, PS)
+
+    def write(self, pages: np.ndarray, rows: np.ndarray) -> None:
+        """The forward: every host writes its KV heads of ``pages`` (SPMD)."""
+        ray.get([w.write_pages.remote(pages, rows[..., a:b, :]) for w, (a, b) in zip(self.workers, self.ranges)],
+                timeout=30)
+
+    def read(self, pages: np.ndarray) -> np.ndarray:
+        """All KV heads of ``pages``, gathered from every host's shard."""
+        return np.concatenate(ray.get([w.read_pages.remote(pages) for w in self.workers], timeout=30), axis=-2)
+
+    def serve(self, tokens: np.ndarray) -> dict:
+        """Match (+ load-back), lock, alloc, write the missing pages, finish; checks every hit exactly."""
+        c, key = self.client, RadixKey(tokens)
+        m = c.match_prefix(key)
+        pages, hit, node, loaded = m.device_pages, m.device_hit_len, m.last_device_node, 0
+        if m.host_hit_len:
+            r = c.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+            if r.load_id >= 0 and c.wait_load_back(r.load_id):
+                pages, hit, node, loaded = r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens
+            elif r.load_id >= 0:
+                m = c.match_prefix(key)
+                pages, hit, node = m.device_pages, m.device_hit_len, m.last_device_node
+        c.inc_lock_ref(node)
+        if hit:
+            np.testing.assert_array_equal(self.read(pages), self.rows(tokens, 0, hit // PS))
+        own = c.alloc(len(tokens) - hit)
+        if own.size:
+            self.write(own, self.rows(tokens, hit // PS, own.size))
+        c.cache_finished_req(RequestState(key, np.concatenate([pages, own]), hit, node))
+        return {"device_hit": hit - loaded, "loaded": loaded}
+
+    def serve_retrying(self, tokens: np.ndarray, deadline_s: float = 90.0) -> tuple[dict, int]:
+        """A scheduler's reaction to a lost host: drop the request (the replica resets) and redo it."""
+        end, failures = time.monotonic() + deadline_s, 0
+        while True:
+            try:
+                return self.serve(tokens), failures
+            except RETRYABLE:
+                failures += 1
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.2)
+                try:
+                    self.refresh()
+                except RETRYABLE:
+                    pass
+
+
+@pytest.fixture
+def env_x(replica_x):
+    env = RayEnv(replica_x)
+    env.client.flush_write_through_acks()
+    env.client.reset()
+    return env
+
+
+def test_replica_spans_both_hosts(env_x):
+    h = ray.get(get_head("x").health.remote())
+    assert h.state is HeadState.READY and h.num_hosts == 2 and h.page_size == PS
+    assert env_x.ranges == [(0, 2), (2, 4)]  # heads sharded over the 2 x 2 device global mesh
+    pings = ray.get([w.ping.remote() for w in env_x.workers])
+    assert len({p["pid"] for p in pings}) == 2 and pings[0]["jax"] == pings[1]["jax"]  # one jax session
+
+
+def test_backup_evict_load_back_is_bit_identical_on_every_host(env_x):
+    c, a = env_x.client, seq(0, 24)
+    env_x.serve(a)
+    assert c.flush_write_through_acks() >= 1
+    st = c.cache_stats()
+    assert st["host_tokens"] == 24 and st["backed_up_tokens"] == 24
+    assert st["bytes_moved"]["d2h"] == 2 * 6 * SPEC.page_bytes // 2  # each host moved its half of 6 pages
+    env_x.serve(seq(1000, 60))  # pushes `a` out of L1
+    c.flush_write_through_acks()
+    m = c.match_prefix(RadixKey(a))
+    assert m.device_hit_len < 24 and m.device_hit_len + m.host_hit_len == 24
+    free = c.alloc(c.stats().free_pages * PS)  # every free L1 page := garbage, on both hosts
+    env_x.write(free, np.full((free.size, *SPEC.page_shape), -7, np.float32))
+    c.free(free)
+    r = env_x.serve(a)  # asserts the loaded pages hold a's KV on both hosts' shards
+    assert r["loaded"] == 24 - r["device_hit"] and r["loaded"] > 0
+    assert c.cache_stats()["loaded_tokens"] == r["loaded"]
+
+
+def test_batched_step_is_one_round_trip_with_per_call_errors(env_x):
+    key = RadixKey(seq(0, 9))
+    res = env_x.client.step([Call(Method.MATCH_PREFIX, key), Call("alloc", 8), Call("free", [12345]), Call(Method.STATS)])
+    assert [r.ok for r in res] == [True, True, False, True]
+    assert isinstance(res[2].error, ValueError)
+    env_x.client.free(res[1].value)
+    with pytest.raises(ValueError):  # single calls raise the cache's own error types
+        env_x.client.free([12345])
+
+
+def test_two_replicas_side_by_side(replica_x, env_x):
+    handle = hicache.start_replica(replica_config("y"))
+    try:
+        env_y = RayEnv("y")
+        assert {id(w) for w in env_y.workers}.isdisjoint({id(w) for w in env_x.workers})
+        a, b = seq(0, 20), seq(300, 20)
+        env_x.serve(a)
+        env_y.serve(b)
+        assert env_x.serve(a)["device_hit"] == 20 and env_y.serve(b)["device_hit"] == 20
+        # Separate trees and pools: neither sees the other's prefix (L3 sharing comes with L3).
+        assert env_y.client.match_prefix(RadixKey(a)).device_hit_len == 0
+        assert env_x.client.match_prefix(RadixKey(b)).device_hit_len == 0
+        env_x.client.flush_write_through_acks()
+        env_y.client.flush_write_through_acks()
+        assert env_x.client.cache_stats()["host_tokens"] == 20 == env_y.client.cache_stats()["host_tokens"]
+    finally:
+        stop_replica("y")
+    with pytest.raises(HiCacheUnavailableError):
+        hicache.connect("y")
+
+
+def test_client_timeout_is_a_hicache_error_not_a_hang(cluster):
+    handle = hicache.start_replica(ReplicaConfig(HeadConfig("z", TreeConfig(PS, 64)), detached=False))
+    try:
+        fast = hicache.connect("z", timeout_s=0.05)
+        slow_key = RadixKey(seq(0, 4096))
+        busy = get_head("z").step.remote(None, [Call(Method.MATCH_PREFIX, slow_key)] * 40_000)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(HiCacheTimeoutError):
+            fast.stats()
+        assert time.monotonic() - t0 < 2.0
+        assert ray.get(busy, timeout=120).status == "ok"
+        assert hicache.connect("z", timeout_s=30).stats().num_nodes == 0
+    finally:
+        stop_replica("z")
+    with pytest.raises(HiCacheUnavailableError):
+        hicache.connect("nope")
+
+
+def _workload():
+    spec = MultiTurnSpec(conversations=6, turns=4, system_prompts=2, system_tokens=(16, 32), user_tokens=(4, 12),
+                         output_tokens=(4, 12), vocab_size=1000, seed=3)
+    return [t for rnd in multi_turn(spec) for t in rnd]
+
+
+@pytest.fixture(scope="module")
+def replica_w(cluster):
+    # L1 (64 pages) smaller than the working set: L2 and load-backs are in play.
+    handle = hicache.start_replica(replica_config("w", device_pages=64, host_slots=256, backup_batch_pages=4))
+    yield "w"
+    stop_replica("w")
+    del handle
+
+
+def test_kill_a_worker_mid_workload_then_it_rejoins(replica_w):
+    env = RayEnv("w")
+    head = get_head("w")
+    turns = _workload()
+    old_workers, failures, loaded = env.workers, 0, 0
+    for i, turn in enumerate(turns):
+        if i == len(turns) // 3:
+            ray.kill(env.workers[1])  # host 1 dies with backups in flight
+        r, f = env.serve_retrying(turn.prompt)
+        failures += f
+        loaded += r["loaded"]
+    h = ray.get(head.health.remote())
+    assert failures >= 1 and h.state is HeadState.READY and h.resets == 1
+    assert {id(w) for w in env.workers}.isdisjoint({id(w) for w in old_workers})
+    env.client.flush_write_through_acks()
+    st = env.client.cache_stats()
+    assert st["host_tokens"] > 0 and st["backed_up_tokens"] > 0  # L2 fills again on the new gang
+    # After the rejoin every cached prefix reads back exactly (no page from the dead gang is served).
+    for turn in turns[-6:]:
+        env.serve(turn.prompt)
+
+
+def test_kill_the_head_it_restarts_without_stale_hits(replica_w):
+    env = RayEnv("w")
+    a = seq(5000, 24)
+    env.serve(a)
+    assert env.serve(a)["device_hit"] == 24
+    ray.kill(get_head("w"), no_restart=False)
+    end, errors = time.monotonic() + 90, set()
+    while True:
+        try:
+            m = env.client.match_prefix(RadixKey(a))
+            break
+        except (HiCacheError, ray.exceptions.RayActorError) as e:
+            errors.add(type(e))
+            assert time.monotonic() < end, errors
+            time.sleep(0.2)
+    assert HiCacheReplicaResetError in errors or HiCacheUnavailableError in errors
+    assert (m.device_hit_len, m.host_hit_len) == (0, 0)  # empty tree, empty L1/L2: never a stale hit
+    h = ray.get(get_head("w").health.remote())
+    assert h.reconstructed and h.state is HeadState.READY
+    env.refresh()
+    assert env.serve(a)["device_hit"] == 0
+    assert env.serve(a)["device_hit"] == 24
