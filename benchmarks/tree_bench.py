@@ -56,8 +56,12 @@ def build_tree(page_size: int, capacity_tokens: int, components: str, window: in
     return build_kv_cache(config)
 
 
-def serve(tree: RadixTree, rounds) -> tuple[int, int, int]:
-    """Runs every turn through the tree; returns (requests, hit tokens, prompt tokens)."""
+def serve(tree: RadixTree, rounds, prefill_cache: bool = False) -> tuple[int, int, int]:
+    """Runs every turn through the tree; returns (requests, hit tokens, prompt tokens).
+
+    ``prefill_cache``: the scheduler also caches the prompt when prefill ends (cache_unfinished_req),
+    as a chunked-prefill scheduler does; then decode-time trimming cannot drop the prompt's SWA KV.
+    """
     hits = prompt_tokens = requests = 0
     for turns in rounds:
         for turn in turns:
@@ -66,9 +70,12 @@ def serve(tree: RadixTree, rounds) -> tuple[int, int, int]:
             tree.inc_lock_ref(m.last_device_node)
             values = tree.begin_request(m)
             seq = turn.sequence
-            pages = tree.alloc(len(seq) - m.device_hit_len)
-            state = RequestState(RadixKey(seq), np.concatenate([m.device_pages, pages]), m.device_hit_len,
-                                 m.last_device_node, 0, values)
+            pages = np.concatenate([m.device_pages, tree.alloc(len(seq) - m.device_hit_len)])
+            prefix, last = m.device_hit_len, m.last_device_node
+            if prefill_cache:
+                done = tree.cache_unfinished_req(RequestState(key, pages, prefix, last, 0, values))
+                pages, prefix, last, values = done.device_pages, done.prefix_len, done.last_node, done.components
+            state = RequestState(RadixKey(seq), pages, prefix, last, 0, values)
             tree.trim_request(state)  # after the forward: SWA pages out of the window go back
             tree.cache_finished_req(state)
             hits += m.device_hit_len
@@ -81,14 +88,15 @@ OPS_PER_REQUEST = 4  # match, lock, alloc, cache_finished_req (insert + free + u
 
 
 def run_one(
-    rounds, page_size: int, capacity_tokens: int, components: str, repeat: int, window: int = 1024
+    rounds, page_size: int, capacity_tokens: int, components: str, repeat: int, window: int = 1024,
+    prefill_cache: bool = False,
 ) -> TreeBenchRecord:
     elapsed = float("inf")
     for _ in range(repeat):  # best of N: this machine is shared and noisy
         tree = build_tree(page_size, capacity_tokens, components, window)
         gc.collect()
         t0 = time.perf_counter()
-        requests, hits, prompt_tokens = serve(tree, rounds)
+        requests, hits, prompt_tokens = serve(tree, rounds, prefill_cache)
         elapsed = min(elapsed, time.perf_counter() - t0)
     stats = tree.stats()
     # Memory pass: same stream into a fresh tree under tracemalloc.
@@ -96,7 +104,7 @@ def run_one(
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     mem_tree = build_tree(page_size, capacity_tokens, components, window)
-    serve(mem_tree, rounds)
+    serve(mem_tree, rounds, prefill_cache)
     gc.collect()
     snap = tracemalloc.take_snapshot()
     tracemalloc.stop()
@@ -125,6 +133,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--components", default="full", help="full | swa | mamba | swa,mamba")
     parser.add_argument("--window", type=int, default=1024, help="SWA window in tokens")
+    parser.add_argument("--prefill-cache", action="store_true",
+                        help="also cache each prompt at the end of prefill (cache_unfinished_req)")
     parser.add_argument("--page-sizes", default="1,16")
     parser.add_argument("--capacities", default="0,200000", help="tokens; 0 = unbounded")
     parser.add_argument("--quick", action="store_true", help="40 conversations x 4 turns")
@@ -137,7 +147,7 @@ def main() -> None:
     print(f"{'components':>10} {'page':>5} {'capacity':>9} {'req/s':>9} {'us/op':>7} {'hit':>6} {'B/token':>8} {'alloc B/page':>12} {'nodes':>6}")
     for ps in (int(x) for x in args.page_sizes.split(",")):
         for cap in (int(x) for x in args.capacities.split(",")):
-            rec = run_one(rounds, ps, cap, args.components, args.repeat, args.window)
+            rec = run_one(rounds, ps, cap, args.components, args.repeat, args.window, args.prefill_cache)
             records.append(rec)
             print(f"{rec.components:>10} {rec.page_size:>5} {rec.capacity_tokens or 'inf':>9} "
                   f"{rec.requests_per_s:>9.0f} {rec.us_per_op:>7.1f} {rec.hit_rate:>6.3f} "

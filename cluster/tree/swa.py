@@ -63,34 +63,37 @@ class ComponentQueue:
     """Lazy LRU heap of one component's eviction candidates (own version counter per node value).
 
     Same scheme as the Full queue (``eviction.py``): push when a node becomes a candidate, skip stale or
-    no-longer-candidate entries when popped, requeue entries whose node was touched since.
+    no-longer-candidate entries when popped, requeue entries whose node was touched since. Entries hold
+    node ids (resolved through the tree), so stale entries never keep removed nodes alive.
     """
 
     def __init__(self, state: Callable[[TreeNode], Any], is_candidate: Callable[[TreeNode], bool]) -> None:
         self._state = state  # node -> its component value (has a ``version`` attribute)
         self._is_candidate = is_candidate
-        self._heap: list[tuple[int, int, int, TreeNode]] = []
+        self._heap: list[tuple[int, int, int]] = []  # (last_access, node id, version): ids, so removed
         self.tree: RadixTree | None = None  # set by the component's attach (for compaction)
         self._limit = 64
 
     def push(self, node: TreeNode) -> None:
         st = self._state(node)
         st.version += 1
-        heapq.heappush(self._heap, (node.last_access, node.id, st.version, node))
+        heapq.heappush(self._heap, (node.last_access, node.id, st.version))
         if len(self._heap) > self._limit and self.tree is not None:
             self.rebuild(self.tree)  # stale entries dominate: O(nodes), amortised over the pushes
 
     def pop(self) -> TreeNode | None:
         heap = self._heap
+        nodes = self.tree._nodes
         while heap:
-            key, _, version, node = heapq.heappop(heap)
-            if node.component_data is None:
+            key, node_id, version = heapq.heappop(heap)
+            node = nodes.get(node_id)
+            if node is None or node.component_data is None:
                 continue
             st = self._state(node)
             if version != st.version or not self._is_candidate(node):
                 continue
             if node.last_access != key:
-                heapq.heappush(heap, (node.last_access, node.id, version, node))
+                heapq.heappush(heap, (node.last_access, node.id, version))
                 continue
             st.version += 1
             return node
@@ -106,7 +109,7 @@ class ComponentQueue:
             if self._is_candidate(node):
                 st = self._state(node)
                 st.version += 1
-                heap.append((node.last_access, node.id, st.version, node))
+                heap.append((node.last_access, node.id, st.version))
         heapq.heapify(heap)
         self._heap = heap
         self._limit = 2 * len(heap) + 4 * tree.num_nodes + 64  # stale entries pin removed nodes: keep few
