@@ -36,6 +36,7 @@ class StackOptions:
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.WAIT_COMPLETE
     prefetch_min_tokens: int = 32
+    pages_per_object: int = 4  # L3 object = 4 pages: a prefix query finds all but < 4 pages of it
     prefill_budget: int = 0
 
     def __post_init__(self) -> None:
@@ -85,7 +86,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     if options.l3_url is not None:
         head.attach_storage_backend(StorageParams(
             options.l3_url, fingerprint_for(m, options.forward), prefetch_policy=options.prefetch_policy,
-            prefetch_min_tokens=options.prefetch_min_tokens))
+            prefetch_min_tokens=options.prefetch_min_tokens, pages_per_object=options.pages_per_object))
     params = None if runner is None else runner.params
     runner = ModelRunner(m, options.forward, pool=worker.device_pool.kv, params=params)
     client = CacheClient(EmbeddedTransport(head), ps)

@@ -27,9 +27,11 @@ def test_generic_top_level_names_are_not_installed(tmp_path):
 
 
 def test_cli_demo_runs_small(tmp_path):
-    res = _run([sys.executable, "-m", "hicache", "demo", "--conversations", "4", "--turns", "2"], str(tmp_path))
+    res = _run([sys.executable, "-m", "hicache", "demo", "--conversations", "3", "--turns", "2"], str(tmp_path))
     assert res.returncode == 0, res.stderr
-    assert "hit rate" in res.stdout and "all" in res.stdout
+    assert "cold 0" in res.stdout and "L3" in res.stdout
+    assert (tmp_path / "hicache-demo.png").stat().st_size > 10_000
+    assert (tmp_path / ".hicache" / "l3").is_dir()
 
 
 def test_cli_rejects_unknown_command(tmp_path):
