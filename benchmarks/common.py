@@ -1,0 +1,432 @@
+"""Shared pieces of the end-to-end benchmarks (``multiturn.py``, ``long_doc_qa.py``).
+
+Everything runs in one process on the embedded default (``hicache.embedded``): each config is a fresh
+stack (head + HostWorker + reference engine, L3 in a local directory) that reuses one set of compiled
+params. Requests are served one at a time, in a fixed order that every config shares, so the configs
+see the same request stream (the reference run decides it; see ``Stream``).
+
+Arrival model (``simulate_arrivals``): request i is sent at a Poisson tick ``t_i`` (rate
+``request_rate``), or later if the same client's previous request has not finished yet (a chat client
+sends its next turn after the answer). One server serves requests in stream order: a request starts
+at ``max(sent, server free)``, its service time is what the stack really took. ``ttft_*`` is seen from
+the client (queue wait + service TTFT); ``service_ttft_*`` is the stack's TTFT alone.
+
+Offline-optimal hit rate (``belady_hit_tokens``): pages are the chain keys of full pages (key of page
+k = hash of every token up to the end of page k, namespaced by ``cache_salt``), the same unit as the
+radix tree. Request i *reads* the full pages of ``prompt[:-1]`` (hits = its leading pages that are
+cached) and then *writes* the full pages of ``prompt + output[:-1]`` (what ``cache_finished_req``
+inserts). A cache of C pages keeps, after each request, the C pages with the nearest next read among
+what it held plus what the request wrote (Belady/MIN with bypass; pages never read again are dropped).
+A page's next read is never later than its children's (a read of a child reads the whole chain), and
+ties evict the deeper page first, so the cache stays prefix-closed and page hits are prefix hits:
+MIN is optimal for this model. It is an upper bound: it ignores the L1 room a running request needs
+and that the real tiers hold disjoint copies or duplicates (L1 + L2 is modelled as one cache of their
+summed size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import statistics
+import sys
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+from hicache.engine.config import ForwardConfig, ModelConfig  # noqa: E402
+from hicache.engine.runner import ModelRunner, pages_needed  # noqa: E402
+from hicache.serving import ServeRequest, ServeResult  # noqa: E402
+
+MODEL = ModelConfig()
+FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=64)  # max context 512 tokens
+
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {msg}", flush=True)  # plain lines: no TTY (ray job submit)
+
+
+# --- the request stream -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Item:
+    """One request of the stream: ``client`` is ``None`` when it depends on no earlier request."""
+
+    index: int
+    client: int | None
+    round: int
+    prompt: np.ndarray  # i32[n]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Stream:
+    items: tuple[Item, ...]
+    outputs: tuple[tuple[int, ...], ...]  # reference (no cache) output of each item
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(it.prompt) for it in self.items)
+
+
+@dataclass
+class Served:
+    item: Item
+    result: ServeResult
+
+
+# --- serving --------------------------------------------------------------------------------------
+
+
+class BareEngine:
+    """A stack that never caches: the engine alone, every prompt prefilled from position 0 into a
+    fixed page table (same pool shape as L1, so the same compiled forward). No tree, no transfers."""
+
+    def __init__(self, runner: ModelRunner, l1_pages: int) -> None:
+        self.runner = ModelRunner(runner.model, runner.fwd, num_pages=l1_pages, params=runner.params)
+
+    def serve(self, req: ServeRequest) -> ServeResult:
+        prompt = np.asarray(req.prompt, dtype=np.int32)
+        t0 = time.perf_counter()
+        table = np.arange(pages_needed(prompt.size + req.max_new_tokens, self.runner.fwd.page_size), dtype=np.int32)
+        logits = self.runner.prefill(prompt, table, 0)
+        ttft = time.perf_counter() - t0
+        gen = self.runner.decode(prompt, logits, table, req.max_new_tokens)
+        return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size), 0, 0,
+                           int(prompt.size))
+
+
+class ExactnessError(AssertionError):
+    pass
+
+
+def serve_items(serve: Callable[[ServeRequest], ServeResult], items: Sequence[Item],
+                reference: Sequence[tuple[int, ...]] | None, config: str,
+                salt: Callable[[Item], str | None] = lambda it: None) -> list[Served]:
+    """Serves ``items`` in order; with ``reference``, every output must equal the no-cache output."""
+    out = []
+    for it in items:
+        res = serve(ServeRequest(it.prompt, it.max_new_tokens, cache_salt=salt(it)))
+        if reference is not None and tuple(res.output) != tuple(reference[it.index]):
+            raise ExactnessError(f"[{config}] request {it.index} (client {it.client}, round {it.round}): output "
+                                 f"{res.output} != no-cache output {reference[it.index]}")
+        out.append(Served(it, res))
+    return out
+
+
+def spot_check(runner: ModelRunner, served: Sequence[Served], config: str, k: int = 3) -> int:
+    """Compares output tokens and last logits, bit for bit, with ``generate_no_cache`` on up to ``k``
+    requests (those with the most L3, L2 and L1 hit tokens first). Raises ``ExactnessError``."""
+    picks: list[Served] = []
+    for key in (lambda s: s.result.storage_tokens, lambda s: s.result.loaded_tokens - s.result.storage_tokens,
+                lambda s: s.result.device_hit_tokens, lambda s: s.result.computed_tokens):
+        for s in sorted(served, key=key, reverse=True):
+            if key(s) > 0 and all(s is not p for p in picks):
+                picks.append(s)
+                break
+        if len(picks) >= k:
+            break
+    for s in picks:
+        ref = runner.generate_no_cache(s.item.prompt, s.item.max_new_tokens)
+        if tuple(s.result.output) != tuple(ref.tokens) or not np.array_equal(s.result.last_logits, ref.logits[0]):
+            raise ExactnessError(f"[{config}] request {s.item.index}: cached output/logits differ from "
+                                 f"generate_no_cache (tokens {s.result.output} vs {ref.tokens})")
+    return len(picks)
+
+
+# --- arrivals -------------------------------------------------------------------------------------
+
+
+def poisson_ticks(n: int, rate: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+
+def simulate_arrivals(served: Sequence[Served], ticks: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """(client-seen TTFT per request, queue wait per request, makespan) under the module's model."""
+    free = 0.0
+    last_finish: dict[int, float] = {}
+    ttft, wait = np.zeros(len(served)), np.zeros(len(served))
+    first_sent, end = None, 0.0
+    for i, s in enumerate(served):
+        sent = float(ticks[i])
+        if s.item.client is not None:
+            sent = max(sent, last_finish.get(s.item.client, 0.0))
+        start = max(sent, free)
+        finish = start + s.result.latency_s
+        wait[i] = start - sent
+        ttft[i] = wait[i] + s.result.ttft_s
+        free = finish
+        if s.item.client is not None:
+            last_finish[s.item.client] = finish
+        first_sent = sent if first_sent is None else min(first_sent, sent)
+        end = max(end, finish)
+    return ttft, wait, end - (first_sent or 0.0)
+
+
+# --- offline optimal ------------------------------------------------------------------------------
+
+
+def page_chain(tokens: np.ndarray, page_size: int, salt: str | None) -> list[bytes]:
+    h = hashlib.blake2b(f"ns:{salt}".encode(), digest_size=16).digest()
+    toks = np.asarray(tokens, dtype=np.int32)
+    keys = []
+    for p in range(len(toks) // page_size):
+        h = hashlib.blake2b(h + toks[p * page_size:(p + 1) * page_size].tobytes(), digest_size=16).digest()
+        keys.append(h)
+    return keys
+
+
+@dataclass(frozen=True)
+class Access:
+    reads: list[bytes]  # chain of prompt[:-1] full pages
+    writes: list[bytes]  # chain of prompt + output[:-1] full pages
+
+
+def accesses(served_or_items: Sequence[tuple[np.ndarray, Sequence[int]]], page_size: int,
+             salts: Sequence[str | None]) -> list[Access]:
+    out = []
+    for (prompt, output), salt in zip(served_or_items, salts):
+        seq = np.concatenate([prompt, np.asarray(output[:-1], dtype=np.int32)])
+        out.append(Access(page_chain(prompt[:-1], page_size, salt), page_chain(seq, page_size, salt)))
+    return out
+
+
+def belady_hit_tokens(stream: Sequence[Access], capacity_pages: float, page_size: int,
+                      preload: Sequence[Access] = ()) -> list[int]:
+    """Optimal hit tokens per request of ``stream`` for a cache of ``capacity_pages`` (``inf`` allowed),
+    starting with every page ``preload`` wrote (a warm replica's L3)."""
+    uses: dict[bytes, list[int]] = {}
+    for i, a in enumerate(stream):
+        for k in a.reads:
+            uses.setdefault(k, []).append(i)
+    inf = float("inf")
+
+    def next_use(k: bytes, i: int) -> float:
+        u = uses.get(k)
+        if not u:
+            return inf
+        j = bisect_right(u, i)
+        return u[j] if j < len(u) else inf
+
+    cache: dict[bytes, float] = {}  # key -> next read
+    heap: list[tuple[float, int, bytes]] = []  # (-next read, -depth, key), lazy
+
+    def put(k: bytes, depth: int, i: int) -> None:
+        nu = next_use(k, i)
+        if nu == inf:
+            cache.pop(k, None)
+            return
+        cache[k] = nu
+        heapq.heappush(heap, (-nu, -depth, k))
+
+    def shrink() -> None:
+        while len(cache) > capacity_pages:
+            nnu, _, k = heapq.heappop(heap)
+            if cache.get(k) == -nnu:
+                del cache[k]
+
+    for a in preload:
+        for d, k in enumerate(a.writes):
+            put(k, d, -1)
+    shrink()
+    hits = []
+    for i, a in enumerate(stream):
+        n = 0
+        for k in a.reads:
+            if k not in cache:
+                break
+            n += 1
+        hits.append(n * page_size)
+        for d, k in enumerate(a.writes):
+            put(k, d, i)
+        shrink()
+    return hits
+
+
+# --- records --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigRecord:
+    config: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    prefill_tokens_computed: int
+    ttft_mean_s: float  # client view: queue wait (Poisson arrivals) + service TTFT
+    ttft_p90_s: float
+    service_ttft_mean_s: float  # the stack alone, no queueing
+    service_ttft_p90_s: float
+    queue_wait_mean_s: float
+    throughput_requests_per_s: float  # over the simulated makespan (arrivals at request_rate)
+    throughput_tokens_per_s: float  # (prompt + output tokens) over the makespan
+    capacity_requests_per_s: float  # requests / summed service latency (server never idle)
+    capacity_tokens_per_s: float
+    request_rate: float
+    hit_rate_by_tier: dict[str, float]  # share of prompt tokens served by each tier
+    hit_tokens_by_tier: dict[str, int]
+    hit_rate_total: float
+    optimal_hit_rate: float | None  # Belady/MIN with the same capacity (None: not applicable)
+    optimal_capacity_tokens: float | None
+    l1_tokens: int
+    l2_tokens: int
+    l3: bool
+    load_failed: int
+    exact_outputs_checked: int  # requests whose output tokens were compared with the no-cache run
+    exact_spot_checks: int  # requests also compared (tokens + logits) with generate_no_cache
+    hit_rate_by_round: list[float]
+    service_ttft_mean_by_round_s: list[float]
+    notes: dict = field(default_factory=dict)
+
+
+def make_record(config: str, served: Sequence[Served], ticks: np.ndarray, rate: float, *, l1_tokens: int,
+                l2_tokens: int, l3: bool, optimal_hits: Sequence[int] | None, optimal_capacity: float | None,
+                exact_checked: int, spot: int, notes: dict | None = None) -> ConfigRecord:
+    res = [s.result for s in served]
+    ttft, wait, makespan = simulate_arrivals(served, ticks)
+    prompt = sum(r.prompt_len for r in res)
+    outputs = sum(len(r.output) for r in res)
+    l3t = sum(r.storage_tokens for r in res)
+    tiers = {"l1": sum(r.device_hit_tokens for r in res), "l2": sum(r.loaded_tokens for r in res) - l3t, "l3": l3t}
+    busy = sum(r.latency_s for r in res)
+    rounds = sorted({s.item.round for s in served})
+    by_round_hit, by_round_ttft = [], []
+    for rd in rounds:
+        rs = [s.result for s in served if s.item.round == rd]
+        by_round_hit.append(sum(r.prompt_len - r.computed_tokens for r in rs) / sum(r.prompt_len for r in rs))
+        by_round_ttft.append(statistics.fmean(r.ttft_s for r in rs))
+    svc = np.array([r.ttft_s for r in res])
+    return ConfigRecord(
+        config=config, requests=len(res), prompt_tokens=prompt, output_tokens=outputs,
+        prefill_tokens_computed=sum(r.computed_tokens for r in res),
+        ttft_mean_s=float(ttft.mean()), ttft_p90_s=float(np.percentile(ttft, 90)),
+        service_ttft_mean_s=float(svc.mean()), service_ttft_p90_s=float(np.percentile(svc, 90)),
+        queue_wait_mean_s=float(wait.mean()),
+        throughput_requests_per_s=len(res) / makespan, throughput_tokens_per_s=(prompt + outputs) / makespan,
+        capacity_requests_per_s=len(res) / busy, capacity_tokens_per_s=(prompt + outputs) / busy,
+        request_rate=rate,
+        hit_rate_by_tier={k: v / prompt for k, v in tiers.items()}, hit_tokens_by_tier=tiers,
+        hit_rate_total=sum(tiers.values()) / prompt,
+        optimal_hit_rate=None if optimal_hits is None else sum(optimal_hits) / prompt,
+        optimal_capacity_tokens=optimal_capacity,
+        l1_tokens=l1_tokens, l2_tokens=l2_tokens, l3=l3, load_failed=sum(r.load_failed for r in res),
+        exact_outputs_checked=exact_checked, exact_spot_checks=spot,
+        hit_rate_by_round=by_round_hit, service_ttft_mean_by_round_s=by_round_ttft, notes=notes or {})
+
+
+def print_records(records: Sequence[ConfigRecord]) -> None:
+    cols = ("config", "reqs", "computed", "hit", "l1", "l2", "l3", "optimal", "ttft ms", "p90", "svc ms",
+            "svc p90", "req/s cap")
+    log(" ".join(f"{c:>15}" if i == 0 else f"{c:>9}" for i, c in enumerate(cols)))
+    for r in records:
+        opt = "-" if r.optimal_hit_rate is None else f"{r.optimal_hit_rate:.1%}"
+        vals = (r.config, r.requests, r.prefill_tokens_computed, f"{r.hit_rate_total:.1%}",
+                f"{r.hit_rate_by_tier['l1']:.1%}", f"{r.hit_rate_by_tier['l2']:.1%}",
+                f"{r.hit_rate_by_tier['l3']:.1%}", opt, f"{r.ttft_mean_s * 1e3:.1f}", f"{r.ttft_p90_s * 1e3:.1f}",
+                f"{r.service_ttft_mean_s * 1e3:.1f}", f"{r.service_ttft_p90_s * 1e3:.1f}",
+                f"{r.capacity_requests_per_s:.1f}")
+        log(" ".join(f"{v:>15}" if i == 0 else f"{v!s:>9}" for i, v in enumerate(vals)))
+
+
+def write_json(records: Sequence[ConfigRecord], path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps([asdict(r) for r in records], indent=1))
+        log(f"json: {Path(path).resolve()}")
+
+
+def plot(records: Sequence[ConfigRecord], path: str | None, title: str) -> None:
+    if not path:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.config for r in records]
+    x = np.arange(len(records))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    bottom = np.zeros(len(records))
+    for tier, color in (("l1", "#2b8cbe"), ("l2", "#7bccc4"), ("l3", "#fdae61")):
+        vals = np.array([r.hit_rate_by_tier[tier] for r in records])
+        ax1.bar(x, vals, bottom=bottom, label=tier.upper(), color=color)
+        bottom += vals
+    opt = [r.optimal_hit_rate for r in records]
+    ax1.scatter([i for i, o in enumerate(opt) if o is not None], [o for o in opt if o is not None], marker="_",
+                s=600, color="k", label="offline optimal", zorder=3)
+    ax1.set_xticks(x, names, rotation=30, ha="right")
+    ax1.set_ylim(0, 1.05)
+    ax1.set_ylabel("share of prompt tokens served from cache")
+    ax1.legend(fontsize=8)
+    w = 0.2
+    for k, (attr, label) in enumerate((("service_ttft_mean_s", "service mean"), ("service_ttft_p90_s", "service p90"),
+                                       ("ttft_mean_s", "with queue mean"), ("ttft_p90_s", "with queue p90"))):
+        ax2.bar(x + (k - 1.5) * w, [getattr(r, attr) * 1e3 for r in records], w, label=label)
+    ax2.set_xticks(x, names, rotation=30, ha="right")
+    ax2.set_ylabel("TTFT (ms)")
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=8)
+    ax3.bar(x, [r.prefill_tokens_computed for r in records], color="#636363")
+    ax3.set_xticks(x, names, rotation=30, ha="right")
+    ax3.set_ylabel("prefill tokens computed")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    log(f"png: {Path(path).resolve()}")
+
+
+# --- stacks ---------------------------------------------------------------------------------------
+
+
+def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = None):
+    from hicache.embedded import StackOptions
+
+    url = None if l3_dir is None else f"file://{Path(l3_dir).resolve()}"
+    return StackOptions(MODEL, FWD, l1_pages=l1_pages, l2_slots=l2_slots, l3_url=url,
+                        prefetch_min_tokens=2 * FWD.page_size)
+
+
+def run_stack(name: str, options, runner: ModelRunner, items: Sequence[Item],
+              reference: Sequence[tuple[int, ...]] | None,
+              salt: Callable[[Item], str | None] = lambda it: None, spot: int = 3,
+              keep: bool = False):
+    """Fresh stack for ``options``; serves ``items``; flushes transfers (L2/L3 writes land) outside
+    the timings; spot-checks exactness. Returns (served, spot checks run, cache stats, stack or None)."""
+    from hicache.embedded import build_stack
+
+    stack = build_stack(options, runner)
+    t0 = time.perf_counter()
+    served = serve_items(stack.scheduler.serve, items, reference, name, salt)
+    wall = time.perf_counter() - t0
+    if options.l2_slots:
+        stack.client.flush_write_through_acks()
+    stats = stack.head.cache_stats()
+    stats["wall_s"] = wall
+    n_spot = spot_check(stack.runner, served, name, spot) if spot else 0
+    if not keep:
+        close_stack(stack)
+        stack = None
+    return served, n_spot, stats, stack
+
+
+def close_stack(stack) -> None:
+    if stack.options.l3_url is not None:
+        stack.client.flush_write_through_acks()
+        stack.head.detach_storage_backend()
+
+
+def jsonable(obj):
+    return json.loads(json.dumps(obj, default=str))

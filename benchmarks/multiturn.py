@@ -1,0 +1,237 @@
+"""Multi-turn chat through the embedded stack (SGLang ``bench_multiturn`` shape), per cache config.
+
+N clients x R rounds. Client c starts from shared system prompt ``c mod --system-prompts`` (0: none)
+and each round sends its whole history (earlier prompts and the model's real answers) plus
+``--request-tokens`` new tokens, asking for ``--output-tokens``. Within a round clients come in a
+seeded random order. Arrivals are Poisson at ``--request-rate`` (default: ``--load`` x the service
+rate of the engine without cache), a client's next turn waits for its previous answer, and one server
+serves requests in stream order; see ``benchmarks/common.py`` for the queueing and offline-optimal
+models. Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full KV pages the stream
+writes), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap.
+
+Configs (same request stream, fresh stack each, one compiled engine):
+  bare_engine      the engine alone: never caches (no tree, no transfers)
+  no_cache         the full L1+L2+L3 stack, every request in its own cache_salt (nothing reusable)
+  l1_only          L1 only
+  l1_l2            L1 + L2 (write-through)
+  l1_l2_l3         L1 + L2 + L3 (file://, write-through, prefetch wait_complete)
+  l3_prepopulated  a cold stack (empty L1/L2) reading the L3 directory that l1_l2_l3 filled
+
+Before the timed configs: a reference pass (no cache, decides the stream and the expected outputs)
+and a warm-up pass of the full stack in its own namespace (compiles every transfer bucket), so compile
+stalls stay out of the timings. Every config's outputs must equal the reference outputs, and a few
+requests per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits with
+``ModelRunner.generate_no_cache``; a mismatch raises.
+
+    python benchmarks/multiturn.py [--quick] [--json out.json] [--png out.png]
+    ray job submit --working-dir . -- python benchmarks/multiturn.py --json mt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    FWD, MODEL, BareEngine, ConfigRecord, Item, Stream, accesses, belady_hit_tokens, jsonable, log,
+    make_record, plot, poisson_ticks, print_records, run_stack, serve_items, spot_check, stack_options,
+    write_json,
+)
+from hicache.engine.runner import ModelRunner  # noqa: E402
+from hicache.serving import ServeRequest  # noqa: E402
+
+CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
+
+
+@dataclass(frozen=True)
+class Workload:
+    systems: list  # i32[n] arrays
+    user: list  # user[c][r]: i32[n]
+    order: list  # order[r]: client ids
+
+    def working_set_pages(self, clients: int, rounds: int, output_tokens: int) -> int:
+        """Distinct tokens of the final conversations, in pages (before the answers are known)."""
+        ps = FWD.page_size
+        shared = sum(-(-len(s) // ps) for s in self.systems[:clients])
+        own = sum(-(-(sum(len(u) for u in self.user[c]) + rounds * output_tokens) // ps) for c in range(clients))
+        return shared + own
+
+    def final_len(self, c: int, args: argparse.Namespace) -> int:
+        system = len(self.systems[c % len(self.systems)]) if self.systems else 0
+        return system + sum(len(u) for u in self.user[c]) + args.rounds * args.output_tokens
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    rng = np.random.default_rng(args.seed)
+    vocab = MODEL.vocab_size
+
+    def tokens(lo: int, hi: int) -> np.ndarray:
+        return rng.integers(0, vocab, size=int(rng.integers(lo, hi + 1)), dtype=np.int32)
+
+    systems = [tokens(*args.system_tokens) for _ in range(args.system_prompts)]
+    user = [[tokens(*args.request_tokens) for _ in range(args.rounds)] for _ in range(args.clients)]
+    order = [[int(c) for c in rng.permutation(args.clients)] for _ in range(args.rounds)]
+    wl = Workload(systems, user, order)
+    need = max(wl.final_len(c, args) for c in range(args.clients))
+    if need > FWD.max_context:
+        raise SystemExit(f"a conversation reaches {need} tokens > max context {FWD.max_context}: "
+                         "fewer rounds or shorter prompts")
+    return wl
+
+
+def build_stream(engine: BareEngine, wl: Workload, args: argparse.Namespace) -> Stream:
+    """Runs the workload once without cache: the model's answers become the next turns' history."""
+    history = [wl.systems[c % len(wl.systems)] if wl.systems else np.zeros(0, np.int32)
+               for c in range(args.clients)]
+    items, outputs = [], []
+    for r in range(args.rounds):
+        for c in wl.order[r]:
+            prompt = np.concatenate([history[c], wl.user[c][r]])
+            res = engine.serve(ServeRequest(prompt, args.output_tokens))
+            items.append(Item(len(items), c, r, prompt, args.output_tokens))
+            outputs.append(tuple(res.output))
+            history[c] = np.concatenate([prompt, np.asarray(res.output, np.int32)])
+    return Stream(tuple(items), tuple(outputs))
+
+
+def main(argv: list[str] | None = None) -> list[ConfigRecord]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--system-prompts", type=int, default=4, help="shared system prompts (0: none)")
+    p.add_argument("--system-tokens", type=int, nargs=2, default=(96, 160), metavar=("LO", "HI"))
+    p.add_argument("--request-tokens", type=int, nargs=2, default=(16, 32), metavar=("LO", "HI"))
+    p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--request-rate", type=float, default=0.0, help="requests/s; 0: --load x bare service rate")
+    p.add_argument("--load", type=float, default=0.7)
+    p.add_argument("--l1-fraction", type=float, default=0.25)
+    p.add_argument("--l2-fraction", type=float, default=0.5)
+    p.add_argument("--overhead-reps", type=int, default=2, help="bare_engine/no_cache repeats (ABBA)")
+    p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")
+    p.add_argument("--json")
+    p.add_argument("--png")
+    p.add_argument("--quick", action="store_true", help="6 clients x 3 rounds, 1 overhead rep")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.clients, args.rounds, args.overhead_reps = 6, 3, 1
+    t_start = time.perf_counter()
+    ps = FWD.page_size
+    wl = make_workload(args)
+    est = wl.working_set_pages(args.clients, args.rounds, args.output_tokens)
+    # L1 must hold the longest request (its prefix locked + its new pages) with some room to spare.
+    longest = max(wl.final_len(c, args) for c in range(args.clients))
+    l1_pages = max(-(-longest // ps) + 4, round(est * args.l1_fraction))
+    l2_slots = max(1, round(est * args.l2_fraction))
+    base = ModelRunner(MODEL, FWD, num_pages=l1_pages)
+    bare = BareEngine(base, l1_pages)
+    log(f"multiturn: {args.clients} clients x {args.rounds} rounds; reference pass (no cache; compiles) ...")
+    stream = build_stream(bare, wl, args)
+    items, ref = stream.items, stream.outputs
+    acc = accesses([(it.prompt, o) for it, o in zip(items, ref)], ps, [None] * len(items))
+    working = len({k for a in acc for k in a.writes})
+    log(f"  {len(items)} requests, {stream.prompt_tokens:,} prompt tokens; working set {working} pages "
+        f"({working * ps:,} tokens, {est} estimated); L1 {l1_pages} pages ({l1_pages / working:.0%}), "
+        f"L2 {l2_slots} pages ({l2_slots / working:.0%})")
+    tmp = Path(args.l3_dir or tempfile.mkdtemp(prefix="hicache-mt-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start)
+    finally:
+        if not args.l3_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start) -> list[ConfigRecord]:
+    ps = FWD.page_size
+    full = lambda d: stack_options(l1_pages, l2_slots, tmp / d)  # noqa: E731
+    log("  warm-up pass (full stack then a cold stack on its L3, own namespace; compiles transfers) ...")
+    run_stack("warm-up", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=1)
+    run_stack("warm-up cold", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=0)
+
+    served, spots, stats = {}, {}, {}
+    overhead = {"bare_engine": [], "no_cache": []}
+    # ABBA blocks for the overhead comparison: bare, no_cache, no_cache, bare, ...
+    for rep in range(args.overhead_reps):
+        for name in (("bare_engine", "no_cache") if rep % 2 == 0 else ("no_cache", "bare_engine")):
+            log(f"  {name} (rep {rep + 1}) ...")
+            if name == "bare_engine":
+                s = serve_items(bare.serve, items, ref, name)
+                sp, st = spot_check(bare.runner, s, name, 1), {}
+            else:
+                s, sp, st, _ = run_stack(name, full(f"l3-nc-{rep}"), base, items, ref,
+                                         salt=lambda it, rep=rep: f"nc-{rep}-{it.index}", spot=1)
+            overhead[name].append(float(np.mean([x.result.ttft_s for x in s])))
+            if name not in served:
+                served[name], spots[name], stats[name] = s, sp, st
+    for name, opts in (("l1_only", stack_options(l1_pages)), ("l1_l2", stack_options(l1_pages, l2_slots)),
+                       ("l1_l2_l3", full("l3"))):
+        log(f"  {name} ...")
+        served[name], spots[name], stats[name], _ = run_stack(name, opts, base, items, ref, spot=args.spot_checks)
+    log("  l3_prepopulated (cold stack on l1_l2_l3's L3) ...")
+    served["l3_prepopulated"], spots["l3_prepopulated"], stats["l3_prepopulated"], _ = run_stack(
+        "l3_prepopulated", full("l3"), base, items, ref, spot=args.spot_checks)
+
+    rate = args.request_rate or args.load / float(np.mean([s.result.latency_s for s in served["bare_engine"]]))
+    ticks = poisson_ticks(len(items), rate, args.seed + 1)
+    inf = float("inf")
+    nc_acc = accesses([(it.prompt, o) for it, o in zip(items, ref)], ps, [f"nc-{it.index}" for it in items])
+    optimal = {
+        "bare_engine": (None, None),
+        "no_cache": (belady_hit_tokens(nc_acc, inf, ps), inf),
+        "l1_only": (belady_hit_tokens(acc, l1_pages, ps), l1_pages * ps),
+        "l1_l2": (belady_hit_tokens(acc, l1_pages + l2_slots, ps), (l1_pages + l2_slots) * ps),
+        "l1_l2_l3": (belady_hit_tokens(acc, inf, ps), inf),
+        "l3_prepopulated": (belady_hit_tokens(acc, inf, ps, preload=acc), inf),
+    }
+    caps = {"bare_engine": (0, 0, False), "no_cache": (l1_pages, l2_slots, True), "l1_only": (l1_pages, 0, False),
+            "l1_l2": (l1_pages, l2_slots, False), "l1_l2_l3": (l1_pages, l2_slots, True),
+            "l3_prepopulated": (l1_pages, l2_slots, True)}
+    records = []
+    for name in CONFIGS:
+        l1, l2, l3 = caps[name]
+        notes = {"working_set_tokens": working * ps, "cache_stats": jsonable(stats[name])}
+        if name in overhead:
+            notes["service_ttft_mean_per_rep_s"] = overhead[name]
+        records.append(make_record(name, served[name], ticks, rate, l1_tokens=l1 * ps, l2_tokens=l2 * ps, l3=l3,
+                                   optimal_hits=optimal[name][0], optimal_capacity=optimal[name][1],
+                                   exact_checked=len(served[name]), spot=spots[name], notes=notes))
+    by = {r.config: r for r in records}
+    targets = {
+        "prefill_reduction_l1_l2_l3_vs_l1_only": by["l1_only"].prefill_tokens_computed
+        / max(1, by["l1_l2_l3"].prefill_tokens_computed),
+        "ttft_speedup_l1_l2_l3_vs_l1_only": by["l1_only"].ttft_mean_s / by["l1_l2_l3"].ttft_mean_s,
+        "service_ttft_speedup_l1_l2_l3_vs_l1_only": by["l1_only"].service_ttft_mean_s
+        / by["l1_l2_l3"].service_ttft_mean_s,
+        "no_reuse_overhead_service_ttft": float(np.mean(overhead["no_cache"]) / np.mean(overhead["bare_engine"]) - 1),
+    }
+    targets["met"] = {"prefill_3x": targets["prefill_reduction_l1_l2_l3_vs_l1_only"] >= 3,
+                      "ttft_2x": targets["ttft_speedup_l1_l2_l3_vs_l1_only"] >= 2,
+                      "service_ttft_2x": targets["service_ttft_speedup_l1_l2_l3_vs_l1_only"] >= 2,
+                      "overhead_5pct": targets["no_reuse_overhead_service_ttft"] <= 0.05}
+    for name in ("l1_l2_l3", "no_cache"):
+        by[name].notes["targets"] = targets
+    print_records(records)
+    log(f"request rate {rate:.2f} req/s (Poisson); targets: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in targets.items() if k != "met") + f"; met {targets['met']}")
+    write_json(records, args.json)
+    plot(records, args.png, f"multiturn: {args.clients} clients x {args.rounds} rounds, L1 = "
+         f"{args.l1_fraction:.0%} of the working set, {rate:.1f} req/s")
+    log(f"wall time {time.perf_counter() - t_start:.1f} s")
+    return records
+
+
+if __name__ == "__main__":
+    main()
