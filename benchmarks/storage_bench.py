@@ -25,7 +25,8 @@ uses ``--threads`` I/O threads.
 
 Records (``--json``): direction, scheme, gbps, raw_gbps, ratio, raw_cat_gbps / ratio_cat (get),
 bytes, pages, page_bytes, pages_per_object, objects, objects_per_page, header_bytes_per_object,
-per_object_overhead_us (``(t_ours - t_raw) / objects``), runs (every repeat's times). gs:// runs
+per_object_overhead_us (``(t_ours - t_raw) / objects``), runs (every repeat's times), cpu_s /
+raw_cpu_s / cpu_ratio (process CPU time, all threads: a load-independent view of the overhead). gs:// runs
 against an in-process emulator (functional only: the emulator is not a performance model of
 GCS). Target: ratio >= 0.7 on file://.
 """
@@ -88,6 +89,7 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str) -> list[dict]:
     local = scheme == "file"
     sync = os.sync if local else (lambda: None)
     times: dict[str, list[float]] = {k: [] for k in ("put", "raw_put", "get", "raw_get", "raw_cat")}
+    cpus: dict[str, list[float]] = {k: [] for k in times}
     info: dict[str, int] = {}
     raw_dst = None
     for rep in range(args.repeat):
@@ -148,13 +150,16 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str) -> list[dict]:
         def phase(pairs) -> None:  # type: ignore[no-untyped-def]
             sync()  # every phase starts with no dirty pages, all objects in the page cache
             acc = {name: 0.0 for name, _ in pairs}
+            cpu = {name: 0.0 for name, _ in pairs}
             for k in range(len(segs)):
                 for name, fn in pairs if (rep + k) % 2 == 0 else pairs[::-1]:
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     fn(k)
                     acc[name] += time.perf_counter() - t0
+                    cpu[name] += time.process_time() - c0  # all threads of this process
             for name, t in acc.items():
                 times[name].append(t)
+                cpus[name].append(cpu[name])
 
         pool.buf[n_pages:].fill(0)
         phase([("raw_put", raw_put), ("put", our_put)])
@@ -197,6 +202,11 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str) -> list[dict]:
                 threads=args.threads,
                 repeat=args.repeat,
                 runs={k: [round(x, 6) for x in times[k]] for k in ((d, "raw_" + d, "raw_cat") if d == "get" else (d, "raw_" + d))},
+                # CPU seconds (user+sys, all threads) of the best repeat by CPU: far less sensitive
+                # to other tenants than wall time; cpu_ratio = raw_cpu_s / cpu_s
+                cpu_s=min(cpus[d]),
+                raw_cpu_s=min(cpus["raw_" + d]),
+                cpu_ratio=min(cpus["raw_" + d]) / min(cpus[d]),
             )
         )
         if d == "get":
@@ -241,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['scheme']:>6} {r['direction']:>3}: {r['gbps']:6.2f} GB/s  raw {r['raw_gbps']:6.2f} GB/s  "
                     f"ratio {r['ratio']:.2f}  {r['objects']} objects x {r['pages_per_object']} pages of "
                     f"{r['page_bytes'] >> 10} KiB  overhead {r['per_object_overhead_us']:.0f} us/object"
+                    + f"  cpu {r['cpu_s'] * 1e3:.0f} ms vs raw {r['raw_cpu_s'] * 1e3:.0f} ms (ratio {r['cpu_ratio']:.2f})"
                     + (f"  [cat_file loop {r['raw_cat_gbps']:.2f} GB/s, ratio {r['ratio_cat']:.2f}]" if "raw_cat_gbps" in r else "")
                 )
             records += recs
