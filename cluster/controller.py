@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,7 @@ class HiCacheController:
         self._seq = itertools.count()
         self._op_ids = itertools.count()
         self.storage: StorageTier | None = None
+        self.on_transfer: Callable[[str, float], None] | None = None  # (op kind, seconds) per host ack
         self._events: deque[KVEvent] = deque(maxlen=_MAX_EVENTS)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         tree.listener = self
@@ -361,6 +363,8 @@ class HiCacheController:
                 continue  # an ack for a transfer already given up on
             if ack.host not in group[0].acked_hosts:
                 self.counters.bytes_moved[group[0].kind.value] += ack.bytes_moved
+                if self.on_transfer is not None:
+                    self.on_transfer(group[0].kind.value, ack.duration_s)
             for p in group:
                 p.record(ack)
             if group[0].done:

@@ -16,6 +16,7 @@ import numpy as np
 
 from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
+from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
 from hicache.cluster.transfers import WorkerGroup
@@ -108,6 +109,7 @@ class CacheHead:
         self.config = config or HeadConfig()
         self.tree = RadixTree(self.config.tree)
         self.controller: HiCacheController | None = None
+        self.metrics: HeadMetrics | None = None
         if self.config.hicache is not None:
             if workers is None:
                 raise ValueError("a head with a host tier (HeadConfig.hicache) needs its workers")
@@ -174,6 +176,8 @@ class CacheHead:
         self.tree.reset()
         if self.controller is not None:
             self.controller = HiCacheController(self.tree, self.controller.config, self.controller.workers)
+            if self.metrics is not None:
+                self.controller.on_transfer = self.metrics.observe_transfer
 
     def stats(self) -> TreeStats:
         return self.tree.stats()
@@ -181,7 +185,12 @@ class CacheHead:
     def cache_stats(self) -> dict[str, Any]:
         """Tier occupancy and hit/miss counters (L1 always; L2 with a host tier)."""
         st = self.tree.stats()
-        out: dict[str, Any] = {"device_tokens": st.cached_tokens, "device_capacity_tokens": st.capacity_pages * st.page_size}
+        out: dict[str, Any] = {
+            "page_size": st.page_size,
+            "device_tokens": st.cached_tokens,
+            "device_capacity_tokens": st.capacity_pages * st.page_size,
+            "device_evicted_tokens": st.evicted_tokens,
+        }
         if self.controller is not None:
             ctl = self.controller
             out.update(
@@ -194,6 +203,17 @@ class CacheHead:
             if ctl.storage is not None:
                 out["storage"] = ctl.storage.counters.snapshot()
         return out
+
+    # -- metrics ---------------------------------------------------------------------------------------
+    def attach_metrics(self, metrics: HeadMetrics) -> None:
+        """Exports this head's counters through ``metrics`` (call ``publish_metrics`` to push a snapshot)."""
+        self.metrics = metrics
+        if self.controller is not None:
+            self.controller.on_transfer = metrics.observe_transfer
+
+    def publish_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.update(self.cache_stats())
 
     # -- HiCache hooks (scheduler loop) --------------------------------------------------------------
     def init_load_back(self, params: LoadBackParams) -> LoadBackResult:

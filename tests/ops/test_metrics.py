@@ -1,0 +1,103 @@
+"""Metrics end to end: a scripted workload on an embedded head, exported through Ray's metrics agent,
+scraped from the metrics export port on 127.0.0.1 and parsed with prometheus_client."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.cluster.metrics import HeadMetrics
+from hicache.cluster.tree import RadixKey
+from support.hicache_env import HiCacheEnv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_metrics_port():
+    port = _free_port()
+    ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port,
+             _system_config={"metrics_report_interval_ms": 300})
+    yield port
+    ray.shutdown()
+
+
+def _scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if "hicache" in sample.name:
+                out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def _value(samples, name: str, **labels) -> float | None:
+    for (n, lbls), v in samples.items():
+        if n.endswith(name) and all((k, val) in lbls for k, val in labels.items()):
+            return v
+    return None
+
+
+def test_metrics_values_after_scripted_workload(ray_metrics_port):
+    env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
+    metrics = HeadMetrics("metrics-test")
+    env.head.attach_metrics(metrics)
+    a = np.arange(24, dtype=np.int32)
+    env.serve(a)  # 24 tokens computed, backed up
+    env.head.flush_write_through_acks()
+    env.head.evict(100)  # all of L1 dropped; a is host-only
+    env.serve(a)  # 24 tokens loaded back from L2
+    env.head.flush_write_through_acks()
+    env.head.match_prefix(RadixKey(np.arange(500, 520, dtype=np.int32)))  # 20 tokens not cached
+    env.head.publish_metrics()
+    stats = env.head.cache_stats()
+    want = {
+        ("hicache_hit_tokens_total", "l2"): stats["host_hit_tokens"],
+        ("hicache_bytes_moved_total", "l1_to_l2"): stats["bytes_moved"]["d2h"],
+        ("hicache_bytes_moved_total", "l2_to_l1"): stats["bytes_moved"]["h2d"],
+    }
+    deadline = time.monotonic() + 30
+    samples = {}
+    while time.monotonic() < deadline:
+        samples = _scrape(ray_metrics_port)
+        got_hits = _value(samples, "hicache_hit_tokens_total", tier="l2", replica="metrics-test")
+        if got_hits is not None and got_hits >= want[("hicache_hit_tokens_total", "l2")]:
+            break
+        time.sleep(0.5)
+    assert stats["host_hit_tokens"] == 24
+    for (name, label), value in want.items():
+        key = "tier" if "hit" in name else "direction"
+        assert _value(samples, name, replica="metrics-test", **{key: label}) == value, (name, label, samples)
+    assert _value(samples, "hicache_miss_tokens_total", reason="not_cached", replica="metrics-test") == 44
+    assert _value(samples, "hicache_pool_tokens", tier="l1", replica="metrics-test") == stats["device_tokens"]
+    assert _value(samples, "hicache_pool_capacity_tokens", tier="l2", replica="metrics-test") == 128
+    count = _value(samples, "hicache_transfer_latency_seconds_count", direction="l2_to_l1", replica="metrics-test")
+    assert count is not None and count >= 1
+
+
+def test_grafana_dashboard_references_only_exported_metrics():
+    import json
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).parents[2] / "ray_configs" / "grafana" / "hicache_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"ray_(hicache_[a-z0-9_]+)", e)}
+    exported = {"hicache_hit_tokens_total", "hicache_queried_tokens_total", "hicache_miss_tokens_total",
+                "hicache_bytes_moved_total", "hicache_transfer_failures_total", "hicache_evicted_tokens_total",
+                "hicache_prefetch_total", "hicache_l3_backup_pages_total", "hicache_pool_tokens",
+                "hicache_pool_capacity_tokens", "hicache_transfers_in_flight",
+                "hicache_transfer_latency_seconds_bucket"}
+    assert used and used <= exported, used - exported
+    assert len(dash["panels"]) >= 6
