@@ -430,3 +430,70 @@ def close_stack(stack) -> None:
 
 def jsonable(obj):
     return json.loads(json.dumps(obj, default=str))
+
+
+def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[int], object], items: Sequence[Item],
+                  reference: Sequence[tuple[int, ...]], reps: int):
+    """The no-reuse workload through the full stack (``no_cache``: every request in its own cache_salt)
+    and through ``bare`` (never caches), interleaved request by request (alternating which goes first),
+    so load drift on a shared machine hits both alike. Every cache call, L3 writes included, runs on
+    this thread inside ``serve``, so nothing of one spills into the other's timings.
+
+    Returns (bare served, no_cache served, no_cache stats, spot checks, summary) for rep 0's runs."""
+    from hicache.embedded import build_stack
+
+    first = None
+    per_rep = []
+    ratios = []
+    for rep in range(reps):
+        stack = build_stack(options(rep), runner)
+        b, n = [], []
+        for i, it in enumerate(items):
+            req_nc = ServeRequest(it.prompt, it.max_new_tokens, cache_salt=f"nc-{rep}-{it.index}")
+            req_b = ServeRequest(it.prompt, it.max_new_tokens)
+            if (i + rep) % 2 == 0:
+                rb, rn = bare.serve(req_b), stack.scheduler.serve(req_nc)
+            else:
+                rn, rb = stack.scheduler.serve(req_nc), bare.serve(req_b)
+            for name, r in (("bare_engine", rb), ("no_cache", rn)):
+                if tuple(r.output) != tuple(reference[it.index]):
+                    raise ExactnessError(f"[{name}] request {it.index}: output {r.output} != {reference[it.index]}")
+            b.append(Served(it, rb))
+            n.append(Served(it, rn))
+            ratios.append(rn.ttft_s / rb.ttft_s)
+        stack.client.flush_write_through_acks()
+        stats = jsonable(stack.head.cache_stats())
+        per_rep.append({"bare_engine_service_ttft_mean_s": statistics.fmean(s.result.ttft_s for s in b),
+                        "no_cache_service_ttft_mean_s": statistics.fmean(s.result.ttft_s for s in n)})
+        if first is None:
+            spots = (spot_check(bare.runner, b, "bare_engine", 1), spot_check(stack.runner, n, "no_cache", 1))
+            first = (b, n, stats, spots)
+        close_stack(stack)
+    mb = statistics.fmean(r["bare_engine_service_ttft_mean_s"] for r in per_rep)
+    mn = statistics.fmean(r["no_cache_service_ttft_mean_s"] for r in per_rep)
+    summary = {"per_rep": per_rep, "overhead_mean_ttft": mn / mb - 1,
+               "overhead_median_request_ratio": float(np.median(ratios)) - 1}
+    return (*first, summary)
+
+
+def serve_interleaved(serves: dict[str, Callable[[ServeRequest], ServeResult]], items: Sequence[Item],
+                      reference: Sequence[tuple[int, ...]]) -> dict[str, list[Served]]:
+    """Each item is served by every config in turn (the first config rotates), so that load drift on
+    a shared machine falls on all configs alike; each config has its own stack and state."""
+    names = list(serves)
+    out: dict[str, list[Served]] = {n: [] for n in names}
+    for i, it in enumerate(items):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            out[name] += serve_items(serves[name], [it], reference, name)
+    return out
+
+
+def finish_stack(name: str, stack, served: Sequence[Served], spot: int) -> tuple[int, dict]:
+    """Flushes transfers (outside timings), spot-checks exactness, closes L3; returns (spots, stats)."""
+    if stack.options.l2_slots:
+        stack.client.flush_write_through_acks()
+    stats = jsonable(stack.head.cache_stats())
+    n = spot_check(stack.runner, served, name, spot)
+    close_stack(stack)
+    return n, stats
