@@ -9,6 +9,7 @@ pages are never applied to the new state. Not thread-safe: one transport per sch
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from hicache.cluster.client import CacheClient
 from hicache.cluster.errors import HiCacheError, HiCacheReplicaResetError, HiCacheTimeoutError, HiCacheUnavailableError
 from hicache.cluster.head import Call, CallResult
 from hicache.cluster.ray_head import NAMESPACE, Reply, get_head
+
+_CHUNK = 90_000  # below Ray's max_direct_call_object_size (100 KB): arguments travel inline
 
 
 class RayTransport:
@@ -29,10 +32,12 @@ class RayTransport:
         self.timeout_s = float(timeout_s)
         self.epoch: int | None = None  # last epoch the head answered from
 
-    def _remote(self, method: str, arg: Any) -> Reply:
+    def _remote(self, method: str, *args: Any) -> Reply:
         try:
-            ref = getattr(self.head, method).remote(self.epoch, arg)
+            ref = getattr(self.head, method).remote(self.epoch, *args)
             reply: Reply = ray.get(ref, timeout=self.timeout_s)
+            if isinstance(reply, bytes):
+                reply = pickle.loads(reply)
         except ray.exceptions.GetTimeoutError:
             raise HiCacheTimeoutError(
                 f"replica {self.replica!r}: {method} got no answer within {self.timeout_s}s (it may still be applied)"
@@ -53,7 +58,9 @@ class RayTransport:
         return self._remote("call", call).results[0].unwrap()
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
-        return self._remote("step", list(calls)).results
+        blob = memoryview(pickle.dumps(list(calls), protocol=pickle.HIGHEST_PROTOCOL))
+        chunks = [blob[i : i + _CHUNK].tobytes() for i in range(0, len(blob), _CHUNK)]
+        return self._remote("step_packed", *chunks).results
 
 
 def connect(replica: str = "default", address: str | None = None, *, timeout_s: float = 30.0) -> CacheClient:
