@@ -43,7 +43,9 @@ class ControlPlaneBenchRecord:
     embedded_call_p50_ms: float
 
 
-def run_batched(client: CacheClient, rounds: list[list[Turn]], batch: int, step_times: list[float] | None = None) -> tuple[int, int, int, float]:
+def run_batched(
+    client: CacheClient, rounds: list[list[Turn]], batch: int, step_times: list[float] | None = None
+) -> tuple[int, int, int, float]:
     """A continuous-batching scheduler loop; returns (requests served, hit tokens, prompt tokens, seconds).
 
     Every iteration is two batched steps: [cache_finished_req of the previous batch + match_prefix of

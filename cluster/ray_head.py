@@ -290,7 +290,8 @@ class CacheHeadActor:
         if group is not None:
             group.kill()
         if self.config.workers is not None:
-            RayWorkerGroup(self.config.replica, self.config.workers, 1, 1, detached=self.config.detached).remove_placement_group()
+            cfg = self.config
+            RayWorkerGroup(cfg.replica, cfg.workers, 1, 1, detached=cfg.detached).remove_placement_group()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -301,6 +301,8 @@ class RayWorkerGroup:
             return
         wire = TransferPlan(next(self._wire_seq), plan.ops)
         self._submits += [a.submit.remote(wire) for a in self.actors]
+        if len(self._submits) > 1024:  # bound the refs kept when the head rarely polls
+            self._check_submits()
 
     def _check_submits(self) -> None:
         if not self._submits:
