@@ -166,6 +166,11 @@ class DevicePool:
             raise ValueError(f"set_kv: sharding {new_kv.sharding} differs from the pool's {self.sharding}")
         self._kv = new_kv
 
+    def adopt_kv(self, new_kv: jax.Array) -> None:
+        """``set_kv`` without the checks, for the transfer engine: its jitted scatters return the
+        pool's shape, dtype and sharding by construction (the checks cost ~10 us per transfer)."""
+        self._kv = new_kv
+
     # -- sizes --------------------------------------------------------------------------------------
     @property
     def page_bytes(self) -> int:

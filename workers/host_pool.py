@@ -10,9 +10,13 @@ Organisation per backend (``select_host_pool_kind``), both behind ``HostPool``:
 
 * ``NUMPY_SLAB`` (CPU backend): one preallocated, 4 KiB-aligned numpy slab per local head shard,
   ``[num_slots, L, 2, S, H_shard, D]``. On XLA:CPU "device" memory already is host DRAM, so the
-  cheapest L2 is plain memory written by numpy: a D2H commit is one ``slab[slots] = staged`` copy
-  and an H2D stage is one ``np.take(..., out=aligned_buffer)`` followed by a zero-copy
-  ``device_put`` (PJRT CPU aliases 64-byte aligned host buffers). Cost is O(batch), never O(pool).
+  cheapest L2 is plain memory written by numpy: a D2H commit is one ``slab[slots] = staged`` copy.
+  With one device (the usual CPU case) an H2D reads the slab *in place*: the slab is passed to the
+  jitted load as an argument, which PJRT CPU aliases zero-copy (aligned host buffer; checked at
+  construction, ``direct_rows``), so a load is one copy per page and no staging; the slab then
+  waits for such in-flight loads before any write (``note_reader``). With several shards an H2D
+  stage is one ``np.take(..., out=aligned_buffer)`` per shard followed by a zero-copy
+  ``device_put`` and array assembly. Cost is O(batch), never O(pool).
   Measured here (2 cores): one big jax host array written by jitted ``dynamic_update_slice``
   ("mode B") costs ~75-120 ms per GiB of pool per write, and a bf16 scatter even converts the whole
   pool to f32; ``device_put(memory_kind="pinned_host")`` per batch reached ~19% of memcpy.
@@ -245,6 +249,23 @@ class HostPool(abc.ABC):
         """Slots ``ids`` as a device array ``[rows, L, 2, S, H, D]`` sharded like the pool (rows past
         ``ids.size`` are unspecified) and a ``release`` to call once the consumer has finished."""
 
+    def direct_rows(self) -> jax.Array | None:
+        """All slots as one device array ``[num_slots, L, 2, S, H, D]`` (storage dtype) that
+        *aliases* the pool's host memory, for a single-device engine to read inside a jitted load,
+        or ``None``. The array changes whenever slots are written (it is a view, not a snapshot);
+        a load that reads it must register its completion token with ``note_reader``."""
+        return None
+
+    def note_reader(self, token: jax.Array) -> None:
+        """A dispatched device computation reads ``direct_rows``; writes wait until it is ready."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct_rows")
+
+    def backup_now(self, kv: jax.Array, pages: np.ndarray, slots: np.ndarray) -> bool:
+        """Synchronous D2H where the device pool is plain host memory (one CPU device): copies
+        ``kv[:, :, pages]`` into ``slots`` now and returns ``True``; ``False`` (nothing done) when
+        this pool cannot. ``kv`` must be ready (no pending computation writes it)."""
+        return False
+
 
 # ------------------------------------------------------------------------------------------------
 class NumpySlabHostPool(HostPool):
@@ -259,6 +280,59 @@ class NumpySlabHostPool(HostPool):
             _bits(slab).fill(0)  # commit the memory now: the cap is real RSS, not a promise
             self._slabs.append(slab)
         self._staging_free: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._readers: list[jax.Array] = []  # completion tokens of loads reading the slab in place
+        self._direct = self._make_direct()
+        self._sync_backup = self._direct is not None
+        self._slab_bits = _bits(self._slabs[0])
+
+    def _make_direct(self) -> jax.Array | None:
+        """The slab as a device array that *aliases* it (one shard on one CPU device): built once,
+        passed to every direct load. Checked by buffer address; a runtime that copied would make
+        every load O(pool), so then the staged path is used instead."""
+        if len(self.head_shards) != 1 or len(self.head_shards[0].devices) != 1:
+            return None
+        dev = self.head_shards[0].devices[0]
+        if dev.platform != "cpu":
+            return None
+        view = self._slabs[0].view(self.storage_dtype)
+        try:
+            arr = jax.device_put(view, dev, may_alias=True)
+            if arr.unsafe_buffer_pointer() == view.ctypes.data:
+                return arr
+        except Exception:  # pragma: no cover - runtime without the query
+            pass
+        return None
+
+    def direct_rows(self) -> jax.Array | None:
+        return self._direct
+
+    def note_reader(self, token: jax.Array) -> None:
+        if self._direct is None:
+            raise NotImplementedError("this slab pool has no direct_rows")
+        readers = self._readers
+        if len(readers) >= 8:
+            readers[:] = [r for r in readers if not r.is_ready()]
+        readers.append(token)
+
+    def backup_now(self, kv: jax.Array, pages: np.ndarray, slots: np.ndarray) -> bool:
+        if self._direct is None or not self._sync_backup:
+            return False
+        view = np.asarray(kv)  # zero-copy on PJRT CPU for a ready single-device array
+        if view.ctypes.data != kv.unsafe_buffer_pointer():  # the runtime copied: stop doing this
+            self._sync_backup = False
+            return False
+        rows = _bits(view[:, :, pages])  # [L, 2, n, S, H, D], a copy: the view can go now
+        del view
+        self._drain_readers()
+        self._slab_bits[slots] = rows.transpose(2, 0, 1, 3, 4, 5)
+        return True
+
+    def _drain_readers(self) -> None:
+        """Before writing the slab: wait for dispatched loads that read it in place."""
+        if self._readers:
+            for r in self._readers:
+                r.block_until_ready()
+            self._readers.clear()
 
     @property
     def used_bytes(self) -> int:
@@ -268,6 +342,7 @@ class NumpySlabHostPool(HostPool):
         return self._slabs[k][ids]
 
     def _write_shard(self, k: int, ids: np.ndarray, data: np.ndarray) -> None:
+        self._drain_readers()
         _bits(self._slabs[k])[ids] = _bits(np.ascontiguousarray(data))
 
     def begin_backup(self, ids: np.ndarray, staged: jax.Array, count: int) -> PendingBackup:
@@ -321,11 +396,16 @@ class _SlabBackup(PendingBackup):
     def commit(self) -> None:
         if self._done:
             return
-        by_device = {s.device: s for s in self.staged.addressable_shards}
-        # Read every shard first, then write: a failure while reading leaves the slab untouched.
-        views = [np.asarray(by_device[shard.devices[0]].data) for shard in self.pool.head_shards]
+        pool = self.pool
+        if len(self.staged.sharding.device_set) == 1:  # one device, one shard: zero-copy view
+            views = [np.asarray(self.staged)]
+        else:
+            by_device = {s.device: s for s in self.staged.addressable_shards}
+            # Read every shard first, then write: a failure while reading leaves the slab untouched.
+            views = [np.asarray(by_device[shard.devices[0]].data) for shard in pool.head_shards]
+        pool._drain_readers()
         for k, view in enumerate(views):
-            _bits(self.pool._slabs[k])[self.ids] = _bits(view)[: self.count]
+            _bits(pool._slabs[k])[self.ids] = _bits(view)[: self.count]
         del views
         self._done = True
 

@@ -18,6 +18,28 @@ Device side (per shard, inside ``shard_map`` over the pool's mesh; kernel picked
   XLA cannot sink a read of them past the write. Separate jits (a backup dispatched before a load
   of the same page) are ordered by the runtime: donation waits for pending reads of the buffer.
 
+Fast path (one device holds the whole pool, the CPU backend's usual case): no ``shard_map`` and no
+array assembly. With the numpy-slab host pool:
+
+* D2H of a batch up to ``SYNC_BACKUP_MAX_BYTES``, when the pool array is ready and no async backup
+  is outstanding, is done *at dispatch*: on PJRT CPU a ready array is host memory (``np.asarray``
+  is a zero-copy view), so the backup is one numpy gather into the slab and the handle is born
+  finished (~15 us instead of a jitted gather, a readiness poll and a commit). Otherwise (pool
+  busy, big batch) it is the async jitted gather into the reused staging buffer, committed later;
+  while one is outstanding every backup takes that path, so slot writes keep dispatch order.
+* H2D is *one* jitted call, ``scatter_rows`` from the slab itself (a device array aliasing the slab
+  zero-copy, built once by the pool) into the donated pool: no staging copy, no ``device_put``.
+  Because the device reads the slab after dispatch, the host pool waits for such readers before it
+  writes the slab (``NumpySlabHostPool.note_reader``).
+
+Ids travel as one small packed numpy ``int32`` argument per call (``[count, ids...]``, padded to the
+bucket), never as ``jnp`` arrays, and the jitted callables are built once per engine (the C++
+dispatch fast path, ~20-40 us a call). Plans are validated once (``HostWorker`` passes the checked
+ids to ``backup_checked``/``load_checked``).
+
+Completion: every H2D also returns a tiny *token* output that nobody donates; readiness is polled on
+it, not on the new pool array (the model forward may donate that before the transfer is polled).
+
 Ownership: the engine is owned by the ``HostWorker``; it reads ``device_pool.kv`` at dispatch and
 replaces it after a load, so it must run on the thread that owns the KV pool, between forwards.
 Multi-host: every host dispatches the same transfers in the same order (SPMD); each commits only
@@ -34,12 +56,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hicache.kernels.paged_copy import CopyImpl, gather_pages, scatter_pages, select_impl
+from hicache.kernels.paged_copy import CopyImpl, gather_pages, scatter_pages, scatter_rows_xla, select_impl, validate_ids
 from hicache.workers.device_pool import DevicePool
 from hicache.workers.host_pool import HostPool, PendingBackup
 from hicache.workers.plan import OpKind
+
+# Synchronous D2H (one CPU device, numpy slab): batches up to this many bytes are copied into the
+# slab at dispatch when the pool array is ready; larger ones take the async gather path.
+SYNC_BACKUP_MAX_BYTES = 16 << 20
+
+# Readiness polling: a CPU transfer of a few pages finishes within tens of microseconds, while one
+# ``time.sleep`` costs ~60+ us on Linux. Spin on ``is_ready`` this long before sleeping.
+_SPIN_S = 300e-6
 
 
 def bucket(n: int) -> int:
@@ -47,8 +77,19 @@ def bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _noop() -> None:
+    pass
+
+
+def _true() -> bool:
+    return True
+
+
 class TransferHandle:
     """One in-flight D2H or H2D."""
+
+    __slots__ = ("kind", "num_pages", "bytes_moved", "started", "finished_at", "_ready", "_block", "_commit",
+                 "_release", "_done")
 
     def __init__(
         self,
@@ -73,23 +114,32 @@ class TransferHandle:
 
     def block_until_ready(self, timeout_s: float | None = None) -> bool:
         """Waits until ready; ``False`` if ``timeout_s`` passed first."""
-        if timeout_s is None:
-            if not self._done:
-                self._block()
+        if self._done or self._ready():
             return True
-        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        delay = 20e-6
-        while not self.is_ready():
-            if deadline is not None and time.perf_counter() >= deadline:
+        if timeout_s is None:
+            self._block()
+            return True
+        now = time.perf_counter()
+        deadline = now + timeout_s
+        spin_end = min(deadline, now + _SPIN_S)
+        ready = self._ready
+        while time.perf_counter() < spin_end:
+            if ready():
+                return True
+        delay = 50e-6
+        while not ready():
+            left = deadline - time.perf_counter()
+            if left <= 0:
                 return False
-            time.sleep(delay)
+            time.sleep(min(delay, left))
             delay = min(delay * 2, 2e-3)
         return True
 
     def finish(self) -> int:
         """Commits (blocking until ready); idempotent. Returns bytes moved."""
         if not self._done:
-            self.block_until_ready()
+            if not self._ready():
+                self._block()
             try:
                 self._commit()
             finally:
@@ -118,59 +168,117 @@ class TransferEngine:
         self.host_pool = host_pool
         self.impl = CopyImpl(impl) if impl is not None else select_impl()
         self._staging: dict[int, list[jax.Array]] = {}  # rows -> free D2H staging buffers
-        self._gather = _gather_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
-        self._scatter = _scatter_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
+        self._async_backups = 0  # dispatched gathers not yet committed or aborted
+        self.single_device = device_pool.mesh.devices.size == 1
+        if self.single_device:
+            token_sharding = NamedSharding(device_pool.mesh, P())
+            self._gather = _gather_single_fn(self.impl, device_pool.sharding)
+            self._scatter = _scatter_single_fn(self.impl, device_pool.sharding, token_sharding)
+        else:
+            self._gather = _gather_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
+            self._scatter = _scatter_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
+        # H2D straight from the host slab (single device, portable kernels, numpy-slab pool).
+        self._direct_rows: jax.Array | None = None
+        if self.single_device and self.impl is CopyImpl.XLA:
+            self._direct_rows = host_pool.direct_rows()
+        if self._direct_rows is not None:
+            self._scatter_rows = _scatter_rows_fn(device_pool.sharding, token_sharding)
+        self._slot_bytes = host_pool.slot_bytes
+        self._num_pages = device_pool.num_pages
+
+    @property
+    def direct_load(self) -> bool:
+        """True when loads read the host slab in place (see the module docstring)."""
+        return self._direct_rows is not None
 
     # -- validation (host side, before any buffer is touched) -----------------------------------
     def check(self, device_pages: object, host_slots: object) -> tuple[np.ndarray, np.ndarray]:
-        from hicache.kernels.paged_copy import validate_ids
-
-        pages = validate_ids(device_pages, self.device_pool.num_pages, name="device_pages")
+        pages = validate_ids(device_pages, self._num_pages, name="device_pages")
         slots = self.host_pool.check_slots(host_slots)
         if pages.size != slots.size:
             raise ValueError(f"{pages.size} device_pages vs {slots.size} host_slots")
         return pages, slots
 
     def _take_staging(self, rows: int) -> jax.Array:
-        free = self._staging.setdefault(rows, [])
+        free = self._staging.get(rows)
         if free:
             return free.pop()
         pool = self.device_pool
         shape = (rows, *pool.spec.page_shape)
         return _zeros_fn(shape, pool.storage_dtype, pool.sharding)()
 
-    def _padded_ids(self, pages: np.ndarray, rows: int) -> np.ndarray:
-        ids = np.zeros(rows, np.int32)  # numpy args: no per-call jnp dispatch
-        ids[: pages.size] = pages
+    @staticmethod
+    def _packed_ids(rows: int, *id_lists: np.ndarray) -> np.ndarray:
+        """``[count, *ids_0 padded to rows, *ids_1 padded to rows, ...]`` as one ``int32`` numpy
+        argument (each numpy argument of a jitted call costs a host->device conversion)."""
+        n = id_lists[0].size
+        ids = np.zeros(1 + rows * len(id_lists), np.int32)
+        ids[0] = n
+        for k, a in enumerate(id_lists):
+            ids[1 + k * rows : 1 + k * rows + n] = a
         return ids
 
     # -- transfers --------------------------------------------------------------------------------
     def backup(self, device_pages: object, host_slots: object) -> TransferHandle:
         """L1 pages -> L2 slots (D2H). Async; commit into the host pool at ``finish``."""
         pages, slots = self.check(device_pages, host_slots)
-        n, rows = pages.size, bucket(pages.size)
+        return self.backup_checked(pages, slots)
+
+    def backup_checked(self, pages: np.ndarray, slots: np.ndarray) -> TransferHandle:
+        """``backup`` for ids already validated by ``check`` (int32, in range, unique, same size)."""
+        n = pages.size
+        kv = self.device_pool.kv
+        if (
+            self._direct_rows is not None
+            and not self._async_backups
+            and n * self._slot_bytes <= SYNC_BACKUP_MAX_BYTES
+            and kv.is_ready()
+            and self.host_pool.backup_now(kv, pages, slots)
+        ):
+            # Done already (CPU: the pool is host memory). No async backup is outstanding, so
+            # slot writes still land in dispatch order.
+            handle = TransferHandle(OpKind.BACKUP_D2H, n, n * self._slot_bytes, _true, _noop, _noop, _noop)
+            handle.finished_at = time.perf_counter()
+            return handle
+        rows = 1 << (n - 1).bit_length()  # bucket(n)
         staging = self._take_staging(rows)
-        staged = self._gather(self.device_pool.kv, self._padded_ids(pages, rows), np.int32(n), staging)
+        staged = self._gather(self.device_pool.kv, self._packed_ids(rows, pages), staging)
         pending: PendingBackup = self.host_pool.begin_backup(slots, staged, n)
+        free = self._staging.setdefault(rows, [])
+        self._async_backups += 1
 
         def release() -> None:
+            self._async_backups -= 1
             pending.release()
-            self._staging[rows].append(staged)  # reused (donated) by the next gather of this size
+            free.append(staged)  # reused (donated) by the next gather of this size
 
-        return TransferHandle(OpKind.BACKUP_D2H, n, n * self.host_pool.slot_bytes, pending.is_ready, pending.block, pending.commit, release)
+        return TransferHandle(OpKind.BACKUP_D2H, n, n * self._slot_bytes, pending.is_ready, pending.block,
+                              pending.commit, release)
 
     def load(self, host_slots: object, device_pages: object) -> TransferHandle:
         """L2 slots -> L1 pages (H2D). Async; the pool array is replaced at dispatch."""
         pages, slots = self.check(device_pages, host_slots)
-        n, rows = pages.size, bucket(pages.size)
-        staged, release = self.host_pool.stage_load(slots, rows)
-        try:
-            new_kv = self._scatter(self.device_pool.kv, self._padded_ids(pages, rows), np.int32(n), staged)
-        except BaseException:
-            release()
-            raise
-        self.device_pool.set_kv(new_kv)
-        return TransferHandle(OpKind.LOAD_H2D, n, n * self.host_pool.slot_bytes, new_kv.is_ready, new_kv.block_until_ready, lambda: None, release)
+        return self.load_checked(slots, pages)
+
+    def load_checked(self, slots: np.ndarray, pages: np.ndarray) -> TransferHandle:
+        """``load`` for ids already validated by ``check``."""
+        n = pages.size
+        rows = 1 << (n - 1).bit_length()  # bucket(n)
+        if self._direct_rows is not None:
+            ids = self._packed_ids(rows, slots, pages)
+            new_kv, token = self._scatter_rows(self.device_pool.kv, self._direct_rows, ids)
+            self.host_pool.note_reader(token)
+            release = _noop
+        else:
+            staged, release = self.host_pool.stage_load(slots, rows)
+            try:
+                new_kv, token = self._scatter(self.device_pool.kv, self._packed_ids(rows, pages), staged)
+            except BaseException:
+                release()
+                raise
+        self.device_pool.adopt_kv(new_kv)
+        return TransferHandle(OpKind.LOAD_H2D, n, n * self._slot_bytes, token.is_ready, token.block_until_ready,
+                              _noop, release)
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,20 +286,52 @@ def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
+def _with_token(new_kv: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(new_kv, token)``: a scalar output that exists only once the scatter is done (the barrier
+    ties them), a completion marker nobody donates."""
+    return lax.optimization_barrier((new_kv, count))
+
+
 @functools.lru_cache(maxsize=None)
 def _gather_fn(mesh, spec: P, impl: CopyImpl):
-    def local(kv, ids, count, out):
-        return gather_pages(kv, ids, count, out, impl=impl)
+    def local(kv, ids, out):  # ids = [count, *page_ids]
+        return gather_pages(kv, ids[1:], ids[0], out, impl=impl)
 
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P(), spec), out_specs=spec, check_vma=False)
-    return jax.jit(mapped, donate_argnums=(3,))
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), spec), out_specs=spec, check_vma=False)
+    return jax.jit(mapped, donate_argnums=(2,))
 
 
 @functools.lru_cache(maxsize=None)
 def _scatter_fn(mesh, spec: P, impl: CopyImpl):
-    def local(kv, ids, count, pages):
+    def local(kv, ids, pages):  # ids = [count, *page_ids]
         pages, kv = lax.optimization_barrier((pages, kv))
-        return scatter_pages(kv, ids, count, pages, impl=impl)
+        return scatter_pages(kv, ids[1:], ids[0], pages, impl=impl)
 
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P(), spec), out_specs=spec, check_vma=False)
-    return jax.jit(mapped, donate_argnums=(0,))
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), spec), out_specs=spec, check_vma=False)
+    return jax.jit(lambda kv, ids, pages: _with_token(mapped(kv, ids, pages), ids[0]), donate_argnums=(0,))
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_single_fn(impl: CopyImpl, sharding):
+    def gather(kv, ids, out):  # ids = [count, *page_ids]
+        return gather_pages(kv, ids[1:], ids[0], out, impl=impl)
+
+    return jax.jit(gather, donate_argnums=(2,), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_single_fn(impl: CopyImpl, sharding, token_sharding):
+    def scatter(kv, ids, pages):  # ids = [count, *page_ids]
+        pages, kv = lax.optimization_barrier((pages, kv))
+        return _with_token(scatter_pages(kv, ids[1:], ids[0], pages, impl=impl), ids[0])
+
+    return jax.jit(scatter, donate_argnums=(0,), out_shardings=(sharding, token_sharding))
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_rows_fn(sharding, token_sharding):
+    def scatter(kv, rows, ids):  # ids = [count, *slot_ids, *page_ids], both padded to m
+        m = (ids.shape[0] - 1) // 2
+        return _with_token(scatter_rows_xla(kv, rows, ids[1 : 1 + m], ids[1 + m :], ids[0]), ids[0])
+
+    return jax.jit(scatter, donate_argnums=(0,), out_shardings=(sharding, token_sharding))

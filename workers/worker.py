@@ -40,6 +40,7 @@ StorageExecutor = Callable[[TransferOp, HostPool], int]
 
 _READS_SLOTS = (OpKind.LOAD_H2D, OpKind.BACKUP_H2S)
 _WRITES_SLOTS = (OpKind.BACKUP_D2H, OpKind.PREFETCH_S2H)
+_DEVICE_OPS = (OpKind.BACKUP_D2H, OpKind.LOAD_H2D)
 
 
 @dataclass
@@ -86,46 +87,60 @@ class HostWorker:
     # -- plans ---------------------------------------------------------------------------------
     def validate(self, plan: TransferPlan) -> None:
         """Raises ``ValueError``/``TypeError`` naming the bad value; touches nothing."""
+        self._check(plan)
+
+    def _check(self, plan: TransferPlan) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """``validate``, returning the checked (int32, in range, unique) ids of each D2H/H2D op."""
         if not isinstance(plan, TransferPlan):
             raise TypeError(f"expected a TransferPlan, got {type(plan).__name__}")
         if self._last_seq is not None and plan.seq <= self._last_seq:
             raise ValueError(f"plan seq {plan.seq} must be > last submitted seq {self._last_seq}")
+        checked: list[tuple[np.ndarray, np.ndarray] | None] = []
         for op in plan.ops:
             try:
-                if op.kind in (OpKind.BACKUP_D2H, OpKind.LOAD_H2D):
-                    self.engine.check(op.device_pages, op.host_slots)
+                if op.kind in _DEVICE_OPS:
+                    checked.append(self.engine.check(op.device_pages, op.host_slots))
                 else:
                     self.host_pool.check_slots(op.host_slots)
+                    checked.append(None)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"plan {plan.seq} op {op.op_id} ({op.kind.value}): {e}") from None
+        return checked
 
     def submit(self, plan: TransferPlan) -> None:
         """Validates the whole plan, then dispatches its ops in order (non-blocking for D2H/H2D)."""
-        self.validate(plan)
+        checked = self._check(plan)
         self._last_seq = plan.seq
-        for op in plan.ops:
-            self._dispatch(plan.seq, op)
+        for op, ids in zip(plan.ops, checked):
+            self._dispatch(plan.seq, op, ids)
 
     def _settle_writers(self, slots: np.ndarray) -> None:
         """Commits pending slot-writing ops that overlap ``slots`` (and all ops before them)."""
         last = -1
+        wanted: set[int] | None = None
         for i, p in enumerate(self._pending):
-            if p.ack is None and p.op.kind in _WRITES_SLOTS and np.intersect1d(p.op.host_slots, slots).size:
-                last = i
+            if p.ack is None and p.op.kind in _WRITES_SLOTS:
+                if wanted is None:
+                    wanted = set(slots.tolist())
+                if not wanted.isdisjoint(p.op.host_slots.tolist()):
+                    last = i
         for i in range(last + 1):
             self._finish(self._pending[i])
 
-    def _dispatch(self, seq: int, op: TransferOp) -> None:
+    def _dispatch(self, seq: int, op: TransferOp, ids: tuple[np.ndarray, np.ndarray] | None) -> None:
         entry = _Pending(seq, op, None, None)
         self._pending.append(entry)
         t0 = time.perf_counter()
         try:
-            if op.kind in _READS_SLOTS:
+            if op.kind in _READS_SLOTS and self._pending[0] is not entry:
                 self._settle_writers(op.host_slots)
             if op.kind is OpKind.BACKUP_D2H:
-                entry.handle = self.engine.backup(op.device_pages, op.host_slots)
+                assert ids is not None
+                entry.handle = self.engine.backup_checked(*ids)
             elif op.kind is OpKind.LOAD_H2D:
-                entry.handle = self.engine.load(op.host_slots, op.device_pages)
+                assert ids is not None
+                pages, slots = ids
+                entry.handle = self.engine.load_checked(slots, pages)
             else:
                 if self.storage_executor is None:
                     raise RuntimeError(f"no storage backend attached: cannot run {op.kind.value} ops")

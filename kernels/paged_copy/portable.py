@@ -51,3 +51,24 @@ def scatter_pages_xla(
         return lax.dynamic_update_slice(dst, row.reshape(L, two, 1, S, H, D), (0, 0, page_ids[j], 0, 0, 0))
 
     return lax.fori_loop(0, count, body, kv)
+
+
+def scatter_rows_xla(
+    kv: jax.Array,  # [L, 2, P, S, H, D] (donate it)
+    rows: jax.Array,  # [R, L, 2, S, H, D] source rows (e.g. a zero-copy view of the host slab)
+    row_ids: jax.Array,  # i32[m]; the first `count` are used
+    page_ids: jax.Array,  # i32[m]; the first `count` are used
+    count: jax.Array,  # i32[]
+) -> jax.Array:  # [L, 2, P, S, H, D]
+    """``kv[:, :, page_ids[j]] = rows[row_ids[j]]`` for ``j < count``: a gather from ``rows`` fused
+    with the page scatter, one copy per page and no staging buffer. On the CPU backend ``rows`` is
+    the host pool's numpy slab passed as a jit argument (PJRT CPU aliases aligned host buffers), so
+    an H2D is a single in-place pass over ``count`` pages whatever the pool size."""
+    L, two, _, S, H, D = kv.shape
+    src = rows.astype(kv.dtype)
+
+    def body(j, dst):
+        row = lax.dynamic_slice(src, (row_ids[j], 0, 0, 0, 0, 0), (1, L, two, S, H, D))
+        return lax.dynamic_update_slice(dst, row.reshape(L, two, 1, S, H, D), (0, 0, page_ids[j], 0, 0, 0))
+
+    return lax.fori_loop(0, count, body, kv)

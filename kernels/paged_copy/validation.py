@@ -40,6 +40,13 @@ def validate_ids(
     (unless ``allow_empty``), ids outside ``[0, upper)`` or duplicate ids (a duplicate in a scatter
     makes the result order-dependent; in a gather it is almost always a caller bug).
     """
+    if type(ids) is np.ndarray and ids.dtype == np.int32 and ids.ndim == 1 and 0 < ids.size <= 1024:
+        # Fast path (plans carry small int32 arrays): plain Python on the list is several times
+        # cheaper than numpy reductions at this size. Errors fall through to the general path
+        # below, which names the bad values.
+        vals = ids.tolist()
+        if min(vals) >= 0 and max(vals) < upper and len(set(vals)) == len(vals):
+            return ids.copy()
     if hasattr(ids, "devices") and not isinstance(ids, np.ndarray):
         # A jax.Array: pulling it to host is fine for validation, but say what we expect.
         ids = np.asarray(ids)
