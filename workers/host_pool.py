@@ -328,7 +328,9 @@ class NumpySlabHostPool(HostPool):
         return True
 
     def _drain_readers(self) -> None:
-        """Before writing the slab: wait for dispatched loads that read it in place."""
+        """Before writing the slab: wait for dispatched loads that read it in place. Every slab
+        write goes through here (``write_slots``, D2H commits); a future ``slot_view`` for storage
+        must too. Owner thread only (this pool does not declare ``concurrent_slot_io``)."""
         if self._readers:
             for r in self._readers:
                 r.block_until_ready()
