@@ -1,13 +1,170 @@
-"""Command line: ``hicache demo`` (the README's main job). More commands arrive with the cluster."""
+"""Command line: ``hicache demo|up|status|bench|down`` (also ``python -m hicache``).
+
+``demo`` runs in-process (no cluster). The others talk to an existing Ray cluster (``--address``,
+default: ``RAY_ADDRESS`` or the local one): ``up`` starts a replica from a config file, ``status``
+prints tiers/occupancy/hit rates per replica, ``bench`` submits a benchmark as a Ray job and follows
+its logs, ``down`` stops a replica. Errors print one line and exit 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Sequence
 
 
+class CliError(Exception):
+    """A user-facing problem: printed as one line, exit status 1."""
+
+
+def _probe(target: str) -> None:
+    """Fails fast (2 s) when nothing listens at a host:port address, instead of Ray's long retries."""
+    import socket
+
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise CliError(f"bad Ray address {target!r}: expected HOST:PORT or 'auto'")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError as exc:
+        raise CliError(f"no Ray cluster at {target!r} ({exc.strerror or exc}); "
+                       "start one with `ray start --head` or `ray up ray_configs/...`") from None
+
+
+def _connect_ray(address: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if target != "auto" and "://" not in target:
+        _probe(target)
+    try:
+        ray.init(address=target, namespace="hicache", logging_level="ERROR", log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise CliError(f"no Ray cluster at {target!r} ({str(exc).splitlines()[0]}); "
+                       "start one with `ray start --head` or `ray up ray_configs/...`") from None
+
+
+def _replicas() -> list[str]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+    return sorted(a.name[len("head-"):] for a in actors if a.name and a.name.startswith("head-"))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from hicache.cluster.ray_head import start_replica
+    from hicache.replica_file import load_replica_file
+
+    try:
+        config = load_replica_file(args.config)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    _connect_ray(args.address)
+    try:
+        start_replica(config, timeout_s=args.timeout)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(f"replica {config.replica!r} is up")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from hicache.cluster.errors import HiCacheUnavailableError
+    from hicache.cluster.ray_head import stop_replica
+
+    _connect_ray(args.address)
+    try:
+        stop_replica(args.replica)
+    except HiCacheUnavailableError:
+        raise CliError(f"unknown replica {args.replica!r}; running: {_replicas() or 'none'}") from None
+    print(f"replica {args.replica!r} stopped")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import ray
+    from rich.console import Console
+    from rich.table import Table
+
+    from hicache.cluster.ray_client import connect
+    from hicache.cluster.ray_head import get_head
+
+    _connect_ray(args.address)
+    names = [args.replica] if args.replica else _replicas()
+    if args.replica and args.replica not in _replicas():
+        raise CliError(f"unknown replica {args.replica!r}; running: {_replicas() or 'none'}")
+    table = Table(title="hicache replicas")
+    for col in ("replica", "state", "hosts", "L1 used", "L2 used", "hit L1", "hit L2", "hit L3", "in flight"):
+        table.add_column(col, justify="right")
+    for name in names:
+        health = ray.get(get_head(name).health.remote(), timeout=args.timeout)
+        try:
+            st = connect(name, timeout_s=args.timeout).cache_stats()
+        except Exception as exc:  # noqa: BLE001 - a replica that cannot answer still gets its row
+            table.add_row(name, health.state.value, str(health.num_hosts), "-", "-", "-", "-", "-", str(exc)[:30])
+            continue
+        q = max(st.get("queried_tokens", 0), 1)
+        l3 = st.get("storage", {}).get("prefetch_pages", 0) * st["page_size"]
+
+        def used(tier: str) -> str:
+            cap = st.get(f"{tier}_capacity_tokens")
+            return f"{st[f'{tier}_tokens']:,}/{cap:,}" if cap else "-"
+
+        table.add_row(name, health.state.value, str(health.num_hosts), used("device"),
+                      used("host") if "host_tokens" in st else "-",
+                      f"{st.get('device_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
+                      f"{st.get('host_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
+                      f"{l3 / q:.0%}" if "queried_tokens" in st else "-", str(st.get("in_flight", 0)))
+    Console(width=max(120, Console().width)).print(table)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    script = bench_dir / f"{args.name}.py"
+    if not script.is_file():
+        known = sorted(p.stem for p in bench_dir.glob("*.py") if p.stem != "common")
+        raise CliError(f"unknown benchmark {args.name!r}; choose one of {known}")
+    address = args.dashboard or os.environ.get("RAY_DASHBOARD_ADDRESS") or "http://127.0.0.1:8265"
+    try:
+        client = JobSubmissionClient(address)
+    except Exception as exc:  # noqa: BLE001 - connection problems of any kind
+        raise CliError(f"no Ray job server at {address!r} ({str(exc).splitlines()[0]})") from None
+    entry = " ".join(["python", script.name, *args.bench_args])
+    env = {"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}}
+    job = client.submit_job(entrypoint=entry, runtime_env={"working_dir": str(bench_dir), **env})
+    print(f"submitted {job}: {entry}")
+    printed = 0
+    deadline = time.monotonic() + args.timeout
+    while True:
+        logs = client.get_job_logs(job)
+        sys.stdout.write(logs[printed:])
+        sys.stdout.flush()
+        printed = len(logs)
+        status = client.get_job_status(job)
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            break
+        if time.monotonic() > deadline:
+            client.stop_job(job)
+            raise CliError(f"job {job} did not finish within {args.timeout}s; stopped")
+        time.sleep(1.0)
+    print(f"job {job}: {status.value}")
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    # Before Ray is imported anywhere: keep Ray on the addresses it is given (loopback in tests).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="multi-turn chat through L1/L2/L3 with the reference engine (embedded)")
     demo.add_argument("--conversations", type=int, default=16)
@@ -17,9 +174,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--keep-l3", action="store_true", help="reuse what an earlier run left in --l3-dir")
     demo.add_argument("--plot", default="hicache-demo.png")
     demo.add_argument("--seed", type=int, default=0)
+    for name, helptext in (("up", "start a replica on an existing Ray cluster"), ("status", "tiers per replica"),
+                           ("down", "stop a replica")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or the local cluster)")
+        p.add_argument("--timeout", type=float, default=180.0 if name == "up" else 30.0)
+        if name == "up":
+            p.add_argument("--config", required=True, help="replica config file (YAML or JSON)")
+        elif name == "down":
+            p.add_argument("--replica", required=True)
+        else:
+            p.add_argument("--replica", help="only this replica")
+    bench = sub.add_parser("bench", help="submit benchmarks/NAME.py as a Ray job and follow its logs; "
+                                         "arguments after `--` go to the benchmark")
+    bench.add_argument("name", help="benchmark file name without .py, e.g. tree_bench")
+    bench.add_argument("--dashboard", help="Ray dashboard / job server URL (default http://127.0.0.1:8265)")
+    bench.add_argument("--timeout", type=float, default=3600.0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # everything after `--` belongs to the benchmark (`hicache bench NAME -- ...`)
+        i = argv.index("--")
+        argv, passthrough = argv[:i], argv[i + 1 :]
     args = parser.parse_args(argv)
+    args.bench_args = passthrough
+    handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "bench": cmd_bench}
     if args.command == "demo":
         from hicache.demo import run_demo
 
         return run_demo(args)
-    return 2
+    try:
+        return handlers[args.command](args)
+    except CliError as exc:
+        print(f"hicache {args.command}: error: {exc}", file=sys.stderr)
+        return 1

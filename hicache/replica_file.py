@@ -1,0 +1,103 @@
+"""Replica config files for ``hicache up``: a small YAML (or JSON) mapping -> ``ReplicaConfig``.
+
+Example (see ``ray_configs/replicas/``)::
+
+    replica: chat
+    page_size: 16
+    l1_pages: 8192            # L1 pages per replica (on the workers' devices)
+    l2_slots: 65536           # L2 slots; 0 or absent: no host tier
+    write_policy: write_through
+    eviction_policy: lru
+    model: {num_layers: 32, num_kv_heads: 8, head_dim: 128, dtype: bfloat16}
+    workers:                  # absent: control plane only (a head without data plane)
+      platform: cpu           # cpu (fake hosts) | tpu
+      num_hosts: 2            # cpu
+      devices_per_host: 2     # cpu
+      topology: 4x4           # tpu
+      accelerator: v6e        # tpu
+
+Every problem is one ``ValueError`` naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hicache.cluster.head import HeadConfig
+from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.tree import TreeConfig
+
+_TOP = {"replica", "page_size", "l1_pages", "l2_slots", "write_policy", "eviction_policy", "model", "workers",
+        "max_restarts", "detached"}
+_MODEL = {"num_layers", "num_kv_heads", "head_dim", "dtype"}
+_WORKERS = {"platform", "num_hosts", "devices_per_host", "topology", "accelerator", "start_timeout_s"}
+
+
+def _check_keys(where: str, got: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(got) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def load_replica_file(path: str | Path):  # -> ReplicaConfig
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {str(p)!r} does not exist")
+    try:
+        raw = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{p}: not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{p}: expected a mapping at the top level, got {type(raw).__name__}")
+    return replica_config(raw, str(p))
+
+
+def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> ReplicaConfig
+    from hicache.cluster.ray_head import ReplicaConfig
+    from hicache.cluster.ray_workers import WorkerGroupOptions
+    from hicache.cluster.tpu import cpu_placement, tpu_slice_placement
+    from hicache.workers import KVCacheSpec
+
+    _check_keys(where, raw, _TOP)
+    try:
+        page_size = int(raw.get("page_size", 16))
+        l1_pages = raw.get("l1_pages")
+        l2_slots = int(raw.get("l2_slots", 0) or 0)
+        tree = TreeConfig(page_size, None if l1_pages is None else int(l1_pages), raw.get("eviction_policy", "lru"))
+        hicache = HiCacheConfig(l2_slots, raw.get("write_policy", "write_through")) if l2_slots else None
+        head = HeadConfig(str(raw.get("replica", "default")), tree, hicache)
+        workers = None
+        if raw.get("workers") is not None:
+            w = raw["workers"]
+            if not isinstance(w, Mapping):
+                raise ValueError(f"workers must be a mapping, got {w!r}")
+            _check_keys(f"{where}: workers", w, _WORKERS)
+            model = raw.get("model")
+            if not isinstance(model, Mapping):
+                raise ValueError("workers need a model: {num_layers, num_kv_heads, head_dim, dtype}")
+            _check_keys(f"{where}: model", model, _MODEL)
+            spec = KVCacheSpec(int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]),
+                               page_size, str(model.get("dtype", "bfloat16")))
+            platform = w.get("platform", "cpu")
+            extra = {"start_timeout_s": float(w["start_timeout_s"])} if "start_timeout_s" in w else {}
+            if platform == "cpu":
+                workers = WorkerGroupOptions.fake_cpu_hosts(spec, int(w.get("num_hosts", 1)),
+                                                            int(w.get("devices_per_host", 1)), **extra)
+            elif platform == "tpu":
+                if "topology" not in w or "accelerator" not in w:
+                    raise ValueError("tpu workers need topology (e.g. 4x4) and accelerator (e.g. v6e)")
+                workers = WorkerGroupOptions(spec, tpu_slice_placement(str(w["topology"]), str(w["accelerator"])),
+                                             "tpu", **extra)
+            else:
+                raise ValueError(f"workers.platform must be cpu or tpu, got {platform!r}")
+        return ReplicaConfig(head, workers, max_restarts=int(raw.get("max_restarts", 4)),
+                             detached=bool(raw.get("detached", True)))
+    except KeyError as exc:
+        raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
