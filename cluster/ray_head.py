@@ -46,12 +46,14 @@ import ray
 
 from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig
+from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.ray_workers import NAMESPACE, RayWorkerGroup, WorkerGroupOptions
 from hicache.cluster.tpu import HEAD_RESOURCE
 
 log = logging.getLogger(__name__)
 
 _epoch_counter = itertools.count()
+_METRICS_INTERVAL_S = 1.0  # a counter snapshot goes to Ray metrics at most this often (control thread)
 
 
 def _new_epoch() -> int:
@@ -141,6 +143,8 @@ class CacheHeadActor:
         self._resets = 0
         self._calls = 0
         self._last_call: float | None = None
+        self._metrics: HeadMetrics | None = None
+        self._last_publish = 0.0
         self._stop = threading.Event()
         with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -153,8 +157,12 @@ class CacheHeadActor:
 
     # -- state -------------------------------------------------------------------------------------
     def _fresh_head(self, group: RayWorkerGroup | None) -> CacheHead:
-        """A new, empty head state (L1/L2 empty). The L3 integration adds the manifest warm start here."""
-        return CacheHead(self.config.head, group if self.config.head.hicache is not None else None)
+        """A new, empty head state (L1/L2 empty); its counters go to the replica's Ray metrics."""
+        head = CacheHead(self.config.head, group if self.config.head.hicache is not None else None)
+        if self._metrics is None:
+            self._metrics = HeadMetrics(self.config.replica)
+        head.attach_metrics(self._metrics)
+        return head
 
     def _install(self, group: RayWorkerGroup | None) -> None:
         with self._lock:
@@ -233,6 +241,9 @@ class CacheHeadActor:
                 results = self._head.step(calls)  # type: ignore[union-attr]
             except Exception as e:  # not a per-call error the head knows: report it for every call
                 results = [CallResult(False, error=e)] * len(calls)
+            if self._last_call - self._last_publish >= _METRICS_INTERVAL_S:
+                self._last_publish = self._last_call
+                self._head.publish_metrics()  # type: ignore[union-attr]
             if group is not None and group.lost is not None:
                 reason = group.lost
                 self._fail(reason)

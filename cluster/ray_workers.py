@@ -183,6 +183,30 @@ class HostWorkerActor:
     def read_slots(self, slots: np.ndarray) -> np.ndarray:
         return self._w().host_pool.read_slots(slots)
 
+    # -- L3 (this host's storage client over its shard of every page) -------------------------------
+    def attach_storage(self, attachment: Any) -> None:
+        from hicache.workers.storage_exec import StorageExecutor
+
+        w = self._w()
+        if isinstance(w.storage_executor, StorageExecutor):
+            w.storage_executor.close()
+        w.storage_executor = None if attachment is None else StorageExecutor(attachment, w.host_pool)
+
+    def _storage(self) -> Any:
+        executor = self._w().storage_executor
+        if executor is None:
+            raise RuntimeError(f"host {self.host_index}: no storage backend attached")
+        return executor.storage
+
+    def storage_pages_per_object(self) -> int:
+        return self._storage().pages_per_object()
+
+    def storage_exists(self, keys: list[str], first_page: int) -> int:
+        return self._storage().batch_exists(keys, first_page=first_page)
+
+    def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
+        self._storage().record_prefix(namespace, tokens)
+
 
 # ------------------------------------------------------------------------------------------------
 def _actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:
@@ -347,6 +371,29 @@ class RayWorkerGroup:
         acks = self._gather([a.wait.remote(timeout_s) for a in self.actors], timeout_s + self.options.call_timeout_s, "wait")
         self._check_submits()
         return acks
+
+    # -- L3: every host keeps its own storage client (its shard of each page) -------------------------
+    def attach_storage(self, attachment: Any) -> None:
+        ray.get([a.attach_storage.remote(attachment) for a in self.actors], timeout=self.options.call_timeout_s)
+
+    def storage_pages_per_object(self) -> int:
+        return ray.get(self.actors[0].storage_pages_per_object.remote(), timeout=self.options.call_timeout_s)
+
+    def storage_exists(self, keys: list[str], first_page: int) -> int:
+        """MIN over hosts of the stored prefix length; a host that cannot answer counts as 0 (a miss)."""
+        try:
+            found = ray.get([a.storage_exists.remote(keys, first_page) for a in self.actors],
+                            timeout=self.options.call_timeout_s)
+        except Exception as e:  # storage trouble is a miss, never an error for the request
+            log.warning("replica %s: L3 existence check failed: %s", self.replica, e)
+            return 0
+        return min(found)
+
+    def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
+        try:
+            ray.get(self.actors[0].storage_record_prefix.remote(namespace, tokens), timeout=self.options.call_timeout_s)
+        except Exception as e:  # the manifest is an optimization: a failed record loses nothing
+            log.warning("replica %s: manifest record failed: %s", self.replica, e)
 
     def check_alive(self) -> bool:
         """Pings every host (health group, never queued behind transfers); False once lost."""

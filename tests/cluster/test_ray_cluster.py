@@ -287,3 +287,36 @@ def test_kill_the_head_it_restarts_without_stale_hits(replica_x):
     env.refresh()
     assert env.serve(a)["device_hit"] == 0
     assert env.serve(a)["device_hit"] == 24
+
+
+def test_two_replicas_share_l3_bit_identical(replica_x, env_x, tmp_path):
+    """Replica x computes and stores to L3; replica z (its own head, workers and L1/L2) gets L3 hits
+    for x's prefix, loaded through its L2 into its L1, bit-identical on both of its hosts."""
+    from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
+    from hicache.storage import ModelFingerprint
+
+    fp = ModelFingerprint("ray-test", "float32", PS, SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim)
+    params = StorageParams(f"file://{tmp_path}/l3", fp, prefetch_min_tokens=PS, pages_per_object=2)
+    env_x.client.attach_storage_backend(params)
+    a = seq(5000, 24)
+    env_x.serve(a)
+    env_x.client.flush_write_through_acks()
+    assert env_x.client.cache_stats()["storage"]["backup_pages"] == 6
+    handle = hicache.start_replica(replica_config("z"))
+    try:
+        env_z = RayEnv("z")
+        env_z.client.attach_storage_backend(params)
+        key = RadixKey(a)
+        m = env_z.client.match_prefix(key)
+        assert m.device_hit_len + m.host_hit_len == 0
+        started = env_z.client.prefetch_from_storage(PrefetchParams("z-1", key, m.best_match_node))
+        assert started.state in (PrefetchState.RUNNING, PrefetchState.DONE)
+        progress = env_z.client.check_prefetch_progress("z-1")
+        assert progress.state is PrefetchState.DONE and progress.tokens == 24
+        r = env_z.serve(a)  # load-back from z's L2; serve() compares both hosts' shards bit for bit
+        assert r["loaded"] == 24
+        env_z.client.detach_storage_backend()
+    finally:
+        stop_replica("z")
+        del handle
+    env_x.client.detach_storage_backend()
