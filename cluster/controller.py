@@ -29,6 +29,9 @@ from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
 _MAX_EVENTS = 100_000
 _MAX_GHOSTS = 65_536
+# check_events sends held backups anyway once they waited this many calls or this long (bounded hold).
+_BACKUP_HOLD_CALLS = 4
+_BACKUP_HOLD_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,22 @@ class LoadBackResult:
     miss_reason: MissReason | None = None
 
 
+class _QueuedBackup:
+    """A D->H backup queued on the head, not yet sent: ``submit`` merges queued ones into one TransferOp.
+
+    Duck-types the fields of ``TransferOp`` the head reads; the arrays are the head's own int32 ids."""
+
+    __slots__ = ("op_id", "device_pages", "host_slots")
+    kind = OpKind.BACKUP_D2H
+
+    def __init__(self, op_id: int, device_pages: np.ndarray, host_slots: np.ndarray) -> None:
+        self.op_id, self.device_pages, self.host_slots = op_id, device_pages, host_slots
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.host_slots.shape[0])
+
+
 class HiCacheController:
     def __init__(self, tree: RadixTree, config: HiCacheConfig, workers: WorkerGroup) -> None:
         self.tree = tree
@@ -65,6 +84,8 @@ class HiCacheController:
         self._finished_loads: dict[int, bool] = {}  # load op_id -> ok, until asked
         self._queued: list[PendingTransfer] = []  # built, not yet sent
         self._queued_backup_pages = 0
+        self._backup_held_calls = 0  # check_events calls since the oldest queued backup was queued
+        self._backup_queued_at = 0.0
         self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
         self._seq = itertools.count()
         self._op_ids = itertools.count()
@@ -149,8 +170,8 @@ class HiCacheController:
             c.staged_slots = slots[start : start + k]
             start += k
         self.tree.full.lock(chain[-1])
-        op = TransferOp(next(self._op_ids), OpKind.BACKUP_D2H, pages, slots)
-        self._queue(op, chain)
+        # Queued backups are merged into one TransferOp when sent (``submit``): no op is built per chain.
+        self._queue(_QueuedBackup(next(self._op_ids), pages, slots), chain)  # type: ignore[arg-type]
         return True
 
     def _write_back(self, victims: list[TreeNode]) -> None:
@@ -243,7 +264,7 @@ class HiCacheController:
         if load_id not in self._finished_loads and load_id not in self._pending:
             if not any(p.op.op_id == load_id for p in self._queued):
                 raise ValueError(f"unknown load id {load_id}")
-        self.submit(force=True)
+        self.submit()  # sends the load; queued backups keep batching (they are off the critical path)
         self._apply(self.workers.poll())
         if load_id in self._pending:
             self._apply(self.workers.wait(timeout))
@@ -256,6 +277,9 @@ class HiCacheController:
             n.pending = pending
         self._queued.append(pending)
         if op.kind is OpKind.BACKUP_D2H:
+            if not self._queued_backup_pages:
+                self._backup_held_calls = 0
+                self._backup_queued_at = time.monotonic()
             self._queued_backup_pages += op.num_pages
         return pending
 
@@ -323,7 +347,8 @@ class HiCacheController:
         if merged:
             self._queued_backup_pages = 0
             if len(merged) == 1:
-                ops.append(merged[0].op)
+                first = merged[0].op
+                ops.append(TransferOp(first.op_id, OpKind.BACKUP_D2H, first.device_pages, first.host_slots))
             else:
                 ops.append(TransferOp(next(self._op_ids), OpKind.BACKUP_D2H,
                                       np.concatenate([p.op.device_pages for p in merged]),
@@ -337,8 +362,20 @@ class HiCacheController:
         return len(sending)
 
     def check_events(self) -> int:
-        """Sends what is queued and applies every ack that arrived; returns transfers completed."""
-        self.submit(force=True)
+        """Sends what is queued and applies every ack that arrived; returns transfers completed.
+
+        Loads go at once; backups keep batching up to ``backup_batch_pages``, but never wait longer than
+        ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile).
+        """
+        if self._queued:
+            force = False
+            if self._queued_backup_pages:
+                self._backup_held_calls += 1
+                force = (self._backup_held_calls >= _BACKUP_HOLD_CALLS
+                         or time.monotonic() - self._backup_queued_at >= _BACKUP_HOLD_S)
+            self.submit(force=force)
+        if not self._pending:
+            return 0
         return self._apply(self.workers.poll())
 
     def flush_write_through_acks(self) -> int:
