@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from support.net import free_loopback_port
+
 import os
 import subprocess
 import sys
@@ -13,17 +15,11 @@ from ray.cluster_utils import Cluster
 REPO = Path(__file__).parents[2]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    port = _free_port()
+    port = free_loopback_port()
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"hicache_head": 1}, "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": port,

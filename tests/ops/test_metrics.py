@@ -3,7 +3,6 @@ scraped from the metrics export port on 127.0.0.1 and parsed with prometheus_cli
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
@@ -15,17 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.tree import RadixKey
 from support.hicache_env import HiCacheEnv
+from support.net import free_loopback_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ray_metrics_port():
-    port = _free_port()
+    port = free_loopback_port()
     ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 300})
     yield port

@@ -4,11 +4,12 @@ test for each URL scheme, and a numpy host pool (a real buffer)."""
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
 import numpy as np
 import pytest
+
+from support.net import free_loopback_port
 
 from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
 from hicache.storage.testing import NumpyHostPool
@@ -19,18 +20,12 @@ PPO = 4  # pages per object in the suite
 BUCKET = "hicache-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def gcs_emulator():
     """Start gcp-storage-emulator in-process; yields the bucket URL prefix ``gs://BUCKET``."""
     from gcp_storage_emulator.server import create_server
 
-    port = _free_port()
+    port = free_loopback_port()
     saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
     os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
