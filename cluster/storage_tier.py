@@ -7,18 +7,27 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 
 - Backup: when a chain of nodes is committed to L2, the pages from the first not-yet-stored page on
   the path (rounded down to an object boundary) go to L3 in one op; the nodes are host-pinned until
-  every host acked; then they are marked ``stored`` and the path is added to the manifest. Pending
+  every host acked; then they are marked ``stored`` and the path is queued for the manifest. Pending
   backups are capped (``max_inflight_backup_pages``); beyond, backups are skipped and counted.
+- Manifest (warm restart): off the hot path. Stored paths are coalesced (a path replaces its queued
+  ancestors) and written by a background thread at most every ``manifest_interval_s``, and fully on
+  ``flush_manifest()`` / detach, so ``list_prefixes`` finds every stored prefix after a flush.
 - Prefetch: for a queued request, the pages after its matched prefix that L3 has (prefix-ordered,
   all hosts) are fetched into fresh L2 slots below the deepest matched node (pinned meanwhile). When
   every host acked, they become one host-only node; a request then loads them back like any L2 hit.
-  Stop policies decide how long ``check_prefetch_progress`` lets a request wait.
+  Stop policies decide how long ``check_prefetch_progress`` lets a request wait. A miss (too little in
+  L3) is remembered for ``negative_cache_ttl_s`` in a bounded LRU keyed by the chain key of the
+  first page after the matched prefix, so repeated misses skip the existence lookup; a remembered
+  miss is dropped early when this head stores that page. Hits are never cached: a prefetch always
+  asks storage.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -52,6 +61,9 @@ class StorageParams:
     max_inflight_backup_pages: int = 8192
     storage: StorageConfig = field(default_factory=StorageConfig)
     pages_per_object: int | None = None
+    negative_cache_ttl_s: float = 1.0  # remember an L3 miss this long (0: off)
+    negative_cache_size: int = 4096  # LRU bound on remembered misses
+    manifest_interval_s: float = 2.0  # write queued manifest entries at most this often (background)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -63,10 +75,12 @@ class StorageParams:
         except ValueError:
             raise ValueError(f"unknown prefetch policy {self.prefetch_policy!r}; "
                              f"choose one of {[p.value for p in PrefetchPolicy]}") from None
-        for name in ("prefetch_min_tokens", "max_inflight_prefetch_pages", "max_inflight_backup_pages"):
+        for name in ("prefetch_min_tokens", "max_inflight_prefetch_pages", "max_inflight_backup_pages",
+                     "negative_cache_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s"):
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s",
+                     "negative_cache_ttl_s", "manifest_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -120,6 +134,7 @@ class _Backup:
     pinned: list[TreeNode]
     last: TreeNode
     num_pages: int
+    keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -131,6 +146,9 @@ class StorageCounters:
     prefetch_pages: int = 0
     prefetch_failures: int = 0
     prefetch_redundant_pages: int = 0  # arrived but the tree already had those tokens
+    prefetch_negative_hits: int = 0  # existence lookups skipped: a recent miss for the same page
+    manifest_records: int = 0  # manifest entries written
+    manifest_coalesced: int = 0  # queued entries replaced by a longer stored path before a write
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -150,6 +168,11 @@ class StorageTier:
         self._by_req: dict[str, _Prefetch] = {}
         self._inflight_backup_pages = 0
         self._inflight_prefetch_pages = 0
+        self._misses: OrderedDict[str, float] = OrderedDict()  # first-page chain key -> expiry
+        self._manifest: dict[int, tuple[Namespace, np.ndarray]] = {}  # node id -> queued entry
+        self._manifest_next = 0.0  # monotonic time of the next background write
+        self._manifest_thread: cf.ThreadPoolExecutor | None = None
+        self._manifest_job: cf.Future | None = None
         workers.attach_storage(params.attachment())
         self.pages_per_object = workers.storage_pages_per_object()
 
@@ -219,7 +242,7 @@ class StorageTier:
                         tuple(keys), first_page=start)
         for node in pinned:
             node.host_pin += 1
-        self._backups[op.op_id] = _Backup(op.op_id, pinned, last, num_pages)
+        self._backups[op.op_id] = _Backup(op.op_id, pinned, last, num_pages, tuple(keys))
         self._inflight_backup_pages += num_pages
         self._queue_op(op, [])
 
@@ -253,11 +276,17 @@ class StorageTier:
         parent_key = self._page_keys(path, ns, depth // ps)  # fills chain keys; nothing new to return
         assert not parent_key
         prev = path[-1].chain_key if path else None
-        keys = page_keys(ns, tokens[depth:whole], parent=prev)
+        first_key = page_keys(ns, tokens[depth : depth + ps], parent=prev)[0]
+        if self._recent_miss(first_key):
+            self.counters.prefetch_negative_hits += 1
+            return skip("not enough pages in L3 (recent miss)")
+        keys = [first_key] + page_keys(ns, tokens[depth + ps : whole], parent=first_key)
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
         keys = keys[: max(0, room)]
         found = self.workers.storage_exists(keys, depth // ps) if keys else 0
         if found * ps < self.params.prefetch_min_tokens or found == 0:
+            if keys:
+                self._note_miss(first_key)
             return skip("not enough pages in L3")
         if anchor.parent is not None:
             anchor.host_pin += 1
@@ -277,6 +306,67 @@ class StorageTier:
         self.counters.prefetch_started += 1
         self._queue_op(op, [])
         return self.progress(params.req_id)
+
+    # -- negative cache ------------------------------------------------------------------------------
+    def _recent_miss(self, key: str) -> bool:
+        expiry = self._misses.get(key)
+        if expiry is None:
+            return False
+        if time.monotonic() >= expiry:
+            del self._misses[key]
+            return False
+        self._misses.move_to_end(key)
+        return True
+
+    def _note_miss(self, key: str) -> None:
+        ttl, cap = self.params.negative_cache_ttl_s, self.params.negative_cache_size
+        if ttl <= 0 or cap <= 0:
+            return
+        self._misses[key] = time.monotonic() + ttl
+        self._misses.move_to_end(key)
+        while len(self._misses) > cap:
+            self._misses.popitem(last=False)
+
+    # -- manifest ------------------------------------------------------------------------------------
+    def _queue_manifest(self, node: TreeNode) -> None:
+        """Queues the stored path ending at ``node``; replaces queued entries of its ancestors."""
+        a = node.parent
+        while a is not None:
+            if self._manifest.pop(a.id, None) is not None:
+                self.counters.manifest_coalesced += 1
+            a = a.parent
+        self._manifest[node.id] = (self._namespace(node), self._tokens_of(node))
+        now = time.monotonic()
+        if now >= self._manifest_next and (self._manifest_job is None or self._manifest_job.done()):
+            self._manifest_next = now + self.params.manifest_interval_s
+            self._write_manifest(wait=False)
+
+    def _write_manifest(self, wait: bool) -> None:
+        entries = list(self._manifest.values())
+        self._manifest.clear()
+        if entries:
+            if self._manifest_thread is None:
+                self._manifest_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="hicache-manifest")
+            record = self.workers.storage_record_prefix
+            counters = self.counters
+
+            def write() -> None:
+                for ns, tokens in entries:
+                    record(ns, tokens)
+                    counters.manifest_records += 1
+
+            self._manifest_job = self._manifest_thread.submit(write)
+        if wait and self._manifest_job is not None:
+            try:
+                self._manifest_job.result(timeout=max(1.0, self.params.storage.timeout_s * (len(entries) + 1)))
+            except cf.TimeoutError:
+                pass
+            except Exception:  # an outage: the manifest is best effort (prefixes stay in L3)
+                pass
+
+    def flush_manifest(self) -> None:
+        """Writes every queued manifest entry now and waits (bounded by the storage timeout)."""
+        self._write_manifest(wait=True)
 
     @staticmethod
     def _tokens_of(node: TreeNode) -> np.ndarray:
@@ -328,9 +418,11 @@ class StorageTier:
                 self.host.maybe_push(node)
             if p.ok:
                 self.counters.backup_pages += b.num_pages
+                if self._misses:
+                    for key in b.keys:
+                        self._misses.pop(key, None)
                 if b.last.parent is not None:
-                    ns = self._namespace(b.last)
-                    self.workers.storage_record_prefix(ns, self._tokens_of(b.last))
+                    self._queue_manifest(b.last)
             else:
                 self.counters.backup_failures += 1
             return
@@ -365,4 +457,8 @@ class StorageTier:
         return len(self._backups) + len(self._prefetches)
 
     def detach(self) -> None:
+        self.flush_manifest()
+        if self._manifest_thread is not None:
+            self._manifest_thread.shutdown(wait=True)
+            self._manifest_thread = None
         self.workers.attach_storage(None)

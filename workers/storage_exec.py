@@ -6,13 +6,22 @@ sends the same storage op to every host; each host moves its shard and acks. An 
 every page of it was stored / loaded (a partial prefetch fails whole: the head frees its slots and the
 request recomputes), so no half-loaded slot is ever served.
 
-Runs on the worker's thread, synchronously inside ``submit``: storage calls are bounded by the
-storage timeout, so a slow or hung backend fails the op within that bound instead of hanging.
+Runs on the worker's storage thread (``HostWorker`` submits each op there and acks it through
+``poll``/``wait``); storage calls are bounded by the storage timeout, so a slow or hung backend
+fails the op within that bound instead of hanging. The storage reads slots of the real pool (H2S) on
+that thread, but it never writes the pool there: it is registered with a ``_DeferredWrites`` view
+whose ``write_slots`` only collects the fetched pages, and an S2H returns ``(bytes, commit)``;
+``commit`` (one ``write_slots`` per collected range) runs on the owner thread when the op is acked.
+A failed, partial or timed-out prefetch therefore never touches the pool.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
 from hicache.workers.host_pool import HostPool
@@ -35,28 +44,77 @@ def host_shard(pool: HostPool, fingerprint: ModelFingerprint) -> ShardCoord:
     return ShardCoord(a, b, fingerprint.num_kv_heads, 0, fingerprint.num_layers, fingerprint.num_layers)
 
 
+class _DeferredWrites:
+    """The host pool as the storage sees it on the storage thread: reads go to the pool, writes are
+    collected (per thread) and applied later by the owner thread. Not ``concurrent_slot_io``, so
+    the storage scatters on the calling thread."""
+
+    concurrent_slot_io = False
+
+    def __init__(self, pool: HostPool) -> None:
+        self._pool = pool
+        self._local = threading.local()
+
+    def __getattr__(self, name: str):
+        return getattr(self._pool, name)
+
+    def begin(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        self._local.writes = []
+        return self._local.writes
+
+    def end(self) -> None:
+        self._local.writes = None
+
+    def read_slots(self, slots: object) -> np.ndarray:
+        return self._pool.read_slots(slots)
+
+    def write_slots(self, slots: object, data: np.ndarray) -> None:
+        writes = getattr(self._local, "writes", None)
+        if writes is None:
+            self._pool.write_slots(slots, data)
+        else:
+            writes.append((np.array(slots, np.int32), data))
+
+
+HostPool.register(_DeferredWrites)
+
+
 class StorageExecutor:
     def __init__(self, attachment: StorageAttachment, pool: HostPool) -> None:
         self.attachment = attachment
         self.storage = FsspecStorage(attachment.url, attachment.fingerprint, attachment.config)
+        self._view = _DeferredWrites(pool)
         self.storage.register_host_pool(
-            pool, shard=host_shard(pool, attachment.fingerprint), pages_per_object=attachment.pages_per_object
+            self._view, shard=host_shard(pool, attachment.fingerprint), pages_per_object=attachment.pages_per_object
         )
+        self.pool = pool
         self.slot_bytes = pool.slot_bytes
 
-    def __call__(self, op: TransferOp, pool: HostPool) -> int:
+    def __call__(self, op: TransferOp, pool: HostPool) -> int | tuple[int, Callable[[], None]]:
         keys = list(op.storage_keys)
+        if pool is not self.pool:
+            raise ValueError("storage executor was built for another host pool")
+        commit = None
         if op.kind is OpKind.BACKUP_H2S:
             done = self.storage.batch_set(keys, op.host_slots, first_page=op.first_page)
         elif op.kind is OpKind.PREFETCH_S2H:
-            done = self.storage.batch_get(keys, op.host_slots, first_page=op.first_page)
+            writes = self._view.begin()
+            try:
+                done = self.storage.batch_get(keys, op.host_slots, first_page=op.first_page)
+            finally:
+                self._view.end()
+
+            def commit() -> None:
+                for slots, data in writes:
+                    pool.write_slots(slots, data)
         else:
             raise ValueError(f"not a storage op: {op.kind.value}")
         missing = len(done) - sum(done)
         if missing:
             raise RuntimeError(f"{op.kind.value}: {missing} of {len(done)} pages failed (storage stats: "
                                f"{self.storage.stats().corrupt_objects} corrupt, {self.storage.stats().timeouts} timeouts)")
-        return len(done) * self.slot_bytes
+        moved = len(done) * self.slot_bytes
+        return moved if commit is None else (moved, commit)
 
     def close(self) -> None:
         self.storage.close()

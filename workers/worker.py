@@ -4,20 +4,36 @@ It executes ``TransferPlan``s strictly in ``seq`` order and answers one ``Transf
 never decides anything (no imports of ``hicache.cluster``). A plan is validated as a whole before
 any op runs (``ValueError``/``TypeError``, nothing touched). D2H/H2D ops are dispatched at once (JAX
 async dispatch) and acked by ``poll``/``wait`` when ``is_ready()``; L2->L3 and L3->L2 ops run
-through a pluggable ``storage_executor`` (the L3 integration provides it); without one they are
-acked ``ok=False``.
+through a pluggable ``storage_executor`` (the L3 integration provides it) on one background thread
+per worker (``storage-<host>``), in submission order, and are acked through the same ``poll``/``wait``
+(a ``StorageHandle``); without an executor they are acked ``ok=False``. ``submit`` never blocks on
+storage I/O (it only may wait, bounded by the storage timeout, when an op depends on the slots of a
+pending storage op, which the head never plans in practice).
 
-Ordering: device-side order follows data dependencies on the pool array; host-side, an op that
-reads slots (H2D, H2S) first commits earlier pending ops that write those slots (D2H, S2H).
+Ordering (host side):
 
-Threading/ownership: a plain, single-threaded class. Call every method from the thread that owns
-the KV pool (the model runner's), between forwards; the Ray actor (cluster issue) wraps it as is.
-Multi-host: every host receives the same plans and calls ``submit`` in the same order (the
-device-side work is SPMD); ``poll``/``wait`` are local.
+* an op that reads slots (H2D, H2S) first commits earlier pending ops that write those slots (D2H,
+  S2H); waiting on an S2H is bounded by the storage timeout;
+* an op that writes slots (D2H, S2H) first waits for earlier pending readers of those slots: H2S
+  ops still on the storage thread, and (S2H) in-place H2D loads;
+* storage ops run one at a time in submission order, so they are ordered among themselves.
+
+An S2H never writes the pool from the storage thread: the executor may return ``(bytes, commit)``
+and ``commit()`` (the one pool write) runs on the owner thread when the op is acked, like a D2H
+commit; a failed or timed-out op commits nothing. Acks come in submission order except that an
+unfinished storage op does not hold back later, independent ops (a hung L3 never delays D2H/H2D
+acks); device ops keep their order among themselves.
+
+Threading/ownership: call every method from the thread that owns the KV pool (the model runner's),
+between forwards; only the executor call itself runs on the storage thread (it reads slots, and
+fills private buffers). The Ray actor wraps the class as is. Multi-host: every host receives the
+same plans and calls ``submit`` in the same order (the device-side work is SPMD); ``poll``/``wait``
+are local.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,20 +50,71 @@ from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.spec import KVCacheSpec
 from hicache.workers.transfer import TransferEngine, TransferHandle
 
-# (op, host_pool) -> bytes moved; raise to fail the op. Must leave the pool unchanged on failure
-# (read all objects first, then one write_slots).
-StorageExecutor = Callable[[TransferOp, HostPool], int]
+# (op, host_pool) -> bytes moved, or (bytes moved, commit) where ``commit()`` does the op's pool
+# writes on the owner thread at ack time; raise to fail the op. Runs on the worker's storage thread:
+# it may read slots, and must not write the pool there (return a commit instead) unless the pool is
+# safe for that. Must leave the pool unchanged on failure.
+StorageExecutor = Callable[[TransferOp, HostPool], "int | tuple[int, Callable[[], None]]"]
 
 _READS_SLOTS = (OpKind.LOAD_H2D, OpKind.BACKUP_H2S)
 _WRITES_SLOTS = (OpKind.BACKUP_D2H, OpKind.PREFETCH_S2H)
 _DEVICE_OPS = (OpKind.BACKUP_D2H, OpKind.LOAD_H2D)
 
 
+class StorageHandle:
+    """One storage op running on the worker's storage thread (same surface as ``TransferHandle``)."""
+
+    __slots__ = ("kind", "future", "started", "finished_at", "_done")
+
+    def __init__(self, kind: OpKind, future: cf.Future) -> None:
+        self.kind = kind
+        self.future = future
+        self.started = time.perf_counter()
+        self.finished_at: float | None = None
+        self._done = False
+
+    def is_ready(self) -> bool:
+        return self._done or self.future.done()
+
+    def block_until_ready(self, timeout_s: float | None = None) -> bool:
+        if self.is_ready():
+            return True
+        cf.wait([self.future], timeout=timeout_s)
+        return self.future.done()
+
+    def finish(self) -> int:
+        """Waits for the op, then commits its pool writes (owner thread); raises if it failed."""
+        if self._done:
+            raise RuntimeError("storage op already finished")
+        self._done = True
+        result, t_end = self.future.result()
+        self.finished_at = t_end
+        if isinstance(result, tuple):
+            moved, commit = result
+            commit()
+            self.finished_at = time.perf_counter()
+            return int(moved)
+        return int(result)
+
+    def abort(self) -> None:
+        self.future.cancel()  # a running call ends by itself (bounded by the storage timeout)
+        self._done = True
+
+    @property
+    def duration_s(self) -> float:
+        end = self.finished_at if self.finished_at is not None else time.perf_counter()
+        return end - self.started
+
+
+def _run_timed(fn: Callable, op: TransferOp, pool: HostPool):
+    return fn(op, pool), time.perf_counter()
+
+
 @dataclass
 class _Pending:
     seq: int
     op: TransferOp
-    handle: TransferHandle | None
+    handle: TransferHandle | StorageHandle | None
     ack: TransferAck | None  # set once finished (or failed at dispatch)
 
 
@@ -83,6 +150,7 @@ class HostWorker:
         self.storage_executor = storage_executor
         self._last_seq: int | None = None
         self._pending: deque[_Pending] = deque()
+        self._storage_thread: cf.ThreadPoolExecutor | None = None
 
     # -- plans ---------------------------------------------------------------------------------
     def validate(self, plan: TransferPlan) -> None:
@@ -114,26 +182,55 @@ class HostWorker:
         for op, ids in zip(plan.ops, checked):
             self._dispatch(plan.seq, op, ids)
 
-    def _settle_writers(self, slots: np.ndarray) -> None:
-        """Commits pending slot-writing ops that overlap ``slots`` (and all ops before them)."""
+    @staticmethod
+    def _overlaps(p: _Pending, wanted: set[int]) -> bool:
+        return not wanted.isdisjoint(p.op.host_slots.tolist())
+
+    def _settle_writers(self, slots: np.ndarray, entry: _Pending) -> None:
+        """Commits pending slot-writing ops that overlap ``slots`` (and all slot writers before them)."""
         last = -1
         wanted: set[int] | None = None
         for i, p in enumerate(self._pending):
+            if p is entry:
+                break
             if p.ack is None and p.op.kind in _WRITES_SLOTS:
                 if wanted is None:
                     wanted = set(slots.tolist())
-                if not wanted.isdisjoint(p.op.host_slots.tolist()):
+                if self._overlaps(p, wanted):
                     last = i
         for i in range(last + 1):
-            self._finish(self._pending[i])
+            p = self._pending[i]
+            if p.op.kind in _WRITES_SLOTS or p.op.kind in _DEVICE_OPS:
+                self._finish(p)
+
+    def _settle_readers(self, slots: np.ndarray, entry: _Pending) -> None:
+        """Waits for pending ops that read ``slots`` before they are written: storage-thread H2S
+        reads; for a storage-thread write (S2H), also in-place H2D loads."""
+        wanted: set[int] | None = None
+        for p in self._pending:
+            if p is entry:
+                break
+            if p.ack is not None or p.handle is None or p.op.kind not in _READS_SLOTS:
+                continue
+            if (p.op.kind is OpKind.LOAD_H2D) == (entry.op.kind is OpKind.BACKUP_D2H):
+                # D2H after H2D: the host pool drains in-place readers before every slab write.
+                # S2H after H2S: both run on the storage thread, in order.
+                continue
+            if wanted is None:
+                wanted = set(slots.tolist())
+            if self._overlaps(p, wanted):
+                p.handle.block_until_ready(None)
 
     def _dispatch(self, seq: int, op: TransferOp, ids: tuple[np.ndarray, np.ndarray] | None) -> None:
         entry = _Pending(seq, op, None, None)
         self._pending.append(entry)
         t0 = time.perf_counter()
         try:
-            if op.kind in _READS_SLOTS and self._pending[0] is not entry:
-                self._settle_writers(op.host_slots)
+            if self._pending[0] is not entry:
+                if op.kind in _READS_SLOTS:
+                    self._settle_writers(op.host_slots, entry)
+                else:
+                    self._settle_readers(op.host_slots, entry)
             if op.kind is OpKind.BACKUP_D2H:
                 assert ids is not None
                 entry.handle = self.engine.backup_checked(*ids)
@@ -144,8 +241,10 @@ class HostWorker:
             else:
                 if self.storage_executor is None:
                     raise RuntimeError(f"no storage backend attached: cannot run {op.kind.value} ops")
-                moved = int(self.storage_executor(op, self.host_pool))
-                entry.ack = self._ack(entry, True, None, moved, time.perf_counter() - t0)
+                if self._storage_thread is None:
+                    self._storage_thread = cf.ThreadPoolExecutor(1, thread_name_prefix=f"storage-{self.host_index}")
+                future = self._storage_thread.submit(_run_timed, self.storage_executor, op, self.host_pool)
+                entry.handle = StorageHandle(op.kind, future)
         except Exception as e:  # the op fails; pools unchanged (commit is the last step)
             entry.ack = self._ack(entry, False, f"{type(e).__name__}: {e}", 0, time.perf_counter() - t0)
 
@@ -165,16 +264,22 @@ class HostWorker:
 
     # -- acks ------------------------------------------------------------------------------------
     def poll(self) -> list[TransferAck]:
-        """Acks of finished ops, in submission order; never blocks on an unfinished transfer."""
+        """Acks of finished ops, in submission order, never blocking on an unfinished transfer. An
+        unfinished storage op does not hold back later ops; device ops keep their mutual order."""
         out: list[TransferAck] = []
-        while self._pending:
-            p = self._pending[0]
+        keep: deque[_Pending] = deque()
+        device_blocked = False
+        for p in self._pending:
             if p.ack is None:
-                if p.handle is None or not p.handle.is_ready():
-                    break
+                blocked = device_blocked if p.op.kind in _DEVICE_OPS else False
+                if blocked or p.handle is None or not p.handle.is_ready():
+                    if p.op.kind in _DEVICE_OPS:
+                        device_blocked = True
+                    keep.append(p)
+                    continue
                 self._finish(p)
             out.append(p.ack)
-            self._pending.popleft()
+        self._pending = keep
         return out
 
     def wait(self, timeout_s: float) -> list[TransferAck]:
@@ -184,13 +289,21 @@ class HostWorker:
         deadline = time.perf_counter() + timeout_s
         out = self.poll()
         while self._pending:
-            p = self._pending[0]
-            if p.handle is not None and p.ack is None and not p.handle.is_ready():
+            p = next((q for q in self._pending if q.ack is None and q.handle is not None
+                      and not q.handle.is_ready()), None)
+            if p is not None:
                 left = deadline - time.perf_counter()
                 if left <= 0 or not p.handle.block_until_ready(left):
+                    out += self.poll()
                     break
             out += self.poll()
         return out
+
+    def close(self) -> None:
+        """Stops the storage thread (after the op it is running, which ends by the storage timeout)."""
+        if self._storage_thread is not None:
+            self._storage_thread.shutdown(wait=False, cancel_futures=True)
+            self._storage_thread = None
 
     @property
     def num_pending(self) -> int:
