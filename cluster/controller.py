@@ -32,6 +32,8 @@ _MAX_GHOSTS = 65_536
 # check_events sends held backups anyway once they waited this many calls or this long (bounded hold).
 _BACKUP_HOLD_CALLS = 4
 _BACKUP_HOLD_S = 0.05
+_TIERS = {t.value: t for t in Tier}  # str -> Tier without Enum.__call__ on the hot path
+_DEVICE, _HOST = Tier.DEVICE.value, Tier.HOST.value
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class HiCacheController:
         self._finished_loads: dict[int, bool] = {}  # load op_id -> ok, until asked
         self._queued: list[PendingTransfer] = []  # built, not yet sent
         self._queued_backup_pages = 0
+        self._queued_other = 0  # queued ops that are not D->H backups (sent on the next submit)
         self._backup_held_calls = 0  # check_events calls since the oldest queued backup was queued
         self._backup_queued_at = 0.0
         self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
@@ -100,13 +103,14 @@ class HiCacheController:
 
     # -- tier listener (events, ghosts for miss reasons) ---------------------------------------------
     def on_stored(self, node: TreeNode, tier: str) -> None:
-        self._events.append(KVEvent(EventKind.STORED, Tier(tier), node.id, node.num_tokens))
+        self._events.append(KVEvent(EventKind.STORED, _TIERS[tier], node.id, node.key.shape[0]))
 
     def on_removed(self, node: TreeNode, tier: str) -> None:
-        self._events.append(KVEvent(EventKind.REMOVED, Tier(tier), node.id, node.num_tokens))
-        leaving = node.host_slots is None if tier == Tier.DEVICE.value else node.device_pages is None
+        self._events.append(KVEvent(EventKind.REMOVED, _TIERS[tier], node.id, node.key.shape[0]))
+        device = tier == _DEVICE
+        leaving = node.host_slots is None if device else node.device_pages is None
         if leaving and node.parent is not None:
-            reason = MissReason.EVICTED_L1 if tier == Tier.DEVICE.value else MissReason.EVICTED_L2
+            reason = MissReason.EVICTED_L1 if device else MissReason.EVICTED_L2
             ghost = (node.parent.id, node.key[: self.tree.page_size].tobytes())
             self._ghosts[ghost] = reason
             self._ghosts.move_to_end(ghost)
@@ -281,6 +285,8 @@ class HiCacheController:
                 self._backup_held_calls = 0
                 self._backup_queued_at = time.monotonic()
             self._queued_backup_pages += op.num_pages
+        else:
+            self._queued_other += 1
         return pending
 
     # -- L3 ------------------------------------------------------------------------------------------
@@ -329,14 +335,20 @@ class HiCacheController:
         wait until ``backup_batch_pages`` are queued (or ``force``) and then travel as ONE merged op,
         so a batch costs one dispatch and one ack per host instead of one per request.
         """
-        if not self._queued:
+        queued = self._queued
+        if not queued:
             return 0
-        backups = [p for p in self._queued if p.kind is OpKind.BACKUP_D2H]
-        hold = backups and not force and self._queued_backup_pages < self.config.backup_batch_pages
-        sending = [p for p in self._queued if not (hold and p.kind is OpKind.BACKUP_D2H)]
-        if not sending:
-            return 0
-        self._queued = [p for p in self._queued if hold and p.kind is OpKind.BACKUP_D2H]
+        hold = bool(self._queued_backup_pages) and not force and (
+            self._queued_backup_pages < self.config.backup_batch_pages
+        )
+        if hold and not self._queued_other:
+            return 0  # only backups, still batching: the common case, no list building
+        if hold:
+            sending = [p for p in queued if p.kind is not OpKind.BACKUP_D2H]
+            self._queued = [p for p in queued if p.kind is OpKind.BACKUP_D2H]
+        else:
+            sending, self._queued = queued, []
+        self._queued_other = 0
         seq = next(self._seq)
         ops, groups = [], []
         for p in sending:
@@ -419,45 +431,51 @@ class HiCacheController:
 
     def _complete(self, p: PendingTransfer) -> None:
         c = self.counters
-        if not p.ok:
+        ok = p.ok
+        if not ok:
             c.transfer_failures += 1
-        for n in p.nodes:
+        nodes = p.nodes
+        for n in nodes:
             n.pending = None
+        kind = p.op.kind
         full = self.tree.full
-        if p.kind in (OpKind.BACKUP_H2S, OpKind.PREFETCH_S2H):
-            if self.storage is not None and self.storage.owns(p.op.op_id):
-                self.storage.complete(p)
-            return
-        if p.kind is OpKind.BACKUP_D2H:
-            for n in p.nodes:
-                if p.ok:
-                    self.host.commit(n)
-                    c.backed_up_tokens += n.num_tokens
-                else:
-                    self.host.unreserve(n.staged_slots)
+        if kind is OpKind.BACKUP_D2H:
+            host = self.host
+            if ok:
+                host.commit_many(nodes)
+                c.backed_up_tokens += sum(n.key.shape[0] for n in nodes)
+            else:
+                for n in nodes:
+                    host.unreserve(n.staged_slots)
                     n.staged_slots = None
-            full.unlock(p.nodes[-1])
-            if p.ok and self.storage is not None:
-                self.storage.on_host_committed(p.nodes)
-        elif p.kind is OpKind.LOAD_H2D:
-            full.unlock(p.nodes[-1])
-            for n in p.nodes:
+            full.unlock(nodes[-1])
+            if ok and self.storage is not None:
+                self.storage.on_host_committed(nodes)
+        elif kind is OpKind.LOAD_H2D:
+            full.unlock(nodes[-1])
+            tokens = 0
+            for n in nodes:
                 n.loading = False
                 n.host_pin -= 1
-                if not p.ok:
+                tokens += n.key.shape[0]
+                if not ok:
                     full.drop_device(n)  # the pages never got the data: host-only again
-            if p.ok:
-                c.loaded_tokens += sum(n.num_tokens for n in p.nodes)
-                for n in p.nodes:
-                    self.tree.listener.on_stored(n, Tier.DEVICE.value)
+            if ok:
+                c.loaded_tokens += tokens
+                listener = self.tree.listener
+                for n in nodes:
+                    listener.on_stored(n, _DEVICE)
             else:
-                c.miss_tokens[MissReason.LOAD_FAILED] += sum(n.num_tokens for n in p.nodes)
-            self._finished_loads[p.op.op_id] = p.ok
+                c.miss_tokens[MissReason.LOAD_FAILED] += tokens
+            self._finished_loads[p.op.op_id] = ok
             if len(self._finished_loads) > _MAX_EVENTS:
                 self._finished_loads.pop(next(iter(self._finished_loads)))
-            for n in p.nodes:
+            host = self.host
+            for n in nodes:
                 full.maybe_push(n)
-                self.host.maybe_push(n)
+                host.maybe_push(n)
+        elif self.storage is not None and self.storage.owns(p.op.op_id):  # BACKUP_H2S, PREFETCH_S2H
+            self.storage.complete(p)
 
     def drop_host_tier(self, reason: str = "worker lost") -> int:
         """Forgets all of L2 (a host worker died or restarted: its L2 shard is gone or stale).
@@ -467,7 +485,7 @@ class HiCacheController:
         nothing is ever served from the lost L2. Returns the tokens dropped from L2.
         """
         queued, self._queued = self._queued, []
-        self._queued_backup_pages = 0
+        self._queued_backup_pages = self._queued_other = 0
         failed = [p for group in self._pending.values() for p in group] + queued
         self._pending.clear()
         for p in failed:

@@ -64,6 +64,23 @@ class HostTier:
         if self.tree.listener is not None:
             self.tree.listener.on_stored(node, Tier.HOST.value)
 
+    def commit_many(self, nodes: list[TreeNode]) -> None:
+        """``commit`` for the nodes of one acked backup: one allocator update for all their slots."""
+        if len(nodes) == 1:
+            self.commit(nodes[0])
+            return
+        slots = [n.staged_slots for n in nodes]
+        assert all(s is not None for s in slots) and all(n.host_slots is None for n in nodes)
+        self.slots.transfer(np.concatenate(slots), PageOwner.TREE)
+        listener = self.tree.listener
+        for n in nodes:
+            n.host_slots, n.staged_slots = n.staged_slots, None
+            self.host_tokens += n.key.shape[0]
+        for n in nodes:  # after all are committed: a parent is evictable only once its children are
+            self.maybe_push(n)
+            if listener is not None:
+                listener.on_stored(n, Tier.HOST.value)
+
     def drop(self, node: TreeNode) -> int:
         """Releases the node's L2 copy; a host-only node leaves the tree. Returns tokens dropped."""
         n = node.key.shape[0]
