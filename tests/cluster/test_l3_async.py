@@ -1,0 +1,79 @@
+"""L3 off the hot path: negative cache for existence lookups, batched manifest (warm restart)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
+from hicache.cluster.tree import RadixKey
+from hicache.storage import Namespace
+from support.hicache_env import HiCacheEnv
+
+
+def seq(start, n):
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def _prefetch(env, tokens, req_id):
+    key = RadixKey(tokens)
+    m = env.head.match_prefix(key)
+    return env.head.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
+
+
+def test_negative_cache_skips_repeated_misses_and_expires(tmp_path):
+    url = f"file://{tmp_path}/l3"
+    reader = HiCacheEnv(storage_url=url, storage_kwargs={"negative_cache_ttl_s": 0.5})
+    a = seq(0, 32)
+    assert _prefetch(reader, a, "r0").state is PrefetchState.NOT_STARTED
+    counters = reader.head.controller.storage.counters
+    assert counters.prefetch_negative_hits == 0
+    assert _prefetch(reader, a, "r1").state is PrefetchState.NOT_STARTED  # remembered: no lookup
+    assert counters.prefetch_negative_hits == 1
+    writer = HiCacheEnv(storage_url=url)  # another replica stores the prefix meanwhile
+    writer.serve(a)
+    writer.head.flush_write_through_acks()
+    assert _prefetch(reader, a, "r2").state is PrefetchState.NOT_STARTED  # still within the TTL
+    assert counters.prefetch_negative_hits == 2
+    time.sleep(0.6)
+    assert _prefetch(reader, a, "r3").state is not PrefetchState.NOT_STARTED  # expired: storage asked
+    assert counters.prefetch_negative_hits == 2
+    reader.head.flush_write_through_acks()
+    assert reader.serve(a)["loaded"] == 32  # and the hit serves exactly (serve() checks bytes)
+
+
+def test_negative_cache_is_bounded():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        env = HiCacheEnv(storage_url=f"file://{d}/l3", storage_kwargs={"negative_cache_size": 2})
+        for i in range(4):
+            _prefetch(env, seq(1000 * (i + 1), 16), f"m{i}")
+        assert len(env.head.controller.storage._misses) == 2
+
+
+def test_manifest_lists_stored_prefixes_after_flush(tmp_path):
+    url = f"file://{tmp_path}/l3"
+    env = HiCacheEnv(storage_url=url, storage_kwargs={"manifest_interval_s": 3600})
+    a = seq(0, 16)
+    longer = np.r_[a, seq(500, 8)].astype(np.int32)
+    b = seq(2000, 12)
+    for t in (b, a, longer):  # the first entry is written at once, the rest wait for the interval
+        env.serve(t)
+        env.head.flush_write_through_acks()
+    tier = env.head.controller.storage
+    tier.flush_manifest()
+    assert tier.counters.manifest_coalesced >= 1  # a's entry was replaced by the longer path
+    store = env.workers._executors()[0].storage
+    ns = Namespace(env.fingerprint)
+    got = sorted(tuple(p.tokens.tolist()) for p in store.list_prefixes(ns))
+    assert got == sorted([tuple(longer.tolist()), tuple(b.tolist())])
+    # Entries queued after the last flush are written on detach.
+    c = seq(3000, 8)
+    env.serve(c)
+    env.head.flush_write_through_acks()
+    env.head.detach_storage_backend()
+    again = HiCacheEnv(storage_url=url)
+    store = again.workers._executors()[0].storage
+    assert tuple(c.tolist()) in {tuple(p.tokens.tolist()) for p in store.list_prefixes(ns)}

@@ -1,0 +1,136 @@
+"""Storage ops (H2S/S2H) run on the worker's storage thread: ``submit`` does not wait for them, they
+are acked through ``poll``/``wait``, keep the slot ordering rules, and a hung one never holds back
+D2H/H2D acks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan
+
+SPEC = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+_seq = iter(range(1, 10**6))
+
+
+def _plan(*ops) -> TransferPlan:
+    return TransferPlan(next(_seq), tuple(ops))
+
+
+def _op(op_id, kind, pages, slots, keys=()):
+    return TransferOp(op_id, OpKind(kind), np.asarray(pages, np.int32), np.asarray(slots, np.int32), tuple(keys))
+
+
+def _pages(worker: HostWorker, n: int, seed: int) -> np.ndarray:
+    shape = (n, *worker.device_pool.host_row_shape)
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+@pytest.fixture(params=["numpy_slab", "pinned_pages"])
+def worker(request):
+    w = HostWorker(SPEC, 16, 16, devices=[jax.devices()[0]], host_pool_kind=request.param)
+    yield w
+    w.close()
+
+
+def test_hung_storage_op_does_not_block_submit_or_device_acks(worker):
+    release = threading.Event()
+    ran_on = []
+
+    def executor(op, pool):
+        ran_on.append(threading.current_thread().name)
+        release.wait(10)
+        return op.num_pages * pool.slot_bytes
+
+    worker.storage_executor = executor
+    worker.device_pool.write_pages([1], _pages(worker, 1, 0))
+    t0 = time.perf_counter()
+    worker.submit(_plan(_op(1, "h2s", [], [5], ["k"])))
+    worker.submit(_plan(_op(2, "d2h", [1], [6]), _op(3, "h2d", [6], [2])))
+    assert time.perf_counter() - t0 < 2  # submit never waited for the storage call
+    acks = worker.wait(timeout_s=0.5)  # the storage op is still running: the device ops are acked
+    assert sorted(a.op_id for a in acks) == [2, 3] and all(a.ok for a in acks)
+    assert worker.num_pending == 1 and worker.poll() == []
+    release.set()
+    (ack,) = worker.wait(timeout_s=10)
+    assert ack.op_id == 1 and ack.ok and ack.bytes_moved == SPEC.page_bytes
+    assert ran_on and ran_on[0].startswith("storage-")
+    worker.storage_executor = None
+
+
+def test_prefetch_commits_on_ack_and_loads_see_it(worker):
+    data = _pages(worker, 2, 1)
+    started = threading.Event()
+
+    def executor(op, pool):
+        started.set()
+        time.sleep(0.2)
+        if op.kind is OpKind.PREFETCH_S2H:
+            return op.num_pages * pool.slot_bytes, lambda: pool.write_slots(op.host_slots, data)
+        return op.num_pages * pool.slot_bytes
+
+    worker.storage_executor = executor
+    # S2H into slots 3,4, then (same plan order) a load of those slots: the load waits for the prefetch.
+    worker.submit(_plan(_op(1, "s2h", [], [3, 4], ["a", "b"]), _op(2, "h2d", [7, 8], [3, 4])))
+    acks = worker.wait(timeout_s=10)
+    assert [a.op_id for a in acks] == [1, 2] and all(a.ok for a in acks)
+    np.testing.assert_array_equal(worker.device_pool.read_pages([7, 8]), data)
+    worker.storage_executor = None
+
+
+def test_failed_prefetch_leaves_pool_unchanged(worker):
+    before = _pages(worker, 1, 2)
+    worker.host_pool.write_slots([9], before)
+    calls = []
+
+    def executor(op, pool):
+        calls.append(op.op_id)
+        raise RuntimeError("1 of 1 pages failed")
+
+    worker.storage_executor = executor
+    worker.submit(_plan(_op(1, "s2h", [], [9], ["a"])))
+    (ack,) = worker.wait(timeout_s=10)
+    assert not ack.ok and "pages failed" in ack.error and calls == [1]
+    np.testing.assert_array_equal(worker.host_pool.read_slots([9]), before)
+    worker.storage_executor = None
+
+
+def test_backup_to_slot_waits_for_pending_storage_reader(worker):
+    old, new = _pages(worker, 1, 3), _pages(worker, 1, 4)
+    worker.host_pool.write_slots([10], old)
+    worker.device_pool.write_pages([4], new)
+    seen = []
+
+    def executor(op, pool):
+        time.sleep(0.3)  # the D2H below is submitted meanwhile
+        seen.append(pool.read_slots(op.host_slots))
+        return op.num_pages * pool.slot_bytes
+
+    worker.storage_executor = executor
+    worker.submit(_plan(_op(1, "h2s", [], [10], ["k"])))
+    worker.submit(_plan(_op(2, "d2h", [4], [10])))  # writes the slot the H2S still reads
+    acks = worker.wait(timeout_s=10)
+    assert sorted(a.op_id for a in acks) == [1, 2] and all(a.ok for a in acks)
+    np.testing.assert_array_equal(seen[0], old)  # the H2S read the slot before it was overwritten
+    np.testing.assert_array_equal(worker.host_pool.read_slots([10]), new)
+    worker.storage_executor = None
+
+
+def test_storage_ops_run_in_submission_order(worker):
+    order = []
+
+    def executor(op, pool):
+        time.sleep(0.05 if op.op_id == 1 else 0)
+        order.append(op.op_id)
+        return 0
+
+    worker.storage_executor = executor
+    worker.submit(_plan(_op(1, "h2s", [], [1], ["a"]), _op(2, "s2h", [], [2], ["b"])))
+    worker.submit(_plan(_op(3, "h2s", [], [2], ["b"])))  # reads what op 2 wrote: waits for its commit
+    acks = worker.wait(timeout_s=10)
+    assert [a.op_id for a in acks] == [1, 2, 3] and order == [1, 2, 3]
+    worker.storage_executor = None
