@@ -23,7 +23,7 @@ from hicache.cluster.events import CacheCounters, EventKind, KVEvent, MissReason
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
-from hicache.cluster.transfers import PendingTransfer, WorkerGroup
+from hicache.cluster.transfers import PendingTransfer, WorkerGroup, device_op
 from hicache.cluster.tree import CacheCapacityError, MatchResult, RadixKey, RadixTree, TreeNode
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
@@ -247,7 +247,7 @@ class HiCacheController:
         if last_device.parent is not None:
             full.unlock(last_device)
         slots = np.concatenate([c.host_slots for c in chain])
-        op = TransferOp(next(self._op_ids), OpKind.LOAD_H2D, pages, slots)
+        op = device_op(next(self._op_ids), OpKind.LOAD_H2D, pages, slots)
         self._queue(op, chain)
         return self._prefix_result(chain[-1], tokens, op.op_id, None)
 
@@ -360,9 +360,9 @@ class HiCacheController:
             self._queued_backup_pages = 0
             if len(merged) == 1:
                 first = merged[0].op
-                ops.append(TransferOp(first.op_id, OpKind.BACKUP_D2H, first.device_pages, first.host_slots))
+                ops.append(device_op(first.op_id, OpKind.BACKUP_D2H, first.device_pages, first.host_slots))
             else:
-                ops.append(TransferOp(next(self._op_ids), OpKind.BACKUP_D2H,
+                ops.append(device_op(next(self._op_ids), OpKind.BACKUP_D2H,
                                       np.concatenate([p.op.device_pages for p in merged]),
                                       np.concatenate([p.op.host_slots for p in merged])))
             groups.append(merged)
