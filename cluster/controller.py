@@ -159,7 +159,9 @@ class HiCacheController:
         if not chain:
             return False
         chain.reverse()
-        pages = np.concatenate([c.device_pages for c in chain])
+        # Node page arrays are never written in place (splits and evictions replace them), so a single
+        # node's array is used as is; device_op copies when the op is built.
+        pages = chain[0].device_pages if len(chain) == 1 else np.concatenate([c.device_pages for c in chain])
         anchor = n  # the chain hangs below it: host eviction must not drop its copy meanwhile
         anchor.host_pin += 1
         try:
@@ -168,11 +170,14 @@ class HiCacheController:
             anchor.host_pin -= 1
         if slots is None:
             return False  # L2 full of pinned / in-flight entries: this node stays L1-only
-        start = 0
-        for c in chain:
-            k = c.device_pages.shape[0]
-            c.staged_slots = slots[start : start + k]
-            start += k
+        if len(chain) == 1:
+            node.staged_slots = slots
+        else:
+            start = 0
+            for c in chain:
+                k = c.device_pages.shape[0]
+                c.staged_slots = slots[start : start + k]
+                start += k
         self.tree.full.lock(chain[-1])
         # Queued backups are merged into one TransferOp when sent (``submit``): no op is built per chain.
         self._queue(_QueuedBackup(next(self._op_ids), pages, slots), chain)  # type: ignore[arg-type]
