@@ -233,7 +233,14 @@ class HiCacheController:
         for c in chain:
             c.host_pin += 1
         try:
-            pages = self.tree.alloc(tokens)
+            try:
+                pages = self.tree.alloc(tokens)
+            except CacheCapacityError:
+                if not self.in_flight:
+                    raise
+                # Nodes locked only by queued/in-flight backups become evictable once acked (as head.alloc).
+                self.flush_write_through_acks()
+                pages = self.tree.alloc(tokens)
         except CacheCapacityError:
             for c in chain:
                 c.host_pin -= 1
