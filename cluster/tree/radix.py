@@ -557,10 +557,11 @@ class RadixTree:
         node = self.node(state.last_node)
         if node.parent is not None and node.lock_ref <= 0:
             raise ValueError(f"request's last_node {state.last_node} is not locked")
-        if node.parent is None and node is not self._roots.get(state.key.namespace):
-            raise ValueError(f"last_node {state.last_node} is not the root of the key's namespace")
-        depth = self.depth(node)
-        if node.parent is not None and self._root_of(node) is not self._roots.get(state.key.namespace):
+        depth, root = 0, node  # one walk: the path's length and its root
+        while root.parent is not None:
+            depth += root.key.shape[0]
+            root = root.parent
+        if root is not self._roots.get(state.key.namespace):
             raise ValueError(f"last_node {state.last_node} belongs to another namespace than the key")
         if depth != state.prefix_len:
             raise ValueError(
