@@ -30,8 +30,10 @@ import hashlib
 import heapq
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -497,3 +499,31 @@ def finish_stack(name: str, stack, served: Sequence[Served], spot: int) -> tuple
     n = spot_check(stack.runner, served, name, spot)
     close_stack(stack)
     return n, stats
+
+
+def in_scratch_dir(l3_dir: str | None, prefix: str, run: Callable[[Path], object]):
+    """Runs ``run(dir)`` in ``l3_dir`` (kept) or in a fresh temporary directory (removed afterwards)."""
+    tmp = Path(l3_dir or tempfile.mkdtemp(prefix=prefix))
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        return run(tmp)
+    finally:
+        if not l3_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def warm_up_and_baselines(args, items: Sequence[Item], ref, base: ModelRunner, bare: BareEngine,
+                          full: Callable[[str], object]):
+    """Compile pass (full stack, then a cold stack on its L3, own namespace), then the no-reuse pair
+    (bare engine vs a stack that never reuses), interleaved per request.
+
+    Returns (served, spot checks, stats, overhead) keyed by config name, for the two baseline configs.
+    """
+    log("  warm-up pass (full stack then a cold stack on its L3, own namespace; compiles transfers) ...")
+    run_stack("warm-up", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=1)
+    run_stack("warm-up cold", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=0)
+    log(f"  bare_engine + no_cache, interleaved per request ({args.overhead_reps} rep(s)) ...")
+    b, n, nc_stats, (sp_b, sp_n), overhead = overhead_pair(
+        bare, base, lambda rep: full(f"l3-nc-{rep}"), items, ref, args.overhead_reps)
+    return ({"bare_engine": b, "no_cache": n}, {"bare_engine": sp_b, "no_cache": sp_n},
+            {"bare_engine": {}, "no_cache": nc_stats}, overhead)

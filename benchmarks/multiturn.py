@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    FWD, MODEL, BareEngine, ConfigRecord, Item, Stream, accesses, belady_hit_tokens, jsonable, log,
-    make_record, overhead_pair, plot, poisson_ticks, print_records, run_stack, serve_interleaved, finish_stack, serve_items, spot_check, stack_options,
-    write_json,
+    BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens, finish_stack,
+    in_scratch_dir, jsonable, log, make_record, plot, poisson_ticks, print_records, run_stack,
+    serve_interleaved, spot_check, stack_options, warm_up_and_baselines, write_json,
 )
 from hicache.engine.runner import ModelRunner  # noqa: E402
 from hicache.serving import ServeRequest  # noqa: E402
@@ -145,29 +143,14 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     log(f"  {len(items)} requests, {stream.prompt_tokens:,} prompt tokens; working set {working} pages "
         f"({working * ps:,} tokens, {est} estimated); L1 {l1_pages} pages ({l1_pages / working:.0%}), "
         f"L2 {l2_slots} pages ({l2_slots / working:.0%})")
-    tmp = Path(args.l3_dir or tempfile.mkdtemp(prefix="hicache-mt-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    try:
-        return _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start)
-    finally:
-        if not args.l3_dir:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return in_scratch_dir(args.l3_dir, "hicache-mt-", lambda tmp: _run(
+        args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start))
 
 
 def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start) -> list[ConfigRecord]:
     ps = FWD.page_size
     full = lambda d: stack_options(l1_pages, l2_slots, tmp / d)  # noqa: E731
-    log("  warm-up pass (full stack then a cold stack on its L3, own namespace; compiles transfers) ...")
-    run_stack("warm-up", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=1)
-    run_stack("warm-up cold", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=0)
-
-    served, spots, stats = {}, {}, {}
-    log(f"  bare_engine + no_cache, interleaved per request ({args.overhead_reps} rep(s)) ...")
-    b, n, nc_stats, (sp_b, sp_n), overhead = overhead_pair(
-        bare, base, lambda rep: full(f"l3-nc-{rep}"), items, ref, args.overhead_reps)
-    served.update(bare_engine=b, no_cache=n)
-    spots.update(bare_engine=sp_b, no_cache=sp_n)
-    stats.update(bare_engine={}, no_cache=nc_stats)
+    served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
     from hicache.embedded import build_stack
 
     opts = {"l1_only": stack_options(l1_pages), "l1_l2": stack_options(l1_pages, l2_slots), "l1_l2_l3": full("l3")}
