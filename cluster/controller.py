@@ -93,7 +93,7 @@ class HiCacheController:
         self._seq = itertools.count()
         self._op_ids = itertools.count()
         self.storage: StorageTier | None = None
-        self.on_transfer: Callable[[str, float], None] | None = None  # (op kind, seconds) per host ack
+        self.on_transfer: Callable[[str, float, int], None] | None = None  # (op kind, seconds, host) per ack
         self._events: deque[KVEvent] = deque(maxlen=_MAX_EVENTS)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         tree.listener = self
@@ -425,7 +425,7 @@ class HiCacheController:
             if ack.host not in group[0].acked_hosts:
                 self.counters.bytes_moved[group[0].kind.value] += ack.bytes_moved
                 if self.on_transfer is not None:
-                    self.on_transfer(group[0].kind.value, ack.duration_s)
+                    self.on_transfer(group[0].kind.value, ack.duration_s, ack.host)
             for p in group:
                 p.record(ack)
             if group[0].done:

@@ -202,6 +202,7 @@ class CacheHead:
             )
             if ctl.storage is not None:
                 out["storage"] = ctl.storage.counters.snapshot()
+                out["storage_errors"] = ctl.workers.storage_errors()
         return out
 
     # -- metrics ---------------------------------------------------------------------------------------

@@ -36,10 +36,12 @@ class HeadMetrics:
         self.capacity = Gauge("hicache_pool_capacity_tokens", "Capacity per tier", ("replica", "tier"))
         self.in_flight = Gauge("hicache_transfers_in_flight", "Transfers sent and not yet acked", ("replica",))
         self.latency = Histogram("hicache_transfer_latency_seconds", "Transfer duration on a host",
-                                 _LATENCY_BOUNDARIES, ("replica", "direction"))
+                                 _LATENCY_BOUNDARIES, ("replica", "direction", "host"))
+        self.l3_errors = Counter("hicache_l3_errors", "L3 objects that failed: corrupt (checksum, header, "
+                                 "short), backend error, timeout (all hosts)", ("replica", "kind"))
         for metric in (self.hit_tokens, self.queried_tokens, self.miss_tokens, self.bytes_moved,
                        self.transfer_failures, self.evicted_tokens, self.prefetch, self.l3_backup_pages,
-                       self.occupancy, self.capacity, self.in_flight, self.latency):
+                       self.occupancy, self.capacity, self.in_flight, self.latency, self.l3_errors):
             metric.set_default_tags(tags)
         self._last: dict[tuple[str, ...], float] = {}
 
@@ -78,6 +80,8 @@ class HeadMetrics:
             self._inc(self.prefetch, ("prefetch", "failed"), l3.get("prefetch_failures", 0), {"outcome": "failed"})
             for outcome, key in (("stored", "backup_pages"), ("skipped", "backup_skipped_pages")):
                 self._inc(self.l3_backup_pages, ("l3", outcome), l3.get(key, 0), {"outcome": outcome})
+            for kind, count in stats.get("storage_errors", {}).items():
+                self._inc(self.l3_errors, ("l3err", kind), count, {"kind": kind})
 
-    def observe_transfer(self, kind: str, seconds: float) -> None:
-        self.latency.observe(seconds, tags={"direction": _DIRECTIONS.get(kind, kind)})
+    def observe_transfer(self, kind: str, seconds: float, host: int = 0) -> None:
+        self.latency.observe(seconds, tags={"direction": _DIRECTIONS.get(kind, kind), "host": str(host)})

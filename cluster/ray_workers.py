@@ -207,6 +207,11 @@ class HostWorkerActor:
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         self._storage().record_prefix(namespace, tokens)
 
+    def storage_errors(self) -> dict[str, int]:
+        from hicache.cluster.transfers import storage_error_counts
+
+        return storage_error_counts(self._storage().stats())
+
 
 # ------------------------------------------------------------------------------------------------
 def _actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:
@@ -394,6 +399,18 @@ class RayWorkerGroup:
             ray.get(self.actors[0].storage_record_prefix.remote(namespace, tokens), timeout=self.options.call_timeout_s)
         except Exception as e:  # the manifest is an optimization: a failed record loses nothing
             log.warning("replica %s: manifest record failed: %s", self.replica, e)
+
+    def storage_errors(self) -> dict[str, int]:
+        total = {"corrupt": 0, "error": 0, "timeout": 0}
+        try:
+            per_host = ray.get([a.storage_errors.remote() for a in self.actors], timeout=self.options.call_timeout_s)
+        except Exception as e:  # metrics only: an unreachable host reports nothing this time
+            log.warning("replica %s: L3 error counts unavailable: %s", self.replica, e)
+            return total
+        for counts in per_host:
+            for k, v in counts.items():
+                total[k] += v
+        return total
 
     def check_alive(self) -> bool:
         """Pings every host (health group, never queued behind transfers); False once lost."""

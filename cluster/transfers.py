@@ -67,6 +67,12 @@ class WorkerGroup(Protocol):
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
 
+    def storage_errors(self) -> dict[str, int]: ...  # corrupt / error / timeout counts, summed over hosts
+
+
+def storage_error_counts(stats) -> dict[str, int]:  # (hicache.storage.StorageStats) -> counts
+    return {"corrupt": stats.corrupt_objects, "error": stats.errors, "timeout": stats.timeouts}
+
 
 class LocalWorkerGroup:
     """Workers living in this process (embedded mode; tests)."""
@@ -114,6 +120,13 @@ class LocalWorkerGroup:
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:
         self._executors()[0].storage.record_prefix(namespace, tokens)
+
+    def storage_errors(self) -> dict[str, int]:
+        total = {"corrupt": 0, "error": 0, "timeout": 0}
+        for e in self._executors():
+            for k, v in storage_error_counts(e.storage.stats()).items():
+                total[k] += v
+        return total
 
 
 @dataclass
