@@ -23,7 +23,7 @@ from hicache.cluster.events import CacheCounters, EventKind, KVEvent, MissReason
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
-from hicache.cluster.transfers import PendingTransfer, WorkerGroup, device_op
+from hicache.cluster.transfers import PendingTransfer, WorkerGroup
 from hicache.cluster.tree import CacheCapacityError, MatchResult, RadixKey, RadixTree, TreeNode
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
@@ -160,7 +160,7 @@ class HiCacheController:
             return False
         chain.reverse()
         # Node page arrays are never written in place (splits and evictions replace them), so a single
-        # node's array is used as is; device_op copies when the op is built.
+        # node's array is used as is; TransferOp copies it when the op is built.
         pages = chain[0].device_pages if len(chain) == 1 else np.concatenate([c.device_pages for c in chain])
         anchor = n  # the chain hangs below it: host eviction must not drop its copy meanwhile
         anchor.host_pin += 1
@@ -259,7 +259,7 @@ class HiCacheController:
         if last_device.parent is not None:
             full.unlock(last_device)
         slots = np.concatenate([c.host_slots for c in chain])
-        op = device_op(next(self._op_ids), OpKind.LOAD_H2D, pages, slots)
+        op = TransferOp(next(self._op_ids), OpKind.LOAD_H2D, pages, slots)
         self._queue(op, chain)
         return self._prefix_result(chain[-1], tokens, op.op_id, None)
 
@@ -372,9 +372,9 @@ class HiCacheController:
             self._queued_backup_pages = 0
             if len(merged) == 1:
                 first = merged[0].op
-                ops.append(device_op(first.op_id, OpKind.BACKUP_D2H, first.device_pages, first.host_slots))
+                ops.append(TransferOp(first.op_id, OpKind.BACKUP_D2H, first.device_pages, first.host_slots))
             else:
-                ops.append(device_op(next(self._op_ids), OpKind.BACKUP_D2H,
+                ops.append(TransferOp(next(self._op_ids), OpKind.BACKUP_D2H,
                                       np.concatenate([p.op.device_pages for p in merged]),
                                       np.concatenate([p.op.host_slots for p in merged])))
             groups.append(merged)

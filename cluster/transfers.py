@@ -8,7 +8,6 @@ in-process ``HostWorker`` objects in embedded mode, Ray actor handles in the clu
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,32 +19,6 @@ from hicache.cluster.tree import TreeNode
 from hicache.storage import Namespace
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.storage_exec import StorageAttachment, StorageExecutor
-
-
-_OP_FIELDS = ("op_id", "kind", "device_pages", "host_slots", "storage_keys", "first_page")
-_FAST_OPS = tuple(f.name for f in dataclasses.fields(TransferOp)) == _OP_FIELDS
-
-
-def device_op(op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray) -> TransferOp:
-    """A D->H or H->D ``TransferOp`` built by the head from its own allocators' ids.
-
-    Those ids are already 1-D int32 and equal in length, so the generic validation (``np.iinfo`` range
-    checks, dtype probes: ~50 us per op, paid on every load) is skipped; the op still gets private,
-    read-only int32 copies, exactly what ``TransferOp.__post_init__`` would produce. Anything else, or
-    a ``TransferOp`` whose fields changed, takes the validating constructor.
-    """
-    if not (_FAST_OPS and kind in (OpKind.BACKUP_D2H, OpKind.LOAD_H2D)
-            and type(device_pages) is np.ndarray and type(host_slots) is np.ndarray
-            and device_pages.dtype == np.int32 and host_slots.dtype == np.int32
-            and device_pages.ndim == 1 and device_pages.shape == host_slots.shape):
-        return TransferOp(op_id, kind, device_pages, host_slots)
-    pages, slots = device_pages.copy(), host_slots.copy()
-    pages.setflags(write=False)
-    slots.setflags(write=False)
-    op = object.__new__(TransferOp)
-    for name, value in zip(_OP_FIELDS, (int(op_id), kind, pages, slots, (), 0)):
-        object.__setattr__(op, name, value)
-    return op
 
 
 class WorkerGroup(Protocol):

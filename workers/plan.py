@@ -23,6 +23,10 @@ class OpKind(str, enum.Enum):
 
 
 def _as_id_array(value: object, name: str) -> np.ndarray:
+    if type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == 1:
+        arr = value.copy()  # the common case (ids from the head's allocators): nothing to check
+        arr.setflags(write=False)
+        return arr
     arr = np.asarray(value)
     if arr.size == 0:
         arr = arr.astype(np.int32)
