@@ -152,6 +152,16 @@ class StorageConfig:
 # ---------------------------------------------------------------------------------------------
 
 
+def _set_mtime(fd: int, mtime_ns: int | None) -> None:
+    """Best-effort LRU timestamp on an open file (``None``: leave it)."""
+    if mtime_ns is None:
+        return
+    try:
+        os.utime(fd, ns=(mtime_ns, mtime_ns))
+    except OSError:
+        pass
+
+
 class _Deadline:
     def __init__(self, timeout_s: float) -> None:
         self.end = time.monotonic() + timeout_s
@@ -394,11 +404,7 @@ class _LocalBackend(_Backend):
                 except BaseException:
                     u8[:] = 0  # corrupt or unverified bytes never stay in the pool
                     raise
-            if mtime_ns is not None:
-                try:
-                    os.utime(fd, ns=(mtime_ns, mtime_ns))
-                except OSError:
-                    pass
+            _set_mtime(fd, mtime_ns)
         finally:
             os.close(fd)
         return total
@@ -428,11 +434,7 @@ class _LocalBackend(_Backend):
                         bufs.pop(0)
                     if bufs and n:
                         bufs[0] = bufs[0][n:]
-                if mtime_ns is not None:
-                    try:
-                        os.utime(fd, ns=(mtime_ns, mtime_ns))
-                    except OSError:
-                        pass
+                _set_mtime(fd, mtime_ns)
             finally:
                 os.close(fd)
             try:

@@ -27,10 +27,10 @@ HiCache hooks (L1 <-> L2 per component; the controller owns the host pools and t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from hicache.cluster.tree.params import InsertParams, MatchResult, RequestState
     from hicache.cluster.tree.radix import RadixTree
 
-__all__ = ["NO_VALUES", "ComponentTransfer", "HiCachePhase", "HostEvictionTracker", "TreeComponent"]
+__all__ = ["NO_VALUES", "ComponentTransfer", "HiCachePhase", "HostEvictionTracker", "TreeComponent", "node_value"]
 
 
 class HiCachePhase(str, Enum):
@@ -73,6 +73,20 @@ class HostEvictionTracker(Protocol):
     def release(self, component: str, node_id: int, host_ids: np.ndarray, num_tokens: int) -> None: ...
 
     def pinned(self, node_id: int) -> bool: ...
+
+
+V = TypeVar("V")
+
+
+def node_value(node: TreeNode, name: str, factory: Callable[[], V]) -> V:
+    """The per-node value a component keeps under ``name`` in ``node.component_data``, made on first use."""
+    data = node.component_data
+    if data is None:
+        data = node.component_data = {}
+    value = data.get(name)
+    if value is None:
+        value = data[name] = factory()
+    return value
 
 
 class TreeComponent(ABC):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner
-from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
+from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent, node_value
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams, MatchResult, RequestState
 from hicache.cluster.tree.swa import ComponentQueue, check_positive_int
@@ -128,13 +128,7 @@ class MambaComponent(TreeComponent):
     # -- node values ---------------------------------------------------------------------------------
     @staticmethod
     def _state(node: TreeNode) -> _MambaNode:
-        data = node.component_data
-        if data is None:
-            data = node.component_data = {}
-        st = data.get("mamba")
-        if st is None:
-            st = data["mamba"] = _MambaNode()
-        return st
+        return node_value(node, "mamba", _MambaNode)
 
     def state_slot(self, node: TreeNode) -> int:
         """The node's cached device state slot, or -1."""

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner
-from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
+from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent, node_value
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams, RequestState
 
@@ -214,13 +214,7 @@ class SWAComponent(TreeComponent):
     # -- node values ---------------------------------------------------------------------------------
     @staticmethod
     def _state(node: TreeNode) -> _SWANode:
-        data = node.component_data
-        if data is None:
-            data = node.component_data = {}
-        st = data.get("swa")
-        if st is None:
-            st = data["swa"] = _SWANode()
-        return st
+        return node_value(node, "swa", _SWANode)
 
     def is_live(self, node: TreeNode) -> bool:
         """True when the node's full KV is in L1 and its SWA pages are present (not a tombstone)."""

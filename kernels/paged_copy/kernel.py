@@ -82,6 +82,26 @@ def _count_arr(count: jax.Array | int) -> jax.Array:
     return jnp.reshape(jnp.asarray(count, jnp.int32), (1,))
 
 
+def _dma_copy_call(kernel, target: jax.Array, name: str, interpret: bool):
+    """The pallas_call shared by gather and scatter: 2 prefetched scalars (ids, count), refs left in
+    place (``pl.ANY``), one DMA semaphore, and the output aliasing operand 3 (``target``, donated)."""
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(target.shape, target.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(),
+            in_specs=[any_spec, any_spec],
+            out_specs=any_spec,
+            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
+        ),
+        input_output_aliases={3: 0},
+        interpret=_interpret_arg(interpret),
+        name=name,
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("out",))
 def gather_pages_pallas(
     kv: jax.Array,  # [L, 2, P, S, H, D]
@@ -91,22 +111,9 @@ def gather_pages_pallas(
     *,
     interpret: bool = False,
 ) -> jax.Array:  # [m, L, 2, S, H, D]
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        _gather_kernel,
-        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(),
-            in_specs=[any_spec, any_spec],
-            out_specs=any_spec,
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        # operands: (ids, count, kv, out) -> out aliases operand 3
-        input_output_aliases={3: 0},
-        interpret=_interpret_arg(interpret),
-        name="hicache_gather_pages",
-    )(page_ids.astype(jnp.int32), _count_arr(count), kv, out)
+    # operands: (ids, count, kv, out) -> out aliases operand 3
+    return _dma_copy_call(_gather_kernel, out, "hicache_gather_pages", interpret)(
+        page_ids.astype(jnp.int32), _count_arr(count), kv, out)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("kv",))
@@ -118,22 +125,9 @@ def scatter_pages_pallas(
     *,
     interpret: bool = False,
 ) -> jax.Array:  # [L, 2, P, S, H, D]
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        _scatter_kernel,
-        out_shape=jax.ShapeDtypeStruct(kv.shape, kv.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(),
-            in_specs=[any_spec, any_spec],
-            out_specs=any_spec,
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        # operands: (ids, count, pages, kv) -> out aliases operand 3
-        input_output_aliases={3: 0},
-        interpret=_interpret_arg(interpret),
-        name="hicache_scatter_pages",
-    )(page_ids.astype(jnp.int32), _count_arr(count), pages.astype(kv.dtype), kv)
+    # operands: (ids, count, pages, kv) -> out aliases operand 3
+    return _dma_copy_call(_scatter_kernel, kv, "hicache_scatter_pages", interpret)(
+        page_ids.astype(jnp.int32), _count_arr(count), pages.astype(kv.dtype), kv)
 
 
 def _to_host_kernel(ids_ref, count_ref, kv_ref, out_ref, sem):
