@@ -9,19 +9,21 @@ coordinator runs in worker 0 (127.0.0.1 here; CPU uses gloo collectives and fake
 ``jax.Array`` sharded on KV heads, so host ``i`` holds heads ``host_head_range`` of every page.
 
 Who owns what:
-* each actor owns its host's ``HostWorker``: the L1 shard (device pool), the L2 shard (host pool)
-  and the transfer engine; all of it lives on the actor's default-group thread (max_concurrency 1),
-  which is the KV-owning thread of DESIGN.md §4. ``ping`` runs in a separate "health" group and
-  touches none of it.
+* each actor owns its host's ``HostWorker``: the L1 shard (device pool), the L2 shard (host pool),
+  the transfer engine and, once attached, the engine's model runner; all of it lives on the actor's
+  default-group thread (max_concurrency 1), which is the KV-owning thread of DESIGN.md §4. ``ping``
+  runs in a separate "health" group and touches none of it.
 * the head actor owns the ``RayWorkerGroup`` (the actor handles and the placement group) and is the
   only caller of ``submit``/``poll``/``wait``.
 
 Which calls run on every host vs once:
 * every host, same order (SPMD): ``init_jax``, ``begin_epoch`` (builds the pools), every plan
-  (``submit``), and the data-plane helpers ``write_pages``/``read_pages`` (the engine's forward in a
-  real deployment). The group sends each plan to all hosts in ``seq`` order; none of these programs
-  contain cross-host collectives (head-sharded pages never cross devices), so hosts need not
-  interleave other callers' calls identically.
+  (``submit``), the engine's model calls (``attach_model``, ``run_model``: the per-host model runner
+  forwarding over this host's L1 shard, DESIGN.md §1) and the data-plane helpers
+  ``write_pages``/``read_pages``. The group sends each plan to all hosts in ``seq`` order; plans
+  contain no cross-host collectives (head-sharded pages never cross devices), so hosts need not
+  interleave plans and other callers' calls identically. Forwards do (attention heads are split over
+  hosts): their caller (``hicache.ray_engine``) sends every model call to every host in one order.
 * once (worker 0): ``coordinator_address``. Per host, local: ``poll``, ``wait``, ``ping``.
 
 Failure model: a replica's hosts fail together. A host that dies takes its L1 *and* L2 shards with
@@ -182,6 +184,25 @@ class HostWorkerActor:
 
     def read_slots(self, slots: np.ndarray) -> np.ndarray:
         return self._w().host_pool.read_slots(slots)
+
+    # -- the engine's model runner on this host (SPMD: every host, same calls, same order) ------------
+    def attach_model(self, factory: Any) -> dict[str, Any]:
+        """Builds the engine's per-host model runner over this host's L1 shard (``HostWorker.attach_model``);
+        it lives as long as this epoch's pools (``begin_epoch`` drops it with them)."""
+        import jax
+
+        w = self._w()
+        model = w.attach_model(factory)
+        return {"host": self.host_index, "epoch": self._epoch, "model": type(model).__name__,
+                "mesh_shape": tuple(w.device_pool.mesh.devices.shape), "backend": jax.default_backend()}
+
+    def run_model(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``model.<method>(*args, **kwargs)`` on the L1 array, on the KV-owning thread (ordered with
+        the plans this actor executes). Every host must get the same calls in the same order: a forward
+        runs collectives over the replica's mesh."""
+        if not isinstance(method, str) or method.startswith("_"):
+            raise ValueError(f"run_model: method must be a public method name, got {method!r}")
+        return self._w().run_model(lambda model: getattr(model, method)(*args, **kwargs))
 
     # -- L3 (this host's storage client over its shard of every page) -------------------------------
     def attach_storage(self, attachment: Any) -> None:

@@ -1,8 +1,9 @@
 """The embedded default stack in one process: head + one HostWorker + reference engine (+ L3 directory).
 
-Who owns what: the ``HostWorker`` owns the L1 array (and L2 slots); the ``ModelRunner`` borrows the L1
-array for each forward through ``WorkerPoolLink`` (same thread). With ``l2_slots == 0`` there is no
-worker and no host tier: the runner owns L1 alone. L3, when set, is an fsspec URL shared by every
+Who owns what: the ``HostWorker`` owns the L1 array (and L2 slots) and hosts the ``ModelRunner``
+(``HostWorker.attach_model``), as on a TPU host (DESIGN.md §1); the scheduler reaches the model
+through ``WorkerEngine``, which lends it the L1 array for each call (same thread as the transfers).
+With ``l2_slots == 0`` there is no worker and no host tier: the runner owns L1 alone. L3, when set, is an fsspec URL shared by every
 process that uses the same model fingerprint.
 """
 
@@ -22,7 +23,7 @@ from hicache.cluster.tree import TreeConfig
 from hicache.engine.config import ForwardConfig, ModelConfig, numerics_key
 from hicache.engine.kv_layout import LAYOUT_VERSION
 from hicache.engine.runner import ModelRunner
-from hicache.serving import RunnerOwnsPool, Scheduler, WorkerPoolLink
+from hicache.serving import Scheduler, WorkerEngine
 from hicache.storage import ModelFingerprint
 
 
@@ -46,10 +47,12 @@ class StackOptions:
             raise ValueError("L3 needs an L2 tier to stage through: set l2_slots > 0")
 
 
-def fingerprint_for(model: ModelConfig, forward: ForwardConfig) -> ModelFingerprint:
-    """L3 identity of the reference engine's KV: everything its bits depend on (``numerics_key``)."""
-    mesh = (jax.device_count(),)
-    digest = hashlib.sha256(numerics_key(model, forward, jax.default_backend(), mesh).encode()).hexdigest()[:24]
+def fingerprint_for(model: ModelConfig, forward: ForwardConfig, mesh_shape: tuple[int, ...] = (1,),
+                    backend: str | None = None) -> ModelFingerprint:
+    """L3 identity of the reference engine's KV: everything its bits depend on (``numerics_key``),
+    for a pool on a mesh of ``mesh_shape`` on ``backend`` (default: this process's)."""
+    key = numerics_key(model, forward, backend or jax.default_backend(), mesh_shape)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return ModelFingerprint(f"hicache-ref-{digest}", model.dtype, forward.page_size, model.num_layers,
                             model.num_kv_heads, model.head_dim, LAYOUT_VERSION)
 
@@ -74,7 +77,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
             runner = ModelRunner(options.model, options.forward, num_pages=options.l1_pages,
                                  params=None if runner is None else runner.params)
         client = CacheClient(EmbeddedTransport(head), ps)
-        sched = Scheduler(client, runner, RunnerOwnsPool(), prefill_budget=options.prefill_budget)
+        sched = Scheduler(client, runner, prefill_budget=options.prefill_budget)
         return EmbeddedStack(options, head, client, runner, sched)
     from hicache.workers import HostWorker, KVCacheSpec
 
@@ -83,13 +86,14 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1])
     hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
     head = CacheHead(HeadConfig(tree=tree, hicache=hicache), LocalWorkerGroup([worker]))
-    if options.l3_url is not None:
-        head.attach_storage_backend(StorageParams(
-            options.l3_url, fingerprint_for(m, options.forward), prefetch_policy=options.prefetch_policy,
-            prefetch_min_tokens=options.prefetch_min_tokens, pages_per_object=options.pages_per_object))
     params = None if runner is None else runner.params
-    runner = ModelRunner(m, options.forward, pool=worker.device_pool.kv, params=params)
+    runner = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params))
+    if options.l3_url is not None:
+        mesh_shape = tuple(worker.device_pool.mesh.devices.shape)
+        head.attach_storage_backend(StorageParams(
+            options.l3_url, fingerprint_for(m, options.forward, mesh_shape), prefetch_policy=options.prefetch_policy,
+            prefetch_min_tokens=options.prefetch_min_tokens, pages_per_object=options.pages_per_object))
     client = CacheClient(EmbeddedTransport(head), ps)
-    sched = Scheduler(client, runner, WorkerPoolLink(worker.device_pool), hicache=True,
+    sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget)
     return EmbeddedStack(options, head, client, runner, sched, worker)

@@ -4,19 +4,25 @@ Per request: match (all prompt tokens but the last, whose logits start decoding)
 L2 hit (waited for, bounded) -> lock -> alloc pages for the rest -> chunked prefill (each chunk but
 the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req``.
 
-Buffer ownership: the runner's forward donates the L1 pool; in a HiCache setup the host worker moves
-pages of the same pool. ``PoolLink`` hands the array between them on this one thread: before a
-forward the runner takes the worker's latest array, after it the worker takes the runner's. Any
-transfer a cache call dispatches therefore reads or writes the array the last forward produced.
+Where the model runs (DESIGN.md §1): the ``Scheduler`` drives an ``Engine``; every engine call
+forwards over the replica's L1 pool, wherever that pool lives:
+
+* ``ModelRunner`` itself (L1 only, embedded): the runner owns its pool; nothing else touches it.
+* ``WorkerEngine`` (embedded HiCache): the model sits inside the ``HostWorker``, which owns the L1
+  array and lends it to the model for each call (``HostWorker.run_model``), on this one thread; any
+  transfer a cache call dispatches therefore reads or writes the array the last forward produced.
+* ``hicache.ray_engine.RayEngine`` (a Ray replica): the model sits inside every host's
+  ``HostWorkerActor`` and runs SPMD over the replica's sharded L1 pool; each call goes to every host.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,36 +30,57 @@ from hicache.cluster.client import CacheClient
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
-from hicache.engine.runner import ModelRunner
+from hicache.engine.runner import Generation
 
 
-class PoolLink(Protocol):
-    def to_runner(self, runner: ModelRunner) -> None: ...
+class Engine(Protocol):
+    """The model as the scheduler sees it (``ModelRunner`` methods of the same names and meaning)."""
 
-    def from_runner(self, runner: ModelRunner) -> None: ...
+    @property
+    def page_size(self) -> int: ...
 
+    def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray: ...
 
-class RunnerOwnsPool:
-    """L1 only: the runner's pool is the only copy; nothing to hand over."""
+    def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
+               max_new_tokens: int) -> Generation: ...
 
-    def to_runner(self, runner: ModelRunner) -> None:
-        pass
-
-    def from_runner(self, runner: ModelRunner) -> None:
-        pass
+    def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation: ...
 
 
-class WorkerPoolLink:
-    """The runner forwards over the HostWorker's L1 array (embedded HiCache; on TPU, inside the worker)."""
+class RemoteModelEngine(ABC):
+    """An ``Engine`` whose model lives elsewhere (a worker) and is reached by ``call(method, *args)``."""
 
-    def __init__(self, device_pool) -> None:  # hicache.workers.DevicePool
-        self.device_pool = device_pool
+    page_size: int
 
-    def to_runner(self, runner: ModelRunner) -> None:
-        runner.set_pool(self.device_pool.kv)
+    @abstractmethod
+    def call(self, method: str, *args: Any) -> Any:
+        """``model.<method>(*args)`` where the model lives, over the L1 array; returns its result."""
 
-    def from_runner(self, runner: ModelRunner) -> None:
-        self.device_pool.set_kv(runner.pool)
+    def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray:
+        return self.call("extend", tokens, page_table, start_pos)
+
+    def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
+               max_new_tokens: int) -> Generation:
+        return self.call("decode", tokens, last_logits, page_table, max_new_tokens)
+
+    def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation:
+        """The reference: the same model, same pool shape and sharding, nothing reused."""
+        return self.call("generate_no_cache", tokens, max_new_tokens)
+
+
+class WorkerEngine(RemoteModelEngine):
+    """The model inside an in-process ``HostWorker`` (its ``attach_model``): each call borrows the
+    worker's L1 array on this thread (``run_model``)."""
+
+    def __init__(self, worker) -> None:  # hicache.workers.HostWorker with a model attached
+        if worker.model is None:
+            raise ValueError(f"host worker {worker.host_index} has no model attached")
+        self.worker = worker
+        self.page_size = int(worker.model.fwd.page_size)
+
+    def call(self, method: str, *args: Any) -> Any:
+        fn: Callable = lambda model: getattr(model, method)(*args)  # noqa: E731
+        return self.worker.run_model(fn)
 
 
 @dataclass(frozen=True)
@@ -79,18 +106,17 @@ class ServeResult:
 
 
 class Scheduler:
-    def __init__(self, client: CacheClient, runner: ModelRunner, link: PoolLink | None = None,
-                 *, hicache: bool = False, storage: bool = False, prefill_budget: int = 0) -> None:
+    def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
+                 prefill_budget: int = 0) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
         caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does."""
         ps = client.page_size
-        if ps != runner.fwd.page_size:
-            raise ValueError(f"cache page_size {ps} != engine page_size {runner.fwd.page_size}")
+        if ps != engine.page_size:
+            raise ValueError(f"cache page_size {ps} != engine page_size {engine.page_size}")
         if prefill_budget < 0 or prefill_budget % ps:
             raise ValueError(f"prefill_budget must be a multiple of page_size {ps}, got {prefill_budget}")
         self.client = client
-        self.runner = runner
-        self.link = link or RunnerOwnsPool()
+        self.engine = engine
         self.hicache = hicache
         self.storage = storage
         self.prefill_budget = prefill_budget
@@ -147,17 +173,13 @@ class Scheduler:
         budget = self.prefill_budget
         while budget and prompt.size - start > budget:
             end = start + budget
-            self.link.to_runner(self.runner)
-            self.runner.extend(prompt[:end], table, start)
-            self.link.from_runner(self.runner)
+            self.engine.extend(prompt[:end], table, start)
             state = self.client.cache_unfinished_req(RequestState(RadixKey(prompt[:end], *ns), table, prefix_len, node))
             table, prefix_len, node = state.device_pages, state.prefix_len, state.last_node
             start = end
-        self.link.to_runner(self.runner)
-        logits = self.runner.extend(prompt, table, start)[-1]
+        logits = self.engine.extend(prompt, table, start)[-1]
         ttft = time.perf_counter() - t0
-        gen = self.runner.decode(prompt, logits, table, req.max_new_tokens)
-        self.link.from_runner(self.runner)
+        gen = self.engine.decode(prompt, logits, table, req.max_new_tokens)
         seq = np.concatenate([prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
         self.client.cache_finished_req(RequestState(RadixKey(seq, *ns), table, prefix_len, node))
         return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size), hit - loaded,

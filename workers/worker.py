@@ -29,6 +29,15 @@ between forwards; only the executor call itself runs on the storage thread (it r
 fills private buffers). The Ray actor wraps the class as is. Multi-host: every host receives the
 same plans and calls ``submit`` in the same order (the device-side work is SPMD); ``poll``/``wait``
 are local.
+
+Engine placement (DESIGN.md §1): the process that owns the devices runs the model. ``attach_model``
+puts the engine's per-host model runner (any ``PoolModel``, e.g. the reference engine's
+``ModelRunner``) into the worker, built over this worker's L1 array; ``run_model(fn)`` lends it the
+current L1 array for ``fn`` (forwards donate it) and takes the result back before any transfer runs
+again. Both run on the KV-owning thread, so forwards and plans are ordered by that thread alone. A
+forward may contain cross-host collectives: every host must run the same model calls in the same
+order (the serving loop sends each call to every host); transfers contain none, so plans may
+interleave with forwards differently on each host.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -55,6 +65,18 @@ from hicache.workers.transfer import TransferEngine, TransferHandle
 # it may read slots, and must not write the pool there (return a commit instead) unless the pool is
 # safe for that. Must leave the pool unchanged on failure.
 StorageExecutor = Callable[[TransferOp, HostPool], "int | tuple[int, Callable[[], None]]"]
+
+
+class PoolModel(Protocol):
+    """A per-host model runner that forwards over the worker's L1 array (it donates it per forward)."""
+
+    @property
+    def pool(self) -> jax.Array: ...  # the L1 array after its last forward
+
+    def set_pool(self, kv_pool: jax.Array) -> None: ...
+
+
+_T = TypeVar("_T")
 
 _READS_SLOTS = (OpKind.LOAD_H2D, OpKind.BACKUP_H2S)
 _WRITES_SLOTS = (OpKind.BACKUP_D2H, OpKind.PREFETCH_S2H)
@@ -151,6 +173,34 @@ class HostWorker:
         self._last_seq: int | None = None
         self._pending: deque[_Pending] = deque()
         self._storage_thread: cf.ThreadPoolExecutor | None = None
+        self._model: PoolModel | None = None
+
+    # -- the engine's model runner (on the KV-owning thread, between plans) -------------------------
+    def attach_model(self, factory: Callable[[jax.Array], PoolModel]) -> PoolModel:
+        """Builds the engine's per-host model runner over this worker's L1 array (``factory(kv)``)
+        and keeps it; replaces any earlier one. Returns it."""
+        model = factory(self.device_pool.kv)
+        for name in ("pool", "set_pool"):
+            if not hasattr(model, name):
+                raise TypeError(f"attach_model: {type(model).__name__} has no {name!r} (not a PoolModel)")
+        self._model = model
+        return model
+
+    @property
+    def model(self) -> PoolModel | None:
+        return self._model
+
+    def run_model(self, fn: Callable[[PoolModel], _T]) -> _T:
+        """``fn(model)`` with the current L1 array lent to the model; the array the model holds
+        afterwards (its last forward's output) becomes the worker's L1 again, also when ``fn`` raises."""
+        model = self._model
+        if model is None:
+            raise RuntimeError(f"host worker {self.host_index}: no model attached (attach_model first)")
+        model.set_pool(self.device_pool.kv)
+        try:
+            return fn(model)
+        finally:
+            self.device_pool.set_kv(model.pool)
 
     # -- plans ---------------------------------------------------------------------------------
     def validate(self, plan: TransferPlan) -> None:

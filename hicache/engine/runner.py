@@ -88,6 +88,10 @@ class ModelRunner:
         self.set_pool(pool)
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
 
+    @property
+    def page_size(self) -> int:
+        return self.fwd.page_size
+
     # --- pools ---------------------------------------------------------------------------------
 
     @property

@@ -3,8 +3,9 @@
 One loopback ``ray.cluster_utils.Cluster`` for the module: a head node (``hicache_head``) and two fake
 hosts (``hicache_host: 2`` each, so two replicas fit side by side), every host worker a
 ``jax.distributed`` process with 2 fake CPU devices (the replica's mesh: 4 devices, KV heads 0-1 on
-host 0, 2-3 on host 1). The "forward" writes the known KV pattern into pages through the worker
-actors (SPMD: both hosts); every hit is read back from both hosts and compared bit for bit.
+host 0, 2-3 on host 1). Most tests stand in for the forward by writing a known KV pattern into
+pages through the worker actors (SPMD: both hosts) and read every hit back from both hosts, bit for
+bit; the engine test runs the reference model itself inside both host workers (``RayEngine``).
 """
 
 from __future__ import annotations
@@ -320,3 +321,51 @@ def test_two_replicas_share_l3_bit_identical(replica_x, env_x, tmp_path):
         stop_replica("z")
         del handle
     env_x.client.detach_storage_backend()
+
+
+def test_engine_in_the_host_workers_is_exact_with_l1_l2_l3_hits(replica_x, env_x, tmp_path):
+    """The reference engine runs inside both host workers (SPMD over the head-sharded L1 pool,
+    DESIGN.md §1), driven by the scheduler loop through the Ray client: with prefix hits from L1, L2
+    and L3 its generated tokens and logits equal, bit for bit, the no-cache run on the same mesh."""
+    from hicache.cluster.storage_tier import StorageParams
+    from hicache.engine import ForwardConfig, ModelConfig
+    from hicache.ray_engine import RayEngine
+    from hicache.serving import Scheduler, ServeRequest
+
+    model = ModelConfig(vocab_size=256, num_layers=SPEC.num_layers, num_q_heads=8, num_kv_heads=SPEC.num_kv_heads,
+                        head_dim=SPEC.head_dim, hidden=32, mlp_hidden=64)
+    engine = RayEngine("x", model, ForwardConfig(chunk_size=16, page_size=PS, max_pages=16))
+    assert engine.mesh_shape == (4,)  # 2 hosts x 2 devices: the forward spans both processes
+    c = env_x.client
+    l3 = StorageParams(f"file://{tmp_path}/l3", engine.fingerprint(), prefetch_min_tokens=PS, pages_per_object=2)
+    c.attach_storage_backend(l3)
+    sched = Scheduler(c, engine, hicache=True, storage=True, prefill_budget=16)
+    rng = np.random.default_rng(8)
+
+    def served_exactly(prompt: np.ndarray):
+        res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
+        ref = engine.generate_no_cache(prompt, 3)
+        assert res.output == ref.tokens
+        np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+        return np.concatenate([prompt, np.asarray(res.output, np.int32)]), res
+
+    def turn(history: np.ndarray) -> np.ndarray:
+        return np.concatenate([history, rng.integers(0, model.vocab_size, 6, dtype=np.int32)])
+
+    history, cold = served_exactly(rng.integers(0, model.vocab_size, 29, dtype=np.int32))
+    assert cold.computed_tokens == 29
+    history, r = served_exactly(turn(history))
+    assert r.device_hit_tokens >= 24 and r.loaded_tokens == 0  # L1
+    c.flush_write_through_acks()
+    assert c.evict(10_000).evicted_tokens > 0  # everything unlocked leaves L1; the L2 copies stay
+    history, r = served_exactly(turn(history))
+    assert r.loaded_tokens >= 32 and r.storage_tokens == 0  # L2 -> L1 load-back on both hosts
+    c.flush_write_through_acks()  # L2 -> L3 backups land
+    assert c.cache_stats()["storage"]["backup_pages"] >= 10
+    c.detach_storage_backend()
+    c.reset()  # a cold replica: empty tree, L1 and L2; only L3 remembers
+    c.attach_storage_backend(l3)
+    _, r = served_exactly(turn(history))
+    assert r.storage_tokens >= 40 and r.device_hit_tokens == 0  # L3 -> L2 -> L1
+    c.flush_write_through_acks()
+    c.detach_storage_backend()
