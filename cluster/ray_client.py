@@ -1,7 +1,8 @@
 """``connect``: a ``CacheClient`` whose calls go to a replica's head actor through Ray.
 
 Runs in the serving process (once per scheduler). Every remote call has a timeout; Ray's errors
-become ``hicache.cluster.errors`` exceptions; a batched ``step`` is one round trip. The transport
+become ``hicache.cluster.errors`` exceptions; a batched ``step`` (and a single call: a step of one)
+is one round trip in the compact wire format of ``hicache.cluster.wire``. The transport
 remembers the head's epoch and sends it with every call: after a head restart or a lost host the
 head refuses calls from the old epoch once (``HiCacheReplicaResetError``), so stale node ids and
 pages are never applied to the new state. Not thread-safe: one transport per scheduler thread.
@@ -15,6 +16,7 @@ from typing import Any
 
 import ray
 
+from hicache.cluster import wire
 from hicache.cluster.client import CacheClient
 from hicache.cluster.errors import HiCacheError, HiCacheReplicaResetError, HiCacheTimeoutError, HiCacheUnavailableError
 from hicache.cluster.head import Call, CallResult
@@ -55,12 +57,13 @@ class RayTransport:
         raise HiCacheUnavailableError(reply.reason or f"replica {self.replica!r} is unavailable")
 
     def call(self, call: Call) -> Any:
-        return self._remote("call", call).results[0].unwrap()
+        return self.step([call])[0].unwrap()
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
-        blob = memoryview(pickle.dumps(list(calls), protocol=pickle.HIGHEST_PROTOCOL))
+        calls = list(calls)
+        blob = memoryview(pickle.dumps(wire.encode_calls(calls), protocol=pickle.HIGHEST_PROTOCOL))
         chunks = [blob[i : i + _CHUNK].tobytes() for i in range(0, len(blob), _CHUNK)]
-        return self._remote("step_packed", *chunks).results
+        return wire.decode_results(*self._remote("step_wire", *chunks).results, calls)
 
 
 def connect(replica: str = "default", address: str | None = None, *, timeout_s: float = 30.0) -> CacheClient:

@@ -1,0 +1,187 @@
+"""Wire format of a batched ``step`` between a ``RayTransport`` and the head actor.
+
+A step travels as one small pickled header (one tuple per call: method code, scalars, offsets) plus
+one contiguous ``int32`` buffer holding every token and page array of the batch, instead of a pickle
+of many dataclasses with many small numpy arrays. Results come back the same way. What the head
+already holds is not sent: a request state (``cache_finished_req``/``cache_unfinished_req``) carries
+only the tokens past ``prefix_len``; the head takes the first ``prefix_len`` tokens from the path of
+the locked ``last_node`` (the tree resumes its walk there and never reads them otherwise), so a
+finished multi-turn request sends its new tokens, not its whole history. A returned request state
+carries no key (it is the key the client sent). Calls and results without a compact form travel
+pickled inside the header, unchanged.
+
+Buffers: ``encode_*`` copy into a new buffer the caller owns and sends; decoded arrays are views of
+the received buffer, which the decoder owns (the client copies its reply buffer once, so result
+arrays are writable and private to the caller). Decoding a request state needs the head's tree and
+runs on the head's control thread, call by call, in step order (a node created or split by an earlier
+call of the same step is seen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.cluster.head import CacheHead, Call, CallResult, Method
+from hicache.cluster.tree import MatchPrefixParams, MatchResult, RadixKey, RadixTree, RequestState
+
+_METHODS: tuple[Method, ...] = tuple(Method)
+_CODE = {m: i for i, m in enumerate(_METHODS)}
+_I32 = np.dtype(np.int32)
+
+# call kinds
+_GENERIC, _KEY, _PARAMS_KEY, _STATE, _INT = range(5)
+# result kinds
+_R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE = range(4)
+
+Header = list[tuple]
+
+
+class _Packer:
+    """Collects int32 arrays into one buffer; ``add`` returns (offset, length)."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, arr: np.ndarray) -> tuple[int, int]:
+        off, n = self.size, int(arr.shape[0])
+        self.parts.append(arr)
+        self.size += n
+        return off, n
+
+    def buffer(self) -> np.ndarray:
+        return np.concatenate(self.parts) if self.parts else np.empty(0, _I32)
+
+
+def _is_i32_vector(arr: Any) -> bool:
+    return isinstance(arr, np.ndarray) and arr.dtype == _I32 and arr.ndim == 1
+
+
+def _plain_int(v: Any) -> bool:
+    return type(v) is int
+
+
+# -- calls (client -> head) ---------------------------------------------------------------------------
+def encode_calls(calls: Sequence[Call]) -> tuple[Header, np.ndarray]:
+    """(header, buffer) of a batch; raises ``TypeError`` naming the first entry that is not a ``Call``."""
+    packer = _Packer()
+    header: Header = []
+    for i, call in enumerate(calls):
+        if not isinstance(call, Call):
+            raise TypeError(f"step expects Call objects, got {type(call).__name__} at index {i}")
+        code, arg = _CODE[call.method], call.arg
+        if type(arg) is RadixKey:
+            header.append((_KEY, code, *packer.add(arg.token_ids), arg.extra_key, arg.cache_salt))
+        elif type(arg) is MatchPrefixParams and type(arg.key) is RadixKey:
+            k = arg.key
+            header.append((_PARAMS_KEY, code, *packer.add(k.token_ids), k.extra_key, k.cache_salt))
+        elif type(arg) is RequestState and _compact_state(arg):
+            k = arg.key
+            header.append((_STATE, code, *packer.add(k.token_ids[arg.prefix_len :]), *packer.add(arg.device_pages),
+                           arg.prefix_len, arg.last_node, arg.priority, k.extra_key, k.cache_salt))
+        elif _plain_int(arg):
+            header.append((_INT, code, arg))
+        else:
+            header.append((_GENERIC, code, arg))
+    return header, packer.buffer()
+
+
+def _compact_state(s: RequestState) -> bool:
+    return (type(s.key) is RadixKey and not s.components and _is_i32_vector(s.device_pages)
+            and _plain_int(s.prefix_len) and 0 <= s.prefix_len <= len(s.key)
+            and _plain_int(s.last_node) and _plain_int(s.priority))
+
+
+def path_tokens(tree: RadixTree, node_id: int, prefix_len: int) -> np.ndarray:
+    """Tokens from the namespace root to the end of ``node_id``; ``ValueError`` (as the tree raises
+    for a request) when that path is not ``prefix_len`` long."""
+    node = tree.node(node_id)
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    depth = sum(p.shape[0] for p in parts)
+    if depth != prefix_len:
+        raise ValueError(f"prefix_len {prefix_len} does not end at last_node {node_id} (depth {depth})")
+    return np.concatenate(parts[::-1]) if parts else np.empty(0, _I32)
+
+
+def decode_call(entry: tuple, buf: np.ndarray, tree: RadixTree) -> Call:
+    """The ``Call`` of one header entry; reads ``tree`` for a request state's prefix (run it just
+    before the call). ``ValueError``/``TypeError`` when the entry names nothing valid."""
+    kind, code = entry[0], entry[1]
+    method = _METHODS[code]
+    if kind == _GENERIC or kind == _INT:
+        return Call(method, entry[2])
+    if kind == _KEY or kind == _PARAMS_KEY:
+        _, _, off, n, extra_key, cache_salt = entry
+        key = RadixKey(buf[off : off + n], extra_key, cache_salt)
+        return Call(method, key if kind == _KEY else MatchPrefixParams(key))
+    if kind == _STATE:
+        _, _, t_off, t_n, p_off, p_n, prefix_len, last_node, priority, extra_key, cache_salt = entry
+        prefix = path_tokens(tree, last_node, prefix_len)
+        key = RadixKey(np.concatenate([prefix, buf[t_off : t_off + t_n]]), extra_key, cache_salt)
+        return Call(method, RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority))
+    raise ValueError(f"unknown wire entry kind {kind!r}")
+
+
+def run_step(head: CacheHead, header: Header, buf: np.ndarray) -> tuple[Header, np.ndarray]:
+    """The head side of a step: decodes and runs the calls one by one, in order (a request state's
+    prefix is read from the tree as it is when its call runs), then encodes the results."""
+    calls: list[Call | None] = []
+    results: list[CallResult] = []
+    for entry in header:
+        try:
+            call = decode_call(entry, buf, head.tree)
+        except (ValueError, TypeError) as e:  # what the head raises for the same call
+            calls.append(None)
+            results.append(CallResult(False, error=e))
+            continue
+        calls.append(call)
+        results.extend(head.step([call]))
+    return encode_results(results, calls)
+
+
+# -- results (head -> client) -------------------------------------------------------------------------
+def encode_results(results: Sequence[CallResult], calls: Sequence[Call | None]) -> tuple[Header, np.ndarray]:
+    """(header, buffer) of a step's results; ``calls`` are the decoded calls they answer (``None``: the
+    call did not decode); a returned request state with the call's own key travels without it."""
+    packer = _Packer()
+    header: Header = []
+    for res, call in zip(results, calls):
+        v, arg = res.value, getattr(call, "arg", None)
+        if res.ok and type(v) is MatchResult and not v.components and _is_i32_vector(v.device_pages):
+            header.append((_R_MATCH, *packer.add(v.device_pages), v.device_hit_len, v.host_hit_len,
+                           v.last_device_node, v.last_host_node, v.best_match_node))
+        elif res.ok and _is_i32_vector(v):
+            header.append((_R_PAGES, *packer.add(v)))
+        elif (res.ok and type(v) is RequestState and type(arg) is RequestState and v.key is arg.key
+              and not v.components and _is_i32_vector(v.device_pages)):
+            header.append((_R_STATE, *packer.add(v.device_pages), v.prefix_len, v.last_node, v.priority))
+        else:
+            header.append((_R_GENERIC, res))
+    return header, packer.buffer()
+
+
+def decode_results(header: Header, buf: np.ndarray, calls: Sequence[Call]) -> list[CallResult]:
+    """The ``CallResult`` list of a reply; ``calls`` are the calls the client sent, in order."""
+    out = []
+    for entry, call in zip(header, calls):
+        kind = entry[0]
+        if kind == _R_GENERIC:
+            out.append(entry[1])
+            continue
+        off, n = entry[1], entry[2]
+        arr = buf[off : off + n]
+        if kind == _R_MATCH:
+            out.append(CallResult(True, MatchResult(arr, *entry[3:])))
+        elif kind == _R_PAGES:
+            out.append(CallResult(True, arr))
+        elif kind == _R_STATE:
+            out.append(CallResult(True, RequestState(call.arg.key, arr, *entry[3:])))
+        else:
+            raise ValueError(f"unknown wire result kind {kind!r}")
+    return out

@@ -1,0 +1,143 @@
+"""The compact step wire format: same answers as the head called directly, less sent.
+
+Two heads get the same calls: one directly (``CacheHead.step``), one through the wire format as the Ray
+head actor runs it (encode -> pickle -> ``run_step`` -> pickle -> decode). Every result must be equal.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from hicache.cluster import Call, CacheHead, CallResult, HeadConfig, Method
+from hicache.cluster import wire
+from hicache.cluster.tree import FinishResult, MatchPrefixParams, MatchResult, RadixKey, RequestState, TreeConfig
+from hicache.workloads import MultiTurnSpec, multi_turn
+
+PS = 4
+
+
+def over_wire(head: CacheHead, calls: list[Call]) -> list[CallResult]:
+    """Results of ``calls`` through the wire format (pickled both ways, as between processes)."""
+    header, buf = pickle.loads(pickle.dumps(wire.encode_calls(calls)))
+    reply = pickle.loads(pickle.dumps(wire.run_step(head, header, buf)))
+    return wire.decode_results(*reply, calls)
+
+
+def assert_same(a: CallResult, b: CallResult) -> None:
+    assert a.ok == b.ok, (a, b)
+    if not a.ok:
+        assert type(a.error) is type(b.error) and str(a.error) == str(b.error)
+        return
+    va, vb = a.value, b.value
+    assert type(va) is type(vb)
+    if isinstance(va, np.ndarray):
+        np.testing.assert_array_equal(va, vb)
+        assert va.dtype == vb.dtype
+    elif isinstance(va, (MatchResult, RequestState)):
+        for name in va.__dataclass_fields__:
+            x, y = getattr(va, name), getattr(vb, name)
+            if isinstance(x, np.ndarray):
+                np.testing.assert_array_equal(x, y)
+            elif isinstance(x, RadixKey):
+                np.testing.assert_array_equal(x.token_ids, y.token_ids)
+                assert x.namespace == y.namespace
+            else:
+                assert x == y, name
+    else:
+        assert va == vb
+
+
+class Pair:
+    """The same calls to two identical heads: directly and over the wire."""
+
+    def __init__(self, capacity_pages: int = 4096) -> None:
+        config = HeadConfig(tree=TreeConfig(PS, capacity_pages))
+        self.direct, self.remote = CacheHead(config), CacheHead(config)
+
+    def step(self, calls: list[Call]) -> list[CallResult]:
+        expected = self.direct.step(calls)
+        got = over_wire(self.remote, calls)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert_same(a, b)
+        return got
+
+
+def test_multi_turn_scheduler_loop_gives_identical_results_and_sends_only_new_tokens():
+    spec = MultiTurnSpec(conversations=12, turns=4, system_prompts=2, system_tokens=(40, 80), user_tokens=(5, 30),
+                         output_tokens=(5, 30), vocab_size=500, seed=1)
+    pair = Pair(capacity_pages=300)  # small L1: evictions and capacity errors are in play
+    full_words = sent_words = 0  # int32 words of the finishes: whole sequences + pages vs what the wire sent
+    finish: list[Call] = []
+    for turns in multi_turn(spec):
+        for i in range(0, len(turns), 5):
+            group = turns[i : i + 5]
+            sent_words += wire.encode_calls(finish)[1].size
+            res = pair.step(finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group])
+            matches = [r.value for r in res[len(finish):]]
+            res = pair.step([c for t, m in zip(group, matches) for c in (
+                Call(Method.INC_LOCK_REF, m.last_device_node), Call(Method.ALLOC, len(t.sequence) - m.device_hit_len))])
+            finish = []
+            for j, (t, m) in enumerate(zip(group, matches)):
+                own = res[2 * j + 1]
+                if not own.ok:
+                    finish.append(Call(Method.DEC_LOCK_REF, m.last_device_node))
+                    continue
+                pages = np.concatenate([m.device_pages, own.value])
+                finish.append(Call(Method.CACHE_FINISHED_REQ,
+                                   RequestState(RadixKey(t.sequence), pages, m.device_hit_len, m.last_device_node)))
+                full_words += len(t.sequence) + pages.size
+    pair.step(finish)
+    assert pair.direct.tree.stats() == pair.remote.tree.stats()
+    assert pair.direct.stats().matched_tokens > 0
+    # Finishes sent their new tokens only: the request carried less than the full sequences alone.
+    assert sent_words < 0.7 * full_words
+
+
+def test_request_state_prefix_comes_from_the_locked_path():
+    pair = Pair()
+    seq = np.arange(100, 140, dtype=np.int32)
+    m, pages = pair.step([Call(Method.MATCH_PREFIX, RadixKey(seq[:20], "t")), Call(Method.ALLOC, 20)])
+    pair.step([Call(Method.CACHE_FINISHED_REQ, RequestState(RadixKey(seq[:20], "t"), pages.value, 0,
+                                                            m.value.last_device_node))])
+    m = pair.step([Call(Method.MATCH_PREFIX, MatchPrefixParams(RadixKey(seq, "t")))])[0].value
+    assert m.device_hit_len == 20
+    own = pair.step([Call(Method.INC_LOCK_REF, m.last_device_node), Call(Method.ALLOC, 20)])[1].value
+    state = RequestState(RadixKey(seq[:30], "t"), np.concatenate([m.device_pages, own]), 20, m.last_device_node)
+    header, buf = wire.encode_calls([Call(Method.CACHE_UNFINISHED_REQ, state)])
+    assert buf.size == 10 + state.device_pages.size  # tokens past prefix_len, and the pages
+    got = pair.step([Call(Method.CACHE_UNFINISHED_REQ, state)])[0].value
+    assert got.key is state.key and got.prefix_len == 28  # the returned state carries the sent key
+    done = pair.step([Call(Method.CACHE_FINISHED_REQ, RequestState(RadixKey(seq, "t"), np.concatenate(
+        [got.device_pages, pair.step([Call(Method.ALLOC, 12)])[0].value]), got.prefix_len, got.last_node))])
+    assert done[0].value == FinishResult(28, 3)  # 10 whole pages kept; the 3 extra ones freed
+    assert pair.direct.tree.stats() == pair.remote.tree.stats()
+
+
+@pytest.mark.parametrize("prefix_len, node", [(8, "last"), (0, "last"), (20, 987654), (20, "root")])
+def test_a_wrong_prefix_or_node_fails_that_call_like_the_head(prefix_len, node):
+    pair = Pair()
+    seq = np.arange(40, dtype=np.int32)
+    m, pages = pair.step([Call(Method.MATCH_PREFIX, RadixKey(seq[:20])), Call(Method.ALLOC, 20)])
+    pair.step([Call(Method.CACHE_FINISHED_REQ, RequestState(RadixKey(seq[:20]), pages.value, 0,
+                                                            m.value.last_device_node))])
+    m = pair.step([Call(Method.MATCH_PREFIX, RadixKey(seq))])[0].value
+    pair.step([Call(Method.INC_LOCK_REF, m.last_device_node)])
+    node_id = {"last": m.last_device_node, "root": pair.direct.tree.roots()[(None, None)].id}.get(node, node)
+    own = pair.step([Call(Method.ALLOC, 20)])[0].value
+    bad = RequestState(RadixKey(seq), np.concatenate([m.device_pages, own]), prefix_len, node_id)
+    res = pair.step([Call(Method.CACHE_FINISHED_REQ, bad), Call(Method.STATS)])
+    assert not res[0].ok and isinstance(res[0].error, ValueError) and res[1].ok
+    assert pair.direct.tree.stats() == pair.remote.tree.stats()
+
+
+def test_generic_calls_and_errors_travel_unchanged():
+    pair = Pair()
+    res = pair.step([Call(Method.FREE, [12345]), Call(Method.ALLOC, np.int64(8)), Call(Method.STATS),
+                     Call(Method.EVICT, 0), Call(Method.INC_LOCK_REF, 999)])
+    assert [r.ok for r in res] == [False, True, True, True, False]
+    with pytest.raises(TypeError, match="index 1"):
+        wire.encode_calls([Call(Method.STATS), "stats"])
