@@ -2,7 +2,9 @@
 
 Owned by the tree's owner (the head). Every page is in exactly one state: FREE (on the free stack),
 REQUEST (handed out by ``alloc``, held by a running request) or TREE (referenced by a tree node).
-The free list is a numpy stack, so alloc/free of n pages is O(n) numpy work, not Python loops.
+The free list is a numpy stack, so alloc/free of n pages is O(n) numpy work, not Python loops. Page
+arrays are int32 everywhere; they are cast to ``intp`` once before fancy indexing (numpy's int32 index
+path costs 2-5x more per call than the cast plus an ``intp`` index).
 ``capacity=None`` means unbounded: the pool grows by doubling (benchmarks, tests of the tree alone).
 """
 
@@ -22,6 +24,13 @@ class PageOwner(IntEnum):
 
 
 _FREE, _REQUEST, _TREE = int(PageOwner.FREE), int(PageOwner.REQUEST), int(PageOwner.TREE)
+_OWNER_BYTE = {int(o): bytes([int(o)]) for o in PageOwner}
+_INTP = np.intp
+
+
+def as_index(pages: np.ndarray) -> np.ndarray:
+    """``intp`` copy of int32 ids for fancy indexing; negative ids wrap to >= 2**31 (out of any bound)."""
+    return pages.view(np.uint32).astype(_INTP)
 
 
 class CacheCapacityError(RuntimeError):
@@ -53,6 +62,7 @@ class PageAllocator:
         self._free = np.arange(size - 1, -1, -1, dtype=PAGE_DTYPE)  # stack; top = end, pops low ids first
         self._num_free = size
         self._scratch = np.zeros(size, dtype=PAGE_DTYPE)  # duplicate detection without sorting
+        self._positions = np.arange(size, dtype=PAGE_DTYPE)
 
     @property
     def capacity(self) -> int:
@@ -66,7 +76,7 @@ class PageAllocator:
         return int(np.count_nonzero(self._owner == owner))
 
     def owners(self, pages: np.ndarray) -> np.ndarray:
-        return self._owner[pages]
+        return self._owner[np.asarray(pages).astype(_INTP)]
 
     def _grow(self, needed: int) -> None:
         old = self.capacity
@@ -80,6 +90,7 @@ class PageAllocator:
         self._owner, self._free = owner, free
         self._num_free += added.size
         self._scratch = np.zeros(new, dtype=PAGE_DTYPE)
+        self._positions = np.arange(new, dtype=PAGE_DTYPE)
 
     def alloc(self, num_pages: int) -> np.ndarray:
         """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed)."""
@@ -90,44 +101,50 @@ class PageAllocator:
         top = self._num_free
         pages = self._free[top - num_pages : top][::-1].copy()
         self._num_free = top - num_pages
-        self._owner[pages] = _REQUEST
+        self._owner[pages.astype(_INTP)] = _REQUEST
         return pages
 
-    def check(self, pages: np.ndarray, expected: PageOwner, what: str = "pages") -> None:
-        """Raises ValueError unless every page is in range, unique and owned by ``expected``."""
-        n = pages.size
+    def check(self, pages: np.ndarray, expected: PageOwner, what: str = "pages") -> np.ndarray | None:
+        """Raises ValueError unless every page is in range, unique and owned by ``expected``.
+
+        Returns the pages as an ``intp`` index (for the caller's next fancy indexing), None if empty.
+        """
+        n = pages.shape[0]
         if n == 0:
-            return
+            return None
+        idx = as_index(pages)
         try:
-            owners = self._owner[pages.view(np.uint32)]  # negative ids wrap around and fail the bound
+            owners = self._owner[idx]
         except IndexError:
             bad = int(pages.min()) if int(pages.min()) < 0 else int(pages.max())
             raise ValueError(f"{what}: page id {bad} out of range [0, {self.capacity})") from None
         want = int(expected)
-        if (owners != want).any():
+        if owners.tobytes() != _OWNER_BYTE[want] * n:  # bytes compare: one memcmp, no ufunc + reduce
             i = int(np.flatnonzero(owners != want)[0])
             state = PageOwner(int(owners[i])).name
             hint = " (double free?)" if state == "FREE" else ""
             raise ValueError(f"{what}: page {int(pages[i])} is {state}, expected {expected.name}{hint}")
         if n > 1:
             # Scatter each page's position, gather back: a duplicate page reads another position.
-            positions = np.arange(n, dtype=PAGE_DTYPE)
-            self._scratch[pages] = positions
-            back = self._scratch[pages]
-            if (back != positions).any():
+            positions = self._positions[:n]
+            scratch = self._scratch
+            scratch[idx] = positions
+            back = scratch[idx]
+            if back.tobytes() != positions.tobytes():
                 i = int(np.flatnonzero(back != positions)[0])
                 raise ValueError(f"{what}: page {int(pages[i])} appears more than once")
+        return idx
 
     def transfer(self, pages: np.ndarray, new_owner: PageOwner) -> None:
         """Changes ownership of already-checked pages between REQUEST and TREE."""
-        self._owner[pages] = int(new_owner)
+        self._owner[pages.astype(_INTP)] = int(new_owner)
 
     def release(self, pages: np.ndarray) -> None:
         """Returns already-checked pages to the free stack."""
-        n = pages.size
+        n = pages.shape[0]
         if n == 0:
             return
-        self._owner[pages] = _FREE
+        self._owner[pages.astype(_INTP)] = _FREE
         self._free[self._num_free : self._num_free + n] = pages[::-1]
         self._num_free += n
 

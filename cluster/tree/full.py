@@ -56,13 +56,13 @@ class FullComponent(TreeComponent):
 
     def attach_pages(self, node: TreeNode, pages: np.ndarray) -> None:
         """Gives an L1-evicted node fresh request-held pages (load-back target)."""
-        assert node.device_pages is None and pages.shape[0] * self.tree.page_size == node.key.shape[0]
+        assert node.device_pages is None and pages.shape[0] * self.tree.page_size == node.num_tokens
         self.allocator.transfer(pages, PageOwner.TREE)
         node.device_pages = pages
         if node.lock_ref:
-            self.protected_tokens += node.key.shape[0]
+            self.protected_tokens += node.num_tokens
         else:
-            self.evictable_tokens += node.key.shape[0]
+            self.evictable_tokens += node.num_tokens
 
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         self._take(node, params, page_start, page_end)
@@ -72,7 +72,7 @@ class FullComponent(TreeComponent):
 
     def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
         if suffix.device_pages is not None:
-            k = prefix.key.shape[0] // self.tree.page_size
+            k = prefix.num_tokens // self.tree.page_size
             prefix.device_pages = suffix.device_pages[:k].copy()
             suffix.device_pages = suffix.device_pages[k:].copy()
 
@@ -82,7 +82,7 @@ class FullComponent(TreeComponent):
 
     def drop_device(self, node: TreeNode) -> int:
         """Frees the node's L1 pages; returns the tokens freed. The node itself stays (caller decides)."""
-        n = node.key.shape[0]
+        n = node.num_tokens
         self.allocator.release(node.device_pages)
         node.device_pages = None
         if node.lock_ref:
@@ -97,7 +97,7 @@ class FullComponent(TreeComponent):
         delta = 0
         while node.parent is not None:
             if node.lock_ref == 0 and node.device_pages is not None:
-                n = node.key.shape[0]
+                n = node.num_tokens
                 self.evictable_tokens -= n
                 self.protected_tokens += n
                 delta -= n
@@ -112,7 +112,7 @@ class FullComponent(TreeComponent):
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0 and node.device_pages is not None:
-                n = node.key.shape[0]
+                n = node.num_tokens
                 self.evictable_tokens += n
                 self.protected_tokens -= n
                 delta += n
@@ -131,7 +131,7 @@ class FullComponent(TreeComponent):
         assert np.all(alloc.owners(owned) == PageOwner.TREE), "a node references a non-TREE page"
         ps = self.tree.page_size
         assert (self.evictable_tokens + self.protected_tokens) == owned.size * ps, "token accounting drifted"
-        locked = sum(n.key.shape[0] for n in self.tree.iter_nodes() if n.lock_ref and n.device_pages is not None)
+        locked = sum(n.num_tokens for n in self.tree.iter_nodes() if n.lock_ref and n.device_pages is not None)
         assert locked == self.protected_tokens, f"protected {self.protected_tokens} != locked {locked}"
         assert alloc.num_free == alloc.count(PageOwner.FREE), "free stack disagrees with owners"
 

@@ -1,6 +1,7 @@
 """Tree nodes. Owned by the radix tree of one replica (the head); never shared across processes.
 
-A node holds a page-aligned run of tokens and, per tier, where their KV lives: ``device_pages`` (L1 page
+A node holds a page-aligned run of tokens (``key_bytes``, with ``key`` a read-only int32 view of the same
+memory: the tree compares and indexes keys as bytes, everything else reads the array) and, per tier, where their KV lives: ``device_pages`` (L1 page
 ids, one per page; ``None`` once evicted from L1) and ``host_slots`` (L2 slot ids; ``None`` when not backed
 up). Components (SWA, Mamba) keep their per-node values in ``component_data``. Nodes cross process
 boundaries only as their integer ``id``.
@@ -19,6 +20,8 @@ class TreeNode:
         "parent",
         "children",
         "key",
+        "key_bytes",
+        "num_tokens",
         "device_pages",
         "host_slots",
         "lock_ref",
@@ -41,7 +44,7 @@ class TreeNode:
         self,
         node_id: int,
         parent: TreeNode | None,
-        key: np.ndarray,
+        key: np.ndarray | bytes,
         device_pages: np.ndarray | None,
         tick: int,
         priority: int = 0,
@@ -49,7 +52,7 @@ class TreeNode:
         self.id = node_id
         self.parent = parent
         self.children: dict[Any, TreeNode] = {}
-        self.key = key  # i32[num_tokens], num_tokens % page_size == 0
+        self.set_key(key)
         self.device_pages = device_pages  # i32[num_tokens // page_size] or None (evicted from L1)
         self.host_slots: np.ndarray | None = None  # i32[num_tokens // page_size] or None (no L2 copy)
         self.lock_ref = 0  # requests (and in-flight transfers) that need the device KV of this node
@@ -67,9 +70,12 @@ class TreeNode:
         self.chain_key: str | None = None  # L3 chain key of the node's last page, once computed
         self.stored = False  # every page of the node is in L3 (acked by every host)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.key.shape[0])
+    def set_key(self, key: np.ndarray | bytes) -> None:
+        """Sets the node's tokens (int32 ids, or their bytes); ``num_tokens % page_size == 0``."""
+        kb = key if type(key) is bytes else np.ascontiguousarray(key, dtype=np.int32).tobytes()
+        self.key_bytes = kb
+        self.key = np.frombuffer(kb, dtype=np.int32)  # i32[num_tokens], read-only view of key_bytes
+        self.num_tokens = len(kb) >> 2
 
     @property
     def evicted(self) -> bool:

@@ -1,8 +1,9 @@
 """The radix tree of one serving replica: structure, match, insert, locks, eviction, request flows.
 
 Owned by the head (one per replica, DESIGN.md §1); a single thread mutates it. Keys are page-aligned
-runs of int32 token ids; children are indexed by their first page (an int at page size 1, the page's
-bytes otherwise). Every public method validates its input completely before it mutates anything, so a
+runs of int32 token ids kept as bytes (``TreeNode.key_bytes``); children are indexed by the bytes of their
+first page, and a walk compares a node's key bytes against the request's token bytes in place
+(``bytes.startswith`` at an offset: no copy, no numpy call per node). Every public method validates its input completely before it mutates anything, so a
 ValueError/TypeError leaves the tree exactly as it was.
 
 Extra components (SWA, Mamba; see ``component.py``) are called through ``self.extra_components`` loops
@@ -66,6 +67,7 @@ class RadixTree:
     def __init__(self, config: TreeConfig, components: Sequence[TreeComponent] = ()) -> None:
         self.config = config
         self.page_size = config.page_size
+        self._ck = 4 * config.page_size  # bytes of a child key (the node's first page)
         self.full = FullComponent(config.capacity_pages, config.eviction_policy)
         self.extra_components = list(components)
         for comp in [self.full, *self.extra_components]:
@@ -93,7 +95,7 @@ class RadixTree:
         self.default_root = self._root_for((None, None))
 
     # -- nodes -------------------------------------------------------------------------------------
-    def _new_node(self, parent: TreeNode | None, key: np.ndarray, priority: int = 0) -> TreeNode:
+    def _new_node(self, parent: TreeNode | None, key: np.ndarray | bytes, priority: int = 0) -> TreeNode:
         node = TreeNode(self._next_id, parent, key, None, self._tick, priority)
         self._next_id += 1
         self._nodes[node.id] = node
@@ -138,18 +140,10 @@ class RadixTree:
     def num_nodes(self) -> int:
         return len(self._nodes) - len(self._roots)
 
-    def _child_key(self, tokens: np.ndarray, pos: int) -> Any:
-        if self.page_size == 1:
-            return int(tokens[pos])
-        return tokens[pos : pos + self.page_size].tobytes()
-
-    def _common_len(self, node_key: np.ndarray, tokens: np.ndarray, pos: int, end: int) -> int:
-        """Page-aligned length of the common prefix of ``node_key`` and ``tokens[pos:end]``."""
-        klen = node_key.shape[0]
-        n = min(klen, end - pos)
-        seg = tokens[pos : pos + n]
-        if n == klen and node_key.tobytes() == seg.tobytes():
-            return klen
+    def _common_len(self, node_key: np.ndarray, tb: bytes, pos: int, end: int) -> int:
+        """Page-aligned length of the common prefix of ``node_key`` and tokens [pos, end) of ``tb``."""
+        n = min(node_key.shape[0], end - pos)
+        seg = np.frombuffer(tb, dtype=np.int32, count=n, offset=4 * pos)
         diff = np.flatnonzero(node_key[:n] != seg)
         m = int(diff[0]) if diff.size else n
         return m - m % self.page_size
@@ -158,8 +152,9 @@ class RadixTree:
         """Splits ``node`` after ``split_len`` tokens; returns the new prefix node (parent of ``node``)."""
         ps = self.page_size
         parent = node.parent
-        assert parent is not None and 0 < split_len < node.key.shape[0] and split_len % ps == 0
-        prefix = self._new_node(parent, node.key[:split_len].copy(), node.priority)
+        assert parent is not None and 0 < split_len < node.num_tokens and split_len % ps == 0
+        kb = node.key_bytes
+        prefix = self._new_node(parent, kb[: 4 * split_len], node.priority)
         prefix.lock_ref = node.lock_ref
         prefix.host_pin = node.host_pin
         prefix.hit_count = node.hit_count
@@ -180,11 +175,10 @@ class RadixTree:
         self.full.on_split(prefix, node)
         for comp in self.extra_components:
             comp.on_split(prefix, node)
-        ck = self._child_key(node.key, 0)
-        node.key = node.key[split_len:].copy()
+        node.set_key(kb[4 * split_len :])
         node.parent = prefix
-        prefix.children[self._child_key(node.key, 0)] = node
-        parent.children[ck] = prefix
+        prefix.children[node.key_bytes[: self._ck]] = node
+        parent.children[kb[: self._ck]] = prefix
         return prefix
 
     def _remove_leaf(self, node: TreeNode) -> None:
@@ -194,62 +188,57 @@ class RadixTree:
         self.full.on_remove(node)
         parent = node.parent
         assert parent is not None and not node.children
-        del parent.children[self._child_key(node.key, 0)]
+        del parent.children[node.key_bytes[: self._ck]]
         del self._nodes[node.id]
         node.parent = None
 
     # -- match -------------------------------------------------------------------------------------
-    def _walk(
-        self, key: RadixKey, end: int, start: TreeNode | None = None
-    ) -> tuple[TreeNode, list[TreeNode], int]:
-        """Follows ``key`` from its root; returns (root, fully matched path, partial len in next child).
+    def _walk(self, node: TreeNode, tb: bytes, pos: int, end: int) -> tuple[list[TreeNode], int]:
+        """Follows tokens [pos, end) of ``tb`` (int32 token bytes) down from ``node`` (which ends at ``pos``).
 
-        When the match stops inside a child, that child is the last element of the returned path and
-        the partial length (> 0, < its key length) says where. ``start`` is a node already known to
-        match the key's first ``depth(start)`` tokens (a request's locked node): comparison resumes there.
+        Returns (the matched nodes below ``node``, partial len). When the match stops inside a child, that
+        child is the last node returned and the partial length (> 0, < its key length) says where.
         """
-        tokens = key.token_ids
-        if start is None or start.parent is None:
-            root = self._root_for(key.namespace)
-            node, pos, path = root, 0, []
-        else:
-            node, pos, path = start, 0, []
-            while node.parent is not None:
-                path.append(node)
-                pos += node.key.shape[0]
-                node = node.parent
-            root = node
-            path.reverse()
-            node = start
-        ps = self.page_size
-        while pos < end:
-            child = node.children.get(int(tokens[pos]) if ps == 1 else tokens[pos : pos + ps].tobytes())
+        ck = self._ck
+        b, bend = 4 * pos, 4 * end
+        path: list[TreeNode] = []
+        children = node.children
+        while b < bend:
+            child = children.get(tb[b : b + ck])
             if child is None:
                 break
-            ckey = child.key
-            klen = ckey.shape[0]
-            if klen <= end - pos and ckey.tobytes() == tokens[pos : pos + klen].tobytes():
-                m = klen  # the common case: the whole node matches
-            else:
-                m = self._common_len(ckey, tokens, pos, end)
-                if m == 0:
-                    break
+            kb = child.key_bytes
+            if tb.startswith(kb, b, bend):  # the common case: the whole node matches
+                path.append(child)
+                b += len(kb)
+                children = child.children
+                continue
+            m = self._common_len(child.key, tb, b >> 2, end)  # >= one page: the first page matched
             path.append(child)
-            if m < klen:
-                return root, path, m
-            pos += m
-            node = child
-        return root, path, 0
+            return path, m
+        return path, 0
+
+    @staticmethod
+    def _ancestors(node: TreeNode) -> list[TreeNode]:
+        """The path root..node (root excluded, ``node`` included), root first."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
 
     def match_prefix(self, key: RadixKey) -> MatchResult:
         if not isinstance(key, RadixKey):
             raise TypeError(f"match_prefix expects a RadixKey, got {type(key).__name__}")
         ps = self.page_size
-        n = key.token_ids.shape[0]
+        tokens = key.token_ids
+        n = tokens.shape[0]
         end = n - n % ps
         self._match_calls += 1
         self._queried_tokens += end
-        root, path, partial = self._walk(key, end)
+        root = self._roots.get(key.namespace) or self._root_for(key.namespace)
+        path, partial = self._walk(root, tokens.tobytes(), 0, end)
         if partial:
             path[-1] = self._split(path[-1], partial)
         self._tick += 1
@@ -284,7 +273,7 @@ class RadixTree:
         for node in path[len(device_path) :]:
             if node.host_slots is None or node.loading:
                 break  # a load already in flight: usable once acked, not loadable again
-            host_len += node.key.shape[0]
+            host_len += node.num_tokens
             last_host = node
         best = last_host if host_len else last_device
         self._matched_tokens += device_len + host_len
@@ -294,7 +283,7 @@ class RadixTree:
         self, device_path: list[TreeNode], path: list[TreeNode]
     ) -> tuple[list[TreeNode], list[TreeNode], Any]:
         """Lets every extra component shorten the L1 and L2 parts of a match and add its own result."""
-        branch_len = sum(n.key.shape[0] for n in device_path)
+        branch_len = sum(n.num_tokens for n in device_path)
         for comp in self.extra_components:
             allowed = comp.limit_match(device_path)
             if allowed < len(device_path):
@@ -319,12 +308,6 @@ class RadixTree:
 
     # -- insert ------------------------------------------------------------------------------------
     def insert(self, params: InsertParams) -> InsertResult:
-        return self._insert(params, pages_checked=False)[0]
-
-    def _insert(
-        self, params: InsertParams, pages_checked: bool, start: TreeNode | None = None
-    ) -> tuple[InsertResult, TreeNode]:
-        """Inserts; returns the result and the node ending at the key's last whole page (or the root)."""
         if not isinstance(params, InsertParams):
             raise TypeError(f"insert expects InsertParams, got {type(params).__name__}")
         key = params.key
@@ -333,7 +316,6 @@ class RadixTree:
         pages = as_page_array(params.device_pages, "device_pages")
         if pages is not params.device_pages:
             params = InsertParams(key, pages, params.priority)
-        extra = self.extra_components
         ps = self.page_size
         end = len(key) - len(key) % ps
         if pages.shape[0] < end // ps:
@@ -341,12 +323,30 @@ class RadixTree:
                 f"device_pages has {pages.shape[0]} pages but the key has {end // ps} whole pages "
                 f"({len(key)} tokens, page_size {ps})"
             )
-        root, path, partial = self._walk(key, end, start)
+        return self._insert(params, end, self._root_for(key.namespace), [], 0, pages_checked=False)[0]
+
+    def _insert(
+        self, params: InsertParams, end: int, start: TreeNode, ancestors: list[TreeNode], start_pos: int,
+        pages_checked: bool,
+    ) -> tuple[InsertResult, TreeNode]:
+        """Inserts the first ``end`` tokens of ``params.key`` (validated, page-aligned) into the tree.
+
+        ``start`` is the key's namespace root or a node known to match its first ``start_pos`` tokens (a
+        request's locked node), ``ancestors`` the path root..start (root excluded, ``start`` last).
+        Returns the result and the node ending at ``end`` (or the root).
+        """
+        key, pages = params.key, params.device_pages
+        extra = self.extra_components
+        ps = self.page_size
+        tb = key.token_ids.tobytes()
+        below, partial = self._walk(start, tb, start_pos, end)
+        path = ancestors + below if ancestors else below
         # Ranges whose pages the tree takes: L1-evicted nodes being revived, and the new leaf.
         new_ranges: list[tuple[int, int]] = []
         pos, prefix_len, in_device_prefix = 0, 0, True
+        last_i = len(path) - 1
         for i, node in enumerate(path):
-            span = partial if (partial and i == len(path) - 1) else node.key.shape[0]
+            span = partial if (partial and i == last_i) else node.num_tokens
             if node.device_pages is None:
                 in_device_prefix = False
                 new_ranges.append((pos // ps, (pos + span) // ps))
@@ -364,50 +364,52 @@ class RadixTree:
             path[-1] = self._split(path[-1], partial)
         self._tick += 1
         tick = self._tick
+        listener = self.listener
         pos = 0
         for node in path:
-            n = node.key.shape[0]
+            n = node.num_tokens
             node.last_access = tick
             node.hit_count += 1
             if node.device_pages is None:
                 self.full.on_revive(node, params, pos // ps, (pos + n) // ps)
-                for comp in self.extra_components:
+                for comp in extra:
                     comp.on_revive(node, params, pos // ps, (pos + n) // ps)
-                if self.listener is not None:
-                    self.listener.on_stored(node, "device")
+                if listener is not None:
+                    listener.on_stored(node, "device")
             elif extra:
                 for comp in extra:
                     comp.on_insert_existing(node, params, pos // ps, (pos + n) // ps)
             pos += n
-        parent = path[-1] if path else root
+        parent = path[-1] if path else start
+        ck = self._ck
         if pos < end and extra:
             cuts = sorted({c for comp in extra for c in comp.insert_boundaries(params, pos // ps, end // ps)})
             for cut in cuts:  # components need the new run in several nodes (SWA: tombstone | live)
-                node = self._new_node(parent, key.token_ids[pos : cut * ps].copy(), params.priority)
-                parent.children[self._child_key(node.key, 0)] = node
+                node = self._new_node(parent, tb[4 * pos : 4 * cut * ps], params.priority)
+                parent.children[node.key_bytes[:ck]] = node
                 self.full.on_create(node, params, pos // ps, cut)
                 for comp in extra:
                     comp.on_create(node, params, pos // ps, cut)
-                if self.listener is not None:
-                    self.listener.on_stored(node, "device")
+                if listener is not None:
+                    listener.on_stored(node, "device")
                 path.append(node)
                 parent, pos = node, cut * ps
         if pos < end:
-            leaf = self._new_node(parent, key.token_ids[pos:end].copy(), params.priority)
+            leaf = self._new_node(parent, tb[4 * pos : 4 * end], params.priority)
             leaf.hit_count = 1  # its first insert counts as its first hit (write-through thresholds)
-            parent.children[self._child_key(leaf.key, 0)] = leaf
+            parent.children[leaf.key_bytes[:ck]] = leaf
             self.full.on_create(leaf, params, pos // ps, end // ps)
-            for comp in self.extra_components:
+            for comp in extra:
                 comp.on_create(leaf, params, pos // ps, end // ps)
             self.full.queue.push(leaf)
-            if self.listener is not None:
-                self.listener.on_stored(leaf, "device")
+            if listener is not None:
+                listener.on_stored(leaf, "device")
             path.append(leaf)
         elif path:
             self.full.maybe_push(path[-1])
         if self.after_insert is not None and path:
             self.after_insert(path)
-        return InsertResult(prefix_len), (path[-1] if path else root)
+        return InsertResult(prefix_len), (path[-1] if path else start)
 
     # -- locks -------------------------------------------------------------------------------------
     def inc_lock_ref(self, node_id: int) -> int:
@@ -465,7 +467,7 @@ class RadixTree:
                 if node is None:
                     break
                 batch.append(node)
-                batch_tokens += node.key.shape[0]
+                batch_tokens += node.num_tokens
             if not batch:
                 break
             if self.before_device_evict is not None:
@@ -494,11 +496,12 @@ class RadixTree:
         slots at once). None if ``parent`` already has a child starting with the same page."""
         ps = self.page_size
         assert tokens.shape[0] > 0 and tokens.shape[0] % ps == 0
-        ck = self._child_key(tokens, 0)
+        kb = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        ck = kb[: self._ck]
         if ck in parent.children:
             return None
         self._tick += 1
-        leaf = self._new_node(parent, np.ascontiguousarray(tokens, dtype=np.int32).copy())
+        leaf = self._new_node(parent, kb)
         leaf.hit_count = 1
         parent.children[ck] = leaf
         return leaf
@@ -542,7 +545,8 @@ class RadixTree:
         self.full.allocator.free(as_page_array(pages), PageOwner.REQUEST)
 
     # -- request flows (what a scheduler calls) --------------------------------------------------------
-    def _check_request(self, state: RequestState) -> tuple[TreeNode, np.ndarray, int]:
+    def _check_request(self, state: RequestState) -> tuple[TreeNode, np.ndarray, int, list[TreeNode]]:
+        """Validates a request; returns its locked node, its pages, its prefix pages and the locked path."""
         if not isinstance(state, RequestState):
             raise TypeError(f"expected RequestState, got {type(state).__name__}")
         if not isinstance(state.key, RadixKey):
@@ -557,10 +561,12 @@ class RadixTree:
         node = self.node(state.last_node)
         if node.parent is not None and node.lock_ref <= 0:
             raise ValueError(f"request's last_node {state.last_node} is not locked")
-        depth, root = 0, node  # one walk: the path's length and its root
+        path, depth, root = [], 0, node  # one walk: the path, its length and its root
         while root.parent is not None:
-            depth += root.key.shape[0]
+            path.append(root)
+            depth += root.num_tokens
             root = root.parent
+        path.reverse()
         if root is not self._roots.get(state.key.namespace):
             raise ValueError(f"last_node {state.last_node} belongs to another namespace than the key")
         if depth != state.prefix_len:
@@ -572,7 +578,7 @@ class RadixTree:
         self.full.allocator.check(pages[k:], PageOwner.REQUEST, "request pages")
         if state.components or self.extra_components:
             self._check_request_components(state)
-        return node, pages, k
+        return node, pages, k, path
 
     def _check_request_components(self, state: RequestState) -> None:
         unknown = set(state.components) - set(self.component_names)
@@ -641,18 +647,17 @@ class RadixTree:
         """Tokens from the namespace root to the end of ``node``."""
         total = 0
         while node.parent is not None:
-            total += node.key.shape[0]
+            total += node.num_tokens
             node = node.parent
         return total
 
     def cache_finished_req(self, state: RequestState) -> FinishResult:
         """Inserts the finished request's whole pages, frees duplicates and the tail, unlocks its path."""
-        last, pages, k = self._check_request(state)
+        last, pages, k, path = self._check_request(state)
         ps = self.page_size
         whole = len(state.key) // ps
-        result, end = self._insert(
-            InsertParams(state.key.prefix(whole * ps), pages[:whole], state.priority), True, last
-        )
+        params = InsertParams(state.key.prefix(whole * ps), pages[:whole], state.priority)
+        result, end = self._insert(params, whole * ps, last, path, state.prefix_len, pages_checked=True)
         new_prefix = result.prefix_len
         dup = pages[k : max(k, new_prefix // ps)]
         tail = pages[whole:]
@@ -674,11 +679,12 @@ class RadixTree:
         Returns the request's new state: its pages now start with the tree's pages for every whole page
         (duplicates were freed), followed by the request's own pages for the partial tail.
         """
-        last, pages, k = self._check_request(state)
+        last, pages, k, path = self._check_request(state)
         ps = self.page_size
         whole = len(state.key) // ps
         prefix_key = state.key.prefix(whole * ps)
-        result, end = self._insert(InsertParams(prefix_key, pages[:whole], state.priority), True, last)
+        params = InsertParams(prefix_key, pages[:whole], state.priority)
+        result, end = self._insert(params, whole * ps, last, path, state.prefix_len, pages_checked=True)
         new_prefix = result.prefix_len
         alloc = self.full.allocator
         alloc.release(pages[k : max(k, new_prefix // ps)])
@@ -745,11 +751,12 @@ class RadixTree:
         ps = self.page_size
         for node in self.iter_nodes():
             parent = node.parent
-            assert node.key.shape[0] > 0 and node.key.shape[0] % ps == 0, f"{node} not page aligned"
-            assert parent.children.get(self._child_key(node.key, 0)) is node, f"{node} not linked"
+            assert node.num_tokens > 0 and node.num_tokens % ps == 0, f"{node} not page aligned"
+            assert parent.children.get(node.key_bytes[: self._ck]) is node, f"{node} not linked"
+            assert node.key.tobytes() == node.key_bytes and node.num_tokens == len(node.key)
             assert self._nodes.get(node.id) is node
             if node.device_pages is not None:
-                assert node.device_pages.shape[0] * ps == node.key.shape[0], f"{node} pages/tokens mismatch"
+                assert node.device_pages.shape[0] * ps == node.num_tokens, f"{node} pages/tokens mismatch"
                 assert parent.parent is None or parent.device_pages is not None, f"{node} in L1 under evicted parent"
             else:
                 assert node.host_slots is not None, f"{node} is in no tier"

@@ -292,7 +292,7 @@ class SWAComponent(TreeComponent):
         pst = self._state(prefix)
         pst.lock = st.lock
         if st.bounds:
-            split_at = self.tree.depth(prefix.parent) + prefix.key.shape[0]
+            split_at = self.tree.depth(prefix.parent) + prefix.num_tokens
             inside = {q: c for q, c in st.bounds.items() if q < split_at}
             rest = {q: c for q, c in st.bounds.items() if q >= split_at}
             pst.lock = st.lock - sum(rest.values())
@@ -320,7 +320,7 @@ class SWAComponent(TreeComponent):
         while node.parent is not None:
             st = self._state(node)
             st.lock += delta
-            start = end - node.key.shape[0]
+            start = end - node.num_tokens
             if start <= q:
                 bounds = st.bounds
                 if delta > 0:
@@ -354,7 +354,7 @@ class SWAComponent(TreeComponent):
         end, out = q + self.window, []
         while node.parent is not None:
             out.append(node)
-            end -= node.key.shape[0]
+            end -= node.num_tokens
             if end <= q:
                 break
             node = node.parent
@@ -367,7 +367,7 @@ class SWAComponent(TreeComponent):
         run, from_root, best = 0, True, 0
         for i, node in enumerate(path):
             if swa_of[node.device_pages[0]] >= 0:
-                run += node.key.shape[0]
+                run += node.num_tokens
             else:
                 run, from_root = 0, False
             if from_root or run >= w:
@@ -381,7 +381,7 @@ class SWAComponent(TreeComponent):
         run, from_root = 0, True
         for node in device_path:
             if swa_of[node.device_pages[0]] >= 0:
-                run += node.key.shape[0]
+                run += node.num_tokens
             else:
                 run, from_root = 0, False
         best = 0
@@ -389,7 +389,7 @@ class SWAComponent(TreeComponent):
             data = node.component_data
             st = data.get("swa") if data else None
             if st is not None and st.host_slots is not None:
-                run += node.key.shape[0]
+                run += node.num_tokens
             else:
                 run, from_root = 0, False
             if from_root or run >= self.window:
