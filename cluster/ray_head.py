@@ -26,7 +26,9 @@ Rebuild path (constructor state is lost on restart; a lost host loses its L1 and
   drops its host tier (``drop_host_tier``), the head state is discarded (L1 died too: all processes
   of the SPMD program restart), calls answer ``status="unavailable"`` while the builder kills the
   survivors and starts a new gang (fresh jax session, pools and seq state); then a fresh state with a
-  new epoch is installed.
+  new epoch is installed. The L3 the lost state had attached (``StorageParams``: URL and options) is
+  remembered and attached to the new gang before the state serves, so L3 hits resume (prefetch)
+  after the rebuild; if that attach fails the replica serves without L3 and health says why.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.ray_workers import NAMESPACE, RayWorkerGroup, WorkerGroupOptions
+from hicache.cluster.storage_tier import StorageParams
 from hicache.cluster.tpu import HEAD_RESOURCE
 
 log = logging.getLogger(__name__)
@@ -145,6 +148,7 @@ class CacheHeadActor:
         self._calls = 0
         self._last_call: float | None = None
         self._metrics: HeadMetrics | None = None
+        self._storage: StorageParams | None = None  # L3 attached when the last state was lost
         self._last_publish = 0.0
         self._stop = threading.Event()
         with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
@@ -165,17 +169,33 @@ class CacheHeadActor:
         head.attach_metrics(self._metrics)
         return head
 
+    def _reattach_storage(self, head: CacheHead) -> str:
+        """Attaches the L3 the lost state had (same URL and options) to a fresh state; returns why
+        that failed ("" when it did not): the replica then serves without L3 and says so in health."""
+        params = self._storage
+        if params is None or head.controller is None:
+            return ""
+        try:
+            head.attach_storage_backend(params)
+        except Exception as e:  # L3 is optional: serve with L1/L2 and recompute, report it
+            log.warning("replica %s: re-attaching L3 %s failed: %s", self.config.replica, params.url, e)
+            return f"L3 {params.url} not re-attached after the rebuild: {type(e).__name__}: {e}"
+        log.info("replica %s: L3 %s re-attached to the new host workers", self.config.replica, params.url)
+        return ""
+
     def _install(self, group: RayWorkerGroup | None) -> None:
+        head = None if self._stop.is_set() else self._fresh_head(group)
+        reason = "" if head is None else self._reattach_storage(head)  # outside the lock: calls the workers
         with self._lock:
             if self._stop.is_set():
                 if group is not None:
                     group.kill()
                 return
-            self._head = self._fresh_head(group)
+            self._head = head
             self._group = group
             self._epoch = _new_epoch()
             self._state = HeadState.READY
-            self._reason = ""
+            self._reason = reason
         log.info("replica %s ready (epoch %x)", self.config.replica, self._epoch)
 
     def _start_builder(self, old: RayWorkerGroup | None) -> None:
@@ -206,6 +226,8 @@ class CacheHeadActor:
             return
         head, group = self._head, self._group
         if head is not None and head.controller is not None:
+            storage = head.controller.storage
+            self._storage = None if storage is None else storage.params  # the new gang gets it again
             head.controller.drop_host_tier(reason)  # in-flight transfers fail; nothing served from L2
         self._head, self._group, self._epoch = None, None, None
         self._state, self._reason = HeadState.REBUILDING, reason

@@ -33,7 +33,9 @@ from hicache.cluster.head import Call, Method  # noqa: E402
 from hicache.cluster.policy import HiCacheConfig  # noqa: E402
 from hicache.cluster.ray_head import HeadState, ReplicaConfig, get_head, stop_replica, worker_handles  # noqa: E402
 from hicache.cluster.ray_workers import WorkerGroupOptions  # noqa: E402
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams  # noqa: E402
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig  # noqa: E402
+from hicache.storage import ModelFingerprint  # noqa: E402
 from hicache.workers import KVCacheSpec  # noqa: E402
 from hicache.workloads import MultiTurnSpec, multi_turn  # noqa: E402
 from support.kv_pattern import page_rows  # noqa: E402
@@ -55,6 +57,12 @@ def replica_config(name: str, device_pages: int = 64, host_slots: int = 256) -> 
         WorkerGroupOptions.fake_cpu_hosts(SPEC, num_hosts=2, devices_per_host=2),
         detached=False, health_interval_s=0.25,
     )
+
+
+def l3_params(path) -> StorageParams:
+    """L3 on a local directory, for SPEC's KV (every replica using ``path`` shares it)."""
+    fp = ModelFingerprint("ray-test", "float32", PS, SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim)
+    return StorageParams(f"file://{path}/l3", fp, prefetch_min_tokens=PS, pages_per_object=2)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +135,17 @@ class RayEnv:
             self.write(own, self.rows(tokens, hit // PS, own.size))
         c.cache_finished_req(RequestState(key, np.concatenate([pages, own]), hit, node))
         return {"device_hit": hit - loaded, "loaded": loaded}
+
+    def prefetch(self, tokens: np.ndarray, req_id: str) -> int:
+        """Fetches the L3 prefix of ``tokens`` (which this replica does not hold) into L2; returns its length."""
+        key = RadixKey(tokens)
+        m = self.client.match_prefix(key)
+        assert m.device_hit_len + m.host_hit_len == 0
+        started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
+        assert started.state in (PrefetchState.RUNNING, PrefetchState.DONE)
+        progress = self.client.check_prefetch_progress(req_id)
+        assert progress.state is PrefetchState.DONE
+        return progress.tokens
 
     def serve_retrying(self, tokens: np.ndarray, deadline_s: float = 90.0) -> tuple[dict, int]:
         """A scheduler's reaction to a lost host: drop the request (the replica resets) and redo it."""
@@ -236,9 +255,15 @@ def _workload():
     return [t for rnd in multi_turn(spec) for t in rnd]
 
 
-def test_kill_a_worker_mid_workload_then_it_rejoins(replica_x):
+def test_kill_a_worker_mid_workload_then_it_rejoins_with_l3_attached(replica_x, tmp_path):
     env = RayEnv("x")
     head = get_head("x")
+    env.client.attach_storage_backend(l3_params(tmp_path))
+    a = seq(7000, 24)  # stored to L3 by the first gang, not served again before the rebuild
+    env.serve(a)
+    env.client.flush_write_through_acks()
+    assert env.client.cache_stats()["storage"]["backup_pages"] == 6
+    resets = ray.get(head.health.remote()).resets
     turns = _workload()
     old_pids, failures = env.pids(), 0
     for i, turn in enumerate(turns):
@@ -247,14 +272,19 @@ def test_kill_a_worker_mid_workload_then_it_rejoins(replica_x):
         r, f = env.serve_retrying(turn.prompt)
         failures += f
     h = ray.get(head.health.remote())
-    assert failures >= 1 and h.state is HeadState.READY and h.resets == 1
+    assert failures >= 1 and h.state is HeadState.READY and h.resets == resets + 1 and h.reason == ""
     assert env.pids().isdisjoint(old_pids)  # a whole new gang (one jax.distributed session)
     env.client.flush_write_through_acks()
     st = env.client.cache_stats()
     assert st["host_tokens"] > 0 and st["backed_up_tokens"] > 0  # L2 fills again on the new gang
+    assert st["storage"]["backup_pages"] > 0  # the same L3 is attached to the new gang and backs up to it
     # After the rejoin every cached prefix reads back exactly (no page from the dead gang is served).
     for turn in turns[-6:]:
         env.serve(turn.prompt)
+    # a's KV, written to L3 by the lost gang, comes back through the new gang's L2 bit for bit.
+    assert env.prefetch(a, "after-rebuild") == 24
+    assert env.serve(a)["loaded"] == 24  # serve() compares both hosts' shards with a's KV
+    env.client.detach_storage_backend()
 
 
 def test_kill_the_head_it_restarts_without_stale_hits(replica_x):
@@ -293,11 +323,7 @@ def test_kill_the_head_it_restarts_without_stale_hits(replica_x):
 def test_two_replicas_share_l3_bit_identical(replica_x, env_x, tmp_path):
     """Replica x computes and stores to L3; replica z (its own head, workers and L1/L2) gets L3 hits
     for x's prefix, loaded through its L2 into its L1, bit-identical on both of its hosts."""
-    from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
-    from hicache.storage import ModelFingerprint
-
-    fp = ModelFingerprint("ray-test", "float32", PS, SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim)
-    params = StorageParams(f"file://{tmp_path}/l3", fp, prefetch_min_tokens=PS, pages_per_object=2)
+    params = l3_params(tmp_path)
     env_x.client.attach_storage_backend(params)
     a = seq(5000, 24)
     env_x.serve(a)
@@ -307,13 +333,7 @@ def test_two_replicas_share_l3_bit_identical(replica_x, env_x, tmp_path):
     try:
         env_z = RayEnv("z")
         env_z.client.attach_storage_backend(params)
-        key = RadixKey(a)
-        m = env_z.client.match_prefix(key)
-        assert m.device_hit_len + m.host_hit_len == 0
-        started = env_z.client.prefetch_from_storage(PrefetchParams("z-1", key, m.best_match_node))
-        assert started.state in (PrefetchState.RUNNING, PrefetchState.DONE)
-        progress = env_z.client.check_prefetch_progress("z-1")
-        assert progress.state is PrefetchState.DONE and progress.tokens == 24
+        assert env_z.prefetch(a, "z-1") == 24
         r = env_z.serve(a)  # load-back from z's L2; serve() compares both hosts' shards bit for bit
         assert r["loaded"] == 24
         env_z.client.detach_storage_backend()
