@@ -39,6 +39,7 @@ class StackOptions:
     prefetch_min_tokens: int = 32
     pages_per_object: int = 4  # L3 object = 4 pages: a prefix query finds all but < 4 pages of it
     prefill_budget: int = 0
+    l3_overlap_pages: int = 2  # prefill pages computed while L3 is asked (Scheduler)
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:
@@ -95,5 +96,6 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
             prefetch_min_tokens=options.prefetch_min_tokens, pages_per_object=options.pages_per_object))
     client = CacheClient(EmbeddedTransport(head), ps)
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
-                      storage=options.l3_url is not None, prefill_budget=options.prefill_budget)
+                      storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
+                      l3_overlap_pages=options.l3_overlap_pages)
     return EmbeddedStack(options, head, client, runner, sched, worker)

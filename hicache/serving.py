@@ -2,7 +2,10 @@
 
 Per request: match (all prompt tokens but the last, whose logits start decoding) -> load-back of an
 L2 hit (waited for, bounded) -> lock -> alloc pages for the rest -> chunked prefill (each chunk but
-the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req``.
+the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req`` -> with a
+host tier, ``check_hicache_events`` (sends held backups, applies acks). Nothing but the request's own
+match, load-back, L3 query and alloc runs between its arrival and its first token: backups and their
+acks are handled after the decode, L2->L3 writes run on the workers' storage threads.
 
 Where the model runs (DESIGN.md §1): the ``Scheduler`` drives an ``Engine``; every engine call
 forwards over the replica's L1 pool, wherever that pool lives:
@@ -33,6 +36,12 @@ from hicache.cluster.tree import RadixKey, RequestState
 from hicache.engine.runner import Generation
 
 
+class Pending(Protocol):
+    """Logits of forwards already dispatched (``ModelRunner.start_extend``)."""
+
+    def result(self) -> np.ndarray: ...  # waits for them: f32[n, vocab]
+
+
 class Engine(Protocol):
     """The model as the scheduler sees it (``ModelRunner`` methods of the same names and meaning)."""
 
@@ -40,6 +49,8 @@ class Engine(Protocol):
     def page_size(self) -> int: ...
 
     def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray: ...
+
+    def start_extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> Pending: ...
 
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
                max_new_tokens: int) -> Generation: ...
@@ -58,6 +69,9 @@ class RemoteModelEngine(ABC):
 
     def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray:
         return self.call("extend", tokens, page_table, start_pos)
+
+    def start_extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> Pending:
+        return self.call("start_extend", tokens, page_table, start_pos)
 
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
                max_new_tokens: int) -> Generation:
@@ -100,32 +114,57 @@ class ServeResult:
     prompt_len: int
     device_hit_tokens: int  # prefix found in L1
     loaded_tokens: int  # prefix brought back from L2 (including what L3 prefetched into L2)
-    computed_tokens: int  # prompt tokens prefilled
+    computed_tokens: int  # prompt tokens prefilled (with a piece an L3 hit made redundant, if any)
     storage_tokens: int = 0  # of loaded_tokens, fetched from L3 for this request
     load_failed: bool = False
 
 
+@dataclass
+class _Prefix:
+    """Where a request's prefill starts: its page table, the reused prefix and its locked node."""
+
+    table: np.ndarray  # i32[pages]: every page of the request, prefix pages first
+    hit: int  # tokens reused (L1 + loaded), page-aligned; the tree owns the pages of [0, hit)
+    node: int  # last node of the reused prefix, locked
+    loaded: int = 0  # of hit, loaded back from L2 (including what L3 prefetched)
+    fetched: int = 0  # of loaded, fetched from L3 for this request
+    failed: bool = False
+    start: int = -1  # first position still to compute (>= hit; > hit after a speculative piece)
+    speculated: int = 0  # tokens computed while L3 was asked
+
+
 class Scheduler:
     def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
-                 prefill_budget: int = 0) -> None:
+                 prefill_budget: int = 0, l3_overlap_pages: int = 2) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
-        caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does."""
+        caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does.
+
+        ``l3_overlap_pages`` (with ``storage``): when L2 has nothing for a request, the prefill of up
+        to that many pages after the L1 prefix is dispatched before L3 is asked, so the L3 query runs
+        while the model computes (0: ask L3 first). On an L3 miss that piece is simply the start of the
+        prefill; on a hit, the loaded prefix replaces the part of it the hit covers."""
         ps = client.page_size
         if ps != engine.page_size:
             raise ValueError(f"cache page_size {ps} != engine page_size {engine.page_size}")
         if prefill_budget < 0 or prefill_budget % ps:
             raise ValueError(f"prefill_budget must be a multiple of page_size {ps}, got {prefill_budget}")
+        if not isinstance(l3_overlap_pages, int) or l3_overlap_pages < 0:
+            raise ValueError(f"l3_overlap_pages must be an int >= 0, got {l3_overlap_pages!r}")
         self.client = client
         self.engine = engine
         self.hicache = hicache
         self.storage = storage
         self.prefill_budget = prefill_budget
+        self.l3_overlap_pages = l3_overlap_pages
         self._req_ids = itertools.count()
+
+    def _l3_may_extend(self, key: RadixKey, m) -> bool:
+        ps = self.client.page_size
+        return self.storage and m.device_hit_len + m.host_hit_len < len(key) - len(key) % ps
 
     def _prefetch(self, key: RadixKey, m):  # -> (MatchResult, tokens fetched from L3)
         """Asks L3 for what L1+L2 lack; waits as the prefetch stop policy allows; matches again."""
-        ps = self.client.page_size
-        if m.device_hit_len + m.host_hit_len >= len(key) - len(key) % ps:
+        if not self._l3_may_extend(key, m):
             return m, 0
         req_id = f"req-{next(self._req_ids)}"
         started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
@@ -136,25 +175,54 @@ class Scheduler:
             return self.client.match_prefix(key), progress.tokens
         return m, 0
 
-    def _match(self, req: ServeRequest) -> tuple[np.ndarray, int, int, int, int, bool]:
-        """(prefix pages, hit len, locked node, loaded, from L3, load failed) — the node comes back locked."""
-        key = RadixKey(req.prompt[:-1], req.extra_key, req.cache_salt)
-        m = self.client.match_prefix(key)
-        fetched = 0
-        if self.storage:
-            m, fetched = self._prefetch(key, m)
-        pages, hit, node, loaded, failed = m.device_pages, m.device_hit_len, m.last_device_node, 0, False
-        if self.hicache and m.host_hit_len > 0:
-            r = self.client.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
-            if r.load_id >= 0:
-                if self.client.wait_load_back(r.load_id):
-                    pages, hit, node, loaded = r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens
-                else:
-                    failed = True  # the L2 copy could not be loaded: recompute from the L1 prefix
-                    m = self.client.match_prefix(key)
-                    pages, hit, node = m.device_pages, m.device_hit_len, m.last_device_node
+    def _load_back(self, key: RadixKey, m):  # -> (pages, hit, node, loaded, failed); node not locked
+        """Brings the L2 part of a match into L1 (waits, bounded); on failure falls back to L1's prefix."""
+        if not (self.hicache and m.host_hit_len > 0):
+            return m.device_pages, m.device_hit_len, m.last_device_node, 0, False
+        r = self.client.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+        if r.load_id < 0:
+            return m.device_pages, m.device_hit_len, m.last_device_node, 0, False
+        if self.client.wait_load_back(r.load_id):
+            return r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens, False
+        m = self.client.match_prefix(key)  # the L2 copy could not be loaded: recompute from the L1 prefix
+        return m.device_pages, m.device_hit_len, m.last_device_node, 0, True
+
+    def _prefix(self, key: RadixKey, m, total: int) -> _Prefix:
+        """L3 prefetch (if any), load-back, lock, alloc: the reused prefix in L1 and pages for the rest."""
+        m, fetched = self._prefetch(key, m) if self.storage else (m, 0)
+        pages, hit, node, loaded, failed = self._load_back(key, m)
         self.client.inc_lock_ref(node)
-        return pages, hit, node, loaded, min(fetched, loaded), failed
+        table = np.concatenate([pages, self.client.alloc(total - hit)]).astype(np.int32)
+        return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed, hit)
+
+    def _prefix_overlapping_l3(self, prompt: np.ndarray, key: RadixKey, m, total: int) -> _Prefix | None:
+        """Like ``_prefix`` for a request with an L1 prefix only: the first pages after it are computed
+        while L3 is asked. None when there is no room for such a piece."""
+        ps = self.client.page_size
+        h = m.device_hit_len
+        end = min(h + self.l3_overlap_pages * ps, (prompt.size - 1) // ps * ps)  # the last token stays
+        if self.prefill_budget:
+            end = min(end, h + self.prefill_budget)
+        if end <= h:
+            return None
+        self.client.inc_lock_ref(m.last_device_node)
+        own = self.client.alloc(total - h).astype(np.int32)
+        p = _Prefix(np.concatenate([m.device_pages, own]).astype(np.int32), h, m.last_device_node,
+                    start=end, speculated=end - h)
+        piece = self.engine.start_extend(prompt[:end], p.table, h)
+        m2, fetched = self._prefetch(key, m)
+        if fetched:
+            pages, hit, node, loaded, p.failed = self._load_back(key, m2)
+            if hit > h:  # the loaded prefix replaces the pages of [h, hit); computed KV past it stays
+                self.client.inc_lock_ref(node)
+                self.client.dec_lock_ref(p.node)
+                cut = (hit - h) // ps
+                self.client.free(own[:cut])
+                p.table = np.concatenate([pages, own[cut:]]).astype(np.int32)
+                p.hit, p.node, p.loaded, p.fetched = hit, node, loaded, min(fetched, loaded)
+                p.start = max(hit, end)
+        piece.result()  # the piece's forwards are done (their errors surface here)
+        return p
 
     def serve(self, req: ServeRequest) -> ServeResult:
         prompt = np.asarray(req.prompt, dtype=np.int32)
@@ -163,13 +231,16 @@ class Scheduler:
         if req.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
         t0 = time.perf_counter()
-        if self.hicache:
-            self.client.check_hicache_events()
-        prefix_pages, hit, node, loaded, fetched, failed = self._match(req)
-        total = prompt.size + req.max_new_tokens
-        table = np.concatenate([prefix_pages, self.client.alloc(total - hit)]).astype(np.int32)
         ns = (req.extra_key, req.cache_salt)
-        start, prefix_len = hit, hit
+        key = RadixKey(prompt[:-1], *ns)
+        total = prompt.size + req.max_new_tokens
+        m = self.client.match_prefix(key)
+        p = None
+        if self.l3_overlap_pages and m.host_hit_len == 0 and self._l3_may_extend(key, m):
+            p = self._prefix_overlapping_l3(prompt, key, m, total)
+        if p is None:
+            p = self._prefix(key, m, total)
+        table, prefix_len, node, start = p.table, p.hit, p.node, p.start
         budget = self.prefill_budget
         while budget and prompt.size - start > budget:
             end = start + budget
@@ -182,8 +253,11 @@ class Scheduler:
         gen = self.engine.decode(prompt, logits, table, req.max_new_tokens)
         seq = np.concatenate([prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
         self.client.cache_finished_req(RequestState(RadixKey(seq, *ns), table, prefix_len, node))
-        return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size), hit - loaded,
-                           loaded, int(prompt.size) - hit, fetched, failed)
+        if self.hicache:  # off the next request's critical path: send held backups, apply acks
+            self.client.check_hicache_events()
+        computed = p.speculated + int(prompt.size) - max(p.hit, p.start)
+        return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size),
+                           p.hit - p.loaded, p.loaded, computed, p.fetched, p.failed)
 
     def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
         return [self.serve(r) for r in requests]

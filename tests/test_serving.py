@@ -1,6 +1,9 @@
-"""End-to-end exactness on the embedded L1-only setup: cached runs equal no-cache runs, bit for bit."""
+"""End-to-end exactness on the embedded stacks (L1 only; L1+L2+L3 with the engine inside the host
+worker): cached runs equal no-cache runs, bit for bit."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -64,10 +67,20 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
             convs[c] = np.concatenate([prompt, np.asarray(res.output, dtype=np.int32)])
     stack.client.flush_write_through_acks()
     assert tiers["l2"] > 0, tiers
-    cold = build_stack(opts, runner)
-    for c, (prompt, ref) in refs.items():
-        res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
-        assert res.output == ref.tokens
-        np.testing.assert_array_equal(res.last_logits, ref.logits[0])
-        tiers["l3"] += res.storage_tokens
-    assert tiers["l3"] > 0, tiers
+    fresh = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt="never-seen"))
+    assert fresh.output == ref.tokens and fresh.computed_tokens == len(prompt)  # L3 miss: nothing wasted
+    # A cold stack gets L3 hits, with the L3 query overlapped by a 2-page prefill piece (the default)
+    # or asked first; both are exact and load the same prefix.
+    for overlap in (2, 0):
+        cold = build_stack(dataclasses.replace(opts, l3_overlap_pages=overlap), runner)
+        fetched = []
+        for c, (prompt, ref) in refs.items():
+            res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+            assert res.output == ref.tokens
+            np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+            reused = res.device_hit_tokens + res.loaded_tokens
+            assert reused + res.computed_tokens - len(prompt) in (0, overlap * 8) or not res.storage_tokens
+            fetched.append(res.storage_tokens)
+        tiers[f"l3-overlap-{overlap}"] = fetched
+        cold.client.flush_write_through_acks()
+    assert tiers["l3-overlap-2"] == tiers["l3-overlap-0"] and sum(tiers["l3-overlap-0"]) > 0, tiers

@@ -8,13 +8,14 @@ L1 pool layout). The scheduler loop that drives the runner with the cache lives 
 from hicache.engine import kv_layout
 from hicache.engine.config import ForwardConfig, ModelConfig, numerics_key
 from hicache.engine.model import chunk_rows, forward_chunk, init_params, reference_forward
-from hicache.engine.runner import Generation, ModelRunner, pages_needed, prefill_start
+from hicache.engine.runner import Generation, ModelRunner, PendingLogits, pages_needed, prefill_start
 
 __all__ = [
     "ForwardConfig",
     "Generation",
     "ModelConfig",
     "ModelRunner",
+    "PendingLogits",
     "chunk_rows",
     "forward_chunk",
     "init_params",

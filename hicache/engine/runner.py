@@ -45,6 +45,17 @@ class Generation:
     logits: np.ndarray  # f32[len(tokens), vocab]
 
 
+class PendingLogits:
+    """Logits of forwards already dispatched (JAX async dispatch): ``result()`` waits for them and
+    returns ``f32[n, vocab]``. Lets a caller overlap other work (a cache query) with a prefill."""
+
+    def __init__(self, parts: list[tuple[jax.Array, int, int]]) -> None:
+        self._parts = parts  # (logits f32[C, vocab] of one forward, first row, end row)
+
+    def result(self) -> np.ndarray:
+        return np.concatenate([np.asarray(logits)[lo:hi] for logits, lo, hi in self._parts])
+
+
 def pages_needed(num_tokens: int, page_size: int) -> int:
     """Pages that hold positions ``[0, num_tokens)``."""
     return -(-num_tokens // page_size)
@@ -119,6 +130,11 @@ class ModelRunner:
 
         Returns logits ``f32[len(tokens) - start_pos, vocab]``.
         """
+        return self.start_extend(tokens, page_table, start_pos).result()
+
+    def start_extend(self, tokens: Sequence[int], page_table: Sequence[int], start_pos: int) -> PendingLogits:
+        """``extend`` without waiting: dispatches the forwards (the pool is rebound to their output at
+        once, so later transfers and forwards are ordered after them) and returns their logits to come."""
         toks, table = self._check(tokens, page_table, start_pos)
         return self._run(toks, table, start_pos)
 
@@ -224,9 +240,9 @@ class ModelRunner:
         padded[:need] = used
         return toks.astype(np.int32), padded
 
-    def _run(self, toks: np.ndarray, table: np.ndarray, start: int) -> np.ndarray:
-        """Run the aligned chunks of positions ``[start, len(toks))``; rebinds the pool after each
-        forward (the old one is donated). Returns logits f32[len(toks) - start, vocab]."""
+    def _run(self, toks: np.ndarray, table: np.ndarray, start: int) -> PendingLogits:
+        """Dispatch the aligned chunks of positions ``[start, len(toks))``; rebinds the pool after each
+        forward (the old one is donated). Returns logits f32[len(toks) - start, vocab] to come."""
         c = self.fwd.chunk_size
         table_d = jax.device_put(table, self.placement)
         rows = np.arange(c, dtype=np.int32)
@@ -240,5 +256,5 @@ class ModelRunner:
             logits, self._kv = forward_chunk(self.params, self._kv, chunk_d, pos_d, valid_d, table_d,
                                              cfg=self.model)
             self.forwards += 1
-            out.append(np.asarray(logits)[lo - base: hi - base])
-        return np.concatenate(out)
+            out.append((logits, lo - base, hi - base))
+        return PendingLogits(out)

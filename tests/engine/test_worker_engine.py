@@ -1,0 +1,64 @@
+"""The engine inside a HostWorker (DESIGN.md §1): the model forwards over the worker's L1 array.
+
+Real JAX on CPU and a real ``HostWorker``; the model's KV is checked through the data plane (a D2H
+backup into L2 must carry exactly the KV the forward wrote) and the pool hand-over survives errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from hicache.engine import ForwardConfig, ModelConfig, ModelRunner, kv_layout
+from hicache.serving import WorkerEngine
+from hicache.workers import HostWorker, KVCacheSpec
+from hicache.workers.plan import OpKind, TransferOp, TransferPlan
+
+MODEL = ModelConfig(num_layers=2)
+FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=8)
+SPEC = KVCacheSpec(MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, FWD.page_size, MODEL.dtype)
+
+
+@pytest.fixture(scope="module")
+def worker() -> HostWorker:
+    w = HostWorker(SPEC, 16, 8, devices=jax.devices()[:1])
+    w.attach_model(lambda kv: ModelRunner(MODEL, FWD, pool=kv))
+    return w
+
+
+def test_forward_writes_the_workers_l1_and_a_backup_moves_exactly_that(worker):
+    engine = WorkerEngine(worker)
+    tokens = np.arange(3, 27, dtype=np.int32)  # 24 tokens = 3 pages
+    table = np.array([5, 9, 2], np.int32)
+    pending = engine.start_extend(tokens, table, 0)  # dispatched; the worker already holds its output
+    logits = pending.result()
+    assert logits.shape == (24, MODEL.vocab_size)
+    k, v = kv_layout.read_positions(worker.device_pool.kv, table, 24)
+    assert np.abs(k).sum() > 0 and np.abs(v).sum() > 0  # the forward wrote the worker's L1 array
+    worker.submit(TransferPlan(0, (TransferOp(1, OpKind.BACKUP_D2H, table, np.array([0, 1, 2], np.int32)),)))
+    (ack,) = worker.wait(10.0)
+    assert ack.ok
+    rows = worker.host_pool.read_slots(np.array([0, 1, 2], np.int32))  # [n, L, 2, S, H, D]
+    np.testing.assert_array_equal(rows, worker.device_pool.read_pages(table))
+    ref = ModelRunner(MODEL, FWD, num_pages=16, params=worker.model.params)
+    np.testing.assert_array_equal(ref.extend(tokens, table, 0), logits)  # same model, own pool
+    np.testing.assert_array_equal(rows, np.asarray(ref.pool)[:, :, table].transpose(2, 0, 1, 3, 4, 5))
+
+
+def test_run_model_hands_the_pool_back_when_the_model_raises(worker):
+    before = worker.device_pool.kv
+    with pytest.raises(ValueError, match="page id"):
+        WorkerEngine(worker).extend(np.arange(4, dtype=np.int32), np.array([99], np.int32), 0)
+    assert worker.device_pool.kv is before  # validation failed before any donation: same array
+
+
+def test_attach_model_rejects_what_is_not_a_pool_model():
+    w = HostWorker(SPEC, 4, 2, devices=jax.devices()[:1])
+    with pytest.raises(RuntimeError, match="no model attached"):
+        w.run_model(lambda m: None)
+    with pytest.raises(ValueError, match="no model attached"):
+        WorkerEngine(w)
+    with pytest.raises(TypeError, match="PoolModel"):
+        w.attach_model(lambda kv: object())
+    assert w.model is None
