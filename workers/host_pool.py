@@ -321,10 +321,16 @@ class NumpySlabHostPool(HostPool):
         if view.ctypes.data != kv.unsafe_buffer_pointer():  # the runtime copied: stop doing this
             self._sync_backup = False
             return False
-        rows = _bits(view[:, :, pages])  # [L, 2, n, S, H, D], a copy: the view can go now
-        del view
+        L, two, P, S, H, D = view.shape
+        src = _bits(view).reshape(L * two, P, S * H * D)  # free views: a page = L*2 runs of S*H*D
+        dst = self._slab_bits.reshape(self.num_slots, L * two, S * H * D)
         self._drain_readers()
-        self._slab_bits[slots] = rows.transpose(2, 0, 1, 3, 4, 5)
+        # One pass per page, straight from the pool into the slab. A fancy-index gather followed by
+        # a fancy-index store (no Python loop) makes two passes over the bytes and measured ~1.3x
+        # slower for 16 x 64 KiB pages and ~3x for 256 x 64 KiB (the temporary leaves the cache);
+        # the loop costs ~1 us of Python per page.
+        for s, p in zip(slots.tolist(), pages.tolist()):
+            dst[s] = src[:, p]
         return True
 
     def _drain_readers(self) -> None:

@@ -23,7 +23,7 @@ array assembly. With the numpy-slab host pool:
 
 * D2H of a batch up to ``SYNC_BACKUP_MAX_BYTES``, when the pool array is ready and no async backup
   is outstanding, is done *at dispatch*: on PJRT CPU a ready array is host memory (``np.asarray``
-  is a zero-copy view), so the backup is one numpy gather into the slab and the handle is born
+  is a zero-copy view), so the backup is one numpy pass per page into the slab and the handle is born
   finished (~15 us instead of a jitted gather, a readiness poll and a commit). Otherwise (pool
   busy, big batch) it is the async jitted gather into the reused staging buffer, committed later;
   while one is outstanding every backup takes that path, so slot writes keep dispatch order.
@@ -64,8 +64,11 @@ from hicache.workers.host_pool import HostPool, PendingBackup
 from hicache.workers.plan import OpKind
 
 # Synchronous D2H (one CPU device, numpy slab): batches up to this many bytes are copied into the
-# slab at dispatch when the pool array is ready; larger ones take the async gather path.
-SYNC_BACKUP_MAX_BYTES = 16 << 20
+# slab at dispatch when the pool array is ready; larger ones take the async gather path. On CPU the
+# async path costs the owner thread the same pass (its commit copies staging -> slab) *plus* an XLA
+# pass and a staging buffer, so the sync path is preferred; the bound only caps how long one
+# ``submit`` stalls the owner thread (~0.1 s per 256 MiB here).
+SYNC_BACKUP_MAX_BYTES = 256 << 20
 
 # Readiness polling: a CPU transfer of a few pages finishes within tens of microseconds, while one
 # ``time.sleep`` costs ~60+ us on Linux. Spin on ``is_ready`` this long before sleeping.
