@@ -33,7 +33,8 @@ _MAX_GHOSTS = 65_536
 _BACKUP_HOLD_CALLS = 4
 _BACKUP_HOLD_S = 0.05
 _TIERS = {t.value: t for t in Tier}  # str -> Tier without Enum.__call__ on the hot path
-_DEVICE, _HOST = Tier.DEVICE.value, Tier.HOST.value
+_DEVICE = Tier.DEVICE.value
+_STORED, _REMOVED, _DEVICE_TIER = EventKind.STORED, EventKind.REMOVED, Tier.DEVICE
 
 
 @dataclass(frozen=True)
@@ -59,16 +60,16 @@ class LoadBackResult:
     miss_reason: MissReason | None = None
 
 
-class _QueuedBackup:
-    """A D->H backup queued on the head, not yet sent: ``submit`` merges queued ones into one TransferOp.
+class _QueuedCopy:
+    """A D->H backup or H->D load queued on the head, not yet sent: ``submit`` merges the queued copies of
+    one kind into ONE TransferOp (one dispatch, one ack per host for the whole step).
 
     Duck-types the fields of ``TransferOp`` the head reads; the arrays are the head's own int32 ids."""
 
-    __slots__ = ("op_id", "device_pages", "host_slots")
-    kind = OpKind.BACKUP_D2H
+    __slots__ = ("op_id", "kind", "device_pages", "host_slots")
 
-    def __init__(self, op_id: int, device_pages: np.ndarray, host_slots: np.ndarray) -> None:
-        self.op_id, self.device_pages, self.host_slots = op_id, device_pages, host_slots
+    def __init__(self, op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray) -> None:
+        self.op_id, self.kind, self.device_pages, self.host_slots = op_id, kind, device_pages, host_slots
 
     @property
     def num_pages(self) -> int:
@@ -80,10 +81,12 @@ class HiCacheController:
         self.tree = tree
         self.config = config
         self.workers = workers
+        self._num_hosts = workers.num_hosts
         self.host = HostTier(tree, config.host_slots)
         self.counters = CacheCounters()
         self._pending: dict[int, list[PendingTransfer]] = {}  # sent op_id -> transfers it carries
-        self._finished_loads: dict[int, bool] = {}  # load op_id -> ok, until asked
+        self._loads: dict[int, PendingTransfer] = {}  # load id -> its queued or in-flight transfer
+        self._finished_loads: dict[int, bool] = {}  # load id -> ok, until asked
         self._queued: list[PendingTransfer] = []  # built, not yet sent
         self._queued_backup_pages = 0
         self._queued_other = 0  # queued ops that are not D->H backups (sent on the next submit)
@@ -94,7 +97,8 @@ class HiCacheController:
         self._op_ids = itertools.count()
         self.storage: StorageTier | None = None
         self.on_transfer: Callable[[str, float, int], None] | None = None  # (op kind, seconds, host) per ack
-        self._events: deque[KVEvent] = deque(maxlen=_MAX_EVENTS)
+        # (EventKind, Tier, node id, tokens); the KVEvent objects are built when taken (off the hot path).
+        self._events: deque[tuple[EventKind, Tier, int, int]] = deque(maxlen=_MAX_EVENTS)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         tree.listener = self
         tree.after_insert = self._after_insert
@@ -103,14 +107,19 @@ class HiCacheController:
 
     # -- tier listener (events, ghosts for miss reasons) ---------------------------------------------
     def on_stored(self, node: TreeNode, tier: str) -> None:
-        self._events.append(KVEvent(EventKind.STORED, _TIERS[tier], node.id, node.key.shape[0]))
+        self._events.append((_STORED, _TIERS[tier], node.id, node.key.shape[0]))
 
     def on_removed(self, node: TreeNode, tier: str) -> None:
-        self._events.append(KVEvent(EventKind.REMOVED, _TIERS[tier], node.id, node.key.shape[0]))
-        device = tier == _DEVICE
-        leaving = node.host_slots is None if device else node.device_pages is None
-        if leaving and node.parent is not None:
-            reason = MissReason.EVICTED_L1 if device else MissReason.EVICTED_L2
+        self._events.append((_REMOVED, _TIERS[tier], node.id, node.key.shape[0]))
+        if tier == _DEVICE:
+            if node.host_slots is not None:
+                return  # demoted to host-only: still cached
+            reason = MissReason.EVICTED_L1
+        else:
+            if node.device_pages is not None:
+                return
+            reason = MissReason.EVICTED_L2
+        if node.parent is not None:
             ghost = (node.parent.id, node.key[: self.tree.page_size].tobytes())
             self._ghosts[ghost] = reason
             self._ghosts.move_to_end(ghost)
@@ -118,7 +127,7 @@ class HiCacheController:
                 self._ghosts.popitem(last=False)
 
     def take_events(self) -> list[KVEvent]:
-        events = list(self._events)
+        events = [KVEvent(*e) for e in self._events]
         self._events.clear()
         return events
 
@@ -141,9 +150,15 @@ class HiCacheController:
         threshold = self.config.backup_hits
         if not threshold:
             return
-        for node in path:
-            if node.host_slots is None and node.staged_slots is None and node.hit_count >= threshold:
+        # Nodes with an L2 copy (or one in flight) are a prefix of the path (chains are contiguous from the
+        # root), so only the suffix after them may need a backup; the deepest node that qualifies takes every
+        # ancestor without a copy along in one chain.
+        for node in reversed(path):
+            if node.host_slots is not None or node.staged_slots is not None:
+                return
+            if node.hit_count >= threshold:
                 self._backup_chain(node)
+                return
 
     def _backup_chain(self, node: TreeNode) -> bool:
         """Backs up ``node`` and every ancestor without an L2 copy, in one op. False if not started."""
@@ -180,7 +195,7 @@ class HiCacheController:
                 start += k
         self.tree.full.lock(chain[-1])
         # Queued backups are merged into one TransferOp when sent (``submit``): no op is built per chain.
-        self._queue(_QueuedBackup(next(self._op_ids), pages, slots), chain)  # type: ignore[arg-type]
+        self._queue(_QueuedCopy(next(self._op_ids), OpKind.BACKUP_D2H, pages, slots), chain)  # type: ignore[arg-type]
         return True
 
     def _write_back(self, victims: list[TreeNode]) -> None:
@@ -197,22 +212,25 @@ class HiCacheController:
             raise ValueError(f"mem_quota must be an int >= 0 or None, got {params.mem_quota!r}")
         node = self.tree.node(params.node_id)
         chain = []
+        tokens = 0
+        loadable = True
         n = node
         while n.parent is not None and n.device_pages is None:
             chain.append(n)
+            tokens += n.key.shape[0]
+            loadable = loadable and n.host_slots is not None and n.pending is None
             n = n.parent
         last_device = n
         if node.parent is not None and node.device_pages is not None and node.loading:
             raise ValueError(f"node {params.node_id} is already loading")
-        chain.reverse()
-        tokens = sum(c.num_tokens for c in chain)
         if params.host_hit_len != tokens:
             raise ValueError(
                 f"host_hit_len {params.host_hit_len} does not match node {params.node_id} "
                 f"({tokens} host-only tokens above it): match again"
             )
-        if any(c.host_slots is None or c.pending is not None for c in chain):
+        if not loadable:
             raise ValueError(f"node {params.node_id} is not loadable (no host copy or a transfer in flight)")
+        chain.reverse()
         reason = None
         if not chain:
             pass
@@ -224,14 +242,17 @@ class HiCacheController:
             return self._start_load(chain, last_device, tokens)
         if reason is not None:
             self.counters.miss_tokens[reason] += tokens
-        return self._prefix_result(last_device, 0, -1, reason)
+        return self._prefix_result(last_device, last_device, None, 0, -1, reason)
 
     def _start_load(self, chain: list[TreeNode], last_device: TreeNode, tokens: int) -> LoadBackResult:
         full = self.tree.full
-        if last_device.parent is not None:
-            full.lock(last_device)  # its pages must survive the eviction alloc() may do
+        leaf = chain[-1]
+        # One lock on the whole path: last_device's pages must survive the eviction alloc() may do, and the
+        # chain stays locked until the load is acked (host-only nodes take the lock without L1 accounting;
+        # their pages count as protected once attached).
+        full.lock(leaf)
         for c in chain:
-            c.host_pin += 1
+            c.host_pin += 1  # write_back: the eviction below may back up and evict host leaves
         try:
             try:
                 pages = self.tree.alloc(tokens)
@@ -244,61 +265,75 @@ class HiCacheController:
         except CacheCapacityError:
             for c in chain:
                 c.host_pin -= 1
-            if last_device.parent is not None:
-                full.unlock(last_device)
+            full.unlock(leaf)
             self.counters.miss_tokens[MissReason.NO_SPACE] += tokens
-            return self._prefix_result(last_device, 0, -1, MissReason.NO_SPACE)
+            return self._prefix_result(last_device, last_device, None, 0, -1, MissReason.NO_SPACE)
         ps = self.tree.page_size
-        start = 0
-        for c in chain:
-            k = c.num_tokens // ps
-            full.attach_pages(c, pages[start : start + k])
-            c.loading = True
-            start += k
-        full.lock(chain[-1])
-        if last_device.parent is not None:
-            full.unlock(last_device)
-        slots = np.concatenate([c.host_slots for c in chain])
-        op = TransferOp(next(self._op_ids), OpKind.LOAD_H2D, pages, slots)
-        self._queue(op, chain)
-        return self._prefix_result(chain[-1], tokens, op.op_id, None)
+        if len(chain) == 1:
+            full.attach_pages(leaf, pages)
+            leaf.loading = True
+            slots = leaf.host_slots
+        else:
+            start = 0
+            for c in chain:
+                k = c.key.shape[0] // ps
+                full.attach_pages(c, pages[start : start + k])
+                c.loading = True
+                start += k
+            slots = np.concatenate([c.host_slots for c in chain])
+        load_id = next(self._op_ids)
+        # Queued loads are merged into one TransferOp when sent (``submit``): one per step, not per request.
+        self._queue(_QueuedCopy(load_id, OpKind.LOAD_H2D, pages, slots), chain)  # type: ignore[arg-type]
+        return self._prefix_result(leaf, last_device, pages, tokens, load_id, None)
 
-    def _prefix_result(self, node: TreeNode, loaded: int, load_id: int, reason: MissReason | None) -> LoadBackResult:
-        parts = []
-        n = node
+    def _prefix_result(self, last: TreeNode, last_device: TreeNode, loaded_pages: np.ndarray | None, loaded: int,
+                       load_id: int, reason: MissReason | None) -> LoadBackResult:
+        """The prefix ending at ``last``: the L1 path down to ``last_device``, then the pages being loaded."""
+        parts = [] if loaded_pages is None else [loaded_pages]
+        n = last_device
         while n.parent is not None:
             parts.append(n.device_pages)
             n = n.parent
-        pages = np.concatenate(parts[::-1]) if parts else np.empty(0, np.int32)
-        return LoadBackResult(pages, pages.shape[0] * self.tree.page_size, node.id, loaded, load_id, reason)
+        if len(parts) > 1:
+            pages = np.concatenate(parts[::-1])
+        else:
+            pages = parts[0] if parts else np.empty(0, np.int32)
+        return LoadBackResult(pages, pages.shape[0] * self.tree.page_size, last.id, loaded, load_id, reason)
 
     def wait_load_back(self, load_id: int, timeout_s: float | None = None) -> bool:
         """True once load ``load_id`` is acked by every host; False if it failed or timed out."""
         if load_id == -1:
             return True
+        finished = self._finished_loads.pop(load_id, None)
+        if finished is not None:
+            return finished
+        if load_id not in self._loads:
+            raise ValueError(f"unknown load id {load_id}")
         timeout = self.config.ack_timeout_s if timeout_s is None else timeout_s
-        if load_id not in self._finished_loads and load_id not in self._pending:
-            if not any(p.op.op_id == load_id for p in self._queued):
-                raise ValueError(f"unknown load id {load_id}")
-        self.submit()  # sends the load; queued backups keep batching (they are off the critical path)
+        # Sends every queued load as one op (the loads of a whole scheduler step share one dispatch and
+        # one ack); queued backups keep batching (they are off the critical path).
+        self.submit()
         self._apply(self.workers.poll())
-        if load_id in self._pending:
+        if load_id in self._loads:
             self._apply(self.workers.wait(timeout))
         return self._finished_loads.pop(load_id, False)
 
     # -- sending and acks ---------------------------------------------------------------------------
     def _queue(self, op: TransferOp, nodes: list[TreeNode]) -> PendingTransfer:
-        pending = PendingTransfer(op, -1, nodes, self.workers.num_hosts)
+        pending = PendingTransfer(op, -1, nodes, self._num_hosts)
         for n in nodes:
             n.pending = pending
         self._queued.append(pending)
-        if op.kind is OpKind.BACKUP_D2H:
+        kind = op.kind
+        if kind is OpKind.BACKUP_D2H:
             if not self._queued_backup_pages:
                 self._backup_held_calls = 0
                 self._backup_queued_at = time.monotonic()
             self._queued_backup_pages += op.num_pages
         else:
             self._queued_other += 1
+            if kind is OpKind.LOAD_H2D:
+                self._loads[op.op_id] = pending
         return pending
 
     # -- L3 ------------------------------------------------------------------------------------------
@@ -343,47 +378,48 @@ class HiCacheController:
     def submit(self, force: bool = False) -> int:
         """Sends queued ops as one plan to all hosts; returns the number of transfers sent.
 
-        Loads are sent at once (a request waits for them). Backups are off the critical path: they
-        wait until ``backup_batch_pages`` are queued (or ``force``) and then travel as ONE merged op,
-        so a batch costs one dispatch and one ack per host instead of one per request.
+        Loads (and storage ops) are sent at once: a request waits for them; queued loads travel as ONE
+        merged op. Backups are off the critical path: alone they wait until ``backup_batch_pages`` are
+        queued (or ``force``); a plan that goes out anyway takes every queued backup along, merged into ONE
+        op. So a scheduler step costs one dispatch and one ack per host per kind, not one per request.
         """
         queued = self._queued
         if not queued:
             return 0
-        hold = bool(self._queued_backup_pages) and not force and (
-            self._queued_backup_pages < self.config.backup_batch_pages
-        )
-        if hold and not self._queued_other:
+        if not (force or self._queued_other) and self._queued_backup_pages < self.config.backup_batch_pages:
             return 0  # only backups, still batching: the common case, no list building
-        if hold:
-            sending = [p for p in queued if p.kind is not OpKind.BACKUP_D2H]
-            self._queued = [p for p in queued if p.kind is OpKind.BACKUP_D2H]
-        else:
-            sending, self._queued = queued, []
-        self._queued_other = 0
+        sending, self._queued = queued, []
+        self._queued_other = self._queued_backup_pages = 0
         seq = next(self._seq)
         ops, groups = [], []
+        loads, backups = [], []
         for p in sending:
-            if p.kind is not OpKind.BACKUP_D2H:
+            kind = p.kind
+            if kind is OpKind.LOAD_H2D:
+                loads.append(p)
+            elif kind is OpKind.BACKUP_D2H:
+                backups.append(p)
+            else:
                 ops.append(p.op)
                 groups.append([p])
-        merged = [p for p in sending if p.kind is OpKind.BACKUP_D2H]
-        if merged:
-            self._queued_backup_pages = 0
-            if len(merged) == 1:
-                first = merged[0].op
-                ops.append(TransferOp(first.op_id, OpKind.BACKUP_D2H, first.device_pages, first.host_slots))
-            else:
-                ops.append(TransferOp(next(self._op_ids), OpKind.BACKUP_D2H,
-                                      np.concatenate([p.op.device_pages for p in merged]),
-                                      np.concatenate([p.op.host_slots for p in merged])))
-            groups.append(merged)
+        for merged in (loads, backups):
+            if merged:
+                ops.append(self._merged_op(merged))
+                groups.append(merged)
         for op, group in zip(ops, groups):
             for p in group:
                 p.seq = seq
             self._pending[op.op_id] = group
         self.workers.submit(TransferPlan(seq, tuple(ops)))
         return len(sending)
+
+    def _merged_op(self, group: list[PendingTransfer]) -> TransferOp:
+        """One TransferOp for queued copies of one kind (their id pairs concatenated, in queue order)."""
+        first = group[0].op
+        if len(group) == 1:
+            return TransferOp(first.op_id, first.kind, first.device_pages, first.host_slots)
+        return TransferOp(next(self._op_ids), first.kind, np.concatenate([p.op.device_pages for p in group]),
+                          np.concatenate([p.op.host_slots for p in group]))
 
     def check_events(self) -> int:
         """Sends what is queued and applies every ack that arrived; returns transfers completed.
@@ -443,7 +479,7 @@ class HiCacheController:
 
     def _complete(self, p: PendingTransfer) -> None:
         c = self.counters
-        ok = p.ok
+        ok = not p.errors
         if not ok:
             c.transfer_failures += 1
         nodes = p.nodes
@@ -454,8 +490,7 @@ class HiCacheController:
         if kind is OpKind.BACKUP_D2H:
             host = self.host
             if ok:
-                host.commit_many(nodes)
-                c.backed_up_tokens += sum(n.key.shape[0] for n in nodes)
+                c.backed_up_tokens += host.commit_many(nodes)
             else:
                 for n in nodes:
                     host.unreserve(n.staged_slots)
@@ -464,28 +499,37 @@ class HiCacheController:
             if ok and self.storage is not None:
                 self.storage.on_host_committed(nodes)
         elif kind is OpKind.LOAD_H2D:
-            full.unlock(nodes[-1])
+            leaf = nodes[-1]
+            full.unlock(leaf)  # pushes the leaf as an L1 candidate if nothing else holds it
             tokens = 0
-            for n in nodes:
-                n.loading = False
-                n.host_pin -= 1
-                tokens += n.key.shape[0]
-                if not ok:
-                    full.drop_device(n)  # the pages never got the data: host-only again
             if ok:
-                c.loaded_tokens += tokens
-                listener = self.tree.listener
+                events = self._events
                 for n in nodes:
-                    listener.on_stored(n, _DEVICE)
+                    n.loading = False
+                    n.host_pin -= 1
+                    k = n.key.shape[0]
+                    tokens += k
+                    events.append((_STORED, _DEVICE_TIER, n.id, k))
+                c.loaded_tokens += tokens
+                # The chain is root-to-leaf and every node but the leaf has a child with an L2 copy (and,
+                # now, L1 pages): only the leaf can be a host eviction candidate.
+                self.host.maybe_push(leaf)
             else:
+                for n in nodes:
+                    n.loading = False
+                    n.host_pin -= 1
+                    tokens += n.key.shape[0]
+                    full.drop_device(n)  # the pages never got the data: host-only again
                 c.miss_tokens[MissReason.LOAD_FAILED] += tokens
+                parent = nodes[0].parent
+                if parent is not None and parent.parent is not None:
+                    full.maybe_push(parent)  # may be an L1 leaf again
+                for n in nodes:
+                    self.host.maybe_push(n)
+            del self._loads[p.op.op_id]
             self._finished_loads[p.op.op_id] = ok
             if len(self._finished_loads) > _MAX_EVENTS:
                 self._finished_loads.pop(next(iter(self._finished_loads)))
-            host = self.host
-            for n in nodes:
-                full.maybe_push(n)
-                host.maybe_push(n)
         elif self.storage is not None and self.storage.owns(p.op.op_id):  # BACKUP_H2S, PREFETCH_S2H
             self.storage.complete(p)
 

@@ -15,6 +15,8 @@ from hicache.cluster.events import Tier
 from hicache.cluster.tree import PageAllocator, PageOwner, RadixTree, TreeNode
 from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
 
+_HOST = Tier.HOST.value
+
 
 class HostTier:
     def __init__(self, tree: RadixTree, num_slots: int, policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
@@ -55,31 +57,31 @@ class HostTier:
 
     def commit(self, node: TreeNode) -> None:
         """The node's staged backup was acked by every host: its L2 copy is now valid."""
-        slots = node.staged_slots
-        assert slots is not None and node.host_slots is None
-        self.slots.transfer(slots, PageOwner.TREE)
-        node.host_slots, node.staged_slots = slots, None
-        self.host_tokens += node.key.shape[0]
-        self.maybe_push(node)
-        if self.tree.listener is not None:
-            self.tree.listener.on_stored(node, Tier.HOST.value)
+        self.commit_many([node])
 
-    def commit_many(self, nodes: list[TreeNode]) -> None:
-        """``commit`` for the nodes of one acked backup: one allocator update for all their slots."""
+    def commit_many(self, nodes: list[TreeNode]) -> int:
+        """``commit`` for the nodes of one acked backup chain (root to leaf, contiguous): one allocator
+        update for all their slots. Returns the tokens committed."""
         if len(nodes) == 1:
-            self.commit(nodes[0])
-            return
-        slots = [n.staged_slots for n in nodes]
-        assert all(s is not None for s in slots) and all(n.host_slots is None for n in nodes)
-        self.slots.transfer(np.concatenate(slots), PageOwner.TREE)
+            slots = nodes[0].staged_slots
+            assert slots is not None and nodes[0].host_slots is None
+        else:
+            assert all(n.staged_slots is not None and n.host_slots is None for n in nodes)
+            slots = np.concatenate([n.staged_slots for n in nodes])
+        self.slots.transfer(slots, PageOwner.TREE)
         listener = self.tree.listener
+        tokens = 0
         for n in nodes:
             n.host_slots, n.staged_slots = n.staged_slots, None
-            self.host_tokens += n.key.shape[0]
-        for n in nodes:  # after all are committed: a parent is evictable only once its children are
-            self.maybe_push(n)
+            k = n.key.shape[0]
+            tokens += k
             if listener is not None:
-                listener.on_stored(n, Tier.HOST.value)
+                listener.on_stored(n, _HOST)
+        self.host_tokens += tokens
+        # Only the chain's leaf can be a host leaf: every other node has the next one, now backed up, as a
+        # child. (Its parent already had an L2 copy and just got a backed-up child: no longer a host leaf.)
+        self.maybe_push(nodes[-1])
+        return tokens
 
     def drop(self, node: TreeNode) -> int:
         """Releases the node's L2 copy; a host-only node leaves the tree. Returns tokens dropped."""
@@ -88,7 +90,7 @@ class HostTier:
         node.host_slots = None
         self.host_tokens -= n
         if self.tree.listener is not None:
-            self.tree.listener.on_removed(node, Tier.HOST.value)
+            self.tree.listener.on_removed(node, _HOST)
         parent = node.parent
         if node.device_pages is None:
             self.tree.remove_host_only(node)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -102,17 +101,21 @@ class LocalWorkerGroup:
         return total
 
 
-@dataclass
 class PendingTransfer:
-    """One op in flight and the nodes whose state waits on it (in root-to-leaf order)."""
+    """One op in flight and the nodes whose state waits on it (in root-to-leaf order).
 
-    op: TransferOp
-    seq: int
-    nodes: list[TreeNode]
-    num_hosts: int
-    acked_hosts: set[int] = field(default_factory=set)
-    errors: list[str] = field(default_factory=list)
-    submitted_at: float = field(default_factory=time.monotonic)
+    ``op`` is the op as queued; queued copies of one kind may travel merged into one sent op, acked once
+    for all of them. A plain slotted class: the head makes one per queued transfer, on the hot path."""
+
+    __slots__ = ("op", "seq", "nodes", "num_hosts", "acked_hosts", "errors")
+
+    def __init__(self, op: TransferOp, seq: int, nodes: list[TreeNode], num_hosts: int) -> None:
+        self.op = op
+        self.seq = seq
+        self.nodes = nodes
+        self.num_hosts = num_hosts
+        self.acked_hosts: set[int] = set()
+        self.errors: list[str] = []
 
     @property
     def kind(self) -> OpKind:

@@ -164,6 +164,68 @@ def test_failed_load_rolls_back_and_request_recomputes():
     check(env)
 
 
+class RecordingWorkers:
+    """The env's real worker group; remembers every plan the head sent."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.plans = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit(self, plan) -> None:
+        self.plans.append(plan)
+        self.inner.submit(plan)
+
+
+def _host_only_prefixes(env: HiCacheEnv, n: int) -> list[np.ndarray]:
+    """``n`` disjoint 16-token prefixes, backed up, evicted from L1, free L1 pages overwritten."""
+    prefixes = [seq(i * 1000, 16) for i in range(n)]
+    for p in prefixes:
+        env.serve(p)
+    env.head.flush_write_through_acks()
+    env.head.evict(10**6)
+    free = env.head.alloc(env.head.stats().free_pages * env.ps)
+    env.worker.device_pool.write_pages(free, np.full((free.size, *env.row_shape), -7, np.float32))
+    env.head.free(free)
+    return prefixes
+
+
+def test_a_steps_load_backs_travel_as_one_op_and_are_exact():
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
+    prefixes = _host_only_prefixes(env, 4)
+    rec = RecordingWorkers(env.head.controller.workers)
+    env.head.controller.workers = rec
+    out = env.serve_step([np.concatenate([p, seq(5000 + 100 * i, 8)]) for i, p in enumerate(prefixes[:3])])
+    assert [o["loaded"] for o in out] == [16, 16, 16]  # serve_step checked every loaded page's KV
+    loads = [op for plan in rec.plans for op in plan.ops if op.kind is OpKind.LOAD_H2D]
+    assert len(loads) == 1 and loads[0].num_pages == 12
+    check(env)
+    # The step's backups (the 8 new tokens of each request) are held; the next plan with loads takes them.
+    rec.plans.clear()
+    env.head.check_hicache_events()
+    assert rec.plans == []
+    env.serve_step([prefixes[3]])
+    assert [sorted(op.kind.value for op in plan.ops) for plan in rec.plans] == [["d2h", "h2d"]]
+    env.head.flush_write_through_acks()
+    assert env.head.cache_stats()["backed_up_tokens"] == 4 * 16 + 3 * 8
+    check(env)
+
+
+def test_a_failed_step_load_fails_each_request_which_recomputes():
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64,
+                     faults={"fail_kinds": (OpKind.LOAD_H2D,), "fail_rate": 1.0})
+    prefixes = _host_only_prefixes(env, 3)
+    free_before = env.head.stats().free_pages
+    out = env.serve_step(prefixes)  # serve_step checks the recomputed pages' KV
+    assert [(o["load_failed"], o["loaded"], o["device_hit"]) for o in out] == [(True, 0, 0)] * 3
+    st = env.head.cache_stats()
+    assert st["miss_tokens"]["load_failed"] == 48 and st["transfer_failures"] == 3 and st["in_flight"] == 0
+    assert env.head.stats().free_pages == free_before - 12  # the recomputed requests' pages, nothing leaked
+    assert env.head.stats().protected_tokens == 0
+    check(env)
+
+
 def test_events_report_tiers():
     env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
     env.serve(seq(0, 8))

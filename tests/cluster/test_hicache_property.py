@@ -2,8 +2,10 @@
 
 After every step: the tree and L2 invariants (pages and slots owned exactly once, L2 chains contiguous
 from the root, in-flight nodes locked and pinned), no request-held pages left over, both tiers within
-their bounds. Every hit is checked to return exactly the KV written for its tokens (``serve``), and at
-the end everything cached in either tier is loaded and checked once more.
+their bounds. Requests come one at a time (``serve``) or a few per scheduler step (``serve_step``: their
+load-backs travel as one op, which the faults may fail as a whole). Every hit is checked to return
+exactly the KV written for its tokens, and at the end everything cached in either tier is loaded and
+checked once more.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def test_random_stream_with_faults(seed, policy):
                      faults={"fail_kinds": (OpKind.BACKUP_D2H, OpKind.LOAD_H2D), "fail_rate": 0.25,
                              "delay_polls": 3, "seed": seed})
     head = env.head
-    for tokens in _stream(rng, 45):
+    stream = _stream(rng, 45)
+    while stream:
         action = rng.random()
         if action < 0.1:
             head.evict(rng.randint(0, 40))
@@ -51,7 +54,13 @@ def test_random_stream_with_faults(seed, policy):
             head.check_hicache_events()
         elif action < 0.25:
             head.flush_write_through_acks()
-        env.serve(tokens)  # asserts exact KV on every hit
+        step = [stream.pop(0)]  # a step takes up to 3 requests of at most half of L1 together
+        while stream and len(step) < rng.randint(1, 3) and sum(len(t) for t in step + stream[:1]) <= 12 * 4:
+            step.append(stream.pop(0))
+        if len(step) == 1:
+            env.serve(step[0])  # asserts exact KV on every hit
+        else:
+            env.serve_step(step)
         head.tree.check_invariants()
         head.controller.check_invariants()
         st = head.stats()
@@ -61,11 +70,20 @@ def test_random_stream_with_faults(seed, policy):
     assert head.controller.in_flight == 0
     assert head.stats().protected_tokens == 0
     # Everything still cached (either tier) loads back exactly; drop L1 first so L2 is exercised.
+    # Odd seeds do it in steps of two requests (their load-backs share one op).
     head.evict(10**6)
+    step = []
     for tokens in _stream(random.Random(seed), 45):
         m = head.match_prefix(RadixKey(tokens))
         if m.device_hit_len + m.host_hit_len:
-            env.serve(tokens)
+            step.append(tokens)
+        if len(step) == 1 + seed % 2 or (step and sum(len(t) for t in step) > 6 * 4):
+            env.serve(step[0]) if len(step) == 1 else env.serve_step(step)
+            step = []
+            head.tree.check_invariants()
+            head.controller.check_invariants()
+    if step:
+        env.serve_step(step)
     head.tree.check_invariants()
     head.controller.check_invariants()
     c = head.cache_stats()

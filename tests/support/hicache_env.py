@@ -1,7 +1,9 @@
 """A real embedded HiCache setup for tests: head + one HostWorker (real JAX pools) + helpers.
 
 ``serve`` runs the scheduler's sequence for one request and writes the known KV pattern
-(``kv_pattern``) into the pages the request computed, so loaded-back bytes can be checked exactly.
+(``kv_pattern``) into the pages the request computed, so loaded-back bytes can be checked exactly;
+``serve_step`` does the same for a batch of requests in one scheduler step (their load-backs travel as
+one op; a failed one falls back to recomputing).
 ``FaultyWorkers`` wraps the real worker group to delay acks and turn chosen acks into failures (a
 host that failed its copy); the bytes still move on the real pools.
 """
@@ -137,3 +139,39 @@ class HiCacheEnv:
         head.cache_finished_req(RequestState(key, np.concatenate([pages, own]), hit, node))
         return {"device_hit": hit - loaded, "loaded": loaded, "load_failed": load_failed,
                 "host_hit": m.host_hit_len, "prefetched": prefetched}
+
+    def serve_step(self, requests) -> list[dict]:
+        """One scheduler step: match, start the load-back and lock every request, send the step's loads,
+        allocate every request's own pages, wait for the loads, then check, 'compute' and finish each
+        request in order. Returns ``serve``'s stats per request."""
+        head, ps = self.head, self.ps
+        batch = []
+        for tokens in requests:
+            tokens = np.asarray(tokens, dtype=np.int32)
+            m = head.match_prefix(RadixKey(tokens))
+            pages, hit, node, loaded, load_id = m.device_pages, m.device_hit_len, m.last_device_node, 0, -1
+            if m.host_hit_len:
+                r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+                if r.load_id >= 0:
+                    pages, hit, node, loaded, load_id = (r.device_pages, r.device_hit_len, r.last_node,
+                                                         r.loaded_tokens, r.load_id)
+            head.inc_lock_ref(node)
+            batch.append([tokens, m, pages, hit, node, loaded, load_id])
+        head.ready_to_load_host_cache()
+        owns = [head.alloc(len(req[0]) - req[3]) for req in batch]
+        out = []
+        for (tokens, m, pages, hit, node, loaded, load_id), own in zip(batch, owns):
+            failed = load_id >= 0 and not head.wait_load_back(load_id)
+            if failed:  # the loaded part is recomputed: the request keeps only its L1 hit
+                head.inc_lock_ref(m.last_device_node)
+                head.dec_lock_ref(node)
+                own = np.concatenate([head.alloc(hit - m.device_hit_len), own])
+                pages, hit, node, loaded = m.device_pages, m.device_hit_len, m.last_device_node, 0
+            if hit:
+                np.testing.assert_array_equal(self.worker.device_pool.read_pages(pages), self.rows(tokens, 0, hit // ps))
+            if own.size:
+                self.worker.device_pool.write_pages(own, self.rows(tokens, hit // ps, own.size))
+            head.cache_finished_req(RequestState(RadixKey(tokens), np.concatenate([pages, own]), hit, node))
+            out.append({"device_hit": hit - loaded, "loaded": loaded, "load_failed": failed,
+                        "host_hit": m.host_hit_len})
+        return out
