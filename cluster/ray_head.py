@@ -49,6 +49,7 @@ import ray
 from hicache.cluster import wire
 from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig
+from hicache.cluster.key_history import KeyHistories
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.ray_workers import NAMESPACE, RayWorkerGroup, WorkerGroupOptions
 from hicache.cluster.storage_tier import StorageParams
@@ -111,8 +112,9 @@ class HeadState(str, Enum):
 
 @dataclass(frozen=True)
 class Reply:
-    """Answer of ``step``/``call``: ``status`` is "ok" (``results`` valid), "reset" (the caller's
-    epoch is gone; nothing ran) or "unavailable" (no state to serve from right now; nothing ran)."""
+    """Answer of ``step``/``step_wire``: ``status`` is "ok" (``results`` valid), "reset" (the caller's
+    epoch is gone; nothing ran), "unavailable" (no state to serve from right now; nothing ran) or,
+    for ``step_wire`` only, "resync" (the client's key history must start over; nothing ran)."""
 
     status: str
     epoch: int | None
@@ -149,6 +151,7 @@ class CacheHeadActor:
         self._last_call: float | None = None
         self._metrics: HeadMetrics | None = None
         self._storage: StorageParams | None = None  # L3 attached when the last state was lost
+        self._histories = KeyHistories()  # match keys each client sent (control thread; survives rebuilds)
         self._last_publish = 0.0
         self._stop = threading.Event()
         with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
@@ -287,14 +290,23 @@ class CacheHeadActor:
 
     @ray.method(concurrency_group="control")
     def step_wire(self, epoch_seen: int | None, *chunks: bytes) -> bytes:
-        """``step`` in the compact wire format (``hicache.cluster.wire``): the request is one pickle of
-        (header, int32 buffer) cut into chunks below Ray's inline-argument size (100 KB), so it rides
-        in the task message itself (no object-store round trip; measured faster here than one numpy
-        argument through the object store for a 64-request step of ~0.8 MB); the reply is one pickle
-        of a ``Reply`` whose ``results`` are the encoded (header, buffer)."""
-        header, buf = pickle.loads(b"".join(chunks))
-        reply = self._serve(epoch_seen, len(header), lambda head: wire.run_step(head, header, buf))
-        if reply.status == "ok" and isinstance(reply.results, list):  # an unexpected error, one per call
+        """``step`` in the compact wire format (``hicache.cluster.wire``). The request is one pickle of
+        (key-history session, steps it committed, its cap, header, int32 buffer) cut into chunks below
+        Ray's inline-argument size (100 KB), so it rides in the task message itself (no object-store
+        round trip; measured faster here than one numpy argument through the object store for a
+        64-request step). The reply is one pickle of a ``Reply`` whose ``results`` are the encoded
+        (header, buffer); status "resync" (nothing ran) when the session's key history here is not
+        the client's (``hicache.cluster.key_history``)."""
+        session, steps, cap_tokens, header, buf = pickle.loads(b"".join(chunks))
+
+        def execute(head: CacheHead) -> Any:
+            history = self._histories.for_step(session, steps, cap_tokens)
+            return None if history is None else wire.run_step(head, header, buf, history)
+
+        reply = self._serve(epoch_seen, len(header), execute)
+        if reply.status == "ok" and reply.results is None:
+            reply = Reply("resync", reply.epoch)
+        elif reply.status == "ok" and isinstance(reply.results, list):  # an unexpected error, one per call
             reply = Reply("ok", reply.epoch, wire.encode_results(reply.results, [None] * len(header)))
         return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
 

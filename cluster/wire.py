@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from hicache.cluster.head import CacheHead, Call, CallResult, Method
+from hicache.cluster.key_history import KeyHistory, SentKeys
 from hicache.cluster.tree import MatchPrefixParams, MatchResult, RadixKey, RadixTree, RequestState
 
 _METHODS: tuple[Method, ...] = tuple(Method)
@@ -65,19 +66,24 @@ def _plain_int(v: Any) -> bool:
 
 
 # -- calls (client -> head) ---------------------------------------------------------------------------
-def encode_calls(calls: Sequence[Call]) -> tuple[Header, np.ndarray]:
-    """(header, buffer) of a batch; raises ``TypeError`` naming the first entry that is not a ``Call``."""
+def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[Header, np.ndarray, list[np.ndarray]]:
+    """(header, buffer, match keys) of a batch. With ``sent`` (the client's key history) a match key
+    that starts with an earlier one refers to it; commit the returned keys to ``sent`` once the head
+    ran the step. Raises ``TypeError`` naming the first entry that is not a ``Call``."""
     packer = _Packer()
     header: Header = []
+    keys: list[np.ndarray] = []
     for i, call in enumerate(calls):
         if not isinstance(call, Call):
             raise TypeError(f"step expects Call objects, got {type(call).__name__} at index {i}")
         code, arg = _CODE[call.method], call.arg
-        if type(arg) is RadixKey:
-            header.append((_KEY, code, *packer.add(arg.token_ids), arg.extra_key, arg.cache_salt))
-        elif type(arg) is MatchPrefixParams and type(arg.key) is RadixKey:
-            k = arg.key
-            header.append((_PARAMS_KEY, code, *packer.add(k.token_ids), k.extra_key, k.cache_salt))
+        if type(arg) is RadixKey or (type(arg) is MatchPrefixParams and type(arg.key) is RadixKey):
+            k = arg if type(arg) is RadixKey else arg.key
+            tokens = k.token_ids
+            ref_id, ref_len = sent.find(tokens) if sent is not None else (-1, 0)
+            keys.append(tokens)
+            header.append((_KEY if k is arg else _PARAMS_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]),
+                           k.extra_key, k.cache_salt))
         elif type(arg) is RequestState and _compact_state(arg):
             k = arg.key
             header.append((_STATE, code, *packer.add(k.token_ids[arg.prefix_len :]), *packer.add(arg.device_pages),
@@ -86,7 +92,7 @@ def encode_calls(calls: Sequence[Call]) -> tuple[Header, np.ndarray]:
             header.append((_INT, code, arg))
         else:
             header.append((_GENERIC, code, arg))
-    return header, packer.buffer()
+    return header, packer.buffer(), keys
 
 
 def _compact_state(s: RequestState) -> bool:
@@ -109,16 +115,34 @@ def path_tokens(tree: RadixTree, node_id: int, prefix_len: int) -> np.ndarray:
     return np.concatenate(parts[::-1]) if parts else np.empty(0, _I32)
 
 
-def decode_call(entry: tuple, buf: np.ndarray, tree: RadixTree) -> Call:
-    """The ``Call`` of one header entry; reads ``tree`` for a request state's prefix (run it just
-    before the call). ``ValueError``/``TypeError`` when the entry names nothing valid."""
+def _key_tokens(header: Header, buf: np.ndarray, history: KeyHistory | None) -> dict[int, np.ndarray] | None:
+    """Token ids of every match key of a step (references resolved); None if one refers to an entry
+    ``history`` does not hold (the client must resync)."""
+    out = {}
+    for i, entry in enumerate(header):
+        if entry[0] == _KEY or entry[0] == _PARAMS_KEY:
+            _, _, ref_id, ref_len, off, n = entry[:6]
+            literal = buf[off : off + n]
+            if ref_id < 0:
+                out[i] = literal.copy()  # history entries must not pin the whole step buffer
+                continue
+            prefix = history.get(ref_id, ref_len) if history is not None else None
+            if prefix is None:
+                return None
+            out[i] = np.concatenate([prefix, literal])
+    return out
+
+
+def decode_call(entry: tuple, buf: np.ndarray, tree: RadixTree, key_tokens: np.ndarray | None = None) -> Call:
+    """The ``Call`` of one header entry (``key_tokens``: a match key's resolved tokens); reads ``tree``
+    for a request state's prefix (run it just before the call). ``ValueError``/``TypeError`` when the
+    entry names nothing valid."""
     kind, code = entry[0], entry[1]
     method = _METHODS[code]
     if kind == _GENERIC or kind == _INT:
         return Call(method, entry[2])
     if kind == _KEY or kind == _PARAMS_KEY:
-        _, _, off, n, extra_key, cache_salt = entry
-        key = RadixKey(buf[off : off + n], extra_key, cache_salt)
+        key = RadixKey(key_tokens, entry[6], entry[7])
         return Call(method, key if kind == _KEY else MatchPrefixParams(key))
     if kind == _STATE:
         _, _, t_off, t_n, p_off, p_n, prefix_len, last_node, priority, extra_key, cache_salt = entry
@@ -128,14 +152,22 @@ def decode_call(entry: tuple, buf: np.ndarray, tree: RadixTree) -> Call:
     raise ValueError(f"unknown wire entry kind {kind!r}")
 
 
-def run_step(head: CacheHead, header: Header, buf: np.ndarray) -> tuple[Header, np.ndarray]:
-    """The head side of a step: decodes and runs the calls one by one, in order (a request state's
-    prefix is read from the tree as it is when its call runs), then encodes the results."""
+def run_step(head: CacheHead, header: Header, buf: np.ndarray,
+             history: KeyHistory | None = None) -> tuple[Header, np.ndarray] | None:
+    """The head side of a step: resolves the match keys against ``history`` and commits them there,
+    then decodes and runs the calls one by one, in order (a request state's prefix is read from the
+    tree as it is when its call runs), then encodes the results. None, and nothing ran: a key
+    refers to an entry ``history`` lacks (the client must resync)."""
+    keys = _key_tokens(header, buf, history)
+    if keys is None:
+        return None
+    if history is not None:
+        history.commit(list(keys.values()))
     calls: list[Call | None] = []
     results: list[CallResult] = []
-    for entry in header:
+    for i, entry in enumerate(header):
         try:
-            call = decode_call(entry, buf, head.tree)
+            call = decode_call(entry, buf, head.tree, keys.get(i))
         except (ValueError, TypeError) as e:  # what the head raises for the same call
             calls.append(None)
             results.append(CallResult(False, error=e))

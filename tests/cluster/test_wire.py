@@ -13,17 +13,22 @@ import pytest
 
 from hicache.cluster import Call, CacheHead, CallResult, HeadConfig, Method
 from hicache.cluster import wire
+from hicache.cluster.key_history import DEFAULT_CAP_TOKENS, KeyHistories, KeyHistory, SentKeys
 from hicache.cluster.tree import FinishResult, MatchPrefixParams, MatchResult, RadixKey, RequestState, TreeConfig
 from hicache.workloads import MultiTurnSpec, multi_turn
 
 PS = 4
 
 
-def over_wire(head: CacheHead, calls: list[Call]) -> list[CallResult]:
-    """Results of ``calls`` through the wire format (pickled both ways, as between processes)."""
-    header, buf = pickle.loads(pickle.dumps(wire.encode_calls(calls)))
-    reply = pickle.loads(pickle.dumps(wire.run_step(head, header, buf)))
-    return wire.decode_results(*reply, calls)
+def over_wire(head: CacheHead, calls: list[Call], sent: SentKeys, history: KeyHistory) -> tuple[list[CallResult], int]:
+    """Results of ``calls`` through the wire format (pickled both ways, as between processes) with
+    the client's and the head's key histories, and the int32 words the request carried."""
+    header, buf, keys = wire.encode_calls(calls, sent)
+    header, buf = pickle.loads(pickle.dumps((header, buf)))
+    reply = wire.run_step(head, header, buf, history)
+    assert reply is not None
+    sent.commit_copies(keys)
+    return wire.decode_results(*pickle.loads(pickle.dumps(reply)), calls), buf.size
 
 
 def assert_same(a: CallResult, b: CallResult) -> None:
@@ -53,29 +58,34 @@ def assert_same(a: CallResult, b: CallResult) -> None:
 class Pair:
     """The same calls to two identical heads: directly and over the wire."""
 
-    def __init__(self, capacity_pages: int = 4096) -> None:
+    def __init__(self, capacity_pages: int = 4096, history_tokens: int = DEFAULT_CAP_TOKENS) -> None:
         config = HeadConfig(tree=TreeConfig(PS, capacity_pages))
         self.direct, self.remote = CacheHead(config), CacheHead(config)
+        self.sent = SentKeys(history_tokens)
+        self.history = KeyHistory(self.sent.session, history_tokens)
+        self.words = 0
 
     def step(self, calls: list[Call]) -> list[CallResult]:
         expected = self.direct.step(calls)
-        got = over_wire(self.remote, calls)
+        got, words = over_wire(self.remote, calls, self.sent, self.history)
+        self.words += words
         assert len(got) == len(expected)
         for a, b in zip(got, expected):
             assert_same(a, b)
         return got
 
 
-def test_multi_turn_scheduler_loop_gives_identical_results_and_sends_only_new_tokens():
+@pytest.mark.parametrize("history_tokens", [DEFAULT_CAP_TOKENS, 3000])  # 3000: entries leave while in use
+def test_multi_turn_scheduler_loop_gives_identical_results_and_sends_only_new_tokens(history_tokens):
     spec = MultiTurnSpec(conversations=12, turns=4, system_prompts=2, system_tokens=(40, 80), user_tokens=(5, 30),
                          output_tokens=(5, 30), vocab_size=500, seed=1)
-    pair = Pair(capacity_pages=300)  # small L1: evictions and capacity errors are in play
-    full_words = sent_words = 0  # int32 words of the finishes: whole sequences + pages vs what the wire sent
+    pair = Pair(capacity_pages=300, history_tokens=history_tokens)  # small L1: evictions, capacity errors
+    full_words = 0  # int32 words of whole keys and pages
     finish: list[Call] = []
     for turns in multi_turn(spec):
         for i in range(0, len(turns), 5):
             group = turns[i : i + 5]
-            sent_words += wire.encode_calls(finish)[1].size
+            full_words += sum(len(t.prompt) for t in group)
             res = pair.step(finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group])
             matches = [r.value for r in res[len(finish):]]
             res = pair.step([c for t, m in zip(group, matches) for c in (
@@ -93,8 +103,8 @@ def test_multi_turn_scheduler_loop_gives_identical_results_and_sends_only_new_to
     pair.step(finish)
     assert pair.direct.tree.stats() == pair.remote.tree.stats()
     assert pair.direct.stats().matched_tokens > 0
-    # Finishes sent their new tokens only: the request carried less than the full sequences alone.
-    assert sent_words < 0.7 * full_words
+    # Finishes sent their new tokens, prompts their tokens past the previous turn's prompt.
+    assert pair.words < (0.5 if history_tokens == DEFAULT_CAP_TOKENS else 0.9) * full_words
 
 
 def test_request_state_prefix_comes_from_the_locked_path():
@@ -107,7 +117,7 @@ def test_request_state_prefix_comes_from_the_locked_path():
     assert m.device_hit_len == 20
     own = pair.step([Call(Method.INC_LOCK_REF, m.last_device_node), Call(Method.ALLOC, 20)])[1].value
     state = RequestState(RadixKey(seq[:30], "t"), np.concatenate([m.device_pages, own]), 20, m.last_device_node)
-    header, buf = wire.encode_calls([Call(Method.CACHE_UNFINISHED_REQ, state)])
+    header, buf, _ = wire.encode_calls([Call(Method.CACHE_UNFINISHED_REQ, state)])
     assert buf.size == 10 + state.device_pages.size  # tokens past prefix_len, and the pages
     got = pair.step([Call(Method.CACHE_UNFINISHED_REQ, state)])[0].value
     assert got.key is state.key and got.prefix_len == 28  # the returned state carries the sent key
@@ -141,3 +151,39 @@ def test_generic_calls_and_errors_travel_unchanged():
     assert [r.ok for r in res] == [False, True, True, True, False]
     with pytest.raises(TypeError, match="index 1"):
         wire.encode_calls([Call(Method.STATS), "stats"])
+
+
+def test_a_key_refers_to_an_earlier_one_and_the_copy_is_private():
+    pair = Pair()
+    tokens = np.arange(1000, 1100, dtype=np.int32)
+    pair.step([Call(Method.MATCH_PREFIX, RadixKey(tokens))])
+    header, buf, _ = wire.encode_calls([Call(Method.MATCH_PREFIX, RadixKey(np.r_[tokens, 7, 8]))], pair.sent)
+    assert header[0][2:4] == (0, 96) and buf.size == 6  # entry 0's 6 whole blocks + 4 + 2 new tokens
+    tokens[:50] = 5  # serving code reuses its array: the histories keep what was sent
+    res = pair.step([Call(Method.MATCH_PREFIX, RadixKey(np.r_[tokens, 9]))])  # compared with the direct head
+    assert res[0].ok
+
+
+def test_a_reference_the_head_cannot_resolve_runs_nothing():
+    pair = Pair()
+    tokens = np.arange(1000, 1100, dtype=np.int32)
+    pair.step([Call(Method.MATCH_PREFIX, RadixKey(tokens))])
+    header, buf, _ = wire.encode_calls([Call(Method.ALLOC, 8), Call(Method.MATCH_PREFIX, RadixKey(tokens))], pair.sent)
+    before = pair.remote.tree.stats()
+    fresh = KeyHistory(pair.sent.session, DEFAULT_CAP_TOKENS)  # a head that lost the session
+    assert wire.run_step(pair.remote, header, buf, fresh) is None
+    assert pair.remote.tree.stats() == before and fresh.steps == 0
+
+
+def test_the_head_serves_a_session_only_at_the_clients_step_count():
+    histories = KeyHistories()
+    assert histories.for_step(1, 3, 100) is None  # unknown session mid-stream: resync
+    h = histories.for_step(1, 0, 100)
+    assert h is not None and histories.for_step(1, 0, 100) is h
+    h.commit([np.arange(5, dtype=np.int32)])
+    assert histories.for_step(1, 0, 100) is None and histories.for_step(1, 1, 100) is h
+    for session in range(2, 2 + 16):
+        histories.for_step(session, 0, 100)
+    assert histories.for_step(1, 1, 100) is None  # least recently used sessions leave
+    with pytest.raises(ValueError):
+        SentKeys(0)
