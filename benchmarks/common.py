@@ -439,14 +439,19 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[int]
     """The no-reuse workload through the full stack (``no_cache``: every request in its own cache_salt)
     and through ``bare`` (never caches), interleaved request by request (alternating which goes first),
     so load drift on a shared machine hits both alike. Every cache call, L3 writes included, runs on
-    this thread inside ``serve``, so nothing of one spills into the other's timings.
+    this thread inside ``serve`` or on the worker's storage thread, so nothing of one spills into the
+    other's timings except background L3 writes (which the overhead is meant to include).
 
-    Returns (bare served, no_cache served, no_cache stats, spot checks, summary) for rep 0's runs."""
+    Robust to a shared, noisy machine: each request's TTFT is its best of ``reps`` runs (fresh stack
+    per rep), per config; the overhead is the ratio of the mean best-of-N TTFTs (and the median of
+    the per-request best-of-N ratios). Returns (bare served, no_cache served, no_cache stats, spot
+    checks, summary) for rep 0's runs."""
     from hicache.embedded import build_stack
 
     first = None
     per_rep = []
-    ratios = []
+    best_b = np.full(len(items), np.inf)
+    best_n = np.full(len(items), np.inf)
     for rep in range(reps):
         stack = build_stack(options(rep), runner)
         b, n = [], []
@@ -462,7 +467,7 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[int]
                     raise ExactnessError(f"[{name}] request {it.index}: output {r.output} != {reference[it.index]}")
             b.append(Served(it, rb))
             n.append(Served(it, rn))
-            ratios.append(rn.ttft_s / rb.ttft_s)
+            best_b[i], best_n[i] = min(best_b[i], rb.ttft_s), min(best_n[i], rn.ttft_s)
         stack.client.flush_write_through_acks()
         stats = jsonable(stack.head.cache_stats())
         per_rep.append({"bare_engine_service_ttft_mean_s": statistics.fmean(s.result.ttft_s for s in b),
@@ -471,10 +476,11 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[int]
             spots = (spot_check(bare.runner, b, "bare_engine", 1), spot_check(stack.runner, n, "no_cache", 1))
             first = (b, n, stats, spots)
         close_stack(stack)
-    mb = statistics.fmean(r["bare_engine_service_ttft_mean_s"] for r in per_rep)
-    mn = statistics.fmean(r["no_cache_service_ttft_mean_s"] for r in per_rep)
-    summary = {"per_rep": per_rep, "overhead_mean_ttft": mn / mb - 1,
-               "overhead_median_request_ratio": float(np.median(ratios)) - 1}
+    summary = {"per_rep": per_rep, "reps": reps,
+               "bare_engine_best_of_n_ttft_mean_s": float(best_b.mean()),
+               "no_cache_best_of_n_ttft_mean_s": float(best_n.mean()),
+               "overhead_mean_ttft": float(best_n.mean() / best_b.mean() - 1),
+               "overhead_median_request_ratio": float(np.median(best_n / best_b)) - 1}
     return (*first, summary)
 
 

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--load", type=float, default=0.7)
     p.add_argument("--l1-fraction", type=float, default=0.25)
     p.add_argument("--l2-fraction", type=float, default=0.5)
-    p.add_argument("--overhead-reps", type=int, default=2, help="bare_engine/no_cache repeats (interleaved)")
+    p.add_argument("--overhead-reps", type=int, default=3, help="bare_engine/no_cache repeats (interleaved; best-of-N per request)")
     p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--load", type=float, default=0.7)
     p.add_argument("--l1-fraction", type=float, default=0.25)
     p.add_argument("--l2-fraction", type=float, default=0.5)
-    p.add_argument("--overhead-reps", type=int, default=2, help="bare_engine/no_cache repeats (interleaved)")
+    p.add_argument("--overhead-reps", type=int, default=3, help="bare_engine/no_cache repeats (interleaved; best-of-N per request)")
     p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")
@@ -181,7 +181,8 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     records = []
     for name in CONFIGS:
         l1, l2, l3 = caps[name]
-        notes = {"working_set_tokens": working * ps, "cache_stats": jsonable(stats[name])}
+        notes = {"working_set_tokens": working * ps, "cache_stats": jsonable(stats[name]),
+                 "redundant_prefill_tokens": sum(s.result.redundant_tokens for s in served[name])}
         if name in ("bare_engine", "no_cache"):
             notes["overhead_vs_bare"] = overhead
         records.append(make_record(name, served[name], ticks, rate, l1_tokens=l1 * ps, l2_tokens=l2 * ps, l3=l3,

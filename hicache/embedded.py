@@ -39,7 +39,7 @@ class StackOptions:
     prefetch_min_tokens: int = 32
     pages_per_object: int = 4  # L3 object = 4 pages: a prefix query finds all but < 4 pages of it
     prefill_budget: int = 0
-    l3_overlap_pages: int = 2  # prefill pages computed while L3 is asked (Scheduler)
+    l3_overlap_pages: int = 0  # prefill pages computed while L3 is asked (Scheduler); 2 loses L3 hits in long_doc_qa (open)
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:

@@ -114,9 +114,10 @@ class ServeResult:
     prompt_len: int
     device_hit_tokens: int  # prefix found in L1
     loaded_tokens: int  # prefix brought back from L2 (including what L3 prefetched into L2)
-    computed_tokens: int  # prompt tokens prefilled (with a piece an L3 hit made redundant, if any)
+    computed_tokens: int  # prompt tokens prefilled past the reused prefix (prompt_len - reused)
     storage_tokens: int = 0  # of loaded_tokens, fetched from L3 for this request
     load_failed: bool = False
+    redundant_tokens: int = 0  # also prefilled while L3 was asked, then covered by the L3 hit (wasted)
 
 
 @dataclass
@@ -130,12 +131,12 @@ class _Prefix:
     fetched: int = 0  # of loaded, fetched from L3 for this request
     failed: bool = False
     start: int = -1  # first position still to compute (>= hit; > hit after a speculative piece)
-    speculated: int = 0  # tokens computed while L3 was asked
+    redundant: int = 0  # tokens computed while L3 was asked that the L3 hit then covered
 
 
 class Scheduler:
     def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
-                 prefill_budget: int = 0, l3_overlap_pages: int = 2) -> None:
+                 prefill_budget: int = 0, l3_overlap_pages: int = 0) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
         caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does.
 
@@ -207,8 +208,7 @@ class Scheduler:
             return None
         self.client.inc_lock_ref(m.last_device_node)
         own = self.client.alloc(total - h).astype(np.int32)
-        p = _Prefix(np.concatenate([m.device_pages, own]).astype(np.int32), h, m.last_device_node,
-                    start=end, speculated=end - h)
+        p = _Prefix(np.concatenate([m.device_pages, own]).astype(np.int32), h, m.last_device_node, start=end)
         piece = self.engine.start_extend(prompt[:end], p.table, h)
         m2, fetched = self._prefetch(key, m)
         if fetched:
@@ -220,7 +220,7 @@ class Scheduler:
                 self.client.free(own[:cut])
                 p.table = np.concatenate([pages, own[cut:]]).astype(np.int32)
                 p.hit, p.node, p.loaded, p.fetched = hit, node, loaded, min(fetched, loaded)
-                p.start = max(hit, end)
+                p.start, p.redundant = max(hit, end), min(hit, end) - h
         piece.result()  # the piece's forwards are done (their errors surface here)
         return p
 
@@ -255,9 +255,8 @@ class Scheduler:
         self.client.cache_finished_req(RequestState(RadixKey(seq, *ns), table, prefix_len, node))
         if self.hicache:  # off the next request's critical path: send held backups, apply acks
             self.client.check_hicache_events()
-        computed = p.speculated + int(prompt.size) - max(p.hit, p.start)
         return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size),
-                           p.hit - p.loaded, p.loaded, computed, p.fetched, p.failed)
+                           p.hit - p.loaded, p.loaded, int(prompt.size) - p.hit, p.fetched, p.failed, p.redundant)
 
     def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
         return [self.serve(r) for r in requests]

@@ -68,9 +68,9 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
     stack.client.flush_write_through_acks()
     assert tiers["l2"] > 0, tiers
     fresh = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt="never-seen"))
-    assert fresh.output == ref.tokens and fresh.computed_tokens == len(prompt)  # L3 miss: nothing wasted
-    # A cold stack gets L3 hits, with the L3 query overlapped by a 2-page prefill piece (the default)
-    # or asked first; both are exact and load the same prefix.
+    assert fresh.output == ref.tokens and fresh.computed_tokens == len(prompt) and fresh.redundant_tokens == 0
+    # A cold stack gets L3 hits, with the L3 query overlapped by a 2-page prefill piece or asked
+    # first (the default); both are exact and load the same prefix.
     for overlap in (2, 0):
         cold = build_stack(dataclasses.replace(opts, l3_overlap_pages=overlap), runner)
         fetched = []
@@ -78,8 +78,8 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
             res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
             assert res.output == ref.tokens
             np.testing.assert_array_equal(res.last_logits, ref.logits[0])
-            reused = res.device_hit_tokens + res.loaded_tokens
-            assert reused + res.computed_tokens - len(prompt) in (0, overlap * 8) or not res.storage_tokens
+            assert res.device_hit_tokens + res.loaded_tokens + res.computed_tokens == len(prompt)
+            assert 0 <= res.redundant_tokens <= overlap * 8 and (res.storage_tokens or not res.redundant_tokens)
             fetched.append(res.storage_tokens)
         tiers[f"l3-overlap-{overlap}"] = fetched
         cold.client.flush_write_through_acks()
