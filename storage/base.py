@@ -228,11 +228,29 @@ class HiCacheStorage(abc.ABC):
 # ---- shared argument validation ------------------------------------------------------------
 
 
+def _all_keys_valid(keys: list[str]) -> bool:
+    """Whether every key is 64 lowercase hex chars, checked over the whole batch at once (C
+    loops over one joined string; a per-key regex costs ~1 us per key)."""
+    try:
+        b = ",".join(keys).encode("ascii")
+    except (TypeError, UnicodeEncodeError):
+        return False
+    n = len(keys)
+    return (
+        len(b) == 65 * n - 1
+        and b.count(b",") == n - 1
+        and b[64::65] == b"," * (n - 1)  # so every key is exactly 64 chars long
+        and not b.translate(None, b"0123456789abcdef,")
+    )
+
+
 def check_keys(keys: object) -> list[str]:
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a sequence of hex str, got {type(keys).__name__}")
     out = list(keys)
-    for i, k in enumerate(out):
+    if _all_keys_valid(out):
+        return out
+    for i, k in enumerate(out):  # the slow path names the offending key
         check_key(k, what=f"keys[{i}]")
     return out
 

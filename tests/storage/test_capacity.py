@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
+from hicache.storage.format import ObjectKind, ObjectMeta
 from hicache.storage.testing import NumpyHostPool
 from hicache.storage.testing import slot_range as S
 
@@ -27,7 +28,7 @@ def _chain(c, pages=8):
 
 def test_byte_cap_lru(tmp_path):
     url = f"file://{tmp_path}/l3"
-    obj = 4 * 1024 + 148  # 4 pages + header (124 + 4*ndim + 4)
+    obj = 4 * 1024 + ObjectMeta(ObjectKind.PAGES, bytes(32), bytes(32), 0, 4, "float32", SLOT).header_len  # 4 pages + header
     st = _store(url, cap=10 * obj)  # room for 5 chains of 2 objects
     chains = [_chain(c) for c in range(6)]
     for c in range(4):

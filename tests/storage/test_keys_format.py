@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.storage import CorruptObjectError, CorruptReason, ModelFingerprint, Namespace, ShardCoord, page_keys
+from hicache.storage.base import check_keys
 from hicache.storage.format import FORMAT_VERSION, ObjectKind, ObjectMeta, decode, encode_header
 
 FP = ModelFingerprint("m", "bfloat16", page_size=4, num_layers=2, num_kv_heads=8, head_dim=16)
@@ -86,6 +87,28 @@ def test_bad_tokens(tokens, exc, match):
         page_keys(Namespace(FP), tokens)
 
 
+_K = page_keys(Namespace(ModelFingerprint("m", "float32", 2, 1, 1, 4)), np.arange(8))  # 4 valid keys
+
+
+@pytest.mark.parametrize(
+    "bad, index, exc",
+    [
+        (["A" * 64], 0, ValueError),  # upper case
+        ([_K[0][:63], _K[1] + "a"], 0, ValueError),  # 63 + 65 chars: right total length
+        ([_K[0][:10] + "," + _K[0][11:]], 0, ValueError),  # the batch check's separator inside a key
+        (["\u00e9" * 64], 0, ValueError),  # non-ASCII
+        ([_K[0][:63] + " "], 0, ValueError),
+        ([5], 0, TypeError),
+        ([b"a" * 64], 0, TypeError),
+    ],
+)
+def test_check_keys_names_the_bad_key(bad, index, exc):
+    keys = _K[:2] + bad + _K[2:]
+    assert check_keys(_K) == _K and check_keys([]) == []
+    with pytest.raises(exc, match=rf"keys\[{index + 2}\]"):
+        check_keys(keys)
+
+
 def test_fingerprint_and_shard_validation():
     with pytest.raises(ValueError, match="page_size"):
         ModelFingerprint("m", "float32", 0, 1, 1, 1)
@@ -137,7 +160,7 @@ def test_format_roundtrip_and_reasons():
     v2[8:10] = (FORMAT_VERSION + 1).to_bytes(2, "little")
     assert reason(bytes(v2)) is CorruptReason.BAD_VERSION
     hdr = bytearray(blob)
-    hdr[100] ^= 1  # dtype field, header crc catches it
+    hdr[100] ^= 1  # dtype field, the header checksum catches it
     assert reason(bytes(hdr)) is CorruptReason.BAD_HEADER
     assert reason(blob, _meta(fingerprint=b"f" * 32)) is CorruptReason.BAD_FINGERPRINT
     assert reason(blob, _meta(key=b"q" * 32)) is CorruptReason.BAD_KEY
