@@ -249,6 +249,29 @@ def test_client_timeout_is_a_hicache_error_not_a_hang(cluster):
         hicache.connect("nope")
 
 
+def test_a_client_whose_key_history_the_head_dropped_resyncs(cluster):
+    """17 schedulers on one head: the first one's key history leaves the head (16 sessions kept); its
+    next prompt, sent as a reference to its previous one, is refused once and resent whole."""
+    from hicache.cluster.key_history import MAX_SESSIONS
+
+    handle = hicache.start_replica(ReplicaConfig(HeadConfig("w", TreeConfig(PS, 64)), detached=False))
+    try:
+        first = hicache.connect("w")
+        a = seq(0, 64)
+        m = first.match_prefix(RadixKey(a))
+        first.inc_lock_ref(m.last_device_node)
+        first.cache_finished_req(RequestState(RadixKey(a), first.alloc(64), 0, m.last_device_node))
+        session = first._transport._sent.session
+        for _ in range(MAX_SESSIONS):
+            hicache.connect("w").stats()
+        assert first.match_prefix(RadixKey(np.r_[a, 1, 2, 3])).device_hit_len == 64
+        assert first._transport._sent.session != session  # it started over
+        assert first.match_prefix(RadixKey(np.r_[a, 1, 2, 3, 4])).device_hit_len == 64
+    finally:
+        stop_replica("w")
+        del handle
+
+
 def _workload():
     spec = MultiTurnSpec(conversations=6, turns=4, system_prompts=2, system_tokens=(16, 32), user_tokens=(4, 12),
                          output_tokens=(4, 12), vocab_size=1000, seed=3)
