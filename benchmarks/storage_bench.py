@@ -19,7 +19,7 @@ Fairness: same bytes (raw objects have our sizes, header included), same number 
 directory fan-out; on file:// both sides' directories are created before timing (a long-lived
 cache has all its fan-out directories; creating one costs more than writing a small object). Raw and ours run interleaved, one batch (``--batch-pages``) at a time,
 alternating which side goes first, so both see the same machine load; each direction is
-measured ``--repeat`` times. Estimator (``ratio``, ``gbps``, ``cpu_s``): per side, the sum over
+measured ``--repeat`` times (fresh objects each time), reads ``--get-passes`` times per repeat. Estimator (``ratio``, ``gbps``, ``cpu_s``): per side, the sum over
 batches of each batch's fastest repeat (a burst of load from other tenants spoils one batch of
 one repeat, not a whole side). Two other estimators come along to judge the noise:
 ``ratio_pair_median`` (median over (repeat, batch) of raw/ours of the two back-to-back runs) and
@@ -164,12 +164,12 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
             s, e = segs[k]
             assert all(st.batch_get(keys[s:e], dst[s:e], first_page=s)), "batch_get failed"
 
-        def phase(pairs, sync_each: bool = False) -> None:  # type: ignore[no-untyped-def]
+        def phase(pairs, sync_each: bool = False, turn: int = 0) -> None:  # type: ignore[no-untyped-def]
             sync()  # every phase starts with no dirty pages, all objects in the page cache
             acc: dict[str, list[float]] = {name: [] for name, _ in pairs}
             cpu: dict[str, list[float]] = {name: [] for name, _ in pairs}
             for k in range(len(segs)):
-                for name, fn in pairs if (rep + k) % 2 == 0 else pairs[::-1]:
+                for name, fn in pairs if (rep + k + turn) % 2 == 0 else pairs[::-1]:
                     if sync_each:
                         sync()
                     c0, t0 = time.process_time(), time.perf_counter()
@@ -182,9 +182,10 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
 
         pool.buf[n_pages:].fill(0)
         phase([("raw_put", raw_put), ("put", our_put)], sync_each=True)
-        phase([("raw_get", raw_get), ("get", our_get)])
-        if raw_dst is not None:
-            phase([("raw_cat", raw_cat)])
+        for turn in range(args.get_passes):  # reads leave no state behind: cheap extra samples
+            phase([("raw_get", raw_get), ("get", our_get)], turn=turn)
+            if raw_dst is not None:
+                phase([("raw_cat", raw_cat)])
         assert np.array_equal(pool.buf[:n_pages].view(np.uint8), pool.buf[n_pages:].view(np.uint8))
         if raw_dst is not None:
             for v, b in zip(raw_dst, payloads):
@@ -226,6 +227,7 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
                 per_object_overhead_us=(t - tr) / info["n_obj"] * 1e6,
                 threads=args.threads,
                 repeat=args.repeat,
+                samples_per_batch=len(times[d]),
                 batches=len(times[d][0]),
                 runs={k: [[round(x, 6) for x in r] for r in times[k]] for k in ((d, "raw_" + d, "raw_cat") if d == "get" else (d, "raw_" + d))},
                 # process CPU seconds (user+sys, all threads), same estimator: far less sensitive
@@ -250,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages-per-object", type=int, default=None, help="overrides --object-mib")
     ap.add_argument("--batch-pages", type=int, default=256, help="pages per batch_set/batch_get call")
     ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=5, help="fresh objects written (and read) this many times")
+    ap.add_argument("--get-passes", type=int, default=3, help="reads of each repeat's objects (samples for get)")
     ap.add_argument("--dir", default=None, help="directory for file:// (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the records here")
     args = ap.parse_args(argv)
     if args.quick:
-        args.total_mib, args.repeat = min(args.total_mib, 32), 1
+        args.total_mib, args.repeat, args.get_passes = min(args.total_mib, 32), 1, 1
     schemes = args.scheme or ["file", "memory", "gs"]
     records: list[dict] = []
     tmp = tempfile.mkdtemp(prefix="hicache-bench-", dir=args.dir)
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         for scheme in schemes:
             a = argparse.Namespace(**vars(args))
             if scheme == "gs":  # functional only: keep it small
-                a.total_mib, a.repeat = min(a.total_mib, 16), 1
+                a.total_mib, a.repeat, a.get_passes = min(a.total_mib, 16), 1, 1
                 srv, base = _emulator()
             else:
                 srv, base = None, (f"file://{tmp}" if scheme == "file" else f"memory://hicache-bench")

@@ -1,6 +1,7 @@
 """file:// read path: one ``preadv`` per object straight into pool memory (``slot_view``), no
 separate existence round (a failed ``open`` is the miss), verification before anything counts as
-loaded, a wiped destination on failure, LRU mtimes set on the descriptor, bounded hangs."""
+loaded, a wiped destination on failure, LRU mtimes set on the descriptor, bounded hangs. Write
+path: no separate existence round either, stored objects are skipped untouched, bounded writers."""
 
 from __future__ import annotations
 
@@ -205,3 +206,51 @@ def test_hung_read_is_bounded_and_never_touches_the_pool_later(make_store, fp):
     time.sleep(0.2)
     assert (st.pool.buf[24:28] == 5.0).all()
     assert threading.active_count() < 50
+
+
+def test_writes_have_no_existence_round_and_skip_stored_objects(make_store, fp):
+    st = make_store("file")
+    keys = _keys(fp, 12)  # 3 objects
+    st.pool.fill_random(S(0, 12), 9)
+    spy = _CountingExists(st)
+    assert st.batch_set(keys, S(0, 12)) == [True] * 12
+    stat0 = [os.stat(st.object_path(keys[i])) for i in (3, 7, 11)]
+    orig = st.pool.buf[0:12].copy()
+    st.pool.buf[0:12] = 0  # a rewrite would store zeros
+    assert st.batch_set(keys, S(0, 12)) == [True] * 12
+    s = st.stats()
+    assert spy.rounds == 0 and (s.objects_written, s.objects_skipped_existing, s.objects_raced) == (3, 3, 0)
+    stat1 = [os.stat(st.object_path(keys[i])) for i in (3, 7, 11)]
+    assert [(a.st_ino, a.st_mtime_ns) for a in stat0] == [(b.st_ino, b.st_mtime_ns) for b in stat1]
+    assert not [f for f in os.listdir(os.path.dirname(st.object_path(keys[3]))) if f.startswith(".tmp-")]
+    assert st.batch_get(keys, S(20, 32)) == [True] * 12 and same_bytes(st.pool.buf[20:32], orig)
+
+
+@pytest.mark.parametrize("write_threads", [1, 2])
+def test_local_write_concurrency_is_bounded(make_store, fp, write_threads):
+    """``local_write_threads`` caps concurrent object writes below ``io_threads``: each write
+    waits (bounded) for a companion; more writers than allowed would find one at once."""
+    st = make_store("file", io_threads=4, local_write_threads=write_threads)
+    keys = _keys(fp, 12)  # 3 objects
+    st.pool.fill_random(S(0, 12), 10)
+    lock, active, peak = threading.Lock(), [0], [0]
+    inner = st._io.write_once_local
+
+    def counting(*a, **kw):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and peak[0] <= write_threads:
+            time.sleep(0.005)
+        try:
+            return inner(*a, **kw)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    st._io.write_once_local = counting
+    assert st.batch_set(keys, S(0, 12)) == [True] * 12
+    assert peak[0] == write_threads
+    assert st.batch_get(keys, S(20, 32)) == [True] * 12
+    assert same_bytes(st.pool.buf[20:32], st.pool.buf[0:12])
