@@ -82,6 +82,7 @@ class HiCacheController:
         self.config = config
         self.workers = workers
         self._num_hosts = workers.num_hosts
+        self._backup_hits = config.backup_hits
         self.host = HostTier(tree, config.host_slots)
         self.counters = CacheCounters()
         self._pending: dict[int, list[PendingTransfer]] = {}  # sent op_id -> transfers it carries
@@ -134,7 +135,8 @@ class HiCacheController:
     # -- match accounting ------------------------------------------------------------------------------
     def record_match(self, key: RadixKey, m: MatchResult) -> None:
         ps = self.tree.page_size
-        whole = len(key) - len(key) % ps
+        n = key.token_ids.shape[0]
+        whole = n - n % ps
         c = self.counters
         c.queried_tokens += whole
         c.device_hit_tokens += m.device_hit_len
@@ -147,7 +149,7 @@ class HiCacheController:
 
     # -- backups (L1 -> L2) -------------------------------------------------------------------------
     def _after_insert(self, path: list[TreeNode]) -> None:
-        threshold = self.config.backup_hits
+        threshold = self._backup_hits
         if not threshold:
             return
         # Nodes with an L2 copy (or one in flight) are a prefix of the path (chains are contiguous from the
@@ -329,7 +331,7 @@ class HiCacheController:
             if not self._queued_backup_pages:
                 self._backup_held_calls = 0
                 self._backup_queued_at = time.monotonic()
-            self._queued_backup_pages += op.num_pages
+            self._queued_backup_pages += op.host_slots.shape[0]
         else:
             self._queued_other += 1
             if kind is OpKind.LOAD_H2D:
