@@ -6,15 +6,16 @@ of many dataclasses with many small numpy arrays. Results come back the same way
 already holds is not sent: a request state (``cache_finished_req``/``cache_unfinished_req``) carries
 only the tokens past ``prefix_len``; the head takes the first ``prefix_len`` tokens from the path of
 the locked ``last_node`` (the tree resumes its walk there and never reads them otherwise), so a
-finished multi-turn request sends its new tokens, not its whole history. A returned request state
-carries no key (it is the key the client sent). Calls and results without a compact form travel
-pickled inside the header, unchanged.
+finished multi-turn request sends its new tokens, not its whole history; a match key that extends
+one this client sent before carries a reference to it plus its new tokens (``key_history``). A
+returned request state carries no key (it is the key the client sent). Calls and results without a
+compact form travel pickled inside the header, unchanged.
 
 Buffers: ``encode_*`` copy into a new buffer the caller owns and sends; decoded arrays are views of
-the received buffer, which the decoder owns (the client copies its reply buffer once, so result
-arrays are writable and private to the caller). Decoding a request state needs the head's tree and
-runs on the head's control thread, call by call, in step order (a node created or split by an earlier
-call of the same step is seen).
+the received (unpickled, writable) buffer, which belongs to the decoding side alone, so result arrays
+are private to the caller. Decoding a request state needs the head's tree and runs on the head's
+control thread, call by call, in step order (a node created or split by an earlier call of the same
+step is seen).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from hicache.cluster.head import CacheHead, Call, CallResult, Method
 from hicache.cluster.key_history import KeyHistory, SentKeys
-from hicache.cluster.tree import MatchPrefixParams, MatchResult, RadixKey, RadixTree, RequestState
+from hicache.cluster.tree import FinishResult, MatchPrefixParams, MatchResult, RadixKey, RadixTree, RequestState
 
 _METHODS: tuple[Method, ...] = tuple(Method)
 _CODE = {m: i for i, m in enumerate(_METHODS)}
@@ -35,7 +36,7 @@ _I32 = np.dtype(np.int32)
 # call kinds
 _GENERIC, _KEY, _PARAMS_KEY, _STATE, _INT = range(5)
 # result kinds
-_R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE = range(4)
+_R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE, _R_FINISH, _R_VALUE = range(6)
 
 Header = list[tuple]
 
@@ -193,6 +194,10 @@ def encode_results(results: Sequence[CallResult], calls: Sequence[Call | None]) 
         elif (res.ok and type(v) is RequestState and type(arg) is RequestState and v.key is arg.key
               and not v.components and _is_i32_vector(v.device_pages)):
             header.append((_R_STATE, *packer.add(v.device_pages), v.prefix_len, v.last_node, v.priority))
+        elif res.ok and type(v) is FinishResult and _plain_int(v.new_prefix_len) and _plain_int(v.freed_pages):
+            header.append((_R_FINISH, v.new_prefix_len, v.freed_pages))
+        elif res.ok and (v is None or type(v) is int):
+            header.append((_R_VALUE, v))
         else:
             header.append((_R_GENERIC, res))
     return header, packer.buffer()
@@ -205,15 +210,16 @@ def decode_results(header: Header, buf: np.ndarray, calls: Sequence[Call]) -> li
         kind = entry[0]
         if kind == _R_GENERIC:
             out.append(entry[1])
-            continue
-        off, n = entry[1], entry[2]
-        arr = buf[off : off + n]
-        if kind == _R_MATCH:
-            out.append(CallResult(True, MatchResult(arr, *entry[3:])))
+        elif kind == _R_VALUE:
+            out.append(CallResult(True, entry[1]))
+        elif kind == _R_FINISH:
+            out.append(CallResult(True, FinishResult(entry[1], entry[2])))
+        elif kind == _R_MATCH:
+            out.append(CallResult(True, MatchResult(buf[entry[1] : entry[1] + entry[2]], *entry[3:])))
         elif kind == _R_PAGES:
-            out.append(CallResult(True, arr))
+            out.append(CallResult(True, buf[entry[1] : entry[1] + entry[2]]))
         elif kind == _R_STATE:
-            out.append(CallResult(True, RequestState(call.arg.key, arr, *entry[3:])))
+            out.append(CallResult(True, RequestState(call.arg.key, buf[entry[1] : entry[1] + entry[2]], *entry[3:])))
         else:
             raise ValueError(f"unknown wire result kind {kind!r}")
     return out
