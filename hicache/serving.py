@@ -198,7 +198,10 @@ class Scheduler:
 
     def _prefix_overlapping_l3(self, prompt: np.ndarray, key: RadixKey, m, total: int) -> _Prefix | None:
         """Like ``_prefix`` for a request with an L1 prefix only: the first pages after it are computed
-        while L3 is asked. None when there is no room for such a piece."""
+        while L3 is asked. None when there is no room for such a piece.
+
+        Only the piece's pages are allocated before the L3 answer: an L3 hit is loaded back into L1
+        next, and must find room there (the request's other pages come after, past the hit)."""
         ps = self.client.page_size
         h = m.device_hit_len
         end = min(h + self.l3_overlap_pages * ps, (prompt.size - 1) // ps * ps)  # the last token stays
@@ -207,7 +210,7 @@ class Scheduler:
         if end <= h:
             return None
         self.client.inc_lock_ref(m.last_device_node)
-        own = self.client.alloc(total - h).astype(np.int32)
+        own = self.client.alloc(end - h).astype(np.int32)
         p = _Prefix(np.concatenate([m.device_pages, own]).astype(np.int32), h, m.last_device_node, start=end)
         piece = self.engine.start_extend(prompt[:end], p.table, h)
         m2, fetched = self._prefetch(key, m)
@@ -216,11 +219,14 @@ class Scheduler:
             if hit > h:  # the loaded prefix replaces the pages of [h, hit); computed KV past it stays
                 self.client.inc_lock_ref(node)
                 self.client.dec_lock_ref(p.node)
-                cut = (hit - h) // ps
+                cut = min(hit - h, end - h) // ps
                 self.client.free(own[:cut])
-                p.table = np.concatenate([pages, own[cut:]]).astype(np.int32)
+                own = own[cut:]
+                p.table = np.concatenate([pages, own]).astype(np.int32)
                 p.hit, p.node, p.loaded, p.fetched = hit, node, loaded, min(fetched, loaded)
                 p.start, p.redundant = max(hit, end), min(hit, end) - h
+        rest = self.client.alloc(total - p.start).astype(np.int32)  # pages of [start, total)
+        p.table = np.concatenate([p.table, rest]).astype(np.int32)
         piece.result()  # the piece's forwards are done (their errors surface here)
         return p
 

@@ -70,9 +70,10 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
     fresh = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt="never-seen"))
     assert fresh.output == ref.tokens and fresh.computed_tokens == len(prompt) and fresh.redundant_tokens == 0
     # A cold stack gets L3 hits, with the L3 query overlapped by a 2-page prefill piece or asked
-    # first (the default); both are exact and load the same prefix.
+    # first (the default); both are exact and load the same prefix. Its L1 (8 pages) holds a request
+    # (6 pages) plus its L3 hit only if the pages past the piece are allocated after the load-back.
     for overlap in (2, 0):
-        cold = build_stack(dataclasses.replace(opts, l3_overlap_pages=overlap), runner)
+        cold = build_stack(dataclasses.replace(opts, l1_pages=8, l3_overlap_pages=overlap), runner)
         fetched = []
         for c, (prompt, ref) in refs.items():
             res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
