@@ -56,39 +56,42 @@ def build_tree(page_size: int, capacity_tokens: int, components: str, window: in
     return build_kv_cache(config)
 
 
-def serve(tree: RadixTree, rounds, prefill_cache: bool = False) -> tuple[int, int, int]:
+def requests_of(rounds) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prompt, prompt + output) per turn in arrival order; built once, outside the timed loop (the
+    scheduler has both arrays at hand; concatenating them is not tree work)."""
+    return [(turn.prompt, turn.sequence) for turns in rounds for turn in turns]
+
+
+def serve(tree: RadixTree, requests, prefill_cache: bool = False) -> tuple[int, int, int]:
     """Runs every turn through the tree; returns (requests, hit tokens, prompt tokens).
 
     ``prefill_cache``: the scheduler also caches the prompt when prefill ends (cache_unfinished_req),
     as a chunked-prefill scheduler does; then decode-time trimming cannot drop the prompt's SWA KV.
     """
-    hits = prompt_tokens = requests = 0
-    for turns in rounds:
-        for turn in turns:
-            key = RadixKey(turn.prompt)
-            m = tree.match_prefix(key)
-            tree.inc_lock_ref(m.last_device_node)
-            values = tree.begin_request(m)
-            seq = turn.sequence
-            pages = np.concatenate([m.device_pages, tree.alloc(len(seq) - m.device_hit_len)])
-            prefix, last = m.device_hit_len, m.last_device_node
-            if prefill_cache:
-                done = tree.cache_unfinished_req(RequestState(key, pages, prefix, last, 0, values))
-                pages, prefix, last, values = done.device_pages, done.prefix_len, done.last_node, done.components
-            state = RequestState(RadixKey(seq), pages, prefix, last, 0, values)
-            tree.trim_request(state)  # after the forward: SWA pages out of the window go back
-            tree.cache_finished_req(state)
-            hits += m.device_hit_len
-            prompt_tokens += len(turn.prompt)
-            requests += 1
-    return requests, hits, prompt_tokens
+    hits = prompt_tokens = 0
+    for prompt, seq in requests:
+        key = RadixKey(prompt)
+        m = tree.match_prefix(key)
+        tree.inc_lock_ref(m.last_device_node)
+        values = tree.begin_request(m)
+        pages = np.concatenate([m.device_pages, tree.alloc(len(seq) - m.device_hit_len)])
+        prefix, last = m.device_hit_len, m.last_device_node
+        if prefill_cache:
+            done = tree.cache_unfinished_req(RequestState(key, pages, prefix, last, 0, values))
+            pages, prefix, last, values = done.device_pages, done.prefix_len, done.last_node, done.components
+        state = RequestState(RadixKey(seq), pages, prefix, last, 0, values)
+        tree.trim_request(state)  # after the forward: SWA pages out of the window go back
+        tree.cache_finished_req(state)
+        hits += m.device_hit_len
+        prompt_tokens += len(prompt)
+    return len(requests), hits, prompt_tokens
 
 
 OPS_PER_REQUEST = 4  # match, lock, alloc, cache_finished_req (insert + free + unlock); begin/trim ride along
 
 
 def run_one(
-    rounds, page_size: int, capacity_tokens: int, components: str, repeat: int, window: int = 1024,
+    requests, page_size: int, capacity_tokens: int, components: str, repeat: int, window: int = 1024,
     prefill_cache: bool = False,
 ) -> TreeBenchRecord:
     elapsed = float("inf")
@@ -96,7 +99,7 @@ def run_one(
         tree = build_tree(page_size, capacity_tokens, components, window)
         gc.collect()
         t0 = time.perf_counter()
-        requests, hits, prompt_tokens = serve(tree, rounds, prefill_cache)
+        num, hits, prompt_tokens = serve(tree, requests, prefill_cache)
         elapsed = min(elapsed, time.perf_counter() - t0)
     stats = tree.stats()
     # Memory pass: same stream into a fresh tree under tracemalloc.
@@ -104,7 +107,7 @@ def run_one(
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     mem_tree = build_tree(page_size, capacity_tokens, components, window)
-    serve(mem_tree, rounds, prefill_cache)
+    serve(mem_tree, requests, prefill_cache)
     gc.collect()
     snap = tracemalloc.take_snapshot()
     tracemalloc.stop()
@@ -117,9 +120,9 @@ def run_one(
         components=components,
         page_size=page_size,
         capacity_tokens=capacity_tokens,
-        requests=requests,
-        requests_per_s=requests / elapsed,
-        us_per_op=elapsed / (requests * OPS_PER_REQUEST) * 1e6,
+        requests=num,
+        requests_per_s=num / elapsed,
+        us_per_op=elapsed / (num * OPS_PER_REQUEST) * 1e6,
         hit_rate=hits / prompt_tokens,
         bytes_per_token=used / max(cached, 1),
         allocator_bytes_per_page=alloc_bytes / mem_tree.stats().capacity_pages,
@@ -142,12 +145,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per configuration; the best counts")
     args = parser.parse_args()
     spec = MultiTurnSpec(seed=args.seed) if not args.quick else MultiTurnSpec(conversations=40, turns=4, seed=args.seed)
-    rounds = multi_turn(spec)
+    requests = requests_of(multi_turn(spec))
     records = []
     print(f"{'components':>10} {'page':>5} {'capacity':>9} {'req/s':>9} {'us/op':>7} {'hit':>6} {'B/token':>8} {'alloc B/page':>12} {'nodes':>6}")
     for ps in (int(x) for x in args.page_sizes.split(",")):
         for cap in (int(x) for x in args.capacities.split(",")):
-            rec = run_one(rounds, ps, cap, args.components, args.repeat, args.window, args.prefill_cache)
+            rec = run_one(requests, ps, cap, args.components, args.repeat, args.window, args.prefill_cache)
             records.append(rec)
             print(f"{rec.components:>10} {rec.page_size:>5} {rec.capacity_tokens or 'inf':>9} "
                   f"{rec.requests_per_s:>9.0f} {rec.us_per_op:>7.1f} {rec.hit_rate:>6.3f} "

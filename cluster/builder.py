@@ -150,7 +150,7 @@ class ChunkCache(RadixTree):
         return InsertResult(0)
 
     def cache_finished_req(self, state: RequestState) -> FinishResult:
-        _, pages, k, _ = self._check_request(state)
+        _, pages, k, _, _ = self._check_request(state)
         own = pages[k:]
         self.full.allocator.release(own)
         return FinishResult(state.prefix_len, int(own.shape[0]))

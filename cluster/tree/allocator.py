@@ -135,16 +135,17 @@ class PageAllocator:
                 raise ValueError(f"{what}: page {int(pages[i])} appears more than once")
         return idx
 
-    def transfer(self, pages: np.ndarray, new_owner: PageOwner) -> None:
-        """Changes ownership of already-checked pages between REQUEST and TREE."""
-        self._owner[pages.astype(_INTP)] = int(new_owner)
+    def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
+        """Changes ownership of already-checked pages between REQUEST and TREE (``index``: the same ids
+        as ``intp``, e.g. from ``check``; computed here when None)."""
+        self._owner[pages.astype(_INTP) if index is None else index] = int(new_owner)
 
-    def release(self, pages: np.ndarray) -> None:
-        """Returns already-checked pages to the free stack."""
+    def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
+        """Returns already-checked pages to the free stack (``index`` as in ``transfer``)."""
         n = pages.shape[0]
         if n == 0:
             return
-        self._owner[pages.astype(_INTP)] = _FREE
+        self._owner[pages.astype(_INTP) if index is None else index] = _FREE
         self._free[self._num_free : self._num_free + n] = pages[::-1]
         self._num_free += n
 

@@ -43,32 +43,42 @@ class FullComponent(TreeComponent):
 
     # -- structure hooks ---------------------------------------------------------------------------
     def validate_insert(self, params: InsertParams, new_page_ranges: list[tuple[int, int]]) -> None:
+        self.check_new_pages(params.device_pages, new_page_ranges)
+
+    def check_new_pages(self, pages: np.ndarray, new_page_ranges: list[tuple[int, int]]) -> None:
+        """The pages an insert would take (``pages[s:e]`` per range) must be the caller's own."""
         if not new_page_ranges:
             return
-        pages = params.device_pages
         taken = pages[new_page_ranges[0][0] : new_page_ranges[0][1]] if len(new_page_ranges) == 1 else (
             np.concatenate([pages[s:e] for s, e in new_page_ranges])
         )
         self.allocator.check(taken, PageOwner.REQUEST, "insert device_pages")
 
-    def _take(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        self.attach_pages(node, params.device_pages[page_start:page_end].copy())
+    def take_pages(
+        self, node: TreeNode, pages: np.ndarray, page_start: int, page_end: int, checked: np.ndarray | None,
+        base: int,
+    ) -> None:
+        """The node takes ``pages[page_start:page_end]``; ``checked`` is the ``intp`` index of
+        ``pages[base:]`` when the caller has one (saves a cast), else None."""
+        idx = None if checked is None else checked[page_start - base : page_end - base]
+        self.attach_pages(node, pages[page_start:page_end].copy(), idx)
 
-    def attach_pages(self, node: TreeNode, pages: np.ndarray) -> None:
-        """Gives an L1-evicted node fresh request-held pages (load-back target)."""
-        assert node.device_pages is None and pages.shape[0] * self.tree.page_size == node.num_tokens
-        self.allocator.transfer(pages, PageOwner.TREE)
+    def attach_pages(self, node: TreeNode, pages: np.ndarray, index: np.ndarray | None = None) -> None:
+        """Gives an L1-evicted (or new) node request-held pages (``index``: the same ids as ``intp``)."""
+        n = node.num_tokens
+        assert node.device_pages is None and pages.shape[0] * self.tree.page_size == n
+        self.allocator.transfer(pages, PageOwner.TREE, index)
         node.device_pages = pages
         if node.lock_ref:
-            self.protected_tokens += node.num_tokens
+            self.protected_tokens += n
         else:
-            self.evictable_tokens += node.num_tokens
+            self.evictable_tokens += n
 
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        self._take(node, params, page_start, page_end)
+        self.attach_pages(node, params.device_pages[page_start:page_end].copy())
 
     def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        self._take(node, params, page_start, page_end)
+        self.attach_pages(node, params.device_pages[page_start:page_end].copy())
 
     def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
         if suffix.device_pages is not None:

@@ -314,8 +314,6 @@ class RadixTree:
         if not isinstance(key, RadixKey):
             raise TypeError(f"InsertParams.key must be a RadixKey, got {type(key).__name__}")
         pages = as_page_array(params.device_pages, "device_pages")
-        if pages is not params.device_pages:
-            params = InsertParams(key, pages, params.priority)
         ps = self.page_size
         end = len(key) - len(key) % ps
         if pages.shape[0] < end // ps:
@@ -323,19 +321,21 @@ class RadixTree:
                 f"device_pages has {pages.shape[0]} pages but the key has {end // ps} whole pages "
                 f"({len(key)} tokens, page_size {ps})"
             )
-        return self._insert(params, end, self._root_for(key.namespace), [], 0, pages_checked=False)[0]
+        root = self._root_for(key.namespace)
+        return InsertResult(self._insert(key, end, pages, params.priority, root, [], 0, None)[0])
 
     def _insert(
-        self, params: InsertParams, end: int, start: TreeNode, ancestors: list[TreeNode], start_pos: int,
-        pages_checked: bool,
-    ) -> tuple[InsertResult, TreeNode]:
-        """Inserts the first ``end`` tokens of ``params.key`` (validated, page-aligned) into the tree.
+        self, key: RadixKey, end: int, pages: np.ndarray, priority: int, start: TreeNode,
+        ancestors: list[TreeNode], start_pos: int, checked: np.ndarray | None,
+    ) -> tuple[int, TreeNode]:
+        """Inserts the first ``end`` tokens of ``key`` (page-aligned) with their L1 ``pages`` (validated shape).
 
         ``start`` is the key's namespace root or a node known to match its first ``start_pos`` tokens (a
         request's locked node), ``ancestors`` the path root..start (root excluded, ``start`` last).
-        Returns the result and the node ending at ``end`` (or the root).
+        ``checked``: None, or the ``intp`` index of ``pages[start_pos // page_size:]`` that the caller
+        already checked to be REQUEST pages (the pages the tree may take all lie there).
+        Returns (tokens already cached in L1, the node ending at ``end`` or the root).
         """
-        key, pages = params.key, params.device_pages
         extra = self.extra_components
         ps = self.page_size
         tb = key.token_ids.tobytes()
@@ -355,8 +355,12 @@ class RadixTree:
             pos += span
         if pos < end:
             new_ranges.append((pos // ps, end // ps))
-        if not pages_checked:
-            self.full.validate_insert(params, new_ranges)
+        full = self.full
+        base = start_pos // ps
+        if checked is None or (new_ranges and new_ranges[0][0] < base):
+            full.check_new_pages(pages, new_ranges)
+            checked = None
+        params = InsertParams(key, pages, priority) if extra else None
         for comp in extra:
             comp.validate_insert(params, new_ranges)
         # -- mutation starts here; nothing below raises on valid state --
@@ -371,7 +375,7 @@ class RadixTree:
             node.last_access = tick
             node.hit_count += 1
             if node.device_pages is None:
-                self.full.on_revive(node, params, pos // ps, (pos + n) // ps)
+                full.take_pages(node, pages, pos // ps, (pos + n) // ps, checked, base)
                 for comp in extra:
                     comp.on_revive(node, params, pos // ps, (pos + n) // ps)
                 if listener is not None:
@@ -385,9 +389,9 @@ class RadixTree:
         if pos < end and extra:
             cuts = sorted({c for comp in extra for c in comp.insert_boundaries(params, pos // ps, end // ps)})
             for cut in cuts:  # components need the new run in several nodes (SWA: tombstone | live)
-                node = self._new_node(parent, tb[4 * pos : 4 * cut * ps], params.priority)
+                node = self._new_node(parent, tb[4 * pos : 4 * cut * ps], priority)
                 parent.children[node.key_bytes[:ck]] = node
-                self.full.on_create(node, params, pos // ps, cut)
+                full.take_pages(node, pages, pos // ps, cut, checked, base)
                 for comp in extra:
                     comp.on_create(node, params, pos // ps, cut)
                 if listener is not None:
@@ -395,21 +399,21 @@ class RadixTree:
                 path.append(node)
                 parent, pos = node, cut * ps
         if pos < end:
-            leaf = self._new_node(parent, tb[4 * pos : 4 * end], params.priority)
+            leaf = self._new_node(parent, tb[4 * pos : 4 * end], priority)
             leaf.hit_count = 1  # its first insert counts as its first hit (write-through thresholds)
             parent.children[leaf.key_bytes[:ck]] = leaf
-            self.full.on_create(leaf, params, pos // ps, end // ps)
+            full.take_pages(leaf, pages, pos // ps, end // ps, checked, base)
             for comp in extra:
                 comp.on_create(leaf, params, pos // ps, end // ps)
-            self.full.queue.push(leaf)
+            full.queue.push(leaf)
             if listener is not None:
                 listener.on_stored(leaf, "device")
             path.append(leaf)
         elif path:
-            self.full.maybe_push(path[-1])
+            full.maybe_push(path[-1])
         if self.after_insert is not None and path:
             self.after_insert(path)
-        return InsertResult(prefix_len), (path[-1] if path else start)
+        return prefix_len, (path[-1] if path else start)
 
     # -- locks -------------------------------------------------------------------------------------
     def inc_lock_ref(self, node_id: int) -> int:
@@ -535,7 +539,7 @@ class RadixTree:
                     f"alloc({num_tokens}) needs {need} pages: {alloc.num_free} free and "
                     f"{self.full.evictable_tokens // ps} evictable"
                 )
-            self.evict(short * ps)
+            self._evict_full(short * ps)
             if alloc.num_free < need:  # evictable tokens were locked behind children; report honestly
                 raise CacheCapacityError(f"alloc({num_tokens}) needs {need} pages, only {alloc.num_free} free")
         return alloc.alloc(need)
@@ -545,19 +549,24 @@ class RadixTree:
         self.full.allocator.free(as_page_array(pages), PageOwner.REQUEST)
 
     # -- request flows (what a scheduler calls) --------------------------------------------------------
-    def _check_request(self, state: RequestState) -> tuple[TreeNode, np.ndarray, int, list[TreeNode]]:
-        """Validates a request; returns its locked node, its pages, its prefix pages and the locked path."""
-        if not isinstance(state, RequestState):
+    def _check_request(
+        self, state: RequestState
+    ) -> tuple[TreeNode, np.ndarray, int, list[TreeNode], np.ndarray]:
+        """Validates a request. Returns its locked node, its pages, its prefix pages ``k``, the locked path
+        (root first) and the ``intp`` index of ``pages[k:]``, checked to be the request's own pages."""
+        if type(state) is not RequestState and not isinstance(state, RequestState):
             raise TypeError(f"expected RequestState, got {type(state).__name__}")
-        if not isinstance(state.key, RadixKey):
-            raise TypeError(f"RequestState.key must be a RadixKey, got {type(state.key).__name__}")
+        key = state.key
+        if type(key) is not RadixKey and not isinstance(key, RadixKey):
+            raise TypeError(f"RequestState.key must be a RadixKey, got {type(key).__name__}")
         ps = self.page_size
         pages = as_page_array(state.device_pages, "device_pages")
-        n_tokens = len(state.key)
+        n_tokens = key.token_ids.shape[0]
         if pages.shape[0] * ps < n_tokens:
             raise ValueError(f"{pages.shape[0]} pages cannot hold {n_tokens} tokens at page_size {ps}")
-        if state.prefix_len < 0 or state.prefix_len % ps or state.prefix_len > n_tokens:
-            raise ValueError(f"prefix_len {state.prefix_len} must be a page multiple within [0, {n_tokens}]")
+        prefix_len = state.prefix_len
+        if prefix_len < 0 or prefix_len % ps or prefix_len > n_tokens:
+            raise ValueError(f"prefix_len {prefix_len} must be a page multiple within [0, {n_tokens}]")
         node = self.node(state.last_node)
         if node.parent is not None and node.lock_ref <= 0:
             raise ValueError(f"request's last_node {state.last_node} is not locked")
@@ -567,18 +576,16 @@ class RadixTree:
             depth += root.num_tokens
             root = root.parent
         path.reverse()
-        if root is not self._roots.get(state.key.namespace):
+        if root is not self._roots.get((key.extra_key, key.cache_salt)):
             raise ValueError(f"last_node {state.last_node} belongs to another namespace than the key")
-        if depth != state.prefix_len:
-            raise ValueError(
-                f"prefix_len {state.prefix_len} does not end at last_node {state.last_node} (depth {depth})"
-            )
+        if depth != prefix_len:
+            raise ValueError(f"prefix_len {prefix_len} does not end at last_node {state.last_node} (depth {depth})")
         # The prefix pages belong to the locked path and are never touched here; the rest must be ours.
-        k = state.prefix_len // ps
-        self.full.allocator.check(pages[k:], PageOwner.REQUEST, "request pages")
+        k = prefix_len // ps
+        own = self.full.allocator.check(pages[k:], PageOwner.REQUEST, "request pages")
         if state.components or self.extra_components:
             self._check_request_components(state)
-        return node, pages, k, path
+        return node, pages, k, path, own
 
     def _check_request_components(self, state: RequestState) -> None:
         unknown = set(state.components) - set(self.component_names)
@@ -653,17 +660,17 @@ class RadixTree:
 
     def cache_finished_req(self, state: RequestState) -> FinishResult:
         """Inserts the finished request's whole pages, frees duplicates and the tail, unlocks its path."""
-        last, pages, k, path = self._check_request(state)
+        last, pages, k, path, own = self._check_request(state)
         ps = self.page_size
         whole = len(state.key) // ps
-        params = InsertParams(state.key.prefix(whole * ps), pages[:whole], state.priority)
-        result, end = self._insert(params, whole * ps, last, path, state.prefix_len, pages_checked=True)
-        new_prefix = result.prefix_len
-        dup = pages[k : max(k, new_prefix // ps)]
-        tail = pages[whole:]
+        new_prefix, end = self._insert(state.key, whole * ps, pages, state.priority, last, path, k * ps, own)
+        # Free what the tree did not take: duplicates of what it already had, and the partial tail.
+        d = max(k, new_prefix // ps)
         alloc = self.full.allocator
-        alloc.release(dup)
-        alloc.release(tail)
+        if d > k:
+            alloc.release(pages[k:d], own[: d - k])
+        if whole < pages.shape[0]:
+            alloc.release(pages[whole:], own[whole - k :])
         extra = self.extra_components
         if last.parent is not None:
             self.full.unlock(last)
@@ -671,7 +678,7 @@ class RadixTree:
                 comp.on_unlock(last)
         for comp in extra:
             comp.on_request_cached(state, end, True)
-        return FinishResult(new_prefix, int(dup.shape[0] + tail.shape[0]))
+        return FinishResult(new_prefix, d - k + pages.shape[0] - whole)
 
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
         """Chunked prefill: caches what the request computed so far and moves its lock to the new end.
@@ -679,15 +686,14 @@ class RadixTree:
         Returns the request's new state: its pages now start with the tree's pages for every whole page
         (duplicates were freed), followed by the request's own pages for the partial tail.
         """
-        last, pages, k, path = self._check_request(state)
+        last, pages, k, path, own = self._check_request(state)
         ps = self.page_size
         whole = len(state.key) // ps
         prefix_key = state.key.prefix(whole * ps)
-        params = InsertParams(prefix_key, pages[:whole], state.priority)
-        result, end = self._insert(params, whole * ps, last, path, state.prefix_len, pages_checked=True)
-        new_prefix = result.prefix_len
-        alloc = self.full.allocator
-        alloc.release(pages[k : max(k, new_prefix // ps)])
+        new_prefix, end = self._insert(state.key, whole * ps, pages, state.priority, last, path, k * ps, own)
+        d = max(k, new_prefix // ps)
+        if d > k:
+            self.full.allocator.release(pages[k:d], own[: d - k])
         if self.extra_components:
             return self._continue_request(state, last, end, pages)
         match = self.match_prefix(prefix_key)

@@ -166,18 +166,20 @@ class MappedPageAllocator(PageAllocator):
         self.swa_of[pages] = swa_pages
         return pages
 
-    def transfer(self, pages: np.ndarray, new_owner: PageOwner) -> None:
-        super().transfer(pages, new_owner)
-        sp = self.swa_of[pages]
+    def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
+        idx = pages.astype(np.intp) if index is None else index
+        super().transfer(pages, new_owner, idx)
+        sp = self.swa_of[idx]
         self.swa.allocator.transfer(sp[sp >= 0], new_owner)
 
-    def release(self, pages: np.ndarray) -> None:
-        if pages.size == 0:
+    def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
+        if pages.shape[0] == 0:
             return
-        sp = self.swa_of[pages]
+        idx = pages.astype(np.intp) if index is None else index
+        sp = self.swa_of[idx]
         self.swa.allocator.release(sp[sp >= 0])
-        self.swa_of[pages] = -1
-        super().release(pages)
+        self.swa_of[idx] = -1
+        super().release(pages, idx)
 
     def reset(self) -> None:
         super().reset()
