@@ -1,8 +1,9 @@
 """Control-plane throughput and latency: embedded head vs the head as a Ray actor (issue: Ray cluster).
 
 Same multi-turn chat workload (``hicache.workloads``), same L1-only tree, page size 16. A scheduler
-batch of 64 requests (one round's turns, in order) costs two batched ``step`` calls:
-  1. cache_finished_req x64 of the previous batch + match_prefix x64    2. inc_lock_ref + alloc x64
+batch of 64 requests (one round's turns, in order) is one batched ``step``: cache_finished_req x64 of
+the previous batch, match_prefix x64, then inc_lock_ref + alloc x64 taking node and size from the
+match results (``ResultRef``); ``--two-steps`` sends lock + alloc in a second step instead.
   * embedded: ``CacheClient`` over ``EmbeddedTransport`` (the head in this process)
   * ray:      ``hicache.connect`` (``RayTransport``, compact wire format) to a head actor started with
               ``start_replica``; both answer the same calls (asserted: same requests served, same hits)
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from hicache.cluster import Call, CacheClient, HeadConfig, Method, embedded
+from hicache.cluster.client import ResultRef
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
 from hicache.workloads import MultiTurnSpec, Turn, multi_turn
 
@@ -34,6 +36,7 @@ from hicache.workloads import MultiTurnSpec, Turn, multi_turn
 class ControlPlaneBenchRecord:
     requests: int
     batch: int
+    steps_per_batch: int  # 1: match, lock and alloc chained in one step (ResultRef); 2: lock/alloc in a second step
     page_size: int
     capacity_tokens: int
     hit_rate: float
@@ -41,20 +44,23 @@ class ControlPlaneBenchRecord:
     ray_requests_per_s: float
     ray_over_embedded: float  # best Ray run over best embedded run
     ray_over_embedded_paired_median: float  # median over repeats of (Ray run / the embedded run just before it)
-    ray_step_p50_ms: float  # one batched step (64-128 calls) through Ray
+    ray_step_p50_ms: float  # one batched step (64-256 calls) through Ray
     call_p50_ms: float  # single match_prefix through Ray
     call_p99_ms: float
     embedded_call_p50_ms: float
 
 
 def run_batched(
-    client: CacheClient, rounds: list[list[Turn]], batch: int, step_times: list[float] | None = None
+    client: CacheClient, rounds: list[list[Turn]], batch: int, step_times: list[float] | None = None,
+    chained: bool = True,
 ) -> tuple[int, int, int, float]:
     """A continuous-batching scheduler loop; returns (requests served, hit tokens, prompt tokens, seconds).
 
-    Every iteration is two batched steps: [cache_finished_req of the previous batch + match_prefix of
-    this batch] and [inc_lock_ref + alloc of this batch]; finishes come first in the step, so hits are
-    the same as finishing each batch before admitting the next.
+    Per batch the head sees, in this order: cache_finished_req of the previous batch, match_prefix of
+    this batch, then inc_lock_ref + alloc of each request (finishes first, so hits are the same as
+    finishing each batch before admitting the next). ``chained``: all in one step, the lock and alloc
+    taking their node and size from the match results (``ResultRef``); otherwise two steps, the
+    second built from the match results the first returned. Same calls, same order, same tree work.
     """
     served = hits = prompt_tokens = 0
     batches = [turns[i : i + batch] for turns in rounds for i in range(0, len(turns), batch)]
@@ -66,22 +72,35 @@ def run_batched(
             step_times.append(time.perf_counter() - t)
         return out
 
+    def lock_and_alloc(group: list[Turn], match: list) -> list[Call]:
+        """inc_lock_ref + alloc per request; ``match[j]``: the MatchResult of request j or a ResultRef to it."""
+        calls = []
+        for t, m in zip(group, match):
+            if isinstance(m, ResultRef):
+                node, size = ResultRef(m.index, "last_device_node"), ResultRef(m.index, "device_hit_len", -1, len(t.sequence))
+            else:
+                node, size = m.last_device_node, len(t.sequence) - m.device_hit_len
+            calls += [Call(Method.INC_LOCK_REF, node), Call(Method.ALLOC, size)]
+        return calls
+
     t0 = time.perf_counter()
     finish: list[Call] = []
     for group in batches + [[]]:
-        res = step(finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group])
-        for r in res[: len(finish)]:
+        calls = finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group]
+        nf, g = len(finish), len(group)
+        if chained:
+            calls += lock_and_alloc(group, [ResultRef(nf + j) for j in range(g)])
+        res = step(calls)
+        for r in res[:nf]:
             r.unwrap()
         if not group:
             break
-        matches = [r.unwrap() for r in res[len(finish) :]]
-        calls = []
-        for t, m in zip(group, matches):
-            calls += [Call(Method.INC_LOCK_REF, m.last_device_node), Call(Method.ALLOC, len(t.sequence) - m.device_hit_len)]
-        res = step(calls)
+        matches = [r.unwrap() for r in res[nf : nf + g]]
+        locked = res[nf + g :] if chained else step(lock_and_alloc(group, matches))
         finish = []
         for j, (t, m) in enumerate(zip(group, matches)):
-            own = res[2 * j + 1]
+            locked[2 * j].unwrap()
+            own = locked[2 * j + 1]
             if not own.ok:  # out of L1: the request is not admitted
                 finish.append(Call(Method.DEC_LOCK_REF, m.last_device_node))
                 continue
@@ -93,9 +112,9 @@ def run_batched(
     return served, hits, prompt_tokens, time.perf_counter() - t0
 
 
-def best_of(client: CacheClient, rounds, batch: int, step_times: list[float] | None = None):
+def best_of(client: CacheClient, rounds, batch: int, step_times: list[float] | None = None, chained: bool = True):
     client.reset()
-    return run_batched(client, rounds, batch, step_times)
+    return run_batched(client, rounds, batch, step_times, chained)
 
 
 def call_latencies(client: CacheClient, rounds, n: int) -> np.ndarray:
@@ -119,7 +138,10 @@ def main() -> None:
     parser.add_argument("--capacity-tokens", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--calls", type=int, default=1000, help="single calls for the latency figures")
+    parser.add_argument("--two-steps", action="store_true",
+                        help="two round trips per batch (lock/alloc sent after the match results came back)")
     args = parser.parse_args()
+    chained = not args.two_steps
     spec = MultiTurnSpec(conversations=128, turns=4) if args.quick else MultiTurnSpec()
     rounds = multi_turn(spec)
     ps, cap = args.page_size, args.capacity_tokens
@@ -147,9 +169,9 @@ def main() -> None:
         step_times: list[float] = []
         paired: list[float] = []
         for _ in range(args.repeat):
-            out = best_of(emb, rounds, args.batch)
+            out = best_of(emb, rounds, args.batch, chained=chained)
             emb_best = out if emb_best is None or out[3] < emb_best[3] else emb_best
-            out_r = best_of(client, rounds, args.batch, step_times)
+            out_r = best_of(client, rounds, args.batch, step_times, chained)
             ray_best = out_r if ray_best is None or out_r[3] < ray_best[3] else ray_best
             paired.append(out[3] / out_r[3])
         n, hits, prompt, secs = emb_best
@@ -166,7 +188,7 @@ def main() -> None:
     emb_rps = n / secs
     ray_rps = n_r / secs_r
     rec = ControlPlaneBenchRecord(
-        requests=n, batch=args.batch, page_size=ps, capacity_tokens=cap, hit_rate=hits / prompt,
+        requests=n, batch=args.batch, steps_per_batch=1 if chained else 2, page_size=ps, capacity_tokens=cap, hit_rate=hits / prompt,
         embedded_requests_per_s=emb_rps, ray_requests_per_s=ray_rps, ray_over_embedded=ray_rps / emb_rps,
         ray_over_embedded_paired_median=float(np.median(paired)),
         ray_step_p50_ms=float(np.median(step_times) * 1e3),

@@ -7,7 +7,8 @@ behind the same interface. Serving code never touches the tree directly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -30,6 +31,63 @@ from hicache.cluster.tree import (
 )
 
 
+@dataclass(frozen=True)
+class ResultRef:
+    """A ``step`` argument taken from the result of an earlier call of the same step, so dependent
+    calls share one round trip: ``offset + scale * result.field`` (``field=None``: the result itself;
+    ``scale=1, offset=0``: the value as is). E.g. lock what call 3 matched and allocate the rest of a
+    request: ``Call("inc_lock_ref", ResultRef(3, "last_device_node"))``,
+    ``Call("alloc", ResultRef(3, "device_hit_len", scale=-1, offset=len(tokens)))``. A reference to a
+    call that failed, or to a later one, fails its own call with ``ValueError``."""
+
+    index: int
+    field: str | None = None
+    scale: int = 1
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("index", "scale", "offset"):
+            if type(getattr(self, name)) is not int:
+                raise TypeError(f"ResultRef.{name} must be an int, got {getattr(self, name)!r}")
+        if self.index < 0:
+            raise ValueError(f"ResultRef.index must be >= 0, got {self.index}")
+        if self.field is not None and (not isinstance(self.field, str) or not self.field.isidentifier()):
+            raise ValueError(f"ResultRef.field must be an attribute name or None, got {self.field!r}")
+
+    def resolve(self, results: Sequence[CallResult]) -> Any:
+        """The value for the call that follows ``results`` (the step's results so far)."""
+        if self.index >= len(results):
+            raise ValueError(f"ResultRef({self.index}) must name an earlier call of the step (this is call {len(results)})")
+        res = results[self.index]
+        if not res.ok:
+            raise ValueError(f"call {self.index} of the step failed: {res.error!r}")
+        value = res.value if self.field is None else getattr(res.value, self.field, _MISSING)
+        if value is _MISSING:
+            raise ValueError(f"result of call {self.index} ({type(res.value).__name__}) has no field {self.field!r}")
+        if self.scale == 1 and self.offset == 0:
+            return value
+        if not isinstance(value, (int, np.integer)):
+            raise ValueError(f"ResultRef with scale/offset needs an int, call {self.index} gave {value!r}")
+        return self.offset + self.scale * int(value)
+
+
+_MISSING = object()
+
+
+def run_with_refs(head: CacheHead, calls: Iterable[Call]) -> list[CallResult]:
+    """``head.step`` for a step whose calls may carry ``ResultRef`` arguments (resolved in order)."""
+    results: list[CallResult] = []
+    for call in calls:
+        if type(call.arg) is ResultRef:
+            try:
+                call = Call(call.method, call.arg.resolve(results))
+            except ValueError as e:
+                results.append(CallResult(False, error=e))
+                continue
+        results.extend(head.step([call]))
+    return results
+
+
 class Transport(Protocol):
     def call(self, call: Call) -> Any: ...
 
@@ -48,6 +106,8 @@ class EmbeddedTransport:
         return self.head.call(call)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
+        if any(type(c.arg) is ResultRef for c in calls):
+            return run_with_refs(self.head, calls)
         return self.head.step(calls)
 
 
@@ -128,7 +188,8 @@ class CacheClient:
         return self._call(Method.CHECK_PREFETCH_PROGRESS, req_id)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
-        """Many calls in one round trip; results in order, errors per call."""
+        """Many calls in one round trip; results in order, errors per call. A call's argument may be a
+        ``ResultRef`` to an earlier call's result (dependent calls in the same round trip)."""
         return self._transport.step(calls)
 
 

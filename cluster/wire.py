@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.cluster.client import ResultRef
 from hicache.cluster.head import CacheHead, Call, CallResult, Method
 from hicache.cluster.key_history import KeyHistory, SentKeys
 from hicache.cluster.tree import FinishResult, MatchPrefixParams, MatchResult, RadixKey, RadixTree, RequestState
@@ -34,7 +35,7 @@ _CODE = {m: i for i, m in enumerate(_METHODS)}
 _I32 = np.dtype(np.int32)
 
 # call kinds
-_GENERIC, _KEY, _PARAMS_KEY, _STATE, _INT = range(5)
+_GENERIC, _KEY, _PARAMS_KEY, _STATE, _INT, _REF = range(6)
 # result kinds
 _R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE, _R_FINISH, _R_VALUE = range(6)
 
@@ -91,6 +92,8 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
                            arg.prefix_len, arg.last_node, arg.priority, k.extra_key, k.cache_salt))
         elif _plain_int(arg):
             header.append((_INT, code, arg))
+        elif type(arg) is ResultRef:
+            header.append((_REF, code, arg.index, arg.field, arg.scale, arg.offset))
         else:
             header.append((_GENERIC, code, arg))
     return header, packer.buffer(), keys
@@ -142,6 +145,8 @@ def decode_call(entry: tuple, buf: np.ndarray, tree: RadixTree, key_tokens: np.n
     method = _METHODS[code]
     if kind == _GENERIC or kind == _INT:
         return Call(method, entry[2])
+    if kind == _REF:
+        return Call(method, ResultRef(*entry[2:]))
     if kind == _KEY or kind == _PARAMS_KEY:
         key = RadixKey(key_tokens, entry[6], entry[7])
         return Call(method, key if kind == _KEY else MatchPrefixParams(key))
@@ -157,8 +162,9 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
              history: KeyHistory | None = None) -> tuple[Header, np.ndarray] | None:
     """The head side of a step: resolves the match keys against ``history`` and commits them there,
     then decodes and runs the calls one by one, in order (a request state's prefix is read from the
-    tree as it is when its call runs), then encodes the results. None, and nothing ran: a key
-    refers to an entry ``history`` lacks (the client must resync)."""
+    tree as it is when its call runs; a ``ResultRef`` argument from the results so far), then encodes
+    the results. None, and nothing ran: a key refers to an entry ``history`` lacks (the client must
+    resync)."""
     keys = _key_tokens(header, buf, history)
     if keys is None:
         return None
@@ -169,12 +175,13 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
     for i, entry in enumerate(header):
         try:
             call = decode_call(entry, buf, head.tree, keys.get(i))
+            run = Call(call.method, call.arg.resolve(results)) if type(call.arg) is ResultRef else call
         except (ValueError, TypeError) as e:  # what the head raises for the same call
             calls.append(None)
             results.append(CallResult(False, error=e))
             continue
-        calls.append(call)
-        results.extend(head.step([call]))
+        calls.append(call)  # as sent: a result is encoded against the client's own argument
+        results.extend(head.step([run]))
     return encode_results(results, calls)
 
 

@@ -1,4 +1,4 @@
-"""The embedded client: same answers as the head, batched step with per-call errors."""
+"""The embedded client: same answers as the head, batched step with per-call errors and chained calls."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hicache.cluster import Call, CacheClient, CacheHead, EmbeddedTransport, HeadConfig, Method, embedded
+from hicache.cluster.client import ResultRef
 from hicache.cluster.tree import CacheCapacityError, RadixKey, RequestState, TreeConfig
 
 
@@ -52,3 +53,32 @@ def test_bad_construction():
         HeadConfig(replica="a/b")
     head = CacheHead()
     assert CacheClient(EmbeddedTransport(head), head.page_size).stats().num_nodes == 0
+
+
+def test_a_step_chains_calls_on_earlier_results():
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=4, capacity_pages=32)))
+    seq = np.arange(20, dtype=np.int32)
+    m = client.match_prefix(RadixKey(seq[:16]))
+    client.inc_lock_ref(m.last_device_node)
+    client.cache_finished_req(RequestState(RadixKey(seq[:16]), client.alloc(16), 0, m.last_device_node))
+    res = client.step([
+        Call(Method.MATCH_PREFIX, RadixKey(seq)),
+        Call(Method.INC_LOCK_REF, ResultRef(0, "last_device_node")),
+        Call(Method.ALLOC, ResultRef(0, "device_hit_len", scale=-1, offset=20)),
+        Call(Method.FREE, ResultRef(2)),  # the result itself
+        Call(Method.ALLOC, ResultRef(0, "no_such_field")),
+        Call(Method.ALLOC, ResultRef(7)),  # a later call
+        Call(Method.FREE, [12345]),
+        Call(Method.ALLOC, ResultRef(6)),  # a failed call
+        Call(Method.DEC_LOCK_REF, ResultRef(0, "last_device_node")),
+    ])
+    assert [r.ok for r in res] == [True, True, True, True, False, False, False, False, True]
+    assert res[0].value.device_hit_len == 16 and res[2].value.size == 1  # 20 - 16 tokens: one page
+    for r in res[4:8]:
+        assert isinstance(r.error, ValueError)
+    assert "no_such_field" in str(res[4].error) and "earlier call" in str(res[5].error)
+    st = client.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0  # allocated, freed, locked, unlocked
+    for bad, exc in (((-1,), ValueError), ((1.0,), TypeError), ((0, "a b"), ValueError), ((0, None, 2.0), TypeError)):
+        with pytest.raises(exc):
+            ResultRef(*bad)

@@ -22,6 +22,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import hicache  # noqa: E402
 from hicache.cluster import HeadConfig  # noqa: E402
+from hicache.cluster.client import ResultRef  # noqa: E402
 from hicache.cluster.controller import LoadBackParams  # noqa: E402
 from hicache.cluster.errors import (  # noqa: E402
     HiCacheError,
@@ -201,10 +202,11 @@ def test_backup_evict_load_back_is_bit_identical_on_every_host(env_x):
 
 def test_batched_step_is_one_round_trip_with_per_call_errors(env_x):
     key = RadixKey(seq(0, 9))
-    res = env_x.client.step([Call(Method.MATCH_PREFIX, key), Call("alloc", 8), Call("free", [12345]), Call(Method.STATS)])
-    assert [r.ok for r in res] == [True, True, False, True]
-    assert isinstance(res[2].error, ValueError)
-    env_x.client.free(res[1].value)
+    res = env_x.client.step([Call(Method.MATCH_PREFIX, key), Call("alloc", 8), Call("free", [12345]), Call(Method.STATS),
+                             Call("free", ResultRef(1)), Call("free", ResultRef(2))])  # chained on earlier results
+    assert [r.ok for r in res] == [True, True, False, True, True, False]
+    assert isinstance(res[2].error, ValueError) and isinstance(res[5].error, ValueError)
+    assert res[1].value.size == 2 and env_x.client.stats().request_pages == 0
     with pytest.raises(ValueError):  # single calls raise the cache's own error types
         env_x.client.free([12345])
 

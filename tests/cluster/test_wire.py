@@ -13,6 +13,7 @@ import pytest
 
 from hicache.cluster import Call, CacheHead, CallResult, HeadConfig, Method
 from hicache.cluster import wire
+from hicache.cluster.client import ResultRef, run_with_refs
 from hicache.cluster.key_history import DEFAULT_CAP_TOKENS, KeyHistories, KeyHistory, SentKeys
 from hicache.cluster.tree import FinishResult, MatchPrefixParams, MatchResult, RadixKey, RequestState, TreeConfig
 from hicache.workloads import MultiTurnSpec, multi_turn
@@ -66,7 +67,7 @@ class Pair:
         self.words = 0
 
     def step(self, calls: list[Call]) -> list[CallResult]:
-        expected = self.direct.step(calls)
+        expected = run_with_refs(self.direct, calls)
         got, words = over_wire(self.remote, calls, self.sent, self.history)
         self.words += words
         assert len(got) == len(expected)
@@ -86,13 +87,16 @@ def test_multi_turn_scheduler_loop_gives_identical_results_and_sends_only_new_to
         for i in range(0, len(turns), 5):
             group = turns[i : i + 5]
             full_words += sum(len(t.prompt) for t in group)
-            res = pair.step(finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group])
-            matches = [r.value for r in res[len(finish):]]
-            res = pair.step([c for t, m in zip(group, matches) for c in (
-                Call(Method.INC_LOCK_REF, m.last_device_node), Call(Method.ALLOC, len(t.sequence) - m.device_hit_len))])
+            nf, g = len(finish), len(group)
+            res = pair.step(finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group] + [
+                c for j, t in enumerate(group) for c in (  # lock and alloc chained on the match results
+                    Call(Method.INC_LOCK_REF, ResultRef(nf + j, "last_device_node")),
+                    Call(Method.ALLOC, ResultRef(nf + j, "device_hit_len", scale=-1, offset=len(t.sequence))))])
+            matches, locked = [r.value for r in res[nf : nf + g]], res[nf + g :]
             finish = []
             for j, (t, m) in enumerate(zip(group, matches)):
-                own = res[2 * j + 1]
+                assert locked[2 * j].ok
+                own = locked[2 * j + 1]
                 if not own.ok:
                     finish.append(Call(Method.DEC_LOCK_REF, m.last_device_node))
                     continue
@@ -147,8 +151,9 @@ def test_a_wrong_prefix_or_node_fails_that_call_like_the_head(prefix_len, node):
 def test_generic_calls_and_errors_travel_unchanged():
     pair = Pair()
     res = pair.step([Call(Method.FREE, [12345]), Call(Method.ALLOC, np.int64(8)), Call(Method.STATS),
-                     Call(Method.EVICT, 0), Call(Method.INC_LOCK_REF, 999)])
-    assert [r.ok for r in res] == [False, True, True, True, False]
+                     Call(Method.EVICT, 0), Call(Method.INC_LOCK_REF, 999), Call(Method.FREE, ResultRef(1)),
+                     Call(Method.FREE, ResultRef(0)), Call(Method.ALLOC, ResultRef(2, "num_nodes"))])
+    assert [r.ok for r in res] == [False, True, True, True, False, True, False, True]
     with pytest.raises(TypeError, match="index 1"):
         wire.encode_calls([Call(Method.STATS), "stats"])
 
