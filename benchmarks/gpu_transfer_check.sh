@@ -12,16 +12,21 @@ OUT=${1:-${OUT:-out/gpu_transfer}}
 PCIE_GBPS=${PCIE_GBPS:-25}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$OUT/gpu.txt"
-VENV=${VENV:-/tmp/hicache-gpu-venv}
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q -e . "jax[cuda12]"
+# PYTHON: an interpreter that already has JAX CUDA and hicache (no network needed); otherwise a
+# throwaway venv is created and both are installed into it.
+if [ -z "${PYTHON:-}" ]; then
+  VENV=${VENV:-/tmp/hicache-gpu-venv}
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    "$VENV/bin/pip" install -q -e . "jax[cuda12]"
+  fi
+  PYTHON="$VENV/bin/python"
 fi
-"$VENV/bin/python" -c "import jax; print(jax.devices()); assert jax.default_backend() == 'gpu'"
-"$VENV/bin/python" benchmarks/transfer_bench.py --platform cuda --pool-mib 256 4096 \
+"$PYTHON" -c "import jax, hicache.workers; print(jax.devices()); assert jax.default_backend() == 'gpu'"
+"$PYTHON" benchmarks/transfer_bench.py --platform cuda --pool-mib 256 4096 \
     --page-kib 64 1024 --batches 1 16 256 --reps 10 --json "$OUT/transfer.json" | tee "$OUT/transfer.log"
-"$VENV/bin/python" - "$OUT/transfer.json" "$PCIE_GBPS" <<'PY'
+"$PYTHON" - "$OUT/transfer.json" "$PCIE_GBPS" <<'PY'
 import json, sys
 recs = [r for r in json.load(open(sys.argv[1])) if r["direction"] in ("d2h", "h2d")]
 pcie = float(sys.argv[2])

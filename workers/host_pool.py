@@ -8,9 +8,12 @@ host (no collectives).
 
 Organisation per backend (``select_host_pool_kind``), both behind ``HostPool``:
 
-* ``NUMPY_SLAB`` (CPU backend): one preallocated, 4 KiB-aligned numpy slab per local head shard,
-  ``[num_slots, L, 2, S, H_shard, D]``. On XLA:CPU "device" memory already is host DRAM, so the
-  cheapest L2 is plain memory written by numpy: a D2H commit is one ``slab[slots] = staged`` copy.
+* ``NUMPY_SLAB`` (CPU backend): one preallocated numpy slab per local head shard,
+  ``[num_slots, L, 2, S, H_shard, D]``, in its own page-aligned mapping advised to use transparent
+  huge pages (``slab_empty``). On XLA:CPU "device" memory already is host DRAM, so the cheapest L2
+  is plain memory written by numpy: with one device a D2H is one pass per page straight from the
+  (zero-copy viewed) pool into the slab at dispatch (``backup_now``); otherwise a commit is one
+  ``slab[slots] = staged`` copy.
   With one device (the usual CPU case) an H2D reads the slab *in place*: the slab is passed to the
   jitted load as an argument, which PJRT CPU aliases zero-copy (aligned host buffer; checked at
   construction, ``direct_rows``), so a load is one copy per page and no staging; the slab then

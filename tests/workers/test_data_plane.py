@@ -227,6 +227,16 @@ def test_host_pool_never_exceeds_cap(worker):
         worker.submit(_plan(_op(1, "d2h", [0], [NUM_SLOTS])))
 
 
+def test_slab_memory_is_page_aligned_writable_and_sized():
+    from hicache.workers.host_pool import slab_empty
+
+    a = slab_empty((3, 5, 7), np.uint16)
+    assert a.shape == (3, 5, 7) and a.dtype == np.uint16 and a.flags.writeable and a.flags.c_contiguous
+    assert a.ctypes.data % 4096 == 0 and a.nbytes == 3 * 5 * 7 * 2
+    a[...] = np.arange(a.size, dtype=np.uint16).reshape(a.shape)
+    assert int(a[2, 4, 6]) == a.size - 1
+
+
 def test_size_host_pool_checks_available_memory():
     assert size_host_pool(HostPoolConfig(max_bytes=10 * 4096, reserve_bytes=0), 4096, 0, available_bytes=1 << 30) == 10
     assert size_host_pool(HostPoolConfig(ratio_to_device=2.0, reserve_bytes=0), 100, 1000, available_bytes=10**6) == 20

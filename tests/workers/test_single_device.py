@@ -67,6 +67,7 @@ def test_round_trip_is_bit_identical(worker, backup_mode):
     acks = worker.wait(timeout_s=60)
     assert [(a.ok, a.error, a.bytes_moved) for a in acks] == [(True, None, src.size * hp.slot_bytes)]
     np.testing.assert_array_equal(_bits(hp.read_slots(slots)), _bits(data))
+    assert not _bits(hp.read_slots(np.setdiff1d(np.arange(NUM_SLOTS), slots))).any()  # no other slot written
 
     before = _bits(dp.read_pages(np.arange(NUM_PAGES))).copy()
     dst = np.array([2, 38, 11, 25, 6, 14, 33], np.int32)
