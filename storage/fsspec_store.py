@@ -952,8 +952,12 @@ class FsspecStorage(HiCacheStorage):
 
         now = time.time_ns()  # LRU: chain order, shallow pages newest
         mtimes = [now - i * 1000 for i in range(len(objs))]
-        res = self._read_objs(queries, objs, guard, deadline, mtimes=mtimes, skip=skip, on_missing=on_missing)
-        ok = [self._apply_read(queries, results, o, r, deadline) for o, r in zip(objs, res)]
+        ok = [False] * len(objs)
+
+        def apply(i: int, r: Any) -> None:  # as each read completes, on this thread
+            ok[i] = self._apply_read(queries, results, objs[i], r, deadline)
+
+        res = self._read_objs(queries, objs, guard, deadline, mtimes=mtimes, skip=skip, on_missing=on_missing, on_result=apply)
         probes: list[tuple[int, list[_Obj], int]] = []
         base = 0
         for t, ns in enumerate(nats):
@@ -988,18 +992,25 @@ class FsspecStorage(HiCacheStorage):
         mtimes: list[int] | None = None,
         skip: Callable[[int], bool] | None = None,
         on_missing: Callable[[int], None] | None = None,
+        on_result: Callable[[int, Any], None] | None = None,
     ) -> list[Any]:
         """Read and verify ``objs`` concurrently. Per object: the object's size (its pages are in
         the pool), a verified payload view (to scatter on the calling thread: pools without
-        concurrent slot I/O), ``_SKIPPED`` or an exception (``FileNotFoundError``: missing)."""
+        concurrent slot I/O), ``_SKIPPED`` or an exception (``FileNotFoundError``: missing).
+        ``on_result(i, r)`` runs on the calling thread as each result arrives (while the other
+        reads go on). Per-object setup (expected header, pool view) runs on the I/O threads."""
         out: list[Any] = [None] * len(objs)
         if not objs:
             return out
-        metas = [self._meta(queries[o.t][0], o.start, o.m, o.key) for o in objs]
-        plens = [o.m * int(queries[o.t][0].pool.slot_bytes) for o in objs]
+
+        def expect(i: int) -> tuple[ObjectMeta, int]:
+            o = objs[i]
+            reg = queries[o.t][0]
+            return self._meta(reg, o.start, o.m, o.key), o.m * int(reg.pool.slot_bytes)
 
         def post(i: int, raw: Any) -> Any:
-            payload = decode(raw, metas[i], payload_len=plens[i])
+            meta, plen = expect(i)
+            payload = decode(raw, meta, payload_len=plen)
             o = objs[i]
             if not _concurrent_io(queries[o.t][0].pool):
                 return payload  # scattered on the calling thread
@@ -1007,15 +1018,15 @@ class FsspecStorage(HiCacheStorage):
                 self._scatter(queries, o, payload)
             return len(raw)
 
-        if not self._local:
-            for i, r in self._io.read_many([o.path for o in objs], post, deadline):
-                out[i] = r
-            return out
-        views: list[np.ndarray | None] = [None] * len(objs)
-        for i, o in enumerate(objs):
+        def view(i: int) -> np.ndarray | None:
+            """The object's slots in pool memory, if it lies inside its query and the pool offers
+            zero-copy views to I/O threads (touched only in ``read_into``, under the guard)."""
+            o = objs[i]
             reg, keys, slots, first = queries[o.t]
             if o.start >= first and o.start + o.m <= first + len(keys) and _concurrent_io(reg.pool):
-                views[i] = _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m])
+                return _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m])
+            return None
+
         io: _LocalBackend = self._io  # type: ignore[assignment]
 
         def task(i: int, path: str) -> Any:
@@ -1023,9 +1034,9 @@ class FsspecStorage(HiCacheStorage):
                 return _SKIPPED
             mt = None if mtimes is None else mtimes[i]
             try:
-                v = views[i]
+                v = view(i)
                 if v is not None:
-                    return io.read_into(path, metas[i], plens[i], v, guard, mt)
+                    return io.read_into(path, *expect(i), v, guard, mt)
                 r = post(i, io._read(path))
             except FileNotFoundError:
                 if on_missing is not None:
@@ -1038,8 +1049,14 @@ class FsspecStorage(HiCacheStorage):
                     pass
             return r
 
-        for i, r in io.map(task, [(i, o.path) for i, o in enumerate(objs)], deadline):
+        if self._local:
+            results = io.map(task, [(i, o.path) for i, o in enumerate(objs)], deadline)
+        else:
+            results = self._io.read_many([o.path for o in objs], post, deadline)
+        for i, r in results:
             out[i] = r
+            if on_result is not None:
+                on_result(i, r)
         return out
 
     def _scatter(self, queries, o: _Obj, payload: memoryview) -> None:  # type: ignore[no-untyped-def]
