@@ -25,9 +25,10 @@ one repeat, not a whole side). Two other estimators come along to judge the nois
 ``ratio_pair_median`` (median over (repeat, batch) of raw/ours of the two back-to-back runs) and
 ``ratio_best_total`` (fastest whole repeat per side). On file:// every put batch and every
 phase starts after ``os.sync()``: no side pays for writing back (or being throttled by) the
-other's dirty pages, which otherwise makes whichever side runs later in a phase several times
-slower; all objects are in the page cache for the reads; both destinations are pre-faulted. Raw I/O is sequential (what fsspec does for local files); ours
-uses ``--threads`` I/O threads.
+other's dirty pages; all objects are in the page cache for the reads; both destinations are
+pre-faulted. Raw I/O is sequential (what fsspec does for local files); ours uses ``--threads``
+I/O threads (default: ``StorageConfig``'s), file:// writes at most ``write_threads`` of them
+(the usable CPUs unless ``local_write_threads`` says otherwise).
 
 Records (``--json``), one per direction, scheme and object size (``--object-mib``, repeatable):
 direction, scheme, gbps, raw_gbps, ratio, ratio_pair_median, ratio_best_total, raw_cat_gbps /
@@ -116,6 +117,7 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
         st = FsspecStorage(url, fp, cfg)
         st.register_host_pool(pool, shard=ShardCoord.full(fp))
         ppo = st.pages_per_object()
+        st_write_threads = st.write_threads if local else None
         ns = Namespace(fp, cache_salt=tag)
         keys = page_keys(ns, np.arange(n_pages * tokens_per_page) % 32000)
         # raw objects: same count and sizes as ours (header included), bytes prepared up front
@@ -226,6 +228,7 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
                 header_bytes_per_object=hdr,
                 per_object_overhead_us=(t - tr) / info["n_obj"] * 1e6,
                 threads=args.threads,
+                write_threads=st_write_threads,
                 repeat=args.repeat,
                 samples_per_batch=len(times[d]),
                 batches=len(times[d][0]),
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--object-mib", type=int, nargs="+", default=[4], help="target object size(s); one set of records per size")
     ap.add_argument("--pages-per-object", type=int, default=None, help="overrides --object-mib")
     ap.add_argument("--batch-pages", type=int, default=256, help="pages per batch_set/batch_get call")
-    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=StorageConfig.io_threads, help="StorageConfig.io_threads (default: its default)")
     ap.add_argument("--repeat", type=int, default=5, help="fresh objects written (and read) this many times")
     ap.add_argument("--get-passes", type=int, default=3, help="reads of each repeat's objects (samples for get)")
     ap.add_argument("--dir", default=None, help="directory for file:// (default: a temp dir)")

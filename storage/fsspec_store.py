@@ -62,7 +62,7 @@ request recomputes and rewrites). Recommended bucket configuration for ``gs://BU
 
 Threads. Calls may come from several threads. Backend I/O runs on this object's thread pool (or
 on gcsfs' event loop; file:// runs one loop per I/O thread that pulls objects in chain order, not
-one task per object). The host pool is touched on the calling thread, or, for pools that declare
+one task per object, and writes at most ``write_threads`` objects at once). The host pool is touched on the calling thread, or, for pools that declare
 ``concurrent_slot_io``, by the I/O threads on disjoint slots and only until the call returns
 (``_CallGuard``). Every call has a
 deadline (``StorageConfig.timeout_s`` or ``timeout_s=``): operations not finished by then are
@@ -805,6 +805,11 @@ class FsspecStorage(HiCacheStorage):
     def object_path(self, key: str, *, pool: PoolKind = PoolKind.KV) -> str:
         """Backend path of the object named ``key`` (admin, debugging, tests)."""
         return self._path(self._reg(pool), check_key(key))
+
+    @property
+    def write_threads(self) -> int:
+        """file://: how many objects one ``batch_set`` writes at once."""
+        return self._write_threads
 
     @property
     def fs(self) -> Any:

@@ -231,6 +231,7 @@ def test_local_write_concurrency_is_bounded(make_store, fp, write_threads):
     """``local_write_threads`` caps concurrent object writes below ``io_threads``: each write
     waits (bounded) for a companion; more writers than allowed would find one at once."""
     st = make_store("file", io_threads=4, local_write_threads=write_threads)
+    assert st.write_threads == write_threads
     keys = _keys(fp, 12)  # 3 objects
     st.pool.fill_random(S(0, 12), 10)
     lock, active, peak = threading.Lock(), [0], [0]
