@@ -268,6 +268,8 @@ class HiCacheController:
             for c in chain:
                 c.host_pin -= 1
             full.unlock(leaf)
+            if last_device.parent is not None:
+                full.maybe_push(last_device)  # an eviction pass may have dropped its queue entry meanwhile
             self.counters.miss_tokens[MissReason.NO_SPACE] += tokens
             return self._prefix_result(last_device, last_device, None, 0, -1, MissReason.NO_SPACE)
         ps = self.tree.page_size

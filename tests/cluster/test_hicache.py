@@ -99,6 +99,30 @@ def test_load_back_threshold_and_quota_are_misses_with_reasons():
     assert env2.head.cache_stats()["miss_tokens"]["over_quota"] == 12
 
 
+def test_load_back_without_l1_room_is_a_no_space_miss_and_releases_everything():
+    env = HiCacheEnv(page_size=4, device_pages=8, host_slots=32)
+    a = seq(0, 8)
+    b = np.concatenate([a, seq(100, 16)])
+    env.serve(a)
+    env.serve(b)
+    env.head.flush_write_through_acks()
+    env.head.evict(16)  # b's tail is host-only now; a stays in L1
+    held = env.head.alloc(env.head.stats().free_pages * 4)  # a running request holds every free page
+    m = env.head.match_prefix(RadixKey(b))
+    assert (m.device_hit_len, m.host_hit_len) == (8, 16)
+    env.head.inc_lock_ref(m.last_device_node)
+    r = env.head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+    assert r.load_id == -1 and r.miss_reason is MissReason.NO_SPACE
+    assert (r.device_hit_len, r.last_node, r.loaded_tokens) == (8, m.last_device_node, 0)
+    assert env.head.cache_stats()["miss_tokens"]["no_space"] == 16
+    check(env)
+    env.head.dec_lock_ref(m.last_device_node)
+    env.head.free(held)
+    assert env.head.stats().protected_tokens == 0 and env.head.controller.in_flight == 0
+    assert env.serve(b)["loaded"] == 16  # room again: the same prefix loads back exactly
+    check(env)
+
+
 def test_bad_load_back_input_changes_nothing():
     env = HiCacheEnv()
     a = seq(0, 16)
