@@ -963,7 +963,7 @@ class FsspecStorage(HiCacheStorage):
         mtimes = [now - i * 1000 for i in range(len(objs))]
         ok = [False] * len(objs)
 
-        def apply(i: int, r: Any) -> None:  # as each read completes, on this thread
+        def apply(i: int, r: Any) -> None:  # on this thread, as results are handed over
             ok[i] = self._apply_read(queries, results, objs[i], r, deadline)
 
         res = self._read_objs(queries, objs, guard, deadline, mtimes=mtimes, skip=skip, on_missing=on_missing, on_result=apply)
@@ -1006,8 +1006,8 @@ class FsspecStorage(HiCacheStorage):
         """Read and verify ``objs`` concurrently. Per object: the object's size (its pages are in
         the pool), a verified payload view (to scatter on the calling thread: pools without
         concurrent slot I/O), ``_SKIPPED`` or an exception (``FileNotFoundError``: missing).
-        ``on_result(i, r)`` runs on the calling thread as each result arrives (while the other
-        reads go on). Per-object setup (expected header, pool view) runs on the I/O threads."""
+        ``on_result(i, r)`` runs on the calling thread for each result as the backend hands it
+        over. Per-object setup (expected header, pool view) runs on the I/O threads."""
         out: list[Any] = [None] * len(objs)
         if not objs:
             return out
