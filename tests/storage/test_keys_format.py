@@ -152,13 +152,17 @@ def test_format_roundtrip_and_reasons():
     flipped = bytearray(blob)
     flipped[hl + 5] ^= 1
     assert reason(bytes(flipped)) is CorruptReason.BAD_CHECKSUM
+    swapped = bytearray(blob)  # two payload words swapped: same bytes, other order
+    swapped[hl : hl + 4], swapped[hl + 4 : hl + 8] = blob[hl + 4 : hl + 8], blob[hl : hl + 4]
+    assert reason(bytes(swapped)) is CorruptReason.BAD_CHECKSUM
     assert reason(blob[: hl + 10]) is CorruptReason.SHORT
     assert reason(blob[:5]) is CorruptReason.SHORT
     assert reason(blob + b"\0") is CorruptReason.TRAILING
     assert reason(b"XXXXXXXX" + blob[8:]) is CorruptReason.BAD_MAGIC
-    v2 = bytearray(blob)
-    v2[8:10] = (FORMAT_VERSION + 1).to_bytes(2, "little")
-    assert reason(bytes(v2)) is CorruptReason.BAD_VERSION
+    for version in (1, FORMAT_VERSION + 1):  # v1 (CRC32C layout) and future versions: a clean miss
+        other = bytearray(blob)
+        other[8:10] = version.to_bytes(2, "little")
+        assert reason(bytes(other)) is CorruptReason.BAD_VERSION
     hdr = bytearray(blob)
     hdr[100] ^= 1  # dtype field, the header checksum catches it
     assert reason(bytes(hdr)) is CorruptReason.BAD_HEADER
