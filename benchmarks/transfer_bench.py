@@ -1,7 +1,7 @@
 """L1 <-> L2 transfer cost (HostWorker's engine) next to numpy memcpy of the same bytes, same run.
 
     python benchmarks/transfer_bench.py --quick                      # ~1 min, 256 MiB pools
-    python benchmarks/transfer_bench.py --json out/transfer.json     # 256 MiB and 4 GiB pools (~9 GiB RAM)
+    python benchmarks/transfer_bench.py --json out/transfer.json     # 256 MiB + 4 GiB pools: ~3 min, ~10 GiB RAM
     python benchmarks/transfer_bench.py --devices 4 --pool-mib 256   # heads sharded over 4 fake CPU devices
 
 Method (this VM is noisy: the same run varies up to 2x, so every comparison is paired and best-of-N):
