@@ -161,9 +161,10 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = ALIGN) -> 
 def slab_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """An uninitialised, page-aligned array in its own anonymous mapping, advised to use transparent
     huge pages (``MADV_HUGEPAGE``; the kernel default here is ``madvise``). A slab is far larger
-    than what the TLB covers with 4 KiB pages, so every page copied into or out of it would pay a
-    page walk whose entries miss the cache more often as the pool grows; 2 MiB pages keep the
-    walk short and the per-batch cost flat in the pool size. Unmapped when the array is freed."""
+    than what the TLB covers with 4 KiB pages, and the page-table entries of a multi-GiB slab miss
+    the cache, so each random slot access would pay a longer walk as the pool grows; 2 MiB pages
+    keep the walk short. (On this noisy 2-core VM the effect is within the noise: the per-batch
+    time at 4 GiB was <= 1.1x the 256 MiB one with and without it.) Unmapped when freed."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -347,9 +348,9 @@ class NumpySlabHostPool(HostPool):
         dst = self._slab_bits.reshape(self.num_slots, L * two, S * H * D)
         self._drain_readers()
         # One pass per page, straight from the pool into the slab. A fancy-index gather followed by
-        # a fancy-index store (no Python loop) makes two passes over the bytes and measured ~1.3x
-        # slower for 16 x 64 KiB pages and ~3x for 256 x 64 KiB (the temporary leaves the cache);
-        # the loop costs ~1 us of Python per page.
+        # a fancy-index store (no Python loop) makes two passes over the bytes and measured ~1.25x
+        # slower for 16 x 64 KiB pages and 1.7-3x for 256 x 64 KiB (the temporary leaves the
+        # cache); the loop costs ~1 us of Python per page.
         for s, p in zip(slots.tolist(), pages.tolist()):
             dst[s] = src[:, p]
         return True
