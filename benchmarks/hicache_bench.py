@@ -9,8 +9,9 @@ Configs, same request stream, same scheduler steps (``--step-requests`` requests
 
 Like with like: the bare tree and HiCache run the same loop over the same requests and steps (the bare
 tree skips only the HiCache calls); they are interleaved per repeat (best of ``--repeat`` each) after one
-HiCache warm-up run that compiles the transfers. ``--step-requests 1`` serves one request at a time
-(each load-back dispatched and waited alone).
+HiCache warm-up run that compiles the transfer sizes the stream uses. Wall and process-CPU seconds are
+both reported. ``--step-requests 1`` serves one request at a time (each load-back dispatched and waited
+alone); larger steps also share prefix misses inside a step, so the hit rates move a little with it.
 
     python benchmarks/hicache_bench.py [--json out.json] [--quick] [--step-requests N]
 """
@@ -176,7 +177,7 @@ def main() -> None:
     kv = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_size=ps, dtype="float32")
     _, lru_hits, _, lru_prompt, _, _ = bare_run(rounds, ps, l1 + l2, step)
     hit_lru = lru_hits / lru_prompt
-    hicache_run(rounds, kv, l1, l2, args.write_policy, step)  # warm-up: compiles every transfer bucket
+    hicache_run(rounds, kv, l1, l2, args.write_policy, step)  # warm-up: compiles the transfer sizes used
     # Paired and interleaved (bare tree, then HiCache, per repeat) so machine noise hits both alike.
     bare_best = bare_cpu = hicache_cpu = float("inf")
     best = None
