@@ -44,6 +44,7 @@ import dataclasses
 import enum
 import math
 import struct
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -86,6 +87,11 @@ class CorruptObjectError(ValueError):
 def payload_digest(buf: bytes | bytearray | memoryview | np.ndarray) -> bytes:
     """16-byte XXH3-128 digest of any contiguous buffer, without copying it."""
     return xxhash.xxh3_128_digest(np.frombuffer(buf, dtype=np.uint8))
+
+
+def payload_hasher() -> Any:
+    """A streaming form of ``payload_digest``: ``update(buf)`` per part, then ``digest()``."""
+    return xxhash.xxh3_128()
 
 
 def _header_sum(buf: bytes | memoryview) -> int:
