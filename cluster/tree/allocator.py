@@ -94,6 +94,10 @@ class PageAllocator:
 
     def alloc(self, num_pages: int) -> np.ndarray:
         """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed)."""
+        return self.alloc_indexed(num_pages)[0]
+
+    def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """``alloc`` that also returns the pages as an ``intp`` index (for the caller's next fancy indexing)."""
         if num_pages > self._num_free:
             if self.bounded:
                 raise CacheCapacityError(f"need {num_pages} pages, {self._num_free} free")
@@ -101,18 +105,22 @@ class PageAllocator:
         top = self._num_free
         pages = self._free[top - num_pages : top][::-1].copy()
         self._num_free = top - num_pages
-        self._owner[pages.astype(_INTP)] = _REQUEST
-        return pages
+        idx = pages.astype(_INTP)
+        self._owner[idx] = _REQUEST
+        return pages, idx
 
-    def check(self, pages: np.ndarray, expected: PageOwner, what: str = "pages") -> np.ndarray | None:
+    def check(
+        self, pages: np.ndarray, expected: PageOwner, what: str = "pages", index: np.ndarray | None = None
+    ) -> np.ndarray | None:
         """Raises ValueError unless every page is in range, unique and owned by ``expected``.
 
         Returns the pages as an ``intp`` index (for the caller's next fancy indexing), None if empty.
+        ``index``: that index when the caller already has it (``as_index(pages)``).
         """
         n = pages.shape[0]
         if n == 0:
             return None
-        idx = as_index(pages)
+        idx = as_index(pages) if index is None else index
         try:
             owners = self._owner[idx]
         except IndexError:

@@ -25,7 +25,9 @@ _min_reduce = np.minimum.reduce  # the ufunc directly: ndarray.min adds ~1 us of
 
 def as_token_array(token_ids: np.ndarray | Sequence[int]) -> np.ndarray:
     """Returns token ids as a contiguous 1-D int32 array; raises on anything that is not ids."""
-    if type(token_ids) is np.ndarray and token_ids.dtype is _TOKEN_DTYPE_OBJ and token_ids.ndim == 1:
+    if type(token_ids) is np.ndarray and token_ids.ndim == 1 and (
+        token_ids.dtype is _TOKEN_DTYPE_OBJ or token_ids.dtype == _TOKEN_DTYPE_OBJ  # unpickled: equal, not same
+    ):
         # Fast path (int32 ids, what the serving code sends): one pass, int32 ids only need to be >= 0.
         if token_ids.shape[0] == 0 or _min_reduce(token_ids) >= 0:
             return token_ids if token_ids.flags.c_contiguous else np.ascontiguousarray(token_ids)
