@@ -14,8 +14,8 @@ HiCache hooks (L1 <-> L2 per component; the controller owns the host pools and t
   ``BACKUP`` the destinations are host ids the host tier fills in (``dst=None``); for ``LOAD_BACK`` the
   controller has already attached device pages to the loading chain (``node.loading``) and the component
   names sources (host ids) and destinations (device ids), reserving device ids it owns (Mamba slots).
-  Full: one KV transfer along the chain of ancestors without host copy (backup) / host-only ancestors
-  (load-back); the controller builds that one itself today. SWA: backup the SWA pages of live nodes;
+  Full (``FullComponent``): one KV transfer along the chain of ancestors without host copy (backup) /
+  being loaded (load-back); the HiCache controller still builds that one itself (same chain rules). SWA: backup the SWA pages of live nodes;
   load back only host-only nodes within the window before ``node``'s end. Mamba: the single state of
   ``node`` (restore into a fresh tree slot; requests then copy-on-write from it).
 - ``commit_hicache_transfer(node, phase, transfers, ok)`` runs after every host acked (``ok``) or the

@@ -3,16 +3,25 @@
 Owned by the head. Every L1 page is owned exactly once: by the allocator's free stack, by a running
 request (``alloc``), or by exactly one tree node (``node.device_pages``). ``evictable_tokens`` counts
 tree tokens in L1 with no lock, ``protected_tokens`` the locked ones; their sum is the tree's L1 usage.
+
+HiCache hooks (see ``component.py``; the controller drives the same moves itself today, this is the
+per-component statement of them). Host copies form a contiguous chain from the root, so Full moves one KV
+transfer along a chain: BACKUP of a node covers it and every ancestor without an L2 copy (root first);
+LOAD_BACK covers it and every ancestor the controller is loading (``node.loading``: device pages already
+attached). Host eviction drops Full copies at host leaves (no child with an L2 copy or staged backup, no
+pin, nothing pending) in LRU order; a host-only victim leaves the tree, which may make its parent a leaf.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from hicache.cluster.tree.allocator import PageAllocator, PageOwner
-from hicache.cluster.tree.component import TreeComponent
+from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
 from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams
@@ -130,6 +139,112 @@ class FullComponent(TreeComponent):
         if leaf.lock_ref == 0:
             self.maybe_push(leaf)
         return delta
+
+    # -- HiCache -----------------------------------------------------------------------------------
+    @staticmethod
+    def _backup_chain(node: TreeNode) -> list[TreeNode] | None:
+        """``node`` and its ancestors without an L2 copy, root first; None if one cannot be copied now."""
+        chain = []
+        while node.parent is not None and node.host_slots is None:
+            if node.staged_slots is not None or node.device_pages is None or node.loading:
+                return None  # a backup already in flight, or no device KV to copy
+            chain.append(node)
+            node = node.parent
+        chain.reverse()
+        return chain
+
+    @staticmethod
+    def _loading_chain(node: TreeNode) -> list[TreeNode]:
+        chain = []
+        while node.parent is not None and node.loading:
+            chain.append(node)
+            node = node.parent
+        chain.reverse()
+        return chain
+
+    def build_hicache_transfers(self, node: TreeNode, phase: HiCachePhase) -> tuple[ComponentTransfer, ...]:
+        if not isinstance(phase, HiCachePhase):
+            raise TypeError(f"phase must be a HiCachePhase, got {phase!r}")
+        if phase is HiCachePhase.BACKUP:
+            chain = self._backup_chain(node)
+            if not chain:
+                return ()
+            src = np.concatenate([n.device_pages for n in chain])
+            return (ComponentTransfer(self.name, phase, node.id, src, None, sum(n.num_tokens for n in chain)),)
+        chain = self._loading_chain(node)
+        if not chain:
+            return ()
+        missing = [n.id for n in chain if n.host_slots is None]
+        if missing:
+            raise ValueError(f"load-back chain of node {node.id}: nodes {missing} have no host copy")
+        src = np.concatenate([n.host_slots for n in chain])
+        dst = np.concatenate([n.device_pages for n in chain])
+        return (ComponentTransfer(self.name, phase, node.id, src, dst, sum(n.num_tokens for n in chain)),)
+
+    def commit_hicache_transfer(
+        self, node: TreeNode, phase: HiCachePhase, transfers: Sequence[ComponentTransfer], ok: bool = True
+    ) -> None:
+        """BACKUP ok: the chain's nodes take their host ids (split by node). LOAD_BACK: the KV landed in
+        the pages the controller attached; nothing to record here (the controller clears ``loading``).
+        ``ok=False``: Full reserved nothing in ``build``, so nothing changes."""
+        for t in transfers:
+            if t.component != self.name or t.phase is not phase:
+                raise ValueError(f"transfer for {t.component}/{t.phase.value} given to full/{phase.value}")
+            if t.node_id != node.id:
+                raise ValueError(f"transfer for node {t.node_id} given to the commit of node {node.id}")
+            if ok and t.dst is None:
+                raise ValueError(f"full transfer for node {t.node_id} has no destination ids")
+        if not ok or phase is HiCachePhase.LOAD_BACK:
+            return
+        for t in transfers:
+            # Walk up by pages, not by the build-time chain: a split in between leaves the same pages.
+            chain, pages, n = [], 0, node
+            while n.parent is not None and n.host_slots is None and pages < t.dst.shape[0]:
+                if n.device_pages is None:
+                    break
+                chain.append(n)
+                pages += n.device_pages.shape[0]
+                n = n.parent
+            if pages != t.dst.shape[0]:
+                raise ValueError(f"full backup of node {node.id}: {t.dst.shape[0]} host ids for a chain of {pages} pages")
+            dst = np.asarray(t.dst, dtype=np.int32)
+            end = pages
+            for c in chain:  # deepest first
+                k = c.device_pages.shape[0]
+                c.host_slots = dst[end - k : end].copy()
+                end -= k
+
+    @staticmethod
+    def is_host_leaf(node: TreeNode) -> bool:
+        if node.parent is None or node.host_slots is None or node.host_pin or node.pending is not None:
+            return False
+        for child in node.children.values():
+            if child.host_slots is not None or child.staged_slots is not None:
+                return False
+        return True
+
+    def drive_host_eviction(self, num_tokens: int, tracker: HostEvictionTracker) -> int:
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        tree = self.tree
+        heap = [(n.last_access, n.id, n) for n in tree.iter_nodes() if self.is_host_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.parent is None or not self.is_host_leaf(node) or tracker.pinned(node.id):
+                continue
+            tracker.release(self.name, node.id, node.host_slots, node.num_tokens)
+            node.host_slots = None
+            freed += node.num_tokens
+            if tree.listener is not None:
+                tree.listener.on_removed(node, "host")
+            parent = node.parent
+            if node.device_pages is None:
+                tree.remove_host_only(node)
+            if self.is_host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
 
     # -- checks ----------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -43,6 +43,7 @@ def snapshot(tree: RadixTree):
             node.parent.id,
             node.key.tobytes(),
             None if node.device_pages is None else node.device_pages.tobytes(),
+            None if node.host_slots is None else node.host_slots.tobytes(),
             node.lock_ref,
             node.hit_count,
         ))
