@@ -171,13 +171,32 @@ class CacheHead:
         self.tree.free(pages)
 
     def reset(self) -> None:
-        if self.controller is not None and self.controller.in_flight:
-            raise RuntimeError(f"cannot reset with {self.controller.in_flight} transfers in flight")
+        """Empties the tree, L1 and L2 (a cold replica); keeps the configuration, and with it an attached L3:
+        its content is persistent and shared, so the new state is attached to the same backend (same
+        params; the workers' clients are reopened) and gets L3 hits right away. Queued manifest entries
+        are written before. If re-attaching fails, the reset still happened, L3 is detached on the head
+        and on the workers (one consistent view) and the error is raised."""
+        ctl = self.controller
+        if ctl is not None and ctl.in_flight:
+            raise RuntimeError(f"cannot reset with {ctl.in_flight} transfers in flight")
+        storage = None if ctl is None or ctl.storage is None else ctl.storage.params
+        if storage is not None:
+            ctl.detach_storage_backend()  # nothing in flight: writes the queued manifest, closes the clients
         self.tree.reset()
-        if self.controller is not None:
-            self.controller = HiCacheController(self.tree, self.controller.config, self.controller.workers)
+        if ctl is not None:
+            self.controller = HiCacheController(self.tree, ctl.config, ctl.workers)
             if self.metrics is not None:
                 self.controller.on_transfer = self.metrics.observe_transfer
+            if storage is not None:
+                try:
+                    self.controller.attach_storage_backend(storage)
+                except Exception as e:
+                    try:
+                        self.controller.workers.attach_storage(None)  # workers drop any client they opened
+                    except Exception:  # a lost worker: the cluster head rebuilds its gang anyway
+                        pass
+                    raise RuntimeError(f"reset done, but L3 {storage.url} could not be re-attached "
+                                       f"(now detached): {type(e).__name__}: {e}") from e
 
     def stats(self) -> TreeStats:
         return self.tree.stats()

@@ -8,6 +8,7 @@ in-process ``HostWorker`` objects in embedded mode, Ray actor handles in the clu
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -53,14 +54,18 @@ class LocalWorkerGroup:
         if not workers:
             raise ValueError("a worker group needs at least one worker")
         self.workers = list(workers)
+        self._wire_seq = itertools.count()  # as RayWorkerGroup: outlives a head reset's new controller
 
     @property
     def num_hosts(self) -> int:
         return len(self.workers)
 
     def submit(self, plan: TransferPlan) -> None:
+        """Sends ``plan`` under this group's own increasing ``seq``: a head ``reset`` starts a controller
+        whose seqs restart at 0, while the workers' seq state lives as long as they do."""
+        wire = TransferPlan(next(self._wire_seq), plan.ops)
         for worker in self.workers:
-            worker.submit(plan)
+            worker.submit(wire)
 
     def poll(self) -> list[TransferAck]:
         return [ack for worker in self.workers for ack in worker.poll()]

@@ -180,3 +180,41 @@ def test_attach_and_detach_at_runtime(tmp_path):
         StorageParams("not-a-url", env.fingerprint)
     with pytest.raises(ValueError, match="prefetch policy"):
         StorageParams("file:///x", env.fingerprint, prefetch_policy="never")
+
+
+def test_reset_keeps_l3_attached_and_writes_the_queued_manifest(tmp_path):
+    """A reset empties the tree, L1 and L2, not the configuration: the same L3 stays attached on the head
+    and on the worker (one view), its queued manifest entries are written first, and the cold state gets
+    L3 hits (never an L1/L2 hit from before the reset)."""
+    from hicache.storage import FsspecStorage, Namespace
+
+    url = f"file://{tmp_path}/l3"
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url,
+                     storage_kwargs={"manifest_interval_s": 60.0})  # the 2nd path stays queued until flushed
+    a, b = seq(0, 24), seq(500, 16)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    env.serve(b)
+    env.head.flush_write_through_acks()
+    params, executor = env.head.controller.storage.params, env.worker.storage_executor
+    assert env.head.cache_stats()["storage"]["backup_pages"] == 10
+    env.head.reset()
+    ctl = env.head.controller
+    assert ctl.storage is not None and ctl.storage.params is params
+    assert env.worker.storage_executor is not None and env.worker.storage_executor is not executor  # reopened
+    assert env.head.cache_stats()["storage"]["backup_pages"] == 0  # a fresh tier's counters
+    store = FsspecStorage(url, env.fingerprint)
+    try:
+        stored = {p.num_pages for p in store.list_prefixes(Namespace(env.fingerprint), verify=False)}
+    finally:
+        store.close()
+    assert {6, 4} <= stored  # both paths, the queued one written by the reset
+    for tokens in (a, b):
+        m = env.head.match_prefix(RadixKey(tokens))
+        assert (m.device_hit_len, m.host_hit_len) == (0, 0)
+    r = env.serve(a)  # L3 -> L2 -> L1; serve() checks the bytes exactly
+    assert r["prefetched"] == 24 and r["loaded"] == 24
+    check(env)
+    env.head.detach_storage_backend()
+    env.head.reset()
+    assert env.head.controller.storage is None and env.worker.storage_executor is None
