@@ -20,15 +20,23 @@ applied to a new one.
 Rebuild path (constructor state is lost on restart; a lost host loses its L1 and L2 shards):
 * head restart (``max_restarts``): Ray re-runs ``__init__``; the old workers died with their owner
   (the old head process); the builder starts a new gang in the same (named) placement group, and the
-  tree starts empty, L1 and L2 empty: never a stale hit. (The L3 integration will add a warm restart
-  from the L3 manifest here: ``_fresh_head``.)
+  tree starts empty, L1 and L2 empty: never a stale hit. The L3 the lost incarnation had attached
+  (the start configuration's ``ReplicaConfig.storage``, or what ``attach_storage_backend`` /
+  ``detach_storage_backend`` made of it at runtime) is kept in Ray's GCS (``ray_storage_record``)
+  and attached to the new gang before it serves: L3 content is persistent, so a restarted head gets
+  L3 hits again (prefetch asks storage for every queued request; the tree keeps no L3-only nodes).
 * host worker lost (died, hung, rejected a plan; seen by the group or by the monitor): the controller
   drops its host tier (``drop_host_tier``), the head state is discarded (L1 died too: all processes
   of the SPMD program restart), calls answer ``status="unavailable"`` while the builder kills the
   survivors and starts a new gang (fresh jax session, pools and seq state); then a fresh state with a
   new epoch is installed. The L3 the lost state had attached (``StorageParams``: URL and options) is
-  remembered and attached to the new gang before the state serves, so L3 hits resume (prefetch)
-  after the rebuild; if that attach fails the replica serves without L3 and health says why.
+  attached to the new gang before the state serves, so L3 hits resume (prefetch) after the rebuild;
+  if that attach fails the replica serves without L3, health says why, and the next rebuild tries again.
+* ``reset`` (a client call) keeps the attached L3 (``CacheHead.reset``).
+
+The head notes each attach/detach call that succeeded (``_track_storage``: one flag check per call) and
+records the change in the GCS; ``stop_replica`` deletes the record, and a fresh (not restarted) head
+starts from its configuration.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from typing import Any
 
 import ray
 
-from hicache.cluster import wire
+from hicache.cluster import ray_storage_record, wire
 from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig
 from hicache.cluster.key_history import KeyHistories
@@ -81,6 +89,7 @@ class ReplicaConfig:
     detached: bool = True  # the head outlives the driver that started it
     health_interval_s: float = 0.5  # monitor pings of the host workers
     rebuild_backoff_s: float = 1.0  # between failed gang starts
+    storage: StorageParams | None = None  # L3 attached when the replica starts (and after every restart)
 
     def __post_init__(self) -> None:
         if not isinstance(self.head, HeadConfig):
@@ -97,6 +106,20 @@ class ReplicaConfig:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
         if not self.health_interval_s > 0 or not self.rebuild_backoff_s > 0:
             raise ValueError("health_interval_s and rebuild_backoff_s must be > 0")
+        if self.storage is not None:
+            self._check_storage(self.storage)
+
+    def _check_storage(self, params: StorageParams) -> None:
+        if not isinstance(params, StorageParams):
+            raise TypeError(f"storage must be StorageParams, got {type(params).__name__}")
+        if self.head.hicache is None:
+            raise ValueError("L3 (storage) sits behind L2: it needs a host tier (HeadConfig.hicache)")
+        fp, spec = params.fingerprint, self.workers.spec if self.workers is not None else None
+        got = (fp.page_size, fp.num_layers, fp.num_kv_heads, fp.head_dim)
+        want = (self.head.tree.page_size,) + ((spec.num_layers, spec.num_kv_heads, spec.head_dim) if spec else got[1:])
+        if got != want:
+            raise ValueError(f"storage fingerprint (page_size, num_layers, num_kv_heads, head_dim) {got} "
+                             f"does not match the replica's {want}")
 
     @property
     def replica(self) -> str:
@@ -136,6 +159,20 @@ class HeadHealth:
     last_call_s: float | None  # seconds since the last control call
 
 
+class _RecordingHead(CacheHead):
+    """A ``CacheHead`` that notes the L3 attach/detach calls that succeeded (the actor records them)."""
+
+    storage_changed = False
+
+    def attach_storage_backend(self, params: StorageParams) -> None:
+        super().attach_storage_backend(params)
+        self.storage_changed = True
+
+    def detach_storage_backend(self) -> None:
+        super().detach_storage_backend()
+        self.storage_changed = True
+
+
 @ray.remote(concurrency_groups={"control": 1, "health": 2})
 class CacheHeadActor:
     def __init__(self, config: ReplicaConfig) -> None:
@@ -143,20 +180,20 @@ class CacheHeadActor:
         self._lock = threading.RLock()
         self._state = HeadState.STARTING
         self._epoch: int | None = None
-        self._head: CacheHead | None = None
+        self._head: _RecordingHead | None = None
         self._group: RayWorkerGroup | None = None
         self._reason = ""
         self._resets = 0
         self._calls = 0
         self._last_call: float | None = None
         self._metrics: HeadMetrics | None = None
-        self._storage: StorageParams | None = None  # L3 attached when the last state was lost
         self._histories = KeyHistories()  # match keys each client sent (control thread; survives rebuilds)
         self._last_publish = 0.0
         self._stop = threading.Event()
         with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
             warnings.simplefilter("ignore", DeprecationWarning)
             self._reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self._storage: StorageParams | None = self._initial_storage()  # the L3 every new state gets
         if config.workers is None:
             self._install(None)
         else:
@@ -164,31 +201,64 @@ class CacheHeadActor:
             threading.Thread(target=self._monitor, name="hicache-monitor", daemon=True).start()
 
     # -- state -------------------------------------------------------------------------------------
-    def _fresh_head(self, group: RayWorkerGroup | None) -> CacheHead:
+    def _fresh_head(self, group: RayWorkerGroup | None) -> _RecordingHead:
         """A new, empty head state (L1/L2 empty); its counters go to the replica's Ray metrics."""
-        head = CacheHead(self.config.head, group if self.config.head.hicache is not None else None)
+        head = _RecordingHead(self.config.head, group if self.config.head.hicache is not None else None)
         if self._metrics is None:
             self._metrics = HeadMetrics(self.config.replica)
         head.attach_metrics(self._metrics)
         return head
 
-    def _reattach_storage(self, head: CacheHead) -> str:
-        """Attaches the L3 the lost state had (same URL and options) to a fresh state; returns why
-        that failed ("" when it did not): the replica then serves without L3 and says so in health."""
+    def _initial_storage(self) -> StorageParams | None:
+        """The L3 this incarnation starts with: a restarted head takes the recorded attachment (a runtime
+        attach or detach survives the restart); a fresh head takes its configuration and records it
+        (replacing a record left by an earlier replica of the same name). Without the GCS: the config."""
+        replica, params = self.config.replica, self.config.storage
+        try:
+            if self._reconstructed:
+                record = ray_storage_record.attached(replica)
+                return params if record is None else record.params
+            ray_storage_record.remember(replica, params)
+        except Exception as e:  # GCS unreachable: the configuration still says what to attach
+            log.warning("replica %s: L3 attachment record unavailable: %s", replica, e)
+        return params
+
+    def _attach_storage(self, head: _RecordingHead) -> str:
+        """Attaches the replica's L3 (same URL and options) to a fresh state; returns why that failed
+        ("" when it did not): the replica then serves without L3 and says so in health."""
         params = self._storage
         if params is None or head.controller is None:
             return ""
         try:
             head.attach_storage_backend(params)
         except Exception as e:  # L3 is optional: serve with L1/L2 and recompute, report it
-            log.warning("replica %s: re-attaching L3 %s failed: %s", self.config.replica, params.url, e)
-            return f"L3 {params.url} not re-attached after the rebuild: {type(e).__name__}: {e}"
-        log.info("replica %s: L3 %s re-attached to the new host workers", self.config.replica, params.url)
+            log.warning("replica %s: attaching L3 %s failed: %s", self.config.replica, params.url, e)
+            return f"L3 {params.url} not attached to the new state: {type(e).__name__}: {e}"
+        head.storage_changed = False  # the replica's own L3, not a client's change
+        log.info("replica %s: L3 %s attached to the host workers", self.config.replica, params.url)
         return ""
+
+    def _track_storage(self) -> None:
+        """After a control call (lock held): an ``attach_storage_backend``/``detach_storage_backend`` that
+        succeeded changes what every later state (rebuild, restart) gets, and the GCS record. Nothing
+        else does: a failed attach of a new state, or a failed re-attach in ``reset``, leaves the
+        replica's L3 as configured, and the next state tries it again."""
+        head = self._head
+        if head is None or not head.storage_changed:
+            return
+        head.storage_changed = False
+        ctl = head.controller
+        now = None if ctl is None or ctl.storage is None else ctl.storage.params
+        self._storage = now
+        try:
+            ray_storage_record.remember(self.config.replica, now)
+        except Exception as e:  # the live state is right; only a head restart would miss the change
+            log.warning("replica %s: recording the L3 attachment failed: %s", self.config.replica, e)
+            self._reason = f"L3 attachment not recorded (a head restart would not see it): {type(e).__name__}: {e}"
 
     def _install(self, group: RayWorkerGroup | None) -> None:
         head = None if self._stop.is_set() else self._fresh_head(group)
-        reason = "" if head is None else self._reattach_storage(head)  # outside the lock: calls the workers
+        reason = "" if head is None else self._attach_storage(head)  # outside the lock: calls the workers
         with self._lock:
             if self._stop.is_set():
                 if group is not None:
@@ -229,8 +299,6 @@ class CacheHeadActor:
             return
         head, group = self._head, self._group
         if head is not None and head.controller is not None:
-            storage = head.controller.storage
-            self._storage = None if storage is None else storage.params  # the new gang gets it again
             head.controller.drop_host_tier(reason)  # in-flight transfers fail; nothing served from L2
         self._head, self._group, self._epoch = None, None, None
         self._state, self._reason = HeadState.REBUILDING, reason
@@ -272,6 +340,7 @@ class CacheHeadActor:
                 results = execute(self._head)
             except Exception as e:  # not a per-call error the head knows: report it for every call
                 results = [CallResult(False, error=e)] * num_calls
+            self._track_storage()
             if self._last_call - self._last_publish >= _METRICS_INTERVAL_S:
                 self._last_publish = self._last_call
                 self._head.publish_metrics()  # type: ignore[union-attr]
@@ -344,6 +413,10 @@ class CacheHeadActor:
         if self.config.workers is not None:
             cfg = self.config
             RayWorkerGroup(cfg.replica, cfg.workers, 1, 1, detached=cfg.detached).remove_placement_group()
+        try:
+            ray_storage_record.forget(self.config.replica)  # a later replica of this name starts from its config
+        except Exception as e:
+            log.warning("replica %s: deleting the L3 attachment record failed: %s", self.config.replica, e)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,12 +15,20 @@ Example (see ``ray_configs/replicas/``)::
       devices_per_host: 2     # cpu
       topology: 4x4           # tpu
       accelerator: v6e        # tpu
+    l3:                       # absent: no L3 at start (attach_storage_backend can add one at runtime)
+      url: gs://bucket/kv     # fsspec URL: file:///dir, gs://bucket/prefix, memory://x
+      model_id: llama3-8b     # with the model's dtype and shape: the L3 fingerprint (replicas of one
+                              # model share L3 objects only with equal fingerprints)
+      prefetch_min_tokens: 256  # any other StorageParams field by name (policy, timeouts, caps)
+      storage: {max_bytes: 1099511627776}  # StorageConfig fields (file:// byte cap, io_threads, ...)
 
-Every problem is one ``ValueError`` naming the key and the value.
+The L3 of ``l3`` is attached when the replica starts and again after every head restart or rebuild
+(``ReplicaConfig.storage``). Every problem is one ``ValueError`` naming the key and the value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,10 +38,12 @@ import yaml
 
 from hicache.cluster.head import HeadConfig
 from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.storage_tier import StorageParams
 from hicache.cluster.tree import TreeConfig
+from hicache.storage import ModelFingerprint, StorageConfig
 
 _TOP = {"replica", "page_size", "l1_pages", "l2_slots", "write_policy", "eviction_policy", "model", "workers",
-        "max_restarts", "detached"}
+        "max_restarts", "detached", "l3"}
 _MODEL = {"num_layers", "num_kv_heads", "head_dim", "dtype"}
 _WORKERS = {"platform", "num_hosts", "devices_per_host", "topology", "accelerator", "start_timeout_s"}
 
@@ -95,9 +105,28 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
                                              "tpu", **extra)
             else:
                 raise ValueError(f"workers.platform must be cpu or tpu, got {platform!r}")
+        storage = None if raw.get("l3") is None else _storage_params(raw["l3"], raw.get("model"), page_size, where)
         return ReplicaConfig(head, workers, max_restarts=int(raw.get("max_restarts", 4)),
-                             detached=bool(raw.get("detached", True)))
+                             detached=bool(raw.get("detached", True)), storage=storage)
     except KeyError as exc:
         raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _storage_params(l3: Any, model: Any, page_size: int, where: str) -> StorageParams:
+    """``l3`` (url, model_id, StorageParams fields, ``storage``: StorageConfig fields) -> ``StorageParams``."""
+    if not isinstance(l3, Mapping):
+        raise ValueError(f"l3 must be a mapping, got {l3!r}")
+    if not isinstance(model, Mapping):
+        raise ValueError("l3 needs a model: {num_layers, num_kv_heads, head_dim, dtype} (its L3 fingerprint)")
+    scalar = {f.name for f in dataclasses.fields(StorageParams)} - {"url", "fingerprint", "storage"}
+    _check_keys(f"{where}: l3", l3, {"url", "model_id", "storage"} | scalar)
+    config = l3.get("storage") or {}
+    if not isinstance(config, Mapping):
+        raise ValueError(f"l3.storage must be a mapping, got {config!r}")
+    _check_keys(f"{where}: l3.storage", config, {f.name for f in dataclasses.fields(StorageConfig)})
+    fingerprint = ModelFingerprint(str(l3["model_id"]), str(model.get("dtype", "bfloat16")), page_size,
+                                   int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]))
+    return StorageParams(str(l3["url"]), fingerprint, storage=StorageConfig(**config),
+                         **{k: v for k, v in l3.items() if k in scalar})

@@ -10,6 +10,7 @@ bit; the engine test runs the reference model itself inside both host workers (`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -21,7 +22,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import hicache  # noqa: E402
-from hicache.cluster import HeadConfig  # noqa: E402
+from hicache.cluster import HeadConfig, ray_storage_record  # noqa: E402
 from hicache.cluster.client import ResultRef  # noqa: E402
 from hicache.cluster.controller import LoadBackParams  # noqa: E402
 from hicache.cluster.errors import (  # noqa: E402
@@ -312,11 +313,26 @@ def test_kill_a_worker_mid_workload_then_it_rejoins_with_l3_attached(replica_x, 
     env.client.detach_storage_backend()
 
 
-def test_kill_the_head_it_restarts_without_stale_hits(replica_x):
+def test_kill_the_head_it_restarts_without_stale_hits_and_with_its_l3(replica_x, tmp_path):
+    """The head actor restarts (constructor state lost): empty tree, L1 and L2, never a stale hit; the L3
+    attached at runtime before the kill is attached again (kept in the GCS), so L3 hits resume exactly."""
     env = RayEnv("x")
+    params = l3_params(tmp_path)
+    env.client.attach_storage_backend(params)
+    try:
+        _restart_the_head_with_l3(env, params)
+    finally:
+        env.client.detach_storage_backend()
+    assert ray_storage_record.attached("x") == ray_storage_record.Attached(None)  # a detach is kept too
+
+
+def _restart_the_head_with_l3(env: RayEnv, params: StorageParams) -> None:
     a = seq(5000, 24)
     env.serve(a)
     assert env.serve(a)["device_hit"] == 24
+    env.client.flush_write_through_acks()
+    assert env.client.cache_stats()["storage"]["backup_pages"] == 6
+    assert ray_storage_record.attached("x") == ray_storage_record.Attached(params)
     head = get_head("x")
     ray.kill(head, no_restart=False)
     end, errors = time.monotonic() + 90, set()
@@ -339,9 +355,12 @@ def test_kill_the_head_it_restarts_without_stale_hits(replica_x):
     assert HiCacheReplicaResetError in errors or HiCacheUnavailableError in errors
     assert (m.device_hit_len, m.host_hit_len) == (0, 0)  # empty tree, empty L1/L2: never a stale hit
     h = ray.get(get_head("x").health.remote())
-    assert h.reconstructed and h.state is HeadState.READY
+    assert h.reconstructed and h.state is HeadState.READY and h.reason == ""
+    st = env.client.cache_stats()
+    assert st["storage"]["backup_pages"] == 0 and st["host_tokens"] == 0  # a new state, with the same L3
     env.refresh()
-    assert env.serve(a)["device_hit"] == 0
+    assert env.prefetch(a, "after-head-restart") == 24  # L3 -> L2 on the new gang
+    assert env.serve(a)["loaded"] == 24  # L2 -> L1; serve() compares both hosts' shards with a's KV
     assert env.serve(a)["device_hit"] == 24
 
 
@@ -354,10 +373,9 @@ def test_two_replicas_share_l3_bit_identical(replica_x, env_x, tmp_path):
     env_x.serve(a)
     env_x.client.flush_write_through_acks()
     assert env_x.client.cache_stats()["storage"]["backup_pages"] == 6
-    handle = hicache.start_replica(replica_config("z"))
+    handle = hicache.start_replica(dataclasses.replace(replica_config("z"), storage=params))  # L3 from the start
     try:
         env_z = RayEnv("z")
-        env_z.client.attach_storage_backend(params)
         assert env_z.prefetch(a, "z-1") == 24
         r = env_z.serve(a)  # load-back from z's L2; serve() compares both hosts' shards bit for bit
         assert r["loaded"] == 24
@@ -365,6 +383,7 @@ def test_two_replicas_share_l3_bit_identical(replica_x, env_x, tmp_path):
     finally:
         stop_replica("z")
         del handle
+    assert ray_storage_record.attached("z") is None  # stopped: a new "z" starts from its own config
     env_x.client.detach_storage_backend()
 
 
@@ -414,3 +433,37 @@ def test_engine_in_the_host_workers_is_exact_with_l1_l2_l3_hits(replica_x, env_x
     assert r.storage_tokens >= 40 and r.device_hit_tokens == 0  # L3 -> L2 -> L1
     c.flush_write_through_acks()
     c.detach_storage_backend()
+
+
+def test_replica_file_l3_section_becomes_the_start_storage(tmp_path):
+    """``l3`` in a replica file -> ``ReplicaConfig.storage`` (attached at start and after every restart);
+    a bad key or value names itself; L3 needs L2 and a fingerprint of the replica's KV shape."""
+    from hicache.replica_file import load_replica_file
+
+    base = ("replica: f\npage_size: 4\nl1_pages: 64\nl2_slots: 128\n"
+            "model: {num_layers: 2, num_kv_heads: 4, head_dim: 4, dtype: float32}\n"
+            "workers: {platform: cpu, num_hosts: 2, devices_per_host: 2}\n")
+    path = tmp_path / "r.yaml"
+    path.write_text(base + "l3: {url: 'file:///kv', model_id: m, prefetch_policy: best_effort, pages_per_object: 2,"
+                           " storage: {max_bytes: 1000000}}\n")
+    st = load_replica_file(path).storage
+    assert (st.url, st.prefetch_policy.value, st.pages_per_object, st.storage.max_bytes) == (
+        "file:///kv", "best_effort", 2, 1_000_000)
+    assert st.fingerprint == ModelFingerprint("m", "float32", 4, 2, 4, 4)
+    assert load_replica_file(tmp_path / "r.yaml").storage == st  # a pure function of the file
+    for l3, msg in [("{url: 'file:///kv', model_id: m, bogus: 1}", "bogus"),
+                    ("{url: 'file:///kv'}", "model_id"),
+                    ("{url: kv, model_id: m}", "url"),
+                    ("{url: 'file:///kv', model_id: m, storage: {nope: 1}}", "nope")]:
+        path.write_text(base + f"l3: {l3}\n")
+        with pytest.raises(ValueError, match=msg):
+            load_replica_file(path)
+    path.write_text(base.replace("l2_slots: 128", "l2_slots: 0") + "l3: {url: 'file:///kv', model_id: m}\n")
+    with pytest.raises(ValueError, match="host tier"):
+        load_replica_file(path)
+    cfg = replica_config("f")
+    wrong = StorageParams("file:///kv", ModelFingerprint("m", "float32", PS, SPEC.num_layers, 8, SPEC.head_dim))
+    with pytest.raises(ValueError, match="does not match"):
+        dataclasses.replace(cfg, storage=wrong)
+    with pytest.raises(TypeError, match="StorageParams"):
+        dataclasses.replace(cfg, storage="file:///kv")
