@@ -13,6 +13,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.client import CacheClient, EmbeddedTransport
@@ -23,7 +24,7 @@ from hicache.cluster.tree import TreeConfig
 from hicache.engine.config import ForwardConfig, ModelConfig, numerics_key
 from hicache.engine.kv_layout import LAYOUT_VERSION
 from hicache.engine.runner import ModelRunner
-from hicache.serving import Scheduler, WorkerEngine
+from hicache.serving import Scheduler, ServeRequest, WorkerEngine
 from hicache.storage import ModelFingerprint
 
 
@@ -39,7 +40,11 @@ class StackOptions:
     prefetch_min_tokens: int = 32
     pages_per_object: int = 4  # L3 object = 4 pages: a prefix query finds all but < 4 pages of it
     prefill_budget: int = 0
-    l3_overlap_pages: int = 0  # prefill pages computed while L3 is asked (Scheduler); 2 loses L3 hits in long_doc_qa (open)
+    # L1->L2 backups queued by a finished request go out with the scheduler's next cache call once this
+    # many pages wait (HiCacheConfig.backup_batch_pages). 1: at once, in the check_hicache_events after
+    # the decode; larger batches ride along with the next request's first plan (its TTFT pays the D2H).
+    backup_batch_pages: int = 1
+    l3_overlap_pages: int = 0  # prefill pages computed while L3 is asked (Scheduler; does not pay off on CPU)
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:
@@ -85,7 +90,8 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     m = options.model
     spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, ps, m.dtype)
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1])
-    hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
+    hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy,
+                            backup_batch_pages=options.backup_batch_pages)
     head = CacheHead(HeadConfig(tree=tree, hicache=hicache), LocalWorkerGroup([worker]))
     params = None if runner is None else runner.params
     runner = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params))
@@ -97,5 +103,40 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     client = CacheClient(EmbeddedTransport(head), ps)
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
-                      l3_overlap_pages=options.l3_overlap_pages)
+                      l3_overlap_pages=options.l3_overlap_pages, l3_min_tokens=options.prefetch_min_tokens)
     return EmbeddedStack(options, head, client, runner, sched, worker)
+
+
+WARM_UP_SALT = "hicache-warm-up"
+
+
+def warm_up(stack: EmbeddedStack, max_pages: int | None = None) -> list[int]:
+    """Compiles, before anything is timed, what the first requests would otherwise compile inside
+    their TTFT: the forward and, with a host tier, the L2->L1 load of every transfer bucket (powers
+    of two up to ``max_pages``; default: what one request can hold in L1) with the L1->L2 backups
+    before it. Each bucket: a request of that many pages, its backup flushed, L1 emptied, the request
+    again (an L2 hit loaded back). Runs in a namespace of its own (``cache_salt=WARM_UP_SALT``): it
+    shares no cache entry with real requests and its entries are evicted like any cold ones; its
+    transfers count in ``cache_stats`` (snapshot them after the warm-up to leave them out).
+
+    Returns the pages loaded back from L2 per bucket (``[]`` without a host tier)."""
+    opts = stack.options
+    ps = opts.forward.page_size
+    fit = min(opts.forward.max_pages, opts.l1_pages) - 1  # its pages + the one its answer starts
+    limit = fit if max_pages is None else min(max_pages, fit)
+    if limit < 1:
+        raise ValueError(f"warm_up: no request fits (max_pages={max_pages}, L1 {opts.l1_pages} pages)")
+    rng = np.random.default_rng(0)
+    loaded: list[int] = []
+    n = 1
+    while True:
+        req = ServeRequest(rng.integers(0, opts.model.vocab_size, n * ps + 1, dtype=np.int32), 1,
+                           cache_salt=WARM_UP_SALT)
+        stack.scheduler.serve(req)
+        if opts.l2_slots:
+            stack.client.flush_write_through_acks()
+            stack.client.evict(opts.l1_pages * ps)
+            loaded.append(stack.scheduler.serve(req).loaded_tokens // ps)
+        if n >= limit:
+            return loaded
+        n = min(2 * n, limit)

@@ -85,3 +85,54 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
         tiers[f"l3-overlap-{overlap}"] = fetched
         cold.client.flush_write_through_acks()
     assert tiers["l3-overlap-2"] == tiers["l3-overlap-0"] and sum(tiers["l3-overlap-0"]) > 0, tiers
+
+
+def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_path, runner):
+    from hicache.embedded import StackOptions, build_stack, warm_up
+
+    stack = build_stack(StackOptions(MODEL, FWD, l1_pages=12, l2_slots=32, l3_url=f"file://{tmp_path}/l3"), runner)
+    assert warm_up(stack, max_pages=6) == [1, 2, 4, 6]  # each bucket's request came back from L2
+    st = stack.client.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0
+    prompt = np.random.default_rng(5).integers(0, MODEL.vocab_size, 30, dtype=np.int32)
+    res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+    ref = runner.generate_no_cache(prompt, 3)
+    assert res.output == ref.tokens and res.computed_tokens == len(prompt)  # nothing shared with the warm-up
+    with pytest.raises(ValueError, match="no request fits"):
+        warm_up(build_stack(StackOptions(MODEL, FWD, l1_pages=1), runner))
+    stack.client.flush_write_through_acks()
+    stack.head.detach_storage_backend()
+
+
+def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, runner):
+    """The scheduler does not send a prefetch the head would skip (below prefetch_min_tokens)."""
+    from hicache.cluster.client import CacheClient, EmbeddedTransport
+    from hicache.embedded import StackOptions, build_stack
+
+    class RecordingTransport(EmbeddedTransport):
+        def __init__(self, head) -> None:
+            super().__init__(head)
+            self.methods: list[str] = []
+
+        def call(self, call):
+            self.methods.append(call.method.value)
+            return super().call(call)
+
+    stack = build_stack(StackOptions(MODEL, FWD, l1_pages=24, l2_slots=32, l3_url=f"file://{tmp_path}/l3",
+                                     prefetch_min_tokens=24), runner)
+    assert stack.scheduler.l3_min_tokens == 24
+    transport = RecordingTransport(stack.head)
+    stack.scheduler.client = CacheClient(transport, FWD.page_size)
+    rng = np.random.default_rng(3)
+    asked = []
+    for n in (17, 25, 33):  # whole pages of prompt[:-1]: 16, 24, 32 tokens, nothing cached
+        prompt = rng.integers(0, MODEL.vocab_size, n, dtype=np.int32)
+        transport.methods.clear()
+        res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
+        assert res.output == runner.generate_no_cache(prompt, 2).tokens
+        asked.append(transport.methods.count("prefetch_from_storage"))
+    assert asked == [0, 1, 1]
+    with pytest.raises(ValueError, match="l3_min_tokens"):
+        Scheduler(stack.client, stack.scheduler.engine, storage=True, l3_min_tokens=-1)
+    stack.client.flush_write_through_acks()
+    stack.head.detach_storage_backend()
