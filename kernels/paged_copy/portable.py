@@ -12,7 +12,12 @@ Same semantics as ``reference.py`` but written for in-place, O(batch) execution:
   as a full copy too. So on the CPU backend the device pool *stores* 16-bit floats as their
   same-width unsigned bit pattern (``hicache.workers.device_pool.storage_dtype``); these functions
   are dtype-agnostic and then run in place (~0.25 ms for 16 x 64 KiB pages from DRAM);
-* the loops run on the free reshape ``[L*2, P, S*H*D]`` (``_flat``): long contiguous runs per copy.
+* the loops run on the flat views ``[L*2, P, S*H*D]`` / ``[m, L*2, S*H*D]`` when those reshapes are
+  free (``_flat_is_free``: no size-1 axis), i.e. one page is ``L*2`` long contiguous runs; otherwise
+  on the 6-D shapes (inner runs of ``D``). XLA:CPU turns a reshape *back* to a shape with a size-1
+  axis into a relayout copy of the whole result (measured: every H2D of a ``[1, 2, P, 16, 1, 8]``
+  pool copied pool and output twice, ~9 ms for 16 pages instead of ~0.02 ms), so degenerate
+  layouts keep the 6-D loop. ``tests/kernels/test_in_place.py`` checks the compiled programs.
 
 The caller validates ids (``validation.py``) and handles sharding (these act on one shard).
 """
@@ -23,19 +28,30 @@ import jax
 from jax import lax
 
 
-def _flat(kv: jax.Array) -> jax.Array:
-    """``[L, 2, P, S, H, D] -> [L*2, P, S*H*D]``: a free (bitcast) reshape for row-major layouts. One
-    page is then ``L*2`` contiguous runs of ``S*H*D`` elements, and a slice/update of it is emitted
-    as long vectorised copies (measured on XLA:CPU, 16 x 64 KiB pages: ~3x faster in cache and
-    ~1.5x from DRAM than the same loop on the 6-D shape, whose inner runs are only ``D`` long)."""
+def _flat_is_free(kv_shape: tuple[int, ...], rows_shape: tuple[int, ...]) -> bool:
+    """Whether the flat views of ``kv [L, 2, P, S, H, D]`` and ``rows [m, L, 2, S, H, D]`` are bitcasts
+    both ways on every backend: only when no axis has size 1. With a size-1 axis XLA:CPU's layout
+    assignment places it arbitrarily in the reshape's result layout and then copies the whole array
+    to the row-major result (also for a mere squeeze/expand_dims), so the in-place update is lost."""
+    return min(kv_shape) > 1 and min(rows_shape) > 1
+
+
+def _views(kv: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+    """``(kv view, rows view, page axis of the kv view)``: the flat ``[L*2, P, S*H*D]`` and
+    ``[m, L*2, S*H*D]`` views when free (long contiguous runs per page: measured on XLA:CPU,
+    16 x 64 KiB pages, ~3x faster in cache and ~1.5x from DRAM than the 6-D loop, whose inner runs
+    are only ``D`` long), else the arrays themselves (page axis 2)."""
+    if not _flat_is_free(kv.shape, rows.shape):
+        return kv, rows, 2
     L, two, P, S, H, D = kv.shape
-    return kv.reshape(L * two, P, S * H * D)
+    return kv.reshape(L * two, P, S * H * D), rows.reshape(rows.shape[0], L * two, S * H * D), 1
 
 
-def _flat_rows(rows: jax.Array) -> jax.Array:
-    """``[m, L, 2, S, H, D] -> [m, L*2, S*H*D]`` (free reshape; one row = one page)."""
-    m, L, two, S, H, D = rows.shape
-    return rows.reshape(m, L * two, S * H * D)
+def _page(kv: jax.Array, axis: int, page: jax.Array) -> jax.Array:
+    """``kv[..., page:page+1, ...]`` along ``axis`` (a dynamic slice of one page)."""
+    start = [0] * kv.ndim
+    start[axis] = page
+    return lax.dynamic_slice(kv, start, kv.shape[:axis] + (1,) + kv.shape[axis + 1 :])
 
 
 def gather_pages_xla(
@@ -44,12 +60,12 @@ def gather_pages_xla(
     count: jax.Array,  # i32[] number of valid ids, 1 <= count <= m
     out: jax.Array,  # [m, L, 2, S, H, D] staging buffer (donate it)
 ) -> jax.Array:  # [m, L, 2, S, H, D]; rows >= count keep out's content
-    src, dst0 = _flat(kv), _flat_rows(out)
-    LK, _, C = src.shape
+    src, dst0, axis = _views(kv, out)
+    row_shape = (1, *dst0.shape[1:])
 
     def body(j, dst):
-        row = lax.dynamic_slice(src, (0, page_ids[j], 0), (LK, 1, C))
-        return lax.dynamic_update_slice(dst, row.reshape(1, LK, C), (j, 0, 0))
+        row = _page(src, axis, page_ids[j]).reshape(row_shape)
+        return lax.dynamic_update_slice(dst, row, (j,) + (0,) * (dst.ndim - 1))
 
     return lax.fori_loop(0, count, body, dst0).reshape(out.shape)
 
@@ -60,7 +76,7 @@ def scatter_pages_xla(
     count: jax.Array,  # i32[]
     pages: jax.Array,  # [m, L, 2, S, H, D]
 ) -> jax.Array:  # [L, 2, P, S, H, D]
-    return _scatter_flat(kv, _flat_rows(pages.astype(kv.dtype)), lambda j: j, page_ids, count)
+    return _scatter(kv, pages.astype(kv.dtype), lambda j: j, page_ids, count)
 
 
 def scatter_rows_xla(
@@ -74,16 +90,18 @@ def scatter_rows_xla(
     with the page scatter, one copy per page and no staging buffer. On the CPU backend ``rows`` is
     the host pool's numpy slab passed as a jit argument (PJRT CPU aliases aligned host buffers), so
     an H2D is a single in-place pass over ``count`` pages whatever the pool size."""
-    return _scatter_flat(kv, _flat_rows(rows.astype(kv.dtype)), lambda j: row_ids[j], page_ids, count)
+    return _scatter(kv, rows.astype(kv.dtype), lambda j: row_ids[j], page_ids, count)
 
 
-def _scatter_flat(kv: jax.Array, src: jax.Array, row_of, page_ids: jax.Array, count: jax.Array) -> jax.Array:
-    """``kv[:, :, page_ids[j]] = src[row_of(j)]`` for ``j < count`` on the flattened views."""
-    dst0 = _flat(kv)
-    LK, _, C = dst0.shape
+def _scatter(kv: jax.Array, rows: jax.Array, row_of, page_ids: jax.Array, count: jax.Array) -> jax.Array:
+    """``kv[:, :, page_ids[j]] = rows[row_of(j)]`` for ``j < count``, on the views of ``_views``."""
+    dst0, src, axis = _views(kv, rows)
+    page_shape = dst0.shape[:axis] + (1,) + dst0.shape[axis + 1 :]
 
     def body(j, dst):
-        row = lax.dynamic_slice(src, (row_of(j), 0, 0), (1, LK, C))
-        return lax.dynamic_update_slice(dst, row.reshape(LK, 1, C), (0, page_ids[j], 0))
+        row = lax.dynamic_slice(src, (row_of(j),) + (0,) * (src.ndim - 1), (1, *src.shape[1:]))
+        start = [0] * dst.ndim
+        start[axis] = page_ids[j]
+        return lax.dynamic_update_slice(dst, row.reshape(page_shape), start)
 
     return lax.fori_loop(0, count, body, dst0).reshape(kv.shape)
