@@ -8,7 +8,6 @@ in-process ``HostWorker`` objects in embedded mode, Ray actor handles in the clu
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -54,7 +53,7 @@ class LocalWorkerGroup:
         if not workers:
             raise ValueError("a worker group needs at least one worker")
         self.workers = list(workers)
-        self._wire_seq = itertools.count()  # as RayWorkerGroup: outlives a head reset's new controller
+        self._next_seq = 0  # as RayWorkerGroup's wire seq: outlives a head reset's new controller
 
     @property
     def num_hosts(self) -> int:
@@ -62,8 +61,11 @@ class LocalWorkerGroup:
 
     def submit(self, plan: TransferPlan) -> None:
         """Sends ``plan`` under this group's own increasing ``seq``: a head ``reset`` starts a controller
-        whose seqs restart at 0, while the workers' seq state lives as long as they do."""
-        wire = TransferPlan(next(self._wire_seq), plan.ops)
+        whose seqs restart at 0, while the workers' seq state lives as long as they do (until a reset
+        both count alike and the plan goes as it is)."""
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        wire = plan if plan.seq == seq else TransferPlan(seq, plan.ops)
         for worker in self.workers:
             worker.submit(wire)
 
