@@ -6,8 +6,10 @@ Pools and mapping (SGLang's SWA radix cache idea). Every L1 full-attention page 
 ``swa_of[full_page]`` is its SWA page id or -1. ``RadixTree.alloc`` hands out full pages and SWA pages
 together (the SWA component installs a ``MappedPageAllocator`` as the Full component's allocator), and
 releasing a full page releases its SWA page. The model reads SWA KV through ``translate(full_pages)``,
-so scheduler code never deals with SWA page ids. SWA pages carry the owner of their full page (FREE /
-REQUEST / TREE) in their own ``PageAllocator`` (capacity ``num_tokens // page_size``; None = unbounded).
+so scheduler code never deals with SWA page ids. An SWA page's owner is the owner of the full page that
+maps to it (FREE when none does), so the SWA pool (``SWAPagePool``, capacity ``num_tokens // page_size``;
+None = unbounded) keeps only a free stack and derives owners from the mapping: moving a full page between
+REQUEST and TREE costs the SWA side nothing.
 
 Window rule. The query at position ``p`` attends to keys in ``(p - window, p]``; we keep it one token
 conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p - window, p)``.
@@ -150,6 +152,52 @@ class SWAStats:
     evicted_tokens: int
 
 
+class SWAPagePool(PageAllocator):
+    """The SWA page pool: a free stack only; owners (``owners``/``count``) derive from the full pages."""
+
+    def __init__(self, capacity: int | None, swa: SWAComponent) -> None:
+        super().__init__(capacity)
+        self.swa = swa
+
+    def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        if num_pages > self._num_free:
+            if self.bounded:
+                raise CacheCapacityError(f"need {num_pages} pages, {self._num_free} free")
+            self._grow(num_pages - self._num_free)
+        top = self._num_free
+        pages = self._free[top - num_pages : top][::-1].copy()
+        self._num_free = top - num_pages
+        return pages, pages  # no owner array to index (callers only use the ids)
+
+    def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
+        """Nothing to record: the owner follows the full page."""
+
+    def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
+        n = pages.shape[0]
+        if n:
+            self._free[self._num_free : self._num_free + n] = pages[::-1]
+            self._num_free += n
+
+    def _derived_owners(self) -> np.ndarray:
+        mapped = self.swa.mapped
+        full = np.flatnonzero(mapped.swa_of >= 0)
+        owners = np.zeros(self.capacity, dtype=np.int8)  # FREE unless a full page maps here
+        owners[mapped.swa_of[full]] = mapped.owners(full)
+        return owners
+
+    def owners(self, pages: np.ndarray) -> np.ndarray:
+        return self._derived_owners()[np.asarray(pages).astype(np.intp)]
+
+    def count(self, owner: PageOwner) -> int:
+        return int(np.count_nonzero(self._derived_owners() == owner))
+
+    def check(self, pages, expected, what="pages", index=None):  # type: ignore[override]
+        raise TypeError("SWA pages are checked through their full pages (MappedPageAllocator.check)")
+
+    def free_pages(self) -> np.ndarray:
+        return self._free[: self._num_free]
+
+
 class MappedPageAllocator(PageAllocator):
     """The Full L1 allocator with an SWA page attached to every handed-out full page."""
 
@@ -176,14 +224,18 @@ class MappedPageAllocator(PageAllocator):
     def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
         idx = pages.astype(np.intp) if index is None else index
         super().transfer(pages, new_owner, idx)
-        self.swa.allocator.transfer(_mapped(self.swa_of[idx]), new_owner)
+        live = _mapped(self.swa_of[idx])
+        if live.shape[0]:
+            self.swa.allocator.transfer(live, new_owner)
 
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
         if pages.shape[0] == 0:
             return
         idx = pages.astype(np.intp) if index is None else index
-        self.swa.allocator.release(_mapped(self.swa_of[idx]))
-        self.swa_of[idx] = -1
+        live = _mapped(self.swa_of[idx])
+        if live.shape[0]:  # tombstoned pages map nothing: no SWA work at all
+            self.swa.allocator.release(live)
+            self.swa_of[idx] = -1
         super().release(pages, idx)
 
     def reset(self) -> None:
@@ -214,7 +266,7 @@ class SWAComponent(TreeComponent):
         super().attach(tree)
         self.queue.tree = tree
         self.page_size = ps
-        self.allocator = PageAllocator(None if self.num_tokens is None else self.num_tokens // ps)
+        self.allocator = SWAPagePool(None if self.num_tokens is None else self.num_tokens // ps, self)
         self.mapped = MappedPageAllocator(old.capacity if old.bounded else None, self)
         tree.full.allocator = self.mapped
 
@@ -226,7 +278,7 @@ class SWAComponent(TreeComponent):
     def is_live(self, node: TreeNode) -> bool:
         """True when the node's full KV is in L1 and its SWA pages are present (not a tombstone)."""
         pages = node.device_pages
-        return pages is not None and pages.shape[0] > 0 and self.mapped.swa_of[pages[0]] >= 0
+        return pages is not None and pages.shape[0] > 0 and self.mapped.swa_of.item(pages.item(0)) >= 0
 
     def is_evictable(self, node: TreeNode) -> bool:
         if node.parent is None or node.loading or not self.is_live(node):
@@ -279,15 +331,17 @@ class SWAComponent(TreeComponent):
 
     def on_insert_existing(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         swa_of = self.mapped.swa_of
-        if node.loading or swa_of[node.device_pages[0]] >= 0:
+        first = node.device_pages.item(0)  # .item(): Python ints, no numpy scalar per path node
+        if node.loading or swa_of.item(first) >= 0:
             return
         theirs = params.device_pages[page_start:page_end]
-        if theirs[0] == node.device_pages[0]:
+        if theirs.item(0) == first:
             return  # the request holds the tree's own (TREE) pages here: nothing to hand over
-        sp = swa_of[theirs]
-        if (sp < 0).any() or np.array_equal(theirs, node.device_pages):
+        sp = swa_of[theirs.astype(np.intp)]
+        n = sp.shape[0]
+        if np.count_nonzero(sp >= 0) != n or np.array_equal(theirs, node.device_pages):
             return
-        if (self.mapped.owners(theirs) != PageOwner.REQUEST).any():
+        if np.count_nonzero(self.mapped.owners(theirs) == PageOwner.REQUEST) != n:
             return
         # The request recomputed this tombstone with live SWA: the node takes the SWA pages.
         swa_of[node.device_pages] = sp
@@ -375,7 +429,7 @@ class SWAComponent(TreeComponent):
         w = self.window
         run, from_root, best = 0, True, 0
         for i, node in enumerate(path):
-            if swa_of[node.device_pages[0]] >= 0:
+            if swa_of.item(node.device_pages.item(0)) >= 0:
                 run += node.num_tokens
             else:
                 run, from_root = 0, False
@@ -389,7 +443,7 @@ class SWAComponent(TreeComponent):
         swa_of = self.mapped.swa_of
         run, from_root = 0, True
         for node in device_path:
-            if swa_of[node.device_pages[0]] >= 0:
+            if swa_of.item(node.device_pages.item(0)) >= 0:
                 run += node.num_tokens
             else:
                 run, from_root = 0, False
@@ -566,6 +620,10 @@ class SWAComponent(TreeComponent):
             assert (swa.owners(mine) == owner).all(), f"SWA page owner disagrees with its {owner.name} full page"
             assert mine.size == swa.count(owner), f"{owner.name} SWA pages leaked"
         assert swa.num_free == swa.count(PageOwner.FREE)
+        free = swa.free_pages()
+        assert np.unique(free).size == free.size, "an SWA page is on the free stack twice"
+        assert np.intersect1d(free, sp).size == 0, "an SWA page is both free and mapped"
+        assert free.size + sp.size == swa.capacity, "an SWA page is neither free nor mapped (leaked)"
         for node in self.tree.iter_nodes():
             st = self._state(node)
             assert st.lock >= 0 and st.lock <= node.lock_ref, f"{node}: SWA lock {st.lock} outside the Full lock"
