@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages-per-object", type=int, default=None, help="overrides --object-mib")
     ap.add_argument("--batch-pages", type=int, default=256, help="pages per batch_set/batch_get call")
     ap.add_argument("--threads", type=int, default=StorageConfig.io_threads, help="StorageConfig.io_threads (default: its default)")
-    ap.add_argument("--repeat", type=int, default=5, help="fresh objects written (and read) this many times")
+    ap.add_argument("--repeat", type=int, default=8, help="fresh objects written (and read) this many times")
     ap.add_argument("--get-passes", type=int, default=3, help="reads of each repeat's objects (samples for get)")
     ap.add_argument("--dir", default=None, help="directory for file:// (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the records here")

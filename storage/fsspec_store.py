@@ -474,14 +474,16 @@ class _LocalBackend(_Backend):
         is unique per process (pid, a random token, a counter; ``O_EXCL`` settles the rest): far
         cheaper than ``tempfile.mkstemp``, whose random names cost tens of microseconds."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        for attempt in range(100):
+        made = False
+        for _ in range(100):
             tmp = f"{d}/{_TMP_PREFIX}{os.getpid()}-{_TMP_TOKEN}-{next(_TMP_SEQ)}"
             try:
                 return os.open(tmp, flags, 0o644), tmp
             except FileNotFoundError:  # first object of this directory (or the tree was cleared)
-                if attempt:
+                if made:
                     raise
                 os.makedirs(d, exist_ok=True)
+                made = True
             except FileExistsError:
                 continue
         raise FileExistsError(f"no free temp file name in {d}")
