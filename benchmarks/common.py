@@ -37,7 +37,7 @@ import tempfile
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -485,16 +485,35 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[int]
 
 
 def serve_interleaved(serves: dict[str, Callable[[ServeRequest], ServeResult]], items: Sequence[Item],
-                      reference: Sequence[tuple[int, ...]]) -> dict[str, list[Served]]:
-    """Each item is served by every config in turn (the first config rotates), so that load drift on
-    a shared machine falls on all configs alike; each config has its own stack and state."""
+                      reference: Sequence[tuple[int, ...]], rotate: int = 0) -> dict[str, list[Served]]:
+    """Each item is served by every config in turn (the first config rotates, shifted by ``rotate``),
+    so that load drift on a shared machine falls on all configs alike; each config has its own stack
+    and state."""
     names = list(serves)
     out: dict[str, list[Served]] = {n: [] for n in names}
     for i, it in enumerate(items):
-        k = i % len(names)
+        k = (i + rotate) % len(names)
         for name in names[k:] + names[:k]:
             out[name] += serve_items(serves[name], [it], reference, name)
     return out
+
+
+def best_of_reps(reps: Sequence[dict[str, list[Served]]]) -> tuple[dict[str, list[Served]], dict[str, int]]:
+    """Rep 0's results, each request's ``ttft_s`` and ``latency_s`` replaced by its best (minimum) over
+    the reps that served it with the same hits and computed tokens (cache state is deterministic, so
+    normally all of them). Returns (served, per config the requests whose reps disagreed on hits)."""
+    def shape(r: ServeResult) -> tuple:
+        return r.device_hit_tokens, r.loaded_tokens, r.storage_tokens, r.computed_tokens
+
+    out, disagreed = {}, {}
+    for name, first in reps[0].items():
+        out[name], disagreed[name] = [], 0
+        for i, s in enumerate(first):
+            same = [rep[name][i].result for rep in reps if shape(rep[name][i].result) == shape(s.result)]
+            disagreed[name] += len(same) < len(reps)
+            out[name].append(Served(s.item, replace(s.result, ttft_s=min(r.ttft_s for r in same),
+                                                    latency_s=min(r.latency_s for r in same))))
+    return out, disagreed
 
 
 def finish_stack(name: str, stack, served: Sequence[Served], spot: int) -> tuple[int, dict]:

@@ -44,7 +44,6 @@ class StackOptions:
     # many pages wait (HiCacheConfig.backup_batch_pages). 1: at once, in the check_hicache_events after
     # the decode; larger batches ride along with the next request's first plan (its TTFT pays the D2H).
     backup_batch_pages: int = 1
-    l3_overlap_pages: int = 0  # prefill pages computed while L3 is asked (Scheduler; does not pay off on CPU)
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:
@@ -103,7 +102,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     client = CacheClient(EmbeddedTransport(head), ps)
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
-                      l3_overlap_pages=options.l3_overlap_pages, l3_min_tokens=options.prefetch_min_tokens)
+                      l3_min_tokens=options.prefetch_min_tokens)
     return EmbeddedStack(options, head, client, runner, sched, worker)
 
 

@@ -42,16 +42,6 @@ def build_runner(model: ModelConfig, forward: ForwardConfig, kv_pool: Any) -> Mo
     return ModelRunner(model, forward, pool=kv_pool)
 
 
-class _RemoteLogits:
-    """An ``extend`` running on every host; ``result()`` waits for all of them (host 0's logits)."""
-
-    def __init__(self, engine: RayEngine, refs: list[ray.ObjectRef]) -> None:
-        self._engine, self._refs = engine, refs
-
-    def result(self) -> Any:
-        return self._engine._get(self._refs, "extend")[0]
-
-
 class RayEngine(RemoteModelEngine):
     """The engine of Ray replica ``replica``: a ``ModelRunner`` in each of its host workers."""
 
@@ -93,10 +83,6 @@ class RayEngine(RemoteModelEngine):
     def call(self, method: str, *args: Any) -> Any:
         """``model.<method>(*args)`` on every host, in this engine's order; host 0's result."""
         return self._get(self._send(method, *args), method)[0]
-
-    def start_extend(self, tokens: Any, page_table: Any, start_pos: int) -> _RemoteLogits:
-        """``extend`` sent to every host without waiting (the actor calls run in the background)."""
-        return _RemoteLogits(self, self._send("extend", tokens, page_table, start_pos))
 
     def _send(self, method: str, *args: Any) -> list[ray.ObjectRef]:
         return [w.run_model.remote(method, *args) for w in self.workers]

@@ -1,7 +1,8 @@
 """A serving loop over the cache and the reference engine, in the order SGLang's scheduler uses its tree.
 
-Per request: match (all prompt tokens but the last, whose logits start decoding) -> load-back of an
-L2 hit (waited for, bounded) -> lock -> alloc pages for the rest -> chunked prefill (each chunk but
+Per request: match (all prompt tokens but the last, whose logits start decoding) -> with L3, when
+the whole pages past the L1+L2 match hold >= ``l3_min_tokens``, an L3 prefetch into L2 (waited for as
+the stop policy allows) -> load-back of the L2 hit (waited for, bounded) -> lock -> alloc pages for the rest -> chunked prefill (each chunk but
 the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req`` -> with a
 host tier, ``check_hicache_events`` (sends held backups, applies acks). Nothing but the request's own
 match, load-back, L3 query and alloc runs between its arrival and its first token: backups and their
@@ -36,12 +37,6 @@ from hicache.cluster.tree import RadixKey, RequestState
 from hicache.engine.runner import Generation
 
 
-class Pending(Protocol):
-    """Logits of forwards already dispatched (``ModelRunner.start_extend``)."""
-
-    def result(self) -> np.ndarray: ...  # waits for them: f32[n, vocab]
-
-
 class Engine(Protocol):
     """The model as the scheduler sees it (``ModelRunner`` methods of the same names and meaning)."""
 
@@ -49,8 +44,6 @@ class Engine(Protocol):
     def page_size(self) -> int: ...
 
     def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray: ...
-
-    def start_extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> Pending: ...
 
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
                max_new_tokens: int) -> Generation: ...
@@ -69,9 +62,6 @@ class RemoteModelEngine(ABC):
 
     def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray:
         return self.call("extend", tokens, page_table, start_pos)
-
-    def start_extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> Pending:
-        return self.call("start_extend", tokens, page_table, start_pos)
 
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
                max_new_tokens: int) -> Generation:
@@ -117,10 +107,9 @@ class ServeResult:
     computed_tokens: int  # prompt tokens prefilled past the reused prefix (prompt_len - reused)
     storage_tokens: int = 0  # of loaded_tokens, fetched from L3 for this request
     load_failed: bool = False
-    redundant_tokens: int = 0  # also prefilled while L3 was asked, then covered by the L3 hit (wasted)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Prefix:
     """Where a request's prefill starts: its page table, the reused prefix and its locked node."""
 
@@ -130,23 +119,13 @@ class _Prefix:
     loaded: int = 0  # of hit, loaded back from L2 (including what L3 prefetched)
     fetched: int = 0  # of loaded, fetched from L3 for this request
     failed: bool = False
-    start: int = -1  # first position still to compute (>= hit; > hit after a speculative piece)
-    redundant: int = 0  # tokens computed while L3 was asked that the L3 hit then covered
 
 
 class Scheduler:
     def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
-                 prefill_budget: int = 0, l3_overlap_pages: int = 0, l3_min_tokens: int = 0) -> None:
+                 prefill_budget: int = 0, l3_min_tokens: int = 0) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
         caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does.
-
-        ``l3_overlap_pages`` (with ``storage``): when L2 has nothing for a request, the prefill of up
-        to that many pages after the L1 prefix is dispatched before L3 is asked, so the L3 query runs
-        while the model computes (0: ask L3 first). On an L3 miss that piece is simply the start of the
-        prefill; on a hit, the loaded prefix replaces the part of it the hit covers. Measured on the
-        reference engine on CPU (2 shared cores), it does not pay off: a forward's dispatch often runs
-        synchronously there, so nothing overlaps and the piece is wasted on a hit; it is meant for a
-        backend with truly asynchronous dispatch and an L3 that answers in tens of ms (GCS).
 
         ``l3_min_tokens`` (with ``storage``): L3 is asked only when the whole pages of the prompt past
         the L1+L2 match hold at least that many tokens (pass the head's ``prefetch_min_tokens``: the
@@ -156,15 +135,13 @@ class Scheduler:
             raise ValueError(f"cache page_size {ps} != engine page_size {engine.page_size}")
         if prefill_budget < 0 or prefill_budget % ps:
             raise ValueError(f"prefill_budget must be a multiple of page_size {ps}, got {prefill_budget}")
-        for name, value in (("l3_overlap_pages", l3_overlap_pages), ("l3_min_tokens", l3_min_tokens)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(l3_min_tokens, int) or l3_min_tokens < 0:
+            raise ValueError(f"l3_min_tokens must be an int >= 0, got {l3_min_tokens!r}")
         self.client = client
         self.engine = engine
         self.hicache = hicache
         self.storage = storage
         self.prefill_budget = prefill_budget
-        self.l3_overlap_pages = l3_overlap_pages
         self.l3_min_tokens = max(l3_min_tokens, ps)
         self._req_ids = itertools.count()
 
@@ -204,41 +181,7 @@ class Scheduler:
         pages, hit, node, loaded, failed = self._load_back(key, m)
         self.client.inc_lock_ref(node)
         table = np.concatenate([pages, self.client.alloc(total - hit)]).astype(np.int32)
-        return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed, hit)
-
-    def _prefix_overlapping_l3(self, prompt: np.ndarray, key: RadixKey, m, total: int) -> _Prefix | None:
-        """Like ``_prefix`` for a request with an L1 prefix only: the first pages after it are computed
-        while L3 is asked. None when there is no room for such a piece.
-
-        Only the piece's pages are allocated before the L3 answer: an L3 hit is loaded back into L1
-        next, and must find room there (the request's other pages come after, past the hit)."""
-        ps = self.client.page_size
-        h = m.device_hit_len
-        end = min(h + self.l3_overlap_pages * ps, (prompt.size - 1) // ps * ps)  # the last token stays
-        if self.prefill_budget:
-            end = min(end, h + self.prefill_budget)
-        if end <= h:
-            return None
-        self.client.inc_lock_ref(m.last_device_node)
-        own = self.client.alloc(end - h).astype(np.int32)
-        p = _Prefix(np.concatenate([m.device_pages, own]).astype(np.int32), h, m.last_device_node, start=end)
-        piece = self.engine.start_extend(prompt[:end], p.table, h)
-        m2, fetched = self._prefetch(key, m)
-        if fetched:
-            pages, hit, node, loaded, p.failed = self._load_back(key, m2)
-            if hit > h:  # the loaded prefix replaces the pages of [h, hit); computed KV past it stays
-                self.client.inc_lock_ref(node)
-                self.client.dec_lock_ref(p.node)
-                cut = min(hit - h, end - h) // ps
-                self.client.free(own[:cut])
-                own = own[cut:]
-                p.table = np.concatenate([pages, own]).astype(np.int32)
-                p.hit, p.node, p.loaded, p.fetched = hit, node, loaded, min(fetched, loaded)
-                p.start, p.redundant = max(hit, end), min(hit, end) - h
-        rest = self.client.alloc(total - p.start).astype(np.int32)  # pages of [start, total)
-        p.table = np.concatenate([p.table, rest]).astype(np.int32)
-        piece.result()  # the piece's forwards are done (their errors surface here)
-        return p
+        return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
 
     def serve(self, req: ServeRequest) -> ServeResult:
         prompt = np.asarray(req.prompt, dtype=np.int32)
@@ -250,13 +193,8 @@ class Scheduler:
         ns = (req.extra_key, req.cache_salt)
         key = RadixKey(prompt[:-1], *ns)
         total = prompt.size + req.max_new_tokens
-        m = self.client.match_prefix(key)
-        p = None
-        if self.l3_overlap_pages and m.host_hit_len == 0 and self._l3_may_extend(key, m):
-            p = self._prefix_overlapping_l3(prompt, key, m, total)
-        if p is None:
-            p = self._prefix(key, m, total)
-        table, prefix_len, node, start = p.table, p.hit, p.node, p.start
+        p = self._prefix(key, self.client.match_prefix(key), total)
+        table, prefix_len, node, start = p.table, p.hit, p.node, p.hit
         budget = self.prefill_budget
         while budget and prompt.size - start > budget:
             end = start + budget
@@ -272,7 +210,7 @@ class Scheduler:
         if self.hicache:  # off the next request's critical path: send held backups, apply acks
             self.client.check_hicache_events()
         return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size),
-                           p.hit - p.loaded, p.loaded, int(prompt.size) - p.hit, p.fetched, p.failed, p.redundant)
+                           p.hit - p.loaded, p.loaded, int(prompt.size) - p.hit, p.fetched, p.failed)
 
     def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
         return [self.serve(r) for r in requests]

@@ -68,24 +68,18 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
     stack.client.flush_write_through_acks()
     assert tiers["l2"] > 0, tiers
     fresh = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt="never-seen"))
-    assert fresh.output == ref.tokens and fresh.computed_tokens == len(prompt) and fresh.redundant_tokens == 0
-    # A cold stack gets L3 hits, with the L3 query overlapped by a 2-page prefill piece or asked
-    # first (the default); both are exact and load the same prefix. Its L1 (8 pages) holds a request
-    # (6 pages) plus its L3 hit only if the pages past the piece are allocated after the load-back.
-    for overlap in (2, 0):
-        cold = build_stack(dataclasses.replace(opts, l1_pages=8, l3_overlap_pages=overlap), runner)
-        fetched = []
-        for c, (prompt, ref) in refs.items():
-            res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
-            assert res.output == ref.tokens
-            np.testing.assert_array_equal(res.last_logits, ref.logits[0])
-            assert res.device_hit_tokens + res.loaded_tokens + res.computed_tokens == len(prompt)
-            assert 0 <= res.redundant_tokens <= overlap * 8 and (res.storage_tokens or not res.redundant_tokens)
-            fetched.append(res.storage_tokens)
-        tiers[f"l3-overlap-{overlap}"] = fetched
-        cold.client.flush_write_through_acks()
-    assert tiers["l3-overlap-2"] == tiers["l3-overlap-0"] and sum(tiers["l3-overlap-0"]) > 0, tiers
-
+    assert fresh.output == ref.tokens and fresh.computed_tokens == len(prompt)
+    # A cold stack (empty L1/L2) on the same L3 gets L3 hits, exact.
+    cold = build_stack(dataclasses.replace(opts, l1_pages=8), runner)
+    fetched = []
+    for c, (prompt, ref) in refs.items():
+        res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+        assert res.output == ref.tokens
+        np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+        assert res.device_hit_tokens + res.loaded_tokens + res.computed_tokens == len(prompt)
+        fetched.append(res.storage_tokens)
+    assert sum(fetched) > 0, fetched
+    cold.client.flush_write_through_acks()
 
 def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_path, runner):
     from hicache.embedded import StackOptions, build_stack, warm_up

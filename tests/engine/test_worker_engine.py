@@ -28,11 +28,9 @@ def worker() -> HostWorker:
 
 
 def test_forward_writes_the_workers_l1_and_a_backup_moves_exactly_that(worker):
-    engine = WorkerEngine(worker)
     tokens = np.arange(3, 27, dtype=np.int32)  # 24 tokens = 3 pages
     table = np.array([5, 9, 2], np.int32)
-    pending = engine.start_extend(tokens, table, 0)  # dispatched; the worker already holds its output
-    logits = pending.result()
+    logits = WorkerEngine(worker).extend(tokens, table, 0)
     assert logits.shape == (24, MODEL.vocab_size)
     k, v = kv_layout.read_positions(worker.device_pool.kv, table, 24)
     assert np.abs(k).sum() > 0 and np.abs(v).sum() > 0  # the forward wrote the worker's L1 array
