@@ -3,6 +3,13 @@
     python benchmarks/transfer_bench.py --quick                      # ~1 min, 256 MiB pools
     python benchmarks/transfer_bench.py --json out/transfer.json     # 256 MiB + 4 GiB pools: ~3 min, ~10 GiB RAM
     python benchmarks/transfer_bench.py --devices 4 --pool-mib 256   # heads sharded over 4 fake CPU devices
+    python benchmarks/transfer_bench.py --small                      # 512 B / 4 KiB pages, 16-2048 per batch: ~2 min
+
+Small pages (``--small``, or ``--page-bytes`` below one token of the default layout): per-page costs
+dominate there, so the table's ``us/page`` column is the figure to read. 512 B pages use the
+hicache_bench layout ``[1, 2, P, 16, 1, 8]`` (size-1 axes: the portable kernels' 6-D loop); 4 KiB
+pages ``[2, 2, P, 16, 2, 16]`` (flat loop), both bf16. Other page sizes use ``[4, 2, P, S, 8, 64]``
+(8 KiB per token).
 
 Method (this VM is noisy: the same run varies up to 2x, so every comparison is paired and best-of-N):
 
@@ -31,9 +38,11 @@ Method (this VM is noisy: the same run varies up to 2x, so every comparison is p
   is reported, not counted.
 
 Records (``--json``): direction (d2h/h2d), batch_pages, page_bytes, pool_bytes (each of L1 and L2),
-seconds, median_seconds, gbps, memcpy_gbps, memcpy_hot_gbps, pct_of_memcpy, pct_of_memcpy_hot,
+seconds, median_seconds, us_per_page, memcpy_rows_us_per_page (numpy copy of as many random rows of
+that size between two big buffers, per row: the memory cost of random pages; column ``rows``), gbps, memcpy_gbps, memcpy_hot_gbps, pct_of_memcpy, pct_of_memcpy_hot,
 pool_time_ratio (best vs best of the smallest pool, same batch), pool_time_ratio_paired_median
-(median over rounds of this pool's time / the smallest pool's time in the same round), backend, impl, host_pool_kind, devices;
+(median over rounds of this pool's time / the smallest pool's time in the same round), backend, impl, host_pool_kind, devices,
+layout (the L1 pool shape);
 then the rss records and one ``direction == "summary"`` record with the targets (also printed).
 """
 
@@ -54,7 +63,10 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="256 MiB pools, fewer reps")
     ap.add_argument("--pool-mib", type=int, nargs="+", help="pool sizes in MiB (default 256 4096)")
     ap.add_argument("--page-kib", type=int, nargs="+", default=[16, 64, 1024])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256])
+    ap.add_argument("--page-bytes", type=int, nargs="+", help="page sizes in bytes (overrides --page-kib)")
+    ap.add_argument("--small", action="store_true",
+                    help="small pages: --page-bytes 512 4096 --batches 16 256 2048 --pool-mib 256 by default")
+    ap.add_argument("--batches", type=int, nargs="+", help="pages per transfer (default 1 16 256)")
     ap.add_argument("--reps", type=int, default=None, help="rounds (small batches run up to 16x as many)")
     ap.add_argument("--devices", type=int, default=1, help="fake CPU devices (CPU backend only)")
     ap.add_argument("--platform", default=None, help="JAX platform (cpu/gpu/tpu); default: JAX's choice")
@@ -65,6 +77,10 @@ def _parse() -> argparse.Namespace:
 
 
 ARGS = _parse()
+ARGS.batches = ARGS.batches or ([16, 256, 2048] if ARGS.small else [1, 16, 256])
+ARGS.page_bytes = ARGS.page_bytes or ([512, 4096] if ARGS.small else [k << 10 for k in ARGS.page_kib])
+if ARGS.small and not ARGS.pool_mib:
+    ARGS.pool_mib = [256]
 if ARGS.platform:
     os.environ["JAX_PLATFORMS"] = ARGS.platform
 if ARGS.devices > 1:
@@ -78,6 +94,8 @@ from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferOp, Transfe
 
 LAYERS, HEADS, HEAD_DIM, DTYPE = 4, 8, 64, "bfloat16"
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2  # 8 KiB per token
+# Pages smaller than a token of that layout: (layers, kv heads, head dim), 16 tokens per page.
+SMALL_LAYOUTS = {512: (1, 1, 8), 4096: (2, 2, 16)}
 COLD_MIN_BYTES = 256 << 20  # memcpy baseline buffers: far above the 32 MiB last-level cache
 # Small batches are cheap and their best-of-N is the noisiest (a descheduled thread costs more than
 # the copy): they run more rounds.
@@ -111,6 +129,16 @@ class Memcpy:
     def hot(self, nbytes: int) -> float:
         t = time.perf_counter()
         np.copyto(self.dst[:nbytes], self.src[:nbytes])
+        return time.perf_counter() - t
+
+    def rows(self, n: int, row_bytes: int) -> float:
+        """``n`` rows of ``row_bytes`` from random rows of one big buffer to random rows of the
+        other, one vectorised numpy copy: what random pages cost in memory alone (small pages)."""
+        num = self.src.size // row_bytes
+        src, dst = self.src[: num * row_bytes].reshape(num, row_bytes), self.dst[: num * row_bytes].reshape(num, row_bytes)
+        i, j = self.rng.choice(num, n, replace=False), self.rng.choice(num, n, replace=False)
+        t = time.perf_counter()
+        dst[j] = src[i]
         return time.perf_counter() - t
 
 
@@ -154,9 +182,19 @@ def _warm_up_runtime(spec: KVCacheSpec) -> None:
     w.close()
 
 
-def run_page_size(page_kib: int, pools_mib: list[int], reps: int, memcpy: Memcpy, seq) -> list[dict]:
-    page_bytes = page_kib << 10
-    spec = KVCacheSpec(LAYERS, HEADS, HEAD_DIM, page_bytes // TOKEN_BYTES, DTYPE)
+def spec_for(page_bytes: int) -> KVCacheSpec:
+    if page_bytes in SMALL_LAYOUTS:
+        spec = KVCacheSpec(*SMALL_LAYOUTS[page_bytes], 16, DTYPE)
+    elif page_bytes % TOKEN_BYTES == 0:
+        spec = KVCacheSpec(LAYERS, HEADS, HEAD_DIM, page_bytes // TOKEN_BYTES, DTYPE)
+    else:
+        raise SystemExit(f"page size {page_bytes} B: use a multiple of {TOKEN_BYTES} or one of {sorted(SMALL_LAYOUTS)}")
+    assert spec.page_bytes == page_bytes, (spec, page_bytes)
+    return spec
+
+
+def run_page_size(page_bytes: int, pools_mib: list[int], reps: int, memcpy: Memcpy, seq) -> list[dict]:
+    spec = spec_for(page_bytes)
     _warm_up_runtime(spec)
     rss = Rss()
     rss_base = rss.now()
@@ -166,7 +204,7 @@ def run_page_size(page_kib: int, pools_mib: list[int], reps: int, memcpy: Memcpy
         workers[pool_mib] = HostWorker(spec, num, num, host_pool_kind=ARGS.host_pool_kind, impl=ARGS.impl)
     rss_pools = rss.now()
     batches = [b for b in ARGS.batches if b <= min(w.device_pool.num_pages for w in workers.values())]
-    rng = np.random.default_rng(page_kib)
+    rng = np.random.default_rng(page_bytes)
     kinds = {"d2h": OpKind.BACKUP_D2H, "h2d": OpKind.LOAD_H2D}
     for w in workers.values():  # warm-up: every compiled shape, both directions
         for n in batches:
@@ -188,6 +226,7 @@ def run_page_size(page_kib: int, pools_mib: list[int], reps: int, memcpy: Memcpy
                 rss.sample()
             times.setdefault(("cold", n), []).append(memcpy.cold(n * page_bytes))
             times.setdefault(("hot", n), []).append(memcpy.hot(n * page_bytes))
+            times.setdefault(("rows", n), []).append(memcpy.rows(n, page_bytes))
 
     records = []
     small = min(pools_mib)
@@ -202,13 +241,16 @@ def run_page_size(page_kib: int, pools_mib: list[int], reps: int, memcpy: Memcpy
                 gbps = nbytes / best / 1e9
                 records.append(dict(
                     direction=direction, batch_pages=n, page_bytes=page_bytes, pool_bytes=pool_mib << 20,
-                    seconds=best, median_seconds=float(np.median(ts)), gbps=gbps, memcpy_gbps=cold_gbps,
+                    seconds=best, median_seconds=float(np.median(ts)), us_per_page=1e6 * best / n,
+                    memcpy_rows_us_per_page=1e6 * min(times[("rows", n)]) / n,
+                    gbps=gbps, memcpy_gbps=cold_gbps,
                     memcpy_hot_gbps=hot_gbps, pct_of_memcpy=100 * gbps / cold_gbps,
                     pct_of_memcpy_hot=100 * gbps / hot_gbps,
                     pool_time_ratio=best / min(times[(direction, n, small)]),
                     pool_time_ratio_paired_median=float(np.median(np.array(ts) / np.array(times[(direction, n, small)]))),
                     backend=jax.default_backend(), impl=w.engine.impl.value,
                     host_pool_kind=w.host_pool.kind.value, devices=len(w.device_pool.mesh.devices.flat),
+                    layout=str(list(w.device_pool.spec.pool_shape(w.device_pool.num_pages))),
                 ))
     pools_bytes = sum(2 * (p << 20) for p in pools_mib)  # L1 + L2 of every pool
     slack = CODE_SLACK_PER_POOL * len(pools_mib)
@@ -256,31 +298,40 @@ def summarize(records: list[dict]) -> dict:
         out["fixed_cost_met"] = worst["seconds"] <= FIXED_COST_MAX_S
     rss = [r for r in records if r["direction"] == "rss"]
     out["rss_met"] = all(r["rss_ok"] for r in rss)
+    small = [r for r in rows if r["page_bytes"] < PCT_MIN_PAGE_BYTES and r["batch_pages"] >= PCT_MIN_PAGES]
+    for r in small:  # per-page cost of small pages (reported, no target)
+        out[f"us_per_page_{r['direction']}_{r['page_bytes']}B_x{r['batch_pages']}"] = r["us_per_page"]
     return out
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 10}KiB" if nbytes % 1024 == 0 else f"{nbytes}B"
+
+
 def _label(r: dict) -> str:
-    return f"{r['direction']} {r['batch_pages']} x {r['page_bytes'] >> 10} KiB, pool {r['pool_bytes'] >> 20} MiB"
+    return f"{r['direction']} {r['batch_pages']} x {_size(r['page_bytes'])}, pool {r['pool_bytes'] >> 20} MiB"
 
 
 def _table(records: list[dict]) -> str:
     # x pool: median paired time ratio vs the smallest pool; x best: best vs best
-    head = (f"{'dir':>4} {'page':>8} {'batch':>5} {'pool':>9} {'best us':>9} {'median us':>10} {'GB/s':>6} "
-            f"{'memcpy':>7} {'%':>6} {'hot':>7} {'%hot':>6} {'x pool':>6} {'x best':>6}")
+    head = (f"{'dir':>4} {'page':>8} {'batch':>5} {'pool':>9} {'best us':>9} {'median us':>10} {'us/page':>8} {'rows':>6} "
+            f"{'GB/s':>6} {'memcpy':>7} {'%':>6} {'hot':>7} {'%hot':>6} {'x pool':>6} {'x best':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
         if r["direction"] not in ("d2h", "h2d"):
             continue
         lines.append(
-            f"{r['direction']:>4} {r['page_bytes'] >> 10:>5}KiB {r['batch_pages']:>5} {r['pool_bytes'] >> 20:>6}MiB "
-            f"{r['seconds'] * 1e6:>9.0f} {r['median_seconds'] * 1e6:>10.0f} {r['gbps']:>6.2f} {r['memcpy_gbps']:>7.2f} "
+            f"{r['direction']:>4} {_size(r['page_bytes']):>8} {r['batch_pages']:>5} {r['pool_bytes'] >> 20:>6}MiB "
+            f"{r['seconds'] * 1e6:>9.0f} {r['median_seconds'] * 1e6:>10.0f} {r['us_per_page']:>8.3f} "
+            f"{r['memcpy_rows_us_per_page']:>6.3f} "
+            f"{r['gbps']:>6.2f} {r['memcpy_gbps']:>7.2f} "
             f"{r['pct_of_memcpy']:>6.1f} {r['memcpy_hot_gbps']:>7.2f} {r['pct_of_memcpy_hot']:>6.1f} "
             f"{r['pool_time_ratio_paired_median']:>6.2f} {r['pool_time_ratio']:>6.2f}")
     for r in records:
         if r["direction"] == "rss":
             mib = lambda b: b >> 20  # noqa: E731
             lines.append(
-                f"rss page {r['page_bytes'] >> 10} KiB: base {mib(r['rss_base'])} MiB; pools {mib(r['pools_bytes'])} MiB "
+                f"rss page {_size(r['page_bytes'])}: base {mib(r['rss_base'])} MiB; pools {mib(r['pools_bytes'])} MiB "
                 f"resident +{mib(r['pools_resident'])} MiB; warm-up (compile) +{mib(r['warmup_growth'])} MiB; "
                 f"transfers +{mib(r['transfer_growth'])} MiB; resident + transfers "
                 f"{mib(r['pools_resident'] + r['transfer_growth'])} MiB <= budget {mib(r['rss_budget'])} MiB "
@@ -310,6 +361,10 @@ def _verdicts(s: dict) -> str:
         lines.append(f"2b. fixed cost per batch (1 page, smallest page) <= {FIXED_COST_MAX_S * 1e6:.0f} us: "
                      f"{v('fixed_cost_met')} (best {s['fixed_cost_us']:.0f} us, median {s['fixed_cost_median_us']:.0f} us)")
     lines.append(f"3. RSS <= pools + 2 x batch (after warm-up): {v('rss_met')}")
+    small = {k: x for k, x in s.items() if k.startswith("us_per_page_")}
+    if small:
+        lines.append("small pages, us per page (best): " + ", ".join(
+            f"{k.removeprefix('us_per_page_').replace('_', ' ')} {x:.3f}" for k, x in small.items()))
     return "\n".join(lines)
 
 
@@ -319,28 +374,29 @@ def main() -> None:
         reps = ARGS.reps or (5 if ARGS.quick else 9)
         # Start the JAX runtime (and the baseline buffers) before the RSS baseline: not a pool copy.
         jax.block_until_ready(jax.jit(lambda x: x + 1)(np.zeros(4, np.float32)))
-        memcpy = Memcpy(max(ARGS.batches) * ARGS.page_kib[0] << 10)
-        recs = run_page_size(ARGS.page_kib[0], pools, reps, memcpy, iter(range(1, 1 << 40)))
+        memcpy = Memcpy(max(ARGS.batches) * ARGS.page_bytes[0])
+        recs = run_page_size(ARGS.page_bytes[0], pools, reps, memcpy, iter(range(1, 1 << 40)))
         with open(ARGS.child_out, "w") as f:
             json.dump(recs, f)
         return
     records: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for page_kib in ARGS.page_kib:
-            out = os.path.join(tmp, f"{page_kib}.json")
+        for page_bytes in ARGS.page_bytes:
+            out = os.path.join(tmp, f"{page_bytes}.json")
             argv = [a for a in sys.argv[1:]]
-            if "--page-kib" in argv:  # drop the list that follows it
-                i = argv.index("--page-kib")
-                j = i + 1
-                while j < len(argv) and not argv[j].startswith("--"):
-                    j += 1
-                del argv[i:j]
+            for flag in ("--page-kib", "--page-bytes"):  # drop the list that follows it
+                if flag in argv:
+                    i = argv.index(flag)
+                    j = i + 1
+                    while j < len(argv) and not argv[j].startswith("--"):
+                        j += 1
+                    del argv[i:j]
             t = time.perf_counter()
-            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--page-kib", str(page_kib),
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--page-bytes", str(page_bytes),
                             "--child-out", out], check=True)
             with open(out) as f:
                 recs = json.load(f)
-            print(f"page {page_kib} KiB: {time.perf_counter() - t:.0f} s", flush=True)
+            print(f"page {_size(page_bytes)}: {time.perf_counter() - t:.0f} s", flush=True)
             records += recs
     summary = summarize(records)
     records.append(dict(direction="summary", gbps=None, memcpy_gbps=None, **summary))

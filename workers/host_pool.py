@@ -12,8 +12,9 @@ Organisation per backend (``select_host_pool_kind``), both behind ``HostPool``:
   ``[num_slots, L, 2, S, H_shard, D]``, in its own page-aligned mapping advised to use transparent
   huge pages (``slab_empty``). On XLA:CPU "device" memory already is host DRAM, so the cheapest L2
   is plain memory written by numpy: with one device a D2H is one pass per page straight from the
-  (zero-copy viewed) pool into the slab at dispatch (``backup_now``); otherwise a commit is one
-  ``slab[slots] = staged`` copy.
+  (zero-copy viewed) pool into the slab at dispatch (``backup_now``; many small pages instead go
+  through a vectorised gather in cache-sized chunks, ``VECTOR_PAGE_MAX_BYTES``); otherwise a commit
+  is one ``slab[slots] = staged`` copy.
   With one device (the usual CPU case) an H2D reads the slab *in place*: the slab is passed to the
   jitted load as an argument, which PJRT CPU aliases zero-copy (aligned host buffer; checked at
   construction, ``direct_rows``), so a load is one copy per page and no staging; the slab then
@@ -53,6 +54,19 @@ from hicache.kernels.paged_copy import validate_ids
 from hicache.workers.device_pool import HEAD_AXIS, DevicePool, HeadShard
 
 ALIGN = 4096
+
+# Synchronous D2H (one CPU device, numpy slab, ``backup_now``): batches of at least
+# ``VECTOR_MIN_PAGES`` pages of at most ``VECTOR_PAGE_MAX_BYTES`` are copied vectorised (chunks of
+# ``VECTOR_CHUNK_BYTES``: ``np.take`` into a cache-resident buffer, then one fancy-index store),
+# larger pages and small batches one numpy copy per page. The Python step per page (~1 us) dominates
+# a small page; the second pass of the vectorised copy dominates a big one, and its two numpy calls
+# per chunk (~7 us) a small batch. Measured here (fresh random ids, 256 MiB pools, best of 20,
+# alternating order; loop / vectorised time): 512 B pages 0.87x at 16 pages, 1.3x at 64, 1.6x at
+# 256, 1.9x at 2048; 2 KiB 1.0x / 1.4x / 1.6x / 1.4x; 4 KiB 0.8x / 0.9x / 1.0x / 1.3x; 16 KiB and
+# 64 KiB 0.6-0.9x everywhere. Chunks of 64 KiB to 1 MiB measured alike.
+VECTOR_PAGE_MAX_BYTES = 2 << 10
+VECTOR_MIN_PAGES = 32
+VECTOR_CHUNK_BYTES = 256 << 10
 
 
 class HostPoolKind(str, enum.Enum):
@@ -306,6 +320,7 @@ class NumpySlabHostPool(HostPool):
         self._direct = self._make_direct()
         self._sync_backup = self._direct is not None
         self._slab_bits = _bits(self._slabs[0])
+        self._chunk_buf: np.ndarray | None = None  # sync D2H of small pages (_copy_vectorised)
 
     def _make_direct(self) -> jax.Array | None:
         """The slab as a device array that *aliases* it (one shard on one CPU device): built once,
@@ -347,13 +362,27 @@ class NumpySlabHostPool(HostPool):
         src = _bits(view).reshape(L * two, P, S * H * D)  # free views: a page = L*2 runs of S*H*D
         dst = self._slab_bits.reshape(self.num_slots, L * two, S * H * D)
         self._drain_readers()
-        # One pass per page, straight from the pool into the slab. A fancy-index gather followed by
-        # a fancy-index store (no Python loop) makes two passes over the bytes and measured ~1.25x
-        # slower for 16 x 64 KiB pages and 1.7-3x for 256 x 64 KiB (the temporary leaves the
-        # cache); the loop costs ~1 us of Python per page.
-        for s, p in zip(slots.tolist(), pages.tolist()):
-            dst[s] = src[:, p]
+        if pages.size >= VECTOR_MIN_PAGES and self.slot_bytes <= VECTOR_PAGE_MAX_BYTES:
+            self._copy_vectorised(src, dst, pages, slots)
+        else:
+            # One pass per page, straight from the pool into the slab (~1 us of Python per page).
+            for s, p in zip(slots.tolist(), pages.tolist()):
+                dst[s] = src[:, p]
         return True
+
+    def _copy_vectorised(self, src: np.ndarray, dst: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> None:
+        """``dst[slots] = src[:, pages]`` without a Python step per page: per chunk of pages, one
+        ``np.take`` into a reused cache-sized buffer and one fancy-index store from it. Two passes
+        over the bytes, but the second reads the cache; see ``VECTOR_PAGE_MAX_BYTES``."""
+        lk, _, c = src.shape
+        chunk = max(1, VECTOR_CHUNK_BYTES // self.slot_bytes)
+        if self._chunk_buf is None or self._chunk_buf.size < lk * chunk * c:
+            self._chunk_buf = np.empty(lk * chunk * c, src.dtype)
+        for i in range(0, pages.size, chunk):
+            ids = pages[i : i + chunk]
+            buf = self._chunk_buf[: lk * ids.size * c].reshape(lk, ids.size, c)
+            np.take(src, ids, axis=1, out=buf, mode="clip")  # ids are validated; "clip" skips a buffered copy
+            dst[slots[i : i + chunk]] = buf.transpose(1, 0, 2)
 
     def _drain_readers(self) -> None:
         """Before writing the slab: wait for dispatched loads that read it in place. Every slab

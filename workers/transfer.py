@@ -23,7 +23,8 @@ array assembly. With the numpy-slab host pool:
 
 * D2H of a batch up to ``SYNC_BACKUP_MAX_BYTES``, when the pool array is ready and no async backup
   is outstanding, is done *at dispatch*: on PJRT CPU a ready array is host memory (``np.asarray``
-  is a zero-copy view), so the backup is one numpy pass per page into the slab and the handle is born
+  is a zero-copy view), so the backup is a numpy copy into the slab (per page, or vectorised for
+  many small pages: ``hicache.workers.host_pool.VECTOR_PAGE_MAX_BYTES``) and the handle is born
   finished (~15 us instead of a jitted gather, a readiness poll and a commit). Otherwise (pool
   busy, big batch) it is the async jitted gather into the reused staging buffer, committed later;
   while one is outstanding every backup takes that path, so slot writes keep dispatch order.

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan
+from hicache.workers import host_pool as host_pool_mod
 from hicache.workers import transfer as transfer_mod
 
 NUM_PAGES, NUM_SLOTS = 40, 32
@@ -43,10 +44,16 @@ def worker(request) -> HostWorker:
                       host_pool_kind="numpy_slab")
 
 
-@pytest.fixture(params=["sync", "async"])
-def backup_mode(request, monkeypatch) -> str:
+@pytest.fixture(params=["sync", "sync_vectorised", "async"])
+def backup_mode(request, monkeypatch, worker) -> str:
     if request.param == "async":
         monkeypatch.setattr(transfer_mod, "SYNC_BACKUP_MAX_BYTES", 0)
+    elif request.param == "sync":  # one numpy copy per page
+        monkeypatch.setattr(host_pool_mod, "VECTOR_PAGE_MAX_BYTES", 0)
+    else:  # np.take per chunk of 3 pages: several chunks and a partial last one
+        monkeypatch.setattr(host_pool_mod, "VECTOR_PAGE_MAX_BYTES", worker.host_pool.slot_bytes)
+        monkeypatch.setattr(host_pool_mod, "VECTOR_MIN_PAGES", 1)
+        monkeypatch.setattr(host_pool_mod, "VECTOR_CHUNK_BYTES", 3 * worker.host_pool.slot_bytes)
     return request.param
 
 
