@@ -228,6 +228,9 @@ class HostWorkerActor:
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         self._storage().record_prefix(namespace, tokens)
 
+    def storage_list_prefixes(self, namespace: Any) -> list:
+        return self._storage().list_prefixes(namespace)
+
     def storage_errors(self) -> dict[str, int]:
         from hicache.cluster.transfers import storage_error_counts
 
@@ -420,6 +423,9 @@ class RayWorkerGroup:
             ray.get(self.actors[0].storage_record_prefix.remote(namespace, tokens), timeout=self.options.call_timeout_s)
         except Exception as e:  # the manifest is an optimization: a failed record loses nothing
             log.warning("replica %s: manifest record failed: %s", self.replica, e)
+
+    def storage_list_prefixes(self, namespace: Any) -> list:
+        return ray.get(self.actors[0].storage_list_prefixes.remote(namespace), timeout=self.options.call_timeout_s)
 
     def storage_errors(self) -> dict[str, int]:
         total = {"corrupt": 0, "error": 0, "timeout": 0}

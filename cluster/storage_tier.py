@@ -12,6 +12,12 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 - Manifest (warm restart): off the hot path. Stored paths are coalesced (a path replaces its queued
   ancestors) and written by a background thread at most every ``manifest_interval_s``, and fully on
   ``flush_manifest()`` / detach, so ``list_prefixes`` finds every stored prefix after a flush.
+- Warm restart: on attach (start, runtime attach, reset, head restart all attach through here) the
+  manifest of every namespace the tree has a root for (the default one at least) is read, longest
+  prefixes first, into storage-only tree entries (``tree.storage_only``; no L1 pages, no L2 slots),
+  at most ``warm_restart_max_tokens`` tokens (also their cap afterwards; 0: off). Matches report them
+  as ``storage_hit_len``; a prefetch covered by them skips the existence lookup, still reads with
+  checksums, turns them into host-only nodes, and on a failed read drops them. Detach drops them all.
 - Prefetch: for a queued request, the pages after its matched prefix that L3 has (prefix-ordered,
   all hosts) are fetched into fresh L2 slots below the deepest matched node (pinned meanwhile). When
   every host acked, they become one host-only node; a request then loads them back like any L2 hit.
@@ -64,6 +70,7 @@ class StorageParams:
     negative_cache_ttl_s: float = 1.0  # remember an L3 miss this long (0: off)
     negative_cache_size: int = 4096  # LRU bound on remembered misses
     manifest_interval_s: float = 2.0  # write queued manifest entries at most this often (background)
+    warm_restart_max_tokens: int = 1 << 20  # storage-only tree entries read from the manifest (0: off)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -76,7 +83,7 @@ class StorageParams:
             raise ValueError(f"unknown prefetch policy {self.prefetch_policy!r}; "
                              f"choose one of {[p.value for p in PrefetchPolicy]}") from None
         for name in ("prefetch_min_tokens", "max_inflight_prefetch_pages", "max_inflight_backup_pages",
-                     "negative_cache_size"):
+                     "negative_cache_size", "warm_restart_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s",
@@ -149,6 +156,11 @@ class StorageCounters:
     prefetch_negative_hits: int = 0  # existence lookups skipped: a recent miss for the same page
     manifest_records: int = 0  # manifest entries written
     manifest_coalesced: int = 0  # queued entries replaced by a longer stored path before a write
+    warm_restart_prefixes: int = 0  # manifest entries turned into storage-only tree entries on attach
+    warm_restart_tokens: int = 0  # tokens those entries added
+    warm_restart_failures: int = 0  # namespaces whose manifest could not be listed
+    prefetch_known_stored: int = 0  # prefetches sized by storage-only entries (no existence lookup)
+    storage_only_dropped_tokens: int = 0  # storage-only entries dropped after a failed read
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -175,6 +187,30 @@ class StorageTier:
         self._manifest_job: cf.Future | None = None
         workers.attach_storage(params.attachment())
         self.pages_per_object = workers.storage_pages_per_object()
+        tree.storage_only.cap_tokens = params.warm_restart_max_tokens if not tree.extra_components else 0
+        tree.storage_only.trim()
+        if tree.storage_only.cap_tokens:
+            self._warm_restart()
+
+    # -- warm restart --------------------------------------------------------------------------------
+    def _warm_restart(self) -> None:
+        """Storage-only tree entries from the manifest of every namespace the tree knows (bounded)."""
+        entries = self.tree.storage_only
+        for (extra_key, salt), root in self.tree.roots().items():
+            if entries.tokens >= entries.cap_tokens:
+                return
+            try:
+                prefixes = self.workers.storage_list_prefixes(Namespace(self.params.fingerprint, extra_key, salt))
+            except Exception:  # an outage: start cold (requests still ask L3)
+                self.counters.warm_restart_failures += 1
+                continue
+            for sp in prefixes:  # longest first
+                added = entries.add_path(root, np.asarray(sp.tokens, dtype=np.int32), tuple(sp.keys))
+                if added:
+                    self.counters.warm_restart_prefixes += 1
+                    self.counters.warm_restart_tokens += added
+                if entries.tokens >= entries.cap_tokens:
+                    return
 
     # -- keys --------------------------------------------------------------------------------------
     def _namespace(self, node: TreeNode) -> Namespace:
@@ -277,13 +313,20 @@ class StorageTier:
         assert not parent_key
         prev = path[-1].chain_key if path else None
         first_key = page_keys(ns, tokens[depth : depth + ps], parent=prev)[0]
-        if self._recent_miss(first_key):
+        known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps if anchor.children else 0
+        if known * ps < self.params.prefetch_min_tokens:
+            known = 0
+        if not known and self._recent_miss(first_key):
             self.counters.prefetch_negative_hits += 1
             return skip("not enough pages in L3 (recent miss)")
         keys = [first_key] + page_keys(ns, tokens[depth + ps : whole], parent=first_key)
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
         keys = keys[: max(0, room)]
-        found = self.workers.storage_exists(keys, depth // ps) if keys else 0
+        if known and keys:
+            found = min(known, len(keys))  # storage-only entries say L3 has them; the read still verifies
+            self.counters.prefetch_known_stored += 1
+        else:
+            found = self.workers.storage_exists(keys, depth // ps) if keys else 0
         if found * ps < self.params.prefetch_min_tokens or found == 0:
             if keys:
                 self._note_miss(first_key)
@@ -433,8 +476,10 @@ class StorageTier:
             anchor.host_pin -= 1
         alive = anchor.parent is not None or anchor in self.tree.roots().values()
         usable = p.ok and alive and (anchor.parent is None or anchor.host_slots is not None)
-        leaf = self.tree.add_host_only_leaf(anchor, task.tokens) if usable else None
-        if leaf is None:
+        nodes = self.tree.storage_only.adopt(anchor, task.tokens) if usable else None
+        if not p.ok and alive:  # a missing or corrupt object: what the tree thought stored is not
+            self.counters.storage_only_dropped_tokens += self.tree.storage_only.drop_path(anchor, task.tokens)
+        if nodes is None:
             self.host.unreserve(task.slots)
             if p.ok:
                 self.counters.prefetch_redundant_pages += len(task.keys)
@@ -444,10 +489,14 @@ class StorageTier:
             if p.ok:
                 task.tokens = task.tokens[:0]
             return
-        leaf.staged_slots = task.slots
-        self.host.commit(leaf)
-        leaf.stored = True
-        leaf.chain_key = task.keys[-1]
+        k = 0
+        for node in nodes:
+            n = node.num_tokens // self.tree.page_size
+            node.staged_slots = task.slots[k : k + n].copy()
+            node.stored = True
+            k += n
+        self.host.commit_many(nodes)
+        nodes[-1].chain_key = task.keys[-1]
         self.counters.prefetch_pages += len(task.keys)
         task.state = PrefetchState.DONE
         self.host.maybe_push(anchor)
@@ -458,6 +507,8 @@ class StorageTier:
 
     def detach(self) -> None:
         self.flush_manifest()
+        self.tree.storage_only.drop_all()  # nothing left to fetch them from
+        self.tree.storage_only.cap_tokens = 0
         if self._manifest_thread is not None:
             self._manifest_thread.shutdown(wait=True)
             self._manifest_thread = None

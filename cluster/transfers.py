@@ -39,6 +39,8 @@ class WorkerGroup(Protocol):
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
 
+    def storage_list_prefixes(self, namespace: Namespace) -> list: ...  # list[StoredPrefix], from host 0
+
     def storage_errors(self) -> dict[str, int]: ...  # corrupt / error / timeout counts, summed over hosts
 
 
@@ -99,6 +101,9 @@ class LocalWorkerGroup:
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:
         self._executors()[0].storage.record_prefix(namespace, tokens)
+
+    def storage_list_prefixes(self, namespace: Namespace) -> list:
+        return self._executors()[0].storage.list_prefixes(namespace)
 
     def storage_errors(self) -> dict[str, int]:
         total = {"corrupt": 0, "error": 0, "timeout": 0}

@@ -193,7 +193,8 @@ def encode_results(results: Sequence[CallResult], calls: Sequence[Call | None]) 
     header: Header = []
     for res, call in zip(results, calls):
         v, arg = res.value, getattr(call, "arg", None)
-        if res.ok and type(v) is MatchResult and not v.components and _is_i32_vector(v.device_pages):
+        if (res.ok and type(v) is MatchResult and not v.components and not v.storage_hit_len
+                and _is_i32_vector(v.device_pages)):
             header.append((_R_MATCH, *packer.add(v.device_pages), v.device_hit_len, v.host_hit_len,
                            v.last_device_node, v.last_host_node, v.best_match_node))
         elif res.ok and _is_i32_vector(v):

@@ -55,6 +55,9 @@ class MatchResult:
     L2 copy, ``best_match_node`` the deepest matched node on any tier. The namespace root's id stands for
     "nothing matched". ``components`` holds per-component results by component name (Mamba: the
     state slot of exactly ``device_hit_len`` tokens and the branching seqlen); empty for Full-only trees.
+    ``storage_hit_len``: tokens right after the host hit that the tree knows are in L3 (storage-only
+    entries, e.g. rebuilt from the L3 manifest): a prefetch of them is likely to hit, never a device or
+    host hit; 0 when unknown.
     """
 
     device_pages: np.ndarray  # i32[device_hit_len // page_size]
@@ -64,6 +67,7 @@ class MatchResult:
     last_host_node: int
     best_match_node: int
     components: Mapping[str, Any] = _NO_VALUES
+    storage_hit_len: int = 0
 
 
 @dataclass(frozen=True, eq=False)

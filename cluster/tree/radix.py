@@ -25,6 +25,7 @@ from hicache.cluster.tree.eviction import EvictionPolicy, parse_policy
 from hicache.cluster.tree.full import FullComponent
 from hicache.cluster.tree.key import Namespace, RadixKey
 from hicache.cluster.tree.node import TreeNode
+from hicache.cluster.tree.storage_only import StorageOnlyEntries
 from hicache.cluster.tree.params import (
     EvictResult,
     FinishResult,
@@ -81,6 +82,7 @@ class RadixTree:
         self.before_device_evict: Callable[[list[TreeNode]], None] | None = None
         self.after_insert: Callable[[list[TreeNode]], None] | None = None  # path + new leaf, root first
         self.listener: TierListener | None = None
+        self.storage_only = StorageOnlyEntries(self)  # L3-only prefixes (warm restart); empty without L3
         self._init_state()
 
     def _init_state(self) -> None:
@@ -277,7 +279,10 @@ class RadixTree:
             last_host = node
         best = last_host if host_len else last_device
         self._matched_tokens += device_len + host_len
-        return MatchResult(pages, device_len, host_len, last_device.id, last_host.id, best.id, values)
+        stored_len = 0
+        if path and path[-1].device_pages is None and path[-1].host_slots is None:  # storage-only suffix
+            stored_len = self.storage_only.hit_len(path, device_len + host_len)
+        return MatchResult(pages, device_len, host_len, last_device.id, last_host.id, best.id, values, stored_len)
 
     def _component_match(
         self, device_path: list[TreeNode], path: list[TreeNode]
@@ -375,6 +380,8 @@ class RadixTree:
             node.last_access = tick
             node.hit_count += 1
             if node.device_pages is None:
+                if node.host_slots is None:  # a storage-only node gets computed KV
+                    self.storage_only.tokens -= n
                 full.take_pages(node, pages, pos // ps, (pos + n) // ps, checked, base)
                 for comp in extra:
                     comp.on_revive(node, params, pos // ps, (pos + n) // ps)
@@ -487,6 +494,8 @@ class RadixTree:
                 parent = node.parent
                 if node.host_slots is None and not node.children:
                     self._remove_leaf(node)
+                elif node.host_slots is None and not self.storage_only.keep(node):  # storage-only children
+                    self._remove_leaf(node)
                 if parent.parent is not None:
                     self.full.maybe_push(parent)
                     for comp in extra:
@@ -519,7 +528,10 @@ class RadixTree:
 
     def remove_host_only(self, node: TreeNode) -> None:
         """Deletes a host-only leaf (host eviction); its slots must already be released by the caller."""
-        assert node.device_pages is None and not node.children and node.parent is not None
+        assert node.device_pages is None and node.parent is not None
+        if node.children and self.storage_only.keep(node):  # stays as its storage-only children's ancestor
+            return
+        assert not node.children
         parent = node.parent
         self._remove_leaf(node)
         if parent.parent is not None:
@@ -733,6 +745,7 @@ class RadixTree:
         for comp in [self.full, *self.extra_components]:
             comp.reset()
         self._init_state()
+        self.storage_only.reset()
 
     def stats(self) -> TreeStats:
         full = self.full
@@ -765,8 +778,9 @@ class RadixTree:
                 assert node.device_pages.shape[0] * ps == node.num_tokens, f"{node} pages/tokens mismatch"
                 assert parent.parent is None or parent.device_pages is not None, f"{node} in L1 under evicted parent"
             else:
-                assert node.host_slots is not None, f"{node} is in no tier"
+                assert node.host_slots is not None or node.stored, f"{node} is in no tier"
             if parent.parent is not None:
                 assert parent.lock_ref >= node.lock_ref, f"{node} locked more than its parent"
         for comp in [self.full, *self.extra_components]:
             comp.check_invariants()
+        self.storage_only.check_invariants()

@@ -13,7 +13,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
-from hicache.cluster.tree import RadixKey
+from hicache.cluster.tree import InsertParams, RadixKey, RequestState
 from support.hicache_env import HiCacheEnv
 
 
@@ -218,3 +218,171 @@ def test_reset_keeps_l3_attached_and_writes_the_queued_manifest(tmp_path):
     env.head.detach_storage_backend()
     env.head.reset()
     assert env.head.controller.storage is None and env.worker.storage_executor is None
+
+
+# -- warm restart from the L3 manifest ------------------------------------------------------------------
+def _exists_calls(env) -> int:
+    return env.worker.storage_executor.storage.stats().exists_calls
+
+
+def test_warm_restart_after_reset_reports_storage_hits_and_loads_bit_identical(tmp_path):
+    """After a reset the tree is rebuilt from the manifest as storage-only entries: no device or host hit,
+    ``storage_hit_len`` says what L3 has, the prefetch needs no existence lookup and loads exact KV; an
+    insert of computed KV over storage-only entries makes them device nodes."""
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=f"file://{tmp_path}/l3")
+    a, b = seq(0, 24), np.r_[seq(0, 8), seq(700, 16)].astype(np.int32)
+    for tokens in (a, b):
+        env.serve(tokens)
+        env.head.flush_write_through_acks()
+    env.head.reset()
+    tree = env.head.tree
+    assert tree.storage_only.tokens == 24 + 16  # b shares its first 8 tokens with a
+    st = env.head.cache_stats()["storage"]
+    assert st["warm_restart_prefixes"] == 2 and st["warm_restart_tokens"] == 40
+    check(env)
+    m = env.head.match_prefix(RadixKey(np.r_[a, seq(5000, 3)].astype(np.int32)))
+    assert (m.device_hit_len, m.host_hit_len, m.storage_hit_len) == (0, 0, 24)
+    assert m.best_match_node == m.last_host_node == tree.default_root.id  # nothing to load back
+    before = _exists_calls(env)
+    r = env.serve(a)  # L3 -> L2 -> L1 without asking L3 what it has; serve() checks the bytes exactly
+    assert r["prefetched"] == 24 and r["loaded"] == 24
+    assert _exists_calls(env) == before
+    assert env.head.cache_stats()["storage"]["prefetch_known_stored"] == 1
+    assert tree.storage_only.tokens == 16  # a's entries became L2 (now L1+L2) nodes; b's tail is left
+    m = env.head.match_prefix(RadixKey(b))
+    assert (m.device_hit_len, m.host_hit_len, m.storage_hit_len) == (8, 0, 16)
+    check(env)
+    # Computed KV over the storage-only tail: the request inserts its own pages there.
+    env.head.inc_lock_ref(m.last_device_node)
+    own = env.head.alloc(16)
+    env.worker.device_pool.write_pages(own, env.rows(b, 2, 4))
+    env.head.cache_finished_req(RequestState(RadixKey(b), np.concatenate([m.device_pages, own]), 8,
+                                             m.last_device_node))
+    assert tree.storage_only.tokens == 0
+    m = env.head.match_prefix(RadixKey(b))
+    assert (m.device_hit_len, m.storage_hit_len) == (24, 0)
+    np.testing.assert_array_equal(env.worker.device_pool.read_pages(m.device_pages), env.rows(b, 0, 6))
+    check(env)
+    env.head.detach_storage_backend()
+    assert tree.storage_only.cap_tokens == 0
+    check(env)
+
+
+def test_warm_restart_corrupt_object_is_a_counted_miss_and_drops_the_entry(tmp_path):
+    import pathlib
+
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=f"file://{tmp_path}/l3")
+    a = seq(300, 32)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    env.head.reset()
+    assert env.head.tree.storage_only.tokens == 32
+    objects = [p for p in pathlib.Path(tmp_path, "l3").rglob("*") if p.is_file() and "manifest" not in p.parts]
+    assert objects
+    for p in objects:  # flip the last payload byte of every KV object
+        raw = bytearray(p.read_bytes())
+        raw[-1] ^= 0xFF
+        p.write_bytes(bytes(raw))
+    m = env.head.match_prefix(RadixKey(a))
+    assert m.storage_hit_len == 32
+    r = env.serve(a)  # the read fails its checksum: recompute, exact (serve() checks)
+    assert r["prefetched"] == 0 and r["loaded"] == 0 and r["device_hit"] == 0
+    st = env.head.cache_stats()["storage"]
+    assert st["prefetch_failures"] == 1 and st["storage_only_dropped_tokens"] == 32
+    assert env.worker.storage_executor.storage.stats().corrupt_objects >= 1
+    assert env.head.tree.storage_only.tokens == 0
+    assert env.head.match_prefix(RadixKey(a)).device_hit_len == 32  # the recomputed KV, never the corrupt one
+    check(env)
+
+
+def test_warm_restart_respects_its_cap_and_off_switch(tmp_path):
+    url = f"file://{tmp_path}/l3"
+    writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url)
+    seqs = [seq(1000 * (i + 1), 16) for i in range(4)]
+    for tokens in seqs:
+        writer.serve(tokens)
+        writer.head.flush_write_through_acks()
+    writer.head.controller.storage.flush_manifest()
+    capped = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url,
+                        storage_kwargs={"warm_restart_max_tokens": 40})
+    assert capped.head.tree.storage_only.tokens == 40  # 16 + 16 + the first 8 of a third
+    assert sorted(capped.head.match_prefix(RadixKey(t)).storage_hit_len for t in seqs) == [0, 8, 16, 16]
+    check(capped)
+    off = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url,
+                     storage_kwargs={"warm_restart_max_tokens": 0})
+    assert off.head.tree.storage_only.tokens == 0
+    assert off.head.match_prefix(RadixKey(seqs[0])).storage_hit_len == 0
+    assert off.serve(seqs[0])["prefetched"] == 16  # still found by asking L3
+    with pytest.raises(ValueError, match="warm_restart_max_tokens"):
+        StorageParams(url, off.fingerprint, warm_restart_max_tokens=-1)
+
+
+def test_storage_only_entries_lru_cap_and_tier_transitions():
+    """Tree level: storage-only entries are evicted LRU at their leaves when over the cap, never block L1
+    eviction, and a stored node that loses its L1 copy above them stays as a storage-only node."""
+    from hicache.cluster.tree import RadixTree, SWAComponent, TreeConfig
+
+    tree = RadixTree(TreeConfig(page_size=4, capacity_pages=16))
+    entries = tree.storage_only
+    entries.cap_tokens = 48
+    root = tree.default_root
+    x, y, z = seq(0, 16), seq(100, 16), seq(200, 16)
+    assert [entries.add_path(root, t) for t in (x, y, z)] == [16, 16, 16]
+    assert entries.add_path(root, seq(300, 16)) == 0  # no room left
+    assert entries.add_path(root, x[:8]) == 0  # already covered
+    tree.check_invariants()
+    tree.match_prefix(RadixKey(y))  # touched: x is the least recently used entry now
+    tree.match_prefix(RadixKey(z))
+    entries.cap_tokens = 32
+    assert entries.trim() == 16
+    assert tree.match_prefix(RadixKey(x)).storage_hit_len == 0
+    assert tree.match_prefix(RadixKey(y)).storage_hit_len == 16
+    tree.check_invariants()
+    # Computed KV for the first half of y: the split-off prefix becomes a device node (stored), the rest stays.
+    pages = tree.alloc(8)
+    tree.insert(InsertParams(RadixKey(y[:8]), pages))
+    m = tree.match_prefix(RadixKey(y))
+    assert (m.device_hit_len, m.host_hit_len, m.storage_hit_len) == (8, 0, 8)
+    assert entries.tokens == 8 + 16
+    tree.check_invariants()
+    # L1 eviction is not blocked by the storage-only child; the stored node stays as a storage-only one.
+    assert tree.evict(8).evicted_tokens == 8
+    m = tree.match_prefix(RadixKey(y))
+    assert (m.device_hit_len, m.storage_hit_len) == (0, 16)
+    assert entries.tokens == 32
+    tree.check_invariants()
+    hybrid = RadixTree(TreeConfig(page_size=4), [SWAComponent(8)])
+    hybrid.storage_only.cap_tokens = 48
+    with pytest.raises(ValueError, match="Full-only"):
+        hybrid.storage_only.add_path(hybrid.default_root, x)
+
+
+def test_storage_only_entries_survive_l1_and_l2_eviction_above_them(tmp_path):
+    """A prefetch of part of a storage-only entry splits it (fetched part -> L2 nodes, rest stays); when
+    those nodes lose L1 and then L2, they turn back into storage-only nodes; a later request loads all
+    of it exactly."""
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=f"file://{tmp_path}/l3")
+    a = seq(40, 32)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    env.head.reset()
+    tree, host = env.head.tree, env.head.controller.host
+    r = env.serve(a[:16])
+    assert r["prefetched"] == 16 and r["loaded"] == 16
+    assert tree.storage_only.tokens == 16
+    m = env.head.match_prefix(RadixKey(a))
+    assert (m.device_hit_len, m.host_hit_len, m.storage_hit_len) == (16, 0, 16)
+    check(env)
+    assert tree.evict(32).evicted_tokens == 16  # L1 copy goes; the L2 copy and the entry below stay
+    m = env.head.match_prefix(RadixKey(a))
+    assert (m.device_hit_len, m.host_hit_len, m.storage_hit_len) == (0, 16, 16)
+    check(env)
+    assert host.evict(64) == 4  # the L2 copy goes too: a storage-only node again
+    m = env.head.match_prefix(RadixKey(a))
+    assert (m.device_hit_len, m.host_hit_len, m.storage_hit_len) == (0, 0, 32)
+    assert tree.storage_only.tokens == 32
+    check(env)
+    r = env.serve(a)
+    assert r["prefetched"] == 32 and r["loaded"] == 32
+    assert tree.storage_only.tokens == 0
+    check(env)
