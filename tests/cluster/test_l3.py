@@ -386,3 +386,55 @@ def test_storage_only_entries_survive_l1_and_l2_eviction_above_them(tmp_path):
     assert r["prefetched"] == 32 and r["loaded"] == 32
     assert tree.storage_only.tokens == 0
     check(env)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_storage_only_entries_random_ops_keep_invariants_and_only_report_added_prefixes(seed):
+    """Random add/match/insert/evict/cap changes on a small Full tree: invariants hold after every step,
+    the storage-only tokens never exceed the cap, and every reported storage hit is a prefix of a path
+    that was added as stored (no device or host hit ever comes from one)."""
+    from hicache.cluster.tree import CacheCapacityError, RadixTree, TreeConfig
+
+    rng = np.random.default_rng(seed)
+    ps = 2
+    tree = RadixTree(TreeConfig(page_size=ps, capacity_pages=24))
+    entries = tree.storage_only
+    entries.cap_tokens = 40
+    added: list[np.ndarray] = []
+
+    def tokens():
+        return rng.integers(0, 3, int(rng.integers(1, 12)) * ps).astype(np.int32)
+
+    for _ in range(300):
+        op = rng.integers(0, 6)
+        if op == 0:
+            t = tokens()
+            if entries.add_path(tree.default_root, t):
+                added.append(t)
+        elif op == 1:
+            t = tokens()
+            m = tree.match_prefix(RadixKey(t))
+            assert m.host_hit_len == 0 and m.device_hit_len + m.storage_hit_len <= len(t)
+            if m.storage_hit_len:
+                end = m.device_hit_len + m.storage_hit_len
+                assert any(len(a) >= end and np.array_equal(a[:end], t[:end]) for a in added)
+        elif op == 2:
+            t = tokens()
+            m = tree.match_prefix(RadixKey(t))
+            tree.inc_lock_ref(m.last_device_node)
+            try:
+                own = tree.alloc(len(t) - m.device_hit_len)
+            except CacheCapacityError:
+                tree.dec_lock_ref(m.last_device_node)
+                continue
+            tree.cache_finished_req(RequestState(RadixKey(t), np.concatenate([m.device_pages, own]),
+                                                 m.device_hit_len, m.last_device_node))
+        elif op == 3:
+            tree.evict(int(rng.integers(1, 16)))
+        elif op == 4:
+            entries.cap_tokens = int(rng.integers(0, 48))
+            entries.trim()
+        elif op == 5 and rng.random() < 0.2:
+            entries.drop_all()
+        tree.check_invariants()
+        assert entries.tokens <= entries.cap_tokens or entries.tokens == 0
