@@ -338,6 +338,13 @@ def test_storage_only_entries_lru_cap_and_tier_transitions():
     assert tree.match_prefix(RadixKey(x)).storage_hit_len == 0
     assert tree.match_prefix(RadixKey(y)).storage_hit_len == 16
     tree.check_invariants()
+    # Bad input over storage-only entries: ValueError, state unchanged.
+    from support.tree_model import snapshot
+
+    before = snapshot(tree)
+    with pytest.raises(ValueError):
+        tree.insert(InsertParams(RadixKey(y), np.arange(4, dtype=np.int32)))  # pages the caller does not hold
+    assert snapshot(tree) == before
     # Computed KV for the first half of y: the split-off prefix becomes a device node (stored), the rest stays.
     pages = tree.alloc(8)
     tree.insert(InsertParams(RadixKey(y[:8]), pages))

@@ -46,8 +46,10 @@ def snapshot(tree: RadixTree):
             None if node.host_slots is None else node.host_slots.tobytes(),
             node.lock_ref,
             node.hit_count,
+            node.stored,
         ))
     alloc = tree.full.allocator
     owners = alloc.owners(np.arange(alloc.capacity)).tobytes()
     free = tuple(sorted(np.flatnonzero(alloc.owners(np.arange(alloc.capacity)) == PageOwner.FREE).tolist()))
-    return (tuple(nodes), owners, free, alloc.num_free, tree.full.evictable_tokens, tree.full.protected_tokens)
+    return (tuple(nodes), owners, free, alloc.num_free, tree.full.evictable_tokens, tree.full.protected_tokens,
+            tree.storage_only.tokens)
