@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.cluster.events import Tier
-from hicache.cluster.tree import PageAllocator, PageOwner, RadixTree, TreeNode
+from hicache.cluster.tree import FullComponent, PageAllocator, PageOwner, RadixTree, TreeNode
 from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
 
 _HOST = Tier.HOST.value
@@ -26,14 +26,8 @@ class HostTier:
         self.host_tokens = 0  # tokens with a committed L2 copy
         self.evicted_tokens = 0
 
-    @staticmethod
-    def is_evictable(node: TreeNode) -> bool:
-        if node.parent is None or node.host_slots is None or node.host_pin or node.pending is not None:
-            return False
-        for child in node.children.values():
-            if child.host_slots is not None or child.staged_slots is not None:
-                return False
-        return True
+    # The host-leaf rule is the Full component's (one definition for the tree's hooks and this tier).
+    is_evictable = staticmethod(FullComponent.is_host_leaf)
 
     def maybe_push(self, node: TreeNode) -> None:
         if self.is_evictable(node):
