@@ -24,7 +24,8 @@ def _prefetch(env, tokens, req_id):
 
 def test_negative_cache_skips_repeated_misses_and_expires(tmp_path):
     url = f"file://{tmp_path}/l3"
-    reader = HiCacheEnv(storage_url=url, storage_kwargs={"negative_cache_ttl_s": 0.5})
+    # A long TTL, expired below by moving the remembered expiries back: no wall-clock race on a busy machine.
+    reader = HiCacheEnv(storage_url=url, storage_kwargs={"negative_cache_ttl_s": 300.0})
     a = seq(0, 32)
     assert _prefetch(reader, a, "r0").state is PrefetchState.NOT_STARTED
     counters = reader.head.controller.storage.counters
@@ -36,7 +37,10 @@ def test_negative_cache_skips_repeated_misses_and_expires(tmp_path):
     writer.head.flush_write_through_acks()
     assert _prefetch(reader, a, "r2").state is PrefetchState.NOT_STARTED  # still within the TTL
     assert counters.prefetch_negative_hits == 2
-    time.sleep(0.6)
+    misses = reader.head.controller.storage._misses
+    assert misses and all(expiry > time.monotonic() + 200 for expiry in misses.values())
+    for key in misses:
+        misses[key] -= 301.0
     assert _prefetch(reader, a, "r3").state is not PrefetchState.NOT_STARTED  # expired: storage asked
     assert counters.prefetch_negative_hits == 2
     reader.head.flush_write_through_acks()
