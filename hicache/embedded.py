@@ -40,10 +40,6 @@ class StackOptions:
     prefetch_min_tokens: int = 32
     pages_per_object: int = 4  # L3 object = 4 pages: a prefix query finds all but < 4 pages of it
     prefill_budget: int = 0
-    # L1->L2 backups queued by a finished request go out with the scheduler's next cache call once this
-    # many pages wait (HiCacheConfig.backup_batch_pages). 1: at once, in the check_hicache_events after
-    # the decode; larger batches ride along with the next request's first plan (its TTFT pays the D2H).
-    backup_batch_pages: int = 1
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:
@@ -89,8 +85,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     m = options.model
     spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, ps, m.dtype)
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1])
-    hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy,
-                            backup_batch_pages=options.backup_batch_pages)
+    hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
     head = CacheHead(HeadConfig(tree=tree, hicache=hicache), LocalWorkerGroup([worker]))
     params = None if runner is None else runner.params
     runner = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params))
