@@ -16,21 +16,25 @@ conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p -
 
 - Requests: ``trim_request`` frees the SWA pages of the request's own pages that end at or before
   ``e - window``, where ``e`` is the request's last whole-page boundary (the point it will be cached at).
-- Tombstones: a node whose full pages have no SWA pages is a tombstone (full KV kept, SWA gone). A node
-  is always wholly live or wholly tombstone: an insert cuts a new run where the mapping changes
-  (``insert_boundaries``); a revived node with mixed pages is tombstoned whole (conservative).
+- Tombstones: a node whose full pages have no SWA pages is a tombstone (full KV kept, SWA gone). A node's
+  live SWA pages are always a suffix of its pages: wholly live, wholly tombstone, or a tombstoned head
+  and a live tail (what a trimmed request inserts: one node, not a tombstone node plus a live node, so
+  the tree holds, splits and evicts half as many nodes). An insert cuts a new run only where a live page
+  is followed by a dead one (``insert_boundaries``); a revived node with mixed pages is tombstoned whole
+  (conservative). A match may end at a node end whose window lies in the node's live tail.
 - An insert passing through a tombstone whose pages the request holds with live SWA gives the node the
   request's SWA pages (``swa_of`` is re-pointed, no data moves).
 - Match: accepted only at node ends whose window ``[p - window, p)`` is live (or live back to the root).
-- Eviction: ``evict(swa_num_tokens=n)`` (and SWA allocation when short) tombstones unlocked live nodes in
-  LRU order; a tombstoned leaf is deleted outright, and so is a parent left as an unlocked tombstone
+- Eviction: ``evict(swa_num_tokens=n)`` (and SWA allocation when short) tombstones unlocked nodes with a
+  live tail in LRU order; a tombstoned leaf is deleted outright, and so is a parent left as an unlocked tombstone
   leaf after a Full eviction (it could never end a match). Full eviction frees SWA with the full pages.
 - Locks: a request lock on node N (position p) locks, for SWA, only the nodes intersecting
   ``[p - window, p)``. Unlock recomputes the same walk; exactness across later splits comes from
   ``bounds``: the topmost (partially covered) node records the lock's window start ``q``, and a split
   gives the prefix exactly the locks that reach into it. No unlock handle is needed.
 
-HiCache (see ``component.py``): BACKUP copies the SWA pages of a live node to host ids the host tier
+HiCache (see ``component.py``): BACKUP copies the SWA pages of a wholly live node (a node with a
+tombstoned head gets no SWA host copy: conservative) to host ids the host tier
 chooses; LOAD_BACK restores SWA only for loading host-only nodes within the window before the loaded
 node's end (those without a host SWA copy, and those outside the window, become tombstones on commit);
 host eviction drops SWA host copies in LRU order, independently of the Full host chain.
@@ -199,7 +203,9 @@ class SWAPagePool(PageAllocator):
 
 
 class MappedPageAllocator(PageAllocator):
-    """The Full L1 allocator with an SWA page attached to every handed-out full page."""
+    """The Full L1 allocator with an SWA page attached to every handed-out full page.
+
+    ``transfer`` is the plain one: an SWA page's owner follows its full page, nothing to move."""
 
     def __init__(self, capacity: int | None, swa: SWAComponent) -> None:
         super().__init__(capacity)
@@ -220,13 +226,6 @@ class MappedPageAllocator(PageAllocator):
         pages, idx = super().alloc_indexed(num_pages)
         self.swa_of[idx] = swa_pages
         return pages
-
-    def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
-        idx = pages.astype(np.intp) if index is None else index
-        super().transfer(pages, new_owner, idx)
-        live = _mapped(self.swa_of[idx])
-        if live.shape[0]:
-            self.swa.allocator.transfer(live, new_owner)
 
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
         if pages.shape[0] == 0:
@@ -276,12 +275,28 @@ class SWAComponent(TreeComponent):
         return node_value(node, "swa", _SWANode)
 
     def is_live(self, node: TreeNode) -> bool:
-        """True when the node's full KV is in L1 and its SWA pages are present (not a tombstone)."""
+        """True when the node's full KV is in L1 and all its SWA pages are present (first page: live
+        pages are a suffix)."""
         pages = node.device_pages
         return pages is not None and pages.shape[0] > 0 and self.mapped.swa_of.item(pages.item(0)) >= 0
 
+    def has_live(self, node: TreeNode) -> bool:
+        """True when the node is in L1 and has a live SWA tail (its last page has an SWA page)."""
+        pages = node.device_pages
+        return pages is not None and pages.shape[0] > 0 and self.mapped.swa_of.item(pages.item(-1)) >= 0
+
+    def _live_tail(self, node: TreeNode) -> int:
+        """Tokens at the end of an L1 node whose SWA KV is present (0 for a tombstone)."""
+        pages = node.device_pages
+        swa_of = self.mapped.swa_of
+        if swa_of.item(pages.item(0)) >= 0:
+            return node.num_tokens
+        if swa_of.item(pages.item(-1)) < 0:
+            return 0
+        return np.count_nonzero(swa_of[pages] >= 0) * self.page_size
+
     def is_evictable(self, node: TreeNode) -> bool:
-        if node.parent is None or node.loading or not self.is_live(node):
+        if node.parent is None or node.loading or not self.has_live(node):
             return False
         return self._state(node).lock == 0
 
@@ -310,15 +325,16 @@ class SWAComponent(TreeComponent):
 
     # -- structure hooks -------------------------------------------------------------------------------
     def insert_boundaries(self, params: InsertParams, page_start: int, page_end: int) -> Sequence[int]:
-        live = self.mapped.swa_of[params.device_pages[page_start:page_end].astype(np.intp)] >= 0
+        live = self.mapped.swa_of[params.device_pages[page_start:page_end]] >= 0
+        n = live.shape[0]
         c = np.count_nonzero(live)
-        if c == 0 or c == live.shape[0]:
-            return ()
-        return (np.flatnonzero(live[1:] != live[:-1]) + 1 + page_start).tolist()
+        if c == 0 or c == n or np.count_nonzero(live[n - c :]) == c:
+            return ()  # all dead, all live, or a dead head and a live tail: one node
+        return (np.flatnonzero(live[:-1] & ~live[1:]) + 1 + page_start).tolist()  # cut after each live run
 
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         self._state(node)
-        if self.is_live(node):
+        if self.has_live(node):
             self.queue.push(node)
 
     def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
@@ -332,8 +348,8 @@ class SWAComponent(TreeComponent):
     def on_insert_existing(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         swa_of = self.mapped.swa_of
         first = node.device_pages.item(0)  # .item(): Python ints, no numpy scalar per path node
-        if node.loading or swa_of.item(first) >= 0:
-            return
+        if node.loading or swa_of.item(first) >= 0 or swa_of.item(node.device_pages.item(-1)) >= 0:
+            return  # only a wholly tombstoned node can adopt (a live tail keeps its own SWA pages)
         theirs = params.device_pages[page_start:page_end]
         if theirs.item(0) == first:
             return  # the request holds the tree's own (TREE) pages here: nothing to hand over
@@ -346,7 +362,6 @@ class SWAComponent(TreeComponent):
         # The request recomputed this tombstone with live SWA: the node takes the SWA pages.
         swa_of[node.device_pages] = sp
         swa_of[theirs] = -1
-        self.allocator.transfer(sp, PageOwner.TREE)
         if self._state(node).lock == 0:
             self.queue.push(node)
 
@@ -361,7 +376,7 @@ class SWAComponent(TreeComponent):
             pst.lock = st.lock - sum(rest.values())
             pst.bounds = inside or None
             st.bounds = rest or None
-        if pst.lock == 0 and self.is_live(prefix):
+        if pst.lock == 0 and self.has_live(prefix):
             self.queue.push(prefix)
 
     def on_remove(self, node: TreeNode) -> None:
@@ -398,7 +413,7 @@ class SWAComponent(TreeComponent):
                         del bounds[q]
                         if not bounds:
                             st.bounds = None
-            if delta < 0 and st.lock == 0 and self.is_live(node):
+            if delta < 0 and st.lock == 0 and self.has_live(node):
                 self.queue.push(node)
             if start <= q:
                 return
@@ -432,7 +447,7 @@ class SWAComponent(TreeComponent):
             if swa_of.item(node.device_pages.item(0)) >= 0:
                 run += node.num_tokens
             else:
-                run, from_root = 0, False
+                run, from_root = self._live_tail(node), False
             if from_root or run >= w:
                 best = i + 1
         return best
@@ -446,7 +461,7 @@ class SWAComponent(TreeComponent):
             if swa_of.item(node.device_pages.item(0)) >= 0:
                 run += node.num_tokens
             else:
-                run, from_root = 0, False
+                run, from_root = self._live_tail(node), False
         best = 0
         for j, node in enumerate(host_path):
             data = node.component_data
@@ -521,7 +536,7 @@ class SWAComponent(TreeComponent):
             and node.pending is None
             and not node.lock_ref
             and not node.loading
-            and not self.is_live(node)
+            and not self.has_live(node)
         ):
             parent = node.parent
             freed += tree.full.drop_device(node)
@@ -630,13 +645,13 @@ class SWAComponent(TreeComponent):
             assert st.bounds is None or (sum(st.bounds.values()) <= st.lock and all(st.bounds.values()))
             if node.device_pages is not None:
                 live = swa_of[node.device_pages] >= 0
-                assert live.all() or not live.any(), f"{node} is partly tombstoned"
+                assert not (live[:-1] & ~live[1:]).any(), f"{node}: a live SWA page before a tombstoned one"
 
     def stats(self) -> dict[str, Any]:
         live = tomb = 0
         for node in self.tree.iter_nodes():
             if node.device_pages is not None:
-                if self.is_live(node):
+                if self.has_live(node):
                     live += 1
                 else:
                     tomb += 1

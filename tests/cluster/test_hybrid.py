@@ -95,14 +95,36 @@ def test_bad_config_names_the_value(make, match):
 def test_swa_trim_makes_tombstones_and_match_needs_the_window():
     tree = swa_tree(window=4)
     swa = tree.component("swa")
-    serve(tree, range(12))  # trim frees SWA of tokens [0, 8): node [0,8) tombstone + live [8,12)
-    assert tree.num_nodes == 2
+    serve(tree, range(12))  # trim frees SWA of tokens [0, 8): one node, tombstoned head [0,8), live tail
+    assert tree.num_nodes == 1
+    (node,) = tree.iter_nodes()
+    np.testing.assert_array_equal(swa.translate(node.device_pages) >= 0, np.arange(12) >= 8)
     # a continuation at 12 has its window [8, 12): full hit
     assert tree.match_prefix(RadixKey(np.arange(13))).device_hit_len == 12
     # ending at 6 would need [2, 6): tombstoned, so nothing is served
     m = tree.match_prefix(RadixKey(np.r_[np.arange(6), 99]))
-    assert m.device_hit_len == 0 and tree.num_nodes == 3  # the split stays (structure), the hit does not
-    assert swa.stats()["swa"].tombstone_nodes == 2
+    assert m.device_hit_len == 0 and tree.num_nodes == 2  # the split stays (structure), the hit does not
+    stats = swa.stats()["swa"]
+    assert (stats.tombstone_nodes, stats.live_nodes) == (1, 1)  # [0,6) tombstone; [6,12) has a live tail
+    # a continuation at 12 still hits through the split: [8, 12) lies in [6,12)'s live tail
+    assert tree.match_prefix(RadixKey(np.arange(13))).device_hit_len == 12
+    tree.check_invariants()
+
+
+def test_swa_tombstoned_head_node_is_one_node_and_eviction_tombstones_its_tail():
+    tree = swa_tree(window=4)
+    swa = tree.component("swa")
+    serve(tree, range(12))
+    (node,) = tree.iter_nodes()
+    assert swa.has_live(node) and not swa.is_live(node)
+    # a window longer than the live tail is refused: 11 needs [7, 11), page 7 is tombstoned
+    assert tree.match_prefix(RadixKey(np.r_[np.arange(11), 99])).device_hit_len == 0
+    assert tree.num_nodes == 2  # the split: [0,11) with live tail [8,11), and [11,12)
+    tree.check_invariants()
+    assert tree.evict(0, swa_num_tokens=100).components == {"swa_num_tokens": 4}  # both live tails
+    assert tree.num_nodes == 0  # tombstoned leaves are dropped outright (then their tombstoned parent)
+    assert swa.allocator.num_free == swa.allocator.capacity
+    tree.check_invariants()
 
 
 def test_swa_recompute_revives_tombstone_by_adopting_request_swa():
@@ -160,8 +182,8 @@ def test_swa_full_eviction_frees_swa_pages_and_paged_insert_cuts_at_page_boundar
     tree = swa_tree(window=3, page_size=2, capacity=16)
     swa = tree.component("swa")
     serve(tree, range(11))  # whole pages end at 10; window [7, 10) -> pages 3.. live, pages 0..2 trimmed
-    depths = sorted(tree.depth(n) for n in tree.iter_nodes())
-    assert depths == [6, 10]
+    (node,) = tree.iter_nodes()  # one node: tombstoned pages 0..2, live pages 3..4
+    np.testing.assert_array_equal(swa.translate(node.device_pages) >= 0, [False] * 3 + [True] * 2)
     tree.evict(100)
     assert tree.num_nodes == 0 and swa.allocator.num_free == swa.allocator.capacity
     tree.check_invariants()
