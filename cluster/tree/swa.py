@@ -14,8 +14,12 @@ REQUEST and TREE costs the SWA side nothing.
 Window rule. The query at position ``p`` attends to keys in ``(p - window, p]``; we keep it one token
 conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p - window, p)``.
 
-- Requests: ``trim_request`` frees the SWA pages of the request's own pages that end at or before
-  ``e - window``, where ``e`` is the request's last whole-page boundary (the point it will be cached at).
+- Requests: ``trim_request`` makes the SWA pages of the request's own pages that end at or before
+  ``e - window`` (``e``: the request's last whole-page boundary, where it will be cached) *spare*: no
+  step of the request reads them again, so they are the first SWA pages reclaimed (freed, the full page
+  unmapped) when the SWA pool is short or ``evict(swa_num_tokens=...)`` asks; until then they stay
+  mapped and a finished request caches them as live SWA KV (lazy, not eager: a shared prefix such as a
+  system prompt keeps its SWA KV and later requests can hit it). ``release_spare`` frees them at once.
 - Tombstones: a node whose full pages have no SWA pages is a tombstone (full KV kept, SWA gone). A node's
   live SWA pages are always a suffix of its pages: wholly live, wholly tombstone, or a tombstoned head
   and a live tail (what a trimmed request inserts: one node, not a tombstone node plus a live node, so
@@ -205,12 +209,14 @@ class SWAPagePool(PageAllocator):
 class MappedPageAllocator(PageAllocator):
     """The Full L1 allocator with an SWA page attached to every handed-out full page.
 
-    ``transfer`` is the plain one: an SWA page's owner follows its full page, nothing to move."""
+    An SWA page's owner follows its full page. ``spare`` counts only on REQUEST pages: a page the tree
+    takes or frees keeps a stale flag (no store on the hot paths), cleared when it is handed out again."""
 
     def __init__(self, capacity: int | None, swa: SWAComponent) -> None:
         super().__init__(capacity)
         self.swa = swa
         self.swa_of = np.full(self.capacity, -1, dtype=np.int32)  # full page -> SWA page or -1
+        self.spare = np.zeros(self.capacity, dtype=bool)  # on a REQUEST page: its SWA page is out of the window
 
     def _grow(self, needed: int) -> None:
         old = self.capacity
@@ -218,6 +224,9 @@ class MappedPageAllocator(PageAllocator):
         swa_of = np.full(self.capacity, -1, dtype=np.int32)
         swa_of[:old] = self.swa_of
         self.swa_of = swa_of
+        spare = np.zeros(self.capacity, dtype=bool)
+        spare[:old] = self.spare
+        self.spare = spare
 
     def alloc(self, num_pages: int) -> np.ndarray:
         if self.bounded and num_pages > self.num_free:
@@ -225,7 +234,21 @@ class MappedPageAllocator(PageAllocator):
         swa_pages = self.swa.alloc_swa(num_pages)  # may tombstone; raises before any full page is taken
         pages, idx = super().alloc_indexed(num_pages)
         self.swa_of[idx] = swa_pages
+        self.spare[idx] = False
         return pages
+
+    def spare_pages(self) -> np.ndarray:
+        """The full pages (``intp``) whose SWA page is spare: REQUEST pages trimmed out of the window."""
+        idx = np.flatnonzero(self.spare)
+        return idx[self._owner[idx] == PageOwner.REQUEST] if idx.shape[0] else idx
+
+    def check_owner(self, idx: np.ndarray, expected: PageOwner, what: str) -> None:
+        """Raises ValueError unless every page of ``idx`` (``intp``, in range) is owned by ``expected``."""
+        owners = self._owner[idx]
+        bad = np.flatnonzero(owners != int(expected))
+        if bad.shape[0]:
+            i = int(bad[0])
+            raise ValueError(f"{what}: page {int(idx[i])} is {PageOwner(int(owners[i])).name}, expected {expected.name}")
 
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
         if pages.shape[0] == 0:
@@ -240,6 +263,7 @@ class MappedPageAllocator(PageAllocator):
     def reset(self) -> None:
         super().reset()
         self.swa_of[:] = -1
+        self.spare[:] = False
 
 
 class SWAComponent(TreeComponent):
@@ -362,6 +386,7 @@ class SWAComponent(TreeComponent):
         # The request recomputed this tombstone with live SWA: the node takes the SWA pages.
         swa_of[node.device_pages] = sp
         swa_of[theirs] = -1
+        self.mapped.spare[theirs] = False
         if self._state(node).lock == 0:
             self.queue.push(node)
 
@@ -490,21 +515,28 @@ class SWAComponent(TreeComponent):
             sp = self.mapped.swa_of[idx]
         except IndexError:
             raise ValueError(f"request pages out of range [0, {self.mapped.capacity})") from None
+        self.mapped.check_owner(idx, PageOwner.REQUEST, "trimmed request pages")  # ours (repeats: harmless)
         mask = sp >= 0
-        c = np.count_nonzero(mask)
-        if c == 0:
-            return 0
-        if c < mask.shape[0]:
-            pages, idx, sp = pages[mask], idx[mask], sp[mask]
-        self.mapped.check(pages, PageOwner.REQUEST, "trimmed request pages", idx)  # ours, no duplicates
-        self.allocator.release(sp)
-        self.mapped.swa_of[idx] = -1
-        return c
+        self.mapped.spare[idx] = mask  # exact: an unmapped page is never spare
+        return int(np.count_nonzero(mask))
+
+    def release_spare(self, max_pages: int | None = None) -> int:
+        """Frees spare SWA pages (out of their running request's window), at most ``max_pages``; returns
+        how many. The first thing SWA eviction does: it costs no cached SWA KV."""
+        idx = self.mapped.spare_pages()
+        if max_pages is not None:
+            idx = idx[:max_pages]
+        if idx.shape[0]:
+            swa_of = self.mapped.swa_of
+            self.allocator.release(swa_of[idx])
+            swa_of[idx] = -1
+            self.mapped.spare[idx] = False
+        return int(idx.shape[0])
 
     # -- eviction --------------------------------------------------------------------------------------
     def evict_component(self, amount: int) -> int:
-        freed = 0
         ps = self.page_size
+        freed = self.release_spare(-(-amount // ps)) * ps if amount > 0 else 0
         rebuilt = False
         while freed < amount:
             node = self.queue.pop()
@@ -639,6 +671,7 @@ class SWAComponent(TreeComponent):
         assert np.unique(free).size == free.size, "an SWA page is on the free stack twice"
         assert np.intersect1d(free, sp).size == 0, "an SWA page is both free and mapped"
         assert free.size + sp.size == swa.capacity, "an SWA page is neither free nor mapped (leaked)"
+        assert (swa_of[mapped.spare_pages()] >= 0).all(), "a spare page maps no SWA page"
         for node in self.tree.iter_nodes():
             st = self._state(node)
             assert st.lock >= 0 and st.lock <= node.lock_ref, f"{node}: SWA lock {st.lock} outside the Full lock"

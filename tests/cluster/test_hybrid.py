@@ -49,9 +49,13 @@ def start(tree: RadixTree, tokens, extra=0):
 
 
 def serve(tree: RadixTree, tokens, trim=True):
+    """One request; ``trim``: its SWA pages out of the window are trimmed and freed at once (the SWA
+    pool reclaiming them before the request is cached), so the cached run has a tombstoned head."""
     m, state = start(tree, tokens)
     if trim:
         tree.trim_request(state)
+        if "swa" in tree.component_names:
+            tree.component("swa").release_spare()
     tree.cache_finished_req(state)
     tree.check_invariants()
     return m
@@ -108,6 +112,32 @@ def test_swa_trim_makes_tombstones_and_match_needs_the_window():
     assert (stats.tombstone_nodes, stats.live_nodes) == (1, 1)  # [0,6) tombstone; [6,12) has a live tail
     # a continuation at 12 still hits through the split: [8, 12) lies in [6,12)'s live tail
     assert tree.match_prefix(RadixKey(np.arange(13))).device_hit_len == 12
+    tree.check_invariants()
+
+
+def test_swa_trim_is_lazy_spare_pages_are_cached_live_until_the_pool_needs_them():
+    tree = swa_tree(window=4, swa_tokens=24)
+    swa = tree.component("swa")
+    m, state = start(tree, range(12))
+    assert tree.trim_request(state) == 8  # [0, 8) is out of the window of a continuation at 12
+    np.testing.assert_array_equal(np.sort(swa.mapped.spare_pages()), np.sort(state.device_pages[:8]))
+    assert swa.allocator.num_free == 12  # nothing freed yet: spare, not free
+    tree.cache_finished_req(state)  # cached live: a shared prefix keeps its SWA KV
+    tree.check_invariants()
+    assert swa.mapped.spare_pages().size == 0
+    assert tree.match_prefix(RadixKey(np.r_[np.arange(6), 99])).device_hit_len == 6
+    # a second request: its trimmed pages are reclaimed before any cached SWA KV is tombstoned
+    m, state = start(tree, np.r_[np.arange(12), 20 + np.arange(10)])
+    assert m.device_hit_len == 12 and swa.allocator.num_free == 2
+    tree.trim_request(state)  # [12, 18) is spare: out of the window of 22
+    own = state.device_pages[12:22]
+    assert tree.alloc(4).shape[0] == 4  # the SWA pool is 2 short: 2 spare pages go, no tree node is touched
+    assert (swa.translate(own[:6]) == -1).sum() == 2 and (swa.translate(own[6:]) >= 0).all()
+    assert all(swa.is_live(n) for n in tree.iter_nodes())
+    tree.check_invariants()
+    assert tree.evict(0, swa_num_tokens=4).components == {"swa_num_tokens": 4}  # spare first, again
+    assert (swa.translate(own[:6]) == -1).all() and swa.mapped.spare_pages().size == 0
+    assert all(swa.is_live(n) for n in tree.iter_nodes())
     tree.check_invariants()
 
 
