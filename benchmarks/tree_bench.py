@@ -8,7 +8,9 @@ bytes per cached token (tracemalloc, separate pass).
 
     python benchmarks/tree_bench.py [--json out.json] [--components full|swa|mamba|swa,mamba] [--quick]
 
-Hybrid pools are sized like L1 (the same token capacity; unbounded when L1 is), window 1024 by default.
+Hybrid pools are sized like L1 (the same token capacity; unbounded when L1 is), window 1024 by default;
+``--swa-fraction f`` sizes the SWA pool at ``f`` x L1 instead (SWA's point: a smaller pool than Full). SWA
+trimming is lazy: trimmed pages are spare, reclaimed first when the SWA pool is short.
 """
 
 from __future__ import annotations
@@ -42,14 +44,17 @@ class TreeBenchRecord:
     num_nodes: int
 
 
-def build_tree(page_size: int, capacity_tokens: int, components: str, window: int = 1024) -> RadixTree:
+def build_tree(
+    page_size: int, capacity_tokens: int, components: str, window: int = 1024, swa_fraction: float = 1.0
+) -> RadixTree:
     capacity_pages = capacity_tokens // page_size if capacity_tokens else None
+    swa_tokens = max(page_size, int(capacity_tokens * swa_fraction)) if capacity_tokens else None
     kinds = parse_components(components)
     names = {k.value for k in kinds}
     config = KVCacheConfig(
         TreeConfig(page_size, capacity_pages),
         kinds,
-        swa=SWAConfig(window, capacity_tokens or None) if "swa" in names else None,
+        swa=SWAConfig(window, swa_tokens) if "swa" in names else None,
         # One state per cached node and per running request: nodes ~ requests here, so L1 tokens / 64.
         mamba=MambaConfig(capacity_tokens // 64 if capacity_tokens else None) if "mamba" in names else None,
     )
@@ -92,11 +97,11 @@ OPS_PER_REQUEST = 4  # match, lock, alloc, cache_finished_req (insert + free + u
 
 def run_one(
     requests, page_size: int, capacity_tokens: int, components: str, repeat: int, window: int = 1024,
-    prefill_cache: bool = False,
+    prefill_cache: bool = False, swa_fraction: float = 1.0,
 ) -> TreeBenchRecord:
     elapsed = float("inf")
     for _ in range(repeat):  # best of N: this machine is shared and noisy
-        tree = build_tree(page_size, capacity_tokens, components, window)
+        tree = build_tree(page_size, capacity_tokens, components, window, swa_fraction)
         gc.collect()
         t0 = time.perf_counter()
         num, hits, prompt_tokens = serve(tree, requests, prefill_cache)
@@ -106,7 +111,7 @@ def run_one(
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    mem_tree = build_tree(page_size, capacity_tokens, components, window)
+    mem_tree = build_tree(page_size, capacity_tokens, components, window, swa_fraction)
     serve(mem_tree, requests, prefill_cache)
     gc.collect()
     snap = tracemalloc.take_snapshot()
@@ -136,6 +141,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--components", default="full", help="full | swa | mamba | swa,mamba")
     parser.add_argument("--window", type=int, default=1024, help="SWA window in tokens")
+    parser.add_argument("--swa-fraction", type=float, default=1.0,
+                        help="SWA pool tokens as a fraction of the L1 capacity (bounded runs only)")
     parser.add_argument("--prefill-cache", action="store_true",
                         help="also cache each prompt at the end of prefill (cache_unfinished_req)")
     parser.add_argument("--page-sizes", default="1,16")
@@ -144,13 +151,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per configuration; the best counts")
     args = parser.parse_args()
+    if not args.swa_fraction > 0:
+        parser.error(f"--swa-fraction must be > 0, got {args.swa_fraction}")
     spec = MultiTurnSpec(seed=args.seed) if not args.quick else MultiTurnSpec(conversations=40, turns=4, seed=args.seed)
     requests = requests_of(multi_turn(spec))
     records = []
     print(f"{'components':>10} {'page':>5} {'capacity':>9} {'req/s':>9} {'us/op':>7} {'hit':>6} {'B/token':>8} {'alloc B/page':>12} {'nodes':>6}")
     for ps in (int(x) for x in args.page_sizes.split(",")):
         for cap in (int(x) for x in args.capacities.split(",")):
-            rec = run_one(requests, ps, cap, args.components, args.repeat, args.window, args.prefill_cache)
+            rec = run_one(requests, ps, cap, args.components, args.repeat, args.window, args.prefill_cache,
+                          args.swa_fraction)
             records.append(rec)
             print(f"{rec.components:>10} {rec.page_size:>5} {rec.capacity_tokens or 'inf':>9} "
                   f"{rec.requests_per_s:>9.0f} {rec.us_per_op:>7.1f} {rec.hit_rate:>6.3f} "
