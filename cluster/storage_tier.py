@@ -323,7 +323,7 @@ class StorageTier:
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
         keys = keys[: max(0, room)]
         if known and keys:
-            found = min(known, len(keys))  # storage-only entries say L3 has them; the read still verifies
+            found = self._known_stored_pages(keys, depth // ps, min(known, len(keys)))
             self.counters.prefetch_known_stored += 1
         else:
             found = self.workers.storage_exists(keys, depth // ps) if keys else 0
@@ -369,6 +369,17 @@ class StorageTier:
         self._misses.move_to_end(key)
         while len(self._misses) > cap:
             self._misses.popitem(last=False)
+
+    def _known_stored_pages(self, keys: list[str], first_page: int, known: int) -> int:
+        """Pages of ``keys`` to read on the word of storage-only entries (the read still verifies).
+        Objects sit at fixed page positions and a stored path's tail object ends where that path ended,
+        so only whole objects are certain: a tail inside an object (the request stops or diverges there)
+        is checked with one small existence query of its own keys."""
+        end = first_page + known
+        aligned = max(first_page, end - end % self.pages_per_object)
+        if aligned == end:
+            return known
+        return aligned - first_page + self.workers.storage_exists(keys[aligned - first_page : known], aligned)
 
     # -- manifest ------------------------------------------------------------------------------------
     def _queue_manifest(self, node: TreeNode) -> None:

@@ -295,6 +295,25 @@ def test_warm_restart_corrupt_object_is_a_counted_miss_and_drops_the_entry(tmp_p
     check(env)
 
 
+def test_warm_restart_request_ending_inside_a_stored_object_reads_the_whole_objects_before_it(tmp_path):
+    """A request that diverges from a stored path inside an L3 object (2 pages per object here) cannot read
+    that object: the known-stored prefetch takes the whole objects before it and never fails or drops."""
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=f"file://{tmp_path}/l3")
+    a = seq(0, 32)  # 8 pages = 4 objects
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    env.head.reset()
+    q = np.r_[a[:20], seq(900, 12)].astype(np.int32)  # shares 5 pages: the 3rd object only half
+    assert env.head.match_prefix(RadixKey(q)).storage_hit_len == 20
+    r = env.serve(q)  # serve() checks the bytes exactly
+    st = env.head.cache_stats()["storage"]
+    assert r["prefetched"] == 16 and st["prefetch_known_stored"] == 1
+    assert st["prefetch_failures"] == 0 and st["storage_only_dropped_tokens"] == 0
+    m = env.head.match_prefix(RadixKey(a))  # q computed page 5 itself; a's last 3 pages stay known in L3
+    assert (m.device_hit_len, m.storage_hit_len) == (20, 12)
+    check(env)
+
+
 def test_warm_restart_respects_its_cap_and_off_switch(tmp_path):
     url = f"file://{tmp_path}/l3"
     writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url)
