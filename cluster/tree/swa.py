@@ -139,13 +139,15 @@ class ComponentQueue:
 
 
 class _SWANode:
-    __slots__ = ("lock", "bounds", "version", "host_slots")
+    __slots__ = ("lock", "bounds", "version", "host_slots", "end")
 
     def __init__(self) -> None:
         self.lock = 0  # SWA locks covering (part of) this node
         self.bounds: dict[int, int] | None = None  # window start q -> locks whose topmost node is this one
         self.version = 0
         self.host_slots: np.ndarray | None = None  # i32[pages]: host copy of the SWA pages
+        self.end = -1  # the node's end position (depth), once known: fixed for the node's life (a split
+        # moves the node's start, never its end; the prefix is a new node)
 
 
 @dataclass(frozen=True)
@@ -417,8 +419,15 @@ class SWAComponent(TreeComponent):
         return out
 
     # -- locks -----------------------------------------------------------------------------------------
+    def _end(self, node: TreeNode) -> int:
+        """Tokens from the namespace root to the end of ``node`` (cached in its SWA value)."""
+        st = self._state(node)
+        if st.end < 0:
+            st.end = self.tree.depth(node)
+        return st.end
+
     def _lock_walk(self, node: TreeNode, delta: int) -> None:
-        q = self.tree.depth(node) - self.window
+        q = self._end(node) - self.window
         end = q + self.window
         while node.parent is not None:
             st = self._state(node)
@@ -676,6 +685,7 @@ class SWAComponent(TreeComponent):
             st = self._state(node)
             assert st.lock >= 0 and st.lock <= node.lock_ref, f"{node}: SWA lock {st.lock} outside the Full lock"
             assert st.bounds is None or (sum(st.bounds.values()) <= st.lock and all(st.bounds.values()))
+            assert st.end < 0 or st.end == self.tree.depth(node), f"{node}: cached end {st.end} is stale"
             if node.device_pages is not None:
                 live = swa_of[node.device_pages] >= 0
                 assert not (live[:-1] & ~live[1:]).any(), f"{node}: a live SWA page before a tombstoned one"
