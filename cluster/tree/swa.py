@@ -247,9 +247,8 @@ class MappedPageAllocator(PageAllocator):
     def check_owner(self, idx: np.ndarray, expected: PageOwner, what: str) -> None:
         """Raises ValueError unless every page of ``idx`` (``intp``, in range) is owned by ``expected``."""
         owners = self._owner[idx]
-        bad = np.flatnonzero(owners != int(expected))
-        if bad.shape[0]:
-            i = int(bad[0])
+        if np.count_nonzero(owners != int(expected)):
+            i = int(np.flatnonzero(owners != int(expected))[0])
             raise ValueError(f"{what}: page {int(idx[i])} is {PageOwner(int(owners[i])).name}, expected {expected.name}")
 
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
@@ -587,8 +586,8 @@ class SWAComponent(TreeComponent):
                 tree.listener.on_removed(node, "device")
             tree._remove_leaf(node)
             node = parent
-        if node.parent is not None:
-            tree.full.maybe_push(node)
+        if freed and node.parent is not None:
+            tree.full.maybe_push(node)  # it may have become a leaf (nothing dropped: nothing changed for Full)
         return freed
 
     def after_device_evict(self, parent: TreeNode) -> int:
