@@ -29,17 +29,17 @@ conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p -
 - An insert passing through a tombstone whose pages the request holds with live SWA gives the node the
   request's SWA pages (``swa_of`` is re-pointed, no data moves).
 - Match: accepted only at node ends whose window ``[p - window, p)`` is live (or live back to the root).
-- Eviction: ``evict(swa_num_tokens=n)`` (and SWA allocation when short) tombstones unlocked nodes with a
-  live tail in LRU order; a tombstoned leaf is deleted outright, and so is a parent left as an unlocked tombstone
-  leaf after a Full eviction (it could never end a match). Full eviction frees SWA with the full pages.
+- Eviction: ``evict(swa_num_tokens=n)`` (and SWA allocation when short) first frees spare request pages,
+  then tombstones unlocked nodes with a live tail in LRU order; a tombstoned leaf is deleted outright, and
+  so is a parent left as an unlocked tombstone leaf after a Full eviction (it could never end a match).
+  Full eviction frees SWA with the full pages.
 - Locks: a request lock on node N (position p) locks, for SWA, only the nodes intersecting
   ``[p - window, p)``. Unlock recomputes the same walk; exactness across later splits comes from
   ``bounds``: the topmost (partially covered) node records the lock's window start ``q``, and a split
   gives the prefix exactly the locks that reach into it. No unlock handle is needed.
 
 HiCache (see ``component.py``): BACKUP copies the SWA pages of a wholly live node (a node with a
-tombstoned head gets no SWA host copy: conservative) to host ids the host tier
-chooses; LOAD_BACK restores SWA only for loading host-only nodes within the window before the loaded
+tombstoned head gets no SWA host copy: conservative) to host ids the host tier chooses; LOAD_BACK restores SWA only for loading host-only nodes within the window before the loaded
 node's end (those without a host SWA copy, and those outside the window, become tombstones on commit);
 host eviction drops SWA host copies in LRU order, independently of the Full host chain.
 """
