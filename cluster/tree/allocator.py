@@ -92,12 +92,8 @@ class PageAllocator:
         self._scratch = np.zeros(new, dtype=PAGE_DTYPE)
         self._positions = np.arange(new, dtype=PAGE_DTYPE)
 
-    def alloc(self, num_pages: int) -> np.ndarray:
-        """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed)."""
-        return self.alloc_indexed(num_pages)[0]
-
-    def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
-        """``alloc`` that also returns the pages as an ``intp`` index (for the caller's next fancy indexing)."""
+    def _pop_free(self, num_pages: int) -> np.ndarray:
+        """Takes ``num_pages`` ids off the free stack (growing an unbounded pool); owners untouched."""
         if num_pages > self._num_free:
             if self.bounded:
                 raise CacheCapacityError(f"need {num_pages} pages, {self._num_free} free")
@@ -105,6 +101,15 @@ class PageAllocator:
         top = self._num_free
         pages = self._free[top - num_pages : top][::-1].copy()
         self._num_free = top - num_pages
+        return pages
+
+    def alloc(self, num_pages: int) -> np.ndarray:
+        """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed)."""
+        return self.alloc_indexed(num_pages)[0]
+
+    def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """``alloc`` that also returns the pages as an ``intp`` index (for the caller's next fancy indexing)."""
+        pages = self._pop_free(num_pages)
         idx = pages.astype(_INTP)
         self._owner[idx] = _REQUEST
         return pages, idx

@@ -170,13 +170,7 @@ class SWAPagePool(PageAllocator):
         self.swa = swa
 
     def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
-        if num_pages > self._num_free:
-            if self.bounded:
-                raise CacheCapacityError(f"need {num_pages} pages, {self._num_free} free")
-            self._grow(num_pages - self._num_free)
-        top = self._num_free
-        pages = self._free[top - num_pages : top][::-1].copy()
-        self._num_free = top - num_pages
+        pages = self._pop_free(num_pages)
         return pages, pages  # no owner array to index (callers only use the ids)
 
     def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
