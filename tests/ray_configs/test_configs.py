@@ -443,3 +443,17 @@ def test_runtime_env_is_valid_and_names_repo_paths(path, monkeypatch):
         )
         assert uploads == [env["working_dir"]]
         assert packaged["working_dir"].startswith("gcs://_ray_pkg_")
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "replicas").glob("*.yaml")), ids=lambda p: p.name)
+def test_replica_file_l3_sections_parse(path):
+    """Each replica file's ``l3`` section (if any) is a valid start storage for its model (checked without
+    loading the whole file: a TPU file reserves its slice when loaded)."""
+    from hicache.replica_file import _storage_params
+
+    raw = yaml.safe_load(path.read_text())
+    if raw.get("l3") is None:
+        pytest.skip("no l3 section")
+    params = _storage_params(raw["l3"], raw["model"], int(raw["page_size"]), str(path))
+    assert params.url == raw["l3"]["url"]
+    assert params.fingerprint.model_id == raw["l3"]["model_id"]
