@@ -393,6 +393,21 @@ def plot(records: Sequence[ConfigRecord], path: str | None, title: str) -> None:
 # --- stacks ---------------------------------------------------------------------------------------
 
 
+def report(records: Sequence[ConfigRecord], targets: dict, attach_to: Sequence[str], rate: float,
+           json_path: str | None, png_path: str | None, title: str, t_start: float) -> None:
+    """The end of a serving benchmark: targets into the named records' notes, the table, the target line,
+    JSON, PNG and the wall time."""
+    by = {r.config: r for r in records}
+    for name in attach_to:
+        by[name].notes["targets"] = targets
+    print_records(records)
+    log(f"request rate {rate:.2f} req/s (Poisson); targets: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in targets.items() if k != "met") + f"; met {targets['met']}")
+    write_json(records, json_path)
+    plot(records, png_path, title)
+    log(f"wall time {time.perf_counter() - t_start:.1f} s")
+
+
 def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = None):
     from hicache.embedded import StackOptions
 

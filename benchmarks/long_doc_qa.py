@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     BareEngine, ConfigRecord, FWD, Item, MODEL, accesses, belady_hit_tokens, finish_stack, in_scratch_dir,
-    log, make_record, plot, poisson_ticks, print_records, serve_interleaved, serve_items, spot_check,
-    stack_options, warm_up_and_baselines, write_json,
+    log, make_record, poisson_ticks, serve_interleaved, serve_items, spot_check,
+    stack_options, warm_up_and_baselines, report,
 )
 from hicache.engine.runner import ModelRunner  # noqa: E402
 from hicache.serving import ServeRequest  # noqa: E402
@@ -180,15 +180,9 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     }
     targets["met"] = {"cold_90pct_of_warm": targets["cold_vs_warm_round1"] >= 0.9,
                       "overhead_5pct": targets["no_reuse_overhead_service_ttft"] <= 0.05}
-    for name in ("l3_prepopulated", "no_cache"):
-        by[name].notes["targets"] = targets
-    print_records(records)
-    log(f"request rate {rate:.2f} req/s (Poisson); targets: " + ", ".join(
-        f"{k} {v:.3f}" for k, v in targets.items() if k != "met") + f"; met {targets['met']}")
-    write_json(records, args.json)
-    plot(records, args.png, f"long_doc_qa: {args.docs} documents x {args.questions} questions, L1 = "
-         f"{args.l1_fraction:.0%} of the working set, {rate:.1f} req/s")
-    log(f"wall time {time.perf_counter() - t_start:.1f} s")
+    report(records, targets, ("l3_prepopulated", "no_cache"), rate, args.json, args.png,
+           f"long_doc_qa: {args.docs} documents x {args.questions} questions, L1 = "
+           f"{args.l1_fraction:.0%} of the working set, {rate:.1f} req/s", t_start)
     return records
 
 

@@ -47,8 +47,8 @@ import numpy as np  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens, best_of_reps, close_stack,
     finish_stack,
-    in_scratch_dir, jsonable, log, make_record, plot, poisson_ticks, print_records, run_stack,
-    serve_interleaved, spot_check, stack_options, warm_up_and_baselines, write_json,
+    in_scratch_dir, jsonable, log, make_record, poisson_ticks, run_stack,
+    serve_interleaved, spot_check, stack_options, warm_up_and_baselines, report,
 )
 from hicache.engine.runner import ModelRunner  # noqa: E402
 from hicache.serving import ServeRequest  # noqa: E402
@@ -220,15 +220,9 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
                       "ttft_2x": targets["ttft_speedup_l1_l2_l3_vs_l1_only"] >= 2,
                       "service_ttft_2x": targets["service_ttft_speedup_l1_l2_l3_vs_l1_only"] >= 2,
                       "overhead_5pct": targets["no_reuse_overhead_service_ttft"] <= 0.05}
-    for name in ("l1_l2_l3", "no_cache"):
-        by[name].notes["targets"] = targets
-    print_records(records)
-    log(f"request rate {rate:.2f} req/s (Poisson); targets: " + ", ".join(
-        f"{k} {v:.3f}" for k, v in targets.items() if k != "met") + f"; met {targets['met']}")
-    write_json(records, args.json)
-    plot(records, args.png, f"multiturn: {args.clients} clients x {args.rounds} rounds, L1 = "
-         f"{args.l1_fraction:.0%} of the working set, {rate:.1f} req/s")
-    log(f"wall time {time.perf_counter() - t_start:.1f} s")
+    report(records, targets, ("l1_l2_l3", "no_cache"), rate, args.json, args.png,
+           f"multiturn: {args.clients} clients x {args.rounds} rounds, L1 = "
+           f"{args.l1_fraction:.0%} of the working set, {rate:.1f} req/s", t_start)
     return records
 
 
