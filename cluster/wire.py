@@ -193,10 +193,9 @@ def encode_results(results: Sequence[CallResult], calls: Sequence[Call | None]) 
     header: Header = []
     for res, call in zip(results, calls):
         v, arg = res.value, getattr(call, "arg", None)
-        if (res.ok and type(v) is MatchResult and not v.components and not v.storage_hit_len
-                and _is_i32_vector(v.device_pages)):
+        if res.ok and type(v) is MatchResult and not v.components and _is_i32_vector(v.device_pages):
             header.append((_R_MATCH, *packer.add(v.device_pages), v.device_hit_len, v.host_hit_len,
-                           v.last_device_node, v.last_host_node, v.best_match_node))
+                           v.last_device_node, v.last_host_node, v.best_match_node, v.storage_hit_len))
         elif res.ok and _is_i32_vector(v):
             header.append((_R_PAGES, *packer.add(v)))
         elif (res.ok and type(v) is RequestState and type(arg) is RequestState and v.key is arg.key
@@ -223,7 +222,9 @@ def decode_results(header: Header, buf: np.ndarray, calls: Sequence[Call]) -> li
         elif kind == _R_FINISH:
             out.append(CallResult(True, FinishResult(entry[1], entry[2])))
         elif kind == _R_MATCH:
-            out.append(CallResult(True, MatchResult(buf[entry[1] : entry[1] + entry[2]], *entry[3:])))
+            *lens_and_nodes, storage_hit_len = entry[3:]
+            out.append(CallResult(True, MatchResult(buf[entry[1] : entry[1] + entry[2]], *lens_and_nodes,
+                                                    storage_hit_len=storage_hit_len)))
         elif kind == _R_PAGES:
             out.append(CallResult(True, buf[entry[1] : entry[1] + entry[2]]))
         elif kind == _R_STATE:
