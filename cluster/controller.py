@@ -164,22 +164,17 @@ class HiCacheController:
 
     def _backup_chain(self, node: TreeNode) -> bool:
         """Backs up ``node`` and every ancestor without an L2 copy, in one op. False if not started."""
-        chain = []
-        n = node
-        while n.parent is not None and n.host_slots is None:
-            if n.staged_slots is not None or n.device_pages is None or n.loading:
-                if n.staged_slots is not None and n is not node:
-                    self._deferred[node.id] = node  # an ancestor's backup is in flight: after its ack
-                return False
-            chain.append(n)
-            n = n.parent
+        chain, blocker = self.tree.full.backup_chain(node)
+        if blocker is not None:
+            if blocker.staged_slots is not None and blocker is not node:
+                self._deferred[node.id] = node  # an ancestor's backup is in flight: after its ack
+            return False
         if not chain:
             return False
-        chain.reverse()
         # Node page arrays are never written in place (splits and evictions replace them), so a single
         # node's array is used as is; TransferOp copies it when the op is built.
         pages = chain[0].device_pages if len(chain) == 1 else np.concatenate([c.device_pages for c in chain])
-        anchor = n  # the chain hangs below it: host eviction must not drop its copy meanwhile
+        anchor = chain[0].parent  # the chain hangs below it: host eviction must not drop its copy meanwhile
         anchor.host_pin += 1
         try:
             slots = self.host.reserve(pages.shape[0])

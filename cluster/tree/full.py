@@ -142,16 +142,18 @@ class FullComponent(TreeComponent):
 
     # -- HiCache -----------------------------------------------------------------------------------
     @staticmethod
-    def _backup_chain(node: TreeNode) -> list[TreeNode] | None:
-        """``node`` and its ancestors without an L2 copy, root first; None if one cannot be copied now."""
+    def backup_chain(node: TreeNode) -> tuple[list[TreeNode], TreeNode | None]:
+        """``node`` and its ancestors without an L2 copy, root first (backups stay a contiguous chain from
+        the root), and the node that blocks copying them now (a backup in flight, no device KV, loading) or
+        None. The one definition of the rule: the controller's backups and ``build_hicache_transfers``."""
         chain = []
         while node.parent is not None and node.host_slots is None:
             if node.staged_slots is not None or node.device_pages is None or node.loading:
-                return None  # a backup already in flight, or no device KV to copy
+                return [], node
             chain.append(node)
             node = node.parent
         chain.reverse()
-        return chain
+        return chain, None
 
     @staticmethod
     def _loading_chain(node: TreeNode) -> list[TreeNode]:
@@ -166,7 +168,7 @@ class FullComponent(TreeComponent):
         if not isinstance(phase, HiCachePhase):
             raise TypeError(f"phase must be a HiCachePhase, got {phase!r}")
         if phase is HiCachePhase.BACKUP:
-            chain = self._backup_chain(node)
+            chain, _ = self.backup_chain(node)
             if not chain:
                 return ()
             src = np.concatenate([n.device_pages for n in chain])
