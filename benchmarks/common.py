@@ -408,6 +408,19 @@ def report(records: Sequence[ConfigRecord], targets: dict, attach_to: Sequence[s
     log(f"wall time {time.perf_counter() - t_start:.1f} s")
 
 
+def tier_sizes(est_pages: int, longest_tokens: int, l1_fraction: float, l2_fraction: float) -> tuple[int, int]:
+    """L1 pages (a fraction of the estimated working set, but room for the longest request, its prefix
+    locked + its new pages, with some to spare) and L2 slots."""
+    ps = FWD.page_size
+    return max(-(-longest_tokens // ps) + 4, round(est_pages * l1_fraction)), max(1, round(est_pages * l2_fraction))
+
+
+def working_set(items: Sequence[Item], outputs: Sequence[Sequence[int]]) -> tuple[list[Access], int]:
+    """The page accesses of the served stream and its working set in pages."""
+    acc = accesses([(it.prompt, o) for it, o in zip(items, outputs)], FWD.page_size, [None] * len(items))
+    return acc, len({k for a in acc for k in a.writes})
+
+
 def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = None):
     from hicache.embedded import StackOptions
 

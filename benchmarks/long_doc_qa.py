@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     BareEngine, ConfigRecord, FWD, Item, MODEL, accesses, belady_hit_tokens, finish_stack, in_scratch_dir,
     log, make_record, poisson_ticks, serve_interleaved, serve_items, spot_check,
-    stack_options, warm_up_and_baselines, report,
+    stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
 )
 from hicache.engine.runner import ModelRunner  # noqa: E402
 from hicache.serving import ServeRequest  # noqa: E402
@@ -96,17 +96,14 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     if args.questions < 2:
         raise SystemExit("--questions must be >= 2 (the cold replica serves rounds 1..)")
     t_start = time.perf_counter()
-    ps = FWD.page_size
     items, est = make_items(args)
     longest = max(len(it.prompt) + it.max_new_tokens for it in items)
-    l1_pages = max(-(-longest // ps) + 4, round(est * args.l1_fraction))
-    l2_slots = max(1, round(est * args.l2_fraction))
+    l1_pages, l2_slots = tier_sizes(est, longest, args.l1_fraction, args.l2_fraction)
     base = ModelRunner(MODEL, FWD, num_pages=l1_pages)
     bare = BareEngine(base, l1_pages)
     log(f"long_doc_qa: {args.docs} documents x {args.questions} questions; reference pass (no cache; compiles) ...")
     ref = tuple(tuple(s.result.output) for s in serve_items(bare.serve, items, None, "reference"))
-    acc = accesses([(it.prompt, o) for it, o in zip(items, ref)], ps, [None] * len(items))
-    working = len({k for a in acc for k in a.writes})
+    acc, working = working_set(items, ref)
     log(f"  {len(items)} requests, {sum(len(it.prompt) for it in items):,} prompt tokens; working set {working} "
         f"pages ({est} estimated); L1 {l1_pages} pages ({l1_pages / working:.0%}), L2 {l2_slots} pages "
         f"({l2_slots / working:.0%})")

@@ -48,7 +48,7 @@ from benchmarks.common import (  # noqa: E402
     BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens, best_of_reps, close_stack,
     finish_stack,
     in_scratch_dir, jsonable, log, make_record, poisson_ticks, run_stack,
-    serve_interleaved, spot_check, stack_options, warm_up_and_baselines, report,
+    serve_interleaved, spot_check, stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
 )
 from hicache.engine.runner import ModelRunner  # noqa: E402
 from hicache.serving import ServeRequest  # noqa: E402
@@ -137,17 +137,14 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     ps = FWD.page_size
     wl = make_workload(args)
     est = wl.working_set_pages(args.clients, args.rounds, args.output_tokens)
-    # L1 must hold the longest request (its prefix locked + its new pages) with some room to spare.
     longest = max(wl.final_len(c, args) for c in range(args.clients))
-    l1_pages = max(-(-longest // ps) + 4, round(est * args.l1_fraction))
-    l2_slots = max(1, round(est * args.l2_fraction))
+    l1_pages, l2_slots = tier_sizes(est, longest, args.l1_fraction, args.l2_fraction)
     base = ModelRunner(MODEL, FWD, num_pages=l1_pages)
     bare = BareEngine(base, l1_pages)
     log(f"multiturn: {args.clients} clients x {args.rounds} rounds; reference pass (no cache; compiles) ...")
     stream = build_stream(bare, wl, args)
     items, ref = stream.items, stream.outputs
-    acc = accesses([(it.prompt, o) for it, o in zip(items, ref)], ps, [None] * len(items))
-    working = len({k for a in acc for k in a.writes})
+    acc, working = working_set(items, ref)
     log(f"  {len(items)} requests, {stream.prompt_tokens:,} prompt tokens; working set {working} pages "
         f"({working * ps:,} tokens, {est} estimated); L1 {l1_pages} pages ({l1_pages / working:.0%}), "
         f"L2 {l2_slots} pages ({l2_slots / working:.0%})")
