@@ -270,6 +270,7 @@ class RayWorkerGroup:
         self.head_ranges: list[tuple[int, int]] = []
         self._submits: list[ray.ObjectRef] = []
         self._wire_seq = itertools.count()
+        self._slice_reservation: Any = None  # the TPU slice head's placement group, once reserved
 
     @property
     def num_hosts(self) -> int:
@@ -282,7 +283,8 @@ class RayWorkerGroup:
         try:
             pg = ray.util.get_placement_group(name)
         except ValueError:
-            pl = self.options.placement
+            pl = self.options.placement.resolved()  # a TPU slice is reserved here, on the head, not at parse
+            self._slice_reservation = pl.slice_reservation  # kept alive with the group
             kw: dict[str, Any] = {}
             if pl.bundle_label_selector is not None:
                 kw["bundle_label_selector"] = [dict(s) for s in pl.bundle_label_selector]

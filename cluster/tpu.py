@@ -3,7 +3,9 @@
 A replica is one SPMD program over the hosts of ONE slice: one bundle per host, asking for all of the
 host's chips (``{"TPU": chips_per_host, "hicache_host": 1}``, the resources ``ray_configs/tpu-*.yaml``
 give each host), STRICT_SPREAD, and a label selector pinning every bundle to the slice whose head
-(worker 0) Ray reserved for us. Runs once, on the head actor, when it places its workers.
+(worker 0) Ray reserved for us. Describing a placement is pure (parsing a replica file touches no
+cluster); the slice is reserved by ``WorkerPlacement.resolved()``, which the head actor calls once, when
+it creates the replica's placement group.
 
 Not exercised on this CPU machine (no TPU); the CPU/test path uses ``cpu_placement``.
 """
@@ -11,11 +13,31 @@ Not exercised on this CPU machine (no TPU); the CPU/test path uses ``cpu_placeme
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 HOST_RESOURCE = "hicache_host"  # per-host custom resource (ray_configs/)
 HEAD_RESOURCE = "hicache_head"  # on the node that runs the head actors
+
+
+@dataclass(frozen=True)
+class TpuSliceRequest:
+    """One multi-host slice to reserve (``ray.util.tpu`` naming: topology ``"4x4"``, accelerator ``"v6e"``)."""
+
+    topology: str
+    accelerator_version: str
+    timeout_s: float = 100.0
+
+    def reserve(self) -> tuple[str, Any]:
+        """Reserves the slice's head (worker 0) -> (slice name, head placement group). Needs a Ray cluster."""
+        from ray.util import tpu
+
+        reserved = tpu.reserve_tpu_slice(self.topology, f"TPU-{self.accelerator_version.upper()}",
+                                         timeout_s=self.timeout_s)
+        if reserved is None:
+            raise ValueError(f"no multi-host TPU pod type for topology {self.topology!r} / "
+                             f"{self.accelerator_version!r}")
+        return reserved
 
 
 @dataclass(frozen=True)
@@ -26,6 +48,7 @@ class WorkerPlacement:
     strategy: str = "STRICT_SPREAD"
     bundle_label_selector: tuple[Mapping[str, str], ...] | None = None
     slice_reservation: Any = field(default=None, compare=False)  # the slice head's placement group, kept alive
+    tpu_slice: TpuSliceRequest | None = None  # a slice still to reserve (``resolved()``), None once reserved
 
     def __post_init__(self) -> None:
         if not self.bundles:
@@ -40,6 +63,17 @@ class WorkerPlacement:
     def num_hosts(self) -> int:
         return len(self.bundles)
 
+    def resolved(self) -> WorkerPlacement:
+        """This placement with its slice reserved (label selectors pin every bundle to it); itself if there is
+        nothing to reserve. Talks to the Ray cluster: call it where the placement group is created."""
+        if self.tpu_slice is None:
+            return self
+        slice_name, head_pg = self.tpu_slice.reserve()
+        from ray._raylet import RAY_NODE_TPU_SLICE_NAME_KEY
+
+        selector = tuple({RAY_NODE_TPU_SLICE_NAME_KEY: slice_name} for _ in self.bundles)
+        return replace(self, bundle_label_selector=selector, slice_reservation=head_pg, tpu_slice=None)
+
 
 def cpu_placement(num_hosts: int, cpus_per_host: float = 1.0, host_resource: str = HOST_RESOURCE) -> WorkerPlacement:
     """Fake hosts (tests, ``ray_configs/local-fake.yaml``): one ``host_resource`` per host."""
@@ -49,19 +83,19 @@ def cpu_placement(num_hosts: int, cpus_per_host: float = 1.0, host_resource: str
 
 
 def tpu_slice_placement(topology: str, accelerator_version: str, *, timeout_s: float = 100.0) -> WorkerPlacement:
-    """Reserves one slice (its worker-0 head resource) and returns one bundle per host of it.
+    """One bundle per host of a ``topology`` slice of ``accelerator_version`` chips (``"4x4"``, ``"v6e"``,
+    ``ray.util.tpu`` naming). Pure: the slice is reserved later, by ``resolved()``."""
+    from ray._private.accelerators.tpu import get_chips_per_host, get_num_chips_from_topology, \
+        infer_tpu_pod_type_from_topology
 
-    ``topology`` like ``"4x4"``, ``accelerator_version`` like ``"v6e"`` (``ray.util.tpu`` naming).
-    """
-    from ray._raylet import RAY_NODE_TPU_SLICE_NAME_KEY
-    from ray.util import tpu
-
-    chips_per_host = tpu.get_chips_per_host(topology, accelerator_version)
-    num_hosts = max(1, tpu.get_num_chips_from_topology(topology) // chips_per_host)
-    reserved = tpu.reserve_tpu_slice(topology, f"TPU-{accelerator_version.upper()}", timeout_s=timeout_s)
-    if reserved is None:
+    try:
+        pod_type = infer_tpu_pod_type_from_topology(topology, f"TPU-{accelerator_version.upper()}")
+        chips_per_host = get_chips_per_host(topology, accelerator_version)
+        num_chips = get_num_chips_from_topology(topology)
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f"unknown TPU topology {topology!r} / accelerator {accelerator_version!r}: {exc}") from None
+    if pod_type is None:
         raise ValueError(f"no multi-host TPU pod type for topology {topology!r} / {accelerator_version!r}")
-    slice_name, head_pg = reserved
+    num_hosts = max(1, num_chips // chips_per_host)
     bundles = tuple({"TPU": chips_per_host, HOST_RESOURCE: 1} for _ in range(num_hosts))
-    selector = tuple({RAY_NODE_TPU_SLICE_NAME_KEY: slice_name} for _ in range(num_hosts))
-    return WorkerPlacement(bundles, "STRICT_SPREAD", selector, slice_reservation=head_pg)
+    return WorkerPlacement(bundles, "STRICT_SPREAD", tpu_slice=TpuSliceRequest(topology, accelerator_version, timeout_s))

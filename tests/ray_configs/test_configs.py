@@ -23,7 +23,9 @@ import contextlib
 import copy
 import importlib
 import json
+import os
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -447,13 +449,32 @@ def test_runtime_env_is_valid_and_names_repo_paths(path, monkeypatch):
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "replicas").glob("*.yaml")), ids=lambda p: p.name)
 def test_replica_file_l3_sections_parse(path):
-    """Each replica file's ``l3`` section (if any) is a valid start storage for its model (checked without
-    loading the whole file: a TPU file reserves its slice when loaded)."""
-    from hicache.replica_file import _storage_params
+    """Each replica file's ``l3`` section (if any) is a valid start storage for its model."""
+    from hicache.replica_file import load_replica_file
 
     raw = yaml.safe_load(path.read_text())
     if raw.get("l3") is None:
         pytest.skip("no l3 section")
-    params = _storage_params(raw["l3"], raw["model"], int(raw["page_size"]), str(path))
+    params = load_replica_file(path).storage
     assert params.url == raw["l3"]["url"]
     assert params.fingerprint.model_id == raw["l3"]["model_id"]
+
+
+def test_loading_replica_files_touches_no_cluster():
+    """Parsing is pure: a TPU replica file describes its slice (one bundle per host) and reserves it only when
+    the head creates the placement group, so loading one neither starts nor joins a Ray cluster."""
+    code = (
+        "import glob, ray\n"
+        "from hicache.replica_file import load_replica_file\n"
+        "for p in sorted(glob.glob('ray_configs/replicas/*.yaml')):\n"
+        "    w = load_replica_file(p).workers\n"
+        "    print(p, w.num_hosts, w.placement.bundles[0], w.placement.tpu_slice is not None)\n"
+        "print('ray initialized:', ray.is_initialized())\n"
+    )
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "ray initialized: False"
+    v6e = next(line for line in lines if "v6e-16" in line)
+    assert v6e.endswith("4 {'TPU': 4, 'hicache_host': 1} True")  # 16 chips, 4 per host, slice still to reserve
