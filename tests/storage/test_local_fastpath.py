@@ -158,6 +158,39 @@ def test_no_existence_round_for_reads(make_store, fp):
     assert spy.rounds == 0
 
 
+class _CountingMap:
+    """Wraps the backend's ``map`` (the pool-thread path) to count the batches handed to a thread."""
+
+    def __init__(self, st) -> None:
+        self.calls, self._inner = 0, st._io.map
+        st._io.map = self
+
+    def __call__(self, fn, items, deadline):
+        self.calls += 1
+        return self._inner(fn, items, deadline)
+
+
+def test_existence_checks_run_on_the_calling_thread_until_a_batch_is_slow(make_store, fp):
+    st = make_store("file")
+    keys = _keys(fp, 12)  # 3 objects
+    st.pool.fill_random(S(0, 12), 7)
+    st.batch_set(keys[:8], S(0, 8))
+    spy = _CountingMap(st)
+    assert st.batch_exists(keys) == 8
+    assert st.batch_exists(keys[8:], first_page=8) == 0
+    assert spy.calls == 0  # no thread hand-off: the stats ran here
+    # a deadline already past: every path is a timeout (a miss), counted, still no hand-off
+    from hicache.storage.fsspec_store import _Deadline
+
+    res = st._io.exists_many([st.object_path(k) for k in keys[:2]], _Deadline(0.0))
+    assert all(isinstance(r, TimeoutError) for r in res) and spy.calls == 0
+    # a batch slower than the limit (a slow mount): later batches are bounded on a pool thread
+    st._io.INLINE_STAT_LIMIT_S = -1.0
+    assert st.batch_exists(keys[:8]) == 8 and spy.calls == 0  # one round (both found), still inline
+    assert st.batch_exists(keys[:8]) == 8 and spy.calls == 1  # the next one went to the pool
+    assert st.batch_exists(keys[:5]) == 4  # same answers either way
+
+
 def test_objects_behind_a_missing_one_do_not_count(make_store, fp):
     st = make_store("file")
     keys = _keys(fp, 16)  # 4 objects
