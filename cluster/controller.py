@@ -364,10 +364,11 @@ class HiCacheController:
         return progress
 
     def check_prefetch_progress(self, req_id: str) -> PrefetchProgress:
-        """Applies acks; under ``wait_complete``/``timeout`` blocks (bounded) as the policy allows."""
+        """Applies acks; under ``wait_complete``/``timeout`` blocks (bounded) as the policy allows.
+        Held backups stay held (the request waits here; its prefetch op went out when it started)."""
         if self.storage is None:
             raise RuntimeError("no storage backend attached")
-        self.submit(force=True)
+        self.submit()
         self._apply(self.workers.poll())
         budget = self.storage.wait_budget_s(req_id, self.config.ack_timeout_s)
         if budget > 0:
@@ -379,16 +380,24 @@ class HiCacheController:
 
         Loads (and storage ops) are sent at once: a request waits for them; queued loads travel as ONE
         merged op. Backups are off the critical path: alone they wait until ``backup_batch_pages`` are
-        queued (or ``force``); a plan that goes out anyway takes every queued backup along, merged into ONE
-        op. So a scheduler step costs one dispatch and one ack per host per kind, not one per request.
+        queued (or ``force``); a plan that goes out for loads or storage ops leaves them queued (a D2H
+        dispatch is never on a request's critical path); when they go, they go merged into ONE op. So a
+        scheduler step costs one dispatch and one ack per host per kind, not one per request.
         """
         queued = self._queued
         if not queued:
             return 0
-        if not (force or self._queued_other) and self._queued_backup_pages < self.config.backup_batch_pages:
-            return 0  # only backups, still batching: the common case, no list building
-        sending, self._queued = queued, []
-        self._queued_other = self._queued_backup_pages = 0
+        if not force and self._queued_backup_pages < self.config.backup_batch_pages:
+            if not self._queued_other:
+                return 0  # only backups, still batching: the common case, no list building
+            # Loads / storage ops go now; held backups keep batching: a D2H dispatch never rides
+            # on the plan of a request's load-back or L3 prefetch (its TTFT).
+            sending = [p for p in queued if p.kind is not OpKind.BACKUP_D2H]
+            self._queued = [p for p in queued if p.kind is OpKind.BACKUP_D2H] if self._queued_backup_pages else []
+            self._queued_other = 0
+        else:
+            sending, self._queued = queued, []
+            self._queued_other = self._queued_backup_pages = 0
         seq = next(self._seq)
         ops, groups = [], []
         loads, backups = [], []
