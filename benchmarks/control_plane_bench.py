@@ -22,12 +22,13 @@ import argparse
 import json
 import os
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from hicache.cluster import Call, CacheClient, HeadConfig, Method, embedded
-from hicache.cluster.client import ResultRef
+from hicache.cluster.client import PendingStep, ResultRef
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
 from hicache.workloads import MultiTurnSpec, Turn, multi_turn
 
@@ -37,6 +38,7 @@ class ControlPlaneBenchRecord:
     requests: int
     batch: int
     steps_per_batch: int  # 1: match, lock and alloc chained in one step (ResultRef); 2: lock/alloc in a second step
+    in_flight: int  # steps the scheduler submits before it takes the oldest one's results
     page_size: int
     capacity_tokens: int
     hit_rate: float
@@ -52,25 +54,25 @@ class ControlPlaneBenchRecord:
 
 def run_batched(
     client: CacheClient, rounds: list[list[Turn]], batch: int, step_times: list[float] | None = None,
-    chained: bool = True,
+    chained: bool = True, in_flight: int = 1,
 ) -> tuple[int, int, int, float]:
     """A continuous-batching scheduler loop; returns (requests served, hit tokens, prompt tokens, seconds).
 
-    Per batch the head sees, in this order: cache_finished_req of the previous batch, match_prefix of
-    this batch, then inc_lock_ref + alloc of each request (finishes first, so hits are the same as
-    finishing each batch before admitting the next). ``chained``: all in one step, the lock and alloc
-    taking their node and size from the match results (``ResultRef``); otherwise two steps, the
-    second built from the match results the first returned. Same calls, same order, same tree work.
+    Per batch the head sees, in this order: cache_finished_req of the batches whose results came back,
+    match_prefix of this batch, then inc_lock_ref + alloc of each request. ``chained``: all in one step,
+    the lock and alloc taking their node and size from the match results (``ResultRef``); otherwise a
+    second step built from the match results the first returned. ``in_flight``: steps submitted before
+    the oldest one's results are taken (an overlap scheduler); a batch also waits while one of its
+    conversations has a turn in flight (its next turn is matched only after the previous one's finish
+    was sent). The schedule depends only on these counts, never on timing: the embedded and the Ray
+    client make the same calls in the same order (same tree work, same hits). ``step_times``: seconds
+    from each step's submission to its results.
     """
     served = hits = prompt_tokens = 0
     batches = [turns[i : i + batch] for turns in rounds for i in range(0, len(turns), batch)]
-
-    def step(calls: list[Call]):
-        t = time.perf_counter()
-        out = client.step(calls)
-        if step_times is not None:
-            step_times.append(time.perf_counter() - t)
-        return out
+    pending: deque[tuple[PendingStep, list[Turn], int, float]] = deque()
+    busy: set[int] = set()  # conversations with a turn in flight
+    finish: list[Call] = []  # finishes of collected batches, sent with the next step
 
     def lock_and_alloc(group: list[Turn], match: list) -> list[Call]:
         """inc_lock_ref + alloc per request; ``match[j]``: the MatchResult of request j or a ResultRef to it."""
@@ -83,24 +85,21 @@ def run_batched(
             calls += [Call(Method.INC_LOCK_REF, node), Call(Method.ALLOC, size)]
         return calls
 
-    t0 = time.perf_counter()
-    finish: list[Call] = []
-    for group in batches + [[]]:
-        calls = finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group]
-        nf, g = len(finish), len(group)
-        if chained:
-            calls += lock_and_alloc(group, [ResultRef(nf + j) for j in range(g)])
-        res = step(calls)
+    def collect() -> None:
+        nonlocal served, hits, prompt_tokens
+        step, group, nf, t_sent = pending.popleft()
+        res = step.result()
+        if step_times is not None:
+            step_times.append(time.perf_counter() - t_sent)
         for r in res[:nf]:
             r.unwrap()
-        if not group:
-            break
+        g = len(group)
         matches = [r.unwrap() for r in res[nf : nf + g]]
-        locked = res[nf + g :] if chained else step(lock_and_alloc(group, matches))
-        finish = []
+        locked = res[nf + g :] if chained else client.step(lock_and_alloc(group, matches))
         for j, (t, m) in enumerate(zip(group, matches)):
             locked[2 * j].unwrap()
             own = locked[2 * j + 1]
+            busy.discard(t.conversation)
             if not own.ok:  # out of L1: the request is not admitted
                 finish.append(Call(Method.DEC_LOCK_REF, m.last_device_node))
                 continue
@@ -109,12 +108,29 @@ def run_batched(
             served += 1
             hits += m.device_hit_len
             prompt_tokens += len(t.prompt)
+
+    t0 = time.perf_counter()
+    for group in batches:
+        while pending and (len(pending) >= in_flight or any(t.conversation in busy for t in group)):
+            collect()
+        nf, g = len(finish), len(group)
+        calls = finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group]
+        if chained:
+            calls += lock_and_alloc(group, [ResultRef(nf + j) for j in range(g)])
+        pending.append((client.submit_step(calls), group, nf, time.perf_counter()))
+        busy.update(t.conversation for t in group)
+        finish = []
+    while pending:
+        collect()
+    for r in client.step(finish):
+        r.unwrap()
     return served, hits, prompt_tokens, time.perf_counter() - t0
 
 
-def best_of(client: CacheClient, rounds, batch: int, step_times: list[float] | None = None, chained: bool = True):
+def best_of(client: CacheClient, rounds, batch: int, step_times: list[float] | None = None, chained: bool = True,
+            in_flight: int = 1):
     client.reset()
-    return run_batched(client, rounds, batch, step_times, chained)
+    return run_batched(client, rounds, batch, step_times, chained, in_flight)
 
 
 def call_latencies(client: CacheClient, rounds, n: int) -> np.ndarray:
@@ -138,6 +154,8 @@ def main() -> None:
     parser.add_argument("--capacity-tokens", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--calls", type=int, default=1000, help="single calls for the latency figures")
+    parser.add_argument("--in-flight", type=int, default=1,
+                        help="steps in flight (an overlap scheduler); same schedule for both clients")
     parser.add_argument("--two-steps", action="store_true",
                         help="two round trips per batch (lock/alloc sent after the match results came back)")
     args = parser.parse_args()
@@ -163,15 +181,15 @@ def main() -> None:
     emb = embedded(config)
     try:
         handle = hicache.start_replica(ReplicaConfig(config, detached=False))
-        client = hicache.connect(config.replica, timeout_s=120)
+        client = hicache.connect(config.replica, timeout_s=120, max_in_flight=max(1, args.in_flight))
         # Alternate the two so both see the same background load; keep the best run of each.
         emb_best = ray_best = None
         step_times: list[float] = []
         paired: list[float] = []
         for _ in range(args.repeat):
-            out = best_of(emb, rounds, args.batch, chained=chained)
+            out = best_of(emb, rounds, args.batch, chained=chained, in_flight=args.in_flight)
             emb_best = out if emb_best is None or out[3] < emb_best[3] else emb_best
-            out_r = best_of(client, rounds, args.batch, step_times, chained)
+            out_r = best_of(client, rounds, args.batch, step_times, chained, args.in_flight)
             ray_best = out_r if ray_best is None or out_r[3] < ray_best[3] else ray_best
             paired.append(out[3] / out_r[3])
         n, hits, prompt, secs = emb_best
@@ -188,7 +206,7 @@ def main() -> None:
     emb_rps = n / secs
     ray_rps = n_r / secs_r
     rec = ControlPlaneBenchRecord(
-        requests=n, batch=args.batch, steps_per_batch=1 if chained else 2, page_size=ps, capacity_tokens=cap, hit_rate=hits / prompt,
+        requests=n, batch=args.batch, steps_per_batch=1 if chained else 2, in_flight=args.in_flight, page_size=ps, capacity_tokens=cap, hit_rate=hits / prompt,
         embedded_requests_per_s=emb_rps, ray_requests_per_s=ray_rps, ray_over_embedded=ray_rps / emb_rps,
         ray_over_embedded_paired_median=float(np.median(paired)),
         ray_step_p50_ms=float(np.median(step_times) * 1e3),

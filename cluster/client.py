@@ -3,6 +3,10 @@
 Every method turns into one ``Call`` handed to a transport. ``EmbeddedTransport`` calls a ``CacheHead`` in
 this process (the embedded default); the cluster adds a Ray transport (every remote call with a timeout)
 behind the same interface. Serving code never touches the tree directly.
+
+``submit_step`` sends a batched step without waiting for it (an overlap scheduler prepares its next
+batch while the head works on this one): the head runs steps in submission order, ``result()`` waits.
+Embedded, the step has already run when ``submit_step`` returns.
 """
 
 from __future__ import annotations
@@ -88,10 +92,28 @@ def run_with_refs(head: CacheHead, calls: Iterable[Call]) -> list[CallResult]:
     return results
 
 
+class PendingStep(Protocol):
+    """A submitted step; ``result()`` waits for (or returns) its results, in call order."""
+
+    def result(self) -> list[CallResult]: ...
+
+
+class DoneStep:
+    """A step that has already run (what an in-process transport returns from ``submit``)."""
+
+    def __init__(self, results: list[CallResult]) -> None:
+        self._results = results
+
+    def result(self) -> list[CallResult]:
+        return self._results
+
+
 class Transport(Protocol):
     def call(self, call: Call) -> Any: ...
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]: ...
+
+    def submit(self, calls: Sequence[Call]) -> PendingStep: ...
 
 
 class EmbeddedTransport:
@@ -109,6 +131,9 @@ class EmbeddedTransport:
         if any(type(c.arg) is ResultRef for c in calls):
             return run_with_refs(self.head, calls)
         return self.head.step(calls)
+
+    def submit(self, calls: Sequence[Call]) -> DoneStep:
+        return DoneStep(self.step(calls))
 
 
 class CacheClient:
@@ -191,6 +216,12 @@ class CacheClient:
         """Many calls in one round trip; results in order, errors per call. A call's argument may be a
         ``ResultRef`` to an earlier call's result (dependent calls in the same round trip)."""
         return self._transport.step(calls)
+
+    def submit_step(self, calls: Sequence[Call]) -> PendingStep:
+        """``step`` without waiting: steps run in submission order, ``result()`` of the returned step
+        waits for its results. A remote transport keeps a bounded number of steps in flight (submitting
+        one more waits for the oldest first)."""
+        return self._transport.submit(calls)
 
 
 def embedded(config: HeadConfig | None = None, workers: WorkerGroup | None = None) -> CacheClient:

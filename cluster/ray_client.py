@@ -7,11 +7,24 @@ one this client sent before travels as a reference plus its new tokens: ``key_hi
 remembers the head's epoch and sends it with every call: after a head restart or a lost host the
 head refuses calls from the old epoch once (``HiCacheReplicaResetError``), so stale node ids and
 pages are never applied to the new state. Not thread-safe: one transport per scheduler thread.
+
+Pipelining: ``submit`` sends a step and returns at once, up to ``max_in_flight`` steps stay in flight
+(the head's single control thread runs them in submission order; every step carries its key-history
+step count, so a step the head does not run in that order is refused, never misapplied). The client
+encodes the next step while the head runs this one. Results are collected oldest first. A step
+refused for its key history ("resync": nothing ran, nor did any later step of that session) is sent
+again in a fresh session, and so is every later step still in flight, in order, before ``submit``
+or ``result`` returns; a step that failed (timeout, head lost) fails alone, the steps after it are
+collected at once (each ran, failed, or is sent again), so nothing submitted later overtakes them.
+
+Buffers: a submitted step keeps its ``Call`` list (results decode against it) and a private copy of
+its match keys (the key history); serving code may reuse its arrays once ``submit`` returned.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,68 +38,148 @@ from hicache.cluster.key_history import DEFAULT_CAP_TOKENS, SentKeys
 from hicache.cluster.ray_head import NAMESPACE, Reply, get_head
 
 _CHUNK = 90_000  # below Ray's max_direct_call_object_size (100 KB): arguments travel inline
+DEFAULT_MAX_IN_FLIGHT = 4
+
+
+class _InFlight:
+    """One submitted step: what it was encoded against, its reply ref, then its outcome."""
+
+    __slots__ = ("calls", "sent", "epoch", "ref", "results", "error")
+
+    def __init__(self, calls: list[Call]) -> None:
+        self.calls = calls
+        self.sent: SentKeys | None = None  # the key-history session it was encoded against
+        self.epoch: int | None = None  # the epoch it was sent with
+        self.ref: Any = None
+        self.results: list[CallResult] | None = None
+        self.error: BaseException | None = None
+
+
+class RayStep:
+    """A step submitted through a ``RayTransport`` (``PendingStep``)."""
+
+    def __init__(self, transport: RayTransport, entry: _InFlight) -> None:
+        self._transport = transport
+        self._entry = entry
+
+    def result(self) -> list[CallResult]:
+        """Waits for this step (and the ones submitted before it); raises what made it fail."""
+        entry = self._entry
+        while entry.results is None and entry.error is None:
+            self._transport._collect_oldest()
+        if entry.error is not None:
+            raise entry.error
+        return entry.results  # type: ignore[return-value]
 
 
 class RayTransport:
     def __init__(self, head: Any, replica: str, timeout_s: float = 30.0,
-                 history_tokens: int = DEFAULT_CAP_TOKENS) -> None:
+                 history_tokens: int = DEFAULT_CAP_TOKENS, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if type(max_in_flight) is not int or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.head = head
         self.replica = replica
         self.timeout_s = float(timeout_s)
+        self.max_in_flight = max_in_flight
         self.epoch: int | None = None  # last epoch the head answered from
-        self._sent = SentKeys(history_tokens)  # match keys the head holds for this client
+        self._sent = SentKeys(history_tokens)  # match keys the head holds (or will, once in-flight steps ran)
+        self._in_flight: deque[_InFlight] = deque()
 
-    def _remote(self, method: str, *args: Any) -> Reply:
+    # -- one round trip ----------------------------------------------------------------------------------
+    def _send(self, entry: _InFlight) -> None:
+        """Encodes ``entry`` against the current key-history session and sends it; the session counts
+        the step (and its keys) at once, as the head will when it runs it."""
+        sent = self._sent
+        header, buf, keys = wire.encode_calls(entry.calls, sent)
+        blob = memoryview(pickle.dumps((sent.session, sent.steps, sent.cap_tokens, header, buf),
+                                       protocol=pickle.HIGHEST_PROTOCOL))
+        chunks = [blob[i : i + _CHUNK].tobytes() for i in range(0, len(blob), _CHUNK)]
+        entry.sent, entry.epoch = sent, self.epoch
+        entry.ref = self.head.step_wire.remote(self.epoch, *chunks)
+        sent.commit_copies(keys)
+
+    def _reply(self, entry: _InFlight) -> Reply:
+        """The head's answer to ``entry`` ("ok" or "resync"); raises the hicache error of any other."""
         try:
-            ref = getattr(self.head, method).remote(self.epoch, *args)
-            reply: Reply = ray.get(ref, timeout=self.timeout_s)
+            reply = ray.get(entry.ref, timeout=self.timeout_s)
             if isinstance(reply, bytes):
                 reply = pickle.loads(reply)
         except ray.exceptions.GetTimeoutError:
             raise HiCacheTimeoutError(
-                f"replica {self.replica!r}: {method} got no answer within {self.timeout_s}s (it may still be applied)"
+                f"replica {self.replica!r}: step got no answer within {self.timeout_s}s (it may still be applied)"
             ) from None
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as e:
             raise HiCacheUnavailableError(f"replica {self.replica!r}: head unreachable: {type(e).__name__}") from e
         except ray.exceptions.RayTaskError as e:
-            raise HiCacheError(f"replica {self.replica!r}: {method} failed in the head: {e}") from e
+            raise HiCacheError(f"replica {self.replica!r}: step failed in the head: {e}") from e
         if reply.status in ("ok", "resync"):
             self.epoch = reply.epoch
             return reply
         if reply.status == "reset":
-            old, self.epoch = self.epoch, reply.epoch
-            raise HiCacheReplicaResetError(self.replica, old, reply.epoch, reply.reason)
+            self.epoch = reply.epoch
+            raise HiCacheReplicaResetError(self.replica, entry.epoch, reply.epoch, reply.reason)
         raise HiCacheUnavailableError(reply.reason or f"replica {self.replica!r} is unavailable")
+
+    def _forget(self, sent: SentKeys | None) -> None:
+        """The head's copy of ``sent`` is unknown (or refused): later steps start a new session."""
+        if sent is self._sent:
+            self._sent = SentKeys(sent.cap_tokens)
+
+    def _complete(self, entry: _InFlight) -> bool:
+        """Waits for ``entry``'s outcome; a step the head refused for its key history is sent again,
+        once, in a fresh session (the head cannot refuse a session's first step). False: it failed or
+        was sent again (the steps after it must not wait behind a stale session)."""
+        for attempt in range(2):
+            try:
+                reply = self._reply(entry)
+            except BaseException as e:  # the head may or may not have run it: its key history is unknown
+                self._forget(entry.sent)
+                entry.error = e
+                return False
+            if reply.status == "ok":
+                entry.results = wire.decode_results(*reply.results, entry.calls)
+                return attempt == 0
+            self._forget(entry.sent)
+            if attempt == 0:
+                try:
+                    self._send(entry)
+                except BaseException as e:
+                    entry.error = e
+                    return False
+        entry.error = HiCacheError(f"replica {self.replica!r}: the head refused a new key-history session")
+        return False
+
+    def _collect_oldest(self) -> None:
+        """Completes the oldest step in flight; if it did not simply succeed, completes all the others too,
+        in order, before anything new is sent."""
+        if not self._complete(self._in_flight.popleft()):
+            while self._in_flight:
+                self._complete(self._in_flight.popleft())
+
+    # -- Transport ---------------------------------------------------------------------------------------
+    def submit(self, calls: Sequence[Call]) -> RayStep:
+        entry = _InFlight(list(calls))
+        while len(self._in_flight) >= self.max_in_flight:
+            self._collect_oldest()
+        self._send(entry)
+        self._in_flight.append(entry)
+        return RayStep(self, entry)
+
+    def step(self, calls: Sequence[Call]) -> list[CallResult]:
+        return self.submit(calls).result()
 
     def call(self, call: Call) -> Any:
         return self.step([call])[0].unwrap()
 
-    def step(self, calls: Sequence[Call]) -> list[CallResult]:
-        calls = list(calls)
-        for _ in range(2):  # the second try starts a new key history: the head cannot ask to resync it
-            sent = self._sent
-            header, buf, keys = wire.encode_calls(calls, sent)
-            request = (sent.session, sent.steps, sent.cap_tokens, header, buf)
-            blob = memoryview(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
-            chunks = [blob[i : i + _CHUNK].tobytes() for i in range(0, len(blob), _CHUNK)]
-            try:
-                reply = self._remote("step_wire", *chunks)
-            except BaseException:  # the head may or may not have run it: its key history is unknown
-                self._sent = SentKeys(sent.cap_tokens)
-                raise
-            if reply.status == "ok":
-                sent.commit_copies(keys)
-                return wire.decode_results(*reply.results, calls)
-            self._sent = SentKeys(sent.cap_tokens)
-        raise HiCacheError(f"replica {self.replica!r}: the head refused a new key-history session")
 
-
-def connect(replica: str = "default", address: str | None = None, *, timeout_s: float = 30.0) -> CacheClient:
+def connect(replica: str = "default", address: str | None = None, *, timeout_s: float = 30.0,
+            max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> CacheClient:
     """A client for the running replica ``replica`` (started with ``start_replica``).
 
     Joins the Ray cluster at ``address`` (default ``"auto"``) if this process is not connected yet.
+    ``max_in_flight``: steps ``CacheClient.submit_step`` keeps in flight before it waits for the oldest.
     """
     if not ray.is_initialized():
         ray.init(address=address or "auto", namespace=NAMESPACE)
@@ -97,4 +190,4 @@ def connect(replica: str = "default", address: str | None = None, *, timeout_s: 
         raise HiCacheTimeoutError(f"replica {replica!r}: no health answer within {timeout_s}s") from None
     except ray.exceptions.RayActorError as e:
         raise HiCacheUnavailableError(f"replica {replica!r}: head unreachable: {type(e).__name__}") from e
-    return CacheClient(RayTransport(head, replica, timeout_s), health.page_size)
+    return CacheClient(RayTransport(head, replica, timeout_s, max_in_flight=max_in_flight), health.page_size)

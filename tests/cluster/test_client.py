@@ -82,3 +82,11 @@ def test_a_step_chains_calls_on_earlier_results():
     for bad, exc in (((-1,), ValueError), ((1.0,), TypeError), ((0, "a b"), ValueError), ((0, None, 2.0), TypeError)):
         with pytest.raises(exc):
             ResultRef(*bad)
+
+
+def test_submit_step_embedded_has_run_when_it_returns():
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=4, capacity_pages=8)))
+    pending = client.submit_step([Call(Method.ALLOC, 8)])
+    assert client.stats().request_pages == 2  # ran already
+    pages = pending.result()[0].unwrap()
+    assert pages.size == 2 and pending.result()[0].value is pages

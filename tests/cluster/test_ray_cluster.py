@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import hicache  # noqa: E402
-from hicache.cluster import HeadConfig, ray_storage_record  # noqa: E402
+from hicache.cluster import HeadConfig, embedded, ray_storage_record  # noqa: E402
 from hicache.cluster.client import ResultRef  # noqa: E402
 from hicache.cluster.controller import LoadBackParams  # noqa: E402
 from hicache.cluster.errors import (  # noqa: E402
@@ -36,7 +36,7 @@ from hicache.cluster.policy import HiCacheConfig  # noqa: E402
 from hicache.cluster.ray_head import HeadState, ReplicaConfig, get_head, stop_replica, worker_handles  # noqa: E402
 from hicache.cluster.ray_workers import WorkerGroupOptions  # noqa: E402
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams  # noqa: E402
-from hicache.cluster.tree import RadixKey, RequestState, TreeConfig  # noqa: E402
+from hicache.cluster.tree import InsertParams, RadixKey, RequestState, TreeConfig  # noqa: E402
 from hicache.storage import ModelFingerprint  # noqa: E402
 from hicache.workers import KVCacheSpec  # noqa: E402
 from hicache.workloads import MultiTurnSpec, multi_turn  # noqa: E402
@@ -272,6 +272,43 @@ def test_a_client_whose_key_history_the_head_dropped_resyncs(cluster):
         assert first.match_prefix(RadixKey(np.r_[a, 1, 2, 3, 4])).device_hit_len == 64
     finally:
         stop_replica("w")
+        del handle
+
+
+def test_steps_in_flight_run_in_submission_order_and_refused_ones_are_resent_in_order(cluster):
+    """Steps submitted without waiting (4 in flight) give exactly the results of the same steps run one by
+    one on an embedded head: each inserts a key and matches the next, so a step run out of order would
+    show in the hits. Before them the head dropped this client's key history (17 clients, 16 sessions
+    kept): every step in flight is refused, nothing runs, and all are sent again, in order."""
+    from hicache.cluster.key_history import MAX_SESSIONS
+
+    config = HeadConfig("p", TreeConfig(PS, 64))
+    handle = hicache.start_replica(ReplicaConfig(config, detached=False))
+    try:
+        client = hicache.connect("p", max_in_flight=4)
+        local = embedded(config)
+        first = [Call(Method.ALLOC, 8 * 16)]
+        pages = client.step(first)[0].unwrap()
+        np.testing.assert_array_equal(pages, local.step(first)[0].unwrap())
+        session = client._transport._sent.session
+        for _ in range(MAX_SESSIONS):
+            hicache.connect("p").stats()
+        keys = [RadixKey(seq(500, 16 * (i + 1))) for i in range(8)]
+        steps = [[Call(Method.INSERT, InsertParams(keys[i], pages[: 4 * (i + 1)])), Call(Method.MATCH_PREFIX, keys[i + 1]),
+                  Call(Method.INC_LOCK_REF, ResultRef(1, "last_device_node")), Call(Method.STATS)] for i in range(7)]
+        pending = [client.submit_step(calls) for calls in steps]
+        assert 0 < len(client._transport._in_flight) <= 4  # the oldest were taken to keep at most 4 in flight
+        for got, calls in zip([p.result() for p in pending], steps):
+            want = local.step(calls)
+            assert got[0].unwrap().prefix_len == want[0].unwrap().prefix_len
+            m, w = got[1].unwrap(), want[1].unwrap()
+            assert (m.device_hit_len, m.last_device_node) == (w.device_hit_len, w.last_device_node)
+            np.testing.assert_array_equal(m.device_pages, w.device_pages)
+            assert got[2].unwrap() == want[2].unwrap() and got[3].unwrap() == want[3].unwrap()
+        assert client._transport._sent.session != session  # refused once, then a new session
+        assert client.stats() == local.stats() and local.stats().cached_tokens == 7 * 16
+    finally:
+        stop_replica("p")
         del handle
 
 
