@@ -45,7 +45,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -126,6 +126,17 @@ class StorageHandle:
     def duration_s(self) -> float:
         end = self.finished_at if self.finished_at is not None else time.perf_counter()
         return end - self.started
+
+
+def _id_set(op_ids: Collection[int]) -> set[int]:
+    if isinstance(op_ids, (str, bytes)) or not isinstance(op_ids, Collection):
+        raise TypeError(f"op_ids must be a collection of ints, got {type(op_ids).__name__}: {op_ids!r}")
+    ids = set()
+    for i in op_ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"op_ids must be ints, got {i!r}")
+        ids.add(int(i))
+    return ids
 
 
 def _run_timed(fn: Callable, op: TransferOp, pool: HostPool):
@@ -332,22 +343,50 @@ class HostWorker:
         self._pending = keep
         return out
 
-    def wait(self, timeout_s: float) -> list[TransferAck]:
-        """Acks everything submitted, or what finished before ``timeout_s`` passed."""
-        if timeout_s is None or timeout_s < 0:
-            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+    def wait(self, timeout_s: float, op_ids: Collection[int] | None = None) -> list[TransferAck]:
+        """Acks everything submitted, or what finished before ``timeout_s`` passed.
+
+        With ``op_ids``, waits only until those ops are acked (e.g. a load-back waits for its load,
+        not for L2->L3 writes in flight): for a device op also for the device ops before it (device
+        ops are acked in order), never for storage ops it does not name. Ids not pending (acked
+        earlier, or never submitted) are done. Returns every ack that is ready, as ``poll``."""
+        if timeout_s is None or isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
+            raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+        wanted = None if op_ids is None else _id_set(op_ids)
         deadline = time.perf_counter() + timeout_s
         out = self.poll()
         while self._pending:
-            p = next((q for q in self._pending if q.ack is None and q.handle is not None
-                      and not q.handle.is_ready()), None)
+            p = self._blocker(wanted)
             if p is not None:
                 left = deadline - time.perf_counter()
                 if left <= 0 or not p.handle.block_until_ready(left):
                     out += self.poll()
                     break
             out += self.poll()
+            if p is None:
+                break
         return out
+
+    def _blocker(self, wanted: set[int] | None) -> _Pending | None:
+        """The first unfinished op that a wait for ``wanted`` (None: everything) blocks on, or None
+        when every op it needs is ready (the next ``poll`` acks them)."""
+        last = len(self._pending) - 1  # ops after this one are not needed
+        device_until = last  # device ops up to this one are needed
+        if wanted is not None:
+            last = device_until = -1
+            for i, p in enumerate(self._pending):
+                if p.ack is None and p.op.op_id in wanted:
+                    last = i
+                    if p.op.kind in _DEVICE_OPS:
+                        device_until = i
+        for i, p in enumerate(self._pending):
+            if i > last:
+                return None
+            if p.ack is not None or p.handle is None or p.handle.is_ready():
+                continue
+            if wanted is None or p.op.op_id in wanted or (i <= device_until and p.op.kind in _DEVICE_OPS):
+                return p
+        return None
 
     def close(self) -> None:
         """Stops the storage thread (after the op it is running, which ends by the storage timeout)."""

@@ -97,6 +97,27 @@ def test_bad_ids_rejected(ids, err, match):
             pc.validate_ids(arr.astype(np.int32), NUM_PAGES)
 
 
+@pytest.mark.parametrize("n", [3, 24, 25, 300])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_validate_ids_long_arrays(n, dtype):
+    """Every path (Python list for tiny int32 arrays, one numpy sort otherwise) accepts a permutation
+    and names a duplicate or an id out of range wherever it sits."""
+    upper = 1000
+    ids = np.random.default_rng(n).permutation(upper)[:n].astype(dtype)
+    got = pc.validate_ids(ids, upper)
+    assert got.dtype == np.int32 and np.array_equal(got, ids) and not np.shares_memory(got, ids)
+    dup = ids.copy()
+    dup[-1] = dup[0]
+    with pytest.raises(ValueError, match=rf"duplicates: \[{int(ids[0])}\]"):
+        pc.validate_ids(dup, upper)
+    for bad in (upper, -1):
+        wrong = ids.copy()
+        wrong[n // 2] = bad
+        with pytest.raises(ValueError, match=rf"out of range \[0, {upper}\): \[{bad}\]"):
+            pc.validate_ids(wrong, upper)
+    assert np.array_equal(pc.validate_ids(ids, upper), ids)  # inputs untouched by the failed checks
+
+
 def test_validate_ids_int32_fast_path_returns_a_copy():
     src = np.array([7, 0, 11], np.int32)
     got = pc.validate_ids(src, NUM_PAGES)

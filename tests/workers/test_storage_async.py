@@ -135,3 +135,57 @@ def test_storage_ops_run_in_submission_order(worker):
     acks = worker.wait(timeout_s=10)
     assert [a.op_id for a in acks] == [1, 2, 3] and order == [1, 2, 3]
     worker.storage_executor = None
+
+
+def test_wait_for_named_ops_does_not_wait_for_storage_writes(worker):
+    """A load-back waits for its load only: an L2->L3 write still running is neither waited for nor
+    acked (if it were waited for, the timer below would release it first and it would be acked)."""
+    release = threading.Event()
+
+    def executor(op, pool):
+        release.wait(60)
+        return op.num_pages * pool.slot_bytes
+
+    worker.storage_executor = executor
+    data = _pages(worker, 2, 5)
+    worker.device_pool.write_pages([1, 2], data)
+    worker.submit(_plan(_op(1, "h2s", [], [5], ["k"])))
+    worker.submit(_plan(_op(2, "d2h", [1, 2], [6, 7]), _op(3, "h2d", [9, 10], [6, 7])))
+    timer = threading.Timer(10.0, release.set)
+    timer.start()
+    try:
+        acks = worker.wait(timeout_s=60, op_ids=[3])
+        assert not release.is_set()
+        assert sorted(a.op_id for a in acks) == [2, 3] and all(a.ok for a in acks)
+        assert worker.num_pending == 1  # the storage op
+        np.testing.assert_array_equal(worker.device_pool.read_pages([9, 10]), data)
+        assert worker.wait(timeout_s=60, op_ids={3, 12345}) == []  # acked earlier / unknown: done
+    finally:
+        release.set()
+        timer.cancel()
+    (ack,) = worker.wait(timeout_s=30, op_ids=np.array([1]))
+    assert ack.op_id == 1 and ack.ok
+    worker.storage_executor = None
+
+
+def test_wait_for_a_storage_op_blocks_until_it_is_acked(worker):
+    started = threading.Event()
+
+    def executor(op, pool):
+        started.set()
+        time.sleep(0.2)
+        return op.num_pages * pool.slot_bytes
+
+    worker.storage_executor = executor
+    worker.submit(_plan(_op(1, "h2s", [], [5], ["k"]), _op(2, "d2h", [3], [4])))
+    acks = worker.wait(timeout_s=30, op_ids=[1])
+    assert sorted(a.op_id for a in acks) == [1, 2] and all(a.ok for a in acks) and worker.num_pending == 0
+    worker.storage_executor = None
+
+
+@pytest.mark.parametrize("op_ids, err", [("ab", TypeError), ([1.5], TypeError), ([True], TypeError), (3, TypeError)])
+def test_wait_rejects_bad_op_ids(worker, op_ids, err):
+    worker.submit(_plan(_op(1, "d2h", [3], [4])))
+    with pytest.raises(err, match="op_ids"):
+        worker.wait(timeout_s=1, op_ids=op_ids)
+    assert [a.op_id for a in worker.wait(timeout_s=30)] == [1]  # state unchanged by the bad call
