@@ -433,7 +433,8 @@ class HiCacheController:
         """Sends what is queued and applies every ack that arrived; returns transfers completed.
 
         Loads go at once; backups keep batching up to ``backup_batch_pages``, but never wait longer than
-        ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile).
+        ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile). L2->L3
+        backups queued by the acks applied here are sent before returning.
         """
         if self._queued:
             force = False
@@ -444,7 +445,10 @@ class HiCacheController:
             self.submit(force=force)
         if not self._pending:
             return 0
-        return self._apply(self.workers.poll())
+        done = self._apply(self.workers.poll())
+        if self._queued_other:  # follow-ups of those acks (L2->L3 backups): sent now, not in the next
+            self.submit()  # request's prefetch or load-back
+        return done
 
     def flush_write_through_acks(self) -> int:
         """Waits (bounded by ``ack_timeout_s``) until every in-flight transfer is acked, and applies them."""
