@@ -108,10 +108,10 @@ class HiCacheController:
 
     # -- tier listener (events, ghosts for miss reasons) ---------------------------------------------
     def on_stored(self, node: TreeNode, tier: str) -> None:
-        self._events.append((_STORED, _TIERS[tier], node.id, node.key.shape[0]))
+        self._events.append((_STORED, _TIERS[tier], node.id, node.num_tokens))
 
     def on_removed(self, node: TreeNode, tier: str) -> None:
-        self._events.append((_REMOVED, _TIERS[tier], node.id, node.key.shape[0]))
+        self._events.append((_REMOVED, _TIERS[tier], node.id, node.num_tokens))
         if tier == _DEVICE:
             if node.host_slots is not None:
                 return  # demoted to host-only: still cached
@@ -212,10 +212,11 @@ class HiCacheController:
         tokens = 0
         loadable = True
         n = node
-        while n.parent is not None and n.device_pages is None:
+        while n.device_pages is None and n.parent is not None:
             chain.append(n)
-            tokens += n.key.shape[0]
-            loadable = loadable and n.host_slots is not None and n.pending is None
+            tokens += n.num_tokens
+            if n.host_slots is None or n.pending is not None:
+                loadable = False
             n = n.parent
         last_device = n
         if node.parent is not None and node.device_pages is not None and node.loading:
@@ -267,19 +268,8 @@ class HiCacheController:
                 full.maybe_push(last_device)  # an eviction pass may have dropped its queue entry meanwhile
             self.counters.miss_tokens[MissReason.NO_SPACE] += tokens
             return self._prefix_result(last_device, last_device, None, 0, -1, MissReason.NO_SPACE)
-        ps = self.tree.page_size
-        if len(chain) == 1:
-            full.attach_pages(leaf, pages)
-            leaf.loading = True
-            slots = leaf.host_slots
-        else:
-            start = 0
-            for c in chain:
-                k = c.key.shape[0] // ps
-                full.attach_pages(c, pages[start : start + k])
-                c.loading = True
-                start += k
-            slots = np.concatenate([c.host_slots for c in chain])
+        full.attach_loading_chain(chain, pages)
+        slots = leaf.host_slots if len(chain) == 1 else np.concatenate([c.host_slots for c in chain])
         load_id = next(self._op_ids)
         # Queued loads are merged into one TransferOp when sent (``submit``): one per step, not per request.
         self._queue(_QueuedCopy(load_id, OpKind.LOAD_H2D, pages, slots), chain)  # type: ignore[arg-type]
@@ -492,58 +482,67 @@ class HiCacheController:
     def _complete(self, p: PendingTransfer) -> None:
         c = self.counters
         ok = not p.errors
-        if not ok:
-            c.transfer_failures += 1
         nodes = p.nodes
-        for n in nodes:
-            n.pending = None
         kind = p.op.kind
         full = self.tree.full
-        if kind is OpKind.BACKUP_D2H:
-            host = self.host
-            if ok:
-                c.backed_up_tokens += host.commit_many(nodes)
-            else:
-                for n in nodes:
-                    host.unreserve(n.staged_slots)
-                    n.staged_slots = None
-            full.unlock(nodes[-1])
-            if ok and self.storage is not None:
-                self.storage.on_host_committed(nodes)
-        elif kind is OpKind.LOAD_H2D:
+        if ok and kind is OpKind.LOAD_H2D:  # the common cases first: one loop over the chain each
+            tokens = 0
+            events = self._events
+            for n in nodes:
+                n.pending = None
+                n.loading = False
+                n.host_pin -= 1
+                k = n.num_tokens
+                tokens += k
+                events.append((_STORED, _DEVICE_TIER, n.id, k))
+            c.loaded_tokens += tokens
             leaf = nodes[-1]
             full.unlock(leaf)  # pushes the leaf as an L1 candidate if nothing else holds it
+            # The chain is root-to-leaf and every node but the leaf has a child with an L2 copy (and, now,
+            # L1 pages): only the leaf can be a host eviction candidate.
+            self.host.maybe_push(leaf)
+            self._finish_load(p.op.op_id, True)
+            return
+        if ok and kind is OpKind.BACKUP_D2H:
+            c.backed_up_tokens += self.host.commit_many(nodes)  # clears ``pending`` too
+            full.unlock(nodes[-1])
+            if self.storage is not None:
+                self.storage.on_host_committed(nodes)
+            return
+        if not ok:
+            c.transfer_failures += 1
+        for n in nodes:
+            n.pending = None
+        if kind is OpKind.BACKUP_D2H:
+            host = self.host
+            for n in nodes:
+                host.unreserve(n.staged_slots)
+                n.staged_slots = None
+            full.unlock(nodes[-1])
+        elif kind is OpKind.LOAD_H2D:
             tokens = 0
-            if ok:
-                events = self._events
-                for n in nodes:
-                    n.loading = False
-                    n.host_pin -= 1
-                    k = n.key.shape[0]
-                    tokens += k
-                    events.append((_STORED, _DEVICE_TIER, n.id, k))
-                c.loaded_tokens += tokens
-                # The chain is root-to-leaf and every node but the leaf has a child with an L2 copy (and,
-                # now, L1 pages): only the leaf can be a host eviction candidate.
-                self.host.maybe_push(leaf)
-            else:
-                for n in nodes:
-                    n.loading = False
-                    n.host_pin -= 1
-                    tokens += n.key.shape[0]
-                    full.drop_device(n)  # the pages never got the data: host-only again
-                c.miss_tokens[MissReason.LOAD_FAILED] += tokens
-                parent = nodes[0].parent
-                if parent is not None and parent.parent is not None:
-                    full.maybe_push(parent)  # may be an L1 leaf again
-                for n in nodes:
-                    self.host.maybe_push(n)
-            del self._loads[p.op.op_id]
-            self._finished_loads[p.op.op_id] = ok
-            if len(self._finished_loads) > _MAX_EVENTS:
-                self._finished_loads.pop(next(iter(self._finished_loads)))
+            full.unlock(nodes[-1])
+            for n in nodes:
+                n.loading = False
+                n.host_pin -= 1
+                tokens += n.num_tokens
+                full.drop_device(n)  # the pages never got the data: host-only again
+            c.miss_tokens[MissReason.LOAD_FAILED] += tokens
+            parent = nodes[0].parent
+            if parent is not None and parent.parent is not None:
+                full.maybe_push(parent)  # may be an L1 leaf again
+            for n in nodes:
+                self.host.maybe_push(n)
+            self._finish_load(p.op.op_id, False)
         elif self.storage is not None and self.storage.owns(p.op.op_id):  # BACKUP_H2S, PREFETCH_S2H
             self.storage.complete(p)
+
+    def _finish_load(self, load_id: int, ok: bool) -> None:
+        del self._loads[load_id]
+        finished = self._finished_loads
+        finished[load_id] = ok
+        if len(finished) > _MAX_EVENTS:
+            finished.pop(next(iter(finished)))
 
     def drop_host_tier(self, reason: str = "worker lost") -> int:
         """Forgets all of L2 (a host worker died or restarted: its L2 shard is gone or stale).

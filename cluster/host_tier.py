@@ -55,7 +55,7 @@ class HostTier:
 
     def commit_many(self, nodes: list[TreeNode]) -> int:
         """``commit`` for the nodes of one acked backup chain (root to leaf, contiguous): one allocator
-        update for all their slots. Returns the tokens committed."""
+        update for all their slots; clears the nodes' ``pending``. Returns the tokens committed."""
         if len(nodes) == 1:
             slots = nodes[0].staged_slots
             assert slots is not None and nodes[0].host_slots is None
@@ -66,9 +66,8 @@ class HostTier:
         listener = self.tree.listener
         tokens = 0
         for n in nodes:
-            n.host_slots, n.staged_slots = n.staged_slots, None
-            k = n.key.shape[0]
-            tokens += k
+            n.host_slots, n.staged_slots, n.pending = n.staged_slots, None, None
+            tokens += n.num_tokens
             if listener is not None:
                 listener.on_stored(n, _HOST)
         self.host_tokens += tokens

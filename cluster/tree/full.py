@@ -83,6 +83,29 @@ class FullComponent(TreeComponent):
         else:
             self.evictable_tokens += n
 
+    def attach_loading_chain(self, chain: list[TreeNode], pages: np.ndarray) -> None:
+        """A load-back starts: the host-only ``chain`` (root first, every node locked by the load) takes the
+        request-held ``pages`` in order and is marked ``loading`` until the controller applies the ack.
+        One allocator update for the whole chain; each node's pages are a slice of ``pages`` (node page
+        arrays are never written in place)."""
+        if len(chain) == 1:
+            node = chain[0]
+            assert node.device_pages is None and node.lock_ref and pages.shape[0] * self.tree.page_size == node.num_tokens
+            node.device_pages = pages
+            node.loading = True
+        else:
+            start = 0
+            ps = self.tree.page_size
+            for node in chain:
+                assert node.device_pages is None and node.lock_ref
+                end = start + node.num_tokens // ps
+                node.device_pages = pages[start:end]
+                node.loading = True
+                start = end
+            assert start == pages.shape[0], f"{pages.shape[0]} pages for a chain of {start}"
+        self.allocator.transfer(pages, PageOwner.TREE)
+        self.protected_tokens += pages.shape[0] * self.tree.page_size
+
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         self.attach_pages(node, params.device_pages[page_start:page_end].copy())
 
