@@ -13,6 +13,11 @@ whichever thread currently holds it. The model forward donates ``kv`` and hands 
 with ``set_kv``; the transfer engine reads/writes it only between forwards, on that same thread
 (DESIGN §4 "donation safety").
 
+Memory (CPU backend): the pool's buffers are XLA-allocated host memory; at construction each
+local shard's buffer is moved into transparent huge pages (``hicache.workers.hugepages``), which
+cuts the TLB misses of random page copies. Transfers update the buffer in place (donation), so it
+keeps them; a forward that returns a *new* buffer loses them (nothing breaks, copies get slower).
+
 Multi-host: construction, ``read_pages``, ``write_pages`` and every transfer are SPMD programs --
 every host of the replica calls them in the same order with the same ids. ``read_pages`` returns
 and ``write_pages`` takes only this host's heads (``host_head_range``).
@@ -34,6 +39,7 @@ from hicache.kernels.paged_copy import (
     scatter_pages_reference,
     validate_ids,
 )
+from hicache.workers.hugepages import advise_huge_pages
 from hicache.workers.spec import KVCacheSpec
 
 HEAD_AXIS = 4  # position of num_kv_heads in the pool shape
@@ -98,7 +104,10 @@ class DevicePool:
         *,
         mesh: Mesh | None = None,
         head_axis: str = "kv",
+        huge_pages: bool = True,
     ) -> None:
+        """``huge_pages``: on the CPU backend, move the pool's buffers into transparent huge pages
+        (see the module docstring); ignored on other backends."""
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages <= 0:
@@ -123,6 +132,11 @@ class DevicePool:
         self.head_shards = local_head_shards(self.sharding, self.shape)
         self.host_head_range = (self.head_shards[0].heads.start, self.head_shards[-1].heads.stop)
         self._kv = jax.jit(lambda: jnp.zeros(self.shape, self.storage_dtype), out_shardings=self.sharding)()
+        self.huge_page_bytes = 0  # bytes of this host's shards advised into huge pages
+        if huge_pages and mesh.devices.flat[0].platform == "cpu":
+            self._kv.block_until_ready()
+            for shard in self._kv.addressable_shards:
+                self.huge_page_bytes += advise_huge_pages(shard.data.unsafe_buffer_pointer(), shard.data.nbytes)
 
     @classmethod
     def from_memory_fraction(

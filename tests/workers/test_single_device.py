@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan
+from hicache.workers import DevicePool, HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan
 from hicache.workers import host_pool as host_pool_mod
+from hicache.workers import hugepages
 from hicache.workers import transfer as transfer_mod
 
 NUM_PAGES, NUM_SLOTS = 40, 32
@@ -190,3 +191,49 @@ def test_single_device_staged_paths(kind, monkeypatch):
     assert all(a.ok for a in w.wait(timeout_s=60))
     np.testing.assert_array_equal(_bits(w.host_pool.read_slots([2, 7, 0, 31, 5])), _bits(data))
     np.testing.assert_array_equal(_bits(w.device_pool.read_pages([0, 3, 8, 39, 20])), _bits(data))
+
+
+def _thp_available() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def test_huge_page_range():
+    mib2 = hugepages.HUGE_PAGE_BYTES
+    assert hugepages.huge_page_range(mib2, 3 * mib2) == (mib2, 3 * mib2)
+    assert hugepages.huge_page_range(mib2 + 1, 3 * mib2) == (2 * mib2, 2 * mib2)  # ends at 4 MiB + 1
+    assert hugepages.huge_page_range(1, mib2) == (mib2, 0)  # no whole huge page inside
+    with pytest.raises(ValueError, match="-1"):
+        hugepages.huge_page_range(-1, 10)
+
+
+def test_merged_ops_on_a_huge_page_pool_are_bit_identical():
+    """hicache_bench's layout (1 KiB pages, size-1 axes) at its scale: merged ops of thousands of
+    random pages over a pool of several 2 MiB pages, advised into huge pages. The whole L1 pool and
+    every slot are checked against a numpy model after each step, so a page copied to a wrong
+    place, a torn page or a write outside the op fails."""
+    spec = SPECS["f32"]
+    num_pages, num_slots = 6144, 8192  # 6 MiB of L1: >= 2 whole huge pages at any alignment
+    w = HostWorker(spec, num_pages, num_slots, devices=[jax.devices()[0]], host_pool_kind="numpy_slab")
+    assert DevicePool(spec, num_pages, mesh=w.device_pool.mesh, huge_pages=False).huge_page_bytes == 0
+    dp, hp = w.device_pool, w.host_pool
+    if hugepages._MADVISE is not None and _thp_available():
+        assert dp.huge_page_bytes >= 2 * hugepages.HUGE_PAGE_BYTES
+    assert not _bits(dp.read_pages(np.arange(num_pages))).any()  # advising kept the zeros
+    rng = np.random.default_rng(11)
+    model_l1 = _random_pages(w, num_pages, seed=12)
+    dp.write_pages(np.arange(num_pages), model_l1)
+    model_l2 = np.zeros((num_slots, *dp.host_row_shape), dp.dtype)
+    for step in range(3):
+        n = [3000, 1500, 2049][step]
+        src, dst = rng.permutation(num_pages)[:n].astype(np.int32), rng.permutation(num_pages)[:n].astype(np.int32)
+        slots = rng.permutation(num_slots)[:n].astype(np.int32)
+        w.submit(_plan(_op(2 * step, "d2h", src, slots), _op(2 * step + 1, "h2d", dst, slots)))
+        assert [a.ok for a in w.wait(timeout_s=120)] == [True, True]
+        model_l2[slots] = model_l1[src]
+        model_l1[dst] = model_l2[slots]
+        np.testing.assert_array_equal(_bits(dp.read_pages(np.arange(num_pages))), _bits(model_l1))
+        np.testing.assert_array_equal(_bits(hp.read_slots(np.arange(num_slots))), _bits(model_l2))
