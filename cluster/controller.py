@@ -101,6 +101,7 @@ class HiCacheController:
         # (EventKind, Tier, node id, tokens); the KVEvent objects are built when taken (off the hot path).
         self._events: deque[tuple[EventKind, Tier, int, int]] = deque(maxlen=_MAX_EVENTS)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
+        self._page_bytes = 4 * tree.page_size  # int32 tokens: the first page of a key, as bytes
         tree.listener = self
         tree.after_insert = self._after_insert
         if config.write_policy is WritePolicy.WRITE_BACK:
@@ -114,18 +115,20 @@ class HiCacheController:
         self._events.append((_REMOVED, _TIERS[tier], node.id, node.num_tokens))
         if tier == _DEVICE:
             if node.host_slots is not None:
-                return  # demoted to host-only: still cached
+                return  # demoted to host-only: still cached (the common L1 eviction under HiCache)
             reason = MissReason.EVICTED_L1
+        elif node.device_pages is not None:
+            return
         else:
-            if node.device_pages is not None:
-                return
             reason = MissReason.EVICTED_L2
-        if node.parent is not None:
-            ghost = (node.parent.id, node.key[: self.tree.page_size].tobytes())
-            self._ghosts[ghost] = reason
-            self._ghosts.move_to_end(ghost)
-            if len(self._ghosts) > _MAX_GHOSTS:
-                self._ghosts.popitem(last=False)
+        parent = node.parent
+        if parent is not None:
+            ghosts = self._ghosts
+            ghost = (parent.id, node.key_bytes[: self._page_bytes])
+            ghosts[ghost] = reason
+            ghosts.move_to_end(ghost)
+            if len(ghosts) > _MAX_GHOSTS:
+                ghosts.popitem(last=False)
 
     def take_events(self) -> list[KVEvent]:
         events = [KVEvent(*e) for e in self._events]
@@ -143,9 +146,12 @@ class HiCacheController:
         c.host_hit_tokens += m.host_hit_len
         missing = whole - m.device_hit_len - m.host_hit_len
         if missing > 0:
-            pos = m.device_hit_len + m.host_hit_len
-            page = key.token_ids[pos : pos + ps].tobytes()
-            c.miss_tokens[self._ghosts.get((m.best_match_node, page), MissReason.NOT_CACHED)] += missing
+            reason = MissReason.NOT_CACHED
+            if self._ghosts:
+                pos = m.device_hit_len + m.host_hit_len
+                page = key.token_ids[pos : pos + ps].tobytes()
+                reason = self._ghosts.get((m.best_match_node, page), reason)
+            c.miss_tokens[reason] += missing
 
     # -- backups (L1 -> L2) -------------------------------------------------------------------------
     def _after_insert(self, path: list[TreeNode]) -> None:
@@ -174,12 +180,16 @@ class HiCacheController:
         # Node page arrays are never written in place (splits and evictions replace them), so a single
         # node's array is used as is; TransferOp copies it when the op is built.
         pages = chain[0].device_pages if len(chain) == 1 else np.concatenate([c.device_pages for c in chain])
-        anchor = chain[0].parent  # the chain hangs below it: host eviction must not drop its copy meanwhile
-        anchor.host_pin += 1
-        try:
-            slots = self.host.reserve(pages.shape[0])
-        finally:
-            anchor.host_pin -= 1
+        host = self.host
+        if host.slots.num_free >= pages.shape[0]:
+            slots = host.slots.alloc(pages.shape[0])
+        else:  # host eviction first: it must not drop the copy of the node the chain hangs below
+            anchor = chain[0].parent
+            anchor.host_pin += 1
+            try:
+                slots = host.reserve(pages.shape[0])
+            finally:
+                anchor.host_pin -= 1
         if slots is None:
             return False  # L2 full of pinned / in-flight entries: this node stays L1-only
         if len(chain) == 1:
@@ -565,7 +575,7 @@ class HiCacheController:
         for node in sorted(self.tree.iter_nodes(), key=self.tree.depth, reverse=True):
             if node.host_slots is not None:
                 dropped += self.host.drop(node)
-        self.host.queue.clear()
+        self.host.clear_queue()
         return dropped
 
     @property

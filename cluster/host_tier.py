@@ -22,7 +22,10 @@ class HostTier:
     def __init__(self, tree: RadixTree, num_slots: int, policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
         self.tree = tree
         self.slots = PageAllocator(num_slots)
+        # Host leaves in LRU order. Built from the tree on the first eviction (until L2 runs short nobody
+        # pops, so pushing every new host leaf would be wasted work); kept up to date from then on.
         self.queue = EvictionQueue(policy, self.is_evictable, version_attr="host_heap_version")
+        self._queue_live = False
         self.host_tokens = 0  # tokens with a committed L2 copy
         self.evicted_tokens = 0
 
@@ -30,8 +33,12 @@ class HostTier:
     is_evictable = staticmethod(FullComponent.is_host_leaf)
 
     def maybe_push(self, node: TreeNode) -> None:
-        if self.is_evictable(node):
+        if self._queue_live and self.is_evictable(node):
             self.queue.push(node)
+
+    def clear_queue(self) -> None:
+        """Forgets every candidate (all L2 copies were dropped); the queue stays live."""
+        self.queue.clear()
 
     @property
     def num_slots(self) -> int:
@@ -93,6 +100,9 @@ class HostTier:
 
     def evict(self, num_slots: int) -> int:
         """Frees at least ``num_slots`` slots if possible; returns slots freed."""
+        if not self._queue_live:
+            self.queue.rebuild(self.tree.iter_nodes())
+            self._queue_live = True
         ps = self.tree.page_size
         freed = 0
         while freed < num_slots:

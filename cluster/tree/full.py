@@ -38,8 +38,9 @@ class FullComponent(TreeComponent):
 
     @staticmethod
     def is_evictable(node: TreeNode) -> bool:
-        """Unlocked, alive, in L1, and no child in L1 (eviction goes leaf-first)."""
-        if node.lock_ref or node.device_pages is None or node.parent is None:
+        """Unlocked, alive, in L1, and no child in L1 (eviction goes leaf-first). Roots hold a lock for
+        life, and a removed node has no pages (``on_remove``): neither needs its own test."""
+        if node.lock_ref or node.device_pages is None:
             return False
         for child in node.children.values():
             if child.device_pages is not None:
@@ -135,31 +136,58 @@ class FullComponent(TreeComponent):
 
     # -- locks -----------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> int:
-        """Locks the path root..node; returns the change in evictable tokens (<= 0)."""
+        """Locks the path root..node; returns the change in evictable tokens (<= 0).
+
+        Counts never grow towards the leaves (``parent.lock_ref >= child.lock_ref``), so above the first
+        node that was locked already every count only goes up by one: no accounting there."""
         delta = 0
-        while node.parent is not None:
-            if node.lock_ref == 0 and node.device_pages is not None:
-                n = node.num_tokens
-                self.evictable_tokens -= n
-                self.protected_tokens += n
-                delta -= n
-            node.lock_ref += 1
-            node = node.parent
+        parent = node.parent
+        while parent is not None:
+            ref = node.lock_ref
+            node.lock_ref = ref + 1
+            if ref:
+                node = parent
+                parent = node.parent
+                while parent is not None:
+                    node.lock_ref += 1
+                    node = parent
+                    parent = node.parent
+                break
+            if node.device_pages is not None:
+                delta -= node.num_tokens
+            node = parent
+            parent = node.parent
+        if delta:
+            self.evictable_tokens += delta
+            self.protected_tokens -= delta
         return delta
 
     def unlock(self, node: TreeNode) -> int:
-        """Unlocks the path root..node (caller checked lock_ref > 0); returns the evictable change."""
+        """Unlocks the path root..node (caller checked lock_ref > 0); returns the evictable change.
+
+        Above the first node that stays locked every count stays >= 1: no accounting there."""
         delta = 0
         leaf = node
-        while node.parent is not None:
-            node.lock_ref -= 1
-            if node.lock_ref == 0 and node.device_pages is not None:
-                n = node.num_tokens
-                self.evictable_tokens += n
-                self.protected_tokens -= n
-                delta += n
-            node = node.parent
-        if leaf.lock_ref == 0:
+        parent = node.parent
+        while parent is not None:
+            ref = node.lock_ref - 1
+            node.lock_ref = ref
+            if ref:
+                node = parent
+                parent = node.parent
+                while parent is not None:
+                    node.lock_ref -= 1
+                    node = parent
+                    parent = node.parent
+                break
+            if node.device_pages is not None:
+                delta += node.num_tokens
+            node = parent
+            parent = node.parent
+        if delta:
+            self.evictable_tokens += delta
+            self.protected_tokens -= delta
+        if not leaf.lock_ref:
             self.maybe_push(leaf)
         return delta
 
