@@ -19,7 +19,7 @@ import numpy as np
 
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
-from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig, Method
+from hicache.cluster.head import CALL_ERRORS, Call, CacheHead, CallResult, HeadConfig, Method
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
 from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
@@ -58,38 +58,71 @@ class ResultRef:
         if self.field is not None and (not isinstance(self.field, str) or not self.field.isidentifier()):
             raise ValueError(f"ResultRef.field must be an attribute name or None, got {self.field!r}")
 
-    def resolve(self, results: Sequence[CallResult]) -> Any:
-        """The value for the call that follows ``results`` (the step's results so far)."""
-        if self.index >= len(results):
-            raise ValueError(f"ResultRef({self.index}) must name an earlier call of the step (this is call {len(results)})")
-        res = results[self.index]
-        if not res.ok:
-            raise ValueError(f"call {self.index} of the step failed: {res.error!r}")
-        value = res.value if self.field is None else getattr(res.value, self.field, _MISSING)
-        if value is _MISSING:
-            raise ValueError(f"result of call {self.index} ({type(res.value).__name__}) has no field {self.field!r}")
-        if self.scale == 1 and self.offset == 0:
-            return value
-        if not isinstance(value, (int, np.integer)):
-            raise ValueError(f"ResultRef with scale/offset needs an int, call {self.index} gave {value!r}")
-        return self.offset + self.scale * int(value)
 
 
 _MISSING = object()
 
 
+class StepRun:
+    """The results of a step while it runs, as parallel lists (``errors[i]`` is None when call ``i``
+    succeeded): ``ResultRef`` arguments resolve against them, and a runner builds no ``CallResult``
+    per call (the wire encodes straight from the lists)."""
+
+    __slots__ = ("values", "errors")
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.errors: list[BaseException | None] = []
+
+    def resolve(self, index: int, field: str | None, scale: int, offset: int) -> Any:
+        """The value ``ResultRef(index, field, scale, offset)`` gives the next call; ``ValueError`` when it
+        names no earlier call, a failed one, a missing field, or scales a non-int."""
+        if type(index) is not int or not 0 <= index < len(self.values):
+            raise ValueError(f"ResultRef({index!r}) must name an earlier call of the step (this is call {len(self.values)})")
+        error = self.errors[index]
+        if error is not None:
+            raise ValueError(f"call {index} of the step failed: {error!r}")
+        result = self.values[index]
+        value = result if field is None else getattr(result, field, _MISSING)
+        if value is _MISSING:
+            raise ValueError(f"result of call {index} ({type(result).__name__}) has no field {field!r}")
+        if scale == 1 and offset == 0:
+            return value
+        if not isinstance(value, (int, np.integer)):
+            raise ValueError(f"ResultRef with scale/offset needs an int, call {index} gave {value!r}")
+        return offset + scale * int(value)
+
+    def run(self, head: CacheHead, method: Method, arg: Any) -> None:
+        """Runs one call on ``head`` and records its value, or the error that fails it alone."""
+        try:
+            value = head.dispatch(method, arg)
+        except CALL_ERRORS as e:
+            self.fail(e)
+            return
+        self.values.append(value)
+        self.errors.append(None)
+
+    def fail(self, error: BaseException) -> None:
+        self.values.append(None)
+        self.errors.append(error)
+
+    def results(self) -> list[CallResult]:
+        return [CallResult(True, v) if e is None else CallResult(False, error=e) for v, e in zip(self.values, self.errors)]
+
+
 def run_with_refs(head: CacheHead, calls: Iterable[Call]) -> list[CallResult]:
     """``head.step`` for a step whose calls may carry ``ResultRef`` arguments (resolved in order)."""
-    results: list[CallResult] = []
+    run = StepRun()
     for call in calls:
-        if type(call.arg) is ResultRef:
+        arg = call.arg
+        if type(arg) is ResultRef:
             try:
-                call = Call(call.method, call.arg.resolve(results))
+                arg = run.resolve(arg.index, arg.field, arg.scale, arg.offset)
             except ValueError as e:
-                results.append(CallResult(False, error=e))
+                run.fail(e)
                 continue
-        results.extend(head.step([call]))
-    return results
+        run.run(head, call.method, arg)
+    return run.results()
 
 
 class PendingStep(Protocol):

@@ -80,12 +80,17 @@ _NO_ARG = frozenset({
 })
 
 
+CALL_ERRORS = (ValueError, TypeError, RuntimeError)  # what fails one call of a step, not the step
+
+
 @dataclass(frozen=True)
 class Call:
     method: Method | str
     arg: Any = None
 
     def __post_init__(self) -> None:
+        if type(self.method) is Method:  # the usual case; Method(...) alone costs ~1 us
+            return
         try:
             object.__setattr__(self, "method", Method(self.method))
         except ValueError:
@@ -271,8 +276,12 @@ class CacheHead:
         """Dispatches one ``Call`` (the single entry point a transport needs)."""
         if not isinstance(call, Call):
             raise TypeError(f"expected a Call, got {call!r}")
-        method = getattr(self, call.method.value)
-        return method() if call.method in _NO_ARG else method(call.arg)
+        return self.dispatch(call.method, call.arg)
+
+    def dispatch(self, method: Method, arg: Any = None) -> Any:
+        """Runs one call given as its ``Method`` and argument (``call`` without building a ``Call``)."""
+        fn = getattr(self, method.value)
+        return fn() if method in _NO_ARG else fn(arg)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
         """Runs a batch of calls in order; one call's error does not stop the others."""
@@ -280,6 +289,6 @@ class CacheHead:
         for call in calls:
             try:
                 results.append(CallResult(True, self.call(call)))
-            except (ValueError, TypeError, RuntimeError) as exc:
+            except CALL_ERRORS as exc:
                 results.append(CallResult(False, error=exc))
         return results

@@ -23,7 +23,7 @@ the sessions it keeps (``MAX_SESSIONS`` x ``MAX_CAP_TOKENS`` int32 tokens at mos
 from __future__ import annotations
 
 import os
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import numpy as np
 
@@ -32,7 +32,6 @@ MAX_SCAN_BLOCKS = 128  # a key looks for an entry ending at most this many block
 DEFAULT_CAP_TOKENS = 4 << 20  # per session: 16 MiB of int32 on each side
 MAX_CAP_TOKENS = 4 << 20
 MAX_SESSIONS = 16  # per head
-_BLOCK_BYTES = np.dtype((np.void, BLOCK * 4))  # one block of int32 tokens as one bytes object
 
 
 class KeyHistory:
@@ -75,53 +74,47 @@ class KeyHistory:
         pass
 
 
+_BLOCK_BYTES = np.dtype((np.void, BLOCK * 4))  # one block of int32 tokens as one bytes object
+
+
 class SentKeys(KeyHistory):
     """The client's copy, indexed to find an entry that is a prefix of a new key."""
 
     def __init__(self, cap_tokens: int = DEFAULT_CAP_TOKENS) -> None:
         super().__init__(int.from_bytes(os.urandom(8), "little") >> 1, cap_tokens)
-        self._index: dict[tuple[int, int], int] = {}  # (whole blocks, hash of the last one) -> newest entry
-        self._blocks = Counter()  # whole-block lengths of the entries
+        self._index: dict[bytes, int] = {}  # an entry's last whole block -> the newest entry ending with it
 
     @staticmethod
-    def _slot(tokens: np.ndarray, blocks: int) -> tuple[int, int]:
-        return blocks, hash(tokens[(blocks - 1) * BLOCK : blocks * BLOCK].view(_BLOCK_BYTES).item())
+    def _last_block(tokens: np.ndarray) -> bytes | None:
+        end = tokens.shape[0] // BLOCK * BLOCK
+        return tokens[end - BLOCK : end].tobytes() if end else None
 
     def _added(self, entry_id: int, tokens: np.ndarray) -> None:
-        blocks = tokens.shape[0] // BLOCK
-        if blocks:
-            self._index[self._slot(tokens, blocks)] = entry_id
-            self._blocks[blocks] += 1
+        last = self._last_block(tokens)
+        if last is not None:
+            self._index[last] = entry_id
 
     def _removed(self, entry_id: int, tokens: np.ndarray) -> None:
-        blocks = tokens.shape[0] // BLOCK
-        if blocks:
-            slot = self._slot(tokens, blocks)
-            if self._index.get(slot) == entry_id:
-                del self._index[slot]
-            self._blocks[blocks] -= 1
-            if not self._blocks[blocks]:
-                del self._blocks[blocks]
+        last = self._last_block(tokens)
+        if last is not None and self._index.get(last) == entry_id:
+            del self._index[last]
 
     def find(self, tokens: np.ndarray) -> tuple[int, int]:
         """(entry id, n): the longest entry prefix (whole blocks, verified token by token) that
-        ``tokens`` starts with, among entries ending in its last ``MAX_SCAN_BLOCKS`` blocks; (-1, 0)
-        when there is none."""
+        ``tokens`` (contiguous int32) starts with, among entries ending in its last ``MAX_SCAN_BLOCKS``
+        blocks; (-1, 0) when there is none."""
         top = tokens.shape[0] // BLOCK
         low = max(0, top - MAX_SCAN_BLOCKS)
-        if top == 0:
+        index = self._index
+        if top == 0 or not index:
             return -1, 0
-        # The candidate blocks as bytes objects in one numpy call (hashing each is then cheap).
-        ends = tokens[low * BLOCK : top * BLOCK].view(_BLOCK_BYTES).tolist()
-        lengths, index, entries = self._blocks, self._index, self._entries
-        for blocks in range(top, low, -1):
-            if blocks not in lengths:
-                continue
-            entry_id = index.get((blocks, hash(ends[blocks - low - 1])))
-            if entry_id is None:
-                continue
-            n = blocks * BLOCK
-            if np.array_equal(entries[entry_id][:n], tokens[:n]):
+        blocks = tokens[low * BLOCK : top * BLOCK].view(_BLOCK_BYTES).tolist()  # bytes objects, one numpy call
+        entries = self._entries
+        for block in filter(index.__contains__, reversed(blocks)):  # longest first; the lookups run in C
+            entry_id = index[block]
+            entry = entries[entry_id]
+            n = entry.shape[0] // BLOCK * BLOCK  # the entry ends with ``block``: at this block of ``tokens``?
+            if low * BLOCK < n <= top * BLOCK and blocks[n // BLOCK - low - 1] == block and np.array_equal(entry[:n], tokens[:n]):
                 return entry_id, n
         return -1, 0
 

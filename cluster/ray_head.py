@@ -376,7 +376,8 @@ class CacheHeadActor:
         if reply.status == "ok" and reply.results is None:
             reply = Reply("resync", reply.epoch)
         elif reply.status == "ok" and isinstance(reply.results, list):  # an unexpected error, one per call
-            reply = Reply("ok", reply.epoch, wire.encode_results(reply.results, [None] * len(header)))
+            n = len(header)
+            reply = Reply("ok", reply.epoch, wire.encode_results([None] * n, [r.error for r in reply.results], [None] * n))
         return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
 
     # -- health (never behind the control thread) ---------------------------------------------------------

@@ -3,21 +3,24 @@
 A step travels as one small pickled header (one tuple per call: method code, scalars, offsets) plus
 one contiguous ``int32`` buffer holding every token and page array of the batch, instead of a pickle
 of many dataclasses with many small numpy arrays. Results come back the same way. What the head
-already holds is not sent: a request state (``cache_finished_req``/``cache_unfinished_req``) carries
-only the tokens past ``prefix_len``; the head takes the first ``prefix_len`` tokens from the path of
-the locked ``last_node`` (the tree resumes its walk there and never reads them otherwise), so a
-finished multi-turn request sends its new tokens, not its whole history; a match key that extends
-one this client sent before carries a reference to it plus its new tokens (``key_history``). A
-returned request state carries no key (it is the key the client sent). Calls and results without a
-compact form travel pickled inside the header, unchanged.
+already holds is not sent. A key that starts with one this client sent before (``key_history``: the
+match keys and request-state keys of its earlier steps) travels as a reference to it plus its new
+tokens, so a multi-turn prompt sends the user's new tokens (the previous turn's finish sent its
+output) and a finish sends its output tokens. A request state (``cache_finished_req``/
+``cache_unfinished_req``) without such a reference carries only the tokens past ``prefix_len``: the
+head takes the first ``prefix_len`` tokens from the path of the locked ``last_node`` (the tree resumes
+its walk there). A returned request state carries no key (it is the key the client sent). Calls and
+results without a compact form travel pickled inside the header, unchanged.
+
+The head runs the decoded calls through ``CacheHead.dispatch`` (no ``Call`` per call), catching what
+``CacheHead.step`` catches, so every answer is the one the head gives the same ``Call`` in process.
 
 Buffers: ``encode_*`` copy into a new buffer the caller owns and sends; decoded arrays are views of
 the received (unpickled, writable) buffer, which belongs to the decoding side alone, so result arrays
-are private to the caller. Decoding a request state needs the head's tree and runs on the head's
-control thread, call by call, in step order (a node created or split by an earlier call of the same
-step is seen).
+are private to the caller (the tree copies the pages it keeps; key-history entries are copies).
+Decoding a request state needs the head's tree and runs on the head's control thread, call by call,
+in step order (a node created or split by an earlier call of the same step is seen).
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -25,19 +28,22 @@ from typing import Any
 
 import numpy as np
 
-from hicache.cluster.client import ResultRef
-from hicache.cluster.head import CacheHead, Call, CallResult, Method
+from hicache.cluster.client import ResultRef, StepRun
+from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, Method
 from hicache.cluster.key_history import KeyHistory, SentKeys
 from hicache.cluster.tree import FinishResult, MatchPrefixParams, MatchResult, RadixKey, RadixTree, RequestState
 
 _METHODS: tuple[Method, ...] = tuple(Method)
 _CODE = {m: i for i, m in enumerate(_METHODS)}
 _I32 = np.dtype(np.int32)
+_STATE_METHODS = frozenset({Method.CACHE_FINISHED_REQ, Method.CACHE_UNFINISHED_REQ})
 
 # call kinds
-_GENERIC, _KEY, _PARAMS_KEY, _STATE, _INT, _REF = range(6)
+_GENERIC, _KEY, _STATE, _INT, _REF = range(5)
 # result kinds
 _R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE, _R_FINISH, _R_VALUE = range(6)
+# a key's prefix: ``ref_id >= 0``: that key-history entry; -1: none (the literal is the whole key);
+_FROM_PATH = -2  # (request states only) the path from the root to ``last_node``
 
 Header = list[tuple]
 
@@ -69,30 +75,39 @@ def _plain_int(v: Any) -> bool:
 
 # -- calls (client -> head) ---------------------------------------------------------------------------
 def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[Header, np.ndarray, list[np.ndarray]]:
-    """(header, buffer, match keys) of a batch. With ``sent`` (the client's key history) a match key
-    that starts with an earlier one refers to it; commit the returned keys to ``sent`` once the head
-    ran the step. Raises ``TypeError`` naming the first entry that is not a ``Call``."""
+    """(header, buffer, keys) of a batch. With ``sent`` (the client's key history) a key that starts
+    with an earlier one refers to it (a request state's key otherwise takes its first ``prefix_len``
+    tokens from the tree); ``keys``: what to commit to ``sent`` when the step is sent (every match key,
+    every request-state key sent as a reference), in call order. Raises ``TypeError`` naming the first
+    entry that is not a ``Call``."""
     packer = _Packer()
     header: Header = []
     keys: list[np.ndarray] = []
+    find = sent.find if sent is not None else None
     for i, call in enumerate(calls):
-        if not isinstance(call, Call):
+        if type(call) is not Call and not isinstance(call, Call):
             raise TypeError(f"step expects Call objects, got {type(call).__name__} at index {i}")
-        code, arg = _CODE[call.method], call.arg
-        if type(arg) is RadixKey or (type(arg) is MatchPrefixParams and type(arg.key) is RadixKey):
-            k = arg if type(arg) is RadixKey else arg.key
+        method, arg = call.method, call.arg
+        code, kind = _CODE[method], type(arg)
+        if method is Method.MATCH_PREFIX and (kind is RadixKey or (kind is MatchPrefixParams and type(arg.key) is RadixKey)):
+            k = arg if kind is RadixKey else arg.key
             tokens = k.token_ids
-            ref_id, ref_len = sent.find(tokens) if sent is not None else (-1, 0)
+            ref_id, ref_len = find(tokens) if find is not None else (-1, 0)
             keys.append(tokens)
-            header.append((_KEY if k is arg else _PARAMS_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]),
-                           k.extra_key, k.cache_salt))
-        elif type(arg) is RequestState and _compact_state(arg):
+            header.append((_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt))
+        elif kind is RequestState and method in _STATE_METHODS and _compact_state(arg):
             k = arg.key
-            header.append((_STATE, code, *packer.add(k.token_ids[arg.prefix_len :]), *packer.add(arg.device_pages),
-                           arg.prefix_len, arg.last_node, arg.priority, k.extra_key, k.cache_salt))
+            tokens = k.token_ids
+            ref_id, ref_len = find(tokens) if find is not None else (-1, 0)
+            if ref_id >= 0 and ref_len >= arg.prefix_len:
+                keys.append(tokens)
+            else:
+                ref_id, ref_len = _FROM_PATH, arg.prefix_len
+            header.append((_STATE, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt,
+                           *packer.add(arg.device_pages), arg.prefix_len, arg.last_node, arg.priority))
         elif _plain_int(arg):
             header.append((_INT, code, arg))
-        elif type(arg) is ResultRef:
+        elif kind is ResultRef:
             header.append((_REF, code, arg.index, arg.field, arg.scale, arg.offset))
         else:
             header.append((_GENERIC, code, arg))
@@ -119,13 +134,16 @@ def path_tokens(tree: RadixTree, node_id: int, prefix_len: int) -> np.ndarray:
     return np.concatenate(parts[::-1]) if parts else np.empty(0, _I32)
 
 
-def _key_tokens(header: Header, buf: np.ndarray, history: KeyHistory | None) -> dict[int, np.ndarray] | None:
-    """Token ids of every match key of a step (references resolved); None if one refers to an entry
+def _history_keys(header: Header, buf: np.ndarray, history: KeyHistory | None) -> dict[int, np.ndarray] | None:
+    """Token ids of every key of a step that does not come from the tree (references resolved), by call
+    index, in call order: what the step commits to the key history. None if one refers to an entry
     ``history`` does not hold (the client must resync)."""
     out = {}
     for i, entry in enumerate(header):
-        if entry[0] == _KEY or entry[0] == _PARAMS_KEY:
-            _, _, ref_id, ref_len, off, n = entry[:6]
+        if entry[0] == _KEY or entry[0] == _STATE:
+            ref_id, ref_len, off, n = entry[2:6]
+            if ref_id == _FROM_PATH:
+                continue
             literal = buf[off : off + n]
             if ref_id < 0:
                 out[i] = literal.copy()  # history entries must not pin the whole step buffer
@@ -137,76 +155,80 @@ def _key_tokens(header: Header, buf: np.ndarray, history: KeyHistory | None) -> 
     return out
 
 
-def decode_call(entry: tuple, buf: np.ndarray, tree: RadixTree, key_tokens: np.ndarray | None = None) -> Call:
-    """The ``Call`` of one header entry (``key_tokens``: a match key's resolved tokens); reads ``tree``
-    for a request state's prefix (run it just before the call). ``ValueError``/``TypeError`` when the
-    entry names nothing valid."""
-    kind, code = entry[0], entry[1]
-    method = _METHODS[code]
-    if kind == _GENERIC or kind == _INT:
-        return Call(method, entry[2])
+def _decode(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None,
+            run: StepRun) -> tuple[Method, Any]:
+    """(method, argument) of one header entry, as the head runs it: ``tokens`` is a key's resolved token
+    ids (None: a request state's prefix comes from ``tree``, read now), ``run`` the step's results so
+    far (a ``ResultRef``). ``ValueError``/``TypeError`` when the entry names nothing valid."""
+    kind, method = entry[0], _METHODS[entry[1]]
+    if kind == _INT or kind == _GENERIC:
+        return method, entry[2]
     if kind == _REF:
-        return Call(method, ResultRef(*entry[2:]))
-    if kind == _KEY or kind == _PARAMS_KEY:
-        key = RadixKey(key_tokens, entry[6], entry[7])
-        return Call(method, key if kind == _KEY else MatchPrefixParams(key))
+        return method, run.resolve(*entry[2:6])
+    if kind == _KEY:
+        return method, RadixKey(tokens, entry[6], entry[7])  # match_prefix takes the key as its params
     if kind == _STATE:
-        _, _, t_off, t_n, p_off, p_n, prefix_len, last_node, priority, extra_key, cache_salt = entry
-        prefix = path_tokens(tree, last_node, prefix_len)
-        key = RadixKey(np.concatenate([prefix, buf[t_off : t_off + t_n]]), extra_key, cache_salt)
-        return Call(method, RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority))
+        _, _, ref_id, ref_len, t_off, t_n, extra_key, cache_salt, p_off, p_n, prefix_len, last_node, priority = entry
+        if tokens is None:
+            tokens = np.concatenate([path_tokens(tree, last_node, ref_len), buf[t_off : t_off + t_n]])
+        key = RadixKey(tokens, extra_key, cache_salt)
+        return method, RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority)
     raise ValueError(f"unknown wire entry kind {kind!r}")
 
 
 def run_step(head: CacheHead, header: Header, buf: np.ndarray,
              history: KeyHistory | None = None) -> tuple[Header, np.ndarray] | None:
-    """The head side of a step: resolves the match keys against ``history`` and commits them there,
-    then decodes and runs the calls one by one, in order (a request state's prefix is read from the
-    tree as it is when its call runs; a ``ResultRef`` argument from the results so far), then encodes
-    the results. None, and nothing ran: a key refers to an entry ``history`` lacks (the client must
-    resync)."""
-    keys = _key_tokens(header, buf, history)
+    """The head side of a step: resolves the keys against ``history`` and commits them there, then
+    decodes and runs the calls one by one, in order (a request state's prefix is read from the tree as
+    it is when its call runs; a ``ResultRef`` argument from the results so far), then encodes the
+    results. None, and nothing ran: a key refers to an entry ``history`` lacks (the client must resync)."""
+    keys = _history_keys(header, buf, history)
     if keys is None:
         return None
     if history is not None:
         history.commit(list(keys.values()))
-    calls: list[Call | None] = []
-    results: list[CallResult] = []
+    args: list[Any] = []
+    run = StepRun()
+    tree = head.tree
     for i, entry in enumerate(header):
         try:
-            call = decode_call(entry, buf, head.tree, keys.get(i))
-            run = Call(call.method, call.arg.resolve(results)) if type(call.arg) is ResultRef else call
-        except (ValueError, TypeError) as e:  # what the head raises for the same call
-            calls.append(None)
-            results.append(CallResult(False, error=e))
+            method, arg = _decode(entry, buf, tree, keys.get(i), run)
+        except CALL_ERRORS as e:  # what the head's own step answers for the same call
+            args.append(None)
+            run.fail(e)
             continue
-        calls.append(call)  # as sent: a result is encoded against the client's own argument
-        results.extend(head.step([run]))
-    return encode_results(results, calls)
+        args.append(arg)
+        run.run(head, method, arg)
+    return encode_results(run.values, run.errors, args)
 
 
 # -- results (head -> client) -------------------------------------------------------------------------
-def encode_results(results: Sequence[CallResult], calls: Sequence[Call | None]) -> tuple[Header, np.ndarray]:
-    """(header, buffer) of a step's results; ``calls`` are the decoded calls they answer (``None``: the
-    call did not decode); a returned request state with the call's own key travels without it."""
+def encode_results(values: Sequence[Any], errors: Sequence[BaseException | None],
+                   args: Sequence[Any]) -> tuple[Header, np.ndarray]:
+    """(header, buffer) of a step's results (``StepRun``'s lists: the value of each call, or the error that
+    failed it); ``args`` are the arguments the calls ran with (``None``: the call did not decode); a
+    returned request state with the call's own key travels without it."""
     packer = _Packer()
     header: Header = []
-    for res, call in zip(results, calls):
-        v, arg = res.value, getattr(call, "arg", None)
-        if res.ok and type(v) is MatchResult and not v.components and _is_i32_vector(v.device_pages):
+    for v, error, arg in zip(values, errors, args):
+        if error is not None:
+            header.append((_R_GENERIC, CallResult(False, error=error)))
+            continue
+        vt = type(v)
+        if vt is MatchResult and not v.components and _is_i32_vector(v.device_pages):
             header.append((_R_MATCH, *packer.add(v.device_pages), v.device_hit_len, v.host_hit_len,
                            v.last_device_node, v.last_host_node, v.best_match_node, v.storage_hit_len))
-        elif res.ok and _is_i32_vector(v):
+        elif vt is np.ndarray and v.dtype == _I32 and v.ndim == 1:
             header.append((_R_PAGES, *packer.add(v)))
-        elif (res.ok and type(v) is RequestState and type(arg) is RequestState and v.key is arg.key
+        elif (vt is RequestState and type(arg) is RequestState and v.key is arg.key
               and not v.components and _is_i32_vector(v.device_pages)):
             header.append((_R_STATE, *packer.add(v.device_pages), v.prefix_len, v.last_node, v.priority))
-        elif res.ok and type(v) is FinishResult and _plain_int(v.new_prefix_len) and _plain_int(v.freed_pages):
+        elif vt is FinishResult and _plain_int(v.new_prefix_len) and _plain_int(v.freed_pages):
             header.append((_R_FINISH, v.new_prefix_len, v.freed_pages))
-        elif res.ok and (v is None or type(v) is int):
+        elif v is None or vt is int:
             header.append((_R_VALUE, v))
         else:
-            header.append((_R_GENERIC, res))
+            header.append((_R_GENERIC, CallResult(True, v)))
     return header, packer.buffer()
 
 

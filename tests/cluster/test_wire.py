@@ -197,7 +197,7 @@ def test_the_head_serves_a_session_only_at_the_clients_step_count():
 def test_a_match_result_with_a_storage_hit_travels_compact_and_exact():
     m = MatchResult(np.arange(3, dtype=np.int32), 48, 16, 7, 9, 9, storage_hit_len=64)
     call = Call(Method.MATCH_PREFIX, MatchPrefixParams(RadixKey(np.arange(200, dtype=np.int32))))
-    header, buf = wire.encode_results([CallResult(True, m)], [call])
+    header, buf = wire.encode_results([m], [None], [call.arg])
     assert header[0][0] == wire._R_MATCH  # the compact form, not a pickled dataclass
     (back,) = wire.decode_results(header, buf, [call])
     assert_same(back, CallResult(True, m))
