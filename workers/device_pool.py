@@ -131,7 +131,7 @@ class DevicePool:
         self.storage_dtype = storage_dtype(self.dtype, mesh.devices.flat[0].platform)
         self.head_shards = local_head_shards(self.sharding, self.shape)
         self.host_head_range = (self.head_shards[0].heads.start, self.head_shards[-1].heads.stop)
-        self._kv = jax.jit(lambda: jnp.zeros(self.shape, self.storage_dtype), out_shardings=self.sharding)()
+        self._kv = zeros_fn(self.shape, self.storage_dtype, self.sharding)()
         self.huge_page_bytes = 0  # bytes of this host's shards advised into huge pages
         if huge_pages and mesh.devices.flat[0].platform == "cpu":
             self._kv.block_until_ready()
@@ -245,6 +245,13 @@ def device_memory_bytes(device: jax.Device) -> int:
     import psutil
 
     return psutil.virtual_memory().total // max(1, jax.local_device_count())
+
+
+@functools.lru_cache(maxsize=64)
+def zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding):
+    """Jitted ``() -> zeros(shape, dtype)`` placed by ``sharding``; compiled once per key (a pool
+    or staging buffer of a known shape costs no trace/compile when built again)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=None)

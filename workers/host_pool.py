@@ -41,6 +41,7 @@ from __future__ import annotations
 import abc
 import enum
 import functools
+import math
 import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -227,10 +228,7 @@ class HostPool(abc.ABC):
         self.slot_shape: tuple[int, ...] = device_pool.host_row_shape
         self.dtype: np.dtype = np.dtype(device_pool.dtype)  # logical dtype of read/write_slots
         self.storage_dtype: np.dtype = np.dtype(device_pool.storage_dtype)  # dtype of device staging
-
-    @property
-    def slot_bytes(self) -> int:
-        return int(np.prod(self.slot_shape)) * self.dtype.itemsize
+        self.slot_bytes: int = math.prod(self.slot_shape) * self.dtype.itemsize  # read per transfer
 
     @property
     def capacity_bytes(self) -> int:

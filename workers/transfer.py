@@ -54,13 +54,12 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hicache.kernels.paged_copy import CopyImpl, gather_pages, scatter_pages, scatter_rows_xla, select_impl, validate_ids
-from hicache.workers.device_pool import DevicePool
+from hicache.workers.device_pool import DevicePool, zeros_fn
 from hicache.workers.host_pool import HostPool, PendingBackup
 from hicache.workers.plan import OpKind
 
@@ -209,7 +208,7 @@ class TransferEngine:
             return free.pop()
         pool = self.device_pool
         shape = (rows, *pool.spec.page_shape)
-        return _zeros_fn(shape, pool.storage_dtype, pool.sharding)()
+        return zeros_fn(shape, pool.storage_dtype, pool.sharding)()
 
     @staticmethod
     def _packed_ids(rows: int, *id_lists: np.ndarray) -> np.ndarray:
@@ -283,11 +282,6 @@ class TransferEngine:
         self.device_pool.adopt_kv(new_kv)
         return TransferHandle(OpKind.LOAD_H2D, n, n * self._slot_bytes, token.is_ready, token.block_until_ready,
                               _noop, release)
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def _with_token(new_kv: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
