@@ -85,7 +85,7 @@ class HiCacheController:
         self._backup_hits = config.backup_hits
         self.host = HostTier(tree, config.host_slots)
         self.counters = CacheCounters()
-        self._pending: dict[int, list[PendingTransfer]] = {}  # sent op_id -> transfers it carries
+        self._pending: dict[int, tuple[list[PendingTransfer], TransferOp]] = {}  # sent op id -> (transfers, op)
         self._loads: dict[int, PendingTransfer] = {}  # load id -> its queued or in-flight transfer
         self._finished_loads: dict[int, bool] = {}  # load id -> ok, until asked
         self._queued: list[PendingTransfer] = []  # built, not yet sent
@@ -415,9 +415,8 @@ class HiCacheController:
                 ops.append(self._merged_op(merged))
                 groups.append(merged)
         for op, group in zip(ops, groups):
-            for p in group:
-                p.seq = seq
-            self._pending[op.op_id] = group
+            PendingTransfer.sent(group, seq)
+            self._pending[op.op_id] = (group, op)
         self.workers.submit(TransferPlan(seq, tuple(ops)))
         return len(sending)
 
@@ -467,20 +466,24 @@ class HiCacheController:
     def _apply(self, acks: list[TransferAck]) -> int:
         done = 0
         for ack in acks:
-            group = self._pending.get(ack.op_id)
-            if group is None:
+            entry = self._pending.get(ack.op_id)
+            if entry is None:
                 continue  # an ack for a transfer already given up on
-            if ack.host not in group[0].acked_hosts:
-                self.counters.bytes_moved[group[0].kind.value] += ack.bytes_moved
+            group, op = entry
+            first = group[0]
+            if ack.host not in first.acked_hosts:
+                self.counters.bytes_moved[op.kind.value] += ack.bytes_moved
                 if self.on_transfer is not None:
-                    self.on_transfer(group[0].kind.value, ack.duration_s, ack.host)
-            for p in group:
-                p.record(ack)
-            if group[0].done:
+                    self.on_transfer(op.kind.value, ack.duration_s, ack.host)
+            first.record(ack)  # the group shares one ack record
+            if first.done:
                 del self._pending[ack.op_id]
-                for p in group:
-                    self._complete(p)
-                    done += 1
+                if op.kind is OpKind.BACKUP_D2H and not first.errors:
+                    self._commit_backups(group, op)
+                else:
+                    for p in group:
+                        self._complete(p)
+                done += len(group)
         if done and self._deferred:
             retry, self._deferred = list(self._deferred.values()), {}
             for node in retry:
@@ -488,6 +491,19 @@ class HiCacheController:
                     self._backup_chain(node)
             self.submit()
         return done
+
+    def _commit_backups(self, group: list[PendingTransfer], op: TransferOp) -> None:
+        """Every host acked the D->H op ``op`` that carried the backup chains of ``group``: their staged
+        slots (``op.host_slots``, in chain order; splits since keep the order) become L2 copies with one
+        allocator update, and each chain's path lock is released."""
+        chains = [p.nodes for p in group]
+        self.counters.backed_up_tokens += self.host.commit_chains(chains, op.host_slots)  # clears ``pending``
+        unlock = self.tree.full.unlock
+        for nodes in chains:
+            unlock(nodes[-1])
+        if self.storage is not None:
+            for nodes in chains:
+                self.storage.on_host_committed(nodes)
 
     def _complete(self, p: PendingTransfer) -> None:
         c = self.counters
@@ -512,12 +528,6 @@ class HiCacheController:
             # L1 pages): only the leaf can be a host eviction candidate.
             self.host.maybe_push(leaf)
             self._finish_load(p.op.op_id, True)
-            return
-        if ok and kind is OpKind.BACKUP_D2H:
-            c.backed_up_tokens += self.host.commit_many(nodes)  # clears ``pending`` too
-            full.unlock(nodes[-1])
-            if self.storage is not None:
-                self.storage.on_host_committed(nodes)
             return
         if not ok:
             c.transfer_failures += 1
@@ -563,11 +573,10 @@ class HiCacheController:
         """
         queued, self._queued = self._queued, []
         self._queued_backup_pages = self._queued_other = 0
-        failed = [p for group in self._pending.values() for p in group] + queued
+        failed = [p for group, _ in self._pending.values() for p in group] + queued
         self._pending.clear()
         for p in failed:
-            p.errors.append(reason)
-            p.acked_hosts = set(range(p.num_hosts))
+            p.fail(reason)
             self._complete(p)
         self._deferred.clear()
         dropped = 0
@@ -580,7 +589,7 @@ class HiCacheController:
 
     @property
     def in_flight(self) -> int:
-        return sum(len(g) for g in self._pending.values()) + len(self._queued)
+        return sum(len(g) for g, _ in self._pending.values()) + len(self._queued)
 
     def check_invariants(self) -> None:
         self.host.check_invariants()

@@ -63,16 +63,25 @@ class HostTier:
     def commit_many(self, nodes: list[TreeNode]) -> int:
         """``commit`` for the nodes of one acked backup chain (root to leaf, contiguous): one allocator
         update for all their slots; clears the nodes' ``pending``. Returns the tokens committed."""
-        if len(nodes) == 1:
-            slots = nodes[0].staged_slots
-            assert slots is not None and nodes[0].host_slots is None
-        else:
-            assert all(n.staged_slots is not None and n.host_slots is None for n in nodes)
-            slots = np.concatenate([n.staged_slots for n in nodes])
+        slots = nodes[0].staged_slots if len(nodes) == 1 else np.concatenate([n.staged_slots for n in nodes])
         self.slots.transfer(slots, PageOwner.TREE)
+        return self._committed(nodes)
+
+    def commit_chains(self, chains: list[list[TreeNode]], slots: np.ndarray) -> int:
+        """``commit_many`` for the chains of one acked merged backup op; ``slots`` are their staged slots
+        in chain order (the op's host ids), committed with ONE allocator update. Returns tokens committed."""
+        self.slots.transfer(slots, PageOwner.TREE)
+        tokens = 0
+        for nodes in chains:
+            tokens += self._committed(nodes)
+        return tokens
+
+    def _committed(self, nodes: list[TreeNode]) -> int:
+        """The nodes' staged slots (already TREE-owned) become their L2 copies."""
         listener = self.tree.listener
         tokens = 0
         for n in nodes:
+            assert n.staged_slots is not None and n.host_slots is None, f"{n}: nothing staged to commit"
             n.host_slots, n.staged_slots, n.pending = n.staged_slots, None, None
             tokens += n.num_tokens
             if listener is not None:

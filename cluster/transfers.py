@@ -19,6 +19,8 @@ from hicache.storage import Namespace
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.storage_exec import StorageAttachment, StorageExecutor
 
+_NOT_SENT: frozenset[int] = frozenset()  # no host acks a transfer that was not sent
+
 
 class WorkerGroup(Protocol):
     @property
@@ -117,7 +119,8 @@ class PendingTransfer:
     """One op in flight and the nodes whose state waits on it (in root-to-leaf order).
 
     ``op`` is the op as queued; queued copies of one kind may travel merged into one sent op, acked once
-    for all of them. A plain slotted class: the head makes one per queued transfer, on the hot path."""
+    for all of them: ``sent`` gives the transfers of one sent op ONE shared ack record (``acked_hosts``,
+    ``errors``). A plain slotted class: the head makes one per queued transfer, on the hot path."""
 
     __slots__ = ("op", "seq", "nodes", "num_hosts", "acked_hosts", "errors")
 
@@ -126,8 +129,21 @@ class PendingTransfer:
         self.seq = seq
         self.nodes = nodes
         self.num_hosts = num_hosts
-        self.acked_hosts: set[int] = set()
+        self.acked_hosts: set[int] = _NOT_SENT  # replaced by ``sent``
         self.errors: list[str] = []
+
+    @staticmethod
+    def sent(group: list[PendingTransfer], seq: int) -> None:
+        """The transfers of ``group`` left as one op in plan ``seq``: one ack record for all of them."""
+        acked: set[int] = set()
+        errors: list[str] = []
+        for p in group:
+            p.seq, p.acked_hosts, p.errors = seq, acked, errors
+
+    def fail(self, reason: str) -> None:
+        """Gives up on the transfer (sent or not): it completes as failed on every host."""
+        self.errors = self.errors + [reason]  # its own list: a shared record may belong to other transfers
+        self.acked_hosts = set(range(self.num_hosts))
 
     @property
     def kind(self) -> OpKind:
@@ -146,6 +162,7 @@ class PendingTransfer:
         self.nodes.insert(self.nodes.index(suffix), prefix)
 
     def record(self, ack: TransferAck) -> None:
+        """Records one host's ack (once per host; for every transfer sharing this record)."""
         if ack.host in self.acked_hosts:
             return  # a duplicate ack changes nothing
         self.acked_hosts.add(ack.host)
