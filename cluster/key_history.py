@@ -114,7 +114,8 @@ class SentKeys(KeyHistory):
             entry_id = index[block]
             entry = entries[entry_id]
             n = entry.shape[0] // BLOCK * BLOCK  # the entry ends with ``block``: at this block of ``tokens``?
-            if low * BLOCK < n <= top * BLOCK and blocks[n // BLOCK - low - 1] == block and np.array_equal(entry[:n], tokens[:n]):
+            if (low * BLOCK < n <= top * BLOCK and blocks[n // BLOCK - low - 1] == block
+                    and entry[:n].tobytes() == tokens[:n].tobytes()):  # two copies + memcmp: faster than array_equal
                 return entry_id, n
         return -1, 0
 
