@@ -52,6 +52,12 @@ def as_page_array(pages: np.ndarray | list[int] | tuple[int, ...], what: str = "
     return np.ascontiguousarray(arr, dtype=PAGE_DTYPE)
 
 
+def _owner_error(what: str, page: int, owner: int, expected: PageOwner) -> ValueError:
+    state = PageOwner(owner).name
+    hint = " (double free?)" if state == "FREE" else ""
+    return ValueError(f"{what}: page {page} is {state}, expected {expected.name}{hint}")
+
+
 class PageAllocator:
     def __init__(self, capacity: int | None, initial: int = 1024) -> None:
         if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
@@ -126,17 +132,7 @@ class PageAllocator:
         if n == 0:
             return None
         idx = as_index(pages) if index is None else index
-        try:
-            owners = self._owner[idx]
-        except IndexError:
-            bad = int(pages.min()) if int(pages.min()) < 0 else int(pages.max())
-            raise ValueError(f"{what}: page id {bad} out of range [0, {self.capacity})") from None
-        want = int(expected)
-        if owners.tobytes() != _OWNER_BYTE[want] * n:  # bytes compare: one memcmp, no ufunc + reduce
-            i = int(np.flatnonzero(owners != want)[0])
-            state = PageOwner(int(owners[i])).name
-            hint = " (double free?)" if state == "FREE" else ""
-            raise ValueError(f"{what}: page {int(pages[i])} is {state}, expected {expected.name}{hint}")
+        self.check_owner(pages, idx, expected, what)
         if n > 1:
             # Scatter each page's position, gather back: a duplicate page reads another position.
             positions = self._positions[:n]
@@ -147,6 +143,49 @@ class PageAllocator:
                 i = int(np.flatnonzero(back != positions)[0])
                 raise ValueError(f"{what}: page {int(pages[i])} appears more than once")
         return idx
+
+    def check_owner(self, pages: np.ndarray, idx: np.ndarray, expected: PageOwner, what: str = "pages") -> None:
+        """Raises ValueError unless every page is in range and owned by ``expected`` (``idx``: the pages as
+        ``intp``, from ``as_index``, so negative ids fail the bound)."""
+        try:
+            owners = self._owner[idx]
+        except IndexError:
+            bad = int(pages.min()) if int(pages.min()) < 0 else int(pages.max())
+            raise ValueError(f"{what}: page id {bad} out of range [0, {self.capacity})") from None
+        want = int(expected)
+        if owners.tobytes() != _OWNER_BYTE[want] * owners.shape[0]:  # one memcmp, no ufunc + reduce
+            i = int(np.flatnonzero(owners != want)[0])
+            raise _owner_error(what, int(pages[i]), int(owners[i]), expected)
+
+    # -- one id at a time (Mamba state slots): Python ints, no array per call ----------------------------
+    def alloc_one(self) -> int:
+        """``alloc(1)[0]`` without the arrays."""
+        if self._num_free == 0:
+            if self.bounded:
+                raise CacheCapacityError(f"need 1 page, 0 free of {self.capacity}")
+            self._grow(1)
+        self._num_free -= 1
+        page = self._free.item(self._num_free)
+        self._owner[page] = _REQUEST
+        return page
+
+    def check_one(self, page: int, expected: PageOwner, what: str = "page") -> None:
+        """``check`` of one id (a Python int)."""
+        if not 0 <= page < self._owner.shape[0]:
+            raise ValueError(f"{what}: page id {page} out of range [0, {self.capacity})")
+        owner = self._owner.item(page)
+        if owner != expected:
+            raise _owner_error(what, page, owner, expected)
+
+    def transfer_one(self, page: int, new_owner: PageOwner) -> None:
+        """``transfer`` of one already-checked id."""
+        self._owner[page] = int(new_owner)
+
+    def release_one(self, page: int) -> None:
+        """``release`` of one already-checked id."""
+        self._owner[page] = _FREE
+        self._free[self._num_free] = page
+        self._num_free += 1
 
     def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
         """Changes ownership of already-checked pages between REQUEST and TREE (``index``: the same ids

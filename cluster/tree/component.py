@@ -6,7 +6,9 @@ KV and Mamba state. The tree calls the hooks below at the points where node valu
 structure. Hooks run on the head, once per replica, never on the workers.
 
 Full-only trees never call the optional hooks below ``on_revive``: the tree loops over
-``extra_components`` only, so a tree without SWA/Mamba pays nothing for them.
+``extra_components`` only, so a tree without SWA/Mamba pays nothing for them. Among the extra components
+the tree calls an optional hook only on those that override it (``ComponentHooks``): a hook a component
+does not define costs it nothing per request.
 
 HiCache hooks (L1 <-> L2 per component; the controller owns the host pools and the transfers):
 
@@ -27,10 +29,10 @@ HiCache hooks (L1 <-> L2 per component; the controller owns the host pools and t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -41,7 +43,14 @@ if TYPE_CHECKING:
     from hicache.cluster.tree.params import InsertParams, MatchResult, RequestState
     from hicache.cluster.tree.radix import RadixTree
 
-__all__ = ["NO_VALUES", "ComponentTransfer", "HiCachePhase", "HostEvictionTracker", "TreeComponent", "node_value"]
+__all__ = [
+    "NO_VALUES",
+    "ComponentHooks",
+    "ComponentTransfer",
+    "HiCachePhase",
+    "HostEvictionTracker",
+    "TreeComponent",
+]
 
 
 class HiCachePhase(str, Enum):
@@ -75,20 +84,6 @@ class HostEvictionTracker(Protocol):
     def pinned(self, node_id: int) -> bool: ...
 
 
-V = TypeVar("V")
-
-
-def node_value(node: TreeNode, name: str, factory: Callable[[], V]) -> V:
-    """The per-node value a component keeps under ``name`` in ``node.component_data``, made on first use."""
-    data = node.component_data
-    if data is None:
-        data = node.component_data = {}
-    value = data.get(name)
-    if value is None:
-        value = data[name] = factory()
-    return value
-
-
 class TreeComponent(ABC):
     """Per-node state that follows the radix structure.
 
@@ -98,6 +93,9 @@ class TreeComponent(ABC):
     """
 
     name: str = ""
+    # Class of the component's per-node value: the tree puts a fresh one in ``node.component_data[name]``
+    # of every node it creates (roots included), so hooks read it without a presence test.
+    value_type: type | None = None
 
     def attach(self, tree: RadixTree) -> None:
         self.tree = tree
@@ -122,12 +120,17 @@ class TreeComponent(ABC):
         """An L1-evicted node got fresh L1 values from an insert (recompute after eviction)."""
 
     # -- optional hooks of extra components (never called for the Full component) ----------------
-    def insert_boundaries(self, params: InsertParams, page_start: int, page_end: int) -> Sequence[int]:
-        """Page indices strictly inside (page_start, page_end) where a new leaf must be cut in nodes."""
+    def insert_boundaries(
+        self, params: InsertParams, page_start: int, page_end: int, index: np.ndarray
+    ) -> Sequence[int]:
+        """Page indices strictly inside (page_start, page_end) where a new leaf must be cut in nodes
+        (``index``: ``params.device_pages[page_start:page_end]`` as ``intp``, for fancy indexing)."""
         return ()
 
-    def on_insert_existing(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        """An insert passed through ``node`` (already in L1), which covers pages [page_start, page_end)."""
+    def on_insert_existing(self, params: InsertParams, nodes: Sequence[tuple[TreeNode, int, int]]) -> None:
+        """An insert passed through ``nodes`` (already in L1), each ``(node, page_start, page_end)``: the
+        pages of ``params`` it covers. Once per insert, for the nodes below the request's locked node only
+        (its path holds the tree's own pages)."""
 
     def on_device_drop(self, node: TreeNode) -> None:
         """The node's L1 KV was evicted; the node stays in the tree (it has a host copy)."""
@@ -205,3 +208,27 @@ class TreeComponent(ABC):
 
     def reset(self) -> None:
         """Drop every value; the tree is being emptied."""
+
+
+class ComponentHooks:
+    """Per hook, the bound methods of the components that define it, in component order.
+
+    Built once per tree. Optional hooks (``TreeComponent`` defaults: no-ops, or "all" for the limits)
+    list only the components that override them, so the tree's per-request loops skip the rest; the
+    structure hooks every component must define (``on_create``, ``on_split``, ``on_remove``) list all.
+    """
+
+    OPTIONAL = (
+        "validate_insert", "on_revive", "insert_boundaries", "on_insert_existing", "on_device_drop",
+        "after_device_evict", "on_lock", "on_unlock", "limit_match", "limit_host_match", "match_value",
+        "validate_request", "begin_request", "trim_request", "on_request_cached",
+    )
+    REQUIRED = ("on_create", "on_split", "on_remove")
+    __slots__ = OPTIONAL + REQUIRED
+
+    def __init__(self, components: Sequence[TreeComponent]) -> None:
+        for hook in self.OPTIONAL:
+            default = getattr(TreeComponent, hook)
+            setattr(self, hook, tuple(getattr(c, hook) for c in components if getattr(type(c), hook) is not default))
+        for hook in self.REQUIRED:
+            setattr(self, hook, tuple(getattr(c, hook) for c in components))

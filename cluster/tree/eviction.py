@@ -1,4 +1,4 @@
-"""Eviction policies and the lazy priority queue of eviction candidates.
+"""Eviction policies and the lazy priority queues of eviction candidates (Full, extra components).
 
 A candidate is a node that may leave a tier now (for L1: unlocked, device-resident, no device-resident
 children). Instead of re-heapifying all leaves on every eviction (O(n) per call), the tree pushes a node
@@ -13,8 +13,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from hicache.cluster.tree.node import TreeNode
+
+if TYPE_CHECKING:
+    from hicache.cluster.tree.radix import RadixTree
 
 
 class EvictionPolicy(str, Enum):
@@ -91,6 +95,90 @@ class EvictionQueue:
         heapq.heapify(self._heap)
 
     def clear(self) -> None:
+        self._heap = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class QueuedValue:
+    """Bookkeeping a ``ComponentQueue`` keeps in each node's component value (component values subclass it)."""
+
+    __slots__ = ("version", "queued")
+
+    def __init__(self) -> None:
+        self.version = 0  # entries with another version are stale
+        self.queued = False  # the heap holds this node's current entry
+
+
+class ComponentQueue:
+    """Lazy LRU heap of one extra component's eviction candidates, at most one current entry per node.
+
+    Same scheme as the Full queue: entries ``(last_access, node id, version)``; an entry whose node was
+    touched since is requeued with its access time when it surfaces, so the order stays exact. A node's
+    value (``node.component_data[name]``, a ``QueuedValue``) records whether its current entry is in the
+    heap: pushing a node that has one costs nothing (a request's lock/unlock cycle does no heap work). A
+    popped entry whose node is no longer a candidate is dropped (the next push adds it again). Entries
+    hold node ids (resolved through the tree), so stale entries never keep removed nodes alive; the heap
+    is rebuilt from the tree when they dominate.
+    """
+
+    def __init__(self, name: str, is_candidate: Callable[[TreeNode], bool]) -> None:
+        self.name = name  # the component whose node values carry the bookkeeping
+        self._is_candidate = is_candidate
+        self._heap: list[tuple[int, int, int]] = []
+        self.tree: RadixTree | None = None  # set by the component's attach
+        self._limit = 64
+
+    def push(self, node: TreeNode) -> None:
+        st = node.component_data[self.name]
+        if st.queued:
+            return
+        st.queued = True
+        st.version += 1
+        heapq.heappush(self._heap, (node.last_access, node.id, st.version))
+        if len(self._heap) > self._limit:
+            self.rebuild(self.tree)  # stale entries dominate: O(nodes), amortised over the pushes
+
+    def pop(self) -> TreeNode | None:
+        heap, name = self._heap, self.name
+        nodes = self.tree._nodes
+        while heap:
+            key, node_id, version = heapq.heappop(heap)
+            node = nodes.get(node_id)
+            if node is None:
+                continue
+            st = node.component_data[name]
+            if version != st.version:
+                continue
+            if not self._is_candidate(node):
+                st.queued = False
+                continue
+            if node.last_access != key:
+                heapq.heappush(heap, (node.last_access, node_id, version))
+                continue
+            st.queued = False
+            return node
+        return None
+
+    def maybe_compact(self, tree: RadixTree) -> None:
+        if len(self._heap) > 4 * tree.num_nodes + 4096:
+            self.rebuild(tree)
+
+    def rebuild(self, tree: RadixTree) -> None:
+        heap, name = [], self.name
+        for node in tree.iter_nodes():
+            st = node.component_data[name]
+            st.queued = self._is_candidate(node)
+            if st.queued:
+                st.version += 1
+                heap.append((node.last_access, node.id, st.version))
+        heapq.heapify(heap)
+        self._heap = heap
+        self._limit = 2 * len(heap) + 4 * tree.num_nodes + 64  # stale entries pin removed nodes: keep few
+
+    def clear(self) -> None:
+        """Drops every entry; only for a tree being emptied (its nodes and their values go too)."""
         self._heap = []
 
     def __len__(self) -> int:

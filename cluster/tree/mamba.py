@@ -36,10 +36,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner
-from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent, node_value
+from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
+from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams, MatchResult, RequestState
-from hicache.cluster.tree.swa import ComponentQueue, check_positive_int
+from hicache.cluster.tree.swa import check_positive_int
 
 if TYPE_CHECKING:
     from hicache.cluster.tree.radix import RadixTree
@@ -70,13 +71,13 @@ class MambaStats:
     evicted_states: int
 
 
-class _MambaNode:
-    __slots__ = ("slot", "lock", "version", "host_slot")
+class _MambaNode(QueuedValue):
+    __slots__ = ("slot", "lock", "host_slot")
 
     def __init__(self) -> None:
+        super().__init__()
         self.slot = -1  # device state slot (TREE) or -1
         self.lock = 0  # requests that copy from this node's state
-        self.version = 0
         self.host_slot = -1  # host copy of the state or -1
 
 
@@ -93,6 +94,7 @@ def _as_slot(value: Any, what: str) -> int:
 class MambaComponent(TreeComponent):
     name = "mamba"
     evict_param = "mamba_num"
+    value_type = _MambaNode
 
     def __init__(
         self,
@@ -116,7 +118,7 @@ class MambaComponent(TreeComponent):
         self.dtype = str(np.dtype(dtype))
         self.bytes_per_slot = int(sum(np.prod(s) for s in state_shapes)) * itemsize
         self.allocator = PageAllocator(None if num_slots is None else int(num_slots))
-        self.queue = ComponentQueue(self._state, self.is_evictable)
+        self.queue = ComponentQueue(self.name, self.is_evictable)
         self.evicted_states = 0
         self.released_host_copies: list[tuple[str, int, np.ndarray]] = []
 
@@ -128,20 +130,19 @@ class MambaComponent(TreeComponent):
     # -- node values ---------------------------------------------------------------------------------
     @staticmethod
     def _state(node: TreeNode) -> _MambaNode:
-        return node_value(node, "mamba", _MambaNode)
+        return node.component_data["mamba"]
 
-    def state_slot(self, node: TreeNode) -> int:
+    @staticmethod
+    def state_slot(node: TreeNode) -> int:
         """The node's cached device state slot, or -1."""
-        data = node.component_data
-        st = data.get("mamba") if data else None
-        return -1 if st is None else st.slot
+        return node.component_data["mamba"].slot
 
     def is_evictable(self, node: TreeNode) -> bool:
-        st = self._state(node)
+        st = node.component_data["mamba"]
         return node.parent is not None and st.slot >= 0 and st.lock == 0
 
     def _free_state(self, node: TreeNode, st: _MambaNode) -> None:
-        self.allocator.release(np.array([st.slot], dtype=np.int32))
+        self.allocator.release_one(st.slot)
         st.slot = -1
 
     def _alloc_slot(self, required: bool = True) -> int:
@@ -153,34 +154,29 @@ class MambaComponent(TreeComponent):
                 if not required:
                     return -1
                 raise CacheCapacityError(f"Mamba pool: all {alloc.capacity} state slots are in use or locked")
-        return int(alloc.alloc(1)[0])
+        return alloc.alloc_one()
 
     def free_slot(self, slot: int) -> None:
         """Returns a request slot the tree did not take (e.g. after a bare ``insert``)."""
-        arr = np.array([_as_slot(slot, "slot")], dtype=np.int32)
-        self.allocator.free(arr, PageOwner.REQUEST)
+        slot = _as_slot(slot, "slot")
+        self.allocator.check_one(slot, PageOwner.REQUEST, "slot")
+        self.allocator.release_one(slot)
 
     # -- structure hooks -------------------------------------------------------------------------------
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        self._state(node)
-
-    def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        self._state(node)
+        """A new node has no state (the tree made its empty value)."""
 
     def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
-        self._state(suffix)
-        self._state(prefix)  # no state, no lock: the state at the split point was never materialised
+        """The prefix (a new node) has no state and no lock: the state at the split point was never
+        materialised."""
 
     def on_device_drop(self, node: TreeNode) -> None:
-        st = self._state(node)
+        st = node.component_data["mamba"]
         if st.slot >= 0:
             self._free_state(node, st)
 
     def on_remove(self, node: TreeNode) -> None:
-        data = node.component_data
-        st = data.get("mamba") if data else None
-        if st is None:
-            return
+        st = node.component_data["mamba"]
         if st.slot >= 0:
             self._free_state(node, st)
         if st.host_slot >= 0:
@@ -193,10 +189,10 @@ class MambaComponent(TreeComponent):
 
     # -- locks -----------------------------------------------------------------------------------------
     def on_lock(self, node: TreeNode) -> None:
-        self._state(node).lock += 1
+        node.component_data["mamba"].lock += 1
 
     def on_unlock(self, node: TreeNode) -> None:
-        st = self._state(node)
+        st = node.component_data["mamba"]
         st.lock -= 1
         if st.lock == 0 and st.slot >= 0:
             self.queue.push(node)
@@ -204,23 +200,18 @@ class MambaComponent(TreeComponent):
     # -- match -----------------------------------------------------------------------------------------
     def limit_match(self, path: list[TreeNode]) -> int:
         for i in range(len(path) - 1, -1, -1):
-            data = path[i].component_data
-            st = data.get("mamba") if data else None
-            if st is not None and st.slot >= 0:
+            if path[i].component_data["mamba"].slot >= 0:
                 return i + 1
         return 0
 
     def limit_host_match(self, device_path: list[TreeNode], host_path: list[TreeNode]) -> int:
         for j in range(len(host_path) - 1, -1, -1):
-            data = host_path[j].component_data
-            st = data.get("mamba") if data else None
-            if st is not None and st.host_slot >= 0:
+            if host_path[j].component_data["mamba"].host_slot >= 0:
                 return j + 1
         return 0
 
     def match_value(self, device_path: list[TreeNode], branch_len: int) -> MambaMatch:
-        slot = self.state_slot(device_path[-1]) if device_path else -1
-        return MambaMatch(slot, branch_len)
+        return MambaMatch(device_path[-1].component_data["mamba"].slot if device_path else -1, branch_len)
 
     # -- requests --------------------------------------------------------------------------------------
     def begin_request(self, match: MatchResult) -> MambaRequest:
@@ -230,7 +221,7 @@ class MambaComponent(TreeComponent):
         src = mm.state_slot
         if src >= 0:
             node = self.tree.node(match.last_device_node)
-            st = self._state(node)
+            st = node.component_data["mamba"]
             if st.slot != src:
                 raise ValueError(f"node {node.id} no longer holds state slot {src}: match again")
             if st.lock <= 0:
@@ -244,13 +235,12 @@ class MambaComponent(TreeComponent):
             raise ValueError("RequestState.components lacks 'mamba': pass tree.begin_request(match)")
         if not isinstance(value, MambaRequest):
             raise TypeError(f"RequestState.components['mamba'] must be a MambaRequest, got {type(value).__name__}")
-        slot = _as_slot(value.slot, "MambaRequest.slot")
-        self.allocator.check(np.array([slot], dtype=np.int32), PageOwner.REQUEST, "request state slot")
+        self.allocator.check_one(_as_slot(value.slot, "MambaRequest.slot"), PageOwner.REQUEST, "request state slot")
 
     def on_request_cached(self, state: RequestState, end: TreeNode, finished: bool) -> MambaRequest | None:
         value: MambaRequest = state.components[self.name]
         slot = int(value.slot)
-        st = self._state(end) if end.parent is not None else None
+        st = end.component_data["mamba"] if end.parent is not None else None
         adoptable = (
             st is not None
             and st.slot < 0
@@ -261,7 +251,7 @@ class MambaComponent(TreeComponent):
             if adoptable:
                 self._adopt(end, st, slot)
             else:
-                self.allocator.release(np.array([slot], dtype=np.int32))
+                self.allocator.release_one(slot)
             return None
         if adoptable:
             fresh = self._alloc_slot(required=False)
@@ -271,7 +261,7 @@ class MambaComponent(TreeComponent):
         return MambaRequest(slot, (), value.branching_seqlen)
 
     def _adopt(self, node: TreeNode, st: _MambaNode, slot: int) -> None:
-        self.allocator.transfer(np.array([slot], dtype=np.int32), PageOwner.TREE)
+        self.allocator.transfer_one(slot, PageOwner.TREE)
         st.slot = slot
         if st.lock == 0:
             self.queue.push(node)

@@ -6,8 +6,8 @@ first page, and a walk compares a node's key bytes against the request's token b
 (``bytes.startswith`` at an offset: no copy, no numpy call per node). Every public method validates its input completely before it mutates anything, so a
 ValueError/TypeError leaves the tree exactly as it was.
 
-Extra components (SWA, Mamba; see ``component.py``) are called through ``self.extra_components`` loops
-only, so a Full-only tree runs the same code as before they existed. Per-request component values
+Extra components (SWA, Mamba; see ``component.py``) are called through ``self.hooks`` (per hook, only the
+components that define it), so a Full-only tree runs the same code as before they existed. Per-request component values
 travel in ``MatchResult.components`` / ``RequestState.components`` (``begin_request`` creates them).
 """
 
@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hicache.cluster.tree.allocator import CacheCapacityError, PageOwner, as_page_array
-from hicache.cluster.tree.component import NO_VALUES, TreeComponent
+from hicache.cluster.tree.allocator import CacheCapacityError, PageOwner, as_index, as_page_array
+from hicache.cluster.tree.component import NO_VALUES, ComponentHooks, TreeComponent
 from hicache.cluster.tree.eviction import EvictionPolicy, parse_policy
 from hicache.cluster.tree.full import FullComponent
 from hicache.cluster.tree.key import Namespace, RadixKey
@@ -77,6 +77,8 @@ class RadixTree:
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate component names {names}")
         self.component_names = tuple(names)
+        self.hooks = ComponentHooks(self.extra_components)
+        self._value_types = tuple((c.name, c.value_type) for c in self.extra_components if c.value_type is not None)
         # Set by the HiCache controller: called with a batch of L1 victims before their pages are freed
         # (write_back backs them up there), and told about tier changes (events, metrics).
         self.before_device_evict: Callable[[list[TreeNode]], None] | None = None
@@ -99,6 +101,8 @@ class RadixTree:
     # -- nodes -------------------------------------------------------------------------------------
     def _new_node(self, parent: TreeNode | None, key: np.ndarray | bytes, priority: int = 0) -> TreeNode:
         node = TreeNode(self._next_id, parent, key, None, self._tick, priority)
+        if self._value_types:
+            node.component_data = {name: value_type() for name, value_type in self._value_types}
         self._next_id += 1
         self._nodes[node.id] = node
         return node
@@ -175,8 +179,8 @@ class RadixTree:
             prefix.pending = node.pending
             node.pending.on_split(prefix, node)
         self.full.on_split(prefix, node)
-        for comp in self.extra_components:
-            comp.on_split(prefix, node)
+        for on_split in self.hooks.on_split:
+            on_split(prefix, node)
         node.set_key(kb[4 * split_len :])
         node.parent = prefix
         prefix.children[node.key_bytes[: self._ck]] = node
@@ -185,8 +189,8 @@ class RadixTree:
 
     def _remove_leaf(self, node: TreeNode) -> None:
         """Drops a childless node from the structure (its L1 pages must already be released)."""
-        for comp in self.extra_components:
-            comp.on_remove(node)
+        for on_remove in self.hooks.on_remove:
+            on_remove(node)
         self.full.on_remove(node)
         parent = node.parent
         assert parent is not None and not node.children
@@ -288,9 +292,10 @@ class RadixTree:
         self, device_path: list[TreeNode], path: list[TreeNode]
     ) -> tuple[list[TreeNode], list[TreeNode], Any]:
         """Lets every extra component shorten the L1 and L2 parts of a match and add its own result."""
-        branch_len = sum(n.num_tokens for n in device_path)
-        for comp in self.extra_components:
-            allowed = comp.limit_match(device_path)
+        hooks = self.hooks
+        branch_len = sum(n.num_tokens for n in device_path) if hooks.match_value else 0
+        for limit_match in hooks.limit_match:
+            allowed = limit_match(device_path)
             if allowed < len(device_path):
                 device_path = device_path[:allowed]
                 path = device_path  # a component that cannot serve L1 cannot serve L2 beyond it either
@@ -299,16 +304,21 @@ class RadixTree:
             if node.host_slots is None or node.loading:
                 break
             host_path.append(node)
-        for comp in self.extra_components:
-            allowed = comp.limit_host_match(device_path, host_path)
-            if allowed < len(host_path):
-                host_path = host_path[:allowed]
-        path = device_path + host_path
+        if host_path:
+            for limit_host_match in hooks.limit_host_match:
+                allowed = limit_host_match(device_path, host_path)
+                if allowed < len(host_path):
+                    host_path = host_path[:allowed]
+            path = device_path + host_path
+        else:
+            path = device_path
+        if not hooks.match_value:
+            return device_path, path, NO_VALUES
         values = {}
-        for comp in self.extra_components:
-            value = comp.match_value(device_path, branch_len)
+        for match_value in hooks.match_value:
+            value = match_value(device_path, branch_len)
             if value is not None:
-                values[comp.name] = value
+                values[match_value.__self__.name] = value
         return device_path, path, values
 
     # -- insert ------------------------------------------------------------------------------------
@@ -366,11 +376,15 @@ class RadixTree:
             full.check_new_pages(pages, new_ranges)
             checked = None
         params = InsertParams(key, pages, priority) if extra else None
-        for comp in extra:
-            comp.validate_insert(params, new_ranges)
+        hooks = self.hooks
+        for validate_insert in hooks.validate_insert:
+            validate_insert(params, new_ranges)
         # -- mutation starts here; nothing below raises on valid state --
         if partial:
             path[-1] = self._split(path[-1], partial)
+        # Nodes below ``start`` already in L1 (``start``'s path holds the request's own prefix pages: the
+        # tree's pages, nothing for a component to take over there).
+        existing = self._existing_below(path[len(ancestors) :], start_pos) if hooks.on_insert_existing else None
         self._tick += 1
         tick = self._tick
         listener = self.listener
@@ -383,24 +397,26 @@ class RadixTree:
                 if node.host_slots is None:  # a storage-only node gets computed KV
                     self.storage_only.tokens -= n
                 full.take_pages(node, pages, pos // ps, (pos + n) // ps, checked, base)
-                for comp in extra:
-                    comp.on_revive(node, params, pos // ps, (pos + n) // ps)
+                for on_revive in hooks.on_revive:
+                    on_revive(node, params, pos // ps, (pos + n) // ps)
                 if listener is not None:
                     listener.on_stored(node, "device")
-            elif extra:
-                for comp in extra:
-                    comp.on_insert_existing(node, params, pos // ps, (pos + n) // ps)
             pos += n
+        if existing:
+            for on_insert_existing in hooks.on_insert_existing:
+                on_insert_existing(params, existing)
         parent = path[-1] if path else start
         ck = self._ck
-        if pos < end and extra:
-            cuts = sorted({c for comp in extra for c in comp.insert_boundaries(params, pos // ps, end // ps)})
+        if pos < end and hooks.insert_boundaries:
+            first, stop = pos // ps, end // ps
+            index = checked[first - base : stop - base] if checked is not None else as_index(pages[first:stop])
+            cuts = sorted({c for f in hooks.insert_boundaries for c in f(params, first, stop, index)})
             for cut in cuts:  # components need the new run in several nodes (SWA: tombstone | live)
                 node = self._new_node(parent, tb[4 * pos : 4 * cut * ps], priority)
                 parent.children[node.key_bytes[:ck]] = node
                 full.take_pages(node, pages, pos // ps, cut, checked, base)
-                for comp in extra:
-                    comp.on_create(node, params, pos // ps, cut)
+                for on_create in hooks.on_create:
+                    on_create(node, params, pos // ps, cut)
                 if listener is not None:
                     listener.on_stored(node, "device")
                 path.append(node)
@@ -410,8 +426,8 @@ class RadixTree:
             leaf.hit_count = 1  # its first insert counts as its first hit (write-through thresholds)
             parent.children[leaf.key_bytes[:ck]] = leaf
             full.take_pages(leaf, pages, pos // ps, end // ps, checked, base)
-            for comp in extra:
-                comp.on_create(leaf, params, pos // ps, end // ps)
+            for on_create in hooks.on_create:
+                on_create(leaf, params, pos // ps, end // ps)
             full.queue.push(leaf)
             if listener is not None:
                 listener.on_stored(leaf, "device")
@@ -422,14 +438,25 @@ class RadixTree:
             self.after_insert(path)
         return prefix_len, (path[-1] if path else start)
 
+    def _existing_below(self, nodes: list[TreeNode], pos: int) -> list[tuple[TreeNode, int, int]]:
+        """(node, first page, end page) of each of ``nodes`` (consecutive, the first starting at token
+        ``pos``) that is in L1."""
+        ps, out = self.page_size, []
+        for node in nodes:
+            n = node.num_tokens
+            if node.device_pages is not None:
+                out.append((node, pos // ps, (pos + n) // ps))
+            pos += n
+        return out
+
     # -- locks -------------------------------------------------------------------------------------
     def inc_lock_ref(self, node_id: int) -> int:
         node = self.node(node_id)
         if node.parent is None:
             return 0
         delta = self.full.lock(node)
-        for comp in self.extra_components:
-            comp.on_lock(node)
+        for on_lock in self.hooks.on_lock:
+            on_lock(node)
         return delta
 
     def dec_lock_ref(self, node_id: int) -> int:
@@ -439,8 +466,8 @@ class RadixTree:
         if node.lock_ref <= 0:
             raise ValueError(f"lock underflow: node {node_id} is not locked")
         delta = self.full.unlock(node)
-        for comp in self.extra_components:
-            comp.on_unlock(node)
+        for on_unlock in self.hooks.on_unlock:
+            on_unlock(node)
         return delta
 
     # -- eviction and allocation ---------------------------------------------------------------------
@@ -469,7 +496,7 @@ class RadixTree:
 
     def _evict_full(self, num_tokens: int) -> int:
         freed = 0
-        extra = self.extra_components
+        hooks = self.hooks
         queue = self.full.queue
         while freed < num_tokens:
             batch, batch_tokens = [], 0
@@ -487,8 +514,8 @@ class RadixTree:
                 if node.parent is None or node.device_pages is None or node.lock_ref:
                     continue  # changed while the hook ran (it may process transfer acks)
                 freed += self.full.drop_device(node)
-                for comp in extra:
-                    comp.on_device_drop(node)
+                for on_device_drop in hooks.on_device_drop:
+                    on_device_drop(node)
                 if self.listener is not None:
                     self.listener.on_removed(node, "device")
                 parent = node.parent
@@ -498,8 +525,8 @@ class RadixTree:
                     self._remove_leaf(node)
                 if parent.parent is not None:
                     self.full.maybe_push(parent)
-                    for comp in extra:
-                        freed += comp.after_device_evict(parent)
+                    for after_device_evict in hooks.after_device_evict:
+                        freed += after_device_evict(parent)
         self._evicted_tokens += freed
         queue.maybe_compact(self.iter_nodes(), len(self._nodes))
         return freed
@@ -595,7 +622,7 @@ class RadixTree:
         # The prefix pages belong to the locked path and are never touched here; the rest must be ours.
         k = prefix_len // ps
         own = self.full.allocator.check(pages[k:], PageOwner.REQUEST, "request pages")
-        if state.components or self.extra_components:
+        if state.components or self.hooks.validate_request:
             self._check_request_components(state)
         return node, pages, k, path, own
 
@@ -606,8 +633,8 @@ class RadixTree:
                 f"RequestState.components has unknown component(s) {sorted(unknown)}; "
                 f"this tree has {list(self.component_names)}"
             )
-        for comp in self.extra_components:
-            comp.validate_request(state)
+        for validate_request in self.hooks.validate_request:
+            validate_request(state)
 
     # -- per-request component values (no-ops for Full-only trees) ------------------------------------
     def begin_request(self, match: MatchResult) -> Mapping[str, Any]:
@@ -618,21 +645,22 @@ class RadixTree:
         """
         if not isinstance(match, MatchResult):
             raise TypeError(f"begin_request expects a MatchResult, got {type(match).__name__}")
-        if not self.extra_components:
+        if not self.hooks.begin_request:
             return NO_VALUES
         values = {}
-        for comp in self.extra_components:
-            value = comp.begin_request(match)
+        for begin_request in self.hooks.begin_request:
+            value = begin_request(match)
             if value is not None:
-                values[comp.name] = value
+                values[begin_request.__self__.name] = value
         return values
 
     def trim_request(self, state: RequestState) -> int:
         """Releases per-request values that no later step needs (SWA pages outside the window).
 
         Call it between forward steps of a running request; returns how many values were released.
+        A tree whose components trim nothing (Full, Mamba) returns 0 at once, as a Full-only tree always did.
         """
-        if not self.extra_components:
+        if not self.hooks.trim_request:
             return 0
         # Light checks only (this runs every step): components validate exactly the values they release.
         if not isinstance(state, RequestState):
@@ -643,8 +671,9 @@ class RadixTree:
         n_tokens, ps = len(state.key), self.page_size
         if state.prefix_len < 0 or state.prefix_len % ps or state.prefix_len > n_tokens:
             raise ValueError(f"prefix_len {state.prefix_len} must be a page multiple within [0, {n_tokens}]")
-        self._check_request_components(state)
-        return sum(comp.trim_request(state) for comp in self.extra_components)
+        if state.components or self.hooks.validate_request:
+            self._check_request_components(state)
+        return sum(trim_request(state) for trim_request in self.hooks.trim_request)
 
     def _path_pages(self, node: TreeNode) -> np.ndarray:
         parts = []
@@ -683,13 +712,13 @@ class RadixTree:
             alloc.release(pages[k:d], own[: d - k])
         if whole < pages.shape[0]:
             alloc.release(pages[whole:], own[whole - k :])
-        extra = self.extra_components
+        hooks = self.hooks
         if last.parent is not None:
             self.full.unlock(last)
-            for comp in extra:
-                comp.on_unlock(last)
-        for comp in extra:
-            comp.on_request_cached(state, end, True)
+            for on_unlock in hooks.on_unlock:
+                on_unlock(last)
+        for on_request_cached in hooks.on_request_cached:
+            on_request_cached(state, end, True)
         return FinishResult(new_prefix, d - k + pages.shape[0] - whole)
 
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
@@ -721,21 +750,21 @@ class RadixTree:
         """cache_unfinished_req with extra components: the lock moves to ``end`` itself (not to what a
         component would let a *match* use: the request holds its own KV there), then components hand the
         request its continuing values."""
-        extra = self.extra_components
+        hooks = self.hooks
         if end.parent is not None:
             self.full.lock(end)
-            for comp in extra:
-                comp.on_lock(end)
+            for on_lock in hooks.on_lock:
+                on_lock(end)
         if last.parent is not None:
             self.full.unlock(last)
-            for comp in extra:
-                comp.on_unlock(last)
+            for on_unlock in hooks.on_unlock:
+                on_unlock(last)
         prefix = self._path_pages(end)
         values = {}
-        for comp in extra:
-            value = comp.on_request_cached(state, end, False)
+        for on_request_cached in hooks.on_request_cached:
+            value = on_request_cached(state, end, False)
             if value is not None:
-                values[comp.name] = value
+                values[on_request_cached.__self__.name] = value
         new_pages = np.concatenate([prefix, pages[prefix.shape[0] :]])
         return RequestState(state.key, new_pages, prefix.shape[0] * self.page_size, end.id, state.priority, values)
 

@@ -46,15 +46,15 @@ host eviction drops SWA host copies in LRU order, independently of the Full host
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner, as_index
-from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent, node_value
+from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
+from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams, RequestState
 
@@ -76,75 +76,13 @@ def _mapped(sp: np.ndarray) -> np.ndarray:
     return sp if c == sp.shape[0] else sp[live]
 
 
-class ComponentQueue:
-    """Lazy LRU heap of one component's eviction candidates (own version counter per node value).
-
-    Same scheme as the Full queue (``eviction.py``): push when a node becomes a candidate, skip stale or
-    no-longer-candidate entries when popped, requeue entries whose node was touched since. Entries hold
-    node ids (resolved through the tree), so stale entries never keep removed nodes alive.
-    """
-
-    def __init__(self, state: Callable[[TreeNode], Any], is_candidate: Callable[[TreeNode], bool]) -> None:
-        self._state = state  # node -> its component value (has a ``version`` attribute)
-        self._is_candidate = is_candidate
-        self._heap: list[tuple[int, int, int]] = []  # (last_access, node id, version): ids, so removed
-        self.tree: RadixTree | None = None  # set by the component's attach (for compaction)
-        self._limit = 64
-
-    def push(self, node: TreeNode) -> None:
-        st = self._state(node)
-        st.version += 1
-        heapq.heappush(self._heap, (node.last_access, node.id, st.version))
-        if len(self._heap) > self._limit and self.tree is not None:
-            self.rebuild(self.tree)  # stale entries dominate: O(nodes), amortised over the pushes
-
-    def pop(self) -> TreeNode | None:
-        heap = self._heap
-        nodes = self.tree._nodes
-        while heap:
-            key, node_id, version = heapq.heappop(heap)
-            node = nodes.get(node_id)
-            if node is None or node.component_data is None:
-                continue
-            st = self._state(node)
-            if version != st.version or not self._is_candidate(node):
-                continue
-            if node.last_access != key:
-                heapq.heappush(heap, (node.last_access, node.id, version))
-                continue
-            st.version += 1
-            return node
-        return None
-
-    def maybe_compact(self, tree: RadixTree) -> None:
-        if len(self._heap) > 4 * tree.num_nodes + 4096:
-            self.rebuild(tree)
-
-    def rebuild(self, tree: RadixTree) -> None:
-        heap = []
-        for node in tree.iter_nodes():
-            if self._is_candidate(node):
-                st = self._state(node)
-                st.version += 1
-                heap.append((node.last_access, node.id, st.version))
-        heapq.heapify(heap)
-        self._heap = heap
-        self._limit = 2 * len(heap) + 4 * tree.num_nodes + 64  # stale entries pin removed nodes: keep few
-
-    def clear(self) -> None:
-        self._heap = []
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-
-class _SWANode:
-    __slots__ = ("lock", "bounds", "version", "host_slots", "end")
+class _SWANode(QueuedValue):
+    __slots__ = ("lock", "bounds", "host_slots", "end")
 
     def __init__(self) -> None:
+        super().__init__()
         self.lock = 0  # SWA locks covering (part of) this node
         self.bounds: dict[int, int] | None = None  # window start q -> locks whose topmost node is this one
-        self.version = 0
         self.host_slots: np.ndarray | None = None  # i32[pages]: host copy of the SWA pages
         self.end = -1  # the node's end position (depth), once known: fixed for the node's life (a split
         # moves the node's start, never its end; the prefix is a new node)
@@ -168,6 +106,9 @@ class SWAPagePool(PageAllocator):
     def __init__(self, capacity: int | None, swa: SWAComponent) -> None:
         super().__init__(capacity)
         self.swa = swa
+
+    def alloc(self, num_pages: int) -> np.ndarray:
+        return self._pop_free(num_pages)  # no owner to record
 
     def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
         pages = self._pop_free(num_pages)
@@ -205,14 +146,15 @@ class SWAPagePool(PageAllocator):
 class MappedPageAllocator(PageAllocator):
     """The Full L1 allocator with an SWA page attached to every handed-out full page.
 
-    An SWA page's owner follows its full page. ``spare`` counts only on REQUEST pages: a page the tree
-    takes or frees keeps a stale flag (no store on the hot paths), cleared when it is handed out again."""
+    An SWA page's owner follows its full page. ``spare`` counts only on REQUEST pages that map an SWA
+    page: a page the tree takes or frees, or whose SWA page went, keeps a stale flag (no store on the hot
+    paths), cleared when it is handed out again."""
 
     def __init__(self, capacity: int | None, swa: SWAComponent) -> None:
         super().__init__(capacity)
         self.swa = swa
         self.swa_of = np.full(self.capacity, -1, dtype=np.int32)  # full page -> SWA page or -1
-        self.spare = np.zeros(self.capacity, dtype=bool)  # on a REQUEST page: its SWA page is out of the window
+        self.spare = np.zeros(self.capacity, dtype=bool)  # on a mapped REQUEST page: out of the window
 
     def _grow(self, needed: int) -> None:
         old = self.capacity
@@ -234,16 +176,10 @@ class MappedPageAllocator(PageAllocator):
         return pages
 
     def spare_pages(self) -> np.ndarray:
-        """The full pages (``intp``) whose SWA page is spare: REQUEST pages trimmed out of the window."""
+        """The full pages (``intp``) whose SWA page is spare: REQUEST pages trimmed out of the window that
+        still map an SWA page."""
         idx = np.flatnonzero(self.spare)
-        return idx[self._owner[idx] == PageOwner.REQUEST] if idx.shape[0] else idx
-
-    def check_owner(self, idx: np.ndarray, expected: PageOwner, what: str) -> None:
-        """Raises ValueError unless every page of ``idx`` (``intp``, in range) is owned by ``expected``."""
-        owners = self._owner[idx]
-        if np.count_nonzero(owners != int(expected)):
-            i = int(np.flatnonzero(owners != int(expected))[0])
-            raise ValueError(f"{what}: page {int(idx[i])} is {PageOwner(int(owners[i])).name}, expected {expected.name}")
+        return idx[(self._owner[idx] == PageOwner.REQUEST) & (self.swa_of[idx] >= 0)] if idx.shape[0] else idx
 
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
         if pages.shape[0] == 0:
@@ -264,13 +200,14 @@ class MappedPageAllocator(PageAllocator):
 class SWAComponent(TreeComponent):
     name = "swa"
     evict_param = "swa_num_tokens"
+    value_type = _SWANode
 
     def __init__(self, window: int, num_tokens: int | None = None) -> None:
         check_positive_int("sliding window", window)
         check_positive_int("swa_num_tokens", num_tokens, allow_none=True)
         self.window = int(window)
         self.num_tokens = None if num_tokens is None else int(num_tokens)
-        self.queue = ComponentQueue(self._state, self.is_evictable)
+        self.queue = ComponentQueue(self.name, self.is_evictable)
         self.evicted_tokens = 0
         self.released_host_copies: list[tuple[str, int, np.ndarray]] = []
 
@@ -291,7 +228,7 @@ class SWAComponent(TreeComponent):
     # -- node values ---------------------------------------------------------------------------------
     @staticmethod
     def _state(node: TreeNode) -> _SWANode:
-        return node_value(node, "swa", _SWANode)
+        return node.component_data["swa"]
 
     def is_live(self, node: TreeNode) -> bool:
         """True when the node's full KV is in L1 and all its SWA pages are present (first page: live
@@ -343,8 +280,10 @@ class SWAComponent(TreeComponent):
         return int(live.shape[0])
 
     # -- structure hooks -------------------------------------------------------------------------------
-    def insert_boundaries(self, params: InsertParams, page_start: int, page_end: int) -> Sequence[int]:
-        live = self.mapped.swa_of[params.device_pages[page_start:page_end]] >= 0
+    def insert_boundaries(
+        self, params: InsertParams, page_start: int, page_end: int, index: np.ndarray
+    ) -> Sequence[int]:
+        live = self.mapped.swa_of[index] >= 0
         n = live.shape[0]
         c = np.count_nonzero(live)
         if c == 0 or c == n or np.count_nonzero(live[n - c :]) == c:
@@ -352,36 +291,40 @@ class SWAComponent(TreeComponent):
         return (np.flatnonzero(live[:-1] & ~live[1:]) + 1 + page_start).tolist()  # cut after each live run
 
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        self._state(node)
-        if self.has_live(node):
+        if self.mapped.swa_of.item(node.device_pages.item(-1)) >= 0:  # a live tail: an SWA candidate
             self.queue.push(node)
 
     def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        self._state(node)
         c = np.count_nonzero(self.mapped.swa_of[node.device_pages.astype(np.intp)] >= 0)
         if c == node.device_pages.shape[0]:
             self.queue.push(node)
         elif c:
             self._tombstone(node)
 
-    def on_insert_existing(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
+    def on_insert_existing(self, params: InsertParams, nodes: Sequence[tuple[TreeNode, int, int]]) -> None:
         swa_of = self.mapped.swa_of
-        first = node.device_pages.item(0)  # .item(): Python ints, no numpy scalar per path node
-        if node.loading or swa_of.item(first) >= 0 or swa_of.item(node.device_pages.item(-1)) >= 0:
-            return  # only a wholly tombstoned node can adopt (a live tail keeps its own SWA pages)
-        theirs = params.device_pages[page_start:page_end]
-        if theirs.item(0) == first:
-            return  # the request holds the tree's own (TREE) pages here: nothing to hand over
-        sp = swa_of[theirs.astype(np.intp)]
+        for node, page_start, page_end in nodes:
+            pages = node.device_pages
+            if node.loading or swa_of.item(pages.item(-1)) >= 0:
+                continue  # only a wholly tombstoned node can adopt (a live tail keeps its own SWA pages)
+            theirs = params.device_pages[page_start:page_end]
+            if theirs.item(0) != pages.item(0):  # the same first page: the request holds the tree's pages
+                self._adopt_request_swa(node, theirs)
+
+    def _adopt_request_swa(self, node: TreeNode, theirs: np.ndarray) -> None:
+        """A tombstone whose KV the request recomputed (``theirs``: its pages there) takes their SWA
+        pages if every one is live and the request's own (``swa_of`` is re-pointed, no data moves)."""
+        swa_of = self.mapped.swa_of
+        idx = theirs.astype(np.intp)
+        sp = swa_of[idx]
         n = sp.shape[0]
         if np.count_nonzero(sp >= 0) != n or np.array_equal(theirs, node.device_pages):
             return
         if np.count_nonzero(self.mapped.owners(theirs) == PageOwner.REQUEST) != n:
             return
-        # The request recomputed this tombstone with live SWA: the node takes the SWA pages.
         swa_of[node.device_pages] = sp
-        swa_of[theirs] = -1
-        self.mapped.spare[theirs] = False
+        swa_of[idx] = -1
+        self.mapped.spare[idx] = False
         if self._state(node).lock == 0:
             self.queue.push(node)
 
@@ -412,19 +355,16 @@ class SWAComponent(TreeComponent):
         return out
 
     # -- locks -----------------------------------------------------------------------------------------
-    def _end(self, node: TreeNode) -> int:
-        """Tokens from the namespace root to the end of ``node`` (cached in its SWA value)."""
-        st = self._state(node)
-        if st.end < 0:
-            st.end = self.tree.depth(node)
-        return st.end
-
     def _lock_walk(self, node: TreeNode, delta: int) -> None:
-        q = self._end(node) - self.window
-        end = q + self.window
+        st = node.component_data["swa"]
+        end = st.end
+        if end < 0:  # the node's depth, cached in its SWA value
+            end = st.end = self.tree.depth(node)
+        q = end - self.window
+        swa_of = self.mapped.swa_of
         while node.parent is not None:
-            st = self._state(node)
-            st.lock += delta
+            st = node.component_data["swa"]
+            lock = st.lock = st.lock + delta
             start = end - node.num_tokens
             if start <= q:
                 bounds = st.bounds
@@ -440,8 +380,10 @@ class SWAComponent(TreeComponent):
                         del bounds[q]
                         if not bounds:
                             st.bounds = None
-            if delta < 0 and st.lock == 0 and self.has_live(node):
-                self.queue.push(node)
+            if lock == 0 and not st.queued:
+                pages = node.device_pages
+                if pages is not None and swa_of.item(pages.item(-1)) >= 0:
+                    self.queue.push(node)  # unlocked with a live tail: an SWA eviction candidate
             if start <= q:
                 return
             end = start
@@ -467,17 +409,23 @@ class SWAComponent(TreeComponent):
 
     # -- match -----------------------------------------------------------------------------------------
     def limit_match(self, path: list[TreeNode]) -> int:
+        """The deepest node end whose window is live, walking back from the path's end (the last node's
+        window, found after a node or two, is the common answer)."""
         swa_of = self.mapped.swa_of
         w = self.window
-        run, from_root, best = 0, True, 0
-        for i, node in enumerate(path):
-            if swa_of.item(node.device_pages.item(0)) >= 0:
+        for j in range(len(path) - 1, -1, -1):
+            run, i = 0, j
+            while True:
+                node = path[i]
+                if swa_of.item(node.device_pages.item(0)) < 0:  # not wholly live: its live tail ends the run
+                    if run + self._live_tail(node) >= w:
+                        return j + 1
+                    break
                 run += node.num_tokens
-            else:
-                run, from_root = self._live_tail(node), False
-            if from_root or run >= w:
-                best = i + 1
-        return best
+                if run >= w or i == 0:  # the window, or live back to the root
+                    return j + 1
+                i -= 1
+        return 0
 
     def limit_host_match(self, device_path: list[TreeNode], host_path: list[TreeNode]) -> int:
         if not host_path:
@@ -513,14 +461,9 @@ class SWAComponent(TreeComponent):
         if pages.shape[0] < cut - k:
             raise ValueError(f"{len(state.device_pages)} pages cannot hold {end} tokens at page_size {ps}")
         idx = as_index(pages)  # negative ids wrap around and fail the bound
-        try:
-            sp = self.mapped.swa_of[idx]
-        except IndexError:
-            raise ValueError(f"request pages out of range [0, {self.mapped.capacity})") from None
-        self.mapped.check_owner(idx, PageOwner.REQUEST, "trimmed request pages")  # ours (repeats: harmless)
-        mask = sp >= 0
-        self.mapped.spare[idx] = mask  # exact: an unmapped page is never spare
-        return int(np.count_nonzero(mask))
+        self.mapped.check_owner(pages, idx, PageOwner.REQUEST, "trimmed request pages")  # repeats: harmless
+        self.mapped.spare[idx] = True  # counts where the page still maps an SWA page (``spare_pages``)
+        return cut - k
 
     def release_spare(self, max_pages: int | None = None) -> int:
         """Frees spare SWA pages (out of their running request's window), at most ``max_pages``; returns
@@ -574,8 +517,8 @@ class SWAComponent(TreeComponent):
         ):
             parent = node.parent
             freed += tree.full.drop_device(node)
-            for comp in tree.extra_components:
-                comp.on_device_drop(node)
+            for on_device_drop in tree.hooks.on_device_drop:
+                on_device_drop(node)
             if tree.listener is not None:
                 tree.listener.on_removed(node, "device")
             tree._remove_leaf(node)
