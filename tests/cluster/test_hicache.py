@@ -290,3 +290,75 @@ def test_drop_host_tier_keeps_l1_and_forgets_l2():
     env.head.flush_write_through_acks()
     assert env.head.cache_stats()["host_tokens"] == 16  # L2 fills again
     check(env)
+
+
+class _HeldHost:
+    """Two real host workers; host 1's acks are held back (or failed) until ``release``."""
+
+    def __init__(self, spec, device_pages: int, host_slots: int) -> None:
+        from hicache.cluster.transfers import LocalWorkerGroup
+        from hicache.workers import HostWorker
+
+        self.inner = LocalWorkerGroup([HostWorker(spec, device_pages, host_slots, host_index=i) for i in (0, 1)])
+        self.held: list = []
+        self.release_ok: bool | None = None  # None: hold host 1's acks; True/False: let them through (ok/failed)
+
+    @property
+    def num_hosts(self) -> int:
+        return 2
+
+    def submit(self, plan) -> None:
+        self.inner.submit(plan)
+
+    def _gate(self, acks):
+        from dataclasses import replace
+
+        self.held += [a for a in acks if a.host == 1]
+        out = [a for a in acks if a.host != 1]
+        if self.release_ok is not None:
+            out += [a if self.release_ok else replace(a, ok=False, error="host 1 lost the copy") for a in self.held]
+            self.held = []
+        return out
+
+    def poll(self):
+        return self._gate(self.inner.poll())
+
+    def wait(self, timeout_s: float):
+        return self._gate(self.inner.wait(min(timeout_s, 0.2)))
+
+
+@pytest.mark.parametrize("host1_ok", [True, False])
+def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
+    """Backups of several requests travel as one D2H op. Host 0's ack alone changes nothing; host 1's ack
+    commits every chain at once (ok) or rolls every chain back (failed): slots freed, nodes device-only."""
+    from hicache.cluster import CacheHead, HeadConfig
+    from hicache.cluster.tree import RequestState, TreeConfig
+    from support.hicache_env import make_spec
+
+    ps = 4
+    workers = _HeldHost(make_spec(ps), 32, 16)
+    head = CacheHead(HeadConfig(tree=TreeConfig(ps, 32), hicache=HiCacheConfig(16, ack_timeout_s=0.5)), workers)
+    for start in (0, 100, 200):
+        key = RadixKey(seq(start, 8))
+        m = head.match_prefix(key)
+        head.inc_lock_ref(m.last_device_node)
+        head.cache_finished_req(RequestState(key, head.alloc(8), 0, m.last_device_node))
+    ctl = head.controller
+    assert ctl.submit(force=True) == 3 and len(ctl._pending) == 1  # three chains, one op
+    head.flush_write_through_acks()  # host 0 acks; host 1 holds: nothing may change (bounded wait)
+    assert head.cache_stats()["host_tokens"] == 0 and ctl.in_flight == 3
+    assert head.stats().protected_tokens == 24 and ctl.host.slots.num_free == 10  # locked, slots reserved
+    head.tree.check_invariants()
+    ctl.check_invariants()
+    workers.release_ok = host1_ok
+    head.flush_write_through_acks()
+    st = head.cache_stats()
+    assert ctl.in_flight == 0 and head.stats().protected_tokens == 0
+    if host1_ok:
+        assert st["host_tokens"] == st["backed_up_tokens"] == 24 and ctl.host.slots.num_free == 10
+        assert all(n.host_slots is not None for n in head.tree.iter_nodes())
+    else:
+        assert st["host_tokens"] == 0 and st["transfer_failures"] == 3 and ctl.host.slots.num_free == 16
+        assert all(n.host_slots is None and n.staged_slots is None for n in head.tree.iter_nodes())
+    head.tree.check_invariants()
+    ctl.check_invariants()
