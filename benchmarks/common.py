@@ -178,6 +178,65 @@ def simulate_arrivals(served: Sequence[Served], ticks: np.ndarray) -> tuple[np.n
     return ttft, wait, end - (first_sent or 0.0)
 
 
+class ArrivalModel:
+    """``simulate_arrivals`` run online for one config, so the scheduler learns of queued requests when
+    they arrive (``Scheduler.arrive``: their L3 prefetch starts then, as in SGLang) instead of when
+    they are served. Pass ``serve`` where a serve callable is expected; it must get the items in stream
+    order. Before item i is served, its start ``max(sent_i, server free)`` is computed from the
+    latencies measured so far in this run, and every later item already sent by then is announced in
+    stream order. The announcements run on the serving thread, and their time is charged to item i
+    (its TTFT and latency: a scheduler loop takes in arrivals before it schedules), so only the work
+    they start in the background (the L3 fetch on the storage thread) leaves the critical path."""
+
+    def __init__(self, items: Sequence[Item], ticks: np.ndarray, scheduler, salt: str | None = None) -> None:
+        self.items, self.ticks, self.scheduler, self.salt = items, ticks, scheduler, salt
+        self._prev: list[int | None] = []  # index of the same client's previous item
+        last: dict[int, int] = {}
+        for it in items:
+            self._prev.append(None if it.client is None else last.get(it.client))
+            if it.client is not None:
+                last[it.client] = it.index
+        self._finish: dict[int, float] = {}
+        self._free = 0.0
+        self._i = 0  # next item to serve
+        self._announced: dict[int, ServeRequest] = {}
+        self.announced = 0  # items announced before they were served
+
+    def _sent(self, j: int) -> float | None:
+        """When item j is sent, or None while its client's previous request is unfinished."""
+        p = self._prev[j]
+        if p is None:
+            return float(self.ticks[j])
+        done = self._finish.get(p)
+        return None if done is None else max(float(self.ticks[j]), done)
+
+    def _request(self, it: Item) -> ServeRequest:
+        return ServeRequest(it.prompt, it.max_new_tokens, cache_salt=self.salt)
+
+    def serve(self, req: ServeRequest) -> ServeResult:
+        i = self._i
+        it = self.items[i]
+        if req.prompt is not it.prompt:
+            raise ValueError(f"ArrivalModel: expected item {i} of the stream, got another request")
+        start = max(self._sent(i), self._free)
+        t0 = time.perf_counter()
+        for j in range(i + 1, len(self.items)):
+            if self.ticks[j] > start:
+                break  # ticks increase: nothing later was sent yet
+            sent = self._sent(j)
+            if j not in self._announced and sent is not None and sent <= start:
+                self._announced[j] = self._request(self.items[j])
+                self.scheduler.arrive(self._announced[j])
+        extra = time.perf_counter() - t0
+        own = self._announced.pop(i, None)
+        self.announced += own is not None
+        res = self.scheduler.serve(own if own is not None else req)
+        res = replace(res, ttft_s=res.ttft_s + extra, latency_s=res.latency_s + extra)
+        self._free = self._finish[i] = start + res.latency_s
+        self._i = i + 1
+        return res
+
+
 # --- offline optimal ------------------------------------------------------------------------------
 
 
@@ -432,14 +491,17 @@ def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = 
 def run_stack(name: str, options, runner: ModelRunner, items: Sequence[Item],
               reference: Sequence[tuple[int, ...]] | None,
               salt: Callable[[Item], str | None] = lambda it: None, spot: int = 3,
-              keep: bool = False):
-    """Fresh stack for ``options``; serves ``items``; flushes transfers (L2/L3 writes land) outside
-    the timings; spot-checks exactness. Returns (served, spot checks run, cache stats, stack or None)."""
+              keep: bool = False, ticks: np.ndarray | None = None):
+    """Fresh stack for ``options``; serves ``items`` (with ``ticks``: through an ``ArrivalModel``, which
+    needs one salt for all items); flushes transfers (L2/L3 writes land) outside the timings;
+    spot-checks exactness. Returns (served, spot checks run, cache stats, stack or None)."""
     from hicache.embedded import build_stack
 
     stack = build_stack(options, runner)
     t0 = time.perf_counter()
-    served = serve_items(stack.scheduler.serve, items, reference, name, salt)
+    serve = stack.scheduler.serve if ticks is None else ArrivalModel(items, ticks, stack.scheduler,
+                                                                     salt(items[0])).serve
+    served = serve_items(serve, items, reference, name, salt)
     wall = time.perf_counter() - t0
     if options.l2_slots:
         stack.client.flush_write_through_acks()

@@ -6,7 +6,10 @@ and each round sends its whole history (earlier prompts and the model's real ans
 seeded random order. Arrivals are Poisson at ``--request-rate`` (default: ``--load`` x the service
 rate of the engine without cache), a client's next turn waits for its previous answer, and one server
 serves requests in stream order; see ``benchmarks/common.py`` for the queueing and offline-optimal
-models. Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full KV pages the stream
+models. The cache configs learn of a request when it arrives in that model (``ArrivalModel``:
+``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on entry to the waiting queue; the
+time that takes is charged to the request being scheduled). The no-reuse pair is measured before
+the rate is known (it defines it), so there every request starts its L3 query when served. Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full KV pages the stream
 writes), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap.
 
 Configs (same request stream, fresh stack each, one compiled engine):
@@ -45,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens, best_of_reps, close_stack,
+    ArrivalModel, BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens, best_of_reps, close_stack,
     finish_stack,
     in_scratch_dir, jsonable, log, make_record, poisson_ticks, run_stack,
     serve_interleaved, spot_check, stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
@@ -158,15 +161,20 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
     from hicache.embedded import build_stack
 
-    log(f"  l1_only, l1_l2, l1_l2_l3, interleaved per request ({args.ttft_reps} rep(s), fresh stacks each) ...")
+    rate = args.request_rate or args.load / float(np.mean([s.result.latency_s for s in served["bare_engine"]]))
+    ticks = poisson_ticks(len(items), rate, args.seed + 1)
+    log(f"  l1_only, l1_l2, l1_l2_l3, interleaved per request ({args.ttft_reps} rep(s), fresh stacks each; "
+        f"requests announced on arrival at {rate:.1f} req/s) ...")
     reps, stacks = [], {}
     for rep in range(args.ttft_reps):
         opts = {"l1_only": stack_options(l1_pages), "l1_l2": stack_options(l1_pages, l2_slots),
                 "l1_l2_l3": full("l3" if rep == 0 else f"l3-rep{rep}")}
         rep_stacks = {name: build_stack(o, base) for name, o in opts.items()}
-        reps.append(serve_interleaved({n: st.scheduler.serve for n, st in rep_stacks.items()}, items, ref, rotate=rep))
+        arrivals = {n: ArrivalModel(items, ticks, st.scheduler) for n, st in rep_stacks.items()}
+        reps.append(serve_interleaved({n: a.serve for n, a in arrivals.items()}, items, ref, rotate=rep))
         if rep == 0:
             stacks = rep_stacks  # rep 0's stacks give the stats and the spot checks
+            announced = {n: a.announced for n, a in arrivals.items()}
         else:
             for st in rep_stacks.values():
                 close_stack(st)
@@ -175,12 +183,11 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     for name, st in stacks.items():
         spots[name], stats[name] = finish_stack(name, st, served[name], args.spot_checks)
         stats[name]["ttft_reps"] = {"reps": args.ttft_reps, "requests_whose_reps_disagreed_on_hits": disagreed[name]}
+        stats[name]["requests_announced_before_served"] = announced[name]
     log("  l3_prepopulated (cold stack on l1_l2_l3's L3) ...")
     served["l3_prepopulated"], spots["l3_prepopulated"], stats["l3_prepopulated"], _ = run_stack(
-        "l3_prepopulated", full("l3"), base, items, ref, spot=args.spot_checks)
+        "l3_prepopulated", full("l3"), base, items, ref, spot=args.spot_checks, ticks=ticks)
 
-    rate = args.request_rate or args.load / float(np.mean([s.result.latency_s for s in served["bare_engine"]]))
-    ticks = poisson_ticks(len(items), rate, args.seed + 1)
     inf = float("inf")
     nc_acc = accesses([(it.prompt, o) for it, o in zip(items, ref)], ps, [f"nc-{it.index}" for it in items])
     optimal = {

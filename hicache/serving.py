@@ -2,11 +2,19 @@
 
 Per request: match (all prompt tokens but the last, whose logits start decoding) -> with L3, when
 the whole pages past the L1+L2 match hold >= ``l3_min_tokens``, an L3 prefetch into L2 (waited for as
-the stop policy allows) -> load-back of the L2 hit (waited for, bounded) -> lock -> alloc pages for the rest -> chunked prefill (each chunk but
-the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req`` -> with a
-host tier, ``check_hicache_events`` (sends held backups, applies acks). Nothing but the request's own
-match, load-back, L3 query and alloc runs between its arrival and its first token: backups and their
-acks are handled after the decode, L2->L3 writes run on the workers' storage threads.
+the stop policy allows) -> load-back of the L2 hit (waited for, bounded) -> lock -> alloc pages for the
+rest -> chunked prefill (each chunk but the last cached with ``cache_unfinished_req``) -> greedy decode
+-> ``cache_finished_req`` -> with a host tier, ``check_hicache_events`` (sends held backups, applies
+acks, sends the L2->L3 writes they queue). Nothing but the request's own match, load-back, L3 query and
+alloc runs between the start of its service and its first token: L1->L2 backups and their acks are
+handled after the decode, L2->L3 writes run on the workers' storage threads.
+
+L3 prefetch at arrival (as SGLang starts it when a request enters the waiting queue): a driver that
+knows a request is queued calls ``arrive(req)``; its match and L3 existence query run then, and the
+fetch into L2 runs on the worker's storage thread while earlier requests are served. ``serve(req)``
+then checks that prefetch (bounded wait per the stop policy) and asks L3 only for what it may hold
+beyond it (written since; a repeated miss costs no storage query: the head's negative cache). A
+request served without ``arrive`` starts its prefetch itself.
 
 Where the model runs (DESIGN.md §1): the ``Scheduler`` drives an ``Engine``; every engine call
 forwards over the replica's L1 pool, wherever that pool lives:
@@ -144,20 +152,54 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.l3_min_tokens = max(l3_min_tokens, ps)
         self._req_ids = itertools.count()
+        # arrive()d requests not served yet: id(request) -> (request, its prefetch id or None)
+        self._arrived: dict[int, tuple[ServeRequest, str | None]] = {}
 
     def _l3_may_extend(self, key: RadixKey, m) -> bool:
         """Whether L3 is worth asking: the whole pages past the L1+L2 match hold >= ``l3_min_tokens``."""
         whole = len(key) - len(key) % self.client.page_size
         return self.storage and whole - m.device_hit_len - m.host_hit_len >= self.l3_min_tokens
 
-    def _prefetch(self, key: RadixKey, m):  # -> (MatchResult, tokens fetched from L3)
-        """Asks L3 for what L1+L2 lack; waits as the prefetch stop policy allows; matches again."""
+    def _start_prefetch(self, key: RadixKey, m) -> str | None:
+        """Asks L3 for what L1+L2 lack (``m``: the match now); the id of the started prefetch, or None."""
         if not self._l3_may_extend(key, m):
-            return m, 0
+            return None
         req_id = f"req-{next(self._req_ids)}"
         started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
-        if started.state is PrefetchState.NOT_STARTED:
-            return m, 0
+        return None if started.state is PrefetchState.NOT_STARTED else req_id
+
+    def arrive(self, req: ServeRequest) -> bool:
+        """``req`` entered the queue: starts its L3 prefetch now, so that the fetch overlaps the wait;
+        ``serve(req)`` (the same object) picks it up. True if a prefetch started. At most
+        ``MAX_ARRIVED`` requests wait between ``arrive`` and ``serve``; beyond, ``arrive`` raises
+        ``ValueError`` and nothing changes. Without L3 it only registers the request."""
+        if id(req) in self._arrived:
+            raise ValueError(f"request {req!r:.80} already arrived")
+        if len(self._arrived) >= self.MAX_ARRIVED:
+            raise ValueError(f"{len(self._arrived)} requests arrived and not served (MAX_ARRIVED): serve some first")
+        key = self._key(req)
+        req_id = self._start_prefetch(key, self.client.match_prefix(key)) if self.storage else None
+        self._arrived[id(req)] = (req, req_id)
+        return req_id is not None
+
+    MAX_ARRIVED = 4096
+
+    @staticmethod
+    def _key(req: ServeRequest) -> RadixKey:
+        prompt = np.asarray(req.prompt, dtype=np.int32)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError(f"prompt must be a non-empty 1-D token array, got shape {prompt.shape}")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        return RadixKey(prompt[:-1], req.extra_key, req.cache_salt)
+
+    def _prefetch(self, key: RadixKey, m, req_id: str | None = None):  # -> (MatchResult, tokens from L3)
+        """Waits for prefetch ``req_id`` as the stop policy allows and matches again (``None``: starts
+        one first, if L3 may extend the match)."""
+        if req_id is None:
+            req_id = self._start_prefetch(key, m)
+            if req_id is None:
+                return m, 0
         progress = self.client.check_prefetch_progress(req_id)
         if progress.state is PrefetchState.DONE and progress.tokens:
             return self.client.match_prefix(key), progress.tokens
@@ -175,25 +217,32 @@ class Scheduler:
         m = self.client.match_prefix(key)  # the L2 copy could not be loaded: recompute from the L1 prefix
         return m.device_pages, m.device_hit_len, m.last_device_node, 0, True
 
-    def _prefix(self, key: RadixKey, m, total: int) -> _Prefix:
-        """L3 prefetch (if any), load-back, lock, alloc: the reused prefix in L1 and pages for the rest."""
-        m, fetched = self._prefetch(key, m) if self.storage else (m, 0)
+    def _prefix(self, key: RadixKey, m, total: int, req_id: str | None) -> _Prefix:
+        """L3 prefetch, load-back, lock, alloc: the reused prefix in L1 and pages for the rest.
+
+        A prefetch started at arrival (``req_id``) is waited for first; then, if L3 may still extend the
+        match (pages written to L3 since the arrival query, e.g. this client's previous turn), L3 is
+        asked again (a repeated miss is answered by the head's negative cache, no storage query)."""
+        fetched = 0
+        if self.storage:
+            if req_id is not None:
+                m, fetched = self._prefetch(key, m, req_id)
+            m, more = self._prefetch(key, m)
+            fetched += more
         pages, hit, node, loaded, failed = self._load_back(key, m)
         self.client.inc_lock_ref(node)
         table = np.concatenate([pages, self.client.alloc(total - hit)]).astype(np.int32)
         return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
 
     def serve(self, req: ServeRequest) -> ServeResult:
-        prompt = np.asarray(req.prompt, dtype=np.int32)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise ValueError(f"prompt must be a non-empty 1-D token array, got shape {prompt.shape}")
-        if req.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        """Serves ``req`` now (its TTFT counts from here); picks up its prefetch if it ``arrive``d."""
         t0 = time.perf_counter()
+        key = self._key(req)
+        arrival = self._arrived.pop(id(req), None)
+        prompt = np.asarray(req.prompt, dtype=np.int32)
         ns = (req.extra_key, req.cache_salt)
-        key = RadixKey(prompt[:-1], *ns)
         total = prompt.size + req.max_new_tokens
-        p = self._prefix(key, self.client.match_prefix(key), total)
+        p = self._prefix(key, self.client.match_prefix(key), total, None if arrival is None else arrival[1])
         table, prefix_len, node, start = p.table, p.hit, p.node, p.hit
         budget = self.prefill_budget
         while budget and prompt.size - start > budget:

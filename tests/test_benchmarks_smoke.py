@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -52,3 +54,43 @@ def test_multiturn_and_long_doc_qa_tiny(tmp_path):
                       "--json", str(ld), "--png", str(tmp_path / "ld.png")])
     by = _check(ld, tmp_path / "ld.png")
     assert by["l3_prepopulated"]["notes"]["targets"]["cold_round1_hit_rate"] > 0
+
+
+class _RecordingScheduler:
+    """Stands in for ``Scheduler`` (``arrive``/``serve``) with fixed service times: 0.5 s TTFT, 1 s."""
+
+    def __init__(self) -> None:
+        self.arrived: list = []
+        self.served: list = []
+
+    def arrive(self, req) -> bool:
+        self.arrived.append(req)
+        return True
+
+    def serve(self, req):
+        import numpy as np
+
+        from hicache.serving import ServeResult
+
+        self.served.append(req)
+        return ServeResult((1,), np.zeros(1, np.float32), 0.5, 1.0, len(req.prompt), 0, 0, len(req.prompt))
+
+
+def test_arrival_model_announces_what_the_queue_holds_when_a_request_starts():
+    """Item 2 (client 0's next turn, sent when item 0 finished at t=1) is queued when item 1 starts at
+    t=1 (the server was busy until then): announced before item 1, served as that same request. Item 3
+    (tick 2.5) is not sent before item 2 starts (t=2); item 1 (tick 0.5) not before item 0 starts."""
+    import numpy as np
+
+    from benchmarks.common import ArrivalModel, Item
+    from hicache.serving import ServeRequest
+
+    items = [Item(i, c, 0, np.arange(4 + i, dtype=np.int32), 1) for i, c in enumerate([0, 1, 0, None])]
+    sched = _RecordingScheduler()
+    model = ArrivalModel(items, np.array([0.0, 0.5, 0.6, 2.5]), sched)
+    results = [model.serve(ServeRequest(it.prompt, 1)) for it in items]
+    assert [r.prompt is items[2].prompt for r in sched.arrived] == [True]
+    assert sched.served[2] is sched.arrived[0] and model.announced == 1
+    assert all(r.ttft_s >= 0.5 and r.latency_s >= 1.0 for r in results)  # announcements are charged
+    with pytest.raises(ValueError, match="expected item 0"):
+        ArrivalModel(items, np.zeros(4), _RecordingScheduler()).serve(ServeRequest(items[1].prompt, 1))

@@ -130,3 +130,57 @@ def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, ru
         Scheduler(stack.client, stack.scheduler.engine, storage=True, l3_min_tokens=-1)
     stack.client.flush_write_through_acks()
     stack.head.detach_storage_backend()
+
+
+def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, runner):
+    """``arrive`` runs the L3 query and starts the fetch while the request waits; ``serve`` checks it and
+    asks L3 again only where it may still extend the match; outputs stay exact; bad arrivals raise and
+    change nothing."""
+    from hicache.cluster.client import CacheClient, EmbeddedTransport
+    from hicache.embedded import StackOptions, build_stack
+
+    class RecordingTransport(EmbeddedTransport):
+        def __init__(self, head) -> None:
+            super().__init__(head)
+            self.methods: list[str] = []
+
+        def call(self, call):
+            self.methods.append(call.method.value)
+            return super().call(call)
+
+    opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    warm = build_stack(opts, runner)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32) for _ in range(3)]
+    for p in prompts:
+        warm.scheduler.serve(ServeRequest(p, max_new_tokens=2))
+    warm.client.flush_write_through_acks()
+    warm.head.detach_storage_backend()
+
+    cold = build_stack(opts, runner)  # empty L1/L2, same L3
+    transport = RecordingTransport(cold.head)
+    cold.scheduler.client = CacheClient(transport, FWD.page_size)
+    reqs = [ServeRequest(p, max_new_tokens=2) for p in prompts]
+    miss = ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), max_new_tokens=2)
+    assert [cold.scheduler.arrive(r) for r in reqs + [miss]] == [True, True, True, False]
+    assert transport.methods.count("prefetch_from_storage") == 4
+    with pytest.raises(ValueError, match="already arrived"):
+        cold.scheduler.arrive(reqs[0])
+    with pytest.raises(ValueError, match="non-empty"):
+        cold.scheduler.arrive(ServeRequest(np.zeros(0, np.int32), 2))
+    assert len(cold.scheduler._arrived) == 4
+    transport.methods.clear()
+    for r in reqs + [miss]:
+        res = cold.scheduler.serve(r)
+        ref = runner.generate_no_cache(r.prompt, 2)
+        assert res.output == ref.tokens
+        np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+        assert res.device_hit_tokens + res.loaded_tokens + res.computed_tokens == len(r.prompt)
+        assert res.storage_tokens == (0 if r is miss else 40)
+    # the hits were fetched whole at arrival; only the miss is asked again (L3 may have it by now)
+    assert transport.methods.count("prefetch_from_storage") == 1
+    assert transport.methods.count("check_prefetch_progress") == 3
+    assert cold.head.cache_stats()["storage"]["prefetch_started"] == 3
+    assert cold.scheduler._arrived == {}
+    cold.client.flush_write_through_acks()
+    cold.head.detach_storage_backend()
