@@ -244,6 +244,11 @@ def test_client_timeout_is_a_hicache_error_not_a_hang(cluster):
         with pytest.raises(HiCacheTimeoutError):
             fast.stats()
         assert time.monotonic() - t0 < 2.0
+        pending = [fast.submit_step([Call(Method.STATS)]) for _ in range(2)]  # two in flight: each fails alone
+        for p in pending:
+            with pytest.raises(HiCacheTimeoutError):
+                p.result()
+        assert time.monotonic() - t0 < 4.0
         assert ray.get(busy, timeout=120).status == "ok"
         assert hicache.connect("z", timeout_s=30).stats().num_nodes == 0
     finally:

@@ -202,3 +202,20 @@ def test_a_match_result_with_a_storage_hit_travels_compact_and_exact():
     (back,) = wire.decode_results(header, buf, [call])
     assert_same(back, CallResult(True, m))
     assert back.value.storage_hit_len == 64
+
+
+def test_a_finish_sends_its_output_and_the_next_turn_its_new_tokens():
+    """Turn 2's prompt extends turn 1's finished sequence: with both keys in the key history, the finish
+    carries the tokens past the prompt's whole blocks, the next prompt those past the sequence's."""
+    pair = Pair()
+    prompt1 = np.arange(1000, 1100, dtype=np.int32)  # 6 whole blocks + 4
+    seq1 = np.r_[prompt1, np.arange(50, dtype=np.int32)]  # 150 tokens: 9 whole blocks + 6
+    prompt2 = np.r_[seq1, np.arange(7000, 7030, dtype=np.int32)]
+    m, own = (r.value for r in pair.step([Call(Method.MATCH_PREFIX, RadixKey(prompt1)), Call(Method.ALLOC, 152)]))
+    finish = Call(Method.CACHE_FINISHED_REQ, RequestState(RadixKey(seq1), own, 0, m.last_device_node))
+    header, _, keys = wire.encode_calls([finish], pair.sent)
+    assert header[0][2:6] == (0, 96, 0, 150 - 96) and len(keys) == 1  # entry 0 (prompt1), 96 tokens; 54 sent
+    pair.step([finish])
+    header, _, _ = wire.encode_calls([Call(Method.MATCH_PREFIX, RadixKey(prompt2))], pair.sent)
+    assert header[0][2:6] == (1, 144, 0, 180 - 144)  # entry 1 (seq1): 144 tokens; 36 sent
+    assert pair.step([Call(Method.MATCH_PREFIX, RadixKey(prompt2))])[0].value.device_hit_len == 148  # whole pages of seq1
