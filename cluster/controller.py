@@ -278,8 +278,7 @@ class HiCacheController:
                 full.maybe_push(last_device)  # an eviction pass may have dropped its queue entry meanwhile
             self.counters.miss_tokens[MissReason.NO_SPACE] += tokens
             return self._prefix_result(last_device, last_device, None, 0, -1, MissReason.NO_SPACE)
-        full.attach_loading_chain(chain, pages)
-        slots = leaf.host_slots if len(chain) == 1 else np.concatenate([c.host_slots for c in chain])
+        slots = full.attach_loading_chain(chain, pages)
         load_id = next(self._op_ids)
         # Queued loads are merged into one TransferOp when sent (``submit``): one per step, not per request.
         self._queue(_QueuedCopy(load_id, OpKind.LOAD_H2D, pages, slots), chain)  # type: ignore[arg-type]

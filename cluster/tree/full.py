@@ -84,28 +84,33 @@ class FullComponent(TreeComponent):
         else:
             self.evictable_tokens += n
 
-    def attach_loading_chain(self, chain: list[TreeNode], pages: np.ndarray) -> None:
-        """A load-back starts: the host-only ``chain`` (root first, every node locked by the load) takes the
-        request-held ``pages`` in order and is marked ``loading`` until the controller applies the ack.
-        One allocator update for the whole chain; each node's pages are a slice of ``pages`` (node page
-        arrays are never written in place)."""
+    def attach_loading_chain(self, chain: list[TreeNode], pages: np.ndarray) -> np.ndarray:
+        """A load-back starts: the host-only ``chain`` (root first; the caller locked its deepest node, so
+        the whole path) takes the request-held ``pages`` in order and is marked ``loading`` until the
+        controller applies the ack. One allocator update for the whole chain; each node's pages are a slice
+        of ``pages`` (node page arrays are never written in place). Returns the chain's host ids in the same
+        order (the load's source: ``pages[i]`` gets the KV of slot ``i``)."""
+        ps = self.tree.page_size
         if len(chain) == 1:
             node = chain[0]
-            assert node.device_pages is None and node.lock_ref and pages.shape[0] * self.tree.page_size == node.num_tokens
+            assert node.device_pages is None and node.lock_ref and pages.shape[0] * ps == node.num_tokens
             node.device_pages = pages
             node.loading = True
+            slots = node.host_slots
         else:
             start = 0
-            ps = self.tree.page_size
+            parts = []
             for node in chain:
-                assert node.device_pages is None and node.lock_ref
                 end = start + node.num_tokens // ps
                 node.device_pages = pages[start:end]
                 node.loading = True
+                parts.append(node.host_slots)
                 start = end
             assert start == pages.shape[0], f"{pages.shape[0]} pages for a chain of {start}"
+            slots = np.concatenate(parts)
         self.allocator.transfer(pages, PageOwner.TREE)
-        self.protected_tokens += pages.shape[0] * self.tree.page_size
+        self.protected_tokens += pages.shape[0] * ps
+        return slots
 
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         self.attach_pages(node, params.device_pages[page_start:page_end].copy())

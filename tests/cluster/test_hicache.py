@@ -215,7 +215,9 @@ def _host_only_prefixes(env: HiCacheEnv, n: int) -> list[np.ndarray]:
     return prefixes
 
 
-def test_a_steps_load_backs_travel_as_one_op_and_are_exact():
+def test_a_steps_load_backs_travel_as_one_op_and_are_exact(monkeypatch):
+    # Held backups also go after a wall-clock hold (50 ms): longer here, so a slow machine cannot send them.
+    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
     env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
     prefixes = _host_only_prefixes(env, 4)
     rec = RecordingWorkers(env.head.controller.workers)
