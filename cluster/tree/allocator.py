@@ -26,6 +26,10 @@ class PageOwner(IntEnum):
 _FREE, _REQUEST, _TREE = int(PageOwner.FREE), int(PageOwner.REQUEST), int(PageOwner.TREE)
 _OWNER_BYTE = {int(o): bytes([int(o)]) for o in PageOwner}
 _INTP = np.intp
+try:  # the C function itself: np.count_nonzero adds a Python wrapper (~1 us per call)
+    from numpy._core.multiarray import count_nonzero as count_true  # numpy >= 2
+except ImportError:  # pragma: no cover - numpy 1.x
+    from numpy.core.multiarray import count_nonzero as count_true
 
 
 def as_index(pages: np.ndarray) -> np.ndarray:

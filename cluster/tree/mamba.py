@@ -75,7 +75,8 @@ class _MambaNode(QueuedValue):
     __slots__ = ("slot", "lock", "host_slot")
 
     def __init__(self) -> None:
-        super().__init__()
+        self.version = 0  # ``QueuedValue`` fields, set here (no super call per node)
+        self.queued = False
         self.slot = -1  # device state slot (TREE) or -1
         self.lock = 0  # requests that copy from this node's state
         self.host_slot = -1  # host copy of the state or -1

@@ -384,7 +384,10 @@ class RadixTree:
             path[-1] = self._split(path[-1], partial)
         # Nodes below ``start`` already in L1 (``start``'s path holds the request's own prefix pages: the
         # tree's pages, nothing for a component to take over there).
-        existing = self._existing_below(path[len(ancestors) :], start_pos) if hooks.on_insert_existing else None
+        existing = (
+            self._existing_below(path[len(ancestors) :], start_pos)
+            if hooks.on_insert_existing and len(path) > len(ancestors) else None
+        )
         self._tick += 1
         tick = self._tick
         listener = self.listener
@@ -410,7 +413,11 @@ class RadixTree:
         if pos < end and hooks.insert_boundaries:
             first, stop = pos // ps, end // ps
             index = checked[first - base : stop - base] if checked is not None else as_index(pages[first:stop])
-            cuts = sorted({c for f in hooks.insert_boundaries for c in f(params, first, stop, index)})
+            boundaries = hooks.insert_boundaries  # each returns sorted cuts; merge only when several do
+            cuts = (
+                boundaries[0](params, first, stop, index) if len(boundaries) == 1
+                else sorted({c for f in boundaries for c in f(params, first, stop, index)})
+            )
             for cut in cuts:  # components need the new run in several nodes (SWA: tombstone | live)
                 node = self._new_node(parent, tb[4 * pos : 4 * cut * ps], priority)
                 parent.children[node.key_bytes[:ck]] = node
@@ -673,7 +680,10 @@ class RadixTree:
             raise ValueError(f"prefix_len {state.prefix_len} must be a page multiple within [0, {n_tokens}]")
         if state.components or self.hooks.validate_request:
             self._check_request_components(state)
-        return sum(trim_request(state) for trim_request in self.hooks.trim_request)
+        released = 0
+        for trim_request in self.hooks.trim_request:
+            released += trim_request(state)
+        return released
 
     def _path_pages(self, node: TreeNode) -> np.ndarray:
         parts = []

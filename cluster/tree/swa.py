@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner, as_index
+from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner, as_index, count_true
 from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
 from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode
@@ -69,18 +69,12 @@ def check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
 
 
-def _mapped(sp: np.ndarray) -> np.ndarray:
-    """The SWA pages in ``sp`` (``swa_of`` of some full pages; -1 = none), without a copy when all are."""
-    live = sp >= 0
-    c = np.count_nonzero(live)  # count_nonzero: ~10x cheaper per call than .all()/.any() (ufunc reduce)
-    return sp if c == sp.shape[0] else sp[live]
-
-
 class _SWANode(QueuedValue):
     __slots__ = ("lock", "bounds", "host_slots", "end")
 
     def __init__(self) -> None:
-        super().__init__()
+        self.version = 0  # ``QueuedValue`` fields, set here (no super call per node)
+        self.queued = False
         self.lock = 0  # SWA locks covering (part of) this node
         self.bounds: dict[int, int] | None = None  # window start q -> locks whose topmost node is this one
         self.host_slots: np.ndarray | None = None  # i32[pages]: host copy of the SWA pages
@@ -167,9 +161,12 @@ class MappedPageAllocator(PageAllocator):
         self.spare = spare
 
     def alloc(self, num_pages: int) -> np.ndarray:
-        if self.bounded and num_pages > self.num_free:
-            raise CacheCapacityError(f"need {num_pages} pages, {self.num_free} free")
-        swa_pages = self.swa.alloc_swa(num_pages)  # may tombstone; raises before any full page is taken
+        if self.bounded and num_pages > self._num_free:
+            raise CacheCapacityError(f"need {num_pages} pages, {self._num_free} free")
+        pool = self.swa.allocator
+        if pool.bounded and num_pages > pool._num_free:
+            self.swa.make_room(num_pages)  # may tombstone; raises before any full page is taken
+        swa_pages = pool._pop_free(num_pages)
         pages, idx = super().alloc_indexed(num_pages)
         self.swa_of[idx] = swa_pages
         self.spare[idx] = False
@@ -182,14 +179,22 @@ class MappedPageAllocator(PageAllocator):
         return idx[(self._owner[idx] == PageOwner.REQUEST) & (self.swa_of[idx] >= 0)] if idx.shape[0] else idx
 
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
-        if pages.shape[0] == 0:
+        n = pages.shape[0]
+        if n == 0:
             return
         idx = pages.astype(np.intp) if index is None else index
-        live = _mapped(self.swa_of[idx])
-        if live.shape[0]:  # tombstoned pages map nothing: no SWA work at all
-            self.swa.allocator.release(live)
-            self.swa_of[idx] = -1
+        self.unmap(idx)
         super().release(pages, idx)
+
+    def unmap(self, idx: np.ndarray) -> int:
+        """Frees the SWA pages of the full pages ``idx`` (``intp``) and unmaps them; returns how many."""
+        sp = self.swa_of[idx]
+        live = sp >= 0
+        c = count_true(live)  # count_nonzero: ~10x cheaper per call than .all()/.any() (ufunc reduce)
+        if c:  # tombstoned pages map nothing: no SWA work at all
+            self.swa.allocator.release(sp if c == sp.shape[0] else sp[live])
+            self.swa_of[idx] = -1
+        return c
 
     def reset(self) -> None:
         super().reset()
@@ -249,7 +254,7 @@ class SWAComponent(TreeComponent):
             return node.num_tokens
         if swa_of.item(pages.item(-1)) < 0:
             return 0
-        return np.count_nonzero(swa_of[pages] >= 0) * self.page_size
+        return count_true(swa_of[pages] >= 0) * self.page_size
 
     def is_evictable(self, node: TreeNode) -> bool:
         if node.parent is None or node.loading or not self.has_live(node):
@@ -260,24 +265,21 @@ class SWAComponent(TreeComponent):
         """SWA page ids of full pages (-1 where the SWA KV is gone): what the model's SWA layers read."""
         return self.mapped.swa_of[np.asarray(full_pages, dtype=np.int32)]
 
-    def alloc_swa(self, num_pages: int) -> np.ndarray:
+    def make_room(self, num_pages: int) -> None:
+        """Evicts SWA (spare pages first, then LRU tombstones) until ``num_pages`` SWA pages are free;
+        CacheCapacityError if it cannot."""
         alloc = self.allocator
         short = num_pages - alloc.num_free
-        if short > 0 and alloc.bounded:
+        if short > 0:
             self.evict_component(short * self.page_size)
             if alloc.num_free < num_pages:
                 raise CacheCapacityError(
                     f"SWA pool: need {num_pages} pages, {alloc.num_free} free and nothing more to tombstone"
                 )
-        return alloc.alloc(num_pages)
 
     def _tombstone(self, node: TreeNode) -> int:
         """Frees the node's SWA pages (full KV stays); returns SWA pages freed."""
-        idx = node.device_pages.astype(np.intp)
-        live = _mapped(self.mapped.swa_of[idx])
-        self.allocator.release(live)
-        self.mapped.swa_of[idx] = -1
-        return int(live.shape[0])
+        return self.mapped.unmap(node.device_pages.astype(np.intp))
 
     # -- structure hooks -------------------------------------------------------------------------------
     def insert_boundaries(
@@ -285,8 +287,8 @@ class SWAComponent(TreeComponent):
     ) -> Sequence[int]:
         live = self.mapped.swa_of[index] >= 0
         n = live.shape[0]
-        c = np.count_nonzero(live)
-        if c == 0 or c == n or np.count_nonzero(live[n - c :]) == c:
+        c = count_true(live)
+        if c == n or c == 0 or count_true(live[n - c :]) == c:
             return ()  # all dead, all live, or a dead head and a live tail: one node
         return (np.flatnonzero(live[:-1] & ~live[1:]) + 1 + page_start).tolist()  # cut after each live run
 
@@ -295,7 +297,7 @@ class SWAComponent(TreeComponent):
             self.queue.push(node)
 
     def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        c = np.count_nonzero(self.mapped.swa_of[node.device_pages.astype(np.intp)] >= 0)
+        c = count_true(self.mapped.swa_of[node.device_pages.astype(np.intp)] >= 0)
         if c == node.device_pages.shape[0]:
             self.queue.push(node)
         elif c:
@@ -318,9 +320,9 @@ class SWAComponent(TreeComponent):
         idx = theirs.astype(np.intp)
         sp = swa_of[idx]
         n = sp.shape[0]
-        if np.count_nonzero(sp >= 0) != n or np.array_equal(theirs, node.device_pages):
+        if count_true(sp >= 0) != n or np.array_equal(theirs, node.device_pages):
             return
-        if np.count_nonzero(self.mapped.owners(theirs) == PageOwner.REQUEST) != n:
+        if count_true(self.mapped.owners(theirs) == PageOwner.REQUEST) != n:
             return
         swa_of[node.device_pages] = sp
         swa_of[idx] = -1
@@ -452,7 +454,7 @@ class SWAComponent(TreeComponent):
     # -- requests --------------------------------------------------------------------------------------
     def trim_request(self, state: RequestState) -> int:
         ps = self.page_size
-        end = len(state.key) // ps * ps
+        end = state.key.token_ids.shape[0] // ps * ps
         cut = (end - self.window) // ps
         k = state.prefix_len // ps
         if cut <= k:
@@ -527,8 +529,7 @@ class SWAComponent(TreeComponent):
             tree.full.maybe_push(node)  # it may have become a leaf (nothing dropped: nothing changed for Full)
         return freed
 
-    def after_device_evict(self, parent: TreeNode) -> int:
-        return self._drop_dead_leaves(parent)
+    after_device_evict = _drop_dead_leaves  # a child of ``parent`` left L1: ``parent`` may be a dead leaf now
 
     # -- HiCache ---------------------------------------------------------------------------------------
     def _loading_chain(self, node: TreeNode) -> list[TreeNode]:
