@@ -18,6 +18,10 @@ Ordering (host side):
   ops still on the storage thread, and (S2H) in-place H2D loads;
 * storage ops run one at a time in submission order, so they are ordered among themselves.
 
+Waiting: ``wait(timeout_s)`` waits for everything submitted; ``wait(timeout_s, op_ids=...)`` only
+for the named ops (and, for a named D2H/H2D, the device ops before it, which are acked in order),
+so a load-back never waits behind L2->L3 writes. Both return every ack that is ready.
+
 An S2H never writes the pool from the storage thread: the executor may return ``(bytes, commit)``
 and ``commit()`` (the one pool write) runs on the owner thread when the op is acked, like a D2H
 commit; a failed or timed-out op commits nothing. Acks come in submission order except that an
