@@ -162,11 +162,13 @@ def main() -> None:
     parser.add_argument("--capacity-tokens", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--calls", type=int, default=1000, help="single calls for the latency figures")
-    parser.add_argument("--in-flight", type=int, default=1,
-                        help="steps in flight (an overlap scheduler); same schedule for both clients")
+    parser.add_argument("--in-flight", type=int, default=2,
+                        help="steps in flight (an overlap scheduler; 1: wait for each step); same schedule for both clients")
     parser.add_argument("--two-steps", action="store_true",
                         help="two round trips per batch (lock/alloc sent after the match results came back)")
     args = parser.parse_args()
+    if args.in_flight < 1:
+        parser.error(f"--in-flight must be >= 1, got {args.in_flight}")
     chained = not args.two_steps
     spec = MultiTurnSpec(conversations=128, turns=4) if args.quick else MultiTurnSpec()
     rounds = multi_turn(spec)
@@ -189,7 +191,7 @@ def main() -> None:
     emb = embedded(config)
     try:
         handle = hicache.start_replica(ReplicaConfig(config, detached=False))
-        client = hicache.connect(config.replica, timeout_s=120, max_in_flight=max(1, args.in_flight))
+        client = hicache.connect(config.replica, timeout_s=120, max_in_flight=args.in_flight)
         # Alternate the two so both see the same background load; keep the best run of each.
         emb_best = ray_best = None
         step_times: list[float] = []

@@ -21,6 +21,7 @@ are private to the caller (the tree copies the pages it keeps; key-history entri
 Decoding a request state needs the head's tree and runs on the head's control thread, call by call,
 in step order (a node created or split by an earlier call of the same step is seen).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
