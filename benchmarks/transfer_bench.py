@@ -41,7 +41,7 @@ Method (this VM is noisy: the same run varies up to 2x, so every comparison is p
   size): ``rss_base`` before the pools exist (JAX runtime, a warm-up on a tiny worker and the
   baseline buffers included),
   ``pools_resident`` = growth when they are built, ``warmup_growth`` = growth over the warm-up
-  (XLA compiles, caches), ``transfer_growth`` = peak during the timed rounds (sampled after every
+  (XLA compiles, caches, and the plans of the timed rounds, all built before the clock starts), ``transfer_growth`` = peak during the timed rounds (sampled after every
   transfer, outside the clock) above the post-warm-up level. Target: ``pools_resident +
   transfer_growth <= L1 + L2 of every pool + 2 x the largest batch + CODE_SLACK_PER_POOL per pool``
   (no hidden copy of a pool when building it or while moving pages); the warm-up (compile) growth
@@ -227,16 +227,20 @@ def run_page_size(page_bytes: int, pools_mib: list[int], reps: int, memcpy: Memc
             for kind in kinds.values():
                 for plan in _plans(seq, kind, w.device_pool.num_pages, n, 2, rng):
                     _timed(w, plan)
+    # Every timed plan is built now, before the RSS level the transfers are measured from: the plans
+    # are inputs (several MiB of ids for the small-page rounds), not memory a transfer holds. Seq
+    # numbers in execution order (each worker needs increasing seqs).
+    schedules = {}
+    for n in batches:
+        rounds = reps * next((f for limit, f in ROUNDS_FACTOR if n * page_bytes <= limit), 1)
+        schedules[n] = [[(p, d, _plans(seq, k, w.device_pool.num_pages, n, 1, rng)[0])
+                         for p, w in workers.items() for d, k in kinds.items()] for _ in range(rounds)]
     rss_warm = rss.now()
     rss.peak = rss_warm
 
     times: dict[tuple, list[float]] = {}
     for n in batches:
-        rounds = reps * next((f for limit, f in ROUNDS_FACTOR if n * page_bytes <= limit), 1)
-        # seq numbers in execution order (each worker needs increasing seqs)
-        schedule = [[(p, d, _plans(seq, k, w.device_pool.num_pages, n, 1, rng)[0])
-                     for p, w in workers.items() for d, k in kinds.items()] for _ in range(rounds)]
-        for todo in schedule:
+        for todo in schedules[n]:
             for pool_mib, direction, plan in todo:
                 times.setdefault((direction, n, pool_mib), []).append(_timed(workers[pool_mib], plan))
                 rss.sample()
