@@ -139,7 +139,11 @@ class RayTransport:
                 entry.error = e
                 return False
             if reply.status == "ok":
-                entry.results = wire.decode_results(*reply.results, entry.calls)
+                try:
+                    entry.results = wire.decode_results(*reply.results, entry.calls)
+                except Exception as e:  # a reply this client cannot read: that step fails, not the transport
+                    entry.error = HiCacheError(f"replica {self.replica!r}: unreadable step reply: {e!r}")
+                    return False
                 return attempt == 0
             self._forget(entry.sent)
             if attempt == 0:
