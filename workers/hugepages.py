@@ -61,15 +61,3 @@ def advise_huge_pages(address: int, nbytes: int, *, collapse: bool = True) -> in
         _MADVISE(start, length, MADV_COLLAPSE)  # best effort: ENOMEM/EINVAL keep the advice only
     return length
 
-
-def anon_huge_page_bytes() -> int:
-    """Bytes of this process's anonymous memory in huge pages (``/proc/self/smaps_rollup``); 0 if
-    unknown. For tests and benchmarks."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) << 10
-    except OSError:
-        pass
-    return 0
