@@ -58,6 +58,10 @@ class ControlPlaneBenchRecord:
     embedded_cpu_ms: float  # this process, embedded head
     ray_client_cpu_ms: float  # this process, Ray client
     ray_head_cpu_ms: float  # the head actor's process
+    # throughput ratios the CPU figures allow: client and head each on a free core, working in parallel
+    # (in flight >= 2), and client and head sharing one core (the load-free bounds of ray_over_embedded)
+    ray_over_embedded_cpu_parallel: float  # embedded_cpu_ms / max(ray_client_cpu_ms, ray_head_cpu_ms)
+    ray_over_embedded_cpu_serial: float  # embedded_cpu_ms / (ray_client_cpu_ms + ray_head_cpu_ms)
 
 
 def run_batched(
@@ -231,6 +235,8 @@ def main() -> None:
         call_p50_ms=float(np.percentile(lat, 50)), call_p99_ms=float(np.percentile(lat, 99)),
         embedded_call_p50_ms=float(np.percentile(emb_lat, 50)),
         embedded_cpu_ms=emb_cpu * 1e3, ray_client_cpu_ms=client_cpu * 1e3, ray_head_cpu_ms=ray_head_cpu * 1e3,
+        ray_over_embedded_cpu_parallel=emb_cpu / max(client_cpu, ray_head_cpu),
+        ray_over_embedded_cpu_serial=emb_cpu / (client_cpu + ray_head_cpu),
     )
     for k, v in asdict(rec).items():
         print(f"{k:>24}: {v:.4f}" if isinstance(v, float) else f"{k:>24}: {v}")
