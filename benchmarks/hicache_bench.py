@@ -86,9 +86,9 @@ class TimedWorkers(LocalWorkerGroup):
         self.seconds += time.perf_counter() - t
         return acks
 
-    def wait(self, timeout_s: float):
+    def wait(self, timeout_s: float, op_ids=None):
         t = time.perf_counter()
-        acks = super().wait(timeout_s)
+        acks = super().wait(timeout_s, op_ids)
         self.seconds += time.perf_counter() - t
         return acks
 

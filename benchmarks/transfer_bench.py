@@ -406,9 +406,9 @@ def record_hicache_calls() -> tuple[KVCacheSpec, int, int, list[tuple[str, objec
             calls.append(("poll", None))
             return super().poll()
 
-        def wait(self, timeout_s):
-            calls.append(("wait", timeout_s))
-            return super().wait(timeout_s)
+        def wait(self, timeout_s, op_ids=None):
+            calls.append(("wait", (timeout_s, op_ids)))
+            return super().wait(timeout_s, op_ids)
 
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_size=16, dtype="float32")  # as hicache_bench
     l1, l2 = 200_000, 800_000
@@ -429,7 +429,7 @@ def replay(spec: KVCacheSpec, l1: int, l2: int, calls: list, reps: int) -> float
             elif kind == "poll":
                 w.poll()
             else:
-                w.wait(arg)
+                w.wait(*arg)
         acks = w.wait(timeout_s=600)
         dt = time.thread_time() - t
         assert all(a.ok for a in acks), [a.error for a in acks if not a.ok]

@@ -313,7 +313,9 @@ class HiCacheController:
         self.submit()
         self._apply(self.workers.poll())
         if load_id in self._loads:
-            self._apply(self.workers.wait(timeout))
+            # Only the loads in flight (device ops are acked in order): never the L2->L3 writes.
+            loads = [op_id for op_id, (_, op) in self._pending.items() if op.kind is OpKind.LOAD_H2D]
+            self._apply(self.workers.wait(timeout, loads))
         return self._finished_loads.pop(load_id, False)
 
     # -- sending and acks ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,8 +168,8 @@ class HostWorkerActor:
     def poll(self) -> list[TransferAck]:
         return self._w().poll()
 
-    def wait(self, timeout_s: float) -> list[TransferAck]:
-        return self._w().wait(timeout_s)
+    def wait(self, timeout_s: float, op_ids: list[int] | None = None) -> list[TransferAck]:
+        return self._w().wait(timeout_s, op_ids)
 
     # -- data plane (SPMD: every host, same ids; the engine's forward in a real deployment) ------------
     def head_range(self) -> tuple[int, int]:
@@ -393,13 +393,15 @@ class RayWorkerGroup:
             return []
         return self._gather([a.poll.remote() for a in self.actors], self.options.call_timeout_s, "poll")
 
-    def wait(self, timeout_s: float) -> list[TransferAck]:
+    def wait(self, timeout_s: float, op_ids: Collection[int] | None = None) -> list[TransferAck]:
         if self.lost is not None:
             return []
         self._check_submits()
         if self.lost is not None:
             return []
-        acks = self._gather([a.wait.remote(timeout_s) for a in self.actors], timeout_s + self.options.call_timeout_s, "wait")
+        ids = None if op_ids is None else list(op_ids)
+        acks = self._gather([a.wait.remote(timeout_s, ids) for a in self.actors],
+                            timeout_s + self.options.call_timeout_s, "wait")
         self._check_submits()
         return acks
 

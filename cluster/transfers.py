@@ -9,7 +9,7 @@ in-process ``HostWorker`` objects in embedded mode, Ray actor handles in the clu
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -30,7 +30,8 @@ class WorkerGroup(Protocol):
 
     def poll(self) -> list[TransferAck]: ...
 
-    def wait(self, timeout_s: float) -> list[TransferAck]: ...
+    def wait(self, timeout_s: float, op_ids: Collection[int] | None = None) -> list[TransferAck]: ...
+    # op_ids: wait only for these ops (and the device ops before them), as HostWorker.wait
 
     # L3: every host keeps its own storage client over its shard of each page.
     def attach_storage(self, attachment: StorageAttachment | None) -> None: ...
@@ -76,11 +77,11 @@ class LocalWorkerGroup:
     def poll(self) -> list[TransferAck]:
         return [ack for worker in self.workers for ack in worker.poll()]
 
-    def wait(self, timeout_s: float) -> list[TransferAck]:
+    def wait(self, timeout_s: float, op_ids: Collection[int] | None = None) -> list[TransferAck]:
         deadline = time.monotonic() + timeout_s
         acks = []
         for worker in self.workers:
-            acks += worker.wait(max(0.0, deadline - time.monotonic()))
+            acks += worker.wait(max(0.0, deadline - time.monotonic()), op_ids)
         return acks
 
     def attach_storage(self, attachment: StorageAttachment | None) -> None:

@@ -325,8 +325,8 @@ class _HeldHost:
     def poll(self):
         return self._gate(self.inner.poll())
 
-    def wait(self, timeout_s: float):
-        return self._gate(self.inner.wait(min(timeout_s, 0.2)))
+    def wait(self, timeout_s: float, op_ids=None):
+        return self._gate(self.inner.wait(min(timeout_s, 0.2), op_ids))
 
 
 @pytest.mark.parametrize("host1_ok", [True, False])

@@ -81,3 +81,41 @@ def test_manifest_lists_stored_prefixes_after_flush(tmp_path):
     again = HiCacheEnv(storage_url=url)
     store = again.workers._executors()[0].storage
     assert tuple(c.tolist()) in {tuple(p.tokens.tolist()) for p in store.list_prefixes(ns)}
+
+
+def test_load_back_does_not_wait_for_l3_writes_in_flight(tmp_path):
+    """A request's load-back waits for its L2->L1 load only: an L2->L3 write still running (slow storage)
+    is neither waited for nor blocks the load (if it were, the timer below would release it first)."""
+    import threading
+
+    env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3", faults={"delay_polls": 0})
+    a, b = seq(0, 32), seq(5000, 32)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    assert env.head.evict(32).evicted_tokens == 32  # a: host-only (in L2 and L3)
+    release, storage = threading.Event(), env.worker.storage_executor.storage
+    real_set = storage.batch_set
+
+    def slow_set(*args, **kwargs):
+        release.wait(60)
+        return real_set(*args, **kwargs)
+
+    storage.batch_set = slow_set
+    timer = threading.Timer(10.0, release.set)
+    timer.start()
+    try:
+        env.serve(b)  # b's L1->L2 backup, then its L2->L3 write (which hangs)
+        deadline = time.monotonic() + 30
+        while not env.head.controller.storage.in_flight and time.monotonic() < deadline:
+            time.sleep(0.06)  # past the backup hold
+            env.head.check_hicache_events()
+        assert env.head.controller.storage.in_flight, "b's L3 write never started"
+        env.workers.delay_polls = 10**9  # polls hold the load's ack: the load-back has to wait for it
+        r = env.serve(a)  # checks the loaded bytes
+        assert not release.is_set()
+        assert r["loaded"] == 32
+    finally:
+        release.set()
+        timer.cancel()
+    env.head.flush_write_through_acks()
+    del storage.batch_set

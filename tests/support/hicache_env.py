@@ -49,6 +49,11 @@ class FaultyWorkers:
     def num_hosts(self) -> int:
         return self.inner.num_hosts
 
+    def __getattr__(self, name: str):  # the L3 calls (attach_storage, storage_exists, ...) pass through
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def submit(self, plan: TransferPlan) -> None:
         for op in plan.ops:
             self._kinds[op.op_id] = op.kind
@@ -73,8 +78,8 @@ class FaultyWorkers:
     def poll(self) -> list[TransferAck]:
         return self._filter(self.inner.poll(), flush=False)
 
-    def wait(self, timeout_s: float) -> list[TransferAck]:
-        return self._filter(self.inner.wait(timeout_s), flush=True)
+    def wait(self, timeout_s: float, op_ids=None) -> list[TransferAck]:
+        return self._filter(self.inner.wait(timeout_s, op_ids), flush=True)
 
 
 class HiCacheEnv:
