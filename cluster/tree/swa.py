@@ -119,7 +119,7 @@ class SWAPagePool(PageAllocator):
 
     def _derived_owners(self) -> np.ndarray:
         mapped = self.swa.mapped
-        full = np.flatnonzero(mapped.swa_of >= 0)
+        full = np.flatnonzero((mapped.swa_of >= 0) & (mapped._owner != PageOwner.FREE))  # free: stale entries
         owners = np.zeros(self.capacity, dtype=np.int8)  # FREE unless a full page maps here
         owners[mapped.swa_of[full]] = mapped.owners(full)
         return owners
@@ -142,7 +142,9 @@ class MappedPageAllocator(PageAllocator):
 
     An SWA page's owner follows its full page. ``spare`` counts only on REQUEST pages that map an SWA
     page: a page the tree takes or frees, or whose SWA page went, keeps a stale flag (no store on the hot
-    paths), cleared when it is handed out again."""
+    paths), cleared when it is handed out again. Likewise a FREE full page keeps a stale ``swa_of`` entry
+    (its SWA page went back to the pool when it was freed; ``alloc`` rewrites it): only entries of pages a
+    request or the tree holds mean anything."""
 
     def __init__(self, capacity: int | None, swa: SWAComponent) -> None:
         super().__init__(capacity)
@@ -183,17 +185,19 @@ class MappedPageAllocator(PageAllocator):
         if n == 0:
             return
         idx = pages.astype(np.intp) if index is None else index
-        self.unmap(idx)
+        self.unmap(idx, keep_stale=True)  # the freed full pages' entries go stale: no store per page
         super().release(pages, idx)
 
-    def unmap(self, idx: np.ndarray) -> int:
-        """Frees the SWA pages of the full pages ``idx`` (``intp``) and unmaps them; returns how many."""
+    def unmap(self, idx: np.ndarray, keep_stale: bool = False) -> int:
+        """Frees the SWA pages of the full pages ``idx`` (``intp``) and unmaps them (``keep_stale``: the
+        full pages are being freed, their entries may stay); returns how many SWA pages were freed."""
         sp = self.swa_of[idx]
         live = sp >= 0
         c = count_true(live)  # count_nonzero: ~10x cheaper per call than .all()/.any() (ufunc reduce)
         if c:  # tombstoned pages map nothing: no SWA work at all
             self.swa.allocator.release(sp if c == sp.shape[0] else sp[live])
-            self.swa_of[idx] = -1
+            if not keep_stale:
+                self.swa_of[idx] = -1
         return c
 
     def reset(self) -> None:
@@ -262,7 +266,8 @@ class SWAComponent(TreeComponent):
         return self._state(node).lock == 0
 
     def translate(self, full_pages: np.ndarray) -> np.ndarray:
-        """SWA page ids of full pages (-1 where the SWA KV is gone): what the model's SWA layers read."""
+        """SWA page ids of full pages (-1 where the SWA KV is gone): what the model's SWA layers read.
+        Only pages a request or the tree holds (a free page's entry is stale)."""
         return self.mapped.swa_of[np.asarray(full_pages, dtype=np.int32)]
 
     def make_room(self, num_pages: int) -> None:
@@ -604,8 +609,7 @@ class SWAComponent(TreeComponent):
     def check_invariants(self) -> None:
         mapped, swa = self.mapped, self.allocator
         owners = mapped.owners(np.arange(mapped.capacity))
-        swa_of = mapped.swa_of
-        assert (swa_of[owners == PageOwner.FREE] == -1).all(), "a free full page keeps an SWA page"
+        swa_of = np.where(owners == PageOwner.FREE, -1, mapped.swa_of)  # a free page's entry is stale
         sp = swa_of[swa_of >= 0]
         assert np.unique(sp).size == sp.size, "an SWA page is mapped from two full pages"
         for owner in (PageOwner.REQUEST, PageOwner.TREE):
