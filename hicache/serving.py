@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hicache.cluster.client import CacheClient
+from hicache.cluster.client import CacheClient, ResultRef
+from hicache.cluster.head import Call, Method
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
@@ -209,10 +210,14 @@ class Scheduler:
         """Brings the L2 part of a match into L1 (waits, bounded); on failure falls back to L1's prefix."""
         if not (self.hicache and m.host_hit_len > 0):
             return m.device_pages, m.device_hit_len, m.last_device_node, 0, False
-        r = self.client.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+        # one round trip: start the load and wait for it (a load id of -1, nothing loaded, waits for nothing)
+        started, done = self.client.step([
+            Call(Method.INIT_LOAD_BACK, LoadBackParams(m.best_match_node, m.host_hit_len)),
+            Call(Method.WAIT_LOAD_BACK, ResultRef(0, "load_id"))])
+        r = started.unwrap()
         if r.load_id < 0:
             return m.device_pages, m.device_hit_len, m.last_device_node, 0, False
-        if self.client.wait_load_back(r.load_id):
+        if done.unwrap():
             return r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens, False
         m = self.client.match_prefix(key)  # the L2 copy could not be loaded: recompute from the L1 prefix
         return m.device_pages, m.device_hit_len, m.last_device_node, 0, True
@@ -230,8 +235,9 @@ class Scheduler:
             m, more = self._prefetch(key, m)
             fetched += more
         pages, hit, node, loaded, failed = self._load_back(key, m)
-        self.client.inc_lock_ref(node)
-        table = np.concatenate([pages, self.client.alloc(total - hit)]).astype(np.int32)
+        locked, new_pages = self.client.step([Call(Method.INC_LOCK_REF, node), Call(Method.ALLOC, total - hit)])
+        locked.unwrap()
+        table = np.concatenate([pages, new_pages.unwrap()]).astype(np.int32)
         return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
 
     def serve(self, req: ServeRequest) -> ServeResult:
