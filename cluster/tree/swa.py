@@ -117,6 +117,10 @@ class SWAPagePool(PageAllocator):
             self._free[self._num_free : self._num_free + n] = pages[::-1]
             self._num_free += n
 
+    def release_one(self, page: int) -> None:
+        self._free[self._num_free] = page  # no owner to record
+        self._num_free += 1
+
     def _derived_owners(self) -> np.ndarray:
         mapped = self.swa.mapped
         full = np.flatnonzero((mapped.swa_of >= 0) & (mapped._owner != PageOwner.FREE))  # free: stale entries
@@ -185,7 +189,12 @@ class MappedPageAllocator(PageAllocator):
         if n == 0:
             return
         idx = pages.astype(np.intp) if index is None else index
-        self.unmap(idx, keep_stale=True)  # the freed full pages' entries go stale: no store per page
+        if n == 1:  # a request's partial tail page: Python ints, no SWA array work
+            sp = self.swa_of.item(pages.item(0))
+            if sp >= 0:
+                self.swa.allocator.release_one(sp)
+        else:
+            self.unmap(idx, keep_stale=True)  # the freed full pages' entries go stale: no store per page
         super().release(pages, idx)
 
     def unmap(self, idx: np.ndarray, keep_stale: bool = False) -> int:
@@ -350,9 +359,8 @@ class SWAComponent(TreeComponent):
             self.queue.push(prefix)
 
     def on_remove(self, node: TreeNode) -> None:
-        data = node.component_data
-        st = data.get("swa") if data else None
-        if st is not None and st.host_slots is not None:
+        st = node.component_data["swa"]
+        if st.host_slots is not None:
             self.released_host_copies.append((self.name, node.id, st.host_slots))
             st.host_slots = None
 
