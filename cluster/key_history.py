@@ -29,6 +29,7 @@ import numpy as np
 
 BLOCK = 16  # references cover whole blocks of an entry (a multiple of every usual page size)
 MAX_SCAN_BLOCKS = 128  # a key looks for an entry ending at most this many blocks (2048 tokens) before its end
+NEAR_BLOCKS = 32  # ... first among the last 32 (a turn's new tokens), then further back
 DEFAULT_CAP_TOKENS = 4 << 20  # per session: 16 MiB of int32 on each side
 MAX_CAP_TOKENS = 4 << 20
 MAX_SESSIONS = 16  # per head
@@ -108,15 +109,17 @@ class SentKeys(KeyHistory):
         index = self._index
         if top == 0 or not index:
             return -1, 0
-        blocks = tokens[low * BLOCK : top * BLOCK].view(_BLOCK_BYTES).tolist()  # bytes objects, one numpy call
         entries = self._entries
-        for block in filter(index.__contains__, reversed(blocks)):  # longest first; the lookups run in C
-            entry_id = index[block]
-            entry = entries[entry_id]
-            n = entry.shape[0] // BLOCK * BLOCK  # the entry ends with ``block``: at this block of ``tokens``?
-            if (low * BLOCK < n <= top * BLOCK and blocks[n // BLOCK - low - 1] == block
-                    and entry[:n].tobytes() == tokens[:n].tobytes()):  # two copies + memcmp: faster than array_equal
-                return entry_id, n
+        near = max(low, top - NEAR_BLOCKS)
+        for first, last in ((near, top), (low, near)):  # the usual hit ends near the key's end: look there first
+            blocks = tokens[first * BLOCK : last * BLOCK].view(_BLOCK_BYTES).tolist()  # bytes objects, one numpy call
+            for block in filter(index.__contains__, reversed(blocks)):  # longest first; the lookups run in C
+                entry_id = index[block]
+                entry = entries[entry_id]
+                n = entry.shape[0] // BLOCK * BLOCK  # the entry ends with ``block``: at this block of ``tokens``?
+                if (first * BLOCK < n <= last * BLOCK and blocks[n // BLOCK - first - 1] == block
+                        and entry[:n].tobytes() == tokens[:n].tobytes()):  # two copies + memcmp: faster than array_equal
+                    return entry_id, n
         return -1, 0
 
     def commit_copies(self, keys: list[np.ndarray]) -> None:

@@ -219,3 +219,13 @@ def test_a_finish_sends_its_output_and_the_next_turn_its_new_tokens():
     header, _, _ = wire.encode_calls([Call(Method.MATCH_PREFIX, RadixKey(prompt2))], pair.sent)
     assert header[0][2:6] == (1, 144, 0, 180 - 144)  # entry 1 (seq1): 144 tokens; 36 sent
     assert pair.step([Call(Method.MATCH_PREFIX, RadixKey(prompt2))])[0].value.device_hit_len == 148  # whole pages of seq1
+
+
+def test_find_looks_near_the_end_first_and_then_further_back():
+    sent = SentKeys()
+    old = np.arange(5000, 5100, dtype=np.int32)  # 6 whole blocks
+    sent.commit_copies([old, np.arange(9000, 9040, dtype=np.int32)])
+    far = np.r_[old, np.arange(100, 1100, dtype=np.int32)]  # its end is 62 blocks before the new key's
+    assert sent.find(far) == (0, 96) and sent.find(far[:95]) == (-1, 0)  # a key shorter than its blocks cannot use it
+    assert sent.find(np.r_[old, 1, 2]) == (0, 96)
+    assert sent.find(np.r_[old[:50], np.arange(200, dtype=np.int32)]) == (-1, 0)
