@@ -410,8 +410,9 @@ class _LocalBackend(_Backend):
         return mv[:got]
 
     # A batch of stats slower than this on the calling thread means a slow (network) mount: later
-    # existence queries go to the pool thread again, where the deadline bounds them.
-    INLINE_STAT_LIMIT_S = 0.05
+    # existence queries go to the pool thread again, where the deadline bounds them. Well above a
+    # preemption on a busy host (tens of ms), which must not switch a local disk back.
+    INLINE_STAT_LIMIT_S = 0.5
 
     def exists_many(self, paths: Sequence[str], deadline: _Deadline) -> list[Any]:
         # A local stat is microseconds; handing the batch to a pool thread and waking the caller
