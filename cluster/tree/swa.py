@@ -207,7 +207,7 @@ class MappedPageAllocator(PageAllocator):
             self.swa.allocator.release(sp if c == sp.shape[0] else sp[live])
             if not keep_stale:
                 self.swa_of[idx] = -1
-        return c
+        return int(c)
 
     def reset(self) -> None:
         super().reset()

@@ -192,6 +192,28 @@ def test_swa_eviction_tombstones_lru_but_never_a_locked_window():
         tree.alloc(12)
 
 
+def test_component_queues_hold_one_entry_per_node_across_lock_cycles():
+    """Requests locking and unlocking cached nodes add no queue entries; eviction order stays LRU."""
+    tree = build_kv_cache(KVCacheConfig(TreeConfig(1, 64), "swa,mamba", swa=SWAConfig(2, 64), mamba=MambaConfig(8)))
+    swa, mamba = tree.component("swa"), tree.component("mamba")
+    for base in (0, 10, 20):
+        serve(tree, range(base, base + 6), trim=False)
+    entries = (len(swa.queue), len(mamba.queue))
+    for _ in range(50):
+        for base in (20, 0):  # touch 20.. then 0..: 10.. is the least recently used
+            m = tree.match_prefix(RadixKey(np.arange(base, base + 6)))
+            tree.inc_lock_ref(m.last_device_node)
+            tree.dec_lock_ref(m.last_device_node)
+    assert (len(swa.queue), len(mamba.queue)) == entries
+    assert tree.evict(0, mamba_num=1).components == {"mamba_num": 1}  # 10..'s state
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 6}  # and then its window
+    assert tree.stats().num_nodes == 2  # a tombstoned leaf goes entirely
+    assert tree.match_prefix(RadixKey(np.arange(10, 16))).device_hit_len == 0
+    for base in (0, 20):
+        assert tree.match_prefix(RadixKey(np.arange(base, base + 6))).device_hit_len == 6
+    tree.check_invariants()
+
+
 def test_swa_lock_is_exact_across_later_splits():
     tree = swa_tree(window=5)
     swa = tree.component("swa")

@@ -7,6 +7,8 @@ import pytest
 
 from hicache.cluster.tree import (
     CacheCapacityError,
+    PageAllocator,
+    PageOwner,
     EvictionPolicy,
     InsertParams,
     RadixKey,
@@ -294,3 +296,22 @@ def test_bad_config(bad):
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         TreeConfig(eviction_policy="mru")
+
+
+def test_single_slot_allocator_ops_match_the_array_ops_and_reject_bad_ids():
+    a = PageAllocator(3)
+    slots = [a.alloc_one() for _ in range(3)]
+    assert sorted(slots) == [0, 1, 2] and a.num_free == 0 and a.count(PageOwner.REQUEST) == 3
+    with pytest.raises(CacheCapacityError):
+        a.alloc_one()
+    a.check_one(slots[0], PageOwner.REQUEST)
+    a.transfer_one(slots[0], PageOwner.TREE)
+    for bad, match in ((slots[0], "is TREE, expected REQUEST"), (-1, "out of range"), (3, "out of range")):
+        with pytest.raises(ValueError, match=match):
+            a.check_one(bad, PageOwner.REQUEST)
+    a.release_one(slots[1])
+    with pytest.raises(ValueError, match="double free"):
+        a.check_one(slots[1], PageOwner.REQUEST)
+    assert a.alloc_one() == slots[1] and a.owners(np.array(slots)).tolist() == [PageOwner.TREE, 1, 1]
+    grown = PageAllocator(None, initial=1)
+    assert [grown.alloc_one() for _ in range(3)] == [0, 1, 2] and grown.capacity >= 3
