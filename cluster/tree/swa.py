@@ -102,10 +102,15 @@ class SWAPagePool(PageAllocator):
         self.swa = swa
 
     def alloc(self, num_pages: int) -> np.ndarray:
-        return self._pop_free(num_pages)  # no owner to record
+        """No owner to record, and SWA ids need no order: a plain slice of the stack (no reversed copy)."""
+        top = self._num_free
+        if num_pages > top:
+            return self._pop_free(num_pages)  # grows an unbounded pool, or raises
+        self._num_free = top - num_pages
+        return self._free[top - num_pages : top].copy()
 
     def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
-        pages = self._pop_free(num_pages)
+        pages = self.alloc(num_pages)
         return pages, pages  # no owner array to index (callers only use the ids)
 
     def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
@@ -114,7 +119,7 @@ class SWAPagePool(PageAllocator):
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
         n = pages.shape[0]
         if n:
-            self._free[self._num_free : self._num_free + n] = pages[::-1]
+            self._free[self._num_free : self._num_free + n] = pages  # any order (see ``alloc``)
             self._num_free += n
 
     def release_one(self, page: int) -> None:
@@ -172,7 +177,7 @@ class MappedPageAllocator(PageAllocator):
         pool = self.swa.allocator
         if pool.bounded and num_pages > pool._num_free:
             self.swa.make_room(num_pages)  # may tombstone; raises before any full page is taken
-        swa_pages = pool._pop_free(num_pages)
+        swa_pages = pool.alloc(num_pages)
         pages, idx = super().alloc_indexed(num_pages)
         self.swa_of[idx] = swa_pages
         self.spare[idx] = False
