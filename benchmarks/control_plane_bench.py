@@ -166,8 +166,9 @@ def main() -> None:
     parser.add_argument("--capacity-tokens", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--calls", type=int, default=1000, help="single calls for the latency figures")
-    parser.add_argument("--in-flight", type=int, default=2,
-                        help="steps in flight (an overlap scheduler; 1: wait for each step); same schedule for both clients")
+    parser.add_argument("--in-flight", type=int, default=1,
+                        help="steps in flight (1: wait for each step, the original schedule; 2+: an overlap scheduler, "
+                             "which pays off when client and head each have a free core); same schedule for both clients")
     parser.add_argument("--two-steps", action="store_true",
                         help="two round trips per batch (lock/alloc sent after the match results came back)")
     args = parser.parse_args()
