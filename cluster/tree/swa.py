@@ -471,6 +471,8 @@ class SWAComponent(TreeComponent):
 
     # -- requests --------------------------------------------------------------------------------------
     def trim_request(self, state: RequestState) -> int:
+        """Marks the request's own pages out of its window spare; returns how many pages are out of the
+        window (spare, or reclaimed by an earlier trim's eviction)."""
         ps = self.page_size
         end = state.key.token_ids.shape[0] // ps * ps
         cut = (end - self.window) // ps
