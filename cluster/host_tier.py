@@ -33,8 +33,8 @@ class HostTier:
     is_evictable = staticmethod(FullComponent.is_host_leaf)
 
     def maybe_push(self, node: TreeNode) -> None:
-        if self._queue_live and self.is_evictable(node):
-            self.queue.push(node)
+        if self._queue_live:
+            self.queue.offer(node)
 
     def clear_queue(self) -> None:
         """Forgets every candidate (all L2 copies were dropped); the queue stays live."""

@@ -2,10 +2,11 @@
 
 A candidate is a node that may leave a tier now (for L1: unlocked, device-resident, no device-resident
 children). Instead of re-heapifying all leaves on every eviction (O(n) per call), the tree pushes a node
-whenever it becomes a candidate; each push bumps the node's version field for that queue so older entries go stale and are
-skipped when popped. Priorities only grow (access ticks, hit counts) or never change, so an entry whose
-node was touched since its push is simply requeued with its current priority when it surfaces: the
-order stays exact without a push on every touch. The heap is rebuilt when stale entries dominate.
+whenever it becomes a candidate; a node has at most one current entry (a version field per queue says
+whether it is in the heap), and a popped entry whose node is no longer a candidate is dropped. Priorities
+only grow (access ticks, hit counts) or never change, so an entry whose node was touched since its push
+is simply requeued with its current priority when it surfaces: the order stays exact without a push on
+every touch. The heap is rebuilt when stale entries dominate.
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ def parse_policy(policy: EvictionPolicy | str) -> EvictionPolicy:
 
 
 class EvictionQueue:
-    """Min-heap of (priority, node id, version, node); stale entries are dropped lazily."""
+    """Min-heap of (priority, node id, version, node), at most one current entry per node.
+
+    A node's version field (``version_attr``, one per queue) says whether its current entry is in the heap:
+    it is when the version is above ``_floor`` (versions come from one counter per queue, so ``clear`` and
+    ``rebuild`` forget every node at once by raising the floor). Pushing a queued node costs nothing (a
+    request's lock/unlock cycle does no heap work); a popped entry whose node is no longer a candidate is
+    dropped and the node unqueued (its next push adds it again).
+    """
 
     def __init__(
         self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode], bool], version_attr: str = "heap_version"
@@ -60,24 +68,40 @@ class EvictionQueue:
         self._key = priority_key(policy)
         self._is_candidate = is_candidate
         self._heap: list[tuple[tuple[int, ...], int, int, TreeNode]] = []
+        self._counter = 0  # last version handed out
+        self._floor = 0  # versions <= floor are not in the heap
+
+    def is_queued(self, node: TreeNode) -> bool:
+        return getattr(node, self._version_attr) > self._floor
 
     def push(self, node: TreeNode) -> None:
-        version = getattr(node, self._version_attr) + 1
-        setattr(node, self._version_attr, version)
-        heapq.heappush(self._heap, (self._key(node), node.id, version, node))
+        """Queues a candidate (no-op when its entry is already in the heap)."""
+        if getattr(node, self._version_attr) > self._floor:
+            return
+        self._counter += 1
+        setattr(node, self._version_attr, self._counter)
+        heapq.heappush(self._heap, (self._key(node), node.id, self._counter, node))
+
+    def offer(self, node: TreeNode) -> None:
+        """``push`` if the node is a candidate now; a queued node is not tested (its pop tests it)."""
+        if getattr(node, self._version_attr) <= self._floor and self._is_candidate(node):
+            self.push(node)
 
     def pop(self) -> TreeNode | None:
         """Removes and returns the best current candidate, or None when there is none."""
-        heap = self._heap
+        heap, attr = self._heap, self._version_attr
         while heap:
             key, _, version, node = heapq.heappop(heap)
-            if version != getattr(node, self._version_attr) or not self._is_candidate(node):
+            if version != getattr(node, attr):
+                continue
+            if not self._is_candidate(node):
+                setattr(node, attr, 0)  # unqueued: the next push adds it again
                 continue
             current = self._key(node)
             if current != key:  # touched since it was pushed (keys only grow): requeue in its place
                 heapq.heappush(heap, (current, node.id, version, node))
                 continue
-            setattr(node, self._version_attr, version + 1)  # consumed: remaining entries are stale
+            setattr(node, attr, 0)  # consumed
             return node
         return None
 
@@ -86,16 +110,19 @@ class EvictionQueue:
             self.rebuild(live_nodes)
 
     def rebuild(self, live_nodes: Iterable[TreeNode]) -> None:
-        self._heap = []
+        self.clear()
+        attr = self._version_attr
         for node in live_nodes:
             if self._is_candidate(node):
-                version = getattr(node, self._version_attr) + 1
-                setattr(node, self._version_attr, version)
-                self._heap.append((self._key(node), node.id, version, node))
+                self._counter += 1
+                setattr(node, attr, self._counter)
+                self._heap.append((self._key(node), node.id, self._counter, node))
         heapq.heapify(self._heap)
 
     def clear(self) -> None:
+        """Drops every entry and unqueues every node."""
         self._heap = []
+        self._floor = self._counter
 
     def __len__(self) -> int:
         return len(self._heap)

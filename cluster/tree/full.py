@@ -48,8 +48,8 @@ class FullComponent(TreeComponent):
         return True
 
     def maybe_push(self, node: TreeNode) -> None:
-        if self.is_evictable(node):
-            self.queue.push(node)
+        """Queues ``node`` if it is an L1 candidate now (a node already queued is not tested again)."""
+        self.queue.offer(node)
 
     # -- structure hooks ---------------------------------------------------------------------------
     def validate_insert(self, params: InsertParams, new_page_ranges: list[tuple[int, int]]) -> None:
