@@ -502,9 +502,12 @@ class RadixTree:
         return EvictResult(freed, done)
 
     def _evict_full(self, num_tokens: int) -> int:
+        """Evicts L1 victims in batches; each batch's pages go back to the allocator in ONE release."""
         freed = 0
         hooks = self.hooks
-        queue = self.full.queue
+        full = self.full
+        queue = full.queue
+        listener = self.listener
         while freed < num_tokens:
             batch, batch_tokens = [], 0
             while freed + batch_tokens < num_tokens:
@@ -517,23 +520,29 @@ class RadixTree:
                 break
             if self.before_device_evict is not None:
                 self.before_device_evict(batch)
+            dropped = []  # the victims' page arrays, deepest-popped first at release
             for node in batch:
                 if node.parent is None or node.device_pages is None or node.lock_ref:
                     continue  # changed while the hook ran (it may process transfer acks)
-                freed += self.full.drop_device(node)
+                dropped.append(node.device_pages)  # unlocked: its tokens were evictable
+                node.device_pages = None
+                freed += node.num_tokens
+                full.evictable_tokens -= node.num_tokens
                 for on_device_drop in hooks.on_device_drop:
                     on_device_drop(node)
-                if self.listener is not None:
-                    self.listener.on_removed(node, "device")
+                if listener is not None:
+                    listener.on_removed(node, "device")
                 parent = node.parent
-                if node.host_slots is None and not node.children:
-                    self._remove_leaf(node)
-                elif node.host_slots is None and not self.storage_only.keep(node):  # storage-only children
-                    self._remove_leaf(node)
+                if node.host_slots is None and (not node.children or not self.storage_only.keep(node)):
+                    self._remove_leaf(node)  # (a node kept for its storage-only children stays)
                 if parent.parent is not None:
-                    self.full.maybe_push(parent)
+                    full.maybe_push(parent)
                     for after_device_evict in hooks.after_device_evict:
                         freed += after_device_evict(parent)
+            if dropped:
+                # Victims in reverse pop order: the free stack ends up as with one release per victim.
+                dropped.reverse()
+                full.allocator.release(dropped[0] if len(dropped) == 1 else np.concatenate(dropped))
         self._evicted_tokens += freed
         queue.maybe_compact(self.iter_nodes(), len(self._nodes))
         return freed
