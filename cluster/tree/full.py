@@ -35,6 +35,9 @@ class FullComponent(TreeComponent):
         self.queue = EvictionQueue(policy, self.is_evictable)
         self.evictable_tokens = 0
         self.protected_tokens = 0
+        # A finishing request's locked node while its insert runs (``RadixTree.cache_finished_req``): a lock
+        # taken then whose path passes through it takes the request's lock over (``_lock_through``).
+        self.handoff: TreeNode | None = None
 
     @staticmethod
     def is_evictable(node: TreeNode) -> bool:
@@ -145,6 +148,8 @@ class FullComponent(TreeComponent):
 
         Counts never grow towards the leaves (``parent.lock_ref >= child.lock_ref``), so above the first
         node that was locked already every count only goes up by one: no accounting there."""
+        if self.handoff is not None:
+            return self._lock_through(node)
         delta = 0
         parent = node.parent
         while parent is not None:
@@ -162,6 +167,26 @@ class FullComponent(TreeComponent):
                 delta -= node.num_tokens
             node = parent
             parent = node.parent
+        if delta:
+            self.evictable_tokens += delta
+            self.protected_tokens -= delta
+        return delta
+
+    def _lock_through(self, node: TreeNode) -> int:
+        """``lock`` while a finishing request hands over its lock on ``self.handoff``: a walk that reaches
+        that node stops there and consumes the handoff (the request's lock on root..handoff becomes this
+        one; the request skips its unlock), so the shared prefix is walked by neither; else a plain lock."""
+        held = self.handoff
+        delta = 0
+        while node.parent is not None:
+            if node is held:
+                self.handoff = None
+                break
+            ref = node.lock_ref
+            node.lock_ref = ref + 1
+            if not ref and node.device_pages is not None:
+                delta -= node.num_tokens
+            node = node.parent
         if delta:
             self.evictable_tokens += delta
             self.protected_tokens -= delta
@@ -329,5 +354,6 @@ class FullComponent(TreeComponent):
     def reset(self) -> None:
         self.allocator.reset()
         self.queue.clear()
+        self.handoff = None
         self.evictable_tokens = 0
         self.protected_tokens = 0

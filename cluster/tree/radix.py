@@ -723,17 +723,28 @@ class RadixTree:
         last, pages, k, path, own = self._check_request(state)
         ps = self.page_size
         whole = len(state.key) // ps
-        new_prefix, end = self._insert(state.key, whole * ps, pages, state.priority, last, path, k * ps, own)
+        full = self.full
+        # A backup the insert starts (write-through) locks its chain's path: it takes the request's lock
+        # over where the paths meet instead of locking and then unlocking the shared prefix.
+        handoff = last.parent is not None and self.after_insert is not None
+        if handoff:
+            full.handoff = last
+        try:
+            new_prefix, end = self._insert(state.key, whole * ps, pages, state.priority, last, path, k * ps, own)
+        finally:
+            handed_over = handoff and full.handoff is None
+            full.handoff = None
         # Free what the tree did not take: duplicates of what it already had, and the partial tail.
         d = max(k, new_prefix // ps)
-        alloc = self.full.allocator
+        alloc = full.allocator
         if d > k:
             alloc.release(pages[k:d], own[: d - k])
         if whole < pages.shape[0]:
             alloc.release(pages[whole:], own[whole - k :])
         hooks = self.hooks
         if last.parent is not None:
-            self.full.unlock(last)
+            if not handed_over:
+                full.unlock(last)
             for on_unlock in hooks.on_unlock:
                 on_unlock(last)
         for on_request_cached in hooks.on_request_cached:
