@@ -47,6 +47,22 @@ _R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE, _R_FINISH, _R_VALUE = range(6)
 _FROM_PATH = -2  # (request states only) the path from the root to ``last_node``
 
 Header = list[tuple]
+_min_reduce = np.minimum.reduce
+_new_key = object.__new__
+_set = object.__setattr__
+
+
+def _checked_key(tokens: np.ndarray, extra_key: Any, cache_salt: Any, checked: bool) -> RadixKey:
+    """``RadixKey(tokens, extra_key, cache_salt)``; ``checked``: the tokens are already known to be valid
+    ids (contiguous int32, all >= 0: the step's buffer and the history they came from were checked
+    once), so they are not scanned again; the namespace is checked as ``RadixKey`` does."""
+    if not checked or not (extra_key is None or type(extra_key) is str) or not (cache_salt is None or type(cache_salt) is str):
+        return RadixKey(tokens, extra_key, cache_salt)  # validates; raises naming the bad value
+    key = _new_key(RadixKey)
+    _set(key, "token_ids", tokens)
+    _set(key, "extra_key", extra_key)
+    _set(key, "cache_salt", cache_salt)
+    return key
 
 
 class _Packer:
@@ -157,22 +173,23 @@ def _history_keys(header: Header, buf: np.ndarray, history: KeyHistory | None) -
 
 
 def _decode(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None,
-            run: StepRun) -> tuple[Method, Any]:
+            run: StepRun, checked: bool) -> tuple[Method, Any]:
     """(method, argument) of one header entry, as the head runs it: ``tokens`` is a key's resolved token
     ids (None: a request state's prefix comes from ``tree``, read now), ``run`` the step's results so
-    far (a ``ResultRef``). ``ValueError``/``TypeError`` when the entry names nothing valid."""
+    far (a ``ResultRef``), ``checked``: ``tokens`` and the buffer hold valid token ids (``_checked_key``).
+    ``ValueError``/``TypeError`` when the entry names nothing valid."""
     kind, method = entry[0], _METHODS[entry[1]]
     if kind == _INT or kind == _GENERIC:
         return method, entry[2]
     if kind == _REF:
         return method, run.resolve(*entry[2:6])
     if kind == _KEY:
-        return method, RadixKey(tokens, entry[6], entry[7])  # match_prefix takes the key as its params
+        return method, _checked_key(tokens, entry[6], entry[7], checked)  # match_prefix takes the key as its params
     if kind == _STATE:
         _, _, ref_id, ref_len, t_off, t_n, extra_key, cache_salt, p_off, p_n, prefix_len, last_node, priority = entry
         if tokens is None:
             tokens = np.concatenate([path_tokens(tree, last_node, ref_len), buf[t_off : t_off + t_n]])
-        key = RadixKey(tokens, extra_key, cache_salt)
+        key = _checked_key(tokens, extra_key, cache_salt, checked)  # tree paths hold checked keys
         return method, RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority)
     raise ValueError(f"unknown wire entry kind {kind!r}")
 
@@ -186,14 +203,19 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
     keys = _history_keys(header, buf, history)
     if keys is None:
         return None
+    # One scan of the whole buffer instead of one per key: every literal token (and page) is a valid id.
+    # A history that ever took a key from an unchecked buffer stays unchecked (its entries may be bad).
+    checked = buf.dtype == _I32 and buf.ndim == 1 and (buf.shape[0] == 0 or bool(_min_reduce(buf) >= 0))
     if history is not None:
+        history.checked = history.checked and checked
+        checked = history.checked
         history.commit(list(keys.values()))
     args: list[Any] = []
     run = StepRun()
     tree = head.tree
     for i, entry in enumerate(header):
         try:
-            method, arg = _decode(entry, buf, tree, keys.get(i), run)
+            method, arg = _decode(entry, buf, tree, keys.get(i), run, checked)
         except CALL_ERRORS as e:  # what the head's own step answers for the same call
             args.append(None)
             run.fail(e)
