@@ -74,7 +74,7 @@ class Method(str, Enum):
     CHECK_PREFETCH_PROGRESS = "check_prefetch_progress"
 
 
-_NO_ARG = frozenset({
+NO_ARG_METHODS = frozenset({  # called without an argument
     Method.RESET, Method.STATS, Method.CACHE_STATS, Method.READY_TO_LOAD_HOST_CACHE,
     Method.CHECK_HICACHE_EVENTS, Method.FLUSH_WRITE_THROUGH_ACKS, Method.TAKE_EVENTS, Method.DETACH_STORAGE_BACKEND,
 })
@@ -280,8 +280,8 @@ class CacheHead:
 
     def dispatch(self, method: Method, arg: Any = None) -> Any:
         """Runs one call given as its ``Method`` and argument (``call`` without building a ``Call``)."""
-        fn = getattr(self, method.value)
-        return fn() if method in _NO_ARG else fn(arg)
+        fn = getattr(self, method._value_)  # not ``.value``: Enum's property costs ~0.4 us per call
+        return fn() if method in NO_ARG_METHODS else fn(arg)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
         """Runs a batch of calls in order; one call's error does not stop the others."""

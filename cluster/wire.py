@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from hicache.cluster.client import ResultRef, StepRun
-from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, Method
+from hicache.cluster.head import CALL_ERRORS, NO_ARG_METHODS, CacheHead, Call, CallResult, Method
 from hicache.cluster.key_history import KeyHistory, SentKeys
 from hicache.cluster.tree import FinishResult, MatchPrefixParams, MatchResult, RadixKey, RadixTree, RequestState
 
@@ -38,6 +38,7 @@ _METHODS: tuple[Method, ...] = tuple(Method)
 _CODE = {m: i for i, m in enumerate(_METHODS)}
 _I32 = np.dtype(np.int32)
 _STATE_METHODS = frozenset({Method.CACHE_FINISHED_REQ, Method.CACHE_UNFINISHED_REQ})
+_NO_ARG_CODES = frozenset(_CODE[m] for m in NO_ARG_METHODS)
 
 # call kinds
 _GENERIC, _KEY, _STATE, _INT, _REF = range(5)
@@ -106,7 +107,11 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
             raise TypeError(f"step expects Call objects, got {type(call).__name__} at index {i}")
         method, arg = call.method, call.arg
         code, kind = _CODE[method], type(arg)
-        if method is Method.MATCH_PREFIX and (kind is RadixKey or (kind is MatchPrefixParams and type(arg.key) is RadixKey)):
+        if kind is ResultRef:  # the most frequent kinds first (a step's chained lock + alloc per request)
+            header.append((_REF, code, arg.index, arg.field, arg.scale, arg.offset))
+        elif kind is int:
+            header.append((_INT, code, arg))
+        elif method is Method.MATCH_PREFIX and (kind is RadixKey or (kind is MatchPrefixParams and type(arg.key) is RadixKey)):
             k = arg if kind is RadixKey else arg.key
             tokens = k.token_ids
             ref_id, ref_len = find(tokens) if find is not None else (-1, 0)
@@ -122,10 +127,6 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
                 ref_id, ref_len = _FROM_PATH, arg.prefix_len
             header.append((_STATE, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt,
                            *packer.add(arg.device_pages), arg.prefix_len, arg.last_node, arg.priority))
-        elif _plain_int(arg):
-            header.append((_INT, code, arg))
-        elif kind is ResultRef:
-            header.append((_REF, code, arg.index, arg.field, arg.scale, arg.offset))
         else:
             header.append((_GENERIC, code, arg))
     return header, packer.buffer(), keys
@@ -151,46 +152,49 @@ def path_tokens(tree: RadixTree, node_id: int, prefix_len: int) -> np.ndarray:
     return np.concatenate(parts[::-1]) if parts else np.empty(0, _I32)
 
 
-def _history_keys(header: Header, buf: np.ndarray, history: KeyHistory | None) -> dict[int, np.ndarray] | None:
-    """Token ids of every key of a step that does not come from the tree (references resolved), by call
-    index, in call order: what the step commits to the key history. None if one refers to an entry
-    ``history`` does not hold (the client must resync)."""
-    out = {}
-    for i, entry in enumerate(header):
-        if entry[0] == _KEY or entry[0] == _STATE:
-            ref_id, ref_len, off, n = entry[2:6]
-            if ref_id == _FROM_PATH:
-                continue
-            literal = buf[off : off + n]
-            if ref_id < 0:
-                out[i] = literal.copy()  # history entries must not pin the whole step buffer
-                continue
-            prefix = history.get(ref_id, ref_len) if history is not None else None
+def _history_keys(header: Header, buf: np.ndarray,
+                  history: KeyHistory | None) -> tuple[list[np.ndarray | None], list[np.ndarray]] | None:
+    """(tokens, keys): the token ids of every key of a step that does not come from the tree (references
+    resolved), per header entry (None for the others), and the same keys in call order (what the step
+    commits to the key history). None if one refers to an entry ``history`` does not hold (the client
+    must resync)."""
+    tokens: list[np.ndarray | None] = []
+    keys: list[np.ndarray] = []
+    get = history.get if history is not None else None
+    concatenate = np.concatenate
+    for entry in header:
+        kind = entry[0]
+        if (kind != _KEY and kind != _STATE) or entry[2] == _FROM_PATH:
+            tokens.append(None)
+            continue
+        ref_id, ref_len, off, n = entry[2:6]
+        if ref_id < 0:
+            key = buf[off : off + n].copy()  # history entries must not pin the whole step buffer
+        else:
+            prefix = get(ref_id, ref_len) if get is not None else None
             if prefix is None:
                 return None
-            out[i] = np.concatenate([prefix, literal])
-    return out
+            key = concatenate((prefix, buf[off : off + n]))
+        tokens.append(key)
+        keys.append(key)
+    return tokens, keys
 
 
 def _decode(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None,
-            run: StepRun, checked: bool) -> tuple[Method, Any]:
-    """(method, argument) of one header entry, as the head runs it: ``tokens`` is a key's resolved token
-    ids (None: a request state's prefix comes from ``tree``, read now), ``run`` the step's results so
-    far (a ``ResultRef``), ``checked``: ``tokens`` and the buffer hold valid token ids (``_checked_key``).
-    ``ValueError``/``TypeError`` when the entry names nothing valid."""
-    kind, method = entry[0], _METHODS[entry[1]]
-    if kind == _INT or kind == _GENERIC:
-        return method, entry[2]
-    if kind == _REF:
-        return method, run.resolve(*entry[2:6])
+            checked: bool) -> RadixKey | RequestState:
+    """The argument of a key or request-state entry, as the head runs it: ``tokens`` is the key's resolved
+    token ids (None: a request state's prefix comes from ``tree``, read now), ``checked``: ``tokens`` and
+    the buffer hold valid token ids (``_checked_key``). ``ValueError``/``TypeError`` when the entry names
+    nothing valid."""
+    kind = entry[0]
     if kind == _KEY:
-        return method, _checked_key(tokens, entry[6], entry[7], checked)  # match_prefix takes the key as its params
+        return _checked_key(tokens, entry[6], entry[7], checked)  # match_prefix takes the key as its params
     if kind == _STATE:
         _, _, ref_id, ref_len, t_off, t_n, extra_key, cache_salt, p_off, p_n, prefix_len, last_node, priority = entry
         if tokens is None:
             tokens = np.concatenate([path_tokens(tree, last_node, ref_len), buf[t_off : t_off + t_n]])
         key = _checked_key(tokens, extra_key, cache_salt, checked)  # tree paths hold checked keys
-        return method, RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority)
+        return RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority)
     raise ValueError(f"unknown wire entry kind {kind!r}")
 
 
@@ -200,29 +204,46 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
     decodes and runs the calls one by one, in order (a request state's prefix is read from the tree as
     it is when its call runs; a ``ResultRef`` argument from the results so far), then encodes the
     results. None, and nothing ran: a key refers to an entry ``history`` lacks (the client must resync)."""
-    keys = _history_keys(header, buf, history)
-    if keys is None:
+    resolved = _history_keys(header, buf, history)
+    if resolved is None:
         return None
+    tokens, keys = resolved
     # One scan of the whole buffer instead of one per key: every literal token (and page) is a valid id.
     # A history that ever took a key from an unchecked buffer stays unchecked (its entries may be bad).
     checked = buf.dtype == _I32 and buf.ndim == 1 and (buf.shape[0] == 0 or bool(_min_reduce(buf) >= 0))
     if history is not None:
         history.checked = history.checked and checked
         checked = history.checked
-        history.commit(list(keys.values()))
+        history.commit(keys)
     args: list[Any] = []
     run = StepRun()
+    values, errors = run.values, run.errors
+    fns = [getattr(head, m._value_) for m in _METHODS]  # the head's bound methods, by method code
     tree = head.tree
-    for i, entry in enumerate(header):
-        try:
-            method, arg = _decode(entry, buf, tree, keys.get(i), run, checked)
-        except CALL_ERRORS as e:  # what the head's own step answers for the same call
+    for entry, key_tokens in zip(header, tokens):
+        kind, code = entry[0], entry[1]
+        try:  # decode: what fails here fails the call as the head's own step would (CALL_ERRORS)
+            if kind == _REF:
+                arg = run.resolve(*entry[2:6])
+            elif kind == _INT or kind == _GENERIC:
+                arg = entry[2]
+            else:
+                arg = _decode(entry, buf, tree, key_tokens, checked)
+        except CALL_ERRORS as e:
             args.append(None)
-            run.fail(e)
+            values.append(None)
+            errors.append(e)
             continue
         args.append(arg)
-        run.run(head, method, arg)
-    return encode_results(run.values, run.errors, args)
+        try:  # CacheHead.dispatch, with the method looked up once per step
+            value = fns[code]() if code in _NO_ARG_CODES else fns[code](arg)
+        except CALL_ERRORS as e:
+            values.append(None)
+            errors.append(e)
+            continue
+        values.append(value)
+        errors.append(None)
+    return encode_results(values, errors, args)
 
 
 # -- results (head -> client) -------------------------------------------------------------------------
