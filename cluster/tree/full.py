@@ -33,6 +33,9 @@ class FullComponent(TreeComponent):
     def __init__(self, capacity_pages: int | None, policy: EvictionPolicy) -> None:
         self.allocator = PageAllocator(capacity_pages)
         self.queue = EvictionQueue(policy, self.is_evictable)
+        # maybe_push(node): queues ``node`` if it is an L1 candidate now (a node already queued is not
+        # tested again). The queue's bound method itself: no extra frame on this hot call.
+        self.maybe_push = self.queue.offer
         self.evictable_tokens = 0
         self.protected_tokens = 0
         # A finishing request's locked node while its insert runs (``RadixTree.cache_finished_req``): a lock
@@ -49,10 +52,6 @@ class FullComponent(TreeComponent):
             if child.device_pages is not None:
                 return False
         return True
-
-    def maybe_push(self, node: TreeNode) -> None:
-        """Queues ``node`` if it is an L1 candidate now (a node already queued is not tested again)."""
-        self.queue.offer(node)
 
     # -- structure hooks ---------------------------------------------------------------------------
     def validate_insert(self, params: InsertParams, new_page_ranges: list[tuple[int, int]]) -> None:
