@@ -12,8 +12,10 @@ head takes the first ``prefix_len`` tokens from the path of the locked ``last_no
 its walk there). A returned request state carries no key (it is the key the client sent). Calls and
 results without a compact form travel pickled inside the header, unchanged.
 
-The head runs the decoded calls through ``CacheHead.dispatch`` (no ``Call`` per call), catching what
-``CacheHead.step`` catches, so every answer is the one the head gives the same ``Call`` in process.
+The head runs the decoded calls as ``CacheHead.dispatch`` does (its methods looked up once per step; no
+``Call`` per call), catching what ``CacheHead.step`` catches, so every answer is the one the head gives
+the same ``Call`` in process. The head scans a step's token buffer for invalid ids once, not every key
+it decodes (a session whose history ever held an unchecked key validates each key again).
 
 Buffers: ``encode_*`` copy into a new buffer the caller owns and sends; decoded arrays are views of
 the received (unpickled, writable) buffer, which belongs to the decoding side alone, so result arrays
