@@ -135,9 +135,10 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
 
 
 def _compact_state(s: RequestState) -> bool:
-    return (type(s.key) is RadixKey and not s.components and _is_i32_vector(s.device_pages)
-            and _plain_int(s.prefix_len) and 0 <= s.prefix_len <= len(s.key)
-            and _plain_int(s.last_node) and _plain_int(s.priority))
+    key, pages, prefix_len = s.key, s.device_pages, s.prefix_len  # tests inlined: one call per finish
+    return (type(key) is RadixKey and not s.components and type(pages) is np.ndarray and pages.dtype == _I32
+            and pages.ndim == 1 and type(prefix_len) is int and 0 <= prefix_len <= key.token_ids.shape[0]
+            and type(s.last_node) is int and type(s.priority) is int)
 
 
 def path_tokens(tree: RadixTree, node_id: int, prefix_len: int) -> np.ndarray:
