@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hicache.cluster import HeadConfig, embedded
+from hicache.cluster.client import CacheClient, EmbeddedTransport
 from hicache.cluster.tree import TreeConfig
 from hicache.engine.config import ForwardConfig, ModelConfig
 from hicache.engine.runner import ModelRunner
@@ -98,19 +99,21 @@ def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_
     stack.head.detach_storage_backend()
 
 
+class RecordingTransport(EmbeddedTransport):
+    """The embedded transport, recording the methods of single calls."""
+
+    def __init__(self, head) -> None:
+        super().__init__(head)
+        self.methods: list[str] = []
+
+    def call(self, call):
+        self.methods.append(call.method.value)
+        return super().call(call)
+
+
 def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, runner):
     """The scheduler does not send a prefetch the head would skip (below prefetch_min_tokens)."""
-    from hicache.cluster.client import CacheClient, EmbeddedTransport
     from hicache.embedded import StackOptions, build_stack
-
-    class RecordingTransport(EmbeddedTransport):
-        def __init__(self, head) -> None:
-            super().__init__(head)
-            self.methods: list[str] = []
-
-        def call(self, call):
-            self.methods.append(call.method.value)
-            return super().call(call)
 
     stack = build_stack(StackOptions(MODEL, FWD, l1_pages=24, l2_slots=32, l3_url=f"file://{tmp_path}/l3",
                                      prefetch_min_tokens=24), runner)
@@ -136,17 +139,7 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
     """``arrive`` runs the L3 query and starts the fetch while the request waits; ``serve`` checks it and
     asks L3 again only where it may still extend the match; outputs stay exact; bad arrivals raise and
     change nothing."""
-    from hicache.cluster.client import CacheClient, EmbeddedTransport
     from hicache.embedded import StackOptions, build_stack
-
-    class RecordingTransport(EmbeddedTransport):
-        def __init__(self, head) -> None:
-            super().__init__(head)
-            self.methods: list[str] = []
-
-        def call(self, call):
-            self.methods.append(call.method.value)
-            return super().call(call)
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     warm = build_stack(opts, runner)
