@@ -62,10 +62,12 @@ request recomputes and rewrites). Recommended bucket configuration for ``gs://BU
 
 Threads. Calls may come from several threads. Backend I/O runs on this object's thread pool (or
 on gcsfs' event loop; file:// runs one loop per I/O thread that pulls objects in chain order, not
-one task per object, and writes at most ``write_threads`` objects at once). The host pool is touched on the calling thread, or, for pools that declare
-``concurrent_slot_io``, by the I/O threads on disjoint slots and only until the call returns
-(``_CallGuard``). Every call has a
-deadline (``StorageConfig.timeout_s`` or ``timeout_s=``): operations not finished by then are
+one task per object, and writes at most ``write_threads`` objects at once). file:// existence
+checks run on the calling thread only when the root is on a local filesystem (``mounts.py``,
+decided once at construction); on a network or FUSE mount they go to the pool like any other I/O.
+The host pool is touched on the calling thread, or, for pools that declare ``concurrent_slot_io``,
+by the I/O threads on disjoint slots and only until the call returns (``_CallGuard``). Every call
+has a deadline (``StorageConfig.timeout_s`` or ``timeout_s=``): operations not finished by then are
 abandoned (counted in ``timeouts``) and their pages report ``False``. A hung sync backend keeps
 its worker threads until it returns; later calls still return by their deadline.
 """
@@ -113,6 +115,7 @@ from hicache.storage.format import (
     payload_hasher,
 )
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
+from hicache.storage.mounts import stats_are_local
 
 MiB = 1 << 20
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
@@ -388,7 +391,14 @@ class _LocalBackend(_Backend):
 
     def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
         super().__init__(fs, threads, max_pending)
-        self._inline_stats = True
+        self._inline_stats = False  # until ``attach_root`` finds the root on a local filesystem
+
+    def attach_root(self, root: str) -> None:
+        """Create ``root`` and decide, once, where existence checks run: inline only on a local
+        filesystem (a stat cannot hang there); on a network/FUSE mount or an unknown one, on the
+        pool, bounded by each call's deadline."""
+        os.makedirs(root, exist_ok=True)
+        self._inline_stats = stats_are_local(root)
 
     def map(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
         return self.map_pull(fn, items, deadline)
@@ -416,10 +426,12 @@ class _LocalBackend(_Backend):
 
     def exists_many(self, paths: Sequence[str], deadline: _Deadline) -> list[Any]:
         # A local stat is microseconds; handing the batch to a pool thread and waking the caller
-        # costs 0.3-3 ms on a busy 2-CPU host (it was most of an L3 query). So the stats run on the
-        # calling thread, the deadline checked between them (paths past it: TimeoutError). If one
-        # batch takes over INLINE_STAT_LIMIT_S (a hung or slow mount), this backend stops stating
-        # inline: later batches run as one pool task, bounded by the deadline.
+        # costs 0.3-3 ms on a busy 2-CPU host (it was most of an L3 query). So on a local
+        # filesystem (``attach_root``) the stats run on the calling thread, the deadline checked
+        # between them (paths past it: TimeoutError). If one batch still takes over
+        # INLINE_STAT_LIMIT_S (an overloaded disk), this backend stops stating inline. Otherwise
+        # (network/FUSE mounts, where a stat can hang) a batch runs as one pool task, bounded by
+        # the deadline.
         if not paths:
             return []
         paths = list(paths)
@@ -764,8 +776,8 @@ class FsspecStorage(HiCacheStorage):
         self._io = _make_backend(fs, config.io_threads, config.max_pending_ops)
         self._local = isinstance(self._io, _LocalBackend)
         self._write_threads = config.local_write_threads or min(config.io_threads, _usable_cpus())
-        if self._local:
-            os.makedirs(self._root, exist_ok=True)
+        if isinstance(self._io, _LocalBackend):
+            self._io.attach_root(self._root)
         self._target = config.target_object_bytes or DEFAULT_TARGET_OBJECT_BYTES.get(scheme, _FALLBACK_TARGET_OBJECT_BYTES)
         self._pools: dict[PoolKind, _PoolReg] = {}
         self._lock = threading.Lock()
