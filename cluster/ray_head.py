@@ -4,12 +4,16 @@
 worker actors and placement group). Runs once per replica, on the head node (``hicache_head``).
 
 Threads (Ray concurrency groups):
-* "control" (1 thread): ``step``/``step_wire``, the only code that touches the tree, the allocators and the
-  HiCache controller; it sends plans to the workers and applies their acks.
-* "health" (2 threads): ``health``, ``workers``, ``config``, ``shutdown``; read a few attributes, never
-  the tree, so they never queue behind a transfer wait.
+* "control" (1 thread): ``step``/``step_wire``, the Ray path of a step; it sends plans to the workers and
+  applies their acks.
+* the step channel (``hicache.cluster.step_channel``, started by the first ``step_channel`` call): one
+  thread per connected client runs that client's wire-format steps, exactly as ``step_wire`` does.
+* "health" (2 threads): ``health``, ``workers``, ``config``, ``step_channel``, ``set_step_channel``,
+  ``shutdown``; read a few attributes, never the tree, so they never queue behind a transfer wait.
 * a monitor thread pings the host workers; a builder thread starts (and restarts) the gang.
-``_lock`` is held by the control thread for a whole call and by the others only to swap state.
+``_lock`` is held for a whole step by the thread that runs it (control or channel: only one step touches
+the tree, the allocators and the HiCache controller at a time) and by the others only to swap state.
+``_channel_lock`` guards the channel server (start, stop) and nothing else.
 
 Epochs: every installed state (fresh tree + a started worker gang) gets a new, unique ``epoch``
 (time-based, so a restarted head never reuses one). Clients send the epoch they last saw; a call
@@ -59,6 +63,7 @@ from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig
 from hicache.cluster.key_history import KeyHistories
 from hicache.cluster.metrics import HeadMetrics
+from hicache.cluster.step_channel import ChannelAddress, StepChannelServer
 from hicache.cluster.ray_workers import NAMESPACE, RayWorkerGroup, WorkerGroupOptions
 from hicache.cluster.storage_tier import StorageParams
 from hicache.cluster.tpu import HEAD_RESOURCE
@@ -90,6 +95,7 @@ class ReplicaConfig:
     health_interval_s: float = 0.5  # monitor pings of the host workers
     rebuild_backoff_s: float = 1.0  # between failed gang starts
     storage: StorageParams | None = None  # L3 attached when the replica starts (and after every restart)
+    step_channel: bool = True  # clients on the head's node send steps over a loopback socket (Ray: the fallback)
 
     def __post_init__(self) -> None:
         if not isinstance(self.head, HeadConfig):
@@ -190,6 +196,9 @@ class CacheHeadActor:
         self._histories = KeyHistories()  # match keys each client sent (control thread; survives rebuilds)
         self._last_publish = 0.0
         self._stop = threading.Event()
+        self._channel: StepChannelServer | None = None
+        self._channel_enabled = config.step_channel
+        self._channel_lock = threading.Lock()
         with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
             warnings.simplefilter("ignore", DeprecationWarning)
             self._reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -358,15 +367,20 @@ class CacheHeadActor:
         return self._run(epoch_seen, list(calls))
 
     @ray.method(concurrency_group="control")
-    def step_wire(self, epoch_seen: int | None, *chunks: bytes) -> bytes:
-        """``step`` in the compact wire format (``hicache.cluster.wire``). The request is one pickle of
-        (key-history session, steps it committed, its cap, header, int32 buffer) cut into chunks below
-        Ray's inline-argument size (100 KB), so it rides in the task message itself (no object-store
-        round trip; measured faster here than one numpy argument through the object store for a
-        64-request step). The reply is one pickle of a ``Reply`` whose ``results`` are the encoded
-        (header, buffer); status "resync" (nothing ran) when the session's key history here is not
-        the client's (``hicache.cluster.key_history``)."""
-        session, steps, cap_tokens, header, buf = pickle.loads(b"".join(chunks))
+    def step_wire(self, *chunks: bytes) -> bytes:
+        """``step`` in the compact wire format (``hicache.cluster.wire``): ``_run_wire_step`` of the request
+        cut into chunks below Ray's inline-argument size (100 KB), so it rides in the task message itself
+        (no object-store round trip; measured faster here than one numpy argument through the object
+        store for a 64-request step)."""
+        return self._run_wire_step(b"".join(chunks))
+
+    def _run_wire_step(self, request: bytes | bytearray) -> bytes:
+        """One wire-format step, from the Ray path or the step channel. The request is one pickle of
+        (epoch seen, key-history session, steps it committed, its cap, header, int32 buffer). The reply
+        is one pickle of a ``Reply`` whose ``results`` are the encoded (header, buffer); status "resync"
+        (nothing ran) when the session's key history here is not the client's
+        (``hicache.cluster.key_history``)."""
+        epoch_seen, session, steps, cap_tokens, header, buf = pickle.loads(request)
 
         def execute(head: CacheHead) -> Any:
             history = self._histories.for_step(session, steps, cap_tokens)
@@ -381,6 +395,35 @@ class CacheHeadActor:
         return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
 
     # -- health (never behind the control thread) ---------------------------------------------------------
+    @ray.method(concurrency_group="health")
+    def step_channel(self) -> ChannelAddress | None:
+        """Where a client on this node sends its steps directly (started on the first call); None when the
+        channel is switched off (``ReplicaConfig.step_channel``, ``set_step_channel``) or the head stopped."""
+        with self._channel_lock:
+            if not self._channel_enabled or self._stop.is_set():
+                return None
+            if self._channel is None or self._channel.closed:
+                self._channel = StepChannelServer(self._run_wire_step, ray.get_runtime_context().get_node_id())
+            return self._channel.address
+
+    @ray.method(concurrency_group="health")
+    def set_step_channel(self, enabled: bool) -> None:
+        """Switches the step channel on or off. Off closes it and every connection (a step running now
+        finishes and its reply is lost: that client's call fails as unavailable); clients then send their
+        steps as Ray calls and ask again for a channel from time to time."""
+        if type(enabled) is not bool:
+            raise TypeError(f"enabled must be a bool, got {enabled!r}")
+        with self._channel_lock:
+            self._channel_enabled = enabled
+            if not enabled:
+                self._close_channel()
+
+    def _close_channel(self) -> None:
+        """(``_channel_lock`` held)"""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
     @ray.method(concurrency_group="health")
     def health(self) -> HeadHealth:
         last = self._last_call
@@ -406,6 +449,8 @@ class CacheHeadActor:
     def shutdown(self) -> None:
         """Stops monitor and builder, kills the host workers and removes their placement group."""
         self._stop.set()
+        with self._channel_lock:
+            self._close_channel()
         with self._lock:
             self._state = HeadState.STOPPED
             group, self._group, self._head = self._group, None, None

@@ -236,20 +236,9 @@ def test_two_replicas_side_by_side(replica_x, env_x):
 def test_client_timeout_is_a_hicache_error_not_a_hang(cluster):
     handle = hicache.start_replica(ReplicaConfig(HeadConfig("z", TreeConfig(PS, 64)), detached=False))
     try:
-        fast = hicache.connect("z", timeout_s=0.05)
-        slow_key = RadixKey(seq(0, 4096))
-        busy = get_head("z").step.remote(None, [Call(Method.MATCH_PREFIX, slow_key)] * 40_000)
-        time.sleep(0.1)
-        t0 = time.monotonic()
-        with pytest.raises(HiCacheTimeoutError):
-            fast.stats()
-        assert time.monotonic() - t0 < 2.0
-        pending = [fast.submit_step([Call(Method.STATS)]) for _ in range(2)]  # two in flight: each fails alone
-        for p in pending:
-            with pytest.raises(HiCacheTimeoutError):
-                p.result()
-        assert time.monotonic() - t0 < 4.0
-        assert ray.get(busy, timeout=120).status == "ok"
+        fast = hicache.connect("z", timeout_s=0.05, step_channel=False)  # Ray calls (the channel: below)
+        _steps_behind_a_busy_head_time_out(fast, get_head("z"))
+        assert fast._transport.ray_steps == 3
         assert hicache.connect("z", timeout_s=30).stats().num_nodes == 0
     finally:
         stop_replica("z")
@@ -509,3 +498,179 @@ def test_replica_file_l3_section_becomes_the_start_storage(tmp_path):
         dataclasses.replace(cfg, storage=wrong)
     with pytest.raises(TypeError, match="StorageParams"):
         dataclasses.replace(cfg, storage="file:///kv")
+
+
+# -- the step channel (a loopback socket to the head; Ray calls are the fallback) ------------------------------
+@pytest.fixture(scope="module")
+def replica_c(cluster):
+    """A control-plane-only replica (no host workers): starts and restarts in a second or two."""
+    handle = hicache.start_replica(ReplicaConfig(HeadConfig("c", TreeConfig(PS, 256)), detached=False))
+    yield "c"
+    stop_replica("c")
+    del handle
+
+
+@pytest.fixture
+def client_c(replica_c):
+    client = hicache.connect(replica_c)
+    client.reset()
+    return client
+
+
+def _busy(head, n: int = 40_000):
+    """A long step through the Ray path, returned once it runs: the head runs no other step meanwhile."""
+    calls = ray.get(head.health.remote(), timeout=10).calls
+    ref = head.step.remote(None, [Call(Method.MATCH_PREFIX, RadixKey(seq(0, 4096)))] * n)
+    end = time.monotonic() + 30
+    while ray.get(head.health.remote(), timeout=10).calls == calls:  # health answers while a step runs
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    return ref
+
+
+def _steps_behind_a_busy_head_time_out(client, head) -> None:
+    """Steps behind a long one fail with ``HiCacheTimeoutError`` (no hang), two in flight each alone."""
+    busy = _busy(head)
+    t0 = time.monotonic()
+    with pytest.raises(HiCacheTimeoutError):
+        client.stats()
+    pending = [client.submit_step([Call(Method.STATS)]) for _ in range(2)]
+    for p in pending:
+        with pytest.raises(HiCacheTimeoutError):
+            p.result()
+    assert time.monotonic() - t0 < 4.0
+    assert ray.get(busy, timeout=120).status == "ok"
+
+
+def _same(got, want) -> None:
+    """Two step results are the same answers: values (arrays bit for bit), or errors of the same type."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.ok == w.ok, (g, w)
+        if not g.ok:
+            assert type(g.error) is type(w.error)
+        elif isinstance(w.value, np.ndarray):
+            np.testing.assert_array_equal(g.value, w.value)
+        elif dataclasses.is_dataclass(w.value):
+            for f in dataclasses.fields(w.value):
+                a, b = getattr(g.value, f.name), getattr(w.value, f.name)
+                if isinstance(b, np.ndarray):
+                    np.testing.assert_array_equal(a, b)
+                elif isinstance(b, RadixKey):
+                    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+                else:
+                    assert a == b, (f.name, a, b)
+        else:
+            assert g.value == w.value
+
+
+def _chat_steps(client) -> list[list[Call]]:
+    """A multi-turn workload as a scheduler sends it: per batch the previous batch's finishes, then match,
+    lock and alloc chained on the matches (``ResultRef``), plus a call that fails. Returns the steps sent."""
+    turns, steps, finish = _workload(), [], []
+    for i in range(0, len(turns), 4):
+        group = turns[i : i + 4]
+        nf = len(finish)
+        calls = finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group]
+        for j, t in enumerate(group):
+            calls += [Call(Method.INC_LOCK_REF, ResultRef(nf + j, "last_device_node")),
+                      Call(Method.ALLOC, ResultRef(nf + j, "device_hit_len", -1, len(t.sequence)))]
+        calls.append(Call(Method.FREE, [99_999]))
+        res = client.step(calls)
+        steps.append(calls)
+        finish = []
+        for j, t in enumerate(group):
+            m, own = res[nf + j].unwrap(), res[nf + len(group) + 2 * j + 1].unwrap()
+            finish.append(Call(Method.CACHE_FINISHED_REQ, RequestState(
+                RadixKey(t.sequence), np.concatenate([m.device_pages, own]), m.device_hit_len, m.last_device_node)))
+    client.step(finish)
+    return steps + [finish]
+
+
+def test_step_channel_answers_exactly_as_the_embedded_head(client_c):
+    transport = client_c._transport
+    before = (transport.channel_steps, transport.ray_steps)
+    local = embedded(HeadConfig("c", TreeConfig(PS, 256)))
+    steps = _chat_steps(client_c)
+    assert (transport.channel_steps - before[0], transport.ray_steps - before[1]) == (len(steps), 0)
+    client_c.reset()
+    for calls in steps:  # the same steps again, on both: every answer the same
+        _same(client_c.step(calls), local.step(calls))
+    _same(client_c.step([Call(Method.STATS)]), local.step([Call(Method.STATS)]))
+    assert transport._channel is not None and transport._channel.address.node_id == ray.get_runtime_context().get_node_id()
+    ray_only = hicache.connect("c", step_channel=False)
+    ray_only.reset()
+    local.reset()
+    for calls in steps:
+        _same(ray_only.step(calls), local.step(calls))
+    assert ray_only._transport.channel_steps == 0 and ray_only._transport._channel is None
+
+
+def test_step_channel_timeout_is_a_hicache_error_and_the_late_replies_are_dropped(client_c):
+    transport = client_c._transport
+    client_c.stats()
+    channel = transport._channel
+    assert channel is not None
+    transport.timeout_s = 0.2
+    _steps_behind_a_busy_head_time_out(client_c, get_head("c"))
+    transport.timeout_s = 30.0
+    pages = client_c.alloc(8)  # the three stats replies came late: read and dropped, not taken for this one
+    assert isinstance(pages, np.ndarray) and pages.size == 2
+    assert transport._channel is channel and channel.in_flight == 0
+
+
+def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c):
+    head, transport = get_head("c"), client_c._transport
+    client_c.stats()
+    assert transport._channel is not None
+    busy = _busy(head)
+    waiting = client_c.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
+    ray.get(head.set_step_channel.remote(False), timeout=10)  # closes the channel and its connections
+    with pytest.raises(HiCacheUnavailableError, match="step channel lost"):
+        waiting.result()
+    assert ray.get(busy, timeout=120).status == "ok"
+    rays = transport.ray_steps
+    a = seq(100, 16)
+    m = client_c.match_prefix(RadixKey(a))  # as a Ray call: the head has no channel now
+    client_c.inc_lock_ref(m.last_device_node)
+    client_c.cache_finished_req(RequestState(RadixKey(a), client_c.alloc(16), 0, m.last_device_node))
+    assert client_c.match_prefix(RadixKey(a)).device_hit_len == 16
+    assert transport.ray_steps - rays == 5 and transport._channel is None
+    ray.get(head.set_step_channel.remote(True), timeout=10)
+    transport._channel_retry_at = 0.0  # (instead of waiting CHANNEL_RETRY_S)
+    channel_steps = transport.channel_steps
+    assert client_c.match_prefix(RadixKey(a)).device_hit_len == 16
+    assert transport.channel_steps == channel_steps + 1 and transport._channel is not None
+
+
+def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
+    client = hicache.connect(replica_c)
+    transport = client._transport
+    a = seq(200, 16)
+    m = client.match_prefix(RadixKey(a))
+    client.inc_lock_ref(m.last_device_node)
+    client.cache_finished_req(RequestState(RadixKey(a), client.alloc(16), 0, m.last_device_node))
+    old = transport._channel.address
+    head = get_head(replica_c)
+    _busy(head)
+    waiting = client.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
+    ray.kill(head, no_restart=False)
+    t0 = time.monotonic()
+    with pytest.raises(HiCacheUnavailableError):  # its channel died with the head: an error, not a hang
+        waiting.result()
+    assert time.monotonic() - t0 < 10
+    end, errors = time.monotonic() + 60, set()
+    while True:
+        try:
+            steps = transport.channel_steps
+            m = client.match_prefix(RadixKey(a))
+            if transport.channel_steps > steps:  # answered through a channel of the restarted head
+                break
+        except HiCacheError as e:
+            errors.add(type(e))
+        assert time.monotonic() < end, errors
+        time.sleep(0.2)
+    assert HiCacheReplicaResetError in errors  # the old epoch was refused once
+    assert m.device_hit_len == 0  # a fresh tree: never a stale hit
+    assert ray.get(head.health.remote(), timeout=10).reconstructed
+    assert transport._channel.address != old
