@@ -508,6 +508,7 @@ class RadixTree:
         full = self.full
         queue = full.queue
         listener = self.listener
+        merge = not self.extra_components
         while freed < num_tokens:
             batch, batch_tokens = [], 0
             while freed + batch_tokens < num_tokens:
@@ -533,8 +534,11 @@ class RadixTree:
                 if listener is not None:
                     listener.on_removed(node, "device")
                 parent = node.parent
-                if node.host_slots is None and (not node.children or not self.storage_only.keep(node)):
-                    self._remove_leaf(node)  # (a node kept for its storage-only children stays)
+                if node.host_slots is None:
+                    if not node.children or not self.storage_only.keep(node):
+                        self._remove_leaf(node)  # (a node kept for its storage-only children stays)
+                elif len(node.children) == 1 and merge:
+                    self._merge_host_only(node)
                 if parent.parent is not None:
                     full.maybe_push(parent)
                     for after_device_evict in hooks.after_device_evict:
@@ -546,6 +550,40 @@ class RadixTree:
         self._evicted_tokens += freed
         queue.maybe_compact(self.iter_nodes(), len(self._nodes))
         return freed
+
+    def _merge_host_only(self, node: TreeNode) -> None:
+        """``node`` just became host-only: when its only child is host-only too and nothing tells them
+        apart (pin, transfer, priority, L3 state), the child absorbs it: it keeps its own id (the one a
+        request or load-back holds: the deepest) and takes ``node``'s tokens and slots in front of its own;
+        ``node`` leaves the tree. No event: the tokens stay in L2. The child's access time and hit count
+        become the larger of the two (eviction keys only grow, as the queues assume).
+
+        HiCache keeps every turn of a conversation as its own node; once a chain has left L1 it is one
+        node for the load-back, lock walks and demotions that follow. Only host-only nodes merge (L1 state
+        is untouched); an unlocked node's id may go on any call that evicts, as in the bare tree."""
+        (child,) = node.children.values()
+        # (No lock test: a demoted node is unlocked, so are its children; a host-only child has no staged
+        # backup either: that needs L1 pages.)
+        if (
+            child.device_pages is not None or child.host_slots is None or child.host_pin or node.host_pin
+            or child.pending is not None or node.pending is not None or child.priority != node.priority
+            or child.stored != node.stored
+        ):
+            return
+        parent = node.parent
+        ck = node.key_bytes[: self._ck]
+        child.set_key(node.key_bytes + child.key_bytes)
+        child.host_slots = np.concatenate([node.host_slots, child.host_slots])
+        child.parent = parent
+        parent.children[ck] = child
+        if node.last_access > child.last_access:
+            child.last_access = node.last_access
+        if node.hit_count > child.hit_count:
+            child.hit_count = node.hit_count
+        del self._nodes[node.id]
+        node.parent = None
+        node.children = {}
+        node.host_slots = None
 
     def add_host_only_leaf(self, parent: TreeNode, tokens: np.ndarray) -> TreeNode | None:
         """A new childless node below ``parent`` whose KV is in no tier yet (the caller gives it host

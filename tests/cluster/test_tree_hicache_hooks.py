@@ -71,7 +71,9 @@ def test_load_back_moves_the_loading_chain_in_one_transfer():
     tree, a, b, c = chain_tree()
     full, host = tree.full, RecordingHost()
     backup(full, c, host)
+    b.host_pin = 1  # an L2->L3 write of b in flight: the host-only chain cannot merge into one node
     tree.evict(100)
+    b.host_pin = 0
     assert tree.num_nodes == 3 and all(n.device_pages is None for n in (a, b, c))
     pages = tree.alloc(12)  # the controller's side: pages attached, chain marked loading
     for i, n in enumerate((a, b, c)):

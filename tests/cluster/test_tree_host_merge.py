@@ -1,0 +1,136 @@
+"""A demoted host-only chain merges into its deepest node (one node per chain for later load-backs, lock
+walks and demotions), but never across anything that tells two nodes apart: a branch point, a pin, a
+transfer in flight, another priority or L3 state (a lock cannot: a demoted node is unlocked, so its
+children are). Real HiCache runs stay bit-identical."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.cluster.tree import HiCachePhase, RadixKey, RadixTree, RequestState, TreeConfig
+from support.hicache_env import HiCacheEnv
+from support.hybrid_model import RecordingHost
+
+
+def put(tree: RadixTree, tokens, priority: int = 0) -> None:
+    key = RadixKey(np.asarray(tokens, dtype=np.int32))
+    m = tree.match_prefix(key)
+    tree.inc_lock_ref(m.last_device_node)
+    pages = np.concatenate([m.device_pages, tree.alloc(len(key) - m.device_hit_len)])
+    tree.cache_finished_req(RequestState(key, pages, m.device_hit_len, m.last_device_node, priority))
+
+
+def backed_up_chain(page_size=2):
+    """a = tokens [0, 4), b = [4, 8) below a, c = [8, 12) below b: device+host (host ids 1000..1005)."""
+    tree = RadixTree(TreeConfig(page_size))
+    for n in (4, 8, 12):
+        put(tree, np.arange(n))
+    a, b, c = sorted(tree.iter_nodes(), key=tree.depth)
+    backup(tree, c)
+    return tree, a, b, c
+
+
+def backup(tree: RadixTree, node, host=None) -> None:
+    host = host or backup.host
+    transfers = tree.full.build_hicache_transfers(node, HiCachePhase.BACKUP)
+    tree.full.commit_hicache_transfer(node, HiCachePhase.BACKUP, host.place(transfers))
+
+
+backup.host = RecordingHost()
+
+
+def test_demoted_chain_becomes_its_deepest_node():
+    tree, a, b, c = backed_up_chain()
+    free_before = tree.full.allocator.num_free
+    assert tree.evict(100).evicted_tokens == 12
+    assert tree.full.allocator.num_free == free_before + 6
+    (only,) = tree.iter_nodes()
+    assert only is c and c.parent is tree.default_root  # the deepest id survives, the others are gone
+    np.testing.assert_array_equal(c.key, np.arange(12))
+    for gone in (a, b):
+        with pytest.raises(ValueError, match="unknown node id"):
+            tree.node(gone.id)
+    m = tree.match_prefix(RadixKey(np.arange(13, dtype=np.int32)))
+    assert (m.device_hit_len, m.host_hit_len, m.best_match_node, m.last_host_node) == (0, 12, c.id, c.id)
+    # A request diverging inside the merged node splits it at its own page boundary, as for any node.
+    m = tree.match_prefix(RadixKey(np.r_[np.arange(6), 99, 99].astype(np.int32)))
+    assert m.host_hit_len == 6 and c.num_tokens == 6 and c.parent.num_tokens == 6
+    tree.check_invariants()
+
+
+def test_merge_keeps_the_slots_in_token_order():
+    tree, a, b, c = backed_up_chain()
+    slots = np.r_[a.host_slots, b.host_slots, c.host_slots]
+    tree.evict(100)
+    np.testing.assert_array_equal(c.host_slots, slots)
+
+
+def test_merge_takes_the_newest_access_and_most_hits():
+    tree, a, b, c = backed_up_chain()
+    a.last_access, a.hit_count = 10**6, 50
+    created = c.created
+    tree.evict(100)
+    assert (c.last_access, c.hit_count, c.created) == (10**6, 50, created)
+
+
+@pytest.mark.parametrize(
+    "differ, survivors",
+    [
+        (lambda a, b, c: setattr(b, "host_pin", 1), "abc"),  # b pinned (an L2->L3 write): merges with neither
+        (lambda a, b, c: setattr(c, "host_pin", 1), "bc"),  # c pinned: a merges into b, b stays apart from c
+        (lambda a, b, c: setattr(b, "priority", 5), "abc"),  # b's priority differs from both neighbours
+        (lambda a, b, c: (setattr(a, "priority", 5), setattr(b, "priority", 5)), "bc"),
+        (lambda a, b, c: (setattr(a, "stored", True), setattr(b, "stored", True)), "bc"),  # c not in L3
+        (lambda a, b, c: setattr(c, "pending", object()), "bc"),  # a transfer of c in flight
+    ],
+)
+def test_nodes_that_differ_do_not_merge(differ, survivors):
+    tree, a, b, c = backed_up_chain()
+    differ(a, b, c)
+    tree.evict(100)
+    assert set(tree.iter_nodes()) == {dict(a=a, b=b, c=c)[x] for x in survivors}
+    assert all(n.device_pages is None for n in tree.iter_nodes())
+    assert sum(n.num_tokens for n in tree.iter_nodes()) == 12
+    c.pending = None
+    tree.check_invariants()
+
+
+def test_branch_points_do_not_merge_but_their_parents_do():
+    tree, a, b, c = backed_up_chain()
+    put(tree, np.r_[np.arange(8), 90, 91, 92, 93])  # d below b: b is a branch point
+    (d,) = [n for n in b.children.values() if n is not c]
+    backup(tree, d)
+    tree.evict(100)
+    assert set(tree.iter_nodes()) == {b, c, d}  # a merged into b; b keeps its two children
+    np.testing.assert_array_equal(b.key, np.arange(8))
+    tree.check_invariants()
+
+
+def test_merged_conversation_loads_back_bit_identical():
+    """Three turns of a conversation leave L1 (one merged host-only node), come back in one load, then a
+    second conversation diverges in the middle of the merged node: every hit is checked byte for byte
+    (``HiCacheEnv.serve``)."""
+    env = HiCacheEnv(page_size=4, device_pages=24, host_slots=64)
+    rng = np.random.default_rng(3)
+    turns = [rng.integers(0, 1000, size=n, dtype=np.int32) for n in (16, 12, 12)]
+    conv = np.concatenate(turns)
+    for end in (16, 28, 40):
+        env.serve(conv[:end])
+        env.head.flush_write_through_acks()
+    env.serve(np.arange(5000, 5000 + 96, dtype=np.int32))  # other traffic pushes the conversation out of L1
+    env.head.flush_write_through_acks()
+    tree = env.head.tree
+    m = env.head.match_prefix(RadixKey(conv))
+    assert m.device_hit_len == 0 and m.host_hit_len == 40
+    node = tree.node(m.best_match_node)
+    assert node.num_tokens == 40 and node.parent is tree.default_root  # the three turns are one node
+    stats = env.serve(np.r_[conv, 1, 2, 3, 4])
+    assert stats["loaded"] == 40
+    env.head.flush_write_through_acks()
+    env.serve(np.arange(6000, 6000 + 96, dtype=np.int32))
+    env.head.flush_write_through_acks()
+    stats = env.serve(np.r_[conv[:20], 9, 9, 9, 9])  # diverges inside the merged node (a split)
+    assert stats["device_hit"] + stats["loaded"] == 20
+    tree.check_invariants()
+    env.head.controller.check_invariants()
