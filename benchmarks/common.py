@@ -37,7 +37,7 @@ import tempfile
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 
 from hicache.engine.config import ForwardConfig, ModelConfig  # noqa: E402
 from hicache.engine.runner import ModelRunner, pages_needed  # noqa: E402
-from hicache.serving import ServeRequest, ServeResult  # noqa: E402
+from hicache.serving import ServePhases, ServeRequest, ServeResult  # noqa: E402
 
 MODEL = ModelConfig()
 FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=64)  # max context 512 tokens
@@ -231,7 +231,8 @@ class ArrivalModel:
         own = self._announced.pop(i, None)
         self.announced += own is not None
         res = self.scheduler.serve(own if own is not None else req)
-        res = replace(res, ttft_s=res.ttft_s + extra, latency_s=res.latency_s + extra)
+        res = replace(res, ttft_s=res.ttft_s + extra, latency_s=res.latency_s + extra,
+                      phases=replace(res.phases, arrive=extra))
         self._free = self._finish[i] = start + res.latency_s
         self._i = i + 1
         return res
@@ -385,7 +386,14 @@ def make_record(config: str, served: Sequence[Served], ticks: np.ndarray, rate: 
         optimal_capacity_tokens=optimal_capacity,
         l1_tokens=l1_tokens, l2_tokens=l2_tokens, l3=l3, load_failed=sum(r.load_failed for r in res),
         exact_outputs_checked=exact_checked, exact_spot_checks=spot,
-        hit_rate_by_round=by_round_hit, service_ttft_mean_by_round_s=by_round_ttft, notes=notes or {})
+        hit_rate_by_round=by_round_hit, service_ttft_mean_by_round_s=by_round_ttft,
+        notes={"service_phases_mean_ms": phase_means_ms(res), **(notes or {})})
+
+
+def phase_means_ms(results: Sequence[ServeResult]) -> dict[str, float]:
+    """Mean time per request in each ``ServePhases`` phase, in ms (the phases of one run: best-of-N
+    replaces only the TTFT and latency)."""
+    return {f.name: 1e3 * statistics.fmean(getattr(r.phases, f.name) for r in results) for f in fields(ServePhases)}
 
 
 def print_records(records: Sequence[ConfigRecord]) -> None:
@@ -400,6 +408,11 @@ def print_records(records: Sequence[ConfigRecord]) -> None:
                 f"{r.service_ttft_mean_s * 1e3:.1f}", f"{r.service_ttft_p90_s * 1e3:.1f}",
                 f"{r.capacity_requests_per_s:.1f}")
         log(" ".join(f"{v:>15}" if i == 0 else f"{v!s:>9}" for i, v in enumerate(vals)))
+    names = [f.name for f in fields(ServePhases)]
+    log("service phases, mean ms per request: " + " ".join(f"{n:>9}" for n in names))
+    for r in records:
+        phases = r.notes.get("service_phases_mean_ms", {})
+        log(f"{r.config:>15}" + " " * 22 + " ".join(f"{phases.get(n, 0.0):9.2f}" for n in names))
 
 
 def write_json(records: Sequence[ConfigRecord], path: str | None) -> None:

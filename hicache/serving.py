@@ -12,9 +12,9 @@ handled after the decode, L2->L3 writes run on the workers' storage threads.
 L3 prefetch at arrival (as SGLang starts it when a request enters the waiting queue): a driver that
 knows a request is queued calls ``arrive(req)``; its match and L3 existence query run then, and the
 fetch into L2 runs on the worker's storage thread while earlier requests are served. ``serve(req)``
-then checks that prefetch (bounded wait per the stop policy) and asks L3 only for what it may hold
-beyond it (written since; a repeated miss costs no storage query: the head's negative cache). A
-request served without ``arrive`` starts its prefetch itself.
+then checks that prefetch (bounded wait per the stop policy); it asks L3 again only if the L1+L2
+match shrank since the arrival (one storage query per request, as SGLang). A request served without
+``arrive`` starts its prefetch itself.
 
 Where the model runs (DESIGN.md §1): the ``Scheduler`` drives an ``Engine``; every engine call
 forwards over the replica's L1 pool, wherever that pool lives:
@@ -104,6 +104,26 @@ class ServeRequest:
     cache_salt: str | None = None
 
 
+@dataclass(frozen=True)
+class ServePhases:
+    """Where a request's service time went (seconds, ``time.perf_counter`` deltas on the serving
+    thread). Up to the first token: ``match`` (the first match), ``l3`` (the arrival prefetch's
+    wait, the second L3 query, matches again), ``load_back`` (L2->L1, waited), ``alloc`` (lock +
+    pages), ``prefill`` (every forward of the prompt, logits on the host). After it: ``decode`` and
+    ``finish`` (``cache_finished_req`` and, with a host tier, ``check_hicache_events``). ``arrive``: the
+    ``arrive`` calls a driver made for other requests just before serving this one, when it charges
+    them to this request (``benchmarks.common.ArrivalModel`` does; ``serve`` leaves it 0)."""
+
+    match: float = 0.0
+    l3: float = 0.0
+    load_back: float = 0.0
+    alloc: float = 0.0
+    prefill: float = 0.0
+    decode: float = 0.0
+    finish: float = 0.0
+    arrive: float = 0.0
+
+
 @dataclass(frozen=True, eq=False)
 class ServeResult:
     output: tuple[int, ...]
@@ -116,6 +136,7 @@ class ServeResult:
     computed_tokens: int  # prompt tokens prefilled past the reused prefix (prompt_len - reused)
     storage_tokens: int = 0  # of loaded_tokens, fetched from L3 for this request
     load_failed: bool = False
+    phases: ServePhases = ServePhases()
 
 
 @dataclass(frozen=True)
@@ -128,6 +149,15 @@ class _Prefix:
     loaded: int = 0  # of hit, loaded back from L2 (including what L3 prefetched)
     fetched: int = 0  # of loaded, fetched from L3 for this request
     failed: bool = False
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    """What ``arrive`` learned about a queued request."""
+
+    req: ServeRequest
+    prefetch: str | None  # id of the L3 prefetch it started, or None
+    covered: int  # prompt tokens L1+L2 matched then, plus those its prefetch fetches: L3 held nothing past them
 
 
 class Scheduler:
@@ -153,21 +183,21 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.l3_min_tokens = max(l3_min_tokens, ps)
         self._req_ids = itertools.count()
-        # arrive()d requests not served yet: id(request) -> (request, its prefetch id or None)
-        self._arrived: dict[int, tuple[ServeRequest, str | None]] = {}
+        self._arrived: dict[int, _Arrival] = {}  # arrive()d requests not served yet, by id(request)
 
     def _l3_may_extend(self, key: RadixKey, m) -> bool:
         """Whether L3 is worth asking: the whole pages past the L1+L2 match hold >= ``l3_min_tokens``."""
         whole = len(key) - len(key) % self.client.page_size
         return self.storage and whole - m.device_hit_len - m.host_hit_len >= self.l3_min_tokens
 
-    def _start_prefetch(self, key: RadixKey, m) -> str | None:
-        """Asks L3 for what L1+L2 lack (``m``: the match now); the id of the started prefetch, or None."""
+    def _start_prefetch(self, key: RadixKey, m) -> tuple[str | None, int]:
+        """Asks L3 for what L1+L2 lack (``m``: the match now): (the id of the started prefetch or None,
+        the tokens it fetches)."""
         if not self._l3_may_extend(key, m):
-            return None
+            return None, 0
         req_id = f"req-{next(self._req_ids)}"
         started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
-        return None if started.state is PrefetchState.NOT_STARTED else req_id
+        return (None, 0) if started.state is PrefetchState.NOT_STARTED else (req_id, started.tokens)
 
     def arrive(self, req: ServeRequest) -> bool:
         """``req`` entered the queue: starts its L3 prefetch now, so that the fetch overlaps the wait;
@@ -179,8 +209,12 @@ class Scheduler:
         if len(self._arrived) >= self.MAX_ARRIVED:
             raise ValueError(f"{len(self._arrived)} requests arrived and not served (MAX_ARRIVED): serve some first")
         key = self._key(req)
-        req_id = self._start_prefetch(key, self.client.match_prefix(key)) if self.storage else None
-        self._arrived[id(req)] = (req, req_id)
+        if not self.storage:
+            self._arrived[id(req)] = _Arrival(req, None, 0)
+            return False
+        m = self.client.match_prefix(key)
+        req_id, tokens = self._start_prefetch(key, m)
+        self._arrived[id(req)] = _Arrival(req, req_id, m.device_hit_len + m.host_hit_len + tokens)
         return req_id is not None
 
     MAX_ARRIVED = 4096
@@ -198,7 +232,7 @@ class Scheduler:
         """Waits for prefetch ``req_id`` as the stop policy allows and matches again (``None``: starts
         one first, if L3 may extend the match)."""
         if req_id is None:
-            req_id = self._start_prefetch(key, m)
+            req_id, _ = self._start_prefetch(key, m)
             if req_id is None:
                 return m, 0
         progress = self.client.check_prefetch_progress(req_id)
@@ -222,22 +256,33 @@ class Scheduler:
         m = self.client.match_prefix(key)  # the L2 copy could not be loaded: recompute from the L1 prefix
         return m.device_pages, m.device_hit_len, m.last_device_node, 0, True
 
-    def _prefix(self, key: RadixKey, m, total: int, req_id: str | None) -> _Prefix:
-        """L3 prefetch, load-back, lock, alloc: the reused prefix in L1 and pages for the rest.
+    def _prefix(self, key: RadixKey, m, total: int, arrival: _Arrival | None, marks: list[float]) -> _Prefix:
+        """L3 prefetch, load-back, lock, alloc: the reused prefix in L1 and pages for the rest. Appends
+        the end time of each of the three phases to ``marks``.
 
-        A prefetch started at arrival (``req_id``) is waited for first; then, if L3 may still extend the
-        match (pages written to L3 since the arrival query, e.g. this client's previous turn), L3 is
-        asked again (a repeated miss is answered by the head's negative cache, no storage query)."""
+        A request that ``arrive``d had its one L3 query then, as in SGLang: its prefetch (if any) is
+        waited for, and L3 is asked again only if the L1+L2 match has since shrunk below what that query
+        covered (evicted meanwhile: L3 may hold it). Pages written to L3 past the covered length since
+        the arrival came from requests served in between with the same prefix, which L1/L2 hold then.
+        A request that did not arrive asks L3 here (a repeated miss is answered by the head's negative
+        cache, no storage query)."""
         fetched = 0
         if self.storage:
-            if req_id is not None:
-                m, fetched = self._prefetch(key, m, req_id)
-            m, more = self._prefetch(key, m)
-            fetched += more
+            ask = True
+            if arrival is not None:
+                if arrival.prefetch is not None:
+                    m, fetched = self._prefetch(key, m, arrival.prefetch)
+                ask = m.device_hit_len + m.host_hit_len < arrival.covered
+            if ask:
+                m, more = self._prefetch(key, m)
+                fetched += more
+        marks.append(time.perf_counter())
         pages, hit, node, loaded, failed = self._load_back(key, m)
+        marks.append(time.perf_counter())
         locked, new_pages = self.client.step([Call(Method.INC_LOCK_REF, node), Call(Method.ALLOC, total - hit)])
         locked.unwrap()
         table = np.concatenate([pages, new_pages.unwrap()]).astype(np.int32)
+        marks.append(time.perf_counter())
         return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
 
     def serve(self, req: ServeRequest) -> ServeResult:
@@ -248,7 +293,9 @@ class Scheduler:
         prompt = np.asarray(req.prompt, dtype=np.int32)
         ns = (req.extra_key, req.cache_salt)
         total = prompt.size + req.max_new_tokens
-        p = self._prefix(key, self.client.match_prefix(key), total, None if arrival is None else arrival[1])
+        m = self.client.match_prefix(key)
+        marks = [t0, time.perf_counter()]  # start, then the end of each phase
+        p = self._prefix(key, m, total, arrival, marks)
         table, prefix_len, node, start = p.table, p.hit, p.node, p.hit
         budget = self.prefill_budget
         while budget and prompt.size - start > budget:
@@ -258,14 +305,17 @@ class Scheduler:
             table, prefix_len, node = state.device_pages, state.prefix_len, state.last_node
             start = end
         logits = self.engine.extend(prompt, table, start)[-1]
-        ttft = time.perf_counter() - t0
+        marks.append(time.perf_counter())
         gen = self.engine.decode(prompt, logits, table, req.max_new_tokens)
+        marks.append(time.perf_counter())
         seq = np.concatenate([prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
         self.client.cache_finished_req(RequestState(RadixKey(seq, *ns), table, prefix_len, node))
         if self.hicache:  # off the next request's critical path: send held backups, apply acks
             self.client.check_hicache_events()
-        return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size),
-                           p.hit - p.loaded, p.loaded, int(prompt.size) - p.hit, p.fetched, p.failed)
+        marks.append(time.perf_counter())
+        phases = ServePhases(*(b - a for a, b in zip(marks, marks[1:])))
+        return ServeResult(gen.tokens, logits, marks[5] - t0, marks[-1] - t0, int(prompt.size),
+                           p.hit - p.loaded, p.loaded, int(prompt.size) - p.hit, p.fetched, p.failed, phases)
 
     def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
         return [self.serve(r) for r in requests]

@@ -10,7 +10,7 @@ import pytest
 
 from hicache.cluster import HeadConfig, embedded
 from hicache.cluster.client import CacheClient, EmbeddedTransport
-from hicache.cluster.tree import TreeConfig
+from hicache.cluster.tree import RadixKey, TreeConfig
 from hicache.engine.config import ForwardConfig, ModelConfig
 from hicache.engine.runner import ModelRunner
 from hicache.serving import Scheduler, ServeRequest
@@ -137,8 +137,8 @@ def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, ru
 
 def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, runner):
     """``arrive`` runs the L3 query and starts the fetch while the request waits; ``serve`` checks it and
-    asks L3 again only where it may still extend the match; outputs stay exact; bad arrivals raise and
-    change nothing."""
+    does not ask L3 again while the match kept what the arrival query covered; outputs stay exact; bad
+    arrivals raise and change nothing."""
     from hicache.embedded import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
@@ -170,10 +170,48 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
         np.testing.assert_array_equal(res.last_logits, ref.logits[0])
         assert res.device_hit_tokens + res.loaded_tokens + res.computed_tokens == len(r.prompt)
         assert res.storage_tokens == (0 if r is miss else 40)
-    # the hits were fetched whole at arrival; only the miss is asked again (L3 may have it by now)
-    assert transport.methods.count("prefetch_from_storage") == 1
+    # each request had its one L3 query at arrival: the hits were fetched whole, the miss is not asked again
+    assert transport.methods.count("prefetch_from_storage") == 0
     assert transport.methods.count("check_prefetch_progress") == 3
     assert cold.head.cache_stats()["storage"]["prefetch_started"] == 3
     assert cold.scheduler._arrived == {}
     cold.client.flush_write_through_acks()
     cold.head.detach_storage_backend()
+
+
+def test_serve_asks_l3_again_when_the_match_shrank_since_arrival(tmp_path, runner):
+    """A request arrives while its prefix is in L1 (nothing to ask L3 then); the prefix is evicted from
+    L1 and L2 before it is served: ``serve`` asks L3 again and gets it from there, exact. A request whose
+    match kept what its arrival covered is not asked again."""
+    from hicache.embedded import StackOptions, build_stack
+
+    opts = StackOptions(MODEL, FWD, l1_pages=12, l2_slots=12, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    stack = build_stack(opts, runner)
+    transport = RecordingTransport(stack.head)
+    stack.scheduler.client = CacheClient(transport, FWD.page_size)
+    rng = np.random.default_rng(11)
+    first = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
+    out = stack.scheduler.serve(ServeRequest(first, max_new_tokens=2)).output
+    stack.client.flush_write_through_acks()  # its 5 pages are in L1, L2 and L3
+    turn = ServeRequest(np.concatenate([first, np.asarray(out, np.int32), rng.integers(0, MODEL.vocab_size, 3,
+                                                                                        dtype=np.int32)]), 2)
+    kept = ServeRequest(rng.integers(0, MODEL.vocab_size, 9, dtype=np.int32), 2)
+    assert not stack.scheduler.arrive(turn)  # L1 holds its prefix: no prefetch
+    assert not stack.scheduler.arrive(kept)
+    for _ in range(3):  # other prompts push the first one out of L1 and L2
+        stack.scheduler.serve(ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), 2))
+        stack.client.flush_write_through_acks()
+    assert stack.client.match_prefix(RadixKey(first[:40])).device_hit_len + \
+        stack.client.match_prefix(RadixKey(first[:40])).host_hit_len < 40
+    transport.methods.clear()
+    res = stack.scheduler.serve(turn)
+    assert transport.methods.count("prefetch_from_storage") == 1
+    assert res.storage_tokens == 40 and res.computed_tokens == len(turn.prompt) - 40
+    ref = runner.generate_no_cache(turn.prompt, 2)
+    assert res.output == ref.tokens
+    np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+    transport.methods.clear()
+    stack.scheduler.serve(kept)
+    assert transport.methods.count("prefetch_from_storage") == 0
+    stack.client.flush_write_through_acks()
+    stack.head.detach_storage_backend()
