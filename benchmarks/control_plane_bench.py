@@ -6,7 +6,10 @@ the previous batch, match_prefix x64, then inc_lock_ref + alloc x64 taking node 
 match results (``ResultRef``); ``--two-steps`` sends lock + alloc in a second step instead.
   * embedded: ``CacheClient`` over ``EmbeddedTransport`` (the head in this process)
   * ray:      ``hicache.connect`` (``RayTransport``, compact wire format) to a head actor started with
-              ``start_replica``; both answer the same calls (asserted: same requests served, same hits)
+              ``start_replica``; both answer the same calls (asserted: same requests served, same hits).
+              Steps go over the head's loopback step channel (this process runs on the head's node);
+              ``--compare-ray-calls`` also runs a client that sends them as Ray actor calls, in the same
+              rotation (``ray_calls_*`` fields)
 ``--in-flight N``: the scheduler keeps up to N steps in flight (``CacheClient.submit_step``), as an
 overlap scheduler does: through Ray the client encodes the next batch while the head works on this
 one. A conversation's next turn is still matched only after its previous turn's results came back
@@ -23,6 +26,7 @@ Without ``--address`` a local Ray instance is started on 127.0.0.1 (auth off, us
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -62,6 +66,14 @@ class ControlPlaneBenchRecord:
     # (in flight >= 2), and client and head sharing one core (the load-free bounds of ray_over_embedded)
     ray_over_embedded_cpu_parallel: float  # embedded_cpu_ms / max(ray_client_cpu_ms, ray_head_cpu_ms)
     ray_over_embedded_cpu_serial: float  # embedded_cpu_ms / (ray_client_cpu_ms + ray_head_cpu_ms)
+    step_channel: bool  # the Ray client's steps went over the step channel (else as Ray actor calls)
+    # --compare-ray-calls: the same client sending its steps as Ray actor calls (0: not run)
+    ray_calls_over_embedded: float = 0.0  # best run over best embedded run
+    ray_calls_over_embedded_paired_median: float = 0.0
+    ray_calls_call_p50_ms: float = 0.0
+    ray_calls_call_p99_ms: float = 0.0
+    ray_calls_client_cpu_ms: float = 0.0
+    ray_calls_head_cpu_ms: float = 0.0
 
 
 def run_batched(
@@ -169,6 +181,8 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=1,
                         help="steps in flight (1: wait for each step, the original schedule; 2+: an overlap scheduler, "
                              "which pays off when client and head each have a free core); same schedule for both clients")
+    parser.add_argument("--compare-ray-calls", action="store_true",
+                        help="also run a client without the step channel (steps as Ray actor calls)")
     parser.add_argument("--two-steps", action="store_true",
                         help="two round trips per batch (lock/alloc sent after the match results came back)")
     args = parser.parse_args()
@@ -197,14 +211,16 @@ def main() -> None:
     try:
         handle = hicache.start_replica(ReplicaConfig(config, detached=False))
         client = hicache.connect(config.replica, timeout_s=120, max_in_flight=args.in_flight)
-        # Alternate the two so both see the same background load; keep the best run of each.
-        emb_best = ray_best = None
+        calls_client = hicache.connect(config.replica, timeout_s=120, max_in_flight=args.in_flight, step_channel=False)
+        # Alternate them so all see the same background load; keep the best run of each.
+        emb_best = ray_best = calls_best = None
         step_times: list[float] = []
         paired: list[float] = []
+        paired_calls: list[float] = []
         # CPU seconds per run (least of the repeats): this process, and the head actor's process (Ray's
         # ``__ray_call__`` runs a function on the actor). Less sensitive to other load than wall time.
         head_cpu = lambda: ray.get(handle.__ray_call__.remote(lambda _: time.process_time()), timeout=60)  # noqa: E731
-        emb_cpu = client_cpu = ray_head_cpu = float("inf")
+        emb_cpu = client_cpu = ray_head_cpu = calls_client_cpu = calls_head_cpu = float("inf")
         for _ in range(args.repeat):
             c0 = time.process_time()
             out = best_of(emb, rounds, args.batch, chained=chained, in_flight=args.in_flight)
@@ -215,6 +231,13 @@ def main() -> None:
             ray_best = out_r if ray_best is None or out_r[3] < ray_best[3] else ray_best
             paired.append(out[3] / out_r[3])
             emb_cpu, client_cpu, ray_head_cpu = min(emb_cpu, c1 - c0), min(client_cpu, c2 - c1), min(ray_head_cpu, h2 - h1)
+            if args.compare_ray_calls:
+                out_c = best_of(calls_client, rounds, args.batch, None, chained, args.in_flight)
+                c3, h3 = time.process_time(), head_cpu()
+                calls_client_cpu, calls_head_cpu = min(calls_client_cpu, c3 - c2), min(calls_head_cpu, h3 - h2)
+                assert out_c[:3] == out_r[:3], "the Ray call path must give the same answers"
+                calls_best = out_c if calls_best is None or out_c[3] < calls_best[3] else calls_best
+                paired_calls.append(out[3] / out_c[3])
         n, hits, prompt, secs = emb_best
         n_r, hits_r, _, secs_r = ray_best
         assert (n_r, hits_r) == (n, hits), "the Ray head must give the same answers"
@@ -222,6 +245,8 @@ def main() -> None:
         emb_lat = call_latencies(emb, rounds, args.calls)
         client.reset()
         lat = call_latencies(client, rounds, args.calls)
+        channel = client._transport.channel_steps > 0 and client._transport.ray_steps == 0
+        calls_lat = call_latencies(calls_client, rounds, args.calls) if args.compare_ray_calls else np.zeros(1)
         stop_replica(config.replica)
         del handle
     finally:
@@ -238,7 +263,13 @@ def main() -> None:
         embedded_cpu_ms=emb_cpu * 1e3, ray_client_cpu_ms=client_cpu * 1e3, ray_head_cpu_ms=ray_head_cpu * 1e3,
         ray_over_embedded_cpu_parallel=emb_cpu / max(client_cpu, ray_head_cpu),
         ray_over_embedded_cpu_serial=emb_cpu / (client_cpu + ray_head_cpu),
+        step_channel=channel,
     )
+    if calls_best is not None:
+        rec = dataclasses.replace(
+            rec, ray_calls_over_embedded=secs / calls_best[3], ray_calls_over_embedded_paired_median=float(np.median(paired_calls)),
+            ray_calls_call_p50_ms=float(np.percentile(calls_lat, 50)), ray_calls_call_p99_ms=float(np.percentile(calls_lat, 99)),
+            ray_calls_client_cpu_ms=calls_client_cpu * 1e3, ray_calls_head_cpu_ms=calls_head_cpu * 1e3)
     for k, v in asdict(rec).items():
         print(f"{k:>24}: {v:.4f}" if isinstance(v, float) else f"{k:>24}: {v}")
     if args.json:
