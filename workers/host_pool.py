@@ -11,15 +11,11 @@ Organisation per backend (``select_host_pool_kind``), both behind ``HostPool``:
 * ``NUMPY_SLAB`` (CPU backend): one preallocated numpy slab per local head shard,
   ``[num_slots, L, 2, S, H_shard, D]``, in its own page-aligned mapping advised to use transparent
   huge pages (``slab_empty``). On XLA:CPU "device" memory already is host DRAM, so the cheapest L2
-  is plain memory written by numpy: with one device a D2H is one pass per page straight from the
-  (zero-copy viewed) pool into the slab at dispatch (``backup_now``; many small pages instead go
-  through a vectorised gather in cache-sized chunks, ``VECTOR_PAGE_MAX_BYTES``); otherwise a commit
-  is one ``slab[slots] = staged`` copy.
-  With one device (the usual CPU case) an H2D reads the slab *in place*: the slab is passed to the
-  jitted load as an argument, which PJRT CPU aliases zero-copy (aligned host buffer; checked at
-  construction, ``direct_rows``), so a load is one copy per page and no staging; the slab then
-  waits for such in-flight loads before any write (``note_reader``). With several shards an H2D
-  stage is one ``np.take(..., out=aligned_buffer)`` per shard followed by a zero-copy
+  is plain memory written by numpy. With one head shard the pool offers a ``PageCopier``
+  (``page_copier``, ``hicache.workers.host_copy``): a single-device CPU engine then copies pages
+  between the L1 buffer and the slab with numpy on the owner thread, both directions, nothing
+  staged and nothing in flight. Otherwise a D2H commit is one ``slab[slots] = staged`` copy, and
+  an H2D stage is one ``np.take(..., out=aligned_buffer)`` per shard followed by a zero-copy
   ``device_put`` and array assembly. Cost is O(batch), never O(pool).
   Measured here (2 cores): one big jax host array written by jitted ``dynamic_update_slice``
   ("mode B") costs ~75-120 ms per GiB of pool per write, and a bf16 scatter even converts the whole
@@ -53,21 +49,9 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from hicache.kernels.paged_copy import validate_ids
 from hicache.workers.device_pool import HEAD_AXIS, DevicePool, HeadShard
+from hicache.workers.host_copy import PageCopier
 
 ALIGN = 4096
-
-# Synchronous D2H (one CPU device, numpy slab, ``backup_now``): batches of at least
-# ``VECTOR_MIN_PAGES`` pages of at most ``VECTOR_PAGE_MAX_BYTES`` are copied vectorised (chunks of
-# ``VECTOR_CHUNK_BYTES``: ``np.take`` into a cache-resident buffer, then one fancy-index store),
-# larger pages and small batches one numpy copy per page. The Python step per page (~1 us) dominates
-# a small page; the second pass of the vectorised copy dominates a big one, and its two numpy calls
-# per chunk (~7 us) a small batch. Measured here (fresh random ids, 256 MiB pools, best of 20,
-# alternating order; loop / vectorised time): 512 B pages 0.87x at 16 pages, 1.3x at 64, 1.6x at
-# 256, 1.9x at 2048; 2 KiB 1.0x / 1.4x / 1.6x / 1.4x; 4 KiB 0.8x / 0.9x / 1.0x / 1.3x; 16 KiB and
-# 64 KiB 0.6-0.9x everywhere. Chunks of 64 KiB to 1 MiB measured alike.
-VECTOR_PAGE_MAX_BYTES = 2 << 10
-VECTOR_MIN_PAGES = 32
-VECTOR_CHUNK_BYTES = 256 << 10
 
 
 class HostPoolKind(str, enum.Enum):
@@ -283,22 +267,11 @@ class HostPool(abc.ABC):
         """Slots ``ids`` as a device array ``[rows, L, 2, S, H, D]`` sharded like the pool (rows past
         ``ids.size`` are unspecified) and a ``release`` to call once the consumer has finished."""
 
-    def direct_rows(self) -> jax.Array | None:
-        """All slots as one device array ``[num_slots, L, 2, S, H, D]`` (storage dtype) that
-        *aliases* the pool's host memory, for a single-device engine to read inside a jitted load,
-        or ``None``. The array changes whenever slots are written (it is a view, not a snapshot);
-        a load that reads it must register its completion token with ``note_reader``."""
+    def page_copier(self) -> PageCopier | None:
+        """A numpy copier between an L1 view and this pool's memory, when the pool is one slab of
+        plain host memory (one head shard), else ``None``. Used by a single-device CPU engine
+        (``hicache.workers.transfer.DataPath.HOST_MEMORY``)."""
         return None
-
-    def note_reader(self, token: jax.Array) -> None:
-        """A dispatched device computation reads ``direct_rows``; writes wait until it is ready."""
-        raise NotImplementedError(f"{type(self).__name__} has no direct_rows")
-
-    def backup_now(self, kv: jax.Array, pages: np.ndarray, slots: np.ndarray) -> bool:
-        """Synchronous D2H where the device pool is plain host memory (one CPU device): copies
-        ``kv[:, :, pages]`` into ``slots`` now and returns ``True``; ``False`` (nothing done) when
-        this pool cannot. ``kv`` must be ready (no pending computation writes it)."""
-        return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,82 +287,10 @@ class NumpySlabHostPool(HostPool):
             _bits(slab).fill(0)  # commit the memory now: the cap is real RSS, not a promise
             self._slabs.append(slab)
         self._staging_free: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._readers: list[jax.Array] = []  # completion tokens of loads reading the slab in place
-        self._direct = self._make_direct()
-        self._sync_backup = self._direct is not None
-        self._slab_bits = _bits(self._slabs[0])
-        self._chunk_buf: np.ndarray | None = None  # sync D2H of small pages (_copy_vectorised)
+        self._copier = PageCopier(_bits(self._slabs[0]), device_pool.num_pages) if len(self._slabs) == 1 else None
 
-    def _make_direct(self) -> jax.Array | None:
-        """The slab as a device array that *aliases* it (one shard on one CPU device): built once,
-        passed to every direct load. Checked by buffer address; a runtime that copied would make
-        every load O(pool), so then the staged path is used instead."""
-        if len(self.head_shards) != 1 or len(self.head_shards[0].devices) != 1:
-            return None
-        dev = self.head_shards[0].devices[0]
-        if dev.platform != "cpu":
-            return None
-        view = self._slabs[0].view(self.storage_dtype)
-        try:
-            arr = jax.device_put(view, dev, may_alias=True)
-            if arr.unsafe_buffer_pointer() == view.ctypes.data:
-                return arr
-        except Exception:  # pragma: no cover - runtime without the query
-            pass
-        return None
-
-    def direct_rows(self) -> jax.Array | None:
-        return self._direct
-
-    def note_reader(self, token: jax.Array) -> None:
-        if self._direct is None:
-            raise NotImplementedError("this slab pool has no direct_rows")
-        readers = self._readers
-        if len(readers) >= 8:
-            readers[:] = [r for r in readers if not r.is_ready()]
-        readers.append(token)
-
-    def backup_now(self, kv: jax.Array, pages: np.ndarray, slots: np.ndarray) -> bool:
-        if self._direct is None or not self._sync_backup:
-            return False
-        view = np.asarray(kv)  # zero-copy on PJRT CPU for a ready single-device array
-        if view.ctypes.data != kv.unsafe_buffer_pointer():  # the runtime copied: stop doing this
-            self._sync_backup = False
-            return False
-        L, two, P, S, H, D = view.shape
-        src = _bits(view).reshape(L * two, P, S * H * D)  # free views: a page = L*2 runs of S*H*D
-        dst = self._slab_bits.reshape(self.num_slots, L * two, S * H * D)
-        self._drain_readers()
-        if pages.size >= VECTOR_MIN_PAGES and self.slot_bytes <= VECTOR_PAGE_MAX_BYTES:
-            self._copy_vectorised(src, dst, pages, slots)
-        else:
-            # One pass per page, straight from the pool into the slab (~1 us of Python per page).
-            for s, p in zip(slots.tolist(), pages.tolist()):
-                dst[s] = src[:, p]
-        return True
-
-    def _copy_vectorised(self, src: np.ndarray, dst: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> None:
-        """``dst[slots] = src[:, pages]`` without a Python step per page: per chunk of pages, one
-        ``np.take`` into a reused cache-sized buffer and one fancy-index store from it. Two passes
-        over the bytes, but the second reads the cache; see ``VECTOR_PAGE_MAX_BYTES``."""
-        lk, _, c = src.shape
-        chunk = max(1, VECTOR_CHUNK_BYTES // self.slot_bytes)
-        if self._chunk_buf is None or self._chunk_buf.size < lk * chunk * c:
-            self._chunk_buf = np.empty(lk * chunk * c, src.dtype)
-        for i in range(0, pages.size, chunk):
-            ids = pages[i : i + chunk]
-            buf = self._chunk_buf[: lk * ids.size * c].reshape(lk, ids.size, c)
-            np.take(src, ids, axis=1, out=buf, mode="clip")  # ids are validated; "clip" skips a buffered copy
-            dst[slots[i : i + chunk]] = buf.transpose(1, 0, 2)
-
-    def _drain_readers(self) -> None:
-        """Before writing the slab: wait for dispatched loads that read it in place. Every slab
-        write goes through here (``write_slots``, D2H commits); a future ``slot_view`` for storage
-        must too. Owner thread only (this pool does not declare ``concurrent_slot_io``)."""
-        if self._readers:
-            for r in self._readers:
-                r.block_until_ready()
-            self._readers.clear()
+    def page_copier(self) -> PageCopier | None:
+        return self._copier
 
     @property
     def used_bytes(self) -> int:
@@ -399,7 +300,6 @@ class NumpySlabHostPool(HostPool):
         return self._slabs[k][ids]
 
     def _write_shard(self, k: int, ids: np.ndarray, data: np.ndarray) -> None:
-        self._drain_readers()
         _bits(self._slabs[k])[ids] = _bits(np.ascontiguousarray(data))
 
     def begin_backup(self, ids: np.ndarray, staged: jax.Array, count: int) -> PendingBackup:
@@ -455,12 +355,13 @@ class _SlabBackup(PendingBackup):
             return
         pool = self.pool
         if len(self.staged.sharding.device_set) == 1:  # one device, one shard: zero-copy view
-            views = [np.asarray(self.staged)]
+            # of a temporary shard array: numpy's reference must not stay cached on ``staged``, or
+            # the next gather could not donate it (the runtime would copy instead)
+            views = [np.asarray(self.staged.addressable_data(0))]
         else:
             by_device = {s.device: s for s in self.staged.addressable_shards}
             # Read every shard first, then write: a failure while reading leaves the slab untouched.
             views = [np.asarray(by_device[shard.devices[0]].data) for shard in pool.head_shards]
-        pool._drain_readers()
         for k, view in enumerate(views):
             _bits(pool._slabs[k])[self.ids] = _bits(view)[: self.count]
         del views

@@ -18,20 +18,24 @@ Device side (per shard, inside ``shard_map`` over the pool's mesh; kernel picked
   XLA cannot sink a read of them past the write. Separate jits (a backup dispatched before a load
   of the same page) are ordered by the runtime: donation waits for pending reads of the buffer.
 
-Fast path (one device holds the whole pool, the CPU backend's usual case): no ``shard_map`` and no
-array assembly. With the numpy-slab host pool:
+Data paths (``DataPath``, chosen once per engine by ``select_data_path``, the one place that
+looks at the backend):
 
-* D2H of a batch up to ``SYNC_BACKUP_MAX_BYTES``, when the pool array is ready and no async backup
-  is outstanding, is done *at dispatch*: on PJRT CPU a ready array is host memory (``np.asarray``
-  is a zero-copy view), so the backup is a numpy copy into the slab (per page, or vectorised for
-  many small pages: ``hicache.workers.host_pool.VECTOR_PAGE_MAX_BYTES``) and the handle is born
-  finished (~15 us instead of a jitted gather, a readiness poll and a commit). Otherwise (pool
-  busy, big batch) it is the async jitted gather into the reused staging buffer, committed later;
-  while one is outstanding every backup takes that path, so slot writes keep dispatch order.
-* H2D is *one* jitted call, ``scatter_rows`` from the slab itself (a device array aliasing the slab
-  zero-copy, built once by the pool) into the donated pool: no staging copy, no ``device_put``.
-  Because the device reads the slab after dispatch, the host pool waits for such readers before it
-  writes the slab (``NumpySlabHostPool.note_reader``).
+* ``HOST_MEMORY`` -- one CPU device (XLA impl) and a host pool that is one numpy slab: both tiers
+  are plain host memory, so no jitted kernel runs. A D2H reads the pool array through its zero-copy
+  numpy view (it must be ready: no pending writer) and copies into the slab at dispatch; an H2D
+  first *takes the pool buffer over* by donating it to a jitted identity (``_take_over``: the
+  runtime runs it only after every pending read or write of the buffer, and the old array is
+  deleted, so the returned array is the only reference; on CPU it aliases the same memory, no
+  copy), then writes the pages into that buffer with numpy and adopts it as the pool. Both are
+  ``hicache.workers.host_copy.PageCopier`` copies on the owner thread; the handle is born
+  finished (no staging, no polling, no token). A D2H falls back to the async jitted gather below
+  when the pool array is not ready, the batch is over ``SYNC_BACKUP_MAX_BYTES``, or an async
+  backup is outstanding (slot writes keep dispatch order).
+* ``JIT`` -- everything else (TPU: Pallas kernels and ``pinned_host`` pages; several devices):
+  D2H = jitted gather into a donated staging buffer, committed into the host pool at ``finish``;
+  H2D = the host pool stages the slots as a device array, then a jitted scatter into the donated
+  pool.
 
 Ids travel as one small packed numpy ``int32`` argument per call (``[count, ids...]``, padded to the
 bucket), never as ``jnp`` arrays, and the jitted callables are built once per engine (the C++
@@ -49,6 +53,7 @@ its own shards.
 
 from __future__ import annotations
 
+import enum
 import functools
 import time
 from collections.abc import Callable
@@ -58,21 +63,65 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hicache.kernels.paged_copy import CopyImpl, gather_pages, scatter_pages, scatter_rows_xla, select_impl, validate_ids
+from hicache.kernels.paged_copy import CopyImpl, gather_pages, scatter_pages, select_impl, validate_ids
 from hicache.workers.device_pool import DevicePool, zeros_fn
 from hicache.workers.host_pool import HostPool, PendingBackup
 from hicache.workers.plan import OpKind
 
-# Synchronous D2H (one CPU device, numpy slab): batches up to this many bytes are copied into the
-# slab at dispatch when the pool array is ready; larger ones take the async gather path. On CPU the
-# async path costs the owner thread the same pass (its commit copies staging -> slab) *plus* an XLA
-# pass and a staging buffer, so the sync path is preferred; the bound only caps how long one
-# ``submit`` stalls the owner thread (~0.1 s per 256 MiB here).
+# HOST_MEMORY D2H: batches up to this many bytes are copied into the slab at dispatch when the pool
+# array is ready; larger ones take the async gather path. On CPU the async path costs the owner
+# thread the same pass (its commit copies staging -> slab) *plus* an XLA pass and a staging buffer,
+# so the sync path is preferred; the bound only caps how long one ``submit`` stalls the owner thread
+# (~0.1 s per 256 MiB here).
 SYNC_BACKUP_MAX_BYTES = 256 << 20
 
 # Readiness polling: a CPU transfer of a few pages finishes within tens of microseconds, while one
 # ``time.sleep`` costs ~60+ us on Linux. Spin on ``is_ready`` this long before sleeping.
 _SPIN_S = 300e-6
+
+
+class DataPath(str, enum.Enum):
+    HOST_MEMORY = "host_memory"  # one CPU device + one numpy slab: numpy copies on the owner thread
+    JIT = "jit"  # jitted kernels (Pallas on TPU, portable XLA elsewhere) + the host pool's staging
+
+
+def select_data_path(device_pool: DevicePool, host_pool: HostPool, impl: CopyImpl) -> DataPath:
+    """How an engine moves bytes (see the module docstring); the one place that decides it."""
+    devices = device_pool.mesh.devices
+    copier = host_pool.page_copier()
+    if (
+        impl is CopyImpl.XLA
+        and devices.size == 1
+        and devices.flat[0].platform == "cpu"
+        and copier is not None
+        and copier.pool_bytes == device_pool.kv.nbytes
+    ):
+        return DataPath.HOST_MEMORY
+    return DataPath.JIT
+
+
+def row_major_address(arr: jax.Array) -> int | None:
+    """The address of a single-device CPU array's buffer when it is laid out row-major (numpy's C
+    order, as every jit output is by default), else ``None``. Unlike ``np.asarray`` this takes no
+    external reference on the buffer: an array viewed by numpy can no longer be donated (the runtime
+    then copies it), which would make every later forward and load copy the whole pool."""
+    if arr.format.layout.major_to_minor != tuple(range(arr.ndim)):
+        return None
+    return arr.unsafe_buffer_pointer()
+
+
+def _take_over(kv: jax.Array) -> jax.Array:
+    """The pool array donated to an identity and returned ready: once this returns, no computation
+    reads or writes its buffer and no other array refers to it (the argument is deleted), so the
+    caller may write the buffer in place and adopt the result as the pool."""
+    out = _identity_donated(kv.sharding)(kv)
+    out.block_until_ready()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _identity_donated(sharding):
+    return jax.jit(lambda kv: kv, donate_argnums=0, out_shardings=sharding)
 
 
 def bucket(n: int) -> int:
@@ -180,19 +229,18 @@ class TransferEngine:
         else:
             self._gather = _gather_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
             self._scatter = _scatter_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
-        # H2D straight from the host slab (single device, portable kernels, numpy-slab pool).
-        self._direct_rows: jax.Array | None = None
-        if self.single_device and self.impl is CopyImpl.XLA:
-            self._direct_rows = host_pool.direct_rows()
-        if self._direct_rows is not None:
-            self._scatter_rows = _scatter_rows_fn(device_pool.sharding, token_sharding)
+        self.data_path = select_data_path(device_pool, host_pool, self.impl)
+        self._copier = host_pool.page_copier() if self.data_path is DataPath.HOST_MEMORY else None
+        self._pool_address: tuple[jax.Array, int | None] | None = None  # (kv, row_major_address(kv))
         self._slot_bytes = host_pool.slot_bytes
         self._num_pages = device_pool.num_pages
 
-    @property
-    def direct_load(self) -> bool:
-        """True when loads read the host slab in place (see the module docstring)."""
-        return self._direct_rows is not None
+    def _address(self, kv: jax.Array) -> int | None:
+        """``row_major_address(kv)``, checked once per pool array (a layout query costs ~10 us)."""
+        known = self._pool_address
+        if known is None or known[0] is not kv:
+            known = self._pool_address = (kv, row_major_address(kv))
+        return known[1]
 
     # -- validation (host side, before any buffer is touched) -----------------------------------
     def check(self, device_pages: object, host_slots: object) -> tuple[np.ndarray, np.ndarray]:
@@ -232,17 +280,16 @@ class TransferEngine:
         n = pages.size
         kv = self.device_pool.kv
         if (
-            self._direct_rows is not None
+            self._copier is not None
             and not self._async_backups
             and n * self._slot_bytes <= SYNC_BACKUP_MAX_BYTES
-            and kv.is_ready()
-            and self.host_pool.backup_now(kv, pages, slots)
+            and kv.is_ready()  # no pending writer; pending readers may run alongside
         ):
-            # Done already (CPU: the pool is host memory). No async backup is outstanding, so
-            # slot writes still land in dispatch order.
-            handle = TransferHandle(OpKind.BACKUP_D2H, n, n * self._slot_bytes, _true, _noop, _noop, _noop)
-            handle.finished_at = time.perf_counter()
-            return handle
+            address = self._address(kv)
+            if address is not None:
+                # No async backup is outstanding, so slot writes still land in dispatch order.
+                self._copier.to_slab(address, pages, slots)
+                return _finished(OpKind.BACKUP_D2H, n, n * self._slot_bytes)
         rows = 1 << (n - 1).bit_length()  # bucket(n)
         staging = self._take_staging(rows)
         staged = self._gather(self.device_pool.kv, self._packed_ids(rows, pages), staging)
@@ -266,22 +313,30 @@ class TransferEngine:
     def load_checked(self, slots: np.ndarray, pages: np.ndarray) -> TransferHandle:
         """``load`` for ids already validated by ``check``."""
         n = pages.size
+        if self._copier is not None:
+            kv = _take_over(self.device_pool.kv)
+            self.device_pool.adopt_kv(kv)  # the old array is deleted: adopt before anything can fail
+            address = self._address(kv)
+            if address is not None:
+                self._copier.to_pool(address, pages, slots)
+                return _finished(OpKind.LOAD_H2D, n, n * self._slot_bytes)
         rows = 1 << (n - 1).bit_length()  # bucket(n)
-        if self._direct_rows is not None:
-            ids = self._packed_ids(rows, slots, pages)
-            new_kv, token = self._scatter_rows(self.device_pool.kv, self._direct_rows, ids)
-            self.host_pool.note_reader(token)
-            release = _noop
-        else:
-            staged, release = self.host_pool.stage_load(slots, rows)
-            try:
-                new_kv, token = self._scatter(self.device_pool.kv, self._packed_ids(rows, pages), staged)
-            except BaseException:
-                release()
-                raise
+        staged, release = self.host_pool.stage_load(slots, rows)
+        try:
+            new_kv, token = self._scatter(self.device_pool.kv, self._packed_ids(rows, pages), staged)
+        except BaseException:
+            release()
+            raise
         self.device_pool.adopt_kv(new_kv)
         return TransferHandle(OpKind.LOAD_H2D, n, n * self._slot_bytes, token.is_ready, token.block_until_ready,
                               _noop, release)
+
+
+def _finished(kind: OpKind, n: int, nbytes: int) -> TransferHandle:
+    """The handle of a transfer done at dispatch."""
+    handle = TransferHandle(kind, n, nbytes, _true, _noop, _noop, _noop)
+    handle.finished_at = handle.started
+    return handle
 
 
 def _with_token(new_kv: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -322,14 +377,5 @@ def _scatter_single_fn(impl: CopyImpl, sharding, token_sharding):
     def scatter(kv, ids, pages):  # ids = [count, *page_ids]
         pages, kv = lax.optimization_barrier((pages, kv))
         return _with_token(scatter_pages(kv, ids[1:], ids[0], pages, impl=impl), ids[0])
-
-    return jax.jit(scatter, donate_argnums=(0,), out_shardings=(sharding, token_sharding))
-
-
-@functools.lru_cache(maxsize=None)
-def _scatter_rows_fn(sharding, token_sharding):
-    def scatter(kv, rows, ids):  # ids = [count, *slot_ids, *page_ids], both padded to m
-        m = (ids.shape[0] - 1) // 2
-        return _with_token(scatter_rows_xla(kv, rows, ids[1 : 1 + m], ids[1 + m :], ids[0]), ids[0])
 
     return jax.jit(scatter, donate_argnums=(0,), out_shardings=(sharding, token_sharding))

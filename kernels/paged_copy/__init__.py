@@ -15,11 +15,6 @@ Implementations (``CopyImpl``), all with the same signature and bit-identical re
 * ``PALLAS_INTERPRET`` -- the same kernels in TPU interpret mode (CPU tests only; slow).
 * ``XLA`` -- ``portable.py``: fori_loop of dynamic slices, in place on donated buffers (CPU, GPU).
 
-``scatter_rows_xla`` (``portable.py``, reference ``scatter_rows_reference``) fuses the gather of rows
-from a source array with the page scatter; the CPU engine uses it to load straight from the host slab
-(zero-copy jit argument). It has no Pallas twin: on TPU the host pool is per-page ``pinned_host``
-arrays and loads go through ``scatter_pages``.
-
 ``select_impl(backend)`` is the one place that picks an implementation per backend.
 All functions act on one shard and take pre-validated ids (``validation.py``).
 """
@@ -35,11 +30,10 @@ from hicache.kernels.paged_copy.kernel import (
     gather_pages_pallas,
     scatter_pages_pallas,
 )
-from hicache.kernels.paged_copy.portable import gather_pages_xla, scatter_pages_xla, scatter_rows_xla
+from hicache.kernels.paged_copy.portable import gather_pages_xla, scatter_pages_xla
 from hicache.kernels.paged_copy.reference import (
     gather_pages_reference,
     scatter_pages_reference,
-    scatter_rows_reference,
 )
 from hicache.kernels.paged_copy.validation import (
     page_row_shape,
@@ -113,8 +107,6 @@ __all__ = [
     "scatter_pages_pallas",
     "scatter_pages_reference",
     "scatter_pages_xla",
-    "scatter_rows_reference",
-    "scatter_rows_xla",
     "select_impl",
     "validate_count",
     "validate_ids",

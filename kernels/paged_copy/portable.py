@@ -76,30 +76,12 @@ def scatter_pages_xla(
     count: jax.Array,  # i32[]
     pages: jax.Array,  # [m, L, 2, S, H, D]
 ) -> jax.Array:  # [L, 2, P, S, H, D]
-    return _scatter(kv, pages.astype(kv.dtype), lambda j: j, page_ids, count)
-
-
-def scatter_rows_xla(
-    kv: jax.Array,  # [L, 2, P, S, H, D] (donate it)
-    rows: jax.Array,  # [R, L, 2, S, H, D] source rows (e.g. a zero-copy view of the host slab)
-    row_ids: jax.Array,  # i32[m]; the first `count` are used
-    page_ids: jax.Array,  # i32[m]; the first `count` are used
-    count: jax.Array,  # i32[]
-) -> jax.Array:  # [L, 2, P, S, H, D]
-    """``kv[:, :, page_ids[j]] = rows[row_ids[j]]`` for ``j < count``: a gather from ``rows`` fused
-    with the page scatter, one copy per page and no staging buffer. On the CPU backend ``rows`` is
-    the host pool's numpy slab passed as a jit argument (PJRT CPU aliases aligned host buffers), so
-    an H2D is a single in-place pass over ``count`` pages whatever the pool size."""
-    return _scatter(kv, rows.astype(kv.dtype), lambda j: row_ids[j], page_ids, count)
-
-
-def _scatter(kv: jax.Array, rows: jax.Array, row_of, page_ids: jax.Array, count: jax.Array) -> jax.Array:
-    """``kv[:, :, page_ids[j]] = rows[row_of(j)]`` for ``j < count``, on the views of ``_views``."""
-    dst0, src, axis = _views(kv, rows)
+    """``kv[:, :, page_ids[j]] = pages[j]`` for ``j < count``, in place on the donated pool."""
+    dst0, src, axis = _views(kv, pages.astype(kv.dtype))
     page_shape = dst0.shape[:axis] + (1,) + dst0.shape[axis + 1 :]
 
     def body(j, dst):
-        row = lax.dynamic_slice(src, (row_of(j),) + (0,) * (src.ndim - 1), (1, *src.shape[1:]))
+        row = lax.dynamic_slice(src, (j,) + (0,) * (src.ndim - 1), (1, *src.shape[1:]))
         start = [0] * dst.ndim
         start[axis] = page_ids[j]
         return lax.dynamic_update_slice(dst, row.reshape(page_shape), start)

@@ -27,12 +27,3 @@ def scatter_pages_reference(
     """Returns ``kv`` with ``kv[:, :, page_ids[i]] = pages[i]``."""
     return kv.at[:, :, page_ids].set(jnp.moveaxis(pages, 0, 2).astype(kv.dtype))
 
-
-def scatter_rows_reference(
-    kv: jax.Array,  # [L, 2, P, S, H, D]
-    rows: jax.Array,  # [R, L, 2, S, H, D]
-    row_ids: jax.Array,  # i32[n]
-    page_ids: jax.Array,  # i32[n]
-) -> jax.Array:  # [L, 2, P, S, H, D]
-    """Returns ``kv`` with ``kv[:, :, page_ids[i]] = rows[row_ids[i]]``."""
-    return scatter_pages_reference(kv, page_ids, jnp.take(rows, row_ids, axis=0))

@@ -60,9 +60,7 @@ def test_kernels_compile_in_place(layout):
     ids = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
     count = jax.ShapeDtypeStruct((), jnp.int32)
     staging = jax.ShapeDtypeStruct((ROWS, *row), jnp.uint16)
-    slab = jax.ShapeDtypeStruct((NUM_SLOTS, *row), jnp.uint16)
     pool_elems = int(np.prod(kv_shape))
-    assert_in_place(jax.jit(pc.scatter_rows_xla, donate_argnums=0).lower(kv, slab, ids, ids, count), pool_elems, 2)
     assert_in_place(jax.jit(pc.scatter_pages_xla, donate_argnums=0).lower(kv, ids, count, staging), pool_elems, 2)
     assert_in_place(jax.jit(pc.gather_pages_xla, donate_argnums=3).lower(kv, ids, count, staging), pool_elems, 2)
 
@@ -107,9 +105,5 @@ def test_engine_transfers_compile_in_place(layout, devices):
         one_list = np.zeros(1 + ROWS, np.int32)
         assert_in_place(engine._gather.lower(kv, one_list, staging), big, itemsize)  # D2H
         assert_in_place(engine._scatter.lower(kv, one_list, staging), big, itemsize)  # H2D (staged)
-        if devices == 1:
-            assert engine.direct_load
-            two_lists = np.zeros(1 + 2 * ROWS, np.int32)
-            assert_in_place(engine._scatter_rows.lower(kv, engine._direct_rows, two_lists), big, itemsize)
     finally:
         worker.close()

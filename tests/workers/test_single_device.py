@@ -1,16 +1,21 @@
-"""The single-device engine paths (the CPU backend's usual case): synchronous D2H into the slab, H2D
-read in place from the slab (zero-copy jit argument), and their ordering/failure rules."""
+"""The single-device engine paths (the CPU backend's usual case): ``DataPath.HOST_MEMORY`` (numpy
+copies between the L1 buffer and the slab at dispatch, both directions; a load takes the L1 buffer
+over by donation first), the async D2H fallback, and their ordering/failure rules; the numpy
+``PageCopier`` against a numpy model."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax import lax
+
 from hicache.workers import DevicePool, HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan
-from hicache.workers import host_pool as host_pool_mod
-from hicache.workers import hugepages
+from hicache.workers import host_copy, hugepages
 from hicache.workers import transfer as transfer_mod
+from hicache.workers.transfer import DataPath, row_major_address
 
 NUM_PAGES, NUM_SLOTS = 40, 32
 SPECS = {
@@ -45,46 +50,77 @@ def worker(request) -> HostWorker:
                       host_pool_kind="numpy_slab")
 
 
+def _per_page(monkeypatch) -> None:
+    monkeypatch.setattr(host_copy, "VECTOR_PAGE_MAX_BYTES", 0)
+
+
+def _vectorised(monkeypatch, copier: host_copy.PageCopier, chunk_pages: int) -> None:
+    """np.take per chunk of ``chunk_pages`` pages: several chunks and a partial last one."""
+    monkeypatch.setattr(host_copy, "VECTOR_PAGE_MAX_BYTES", copier.slot_bytes)
+    monkeypatch.setattr(host_copy, "VECTOR_MIN_PAGES", 1)
+    monkeypatch.setattr(copier, "chunk_pages", chunk_pages)
+
+
 @pytest.fixture(params=["sync", "sync_vectorised", "async"])
 def backup_mode(request, monkeypatch, worker) -> str:
+    """How pages move: numpy per page, numpy vectorised (both directions), or (D2H) the async jitted
+    gather with its commit."""
     if request.param == "async":
         monkeypatch.setattr(transfer_mod, "SYNC_BACKUP_MAX_BYTES", 0)
-    elif request.param == "sync":  # one numpy copy per page
-        monkeypatch.setattr(host_pool_mod, "VECTOR_PAGE_MAX_BYTES", 0)
-    else:  # np.take per chunk of 3 pages: several chunks and a partial last one
-        monkeypatch.setattr(host_pool_mod, "VECTOR_PAGE_MAX_BYTES", worker.host_pool.slot_bytes)
-        monkeypatch.setattr(host_pool_mod, "VECTOR_MIN_PAGES", 1)
-        monkeypatch.setattr(host_pool_mod, "VECTOR_CHUNK_BYTES", 3 * worker.host_pool.slot_bytes)
+    elif request.param == "sync":
+        _per_page(monkeypatch)
+    else:
+        _vectorised(monkeypatch, worker.host_pool.page_copier(), 3)
     return request.param
 
 
 def test_fast_paths_are_selected(worker):
-    assert worker.engine.single_device and worker.engine.direct_load
-    # the slab really is aliased: the device array's buffer is the slab's memory
-    rows = worker.host_pool.direct_rows()
-    assert rows.unsafe_buffer_pointer() == worker.host_pool._slabs[0].ctypes.data
+    engine = worker.engine
+    assert engine.single_device and engine.data_path is DataPath.HOST_MEMORY
+    assert engine._copier is worker.host_pool.page_copier()
+    # the copier writes the slab itself, not a copy of it
+    assert engine._copier._slab_rows.ctypes.data == worker.host_pool._slabs[0].ctypes.data
 
 
-def test_round_trip_is_bit_identical(worker, backup_mode):
+def test_transfers_keep_the_pool_donatable(worker):
+    """Neither direction leaves a numpy reference on the L1 buffer: a forward that donates the pool
+    still gets its buffer in place (a referenced buffer is copied by the runtime instead)."""
+    dp = worker.device_pool
+    dp.write_pages([1], _random_pages(worker, 1, seed=20))
+    worker.submit(_plan(_op(1, "d2h", [1], [2]), _op(2, "h2d", [3], [2])))
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True, True]
+    address = dp.kv.unsafe_buffer_pointer()
+    forward = jax.jit(lambda kv: kv, donate_argnums=0)
+    dp.set_kv(forward(dp.kv))
+    assert dp.kv.unsafe_buffer_pointer() == address
+    assert row_major_address(dp.kv) == address
+
+
+def test_load_waits_for_a_pending_reader_of_the_pool(worker):
+    """A load writes the L1 buffer in place only after every computation already dispatched on it
+    has run: a jitted reader of page 7, queued behind a long matmul (so it is still pending when the
+    load is submitted), still sees the old page after a load that overwrites page 7."""
     dp, hp = worker.device_pool, worker.host_pool
-    src = np.array([31, 3, 17, 0, 22, 9, 39], np.int32)  # unsorted, non-contiguous, not a power of 2
-    slots = np.array([5, 30, 1, 12, 7, 0, 19], np.int32)
-    data = _random_pages(worker, src.size, seed=1)
-    dp.write_pages(src, data)
-    worker.submit(_plan(_op(1, "d2h", src, slots)))
-    acks = worker.wait(timeout_s=60)
-    assert [(a.ok, a.error, a.bytes_moved) for a in acks] == [(True, None, src.size * hp.slot_bytes)]
-    np.testing.assert_array_equal(_bits(hp.read_slots(slots)), _bits(data))
-    assert not _bits(hp.read_slots(np.setdiff1d(np.arange(NUM_SLOTS), slots))).any()  # no other slot written
+    old, new = _random_pages(worker, 1, seed=21), _random_pages(worker, 1, seed=22)
+    dp.write_pages([7], old)
+    hp.write_slots([0], new)
+    dp.kv.block_until_ready()
+    x = jnp.ones((1024, 1024), jnp.float32)
+    slow = jax.jit(lambda x: (x @ x @ x @ x)[0, 0])
 
-    before = _bits(dp.read_pages(np.arange(NUM_PAGES))).copy()
-    dst = np.array([2, 38, 11, 25, 6, 14, 33], np.int32)
-    worker.submit(_plan(_op(2, "h2d", dst, slots)))
+    @jax.jit
+    def read_page_7(kv, after):  # the page index depends on the slow result: it waits for it
+        page = jnp.int32(7) + (after > jnp.inf).astype(jnp.int32)
+        return lax.dynamic_index_in_dim(kv, page, axis=2, keepdims=False)
+
+    jax.block_until_ready(read_page_7(dp.kv, slow(x)))  # compiled
+    seen = read_page_7(dp.kv, slow(x))
+    assert not seen.is_ready()  # the premise: the reader is pending when the load comes
+    worker.submit(_plan(_op(1, "h2d", [7], [0])))
     assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
-    after = _bits(dp.read_pages(np.arange(NUM_PAGES)))
-    np.testing.assert_array_equal(after[dst], _bits(data))
-    untouched = np.setdiff1d(np.arange(NUM_PAGES), dst)
-    np.testing.assert_array_equal(after[untouched], before[untouched])  # padding rows wrote nothing
+    got = _bits(np.asarray(seen))
+    np.testing.assert_array_equal(got, _bits(old[0]).reshape(got.shape))
+    np.testing.assert_array_equal(_bits(dp.read_pages([7])), _bits(new))
 
 
 def test_backup_then_load_of_same_slots_in_one_plan(worker, backup_mode):
@@ -110,18 +146,6 @@ def test_later_backup_to_same_slot_wins_over_pending_async_one(worker, monkeypat
     np.testing.assert_array_equal(_bits(hp.read_slots([4, 5])), _bits(data[[2, 1]]))
 
 
-def test_slab_writes_wait_for_loads_reading_it(worker):
-    dp, hp = worker.device_pool, worker.host_pool
-    old = _random_pages(worker, 4, seed=4)
-    hp.write_slots([8, 9, 10, 11], old)
-    worker.submit(_plan(_op(1, "h2d", [20, 21, 22, 23], [8, 9, 10, 11])))
-    assert hp._readers  # the load reads the slab in place: registered
-    hp.write_slots([8, 9, 10, 11], _random_pages(worker, 4, seed=5))  # waits for the load first
-    assert not hp._readers
-    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
-    np.testing.assert_array_equal(_bits(dp.read_pages([20, 21, 22, 23])), _bits(old))
-
-
 def test_load_completes_even_if_the_pool_array_is_donated_before_poll(worker):
     dp, hp = worker.device_pool, worker.host_pool
     data = _random_pages(worker, 2, seed=6)
@@ -143,7 +167,9 @@ def test_failures_leave_both_pools_unchanged(worker, backup_mode, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(hp, "backup_now", boom)
+    copier = hp.page_copier()
+    monkeypatch.setattr(copier, "to_slab", boom)
+    monkeypatch.setattr(copier, "to_pool", boom)
     real_begin = hp.begin_backup
 
     def begin_then_break(ids, staged, count):
@@ -152,7 +178,6 @@ def test_failures_leave_both_pools_unchanged(worker, backup_mode, monkeypatch):
         return pending
 
     monkeypatch.setattr(hp, "begin_backup", begin_then_break)
-    monkeypatch.setattr(worker.engine, "_scatter_rows", boom)
     worker.submit(_plan(_op(1, "d2h", [0, 1, 2], [3, 4, 5])))
     worker.submit(_plan(_op(2, "h2d", [7, 8], [3, 4])))
     acks = worker.wait(timeout_s=60)
@@ -178,13 +203,13 @@ def test_bad_ids_still_rejected_with_names(worker):
 
 @pytest.mark.parametrize("kind", ["numpy_slab", "pinned_pages"])
 def test_single_device_staged_paths(kind, monkeypatch):
-    """Single device without the direct load (pinned pages, or a slab the runtime would copy)."""
+    """Single device on the JIT path (pinned pages, or a slab pool without a copier)."""
     if kind == "numpy_slab":
         from hicache.workers.host_pool import NumpySlabHostPool
 
-        monkeypatch.setattr(NumpySlabHostPool, "_make_direct", lambda self: None)
+        monkeypatch.setattr(NumpySlabHostPool, "page_copier", lambda self: None)
     w = HostWorker(SPECS["bf16"], NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[1]], host_pool_kind=kind)
-    assert w.engine.single_device and not w.engine.direct_load
+    assert w.engine.single_device and w.engine.data_path is DataPath.JIT
     data = _random_pages(w, 5, seed=10)
     w.device_pool.write_pages([9, 1, 30, 4, 12], data)
     w.submit(_plan(_op(1, "d2h", [9, 1, 30, 4, 12], [2, 7, 0, 31, 5]), _op(2, "h2d", [0, 3, 8, 39, 20], [2, 7, 0, 31, 5])))
@@ -237,3 +262,39 @@ def test_merged_ops_on_a_huge_page_pool_are_bit_identical():
         model_l1[dst] = model_l2[slots]
         np.testing.assert_array_equal(_bits(dp.read_pages(np.arange(num_pages))), _bits(model_l1))
         np.testing.assert_array_equal(_bits(hp.read_slots(np.arange(num_slots))), _bits(model_l2))
+
+
+@pytest.mark.parametrize("strategy", ["per_page", "vectorised"])
+@pytest.mark.parametrize("shape", [(1, 2, 16, 1, 8), (2, 2, 4, 2, 16), (3, 2, 1, 1, 1)])
+def test_page_copier_matches_a_numpy_model(shape, strategy, monkeypatch):
+    """``PageCopier`` both ways against plain numpy indexing, on a private pool buffer: layouts with
+    size-1 axes and odd run counts, random and consecutive ids, chunks that split a batch (a copy to
+    a wrong place, a torn page or a write outside the ids fails)."""
+    rng = np.random.default_rng(30)
+    num_pages, num_slots = 50, 70
+    pool = rng.integers(0, 1 << 16, (shape[0], shape[1], num_pages, *shape[2:]), dtype=np.uint16)
+    slab = rng.integers(0, 1 << 16, (num_slots, *shape), dtype=np.uint16)
+    copier = host_copy.PageCopier(slab, num_pages)
+    if strategy == "per_page":
+        _per_page(monkeypatch)
+    else:
+        _vectorised(monkeypatch, copier, 4)
+    model_pool, model_slab = pool.copy(), slab.copy()
+    cases = [(rng.permutation(num_pages)[:11], rng.permutation(num_slots)[:11]),
+             (np.arange(20, 29), np.arange(60, 69)), (np.array([49]), np.array([0]))]
+    for pages, slots in cases:
+        pages, slots = pages.astype(np.int32), slots.astype(np.int32)
+        copier.to_slab(pool.ctypes.data, pages, slots)
+        model_slab[slots] = np.moveaxis(model_pool[:, :, pages], 2, 0)
+        np.testing.assert_array_equal(slab, model_slab)
+        back = rng.permutation(num_pages)[: pages.size].astype(np.int32)
+        copier.to_pool(pool.ctypes.data, back, slots)
+        model_pool[:, :, back] = np.moveaxis(model_slab[slots], 0, 2)
+        np.testing.assert_array_equal(pool, model_pool)
+
+
+def test_page_copier_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"C-contiguous \[N, L, 2, S, H, D\].*\(4, 2\)"):
+        host_copy.PageCopier(np.zeros((4, 2), np.uint16), 8)
+    with pytest.raises(ValueError, match="num_pages must be a positive int, got 0"):
+        host_copy.PageCopier(np.zeros((4, 1, 2, 1, 1, 8), np.uint16), 0)
