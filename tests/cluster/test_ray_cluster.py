@@ -501,10 +501,13 @@ def test_replica_file_l3_section_becomes_the_start_storage(tmp_path):
 
 
 # -- the step channel (a loopback socket to the head; Ray calls are the fallback) ------------------------------
+C_CONFIG = HeadConfig("c", TreeConfig(PS, 1024))  # room for three tenants' workloads (no eviction)
+
+
 @pytest.fixture(scope="module")
 def replica_c(cluster):
     """A control-plane-only replica (no host workers): starts and restarts in a second or two."""
-    handle = hicache.start_replica(ReplicaConfig(HeadConfig("c", TreeConfig(PS, 256)), detached=False))
+    handle = hicache.start_replica(ReplicaConfig(C_CONFIG, detached=False))
     yield "c"
     stop_replica("c")
     del handle
@@ -564,14 +567,15 @@ def _same(got, want) -> None:
             assert g.value == w.value
 
 
-def _chat_steps(client) -> list[list[Call]]:
+def _chat_steps(client, tenant: str | None = None, hits: list[int] | None = None) -> list[list[Call]]:
     """A multi-turn workload as a scheduler sends it: per batch the previous batch's finishes, then match,
-    lock and alloc chained on the matches (``ResultRef``), plus a call that fails. Returns the steps sent."""
+    lock and alloc chained on the matches (``ResultRef``), plus a call that fails. Returns the steps sent;
+    ``tenant``: the keys' ``extra_key``; ``hits``: gets each match's device hit length."""
     turns, steps, finish = _workload(), [], []
     for i in range(0, len(turns), 4):
         group = turns[i : i + 4]
         nf = len(finish)
-        calls = finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group]
+        calls = finish + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt, tenant)) for t in group]
         for j, t in enumerate(group):
             calls += [Call(Method.INC_LOCK_REF, ResultRef(nf + j, "last_device_node")),
                       Call(Method.ALLOC, ResultRef(nf + j, "device_hit_len", -1, len(t.sequence)))]
@@ -581,8 +585,10 @@ def _chat_steps(client) -> list[list[Call]]:
         finish = []
         for j, t in enumerate(group):
             m, own = res[nf + j].unwrap(), res[nf + len(group) + 2 * j + 1].unwrap()
+            if hits is not None:
+                hits.append(m.device_hit_len)
             finish.append(Call(Method.CACHE_FINISHED_REQ, RequestState(
-                RadixKey(t.sequence), np.concatenate([m.device_pages, own]), m.device_hit_len, m.last_device_node)))
+                RadixKey(t.sequence, tenant), np.concatenate([m.device_pages, own]), m.device_hit_len, m.last_device_node)))
     client.step(finish)
     return steps + [finish]
 
@@ -590,7 +596,7 @@ def _chat_steps(client) -> list[list[Call]]:
 def test_step_channel_answers_exactly_as_the_embedded_head(client_c):
     transport = client_c._transport
     before = (transport.channel_steps, transport.ray_steps)
-    local = embedded(HeadConfig("c", TreeConfig(PS, 256)))
+    local = embedded(C_CONFIG)
     steps = _chat_steps(client_c)
     assert (transport.channel_steps - before[0], transport.ray_steps - before[1]) == (len(steps), 0)
     client_c.reset()
@@ -606,12 +612,44 @@ def test_step_channel_answers_exactly_as_the_embedded_head(client_c):
     assert ray_only._transport.channel_steps == 0 and ray_only._transport._channel is None
 
 
+def test_steps_of_two_channels_and_ray_calls_never_run_at_once(replica_c, client_c):
+    """Three schedulers at the same time (two over their own channels, one as Ray calls), each in its own
+    namespace: each gets exactly the hits it gets alone (one step at a time in the head), and the tree
+    holds all three."""
+    import threading
+
+    alone = embedded(C_CONFIG)
+    want: list[int] = []
+    for _ in range(2):
+        _chat_steps(alone, "t0", want)
+    clients = [client_c, hicache.connect(replica_c), hicache.connect(replica_c, step_channel=False)]
+    hits: list[list[int]] = [[] for _ in clients]
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(2):
+                _chat_steps(clients[i], f"t{i}", hits[i])
+        except BaseException as e:  # reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures and not any(t.is_alive() for t in threads)
+    assert hits == [want] * 3 and sum(want[len(want) // 2 :]) > 0
+    assert client_c.stats().cached_tokens == 3 * alone.stats().cached_tokens
+    assert [c._transport.channel_steps > 0 for c in clients] == [True, True, False]
+
+
 def test_step_channel_timeout_is_a_hicache_error_and_the_late_replies_are_dropped(client_c):
     transport = client_c._transport
     client_c.stats()
     channel = transport._channel
     assert channel is not None
-    transport.timeout_s = 0.2
+    transport.timeout_s = 0.05
     _steps_behind_a_busy_head_time_out(client_c, get_head("c"))
     transport.timeout_s = 30.0
     pages = client_c.alloc(8)  # the three stats replies came late: read and dropped, not taken for this one
@@ -623,7 +661,7 @@ def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c)
     head, transport = get_head("c"), client_c._transport
     client_c.stats()
     assert transport._channel is not None
-    busy = _busy(head)
+    busy = _busy(head, 10_000)
     waiting = client_c.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
     ray.get(head.set_step_channel.remote(False), timeout=10)  # closes the channel and its connections
     with pytest.raises(HiCacheUnavailableError, match="step channel lost"):
@@ -652,7 +690,7 @@ def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
     client.cache_finished_req(RequestState(RadixKey(a), client.alloc(16), 0, m.last_device_node))
     old = transport._channel.address
     head = get_head(replica_c)
-    _busy(head)
+    _busy(head, 10_000)
     waiting = client.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
     ray.kill(head, no_restart=False)
     t0 = time.monotonic()
