@@ -112,12 +112,12 @@ def run_stream(head: CacheHead, rounds, hicache: bool, step_requests: int) -> tu
                 key = RadixKey(turn.prompt)
                 m = head.match_prefix(key)
                 pages, hit, node, loaded, load_id = m.device_pages, m.device_hit_len, m.last_device_node, 0, -1
-                if hicache and m.host_hit_len:
-                    r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
-                    if r.load_id >= 0:
-                        pages, hit, node, loaded, load_id = (r.device_pages, r.device_hit_len, r.last_node,
-                                                             r.loaded_tokens, r.load_id)
-                head.inc_lock_ref(node)
+                if hicache and m.host_hit_len:  # the load-back locks the prefix it returns (lock=True)
+                    r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, lock=True))
+                    pages, hit, node, loaded, load_id = (r.device_pages, r.device_hit_len, r.last_node,
+                                                         r.loaded_tokens, r.load_id)
+                else:
+                    head.inc_lock_ref(node)
                 batch.append([turn.sequence, m, pages, hit, node, loaded, load_id, len(turn.prompt)])
             if hicache:
                 head.ready_to_load_host_cache()  # the step's loads go out as one op

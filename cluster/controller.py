@@ -19,11 +19,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.cluster.events import CacheCounters, EventKind, KVEvent, MissReason, Tier
+from hicache.cluster.events import (
+    EVENT_CODES,
+    EVENT_ID_SHIFT,
+    EVENT_TOKENS_SHIFT,
+    CacheCounters,
+    EventKind,
+    KVEvent,
+    MissReason,
+    Tier,
+    unpack_event,
+)
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
-from hicache.cluster.transfers import PendingTransfer, WorkerGroup
+from hicache.cluster.transfers import NO_ERRORS, NOT_SENT, PendingTransfer, WorkerGroup
 from hicache.cluster.tree import CacheCapacityError, MatchResult, RadixKey, RadixTree, TreeNode
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
@@ -32,16 +42,27 @@ _MAX_GHOSTS = 65_536
 # check_events sends held backups anyway once they waited this many calls or this long (bounded hold).
 _BACKUP_HOLD_CALLS = 4
 _BACKUP_HOLD_S = 0.05
-_TIERS = {t.value: t for t in Tier}  # str -> Tier without Enum.__call__ on the hot path
+# Event codes by the tier's name (what the tree's listener calls pass); events are packed ints (events.py).
+_STORED_CODE = {t.value: EVENT_CODES[EventKind.STORED, t] for t in Tier}
+_REMOVED_CODE = {t.value: EVENT_CODES[EventKind.REMOVED, t] for t in Tier}
+_LOADED_CODE = EVENT_CODES[EventKind.STORED, Tier.DEVICE]
+_ID, _TOKENS = EVENT_ID_SHIFT, EVENT_TOKENS_SHIFT
 _DEVICE = Tier.DEVICE.value
-_STORED, _REMOVED, _DEVICE_TIER = EventKind.STORED, EventKind.REMOVED, Tier.DEVICE
+_D2H, _H2D = OpKind.BACKUP_D2H, OpKind.LOAD_H2D
 
 
 @dataclass(frozen=True)
 class LoadBackParams:
+    """``lock=True``: the result's ``last_node`` comes locked for the caller, exactly as after
+    ``inc_lock_ref(last_node)`` (also when nothing is loaded), and a started load holds that same lock
+    until its ack instead of taking and releasing its own (one lock walk per load-back instead of three).
+    The caller then must not lock ``last_node`` again; it releases it as any lock (``dec_lock_ref``, or
+    ``cache_finished_req`` with it as the request's ``last_node``), also after a failed load."""
+
     node_id: int  # MatchResult.best_match_node
     host_hit_len: int  # MatchResult.host_hit_len (checked against the tree)
     mem_quota: int | None = None  # max L1 tokens this load may take; None = no limit
+    lock: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,16 +81,21 @@ class LoadBackResult:
     miss_reason: MissReason | None = None
 
 
-class _QueuedCopy:
-    """A D->H backup or H->D load queued on the head, not yet sent: ``submit`` merges the queued copies of
-    one kind into ONE TransferOp (one dispatch, one ack per host for the whole step).
+class _QueuedCopy(PendingTransfer):
+    """A D->H backup or H->D load on the head, from queued until acked: ``submit`` merges the queued copies
+    of one kind into ONE TransferOp (one dispatch, one ack per host for the whole step).
 
-    Duck-types the fields of ``TransferOp`` the head reads; the arrays are the head's own int32 ids."""
+    Its own ``op`` (one object per copy, not a pending record plus an op): duck-types the fields of
+    ``TransferOp`` the head reads; the arrays are the head's own int32 ids. ``caller_lock``: a load that
+    holds its caller's path lock (``LoadBackParams.lock``), released by the caller, not by the ack."""
 
-    __slots__ = ("op_id", "kind", "device_pages", "host_slots")
+    __slots__ = ("op_id", "kind", "device_pages", "host_slots", "caller_lock")
 
-    def __init__(self, op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray) -> None:
+    def __init__(self, op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray,
+                 nodes: list[TreeNode], num_hosts: int, caller_lock: bool = False) -> None:
         self.op_id, self.kind, self.device_pages, self.host_slots = op_id, kind, device_pages, host_slots
+        self.op, self.seq, self.nodes, self.num_hosts = self, -1, nodes, num_hosts
+        self.acked_hosts, self.errors, self.caller_lock = NOT_SENT, NO_ERRORS, caller_lock
 
     @property
     def num_pages(self) -> int:
@@ -98,8 +124,8 @@ class HiCacheController:
         self._op_ids = itertools.count()
         self.storage: StorageTier | None = None
         self.on_transfer: Callable[[str, float, int], None] | None = None  # (op kind, seconds, host) per ack
-        # (EventKind, Tier, node id, tokens); the KVEvent objects are built when taken (off the hot path).
-        self._events: deque[tuple[EventKind, Tier, int, int]] = deque(maxlen=_MAX_EVENTS)
+        # Packed ints (events.pack_event); the KVEvent objects are built when taken (off the hot path).
+        self._events: deque[int] = deque(maxlen=_MAX_EVENTS)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         self._page_bytes = 4 * tree.page_size  # int32 tokens: the first page of a key, as bytes
         tree.listener = self
@@ -109,10 +135,10 @@ class HiCacheController:
 
     # -- tier listener (events, ghosts for miss reasons) ---------------------------------------------
     def on_stored(self, node: TreeNode, tier: str) -> None:
-        self._events.append((_STORED, _TIERS[tier], node.id, node.num_tokens))
+        self._events.append(node.id << _ID | node.num_tokens << _TOKENS | _STORED_CODE[tier])
 
     def on_removed(self, node: TreeNode, tier: str) -> None:
-        self._events.append((_REMOVED, _TIERS[tier], node.id, node.num_tokens))
+        self._events.append(node.id << _ID | node.num_tokens << _TOKENS | _REMOVED_CODE[tier])
         if tier == _DEVICE:
             if node.host_slots is not None:
                 return  # demoted to host-only: still cached (the common L1 eviction under HiCache)
@@ -131,7 +157,7 @@ class HiCacheController:
                 ghosts.popitem(last=False)
 
     def take_events(self) -> list[KVEvent]:
-        events = [KVEvent(*e) for e in self._events]
+        events = [unpack_event(e) for e in self._events]
         self._events.clear()
         return events
 
@@ -202,7 +228,7 @@ class HiCacheController:
                 start += k
         self.tree.full.lock(chain[-1])
         # Queued backups are merged into one TransferOp when sent (``submit``): no op is built per chain.
-        self._queue(_QueuedCopy(next(self._op_ids), OpKind.BACKUP_D2H, pages, slots), chain)  # type: ignore[arg-type]
+        self._enqueue(_QueuedCopy(next(self._op_ids), _D2H, pages, slots, chain, self._num_hosts))
         return True
 
     def _write_back(self, victims: list[TreeNode]) -> None:
@@ -217,6 +243,9 @@ class HiCacheController:
             raise TypeError(f"init_load_back expects LoadBackParams, got {type(params).__name__}")
         if params.mem_quota is not None and (not isinstance(params.mem_quota, int) or params.mem_quota < 0):
             raise ValueError(f"mem_quota must be an int >= 0 or None, got {params.mem_quota!r}")
+        caller_lock = params.lock
+        if caller_lock is not True and caller_lock is not False:
+            raise TypeError(f"LoadBackParams.lock must be a bool, got {caller_lock!r}")
         node = self.tree.node(params.node_id)
         chain = []
         tokens = 0
@@ -238,7 +267,6 @@ class HiCacheController:
             )
         if not loadable:
             raise ValueError(f"node {params.node_id} is not loadable (no host copy or a transfer in flight)")
-        chain.reverse()
         reason = None
         if not chain:
             pass
@@ -247,18 +275,26 @@ class HiCacheController:
         elif params.mem_quota is not None and tokens > params.mem_quota:
             reason = MissReason.OVER_QUOTA
         if reason is None and chain:
-            return self._start_load(chain, last_device, tokens)
+            if len(chain) > 1:
+                chain.reverse()
+            return self._start_load(chain, last_device, tokens, caller_lock)
         if reason is not None:
             self.counters.miss_tokens[reason] += tokens
+        if caller_lock:
+            self.tree.inc_lock_ref(last_device.id)
         return self._prefix_result(last_device, last_device, None, 0, -1, reason)
 
-    def _start_load(self, chain: list[TreeNode], last_device: TreeNode, tokens: int) -> LoadBackResult:
+    def _start_load(self, chain: list[TreeNode], last_device: TreeNode, tokens: int,
+                    caller_lock: bool) -> LoadBackResult:
         full = self.tree.full
         leaf = chain[-1]
         # One lock on the whole path: last_device's pages must survive the eviction alloc() may do, and the
         # chain stays locked until the load is acked (host-only nodes take the lock without L1 accounting;
-        # their pages count as protected once attached).
-        full.lock(leaf)
+        # their pages count as protected once attached). With ``caller_lock`` it is the caller's lock.
+        if caller_lock:
+            self.tree.inc_lock_ref(leaf.id)
+        else:
+            full.lock(leaf)
         for c in chain:
             c.host_pin += 1  # write_back: the eviction below may back up and evict host leaves
         try:
@@ -273,15 +309,19 @@ class HiCacheController:
         except CacheCapacityError:
             for c in chain:
                 c.host_pin -= 1
-            full.unlock(leaf)
-            if last_device.parent is not None:
-                full.maybe_push(last_device)  # an eviction pass may have dropped its queue entry meanwhile
+            if caller_lock:  # the caller's lock moves to the prefix it gets
+                self.tree.dec_lock_ref(leaf.id)
+                self.tree.inc_lock_ref(last_device.id)
+            else:
+                full.unlock(leaf)
+                if last_device.parent is not None:
+                    full.maybe_push(last_device)  # an eviction pass may have dropped its queue entry meanwhile
             self.counters.miss_tokens[MissReason.NO_SPACE] += tokens
             return self._prefix_result(last_device, last_device, None, 0, -1, MissReason.NO_SPACE)
         slots = full.attach_loading_chain(chain, pages)
         load_id = next(self._op_ids)
         # Queued loads are merged into one TransferOp when sent (``submit``): one per step, not per request.
-        self._queue(_QueuedCopy(load_id, OpKind.LOAD_H2D, pages, slots), chain)  # type: ignore[arg-type]
+        self._enqueue(_QueuedCopy(load_id, _H2D, pages, slots, chain, self._num_hosts, caller_lock))
         return self._prefix_result(leaf, last_device, pages, tokens, load_id, None)
 
     def _prefix_result(self, last: TreeNode, last_device: TreeNode, loaded_pages: np.ndarray | None, loaded: int,
@@ -320,19 +360,23 @@ class HiCacheController:
 
     # -- sending and acks ---------------------------------------------------------------------------
     def _queue(self, op: TransferOp, nodes: list[TreeNode]) -> PendingTransfer:
-        pending = PendingTransfer(op, -1, nodes, self._num_hosts)
-        for n in nodes:
+        """Queues ``op`` (an L3 op: the storage tier's callback) for the nodes waiting on it."""
+        return self._enqueue(PendingTransfer(op, -1, nodes, self._num_hosts))
+
+    def _enqueue(self, pending: PendingTransfer) -> PendingTransfer:
+        for n in pending.nodes:
             n.pending = pending
         self._queued.append(pending)
+        op = pending.op
         kind = op.kind
-        if kind is OpKind.BACKUP_D2H:
+        if kind is _D2H:
             if not self._queued_backup_pages:
                 self._backup_held_calls = 0
                 self._backup_queued_at = time.monotonic()
             self._queued_backup_pages += op.host_slots.shape[0]
         else:
             self._queued_other += 1
-            if kind is OpKind.LOAD_H2D:
+            if kind is _H2D:
                 self._loads[op.op_id] = pending
         return pending
 
@@ -521,10 +565,11 @@ class HiCacheController:
                 n.host_pin -= 1
                 k = n.num_tokens
                 tokens += k
-                events.append((_STORED, _DEVICE_TIER, n.id, k))
+                events.append(n.id << _ID | k << _TOKENS | _LOADED_CODE)
             c.loaded_tokens += tokens
             leaf = nodes[-1]
-            full.unlock(leaf)  # pushes the leaf as an L1 candidate if nothing else holds it
+            if not p.caller_lock:  # type: ignore[attr-defined]  # loads are _QueuedCopy
+                full.unlock(leaf)  # pushes the leaf as an L1 candidate if nothing else holds it
             # The chain is root-to-leaf and every node but the leaf has a child with an L2 copy (and, now,
             # L1 pages): only the leaf can be a host eviction candidate.
             self.host.maybe_push(leaf)
@@ -542,7 +587,8 @@ class HiCacheController:
             full.unlock(nodes[-1])
         elif kind is OpKind.LOAD_H2D:
             tokens = 0
-            full.unlock(nodes[-1])
+            if not p.caller_lock:  # type: ignore[attr-defined]  # else the caller releases its lock
+                full.unlock(nodes[-1])
             for n in nodes:
                 n.loading = False
                 n.host_pin -= 1

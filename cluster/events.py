@@ -2,6 +2,10 @@
 
 Produced by the head only. Routers use the events to know where prefixes live; metrics use the
 counters. Node ids identify entries; token counts size them.
+
+The head logs an event as ONE packed int (``pack_event``), not an object: it logs thousands per second,
+and a tuple or dataclass per event that lives until ``take_events`` would feed the garbage collector
+(tracked objects that survive trigger collections; ints are not tracked). ``take_events`` unpacks them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,26 @@ class KVEvent:
     tier: Tier
     node_id: int
     num_tokens: int
+
+
+# Packed event: node_id << EVENT_ID_SHIFT | num_tokens << EVENT_TOKENS_SHIFT | code (kind and tier).
+EVENT_TOKENS_SHIFT = 3  # 6 codes (2 kinds x 3 tiers) fit in 3 bits
+EVENT_ID_SHIFT = 43  # num_tokens < 2**40
+_CODES = tuple((kind, tier) for kind in EventKind for tier in Tier)
+EVENT_CODES: dict[tuple[EventKind, Tier], int] = {kt: code for code, kt in enumerate(_CODES)}
+_MAX_TOKENS = 1 << (EVENT_ID_SHIFT - EVENT_TOKENS_SHIFT)
+
+
+def pack_event(kind: EventKind, tier: Tier, node_id: int, num_tokens: int) -> int:
+    """One event as an int (the hot paths inline the same expression with a precomputed code)."""
+    if not 0 <= num_tokens < _MAX_TOKENS or node_id < 0:
+        raise ValueError(f"event out of range: node {node_id}, {num_tokens} tokens")
+    return node_id << EVENT_ID_SHIFT | num_tokens << EVENT_TOKENS_SHIFT | EVENT_CODES[kind, tier]
+
+
+def unpack_event(packed: int) -> KVEvent:
+    kind, tier = _CODES[packed & 7]
+    return KVEvent(kind, tier, packed >> EVENT_ID_SHIFT, (packed >> EVENT_TOKENS_SHIFT) & (_MAX_TOKENS - 1))
 
 
 @dataclass

@@ -19,7 +19,10 @@ from hicache.storage import Namespace
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.storage_exec import StorageAttachment, StorageExecutor
 
-_NOT_SENT: frozenset[int] = frozenset()  # no host acks a transfer that was not sent
+# A transfer's ack record before it is sent (``PendingTransfer.sent`` gives it a real one): shared immutable
+# placeholders, so queuing a transfer allocates no set or list.
+NOT_SENT: frozenset[int] = frozenset()  # no host acks a transfer that was not sent
+NO_ERRORS: tuple[str, ...] = ()
 
 
 class WorkerGroup(Protocol):
@@ -130,8 +133,8 @@ class PendingTransfer:
         self.seq = seq
         self.nodes = nodes
         self.num_hosts = num_hosts
-        self.acked_hosts: set[int] = _NOT_SENT  # replaced by ``sent``
-        self.errors: list[str] = []
+        self.acked_hosts: set[int] = NOT_SENT  # replaced by ``sent``
+        self.errors: list[str] = NO_ERRORS  # type: ignore[assignment]  # replaced by ``sent``
 
     @staticmethod
     def sent(group: list[PendingTransfer], seq: int) -> None:
@@ -143,7 +146,7 @@ class PendingTransfer:
 
     def fail(self, reason: str) -> None:
         """Gives up on the transfer (sent or not): it completes as failed on every host."""
-        self.errors = self.errors + [reason]  # its own list: a shared record may belong to other transfers
+        self.errors = [*self.errors, reason]  # its own list: a shared record may belong to other transfers
         self.acked_hosts = set(range(self.num_hosts))
 
     @property

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hicache.cluster.controller import LoadBackParams
-from hicache.cluster.events import EventKind, MissReason, Tier
+from hicache.cluster.events import EventKind, KVEvent, MissReason, Tier, pack_event, unpack_event
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.tree import RadixKey
 from hicache.workers import OpKind
@@ -99,14 +99,20 @@ def test_load_back_threshold_and_quota_are_misses_with_reasons():
     assert env2.head.cache_stats()["miss_tokens"]["over_quota"] == 12
 
 
-def test_load_back_without_l1_room_is_a_no_space_miss_and_releases_everything():
-    env = HiCacheEnv(page_size=4, device_pages=8, host_slots=32)
+def _l1_prefix_with_host_tail(env: HiCacheEnv, tail: int) -> tuple[np.ndarray, np.ndarray]:
+    """Serves ``a`` (8 tokens) and ``b`` = ``a`` + ``tail`` tokens; b's tail ends host-only, ``a`` in L1."""
     a = seq(0, 8)
-    b = np.concatenate([a, seq(100, 16)])
+    b = np.concatenate([a, seq(100, tail)])
     env.serve(a)
     env.serve(b)
     env.head.flush_write_through_acks()
-    env.head.evict(16)  # b's tail is host-only now; a stays in L1
+    env.head.evict(tail)
+    return a, b
+
+
+def test_load_back_without_l1_room_is_a_no_space_miss_and_releases_everything():
+    env = HiCacheEnv(page_size=4, device_pages=8, host_slots=32)
+    _, b = _l1_prefix_with_host_tail(env, 16)
     held = env.head.alloc(env.head.stats().free_pages * 4)  # a running request holds every free page
     m = env.head.match_prefix(RadixKey(b))
     assert (m.device_hit_len, m.host_hit_len) == (8, 16)
@@ -136,6 +142,8 @@ def test_bad_load_back_input_changes_nothing():
         env.head.init_load_back(LoadBackParams(m.best_match_node, 0, mem_quota=-1))
     with pytest.raises(ValueError, match="host_hit_len"):
         env.head.init_load_back(LoadBackParams(m.best_match_node, 8))  # a device node: nothing on host only
+    with pytest.raises(TypeError, match="lock must be a bool"):
+        env.head.init_load_back(LoadBackParams(m.best_match_node, 0, lock="yes"))
     with pytest.raises(TypeError):
         env.head.init_load_back((m.best_match_node, 0))
     with pytest.raises(ValueError, match="unknown load id"):
@@ -215,6 +223,64 @@ def _host_only_prefixes(env: HiCacheEnv, n: int) -> list[np.ndarray]:
     return prefixes
 
 
+def test_load_back_with_lock_holds_the_callers_lock_through_the_load():
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
+    a = _host_only_prefixes(env, 1)[0]
+    m = env.head.match_prefix(RadixKey(a))
+    r = env.head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, lock=True))
+    node = env.head.tree.node(r.last_node)
+    assert r.load_id >= 0 and node.lock_ref == 1  # ONE lock: the load holds the caller's
+    check(env)
+    assert env.head.wait_load_back(r.load_id)
+    assert node.lock_ref == 1 and env.head.stats().protected_tokens == 16  # the ack leaves it to the caller
+    np.testing.assert_array_equal(env.worker.device_pool.read_pages(r.device_pages), env.rows(a, 0, 4))
+    check(env)
+    env.head.dec_lock_ref(r.last_node)
+    assert node.lock_ref == 0 and env.head.stats().protected_tokens == 0
+    check(env)
+
+
+def test_load_back_with_lock_locks_the_l1_prefix_when_nothing_loads():
+    env = HiCacheEnv(page_size=4, device_pages=8, host_slots=32, load_back_threshold=12)
+    _, b = _l1_prefix_with_host_tail(env, 8)
+    m = env.head.match_prefix(RadixKey(b))
+    assert (m.device_hit_len, m.host_hit_len) == (8, 8)
+    r = env.head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, lock=True))
+    assert r.load_id == -1 and r.miss_reason is MissReason.BELOW_THRESHOLD and r.last_node == m.last_device_node
+    assert env.head.tree.node(r.last_node).lock_ref == 1 and env.head.stats().protected_tokens == 8
+    env.head.dec_lock_ref(r.last_node)
+    # No L1 room: the lock the load took moves to the L1 prefix the caller gets.
+    env2 = HiCacheEnv(page_size=4, device_pages=8, host_slots=32)
+    _l1_prefix_with_host_tail(env2, 8)
+    held = env2.head.alloc(env2.head.stats().free_pages * 4)
+    m = env2.head.match_prefix(RadixKey(b))
+    r = env2.head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, lock=True))
+    assert r.load_id == -1 and r.miss_reason is MissReason.NO_SPACE and r.last_node == m.last_device_node
+    assert env2.head.tree.node(r.last_node).lock_ref == 1 and env2.head.tree.node(m.best_match_node).lock_ref == 0
+    check(env2)
+    env2.head.dec_lock_ref(r.last_node)
+    env2.head.free(held)
+    assert env2.head.stats().protected_tokens == 0 and env2.head.controller.in_flight == 0
+    check(env2)
+
+
+def test_failed_load_with_lock_leaves_the_lock_to_the_caller():
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, load_lock=True,
+                     faults={"fail_kinds": (OpKind.LOAD_H2D,), "fail_rate": 1.0})
+    prefixes = _host_only_prefixes(env, 3)
+    m = env.head.match_prefix(RadixKey(prefixes[0]))
+    r = env.head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, lock=True))
+    assert not env.head.wait_load_back(r.load_id)
+    node = env.head.tree.node(r.last_node)
+    assert node.lock_ref == 1 and node.device_pages is None and node.host_slots is not None  # host-only, held
+    check(env)
+    env.head.dec_lock_ref(r.last_node)
+    out = env.serve_step(prefixes)  # serve_step recomputes each request (checks its KV) and moves its lock
+    assert [(o["load_failed"], o["loaded"]) for o in out] == [(True, 0)] * 3
+    assert env.head.stats().protected_tokens == 0 and env.head.controller.in_flight == 0
+    check(env)
+
+
 def test_a_steps_load_backs_travel_as_one_op_and_are_exact(monkeypatch):
     # Held backups also go after a wall-clock hold (50 ms): longer here, so a slow machine cannot send them.
     monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
@@ -259,9 +325,22 @@ def test_events_report_tiers():
     env.serve(seq(0, 8))
     env.head.flush_write_through_acks()
     env.head.evict(100)
-    kinds = [(e.kind, e.tier) for e in env.head.take_events()]
-    assert kinds == [(EventKind.STORED, Tier.DEVICE), (EventKind.STORED, Tier.HOST), (EventKind.REMOVED, Tier.DEVICE)]
+    node = env.head.match_prefix(RadixKey(seq(0, 8))).best_match_node
+    events = env.head.take_events()
+    assert [(e.kind, e.tier, e.node_id, e.num_tokens) for e in events] == [
+        (EventKind.STORED, Tier.DEVICE, node, 8), (EventKind.STORED, Tier.HOST, node, 8),
+        (EventKind.REMOVED, Tier.DEVICE, node, 8)]
     assert env.head.take_events() == []
+
+
+def test_packed_events_round_trip_and_reject_out_of_range():
+    for kind in EventKind:
+        for tier in Tier:
+            for node_id, tokens in ((0, 0), (7, 16), (2**40, 2**40 - 1)):
+                assert unpack_event(pack_event(kind, tier, node_id, tokens)) == KVEvent(kind, tier, node_id, tokens)
+    for node_id, tokens in ((-1, 4), (3, -1), (3, 2**40)):
+        with pytest.raises(ValueError, match="out of range"):
+            pack_event(EventKind.STORED, Tier.HOST, node_id, tokens)
 
 
 def test_config_validation():

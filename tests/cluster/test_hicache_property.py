@@ -37,13 +37,14 @@ def _stream(rng: random.Random, n: int) -> list[np.ndarray]:
     return out
 
 
+# Seeds 3 and 4 start their load-backs with LoadBackParams(lock=True): the load holds the request's lock.
 @pytest.mark.parametrize("seed,policy", [(0, "write_through"), (1, "write_through_selective"), (2, "write_back"),
                                          (3, "write_through"), (4, "write_back")])
 def test_random_stream_with_faults(seed, policy):
     rng = random.Random(seed)
     env = HiCacheEnv(page_size=4, device_pages=24, host_slots=20, write_policy=policy,
                      faults={"fail_kinds": (OpKind.BACKUP_D2H, OpKind.LOAD_H2D), "fail_rate": 0.25,
-                             "delay_polls": 3, "seed": seed})
+                             "delay_polls": 3, "seed": seed}, load_lock=seed >= 3)
     head = env.head
     stream = _stream(rng, 45)
     while stream:

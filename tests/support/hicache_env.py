@@ -85,8 +85,10 @@ class FaultyWorkers:
 class HiCacheEnv:
     def __init__(self, page_size: int = 4, device_pages: int = 32, host_slots: int = 64,
                  write_policy: str = "write_through", load_back_threshold: int = 0, faults: dict | None = None,
-                 storage_url: str | None = None, model_id: str = "test-model", storage_kwargs: dict | None = None):
+                 storage_url: str | None = None, model_id: str = "test-model", storage_kwargs: dict | None = None,
+                 load_lock: bool = False):
         self.ps = page_size
+        self.load_lock = load_lock  # load-backs lock the prefix they return (LoadBackParams.lock)
         self.spec = make_spec(page_size)
         self.worker = HostWorker(self.spec, device_pages, host_slots)
         group = LocalWorkerGroup([self.worker])
@@ -125,16 +127,21 @@ class HiCacheEnv:
                 prefetched = progress.tokens
                 m = head.match_prefix(key)
         pages, hit, node, loaded, load_failed = m.device_pages, m.device_hit_len, m.last_device_node, 0, False
+        locked = False
         if load_back and m.host_hit_len:
-            r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
-            if r.load_id >= 0:
-                if head.wait_load_back(r.load_id):
-                    pages, hit, node, loaded = r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens
-                else:
-                    load_failed = True
-                    m = head.match_prefix(key)
-                    pages, hit, node = m.device_pages, m.device_hit_len, m.last_device_node
-        head.inc_lock_ref(node)
+            r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, lock=self.load_lock))
+            locked = self.load_lock  # then r.last_node comes locked, loaded or not
+            if r.load_id >= 0 or locked:
+                pages, hit, node, loaded = r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens
+            if r.load_id >= 0 and not head.wait_load_back(r.load_id):
+                load_failed = True
+                m = head.match_prefix(key)
+                pages, hit, node, loaded = m.device_pages, m.device_hit_len, m.last_device_node, 0
+                if locked:  # the lock moves to the prefix that is left
+                    head.inc_lock_ref(node)
+                    head.dec_lock_ref(r.last_node)
+        if not locked:
+            head.inc_lock_ref(node)
         # The cached prefix must hold exactly the KV of these tokens.
         if hit:
             np.testing.assert_array_equal(self.worker.device_pool.read_pages(pages), self.rows(tokens, 0, hit // ps))
@@ -155,12 +162,15 @@ class HiCacheEnv:
             tokens = np.asarray(tokens, dtype=np.int32)
             m = head.match_prefix(RadixKey(tokens))
             pages, hit, node, loaded, load_id = m.device_pages, m.device_hit_len, m.last_device_node, 0, -1
+            locked = False
             if m.host_hit_len:
-                r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
-                if r.load_id >= 0:
+                r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, lock=self.load_lock))
+                locked = self.load_lock  # then r.last_node comes locked, loaded or not
+                if r.load_id >= 0 or locked:
                     pages, hit, node, loaded, load_id = (r.device_pages, r.device_hit_len, r.last_node,
                                                          r.loaded_tokens, r.load_id)
-            head.inc_lock_ref(node)
+            if not locked:
+                head.inc_lock_ref(node)
             batch.append([tokens, m, pages, hit, node, loaded, load_id])
         head.ready_to_load_host_cache()
         owns = [head.alloc(len(req[0]) - req[3]) for req in batch]
