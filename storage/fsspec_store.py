@@ -63,8 +63,9 @@ request recomputes and rewrites). Recommended bucket configuration for ``gs://BU
 Threads. Calls may come from several threads. Backend I/O runs on this object's thread pool (or
 on gcsfs' event loop; file:// runs one loop per I/O thread that pulls objects in chain order, not
 one task per object, and writes at most ``write_threads`` objects at once). file:// existence
-checks run on the calling thread only when the root is on a local filesystem (``mounts.py``,
-decided once at construction); on a network or FUSE mount they go to the pool like any other I/O.
+checks, manifest writes and small ``batch_set`` writes (``local_inline_write_bytes``) run on the
+calling thread only when the root is on a local filesystem (``mounts.py``, decided once at
+construction); on a network or FUSE mount they go to the pool like any other I/O.
 The host pool is touched on the calling thread, or, for pools that declare ``concurrent_slot_io``,
 by the I/O threads on disjoint slots and only until the call returns (``_CallGuard``). Every call
 has a deadline (``StorageConfig.timeout_s`` or ``timeout_s=``): operations not finished by then are
@@ -140,6 +141,9 @@ class StorageConfig:
     max_bytes: int | None = None  # file:// only: byte cap over the whole root, LRU eviction
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
     max_inflight_bytes: int = 256 * MiB  # batch_set gathers from the pool in groups this large
+    # file:// on a local filesystem: a batch_set of at most this many payload bytes is written on
+    # the calling thread (no I/O-thread hand-offs; see ``_write_inline``). None: always the pool.
+    local_inline_write_bytes: int | None = 4 * MiB
     delete_corrupt: bool = True  # remove objects that fail verification so they can be rewritten
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -148,7 +152,7 @@ class StorageConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads!r}")
-        for name in ("target_object_bytes", "pages_per_object", "max_bytes", "local_write_threads"):
+        for name in ("target_object_bytes", "pages_per_object", "max_bytes", "local_write_threads", "local_inline_write_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
@@ -391,14 +395,14 @@ class _LocalBackend(_Backend):
 
     def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
         super().__init__(fs, threads, max_pending)
-        self._inline_stats = False  # until ``attach_root`` finds the root on a local filesystem
+        self.inline_io = False  # until ``attach_root`` finds the root on a local filesystem
 
     def attach_root(self, root: str) -> None:
         """Create ``root`` and decide, once, where existence checks run: inline only on a local
         filesystem (a stat cannot hang there); on a network/FUSE mount or an unknown one, on the
         pool, bounded by each call's deadline."""
         os.makedirs(root, exist_ok=True)
-        self._inline_stats = stats_are_local(root)
+        self.inline_io = stats_are_local(root)
 
     def map(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
         return self.map_pull(fn, items, deadline)
@@ -435,7 +439,7 @@ class _LocalBackend(_Backend):
         if not paths:
             return []
         paths = list(paths)
-        if self._inline_stats:
+        if self.inline_io:
             t0 = time.monotonic()
             out: list[Any] = []
             for p in paths:
@@ -444,7 +448,7 @@ class _LocalBackend(_Backend):
                 else:
                     out.append(os.path.exists(p))
             if time.monotonic() - t0 > self.INLINE_STAT_LIMIT_S:
-                self._inline_stats = False
+                self.inline_io = False
             return out
         (r,) = dict(self.map(lambda: [os.path.exists(p) for p in paths], [()], deadline)).values()
         return r if isinstance(r, list) else [r] * len(paths)
@@ -559,6 +563,22 @@ class _LocalBackend(_Backend):
 
     def _write_once(self, path: str, header: bytes, payload: np.ndarray) -> bool:
         return self.write_once_local(path, header, payload) == self.WROTE
+
+    def write_many(self, items: Sequence[tuple[str, Callable[[], tuple[bytes, np.ndarray]]]], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
+        """On a local filesystem on the calling thread (manifest entries: a few hundred bytes
+        each, far cheaper than a hand-off), the deadline checked between items."""
+        if not self.inline_io:
+            return super().write_many(items, deadline)
+        out: list[tuple[int, Any]] = []
+        for i, (path, make) in enumerate(items):
+            if time.monotonic() >= deadline.end:
+                out.append((i, TimeoutError(f"write of {path} did not start by the deadline")))
+                continue
+            try:
+                out.append((i, self._write_once(path, *make())))
+            except Exception as e:  # noqa: BLE001 - handed to the caller as a value
+                out.append((i, e))
+        return iter(out)
 
     def _delete(self, path: str) -> None:
         os.unlink(path)
@@ -1195,21 +1215,34 @@ class FsspecStorage(HiCacheStorage):
             else:
                 todo.append(o)
         written: list[tuple[int, int, str, int]] = []  # (transfer, start, path, size)
-        guard = _CallGuard()
-        try:
-            self._write_groups(queries, todo, guard, deadline, mark, written)
-        finally:
-            guard.close()
+        inline = self.config.local_inline_write_bytes
+        if (
+            self._local
+            and self._io.inline_io  # type: ignore[attr-defined]
+            and inline is not None
+            and sum(o.m * int(queries[o.t][0].pool.slot_bytes) for o in todo) <= inline
+        ):
+            self._write_inline(queries, todo, deadline, mark, written)
+        else:
+            guard = _CallGuard()
+            try:
+                self._write_groups(queries, todo, guard, deadline, mark, written)
+            finally:
+                guard.close()
         self._count(set_pages=sum(sum(r) for r in results))
         if self._local and self.config.max_bytes is not None:
             written.sort()
             self._account([(p, n) for _, _, p, n in written])
         return results
 
-    def _gather(self, reg: _PoolReg, slots: np.ndarray, o: _Obj, guard: _CallGuard) -> np.ndarray:
-        with guard:  # never read slots after the call returned (they may be reused)
+    def _gather(self, reg: _PoolReg, slots: np.ndarray, guard: _CallGuard | None) -> np.ndarray:
+        """A contiguous copy of ``slots`` (``guard``: an I/O thread's read, bounded by the call)."""
+        if guard is None:
             data = reg.pool.read_slots(slots)
-        want = (o.m, *reg.pool.slot_shape)
+        else:
+            with guard:  # never read slots after the call returned (they may be reused)
+                data = reg.pool.read_slots(slots)
+        want = (len(slots), *reg.pool.slot_shape)
         if not isinstance(data, np.ndarray) or data.shape != want or data.dtype != np.dtype(reg.pool.dtype):
             raise ValueError(
                 f"host pool read_slots returned {getattr(data, 'shape', type(data))}/"
@@ -1221,7 +1254,7 @@ class FsspecStorage(HiCacheStorage):
         # Gather from the pool in groups bounded by max_inflight_bytes, write each group concurrently.
         # file://: each object's mtime (LRU) is set before it is published: chain order (not
         # completion order), shallow pages newest.
-        now = time.time_ns()
+        mtimes = self._write_mtimes(len(todo))
         rank = {id(o): i for i, o in enumerate(todo)}
         gi = 0
         while gi < len(todo) and deadline.left() > 0:
@@ -1242,7 +1275,7 @@ class FsspecStorage(HiCacheStorage):
                 if v is not None:  # zero-copy: checksum and write straight from pool memory
                     items.append((o.path, meta, v))
                     continue
-                gather = (lambda reg=reg, sl=slots[o.start - first : o.start - first + o.m], o=o: self._gather(reg, sl, o, guard))
+                gather = (lambda reg=reg, sl=slots[o.start - first : o.start - first + o.m]: self._gather(reg, sl, guard))
                 if not _concurrent_io(reg.pool):
                     data = gather()  # on the calling thread
                     gather = (lambda data=data: data)
@@ -1261,28 +1294,70 @@ class FsspecStorage(HiCacheStorage):
             if isinstance(self._io, _AsyncBackend):
                 writes = self._io.write_many([(p, (lambda m=m, g=g: _with_header(m, g()))) for p, m, g in items], deadline)
             elif self._local:
-                ranked = [(*it, now - rank[id(o)] * 1000) for it, o in zip(items, group)]
+                ranked = [(*it, mtimes[rank[id(o)]]) for it, o in zip(items, group)]
                 writes = self._io.map_pull(task, ranked, deadline, threads=self._write_threads)
             else:
                 writes = self._io.map(task, items, deadline)
             for i, r in writes:
-                o = group[i]
-                if isinstance(r, BaseException):
-                    self._count_exc(r)
-                    continue
-                mark(o)
-                if isinstance(r, bool):  # async ``write_many``: wrote / lost the race
-                    r = _LocalBackend.WROTE if r else _LocalBackend.RACED
-                if r == _LocalBackend.WROTE:
-                    size = queries[o.t][0].header_len + o.m * int(queries[o.t][0].pool.slot_bytes)
-                    self._count(objects_written=1, bytes_written=size)
-                    written.append((o.t, o.start, o.path, size))
-                elif r == _LocalBackend.EXISTED:
-                    self._count(objects_skipped_existing=1)
-                else:
-                    self._count(objects_raced=1)
+                self._record_write(queries, group[i], r, mark, written)
         for o in todo[gi:]:
             self._count(timeouts=1)
+
+    def _record_write(self, queries, o: _Obj, r: Any, mark, written) -> None:  # type: ignore[no-untyped-def]
+        """Account one object's write outcome (a ``WROTE``/``EXISTED``/``RACED`` code, an async
+        backend's bool, or an exception: the object's pages stay unmarked)."""
+        if isinstance(r, BaseException):
+            self._count_exc(r)
+            return
+        mark(o)
+        if isinstance(r, bool):  # async ``write_many``: wrote / lost the race
+            r = _LocalBackend.WROTE if r else _LocalBackend.RACED
+        if r == _LocalBackend.WROTE:
+            size = queries[o.t][0].header_len + o.m * int(queries[o.t][0].pool.slot_bytes)
+            self._count(objects_written=1, bytes_written=size)
+            written.append((o.t, o.start, o.path, size))
+        elif r == _LocalBackend.EXISTED:
+            self._count(objects_skipped_existing=1)
+        else:
+            self._count(objects_raced=1)
+
+    @staticmethod
+    def _write_mtimes(n: int) -> list[int]:
+        """file:// LRU timestamps of ``n`` objects written in chain order: shallow pages newest
+        (set even without a byte cap here: another process sharing the directory may have one).
+        File timestamps come from a coarse kernel clock, so write order alone would tie."""
+        now = time.time_ns()
+        return [now - i * 1000 for i in range(n)]
+
+    def _write_inline(self, queries, todo: list[_Obj], deadline: _Deadline, mark, written) -> None:  # type: ignore[no-untyped-def]
+        """file:// on a local filesystem, batches up to ``local_inline_write_bytes``: the objects
+        are written here, on the calling thread, in chain order, the deadline checked between
+        them (objects not started by then count as timeouts). For small batches the hand-off to
+        the I/O threads (a wake-up per thread, then the caller's) cost more CPU than the writes,
+        and every extra thread that takes the GIL delays the serving thread. The pages of a
+        transfer come from one zero-copy ``slot_view`` or ONE ``read_slots`` (not one per object)."""
+        io: _LocalBackend = self._io  # type: ignore[assignment]
+        mtimes = self._write_mtimes(len(todo))
+        i = 0
+        for t, group in itertools.groupby(todo, key=lambda o: o.t):
+            objs = list(group)  # consecutive pages of one transfer
+            reg, _, slots, first = queries[t]
+            lo = objs[0].start
+            sl = slots[lo - first : objs[-1].start + objs[-1].m - first]
+            data = _slot_view(reg.pool, sl)
+            if data is None:
+                data = self._gather(reg, sl, None)
+            for o in objs:
+                if deadline.left() <= 0:
+                    r: Any = TimeoutError(f"write of {o.path} did not start by the deadline")
+                else:
+                    try:
+                        meta = self._meta(reg, o.start, o.m, o.key)
+                        r = io.write_once_local(o.path, *_with_header(meta, data[o.start - lo : o.start - lo + o.m]), mtimes[i])
+                    except OSError as e:
+                        r = e
+                i += 1
+                self._record_write(queries, o, r, mark, written)
 
     # ---- file:// capacity ------------------------------------------------------------------------
     def _scan(self) -> None:

@@ -172,7 +172,7 @@ class _CountingMap:
 
 def test_existence_checks_run_on_the_calling_thread_until_a_batch_is_slow(make_store, fp):
     st = make_store("file")
-    if not st._io._inline_stats:
+    if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
     keys = _keys(fp, 12)  # 3 objects
     st.pool.fill_random(S(0, 12), 7)
@@ -265,7 +265,7 @@ def test_writes_have_no_existence_round_and_skip_stored_objects(make_store, fp):
 def test_local_write_concurrency_is_bounded(make_store, fp, write_threads):
     """``local_write_threads`` caps concurrent object writes below ``io_threads``: each write
     waits (bounded) for a companion; more writers than allowed would find one at once."""
-    st = make_store("file", io_threads=4, local_write_threads=write_threads)
+    st = make_store("file", io_threads=4, local_write_threads=write_threads, local_inline_write_bytes=None)
     assert st.write_threads == write_threads
     keys = _keys(fp, 12)  # 3 objects
     st.pool.fill_random(S(0, 12), 10)

@@ -81,12 +81,12 @@ class _CountingMap:
 
 def test_store_decides_at_attach_and_answers_the_same_on_both_paths(make_store, fp, tmp_path):
     st = make_store("file")
-    assert st._io._inline_stats == stats_are_local(st._root)
+    assert st._io.inline_io == stats_are_local(st._root)
     keys = page_keys(Namespace(fp, cache_salt="mounts"), np.arange(12 * fp.page_size))
     st.pool.fill_random(S(0, 12), 3)
     st.batch_set(keys[:8], S(0, 8))
     spy = _CountingMap(st)
-    st._io._inline_stats = False  # what a root on an NFS/FUSE mount gets
+    st._io.inline_io = False  # what a root on an NFS/FUSE mount gets
     assert st.batch_exists(keys) == 8 and st.batch_exists(keys[:5]) == 4
     assert st.batch_exists(keys[8:], first_page=8) == 0
     assert spy.calls >= 3  # every existence round went through the pool (deadline-bounded)

@@ -1,0 +1,141 @@
+"""file:// write path on a local filesystem: batches up to ``local_inline_write_bytes`` are written
+on the calling thread (no I/O-thread hand-off), with one pool read per transfer, the same
+write-once / skip / deadline / error semantics as the pooled path, and manifest entries inline."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from hicache.storage import Namespace, page_keys
+from hicache.storage.testing import NumpyHostPool, same_bytes
+from hicache.storage.testing import slot_range as S
+
+SLOT_SHAPE = (2, 2, 4, 2, 8)  # conftest's pool
+
+
+def _keys(fp, n_pages: int, salt: str = "writes") -> list[str]:
+    return page_keys(Namespace(fp, cache_salt=salt), np.arange(n_pages * fp.page_size))
+
+
+class _Handoffs:
+    """Counts batches handed to the backend's I/O threads (``map_pull``/``map``)."""
+
+    def __init__(self, st) -> None:
+        self.calls = 0
+        io = st._io
+        for name in ("map_pull", "map"):
+            inner = getattr(io, name)
+
+            def counted(*a, _inner=inner, **kw):
+                self.calls += 1
+                return _inner(*a, **kw)
+
+            setattr(io, name, counted)
+
+
+class _CountingReads(NumpyHostPool):
+    """A pool without zero-copy views or concurrent slot I/O (like the workers' host pools)."""
+
+    concurrent_slot_io = False
+    slot_view = None
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.reads = 0
+
+    def read_slots(self, slots):
+        self.reads += 1
+        return super().read_slots(slots)
+
+
+@pytest.mark.parametrize("pool_kind", ["views", "copies"])
+def test_small_batch_is_written_on_the_calling_thread(make_store, fp, pool_kind):
+    pool = NumpyHostPool(64, SLOT_SHAPE, np.float32) if pool_kind == "views" else _CountingReads(64, SLOT_SHAPE, np.float32)
+    st = make_store("file", pool=pool)
+    if not st._io.inline_io:
+        pytest.skip("the test's tmp dir is not on a local filesystem")
+    keys = _keys(fp, 14)  # 3 full objects + a partial one of 2 pages
+    pool.fill_random(S(0, 14), 5)
+    spy = _Handoffs(st)
+    assert st.batch_set(keys, S(0, 14)) == [True] * 14
+    assert spy.calls == 0
+    if pool_kind == "copies":
+        assert pool.reads == 1  # one gather for the whole transfer, not one per object
+    s = st.stats()
+    assert (s.objects_written, s.bytes_written) == (4, 4 * st._pools[next(iter(st._pools))].header_len + 14 * pool.slot_bytes)
+    assert st.batch_get(keys, S(20, 34)) == [True] * 14 and same_bytes(pool.buf[20:34], pool.buf[0:14])
+    mt = [os.stat(st.object_path(keys[i])).st_mtime_ns for i in (3, 7, 11, 13)]
+    assert mt == sorted(mt, reverse=True) and len(set(mt)) == 4  # chain order: shallow pages newest
+    # stored objects are skipped untouched, on the calling thread again
+    pool.buf[0:14] = 0
+    spy.calls = 0  # (reads hand off to the I/O threads)
+    assert st.batch_set(keys, S(0, 14)) == [True] * 14 and spy.calls == 0
+    assert st.stats().objects_skipped_existing == 4
+    assert st.batch_get(keys, S(40, 54)) == [True] * 14 and same_bytes(pool.buf[40:54], pool.buf[20:34])
+
+
+def test_large_batch_or_remote_root_uses_the_io_threads(make_store, fp):
+    st = make_store("file", local_inline_write_bytes=3 * 8 * 128)  # below one 4-page object (4 KiB)
+    keys = _keys(fp, 8)
+    st.pool.fill_random(S(0, 8), 6)
+    spy = _Handoffs(st)
+    assert st.batch_set(keys, S(0, 8)) == [True] * 8 and spy.calls == 1
+    st2 = make_store("file")
+    st2._io.inline_io = False  # what a root on a network/FUSE mount gets
+    spy2 = _Handoffs(st2)
+    st2.pool.buf[:] = st.pool.buf
+    assert st2.batch_set(keys, S(0, 8)) == [True] * 8 and spy2.calls == 1
+    for s in (st, st2):
+        assert s.batch_get(keys, S(20, 28)) == [True] * 8 and same_bytes(s.pool.buf[20:28], st.pool.buf[0:8])
+
+
+def test_inline_write_past_the_deadline_writes_nothing(make_store, fp):
+    st = make_store("file")
+    keys = _keys(fp, 8)
+    st.pool.fill_random(S(0, 8), 7)
+    assert st.batch_set(keys, S(0, 8), timeout_s=1e-9) == [False] * 8
+    s = st.stats()
+    assert (s.timeouts, s.objects_written) == (2, 0)
+    assert not os.path.exists(st.object_path(keys[3])) and st.batch_exists(keys) == 0
+
+
+def test_inline_write_error_fails_its_pages_only(make_store, fp):
+    st = make_store("file")
+    keys = _keys(fp, 12)
+    st.pool.fill_random(S(0, 12), 8)
+    bad = os.path.dirname(st.object_path(keys[7]))
+    if os.path.dirname(st.object_path(keys[3])) == bad or os.path.dirname(st.object_path(keys[11])) == bad:
+        pytest.skip("fan-out directories collide for these keys")
+    os.makedirs(os.path.dirname(bad), exist_ok=True)
+    with open(bad, "w"):  # a file where the object's directory should be: open fails
+        pass
+    assert st.batch_set(keys, S(0, 12)) == [True] * 4 + [False] * 4 + [True] * 4
+    s = st.stats()
+    assert (s.errors, s.objects_written) == (1, 2)
+    assert st.batch_exists(keys) == 4  # the chain stops at the missing object
+
+
+def test_bad_inline_limit_is_a_value_error():
+    from hicache.storage import StorageConfig
+
+    for v in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="local_inline_write_bytes"):
+            StorageConfig(local_inline_write_bytes=v)
+
+
+def test_manifest_entries_are_written_inline(make_store, fp):
+    st = make_store("file")
+    if not st._io.inline_io:
+        pytest.skip("the test's tmp dir is not on a local filesystem")
+    ns = Namespace(fp, cache_salt="manifest-inline")
+    toks = np.arange(8 * fp.page_size)
+    keys = page_keys(ns, toks)
+    st.pool.fill_random(S(0, 8), 9)
+    assert st.batch_set(keys, S(0, 8)) == [True] * 8
+    spy = _Handoffs(st)
+    assert st.record_prefix(ns, toks) and spy.calls == 0
+    (got,) = st.list_prefixes(ns)
+    assert got.num_pages == 8 and np.array_equal(got.tokens, toks)
