@@ -675,6 +675,10 @@ def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c)
     assert client_c.match_prefix(RadixKey(a)).device_hit_len == 16
     assert transport.ray_steps - rays == 5 and transport._channel is None
     ray.get(head.set_step_channel.remote(True), timeout=10)
+    elsewhere = hicache.connect("c")
+    elsewhere._transport._node_id = "another-node"  # a scheduler on another node cannot reach 127.0.0.1 here
+    assert elsewhere.match_prefix(RadixKey(a)).device_hit_len == 16
+    assert (elsewhere._transport.channel_steps, elsewhere._transport.ray_steps) == (0, 1)
     transport._channel_retry_at = 0.0  # (instead of waiting CHANNEL_RETRY_S)
     channel_steps = transport.channel_steps
     assert client_c.match_prefix(RadixKey(a)).device_hit_len == 16

@@ -120,6 +120,17 @@ def test_an_idle_channel_sees_that_the_server_went_away(server):
     assert "closed" in ch.closed
 
 
+def test_a_server_that_never_answers_the_handshake_fails_within_the_timeout():
+    silent = socket.create_server((LOOPBACK, 0))  # accepts (backlog), never answers
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ChannelClosedError, match="no handshake answer"):
+            StepChannel(ChannelAddress("n", silent.getsockname()[1], b"t" * 32), 0.3)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        silent.close()
+
+
 def test_connection_limit_and_bad_options():
     srv = StepChannelServer(Gate(), "n", max_connections=1)
     try:
