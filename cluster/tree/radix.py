@@ -508,7 +508,6 @@ class RadixTree:
         full = self.full
         queue = full.queue
         listener = self.listener
-        merge = not self.extra_components
         while freed < num_tokens:
             batch, batch_tokens = [], 0
             while freed + batch_tokens < num_tokens:
@@ -534,11 +533,11 @@ class RadixTree:
                 if listener is not None:
                     listener.on_removed(node, "device")
                 parent = node.parent
-                if node.host_slots is None:
-                    if not node.children or not self.storage_only.keep(node):
-                        self._remove_leaf(node)  # (a node kept for its storage-only children stays)
-                elif len(node.children) == 1 and merge:
-                    self._merge_host_only(node)
+                if node.host_slots is not None:  # demoted: host-only now
+                    if len(node.children) == 1 and not self.extra_components:
+                        self._merge_host_only(node)
+                elif not node.children or not self.storage_only.keep(node):
+                    self._remove_leaf(node)  # (a node kept for its storage-only children stays)
                 if parent.parent is not None:
                     full.maybe_push(parent)
                     for after_device_evict in hooks.after_device_evict:
@@ -571,11 +570,11 @@ class RadixTree:
         ):
             return
         parent = node.parent
-        ck = node.key_bytes[: self._ck]
-        child.set_key(node.key_bytes + child.key_bytes)
+        kb = node.key_bytes
+        child.set_key(kb + child.key_bytes)
         child.host_slots = np.concatenate([node.host_slots, child.host_slots])
         child.parent = parent
-        parent.children[ck] = child
+        parent.children[kb[: self._ck]] = child
         if node.last_access > child.last_access:
             child.last_access = node.last_access
         if node.hit_count > child.hit_count:
