@@ -19,6 +19,7 @@ alone); larger steps also share prefix misses inside a step, so the hit rates mo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -102,6 +103,8 @@ def run_stream(head: CacheHead, rounds, hicache: bool, step_requests: int) -> tu
 
     Returns (requests, L1 hit tokens, loaded tokens, prompt tokens, seconds, CPU seconds of this process)."""
     requests = l1_hits = loaded_total = prompt_tokens = 0
+    # No garbage of earlier runs (their trees are reference cycles) is left for the collector to bill to this one.
+    gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     for turns in rounds:
         for s in range(0, len(turns), step_requests):

@@ -49,6 +49,8 @@ _LOADED_CODE = EVENT_CODES[EventKind.STORED, Tier.DEVICE]
 _ID, _TOKENS = EVENT_ID_SHIFT, EVENT_TOKENS_SHIFT
 _DEVICE = Tier.DEVICE.value
 _D2H, _H2D = OpKind.BACKUP_D2H, OpKind.LOAD_H2D
+_NO_PAGES = np.empty(0, np.int32)
+_NO_PAGES.setflags(write=False)
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,12 @@ class HiCacheController:
         self._pending: dict[int, tuple[list[PendingTransfer], TransferOp]] = {}  # sent op id -> (transfers, op)
         self._loads: dict[int, PendingTransfer] = {}  # load id -> its queued or in-flight transfer
         self._finished_loads: dict[int, bool] = {}  # load id -> ok, until asked
-        self._queued: list[PendingTransfer] = []  # built, not yet sent
+        # Built, not yet sent, by kind (``submit`` sends each kind its own way; no filtering per send).
+        self._queued_loads: list[_QueuedCopy] = []  # H->D: merged into one op, sent at the next submit
+        self._queued_backups: list[_QueuedCopy] = []  # D->H: merged into one op, held while batching
+        self._queued_storage: list[PendingTransfer] = []  # L3 ops: one op each, sent at the next submit
         self._queued_backup_pages = 0
-        self._queued_other = 0  # queued ops that are not D->H backups (sent on the next submit)
+        self._backup_batch_pages = config.backup_batch_pages
         self._backup_held_calls = 0  # check_events calls since the oldest queued backup was queued
         self._backup_queued_at = 0.0
         self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
@@ -327,15 +332,18 @@ class HiCacheController:
     def _prefix_result(self, last: TreeNode, last_device: TreeNode, loaded_pages: np.ndarray | None, loaded: int,
                        load_id: int, reason: MissReason | None) -> LoadBackResult:
         """The prefix ending at ``last``: the L1 path down to ``last_device``, then the pages being loaded."""
-        parts = [] if loaded_pages is None else [loaded_pages]
+        parts = []
         n = last_device
         while n.parent is not None:
             parts.append(n.device_pages)
             n = n.parent
+        parts.reverse()
+        if loaded_pages is not None:
+            parts.append(loaded_pages)
         if len(parts) > 1:
-            pages = np.concatenate(parts[::-1])
+            pages = np.concatenate(parts)
         else:
-            pages = parts[0] if parts else np.empty(0, np.int32)
+            pages = parts[0] if parts else _NO_PAGES
         return LoadBackResult(pages, pages.shape[0] * self.tree.page_size, last.id, loaded, load_id, reason)
 
     def wait_load_back(self, load_id: int, timeout_s: float | None = None) -> bool:
@@ -366,7 +374,6 @@ class HiCacheController:
     def _enqueue(self, pending: PendingTransfer) -> PendingTransfer:
         for n in pending.nodes:
             n.pending = pending
-        self._queued.append(pending)
         op = pending.op
         kind = op.kind
         if kind is _D2H:
@@ -374,11 +381,17 @@ class HiCacheController:
                 self._backup_held_calls = 0
                 self._backup_queued_at = time.monotonic()
             self._queued_backup_pages += op.host_slots.shape[0]
+            self._queued_backups.append(pending)  # type: ignore[arg-type]  # copies are _QueuedCopy
+        elif kind is _H2D:
+            self._queued_loads.append(pending)  # type: ignore[arg-type]
+            self._loads[op.op_id] = pending
         else:
-            self._queued_other += 1
-            if kind is _H2D:
-                self._loads[op.op_id] = pending
+            self._queued_storage.append(pending)
         return pending
+
+    @property
+    def _has_queued(self) -> bool:
+        return bool(self._queued_loads or self._queued_backups or self._queued_storage)
 
     # -- L3 ------------------------------------------------------------------------------------------
     def attach_storage_backend(self, params: StorageParams) -> None:
@@ -429,49 +442,41 @@ class HiCacheController:
         dispatch is never on a request's critical path); when they go, they go merged into ONE op. So a
         scheduler step costs one dispatch and one ack per host per kind, not one per request.
         """
-        queued = self._queued
-        if not queued:
-            return 0
-        if not force and self._queued_backup_pages < self.config.backup_batch_pages:
-            if not self._queued_other:
-                return 0  # only backups, still batching: the common case, no list building
+        loads, storage, backups = self._queued_loads, self._queued_storage, self._queued_backups
+        if backups and (force or self._queued_backup_pages >= self._backup_batch_pages):
+            self._queued_backups = []
+            self._queued_backup_pages = 0
+        elif loads or storage:
             # Loads / storage ops go now; held backups keep batching: a D2H dispatch never rides
             # on the plan of a request's load-back or L3 prefetch (its TTFT).
-            sending = [p for p in queued if p.kind is not OpKind.BACKUP_D2H]
-            self._queued = [p for p in queued if p.kind is OpKind.BACKUP_D2H] if self._queued_backup_pages else []
-            self._queued_other = 0
+            backups = []
         else:
-            sending, self._queued = queued, []
-            self._queued_other = self._queued_backup_pages = 0
+            return 0  # nothing queued, or only backups still batching: the common case
         seq = next(self._seq)
-        ops, groups = [], []
-        loads, backups = [], []
-        for p in sending:
-            kind = p.kind
-            if kind is OpKind.LOAD_H2D:
-                loads.append(p)
-            elif kind is OpKind.BACKUP_D2H:
-                backups.append(p)
-            else:
-                ops.append(p.op)
-                groups.append([p])
+        ops = [p.op for p in storage]  # queue order, one op each
+        groups = [[p] for p in storage]
+        if storage:
+            self._queued_storage = []
         for merged in (loads, backups):
             if merged:
                 ops.append(self._merged_op(merged))
                 groups.append(merged)
+        if loads:
+            self._queued_loads = []
+        pending = self._pending
         for op, group in zip(ops, groups):
             PendingTransfer.sent(group, seq)
-            self._pending[op.op_id] = (group, op)
+            pending[op.op_id] = (group, op)
         self.workers.submit(TransferPlan(seq, tuple(ops)))
-        return len(sending)
+        return len(storage) + len(loads) + len(backups)
 
-    def _merged_op(self, group: list[PendingTransfer]) -> TransferOp:
+    def _merged_op(self, group: list[_QueuedCopy]) -> TransferOp:
         """One TransferOp for queued copies of one kind (their id pairs concatenated, in queue order)."""
-        first = group[0].op
+        first = group[0]
         if len(group) == 1:
             return TransferOp(first.op_id, first.kind, first.device_pages, first.host_slots)
-        return TransferOp(next(self._op_ids), first.kind, np.concatenate([p.op.device_pages for p in group]),
-                          np.concatenate([p.op.host_slots for p in group]))
+        return TransferOp(next(self._op_ids), first.kind, np.concatenate([p.device_pages for p in group]),
+                          np.concatenate([p.host_slots for p in group]))
 
     def check_events(self) -> int:
         """Sends what is queued and applies every ack that arrived; returns transfers completed.
@@ -480,7 +485,7 @@ class HiCacheController:
         ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile). L2->L3
         backups queued by the acks applied here are sent before returning.
         """
-        if self._queued:
+        if self._queued_loads or self._queued_backups or self._queued_storage:
             force = False
             if self._queued_backup_pages:
                 self._backup_held_calls += 1
@@ -490,7 +495,7 @@ class HiCacheController:
         if not self._pending:
             return 0
         done = self._apply(self.workers.poll())
-        if self._queued_other:  # follow-ups of those acks (L2->L3 backups): sent now, not in the next
+        if self._queued_storage:  # follow-ups of those acks (L2->L3 backups): sent now, not in the next
             self.submit()  # request's prefetch or load-back
         return done
 
@@ -502,7 +507,7 @@ class HiCacheController:
             self.submit(force=True)
             done += self._apply(self.workers.poll())
             left = deadline - time.monotonic()
-            if (not self._pending and not self._queued) or left <= 0:
+            if (not self._pending and not self._has_queued) or left <= 0:
                 break
             if self._pending:
                 done += self._apply(self.workers.wait(left))
@@ -523,7 +528,10 @@ class HiCacheController:
             first.record(ack)  # the group shares one ack record
             if first.done:
                 del self._pending[ack.op_id]
-                if op.kind is OpKind.BACKUP_D2H and not first.errors:
+                kind = op.kind
+                if kind is _H2D and not first.errors:
+                    self._commit_loads(group)  # type: ignore[arg-type]  # loads are _QueuedCopy
+                elif kind is _D2H and not first.errors:
                     self._commit_backups(group, op)
                 else:
                     for p in group:
@@ -550,15 +558,15 @@ class HiCacheController:
             for nodes in chains:
                 self.storage.on_host_committed(nodes)
 
-    def _complete(self, p: PendingTransfer) -> None:
-        c = self.counters
-        ok = not p.errors
-        nodes = p.nodes
-        kind = p.op.kind
-        full = self.tree.full
-        if ok and kind is OpKind.LOAD_H2D:  # the common cases first: one loop over the chain each
-            tokens = 0
-            events = self._events
+    def _commit_loads(self, group: list[_QueuedCopy]) -> None:
+        """Every host acked the H->D op that carried the loads of ``group``: each chain (root to leaf) is
+        device+host again, and a load releases its path lock (one that holds its caller's leaves it)."""
+        events = self._events
+        unlock = self.tree.full.unlock
+        host = self.host
+        tokens = 0
+        for p in group:
+            nodes = p.nodes
             for n in nodes:
                 n.pending = None
                 n.loading = False
@@ -566,15 +574,22 @@ class HiCacheController:
                 k = n.num_tokens
                 tokens += k
                 events.append(n.id << _ID | k << _TOKENS | _LOADED_CODE)
-            c.loaded_tokens += tokens
             leaf = nodes[-1]
-            if not p.caller_lock:  # type: ignore[attr-defined]  # loads are _QueuedCopy
-                full.unlock(leaf)  # pushes the leaf as an L1 candidate if nothing else holds it
-            # The chain is root-to-leaf and every node but the leaf has a child with an L2 copy (and, now,
-            # L1 pages): only the leaf can be a host eviction candidate.
-            self.host.maybe_push(leaf)
-            self._finish_load(p.op.op_id, True)
-            return
+            if not p.caller_lock:
+                unlock(leaf)  # pushes the leaf as an L1 candidate if nothing else holds it
+            # Every node but the leaf has a child with an L2 copy (and, now, L1 pages): only the leaf can
+            # be a host eviction candidate.
+            host.maybe_push(leaf)
+            self._finish_load(p.op_id, True)
+        self.counters.loaded_tokens += tokens
+
+    def _complete(self, p: PendingTransfer) -> None:
+        """A transfer that failed (any kind), or an L3 op, is done on every host."""
+        c = self.counters
+        ok = not p.errors
+        nodes = p.nodes
+        kind = p.op.kind
+        full = self.tree.full
         if not ok:
             c.transfer_failures += 1
         for n in nodes:
@@ -618,8 +633,9 @@ class HiCacheController:
         tree, device+host nodes become device-only, and every slot is free again. L1 keeps serving;
         nothing is ever served from the lost L2. Returns the tokens dropped from L2.
         """
-        queued, self._queued = self._queued, []
-        self._queued_backup_pages = self._queued_other = 0
+        queued = self._queued_storage + self._queued_loads + self._queued_backups
+        self._queued_storage, self._queued_loads, self._queued_backups = [], [], []
+        self._queued_backup_pages = 0
         failed = [p for group, _ in self._pending.values() for p in group] + queued
         self._pending.clear()
         for p in failed:
@@ -636,7 +652,8 @@ class HiCacheController:
 
     @property
     def in_flight(self) -> int:
-        return sum(len(g) for g, _ in self._pending.values()) + len(self._queued)
+        queued = len(self._queued_loads) + len(self._queued_backups) + len(self._queued_storage)
+        return sum(len(g) for g, _ in self._pending.values()) + queued
 
     def check_invariants(self) -> None:
         self.host.check_invariants()
