@@ -31,8 +31,9 @@ writer, and neither was CRC32C. Other format versions (v1 included) are never de
 version is checked right after the magic and is part of every object path, so they are a clean
 miss.
 
-Buffers: ``encode_header`` returns a fresh ``bytes`` the caller owns; it never copies the payload
-(the writer sends header and payload as two buffers). ``decode`` returns a zero-copy
+Buffers: ``encode_header`` (and ``HeaderEncoder.encode``, its per-pool form) returns a fresh
+``bytes`` the caller owns; it never copies the payload (the writer sends header and payload as
+two buffers). ``decode`` returns a zero-copy
 ``memoryview`` of the payload inside the caller's buffer; the caller keeps that buffer alive
 while it uses the view. Any mismatch raises ``CorruptObjectError`` with a ``CorruptReason``;
 callers turn it into a counted miss and never hand the bytes on.
@@ -128,27 +129,36 @@ class ObjectMeta:
         return self.num_pages * math.prod(self.shape) * itemsize
 
 
+class HeaderEncoder:
+    """Headers of objects that share kind, fingerprint, dtype and per-page shape (one pool's
+    objects): those fields are validated and packed once, not per object. ``encode`` is
+    bit-identical to ``encode_header`` with the same fields."""
+
+    def __init__(self, kind: ObjectKind, fingerprint: bytes, dtype: str, shape: tuple[int, ...]) -> None:
+        probe = ObjectMeta(kind, fingerprint, bytes(32), 0, 0, dtype, tuple(shape))  # validates
+        self.header_len = probe.header_len
+        self._kind, self._fp, self._dtype = int(kind), fingerprint, dtype.encode("ascii")
+        self._ndim = len(probe.shape)
+        self._shape = struct.pack(f"<{self._ndim}I", *probe.shape)
+
+    def encode(self, key: bytes, first_page: int, num_pages: int, payload: bytes | memoryview | np.ndarray) -> bytes:
+        """Header for ``payload`` (checksummed here; the payload itself is not copied)."""
+        if len(key) != 32:
+            raise ValueError(f"key must be 32 bytes, got {len(key)}")
+        if first_page < 0 or not (0 <= num_pages < 2**32):
+            raise ValueError(f"bad first_page/num_pages {first_page}/{num_pages}")
+        u8 = np.frombuffer(payload, dtype=np.uint8)
+        head = _FIXED.pack(
+            MAGIC, FORMAT_VERSION, self.header_len, self._kind, self._ndim, 0, self._fp, key,
+            first_page, num_pages, 0, self._dtype, u8.size, payload_digest(u8),
+        ) + self._shape
+        return head + _HEADER_SUM.pack(_header_sum(head))
+
+
 def encode_header(meta: ObjectMeta, payload: bytes | memoryview | np.ndarray) -> bytes:
     """Header for ``payload`` (checksummed here; the payload itself is not copied)."""
-    plen = np.frombuffer(payload, dtype=np.uint8).size
-    fixed = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        meta.header_len,
-        int(meta.kind),
-        len(meta.shape),
-        0,
-        meta.fingerprint,
-        meta.key,
-        meta.first_page,
-        meta.num_pages,
-        0,
-        meta.dtype.encode("ascii"),
-        plen,
-        payload_digest(payload),
-    )
-    head = fixed + struct.pack(f"<{len(meta.shape)}I", *meta.shape)
-    return head + _HEADER_SUM.pack(_header_sum(head))
+    enc = HeaderEncoder(meta.kind, meta.fingerprint, meta.dtype, meta.shape)
+    return enc.encode(meta.key, meta.first_page, meta.num_pages, payload)
 
 
 def decode_header(

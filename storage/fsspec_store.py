@@ -108,6 +108,7 @@ from hicache.storage.format import (
     FORMAT_VERSION,
     CorruptObjectError,
     CorruptReason,
+    HeaderEncoder,
     decode_header,
     ObjectKind,
     ObjectMeta,
@@ -535,12 +536,15 @@ class _LocalBackend(_Backend):
         This is the only existence check of a file:// ``batch_set``."""
         if os.path.exists(path):
             return self.EXISTED
-        fd, tmp = self._create_tmp(os.path.dirname(path))
+        fd, tmp = self._create_tmp(path.rpartition("/")[0])
         try:
             try:
-                bufs = [b for b in (memoryview(header).cast("B"), memoryview(payload.reshape(-1).view(np.uint8))) if len(b)]
-                while bufs:
-                    bufs = _advance(bufs, os.writev(fd, bufs))
+                bufs = [memoryview(header).cast("B"), memoryview(payload.reshape(-1).view(np.uint8))]
+                n, total = os.writev(fd, bufs), len(bufs[0]) + len(bufs[1])
+                if n < total:  # a short write (rare): finish it
+                    bufs = _advance(bufs, n)
+                    while bufs:
+                        bufs = _advance(bufs, os.writev(fd, bufs))
                 _set_mtime(fd, mtime_ns)
             finally:
                 os.close(fd)
@@ -743,7 +747,13 @@ class _PoolReg:
     ppo: int  # pages per object
     dtype_name: str
     prefix: str  # directory of this pool's objects
-    header_len: int  # bytes of an object header for this pool's page shape
+    header: HeaderEncoder  # this pool's object headers
+    shape: tuple[int, ...]  # per-page shape (the pool's ``slot_shape``)
+    slot_bytes: int  # bytes per page
+
+    @property
+    def header_len(self) -> int:
+        return self.header.header_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -832,7 +842,7 @@ class FsspecStorage(HiCacheStorage):
         return f"{reg.prefix}/{key[:2]}/{key}"
 
     def _meta(self, reg: _PoolReg, start: int, m: int, key: str) -> ObjectMeta:
-        return ObjectMeta(ObjectKind.PAGES, self._fp, bytes.fromhex(key), start, m, reg.dtype_name, tuple(reg.pool.slot_shape))
+        return ObjectMeta(ObjectKind.PAGES, self._fp, bytes.fromhex(key), start, m, reg.dtype_name, reg.shape)
 
     def _check_transfers(self, transfers: object, *, for_set: bool) -> list[tuple[_PoolReg, list[str], np.ndarray, int]]:
         if not isinstance(transfers, Sequence):
@@ -883,8 +893,8 @@ class FsspecStorage(HiCacheStorage):
             raise ValueError(f"a host pool is already registered for {kind.value!r}")
         ppo = pages_per_object or self.config.pages_per_object or max(1, self._target // int(pool.slot_bytes))
         prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}"
-        header_len = ObjectMeta(ObjectKind.PAGES, self._fp, bytes(32), 0, 1, dtype.name, shape).header_len
-        self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header_len)
+        header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape)
+        self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header, shape, int(pool.slot_bytes))
 
     def pages_per_object(self, kind: PoolKind = PoolKind.KV) -> int:
         return self._reg(kind).ppo
@@ -1220,7 +1230,7 @@ class FsspecStorage(HiCacheStorage):
             self._local
             and self._io.inline_io  # type: ignore[attr-defined]
             and inline is not None
-            and sum(o.m * int(queries[o.t][0].pool.slot_bytes) for o in todo) <= inline
+            and sum(o.m * queries[o.t][0].slot_bytes for o in todo) <= inline
         ):
             self._write_inline(queries, todo, deadline, mark, written)
         else:
@@ -1298,28 +1308,31 @@ class FsspecStorage(HiCacheStorage):
                 writes = self._io.map_pull(task, ranked, deadline, threads=self._write_threads)
             else:
                 writes = self._io.map(task, items, deadline)
+            tally: dict[str, int] = {}
             for i, r in writes:
-                self._record_write(queries, group[i], r, mark, written)
+                self._record_write(queries, group[i], r, mark, written, tally)
+            self._count(**tally)
         for o in todo[gi:]:
             self._count(timeouts=1)
 
-    def _record_write(self, queries, o: _Obj, r: Any, mark, written) -> None:  # type: ignore[no-untyped-def]
-        """Account one object's write outcome (a ``WROTE``/``EXISTED``/``RACED`` code, an async
-        backend's bool, or an exception: the object's pages stay unmarked)."""
+    _OUTCOME = {1: "objects_written", 0: "objects_skipped_existing", -1: "objects_raced"}  # by _LocalBackend code
+
+    def _record_write(self, queries, o: _Obj, r: Any, mark, written, tally: dict[str, int]) -> None:  # type: ignore[no-untyped-def]
+        """Account one object's write outcome in ``tally`` (counter deltas, applied by the caller
+        in one ``_count``): a ``WROTE``/``EXISTED``/``RACED`` code, an async backend's bool, or an
+        exception (the object's pages stay unmarked)."""
         if isinstance(r, BaseException):
             self._count_exc(r)
             return
         mark(o)
         if isinstance(r, bool):  # async ``write_many``: wrote / lost the race
             r = _LocalBackend.WROTE if r else _LocalBackend.RACED
+        name = self._OUTCOME[r]
+        tally[name] = tally.get(name, 0) + 1
         if r == _LocalBackend.WROTE:
-            size = queries[o.t][0].header_len + o.m * int(queries[o.t][0].pool.slot_bytes)
-            self._count(objects_written=1, bytes_written=size)
+            size = queries[o.t][0].header_len + o.m * queries[o.t][0].slot_bytes
+            tally["bytes_written"] = tally.get("bytes_written", 0) + size
             written.append((o.t, o.start, o.path, size))
-        elif r == _LocalBackend.EXISTED:
-            self._count(objects_skipped_existing=1)
-        else:
-            self._count(objects_raced=1)
 
     @staticmethod
     def _write_mtimes(n: int) -> list[int]:
@@ -1338,6 +1351,7 @@ class FsspecStorage(HiCacheStorage):
         transfer come from one zero-copy ``slot_view`` or ONE ``read_slots`` (not one per object)."""
         io: _LocalBackend = self._io  # type: ignore[assignment]
         mtimes = self._write_mtimes(len(todo))
+        tally: dict[str, int] = {}
         i = 0
         for t, group in itertools.groupby(todo, key=lambda o: o.t):
             objs = list(group)  # consecutive pages of one transfer
@@ -1347,17 +1361,20 @@ class FsspecStorage(HiCacheStorage):
             data = _slot_view(reg.pool, sl)
             if data is None:
                 data = self._gather(reg, sl, None)
+            u8 = data.reshape(len(sl), -1).view(np.uint8)  # [pages, slot_bytes]
             for o in objs:
-                if deadline.left() <= 0:
+                if time.monotonic() >= deadline.end:
                     r: Any = TimeoutError(f"write of {o.path} did not start by the deadline")
                 else:
+                    payload = u8[o.start - lo : o.start - lo + o.m]
                     try:
-                        meta = self._meta(reg, o.start, o.m, o.key)
-                        r = io.write_once_local(o.path, *_with_header(meta, data[o.start - lo : o.start - lo + o.m]), mtimes[i])
+                        header = reg.header.encode(bytes.fromhex(o.key), o.start, o.m, payload)
+                        r = io.write_once_local(o.path, header, payload, mtimes[i])
                     except OSError as e:
                         r = e
                 i += 1
-                self._record_write(queries, o, r, mark, written)
+                self._record_write(queries, o, r, mark, written, tally)
+        self._count(**tally)
 
     # ---- file:// capacity ------------------------------------------------------------------------
     def _scan(self) -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hicache.storage import CorruptObjectError, CorruptReason, ModelFingerprint, Namespace, ShardCoord, page_keys
 from hicache.storage.base import check_keys
-from hicache.storage.format import FORMAT_VERSION, ObjectKind, ObjectMeta, decode, encode_header
+from hicache.storage.format import FORMAT_VERSION, HeaderEncoder, ObjectKind, ObjectMeta, decode, encode_header
 
 FP = ModelFingerprint("m", "bfloat16", page_size=4, num_layers=2, num_kv_heads=8, head_dim=16)
 
@@ -134,6 +134,26 @@ def _meta(**kw):
     base = dict(kind=ObjectKind.PAGES, fingerprint=FP.digest(), key=b"k" * 32, first_page=8, num_pages=2, dtype="float32", shape=(3, 5))
     base.update(kw)
     return ObjectMeta(**base)
+
+
+def test_header_bytes_are_stable_and_the_per_pool_encoder_matches():
+    """Golden bytes (computed with the format v2 encoder as first written): a change in the header
+    encoding must bump the format version."""
+    import hashlib
+
+    payload = np.arange(30, dtype=np.float32).reshape(2, 3, 5)
+    m = _meta(key=bytes(range(32)))
+    h = encode_header(m, payload.view(np.uint8).reshape(-1))
+    assert hashlib.sha256(h).hexdigest() == "7d4c31c5099e656fc6c7fae74cf2fb7e4c3e64cd3b9ce524c60ea0444038486e"
+    enc = HeaderEncoder(ObjectKind.PAGES, FP.digest(), "float32", (3, 5))
+    assert enc.header_len == m.header_len and enc.encode(bytes(range(32)), 8, 2, payload) == h
+    assert np.array_equal(np.frombuffer(decode(h + payload.tobytes(), m, payload_len=120), np.float32), payload.reshape(-1))
+    for bad in (dict(key=b"k" * 31), dict(first_page=-1), dict(num_pages=2**32)):
+        args = {"key": b"k" * 32, "first_page": 0, "num_pages": 1, **bad}
+        with pytest.raises(ValueError, match="key must be 32 bytes|first_page/num_pages"):
+            enc.encode(args["key"], args["first_page"], args["num_pages"], payload)
+    with pytest.raises(ValueError, match="dtype name too long"):
+        HeaderEncoder(ObjectKind.PAGES, FP.digest(), "x" * 17, (3, 5))
 
 
 def test_format_roundtrip_and_reasons():
