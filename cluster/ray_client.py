@@ -164,14 +164,16 @@ class RayTransport:
             self.ray_steps += 1
         sent.commit_copies(keys)
 
+    def _timeout(self) -> HiCacheTimeoutError:
+        return HiCacheTimeoutError(
+            f"replica {self.replica!r}: step got no answer within {self.timeout_s}s (it may still be applied)")
+
     def _channel_reply(self, entry: _InFlight) -> Reply:
         assert entry.channel is not None
         try:
             return pickle.loads(entry.channel.recv(entry.ticket, self.timeout_s))
         except TimeoutError:
-            raise HiCacheTimeoutError(
-                f"replica {self.replica!r}: step got no answer within {self.timeout_s}s (it may still be applied)"
-            ) from None
+            raise self._timeout() from None
         except ChannelClosedError as e:
             raise HiCacheUnavailableError(
                 f"replica {self.replica!r}: step channel lost ({e}); the step may have been applied"
@@ -187,9 +189,7 @@ class RayTransport:
                 if isinstance(reply, bytes):
                     reply = pickle.loads(reply)
         except ray.exceptions.GetTimeoutError:
-            raise HiCacheTimeoutError(
-                f"replica {self.replica!r}: step got no answer within {self.timeout_s}s (it may still be applied)"
-            ) from None
+            raise self._timeout() from None
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as e:
             raise HiCacheUnavailableError(f"replica {self.replica!r}: head unreachable: {type(e).__name__}") from e
         except ray.exceptions.RayTaskError as e:
