@@ -78,6 +78,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -735,8 +736,10 @@ def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
 _SKIPPED = object()  # a read not started because an earlier object of its chain is missing
 
 
-def _with_header(meta: ObjectMeta, data: np.ndarray) -> tuple[bytes, np.ndarray]:
-    return encode_header(meta, data.reshape(-1).view(np.uint8)), data
+def _with_header(header: Callable[[np.ndarray], bytes], data: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """``(header(payload bytes), data)``; ``header``: an object's ``HeaderEncoder.encode`` with its
+    key and position bound."""
+    return header(data.reshape(-1).view(np.uint8)), data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1271,7 +1274,7 @@ class FsspecStorage(HiCacheStorage):
             group, nbytes = [], 0
             while gi < len(todo):
                 o = todo[gi]
-                ob = o.m * int(queries[o.t][0].pool.slot_bytes)
+                ob = o.m * queries[o.t][0].slot_bytes
                 if group and nbytes + ob > self.config.max_inflight_bytes:
                     break
                 group.append(o)
@@ -1280,7 +1283,7 @@ class FsspecStorage(HiCacheStorage):
             items = []
             for o in group:
                 reg, keys, slots, first = queries[o.t]
-                meta = self._meta(reg, o.start, o.m, o.key)
+                meta = functools.partial(reg.header.encode, bytes.fromhex(o.key), o.start, o.m)
                 v = _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m]) if self._local and _concurrent_io(reg.pool) else None
                 if v is not None:  # zero-copy: checksum and write straight from pool memory
                     items.append((o.path, meta, v))
@@ -1291,7 +1294,7 @@ class FsspecStorage(HiCacheStorage):
                     gather = (lambda data=data: data)
                 items.append((o.path, meta, gather))
 
-            def task(path: str, meta: ObjectMeta, src: Any, mtime_ns: int | None = None) -> int:
+            def task(path: str, meta: Callable[[np.ndarray], bytes], src: Any, mtime_ns: int | None = None) -> int:
                 if not self._local:
                     wrote = self._io._write_once(path, *_with_header(meta, src()))
                     return _LocalBackend.WROTE if wrote else _LocalBackend.RACED
