@@ -184,9 +184,12 @@ class ArrivalModel:
     they are served. Pass ``serve`` where a serve callable is expected; it must get the items in stream
     order. Before item i is served, its start ``max(sent_i, server free)`` is computed from the
     latencies measured so far in this run, and every later item already sent by then is announced in
-    stream order. The announcements run on the serving thread, and their time is charged to item i
-    (its TTFT and latency: a scheduler loop takes in arrivals before it schedules), so only the work
-    they start in the background (the L3 fetch on the storage thread) leaves the critical path."""
+    stream order; while item i decodes, before each decode step (``Scheduler.serve``'s
+    ``between_steps``: SGLang's event loop takes in new requests every iteration), the items sent by
+    then (its start + the time it has run so far). The announcements run on the serving thread: those
+    before item i are charged to its TTFT and latency (``phases.arrive``), those during its decode to
+    its latency, so only the work they start in the background (the L3 fetch on the storage thread)
+    leaves the critical path."""
 
     def __init__(self, items: Sequence[Item], ticks: np.ndarray, scheduler, salt: str | None = None) -> None:
         self.items, self.ticks, self.scheduler, self.salt = items, ticks, scheduler, salt
@@ -213,6 +216,16 @@ class ArrivalModel:
     def _request(self, it: Item) -> ServeRequest:
         return ServeRequest(it.prompt, it.max_new_tokens, cache_salt=self.salt)
 
+    def _announce(self, i: int, now: float) -> None:
+        """Announces (``Scheduler.arrive``), in stream order, every item after ``i`` sent by ``now``."""
+        for j in range(i + 1, len(self.items)):
+            if self.ticks[j] > now:
+                break  # ticks increase: nothing later was sent yet
+            sent = self._sent(j)
+            if j not in self._announced and sent is not None and sent <= now:
+                self._announced[j] = self._request(self.items[j])
+                self.scheduler.arrive(self._announced[j])
+
     def serve(self, req: ServeRequest) -> ServeResult:
         i = self._i
         it = self.items[i]
@@ -220,17 +233,13 @@ class ArrivalModel:
             raise ValueError(f"ArrivalModel: expected item {i} of the stream, got another request")
         start = max(self._sent(i), self._free)
         t0 = time.perf_counter()
-        for j in range(i + 1, len(self.items)):
-            if self.ticks[j] > start:
-                break  # ticks increase: nothing later was sent yet
-            sent = self._sent(j)
-            if j not in self._announced and sent is not None and sent <= start:
-                self._announced[j] = self._request(self.items[j])
-                self.scheduler.arrive(self._announced[j])
+        self._announce(i, start)
         extra = time.perf_counter() - t0
         own = self._announced.pop(i, None)
         self.announced += own is not None
-        res = self.scheduler.serve(own if own is not None else req)
+        # between decode steps: the model time is start + the time this request has run so far
+        res = self.scheduler.serve(own if own is not None else req,
+                                   lambda: self._announce(i, start + time.perf_counter() - t0))
         res = replace(res, ttft_s=res.ttft_s + extra, latency_s=res.latency_s + extra,
                       phases=replace(res.phases, arrive=extra))
         self._free = self._finish[i] = start + res.latency_s

@@ -43,7 +43,7 @@ from hicache.cluster.head import Call, Method
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
-from hicache.engine.runner import Generation
+from hicache.engine.runner import Generation, greedy_decode
 
 
 class Engine(Protocol):
@@ -55,7 +55,7 @@ class Engine(Protocol):
     def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray: ...
 
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
-               max_new_tokens: int) -> Generation: ...
+               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation: ...
 
     def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation: ...
 
@@ -73,8 +73,13 @@ class RemoteModelEngine(ABC):
         return self.call("extend", tokens, page_table, start_pos)
 
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
-               max_new_tokens: int) -> Generation:
-        return self.call("decode", tokens, last_logits, page_table, max_new_tokens)
+               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation:
+        """One call for the whole decode; with ``between_steps``, one call per step and the hook between
+        them, here (it may call the cache, which may transfer over L1: never inside a model call)."""
+        if between_steps is None:
+            return self.call("decode", tokens, last_logits, page_table, max_new_tokens)
+        return greedy_decode(lambda seq: self.call("decode_step", seq, page_table), tokens, last_logits,
+                             max_new_tokens, between_steps=between_steps)
 
     def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation:
         """The reference: the same model, same pool shape and sharding, nothing reused."""
@@ -285,8 +290,12 @@ class Scheduler:
         marks.append(time.perf_counter())
         return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
 
-    def serve(self, req: ServeRequest) -> ServeResult:
-        """Serves ``req`` now (its TTFT counts from here); picks up its prefetch if it ``arrive``d."""
+    def serve(self, req: ServeRequest, between_steps: Callable[[], None] | None = None) -> ServeResult:
+        """Serves ``req`` now (its TTFT counts from here); picks up its prefetch if it ``arrive``d.
+
+        ``between_steps()`` runs between its decode steps (outside any model call): a driver takes in
+        the requests that arrived meanwhile there (``arrive``), as SGLang's event loop does every
+        iteration, so their L3 fetches overlap this decode. Its time counts in this request's decode."""
         t0 = time.perf_counter()
         key = self._key(req)
         arrival = self._arrived.pop(id(req), None)
@@ -306,7 +315,8 @@ class Scheduler:
             start = end
         logits = self.engine.extend(prompt, table, start)[-1]
         marks.append(time.perf_counter())
-        gen = self.engine.decode(prompt, logits, table, req.max_new_tokens)
+        gen = (self.engine.decode(prompt, logits, table, req.max_new_tokens) if between_steps is None else
+               self.engine.decode(prompt, logits, table, req.max_new_tokens, between_steps=between_steps))
         marks.append(time.perf_counter())
         seq = np.concatenate([prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
         self.client.cache_finished_req(RequestState(RadixKey(seq, *ns), table, prefix_len, node))

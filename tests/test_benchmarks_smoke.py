@@ -57,22 +57,29 @@ def test_multiturn_and_long_doc_qa_tiny(tmp_path):
 
 
 class _RecordingScheduler:
-    """Stands in for ``Scheduler`` (``arrive``/``serve``) with fixed service times: 0.5 s TTFT, 1 s."""
+    """Stands in for ``Scheduler`` (``arrive``/``serve``) with fixed service times: 0.5 s TTFT, 1 s.
+    With ``decode_s``, ``serve`` sleeps that long, then runs its ``between_steps`` hook once."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode_s: float = 0.0) -> None:
         self.arrived: list = []
         self.served: list = []
+        self.decode_s = decode_s
 
     def arrive(self, req) -> bool:
         self.arrived.append(req)
         return True
 
-    def serve(self, req):
+    def serve(self, req, between_steps=None):
+        import time
+
         import numpy as np
 
         from hicache.serving import ServeResult
 
         self.served.append(req)
+        if self.decode_s:
+            time.sleep(self.decode_s)
+            between_steps()
         return ServeResult((1,), np.zeros(1, np.float32), 0.5, 1.0, len(req.prompt), 0, 0, len(req.prompt))
 
 
@@ -94,3 +101,23 @@ def test_arrival_model_announces_what_the_queue_holds_when_a_request_starts():
     assert all(r.ttft_s >= 0.5 and r.latency_s >= 1.0 for r in results)  # announcements are charged
     with pytest.raises(ValueError, match="expected item 0"):
         ArrivalModel(items, np.zeros(4), _RecordingScheduler()).serve(ServeRequest(items[1].prompt, 1))
+
+
+def test_arrival_model_announces_between_decode_steps_what_arrived_meanwhile():
+    """Item 1 (tick 1 ms) is sent while item 0 runs (it started at 0 and ran >= 5 ms before its
+    decode-step hook): announced from that hook, not when item 1 starts. Item 2, client 0's next turn,
+    is not sent before item 0 finished: announced before item 1 is served (item 1 starts after it)."""
+    import numpy as np
+
+    from benchmarks.common import ArrivalModel, Item
+    from hicache.serving import ServeRequest
+
+    items = [Item(i, c, 0, np.arange(4 + i, dtype=np.int32), 1) for i, c in enumerate([0, 1, 0])]
+    sched = _RecordingScheduler(decode_s=0.005)
+    model = ArrivalModel(items, np.array([0.0, 0.001, 0.002]), sched)
+    model.serve(ServeRequest(items[0].prompt, 1))
+    assert [r.prompt is items[1].prompt for r in sched.arrived] == [True]
+    for it in items[1:]:
+        model.serve(ServeRequest(it.prompt, 1))
+    assert [r.prompt is it.prompt for r, it in zip(sched.arrived, items[1:])] == [True, True]
+    assert all(a is b for a, b in zip(sched.served[1:], sched.arrived)) and model.announced == 2

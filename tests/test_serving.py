@@ -215,3 +215,43 @@ def test_serve_asks_l3_again_when_the_match_shrank_since_arrival(tmp_path, runne
     assert transport.methods.count("prefetch_from_storage") == 0
     stack.client.flush_write_through_acks()
     stack.head.detach_storage_backend()
+
+
+def test_hook_between_decode_steps_may_call_the_cache_and_outputs_stay_exact(tmp_path, runner):
+    """``serve(req, between_steps)`` runs the hook before each decode step, outside the model calls:
+    there a driver takes in an arrival (its match, L3 query and fetch start over the worker's L1/L2
+    while the served request holds its pages). Both requests' outputs equal the no-cache ones; the L1
+    only stack (the runner itself as the engine) runs the hook the same way."""
+    from hicache.embedded import StackOptions, build_stack
+
+    opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    rng = np.random.default_rng(13)
+    stored = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
+    warm = build_stack(opts, runner)
+    warm.scheduler.serve(ServeRequest(stored, max_new_tokens=2))
+    warm.client.flush_write_through_acks()
+    warm.head.detach_storage_backend()
+
+    for stack in (build_stack(opts, runner), build_stack(StackOptions(MODEL, FWD, l1_pages=24), runner)):
+        first = ServeRequest(rng.integers(0, MODEL.vocab_size, 20, dtype=np.int32), max_new_tokens=5)
+        later = ServeRequest(stored, max_new_tokens=2)
+        calls = []
+
+        def hook():
+            if not calls:
+                calls.append(stack.scheduler.arrive(later))  # True: its L3 fetch started mid-decode
+            else:
+                calls.append(None)
+
+        res = stack.scheduler.serve(first, hook)
+        assert len(calls) == first.max_new_tokens - 1
+        assert calls[0] is (stack.options.l3_url is not None)
+        ref = runner.generate_no_cache(first.prompt, first.max_new_tokens)
+        assert res.output == ref.tokens
+        np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+        res = stack.scheduler.serve(later)
+        assert res.output == runner.generate_no_cache(stored, 2).tokens
+        assert res.storage_tokens == (40 if stack.options.l3_url else 0)
+        if stack.options.l3_url:
+            stack.client.flush_write_through_acks()
+            stack.head.detach_storage_backend()

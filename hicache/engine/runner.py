@@ -26,7 +26,7 @@ recomputed KV bit-identical).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -54,6 +54,27 @@ class PendingLogits:
 
     def result(self) -> np.ndarray:
         return np.concatenate([np.asarray(logits)[lo:hi] for logits, lo, hi in self._parts])
+
+
+def greedy_decode(step: Callable[[list[int]], np.ndarray], tokens: Sequence[int], last_logits: np.ndarray,
+                  max_new_tokens: int, stop_token: int | None = None,
+                  between_steps: Callable[[], None] | None = None) -> Generation:
+    """The greedy loop: ``step(seq)`` computes the last position of ``seq`` and returns its logits
+    ``f32[vocab]``. ``between_steps()``, if given, runs before each step (after each token but the
+    last): a serving loop takes in arrivals there, as SGLang's event loop does between decode steps."""
+    seq = [int(t) for t in tokens]
+    out_tokens: list[int] = []
+    out_logits = [np.asarray(last_logits, np.float32)]
+    while True:
+        nxt = int(np.argmax(out_logits[-1]))
+        out_tokens.append(nxt)
+        seq.append(nxt)
+        if len(out_tokens) == max_new_tokens or nxt == stop_token:
+            break
+        if between_steps is not None:
+            between_steps()
+        out_logits.append(step(seq))
+    return Generation(tuple(out_tokens), np.stack(out_logits))
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -152,25 +173,18 @@ class ModelRunner:
         return self.extend(tokens, page_table, len(tokens) - 1)[0]
 
     def decode(self, tokens: Sequence[int], last_logits: np.ndarray, page_table: Sequence[int],
-               max_new_tokens: int, stop_token: int | None = None) -> Generation:
+               max_new_tokens: int, stop_token: int | None = None,
+               between_steps: Callable[[], None] | None = None) -> Generation:
         """Greedy decoding after a prefill of ``tokens`` whose last logits are ``last_logits``.
 
         Generates up to ``max_new_tokens`` (stops after ``stop_token``). Writes K/V for every
         generated token except the last, so ``page_table`` must cover
-        ``len(tokens) + max_new_tokens - 1`` positions.
+        ``len(tokens) + max_new_tokens - 1`` positions. ``between_steps()`` runs before each decode
+        step (see ``greedy_decode``).
         """
         self._check_decode(tokens, page_table, max_new_tokens)
-        seq = [int(t) for t in tokens]
-        out_tokens: list[int] = []
-        out_logits = [np.asarray(last_logits, np.float32)]
-        while True:
-            nxt = int(np.argmax(out_logits[-1]))
-            out_tokens.append(nxt)
-            seq.append(nxt)
-            if len(out_tokens) == max_new_tokens or nxt == stop_token:
-                break
-            out_logits.append(self.decode_step(seq, page_table))
-        return Generation(tuple(out_tokens), np.stack(out_logits))
+        return greedy_decode(lambda seq: self.decode_step(seq, page_table), tokens, last_logits, max_new_tokens,
+                             stop_token, between_steps)
 
     def generate(self, tokens: Sequence[int], page_table: Sequence[int], max_new_tokens: int,
                  start_pos: int = 0, stop_token: int | None = None) -> Generation:
