@@ -453,9 +453,11 @@ class HiCacheController:
         else:
             return 0  # nothing queued, or only backups still batching: the common case
         seq = next(self._seq)
-        ops = [p.op for p in storage]  # queue order, one op each
-        groups = [[p] for p in storage]
-        if storage:
+        ops: list[TransferOp] = []
+        groups: list[list[PendingTransfer]] = []
+        if storage:  # queue order, one op each
+            ops = [p.op for p in storage]
+            groups = [[p] for p in storage]
             self._queued_storage = []
         for merged in (loads, backups):
             if merged:
