@@ -49,6 +49,7 @@ _LOADED_CODE = EVENT_CODES[EventKind.STORED, Tier.DEVICE]
 _ID, _TOKENS = EVENT_ID_SHIFT, EVENT_TOKENS_SHIFT
 _DEVICE = Tier.DEVICE.value
 _D2H, _H2D = OpKind.BACKUP_D2H, OpKind.LOAD_H2D
+_NOT_CACHED = MissReason.NOT_CACHED
 _NO_PAGES = np.empty(0, np.int32)
 _NO_PAGES.setflags(write=False)
 
@@ -132,6 +133,7 @@ class HiCacheController:
         # Packed ints (events.pack_event); the KVEvent objects are built when taken (off the hot path).
         self._events: deque[int] = deque(maxlen=_MAX_EVENTS)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
+        self._page_size = tree.page_size
         self._page_bytes = 4 * tree.page_size  # int32 tokens: the first page of a key, as bytes
         tree.listener = self
         tree.after_insert = self._after_insert
@@ -168,19 +170,19 @@ class HiCacheController:
 
     # -- match accounting ------------------------------------------------------------------------------
     def record_match(self, key: RadixKey, m: MatchResult) -> None:
-        ps = self.tree.page_size
         n = key.token_ids.shape[0]
-        whole = n - n % ps
+        whole = n - n % self._page_size
+        device, host = m.device_hit_len, m.host_hit_len
         c = self.counters
         c.queried_tokens += whole
-        c.device_hit_tokens += m.device_hit_len
-        c.host_hit_tokens += m.host_hit_len
-        missing = whole - m.device_hit_len - m.host_hit_len
+        c.device_hit_tokens += device
+        c.host_hit_tokens += host
+        missing = whole - device - host
         if missing > 0:
-            reason = MissReason.NOT_CACHED
+            reason = _NOT_CACHED
             if self._ghosts:
-                pos = m.device_hit_len + m.host_hit_len
-                page = key.token_ids[pos : pos + ps].tobytes()
+                pos = device + host
+                page = key.token_ids[pos : pos + self._page_size].tobytes()
                 reason = self._ghosts.get((m.best_match_node, page), reason)
             c.miss_tokens[reason] += missing
 
