@@ -158,26 +158,14 @@ def test_no_existence_round_for_reads(make_store, fp):
     assert spy.rounds == 0
 
 
-class _CountingMap:
-    """Wraps the backend's ``map`` (the pool-thread path) to count the batches handed to a thread."""
-
-    def __init__(self, st) -> None:
-        self.calls, self._inner = 0, st._io.map
-        st._io.map = self
-
-    def __call__(self, fn, items, deadline):
-        self.calls += 1
-        return self._inner(fn, items, deadline)
-
-
-def test_existence_checks_run_on_the_calling_thread_until_a_batch_is_slow(make_store, fp):
+def test_existence_checks_run_on_the_calling_thread_until_a_batch_is_slow(make_store, fp, handoffs):
     st = make_store("file")
     if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
     keys = _keys(fp, 12)  # 3 objects
     st.pool.fill_random(S(0, 12), 7)
     st.batch_set(keys[:8], S(0, 8))
-    spy = _CountingMap(st)
+    spy = handoffs(st)
     assert st.batch_exists(keys) == 8
     assert st.batch_exists(keys[8:], first_page=8) == 0
     assert spy.calls == 0  # no thread hand-off: the stats ran here

@@ -20,22 +20,6 @@ def _keys(fp, n_pages: int, salt: str = "writes") -> list[str]:
     return page_keys(Namespace(fp, cache_salt=salt), np.arange(n_pages * fp.page_size))
 
 
-class _Handoffs:
-    """Counts batches handed to the backend's I/O threads (``map_pull``/``map``)."""
-
-    def __init__(self, st) -> None:
-        self.calls = 0
-        io = st._io
-        for name in ("map_pull", "map"):
-            inner = getattr(io, name)
-
-            def counted(*a, _inner=inner, **kw):
-                self.calls += 1
-                return _inner(*a, **kw)
-
-            setattr(io, name, counted)
-
-
 class _CountingReads(NumpyHostPool):
     """A pool without zero-copy views or concurrent slot I/O (like the workers' host pools)."""
 
@@ -52,14 +36,14 @@ class _CountingReads(NumpyHostPool):
 
 
 @pytest.mark.parametrize("pool_kind", ["views", "copies"])
-def test_small_batch_is_written_on_the_calling_thread(make_store, fp, pool_kind):
+def test_small_batch_is_written_on_the_calling_thread(make_store, fp, handoffs, pool_kind):
     pool = NumpyHostPool(64, SLOT_SHAPE, np.float32) if pool_kind == "views" else _CountingReads(64, SLOT_SHAPE, np.float32)
     st = make_store("file", pool=pool)
     if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem")
     keys = _keys(fp, 14)  # 3 full objects + a partial one of 2 pages
     pool.fill_random(S(0, 14), 5)
-    spy = _Handoffs(st)
+    spy = handoffs(st)
     assert st.batch_set(keys, S(0, 14)) == [True] * 14
     assert spy.calls == 0
     if pool_kind == "copies":
@@ -77,15 +61,15 @@ def test_small_batch_is_written_on_the_calling_thread(make_store, fp, pool_kind)
     assert st.batch_get(keys, S(40, 54)) == [True] * 14 and same_bytes(pool.buf[40:54], pool.buf[20:34])
 
 
-def test_large_batch_or_remote_root_uses_the_io_threads(make_store, fp):
+def test_large_batch_or_remote_root_uses_the_io_threads(make_store, fp, handoffs):
     st = make_store("file", local_inline_write_bytes=3 * 8 * 128)  # below one 4-page object (4 KiB)
     keys = _keys(fp, 8)
     st.pool.fill_random(S(0, 8), 6)
-    spy = _Handoffs(st)
+    spy = handoffs(st)
     assert st.batch_set(keys, S(0, 8)) == [True] * 8 and spy.calls == 1
     st2 = make_store("file")
     st2._io.inline_io = False  # what a root on a network/FUSE mount gets
-    spy2 = _Handoffs(st2)
+    spy2 = handoffs(st2)
     st2.pool.buf[:] = st.pool.buf
     assert st2.batch_set(keys, S(0, 8)) == [True] * 8 and spy2.calls == 1
     for s in (st, st2):
@@ -126,7 +110,7 @@ def test_bad_inline_limit_is_a_value_error():
             StorageConfig(local_inline_write_bytes=v)
 
 
-def test_manifest_entries_are_written_inline(make_store, fp):
+def test_manifest_entries_are_written_inline(make_store, fp, handoffs):
     st = make_store("file")
     if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem")
@@ -135,7 +119,7 @@ def test_manifest_entries_are_written_inline(make_store, fp):
     keys = page_keys(ns, toks)
     st.pool.fill_random(S(0, 8), 9)
     assert st.batch_set(keys, S(0, 8)) == [True] * 8
-    spy = _Handoffs(st)
+    spy = handoffs(st)
     assert st.record_prefix(ns, toks) and spy.calls == 0
     (got,) = st.list_prefixes(ns)
     assert got.num_pages == 8 and np.array_equal(got.tokens, toks)

@@ -69,23 +69,13 @@ def test_stats_are_local_reads_the_given_table(tmp_path):
     assert not stats_are_local(str(d), str(tmp_path / "no-such-table"))  # unreadable: not local
 
 
-class _CountingMap:
-    def __init__(self, st) -> None:
-        self.calls, self._inner = 0, st._io.map
-        st._io.map = self
-
-    def __call__(self, fn, items, deadline):
-        self.calls += 1
-        return self._inner(fn, items, deadline)
-
-
-def test_store_decides_at_attach_and_answers_the_same_on_both_paths(make_store, fp, tmp_path):
+def test_store_decides_at_attach_and_answers_the_same_on_both_paths(make_store, fp, handoffs):
     st = make_store("file")
     assert st._io.inline_io == stats_are_local(st._root)
     keys = page_keys(Namespace(fp, cache_salt="mounts"), np.arange(12 * fp.page_size))
     st.pool.fill_random(S(0, 12), 3)
     st.batch_set(keys[:8], S(0, 8))
-    spy = _CountingMap(st)
+    spy = handoffs(st)
     st._io.inline_io = False  # what a root on an NFS/FUSE mount gets
     assert st.batch_exists(keys) == 8 and st.batch_exists(keys[:5]) == 4
     assert st.batch_exists(keys[8:], first_page=8) == 0
