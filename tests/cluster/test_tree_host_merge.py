@@ -21,23 +21,19 @@ def put(tree: RadixTree, tokens, priority: int = 0) -> None:
     tree.cache_finished_req(RequestState(key, pages, m.device_hit_len, m.last_device_node, priority))
 
 
-def backed_up_chain(page_size=2):
-    """a = tokens [0, 4), b = [4, 8) below a, c = [8, 12) below b: device+host (host ids 1000..1005)."""
+def backed_up_chain(host: RecordingHost | None = None, page_size=2):
+    """a = tokens [0, 4), b = [4, 8) below a, c = [8, 12) below b: device+host (a fresh host: ids 1000..1005)."""
     tree = RadixTree(TreeConfig(page_size))
     for n in (4, 8, 12):
         put(tree, np.arange(n))
     a, b, c = sorted(tree.iter_nodes(), key=tree.depth)
-    backup(tree, c)
+    backup(tree, c, host or RecordingHost())
     return tree, a, b, c
 
 
-def backup(tree: RadixTree, node, host=None) -> None:
-    host = host or backup.host
+def backup(tree: RadixTree, node, host: RecordingHost) -> None:
     transfers = tree.full.build_hicache_transfers(node, HiCachePhase.BACKUP)
     tree.full.commit_hicache_transfer(node, HiCachePhase.BACKUP, host.place(transfers))
-
-
-backup.host = RecordingHost()
 
 
 def test_demoted_chain_becomes_its_deepest_node():
@@ -61,9 +57,8 @@ def test_demoted_chain_becomes_its_deepest_node():
 
 def test_merge_keeps_the_slots_in_token_order():
     tree, a, b, c = backed_up_chain()
-    slots = np.r_[a.host_slots, b.host_slots, c.host_slots]
     tree.evict(100)
-    np.testing.assert_array_equal(c.host_slots, slots)
+    np.testing.assert_array_equal(c.host_slots, np.arange(1000, 1006))  # a's, b's, then c's own
 
 
 def test_merge_takes_the_newest_access_and_most_hits():
@@ -97,10 +92,11 @@ def test_nodes_that_differ_do_not_merge(differ, survivors):
 
 
 def test_branch_points_do_not_merge_but_their_parents_do():
-    tree, a, b, c = backed_up_chain()
+    host = RecordingHost()
+    tree, a, b, c = backed_up_chain(host)
     put(tree, np.r_[np.arange(8), 90, 91, 92, 93])  # d below b: b is a branch point
     (d,) = [n for n in b.children.values() if n is not c]
-    backup(tree, d)
+    backup(tree, d, host)
     tree.evict(100)
     assert set(tree.iter_nodes()) == {b, c, d}  # a merged into b; b keeps its two children
     np.testing.assert_array_equal(b.key, np.arange(8))
