@@ -25,6 +25,11 @@ Every wait is bounded: the client's by the caller's timeout (``TimeoutError``, t
 usable), the server's by ``POLL_S`` slices that check for ``close()``, the handshake by
 ``HANDSHAKE_TIMEOUT_S``, a reply write by ``SEND_TIMEOUT_S``. Frames are at most ``MAX_FRAME_BYTES``.
 A broken or closed connection raises ``ChannelClosedError`` and stays closed.
+
+Wake-ups: a step's request is ~170 KB here (64 requests). Both sides size their socket buffers for
+whole frames (``SOCKET_BUFFER_BYTES``, set before listen/connect) so the sender never waits for the
+reader's turn on a busy host, and a reader waiting for the rest of a frame sets ``SO_RCVLOWAT`` to
+what is missing, so it wakes once per frame instead of once per TCP segment.
 """
 
 from __future__ import annotations
@@ -51,6 +56,16 @@ HANDSHAKE_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 60.0  # the server's reply write (a client that stopped reading)
 _LEN = struct.Struct("!Q")
 _SCRATCH = 1 << 18
+SOCKET_BUFFER_BYTES = 4 << 20  # a step's frame fits: the sender does not wait for the reader's turn
+_LOWAT_CAP = 1 << 20  # a waiting reader wakes once this much of its frame (or all of it) has come
+
+
+def _sized_socket() -> socket.socket:
+    """A TCP socket with buffers for whole frames (set before listen/connect, so the window scales)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    return sock
 
 
 class ChannelClosedError(ConnectionError):
@@ -82,6 +97,14 @@ class _FrameReader:
         self.limit = max_frame_bytes  # the largest frame accepted now
         self._buf = bytearray()
         self._scratch = bytearray(_SCRATCH)
+        self._lowat = 1  # SO_RCVLOWAT now: bytes that must have come before a wait ends
+
+    def _wake_at(self, missing: int) -> None:
+        """Waits end when ``missing`` bytes have come (one wake-up per frame, not one per TCP segment)."""
+        lowat = max(1, min(missing, _LOWAT_CAP))
+        if lowat != self._lowat:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+            self._lowat = lowat
 
     def pending(self) -> bool:
         return bool(self._buf)
@@ -89,12 +112,14 @@ class _FrameReader:
     def _take(self) -> bytearray | None:
         buf = self._buf
         if len(buf) < _LEN.size:
+            self._wake_at(_LEN.size - len(buf))
             return None
         (n,) = _LEN.unpack_from(buf)
         if n > self.limit:
             raise ChannelClosedError(f"frame of {n} bytes exceeds the limit of {self.limit}")
         end = _LEN.size + n
         if len(buf) < end:
+            self._wake_at(end - len(buf))
             return None
         frame = buf[_LEN.size : end]
         del buf[:end]
@@ -149,7 +174,13 @@ class StepChannelServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self.frames = 0  # requests answered (all connections)
-        self._listener = socket.create_server((LOOPBACK, 0))
+        self._listener = _sized_socket()  # accepted connections inherit its buffer sizes
+        try:
+            self._listener.bind((LOOPBACK, 0))
+            self._listener.listen()
+        except OSError:
+            self._listener.close()
+            raise
         self._listener.settimeout(POLL_S)
         self.address = ChannelAddress(node_id, self._listener.getsockname()[1], self._token)
         threading.Thread(target=self._accept, name="hicache-channel-accept", daemon=True).start()
@@ -244,9 +275,12 @@ class StepChannel:
         self._received = 0  # replies read (including the ones dropped)
         self._early: dict[int, bytearray] = {}  # replies read before their ticket was collected
         self._abandoned: set[int] = set()  # tickets whose collection timed out: their replies are dropped
+        self._sock = _sized_socket()
         try:
-            self._sock = socket.create_connection((LOOPBACK, address.port), timeout=timeout_s)
+            self._sock.settimeout(timeout_s)
+            self._sock.connect((LOOPBACK, address.port))
         except OSError as e:
+            self._sock.close()
             raise ChannelClosedError(f"cannot connect to 127.0.0.1:{address.port}: {e}") from e
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._reader = _FrameReader(self._sock, max_frame_bytes)
