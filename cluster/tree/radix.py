@@ -6,6 +6,10 @@ first page, and a walk compares a node's key bytes against the request's token b
 (``bytes.startswith`` at an offset: no copy, no numpy call per node). Every public method validates its input completely before it mutates anything, so a
 ValueError/TypeError leaves the tree exactly as it was.
 
+L1 eviction keeps victims with an L2 copy as host-only nodes and merges a demoted node into its only child
+when that child is host-only too and nothing tells them apart (``_merge_host_only``; Full-only trees): a
+conversation's turns become one node once they left L1, so its next load-back moves one node.
+
 Extra components (SWA, Mamba; see ``component.py``) are called through ``self.hooks`` (per hook, only the
 components that define it), so a Full-only tree runs the same code as before they existed. Per-request component values
 travel in ``MatchResult.components`` / ``RequestState.components`` (``begin_request`` creates them).
