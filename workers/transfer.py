@@ -27,7 +27,11 @@ looks at the backend):
   first *takes the pool buffer over* by donating it to a jitted identity (``_take_over``: the
   runtime runs it only after every pending read or write of the buffer, and the old array is
   deleted, so the returned array is the only reference; on CPU it aliases the same memory, no
-  copy), then writes the pages into that buffer with numpy and adopts it as the pool. Both are
+  copy), then writes the pages into that buffer with numpy and adopts it as the pool. The engine
+  keeps holding that array (later loads and backups skip the take-over and every JAX call) until
+  it is lent out: ``HostWorker`` calls ``release_pool`` before a model runs on it, and the async
+  gather below drops it too. Code that dispatches work on ``device_pool.kv`` outside
+  ``run_model`` must wait for it (or call ``release_pool``) before the next plan. Both are
   ``hicache.workers.host_copy.PageCopier`` copies on the owner thread; the handle is born
   finished (no staging, no polling, no token). A D2H falls back to the async jitted gather below
   when the pool array is not ready, the batch is over ``SYNC_BACKUP_MAX_BYTES``, or an async
@@ -232,8 +236,31 @@ class TransferEngine:
         self.data_path = select_data_path(device_pool, host_pool, self.impl)
         self._copier = host_pool.page_copier() if self.data_path is DataPath.HOST_MEMORY else None
         self._pool_address: tuple[jax.Array, int | None] | None = None  # (kv, row_major_address(kv))
+        # HOST_MEMORY: the pool array this engine took over last and holds exclusively (ready, row-major,
+        # nothing dispatched on it since), and its buffer address. ``release_pool`` forgets it.
+        self._owned: jax.Array | None = None
+        self._owned_address = 0
+        if self._copier is not None and self._take_pool() is None:  # jit outputs must be row-major
+            self.data_path, self._copier = DataPath.JIT, None
         self._slot_bytes = host_pool.slot_bytes
         self._num_pages = device_pool.num_pages
+
+    def release_pool(self) -> None:
+        """The pool array is lent out (a model forward, anything that may dispatch work on it): the
+        next load takes it over again. ``HostWorker`` calls this whenever it hands the array out."""
+        self._owned = None
+
+    def _take_pool(self) -> int | None:
+        """HOST_MEMORY: the address of the pool buffer, held exclusively (taken over by donation
+        unless this engine holds it already), or ``None`` if it is not row-major."""
+        if self.device_pool.kv is not self._owned:
+            kv = _take_over(self.device_pool.kv)
+            self.device_pool.adopt_kv(kv)  # the old array is deleted: adopt before anything can fail
+            address = self._address(kv)
+            if address is None:
+                return None
+            self._owned, self._owned_address = kv, address
+        return self._owned_address
 
     def _address(self, kv: jax.Array) -> int | None:
         """``row_major_address(kv)``, checked once per pool array (a layout query costs ~10 us)."""
@@ -279,20 +306,20 @@ class TransferEngine:
         """``backup`` for ids already validated by ``check`` (int32, in range, unique, same size)."""
         n = pages.size
         kv = self.device_pool.kv
-        if (
-            self._copier is not None
-            and not self._async_backups
-            and n * self._slot_bytes <= SYNC_BACKUP_MAX_BYTES
-            and kv.is_ready()  # no pending writer; pending readers may run alongside
-        ):
-            address = self._address(kv)
+        if self._copier is not None and not self._async_backups and n * self._slot_bytes <= SYNC_BACKUP_MAX_BYTES:
+            # No async backup is outstanding, so slot writes still land in dispatch order. Reading
+            # needs no pending writer (pending readers may run alongside).
+            if kv is self._owned:
+                address: int | None = self._owned_address
+            else:
+                address = self._address(kv) if kv.is_ready() else None
             if address is not None:
-                # No async backup is outstanding, so slot writes still land in dispatch order.
                 self._copier.to_slab(address, pages, slots)
                 return _finished(OpKind.BACKUP_D2H, n, n * self._slot_bytes)
         rows = 1 << (n - 1).bit_length()  # bucket(n)
         staging = self._take_staging(rows)
-        staged = self._gather(self.device_pool.kv, self._packed_ids(rows, pages), staging)
+        self._owned = None  # a computation reads the pool now
+        staged = self._gather(kv, self._packed_ids(rows, pages), staging)
         pending: PendingBackup = self.host_pool.begin_backup(slots, staged, n)
         free = self._staging.setdefault(rows, [])
         self._async_backups += 1
@@ -314,9 +341,7 @@ class TransferEngine:
         """``load`` for ids already validated by ``check``."""
         n = pages.size
         if self._copier is not None:
-            kv = _take_over(self.device_pool.kv)
-            self.device_pool.adopt_kv(kv)  # the old array is deleted: adopt before anything can fail
-            address = self._address(kv)
+            address = self._take_pool()
             if address is not None:
                 self._copier.to_pool(address, pages, slots)
                 return _finished(OpKind.LOAD_H2D, n, n * self._slot_bytes)

@@ -194,6 +194,7 @@ class HostWorker:
     def attach_model(self, factory: Callable[[jax.Array], PoolModel]) -> PoolModel:
         """Builds the engine's per-host model runner over this worker's L1 array (``factory(kv)``)
         and keeps it; replaces any earlier one. Returns it."""
+        self.engine.release_pool()  # the model may dispatch work on the array it is given
         model = factory(self.device_pool.kv)
         for name in ("pool", "set_pool"):
             if not hasattr(model, name):
@@ -211,6 +212,7 @@ class HostWorker:
         model = self._model
         if model is None:
             raise RuntimeError(f"host worker {self.host_index}: no model attached (attach_model first)")
+        self.engine.release_pool()
         model.set_pool(self.device_pool.kv)
         try:
             return fn(model)

@@ -96,31 +96,71 @@ def test_transfers_keep_the_pool_donatable(worker):
     assert row_major_address(dp.kv) == address
 
 
+def _pending_read(kv: jax.Array, page: int) -> jax.Array:
+    """A jitted read of ``kv[:, :, page]`` queued behind a long matmul, so still pending on return."""
+    x = jnp.ones((1024, 1024), jnp.float32)
+    jax.block_until_ready(_read_page_after(kv, jnp.int32(page), _slow(x)))  # compiled
+    seen = _read_page_after(kv, jnp.int32(page), _slow(x))
+    assert not seen.is_ready()  # the premise: the reader is pending when the load comes
+    return seen
+
+
+@jax.jit
+def _slow(x):
+    return (x @ x @ x @ x)[0, 0]
+
+
+@jax.jit
+def _read_page_after(kv, page, after):  # the page index depends on the slow result: it waits for it
+    page = page + (after > jnp.inf).astype(jnp.int32)
+    return lax.dynamic_index_in_dim(kv, page, axis=2, keepdims=False)
+
+
+def _assert_page(seen: jax.Array, want: np.ndarray) -> None:
+    got = _bits(np.asarray(seen))
+    np.testing.assert_array_equal(got, _bits(want).reshape(got.shape))
+
+
 def test_load_waits_for_a_pending_reader_of_the_pool(worker):
     """A load writes the L1 buffer in place only after every computation already dispatched on it
-    has run: a jitted reader of page 7, queued behind a long matmul (so it is still pending when the
-    load is submitted), still sees the old page after a load that overwrites page 7."""
+    has run: a reader of page 7 still pending when a load overwrites page 7 sees the old page."""
     dp, hp = worker.device_pool, worker.host_pool
     old, new = _random_pages(worker, 1, seed=21), _random_pages(worker, 1, seed=22)
     dp.write_pages([7], old)
     hp.write_slots([0], new)
-    dp.kv.block_until_ready()
-    x = jnp.ones((1024, 1024), jnp.float32)
-    slow = jax.jit(lambda x: (x @ x @ x @ x)[0, 0])
-
-    @jax.jit
-    def read_page_7(kv, after):  # the page index depends on the slow result: it waits for it
-        page = jnp.int32(7) + (after > jnp.inf).astype(jnp.int32)
-        return lax.dynamic_index_in_dim(kv, page, axis=2, keepdims=False)
-
-    jax.block_until_ready(read_page_7(dp.kv, slow(x)))  # compiled
-    seen = read_page_7(dp.kv, slow(x))
-    assert not seen.is_ready()  # the premise: the reader is pending when the load comes
+    seen = _pending_read(dp.kv, 7)
     worker.submit(_plan(_op(1, "h2d", [7], [0])))
     assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
-    got = _bits(np.asarray(seen))
-    np.testing.assert_array_equal(got, _bits(old[0]).reshape(got.shape))
+    _assert_page(seen, old[0])
     np.testing.assert_array_equal(_bits(dp.read_pages([7])), _bits(new))
+
+
+class _ReadingModel:
+    """A PoolModel whose calls dispatch a read of the pool and return without waiting (no forward:
+    the worker gets the same array back)."""
+
+    def __init__(self, kv: jax.Array) -> None:
+        self.pool = kv
+
+    def set_pool(self, kv: jax.Array) -> None:
+        self.pool = kv
+
+
+def test_load_after_run_model_waits_for_the_models_pending_work(worker):
+    """The engine holds the pool array between loads (no take-over per load) but lets go of it when
+    the worker lends it to the model: a read the model left pending still sees the old page."""
+    dp, hp = worker.device_pool, worker.host_pool
+    old, new = _random_pages(worker, 2, seed=23), _random_pages(worker, 1, seed=24)
+    hp.write_slots([0, 1], old)
+    worker.submit(_plan(_op(1, "h2d", [7, 8], [0, 1])))  # the engine now holds the pool array
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    worker.attach_model(_ReadingModel)
+    seen = worker.run_model(lambda model: _pending_read(model.pool, 7))
+    hp.write_slots([2], new)
+    worker.submit(_plan(_op(2, "h2d", [7], [2])))
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    _assert_page(seen, old[0])
+    np.testing.assert_array_equal(_bits(dp.read_pages([7, 8])), _bits(np.stack([new[0], old[1]])))
 
 
 def test_backup_then_load_of_same_slots_in_one_plan(worker, backup_mode):
