@@ -96,9 +96,12 @@ class _QueuedCopy(PendingTransfer):
 
     def __init__(self, op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray,
                  nodes: list[TreeNode], num_hosts: int, caller_lock: bool = False) -> None:
+        """Also marks ``nodes`` as waiting on this copy (``node.pending``); the caller queues it."""
         self.op_id, self.kind, self.device_pages, self.host_slots = op_id, kind, device_pages, host_slots
         self.op, self.seq, self.nodes, self.num_hosts = self, -1, nodes, num_hosts
         self.acked_hosts, self.errors, self.caller_lock = NOT_SENT, NO_ERRORS, caller_lock
+        for n in nodes:
+            n.pending = self
 
     @property
     def num_pages(self) -> int:
@@ -235,7 +238,11 @@ class HiCacheController:
                 start += k
         self.tree.full.lock(chain[-1])
         # Queued backups are merged into one TransferOp when sent (``submit``): no op is built per chain.
-        self._enqueue(_QueuedCopy(next(self._op_ids), _D2H, pages, slots, chain, self._num_hosts))
+        if not self._queued_backup_pages:
+            self._backup_held_calls = 0
+            self._backup_queued_at = time.monotonic()
+        self._queued_backup_pages += pages.shape[0]
+        self._queued_backups.append(_QueuedCopy(next(self._op_ids), _D2H, pages, slots, chain, self._num_hosts))
         return True
 
     def _write_back(self, victims: list[TreeNode]) -> None:
@@ -328,7 +335,9 @@ class HiCacheController:
         slots = full.attach_loading_chain(chain, pages)
         load_id = next(self._op_ids)
         # Queued loads are merged into one TransferOp when sent (``submit``): one per step, not per request.
-        self._enqueue(_QueuedCopy(load_id, _H2D, pages, slots, chain, self._num_hosts, caller_lock))
+        load = _QueuedCopy(load_id, _H2D, pages, slots, chain, self._num_hosts, caller_lock)
+        self._queued_loads.append(load)
+        self._loads[load_id] = load
         return self._prefix_result(leaf, last_device, pages, tokens, load_id, None)
 
     def _prefix_result(self, last: TreeNode, last_device: TreeNode, loaded_pages: np.ndarray | None, loaded: int,
@@ -370,25 +379,12 @@ class HiCacheController:
 
     # -- sending and acks ---------------------------------------------------------------------------
     def _queue(self, op: TransferOp, nodes: list[TreeNode]) -> PendingTransfer:
-        """Queues ``op`` (an L3 op: the storage tier's callback) for the nodes waiting on it."""
-        return self._enqueue(PendingTransfer(op, -1, nodes, self._num_hosts))
-
-    def _enqueue(self, pending: PendingTransfer) -> PendingTransfer:
-        for n in pending.nodes:
+        """Queues the L3 op ``op`` (the storage tier's callback) for the nodes waiting on it. (L1<->L2 copies
+        are ``_QueuedCopy`` s, queued by kind where they are built.)"""
+        pending = PendingTransfer(op, -1, nodes, self._num_hosts)
+        for n in nodes:
             n.pending = pending
-        op = pending.op
-        kind = op.kind
-        if kind is _D2H:
-            if not self._queued_backup_pages:
-                self._backup_held_calls = 0
-                self._backup_queued_at = time.monotonic()
-            self._queued_backup_pages += op.host_slots.shape[0]
-            self._queued_backups.append(pending)  # type: ignore[arg-type]  # copies are _QueuedCopy
-        elif kind is _H2D:
-            self._queued_loads.append(pending)  # type: ignore[arg-type]
-            self._loads[op.op_id] = pending
-        else:
-            self._queued_storage.append(pending)
+        self._queued_storage.append(pending)
         return pending
 
     @property

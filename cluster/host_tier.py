@@ -66,31 +66,30 @@ class HostTier:
         update for all their slots; clears the nodes' ``pending``. Returns the tokens committed."""
         slots = nodes[0].staged_slots if len(nodes) == 1 else np.concatenate([n.staged_slots for n in nodes])
         self.slots.transfer(slots, PageOwner.TREE)
-        return self._committed(nodes)
+        return self._committed([nodes])
 
     def commit_chains(self, chains: list[list[TreeNode]], slots: np.ndarray) -> int:
         """``commit_many`` for the chains of one acked merged backup op; ``slots`` are their staged slots
         in chain order (the op's host ids), committed with ONE allocator update. Returns tokens committed."""
         self.slots.transfer(slots, PageOwner.TREE)
+        return self._committed(chains)
+
+    def _committed(self, chains: list[list[TreeNode]]) -> int:
+        """The chains' staged slots (already TREE-owned) become their nodes' L2 copies."""
+        listener = self.tree.listener
+        maybe_push = self.maybe_push
         tokens = 0
         for nodes in chains:
-            tokens += self._committed(nodes)
-        return tokens
-
-    def _committed(self, nodes: list[TreeNode]) -> int:
-        """The nodes' staged slots (already TREE-owned) become their L2 copies."""
-        listener = self.tree.listener
-        tokens = 0
-        for n in nodes:
-            assert n.staged_slots is not None and n.host_slots is None, f"{n}: nothing staged to commit"
-            n.host_slots, n.staged_slots, n.pending = n.staged_slots, None, None
-            tokens += n.num_tokens
-            if listener is not None:
-                listener.on_stored(n, _HOST)
+            for n in nodes:
+                assert n.staged_slots is not None and n.host_slots is None, f"{n}: nothing staged to commit"
+                n.host_slots, n.staged_slots, n.pending = n.staged_slots, None, None
+                tokens += n.num_tokens
+                if listener is not None:
+                    listener.on_stored(n, _HOST)
+            # Only the chain's leaf can be a host leaf: every other node has the next one, now backed up, as
+            # a child. (Its parent already had an L2 copy and just got a backed-up child: no longer a leaf.)
+            maybe_push(nodes[-1])
         self.host_tokens += tokens
-        # Only the chain's leaf can be a host leaf: every other node has the next one, now backed up, as a
-        # child. (Its parent already had an L2 copy and just got a backed-up child: no longer a host leaf.)
-        self.maybe_push(nodes[-1])
         return tokens
 
     def drop(self, node: TreeNode) -> int:
