@@ -115,7 +115,6 @@ class HiCacheController:
         self.workers = workers
         self._num_hosts = workers.num_hosts
         self._backup_hits = config.backup_hits
-        self.host = HostTier(tree, config.host_slots)
         self.counters = CacheCounters()
         self._pending: dict[int, tuple[list[PendingTransfer], TransferOp]] = {}  # sent op id -> (transfers, op)
         self._loads: dict[int, PendingTransfer] = {}  # load id -> its queued or in-flight transfer
@@ -135,6 +134,7 @@ class HiCacheController:
         self.on_transfer: Callable[[str, float, int], None] | None = None  # (op kind, seconds, host) per ack
         # Packed ints (events.pack_event); the KVEvent objects are built when taken (off the hot path).
         self._events: deque[int] = deque(maxlen=_MAX_EVENTS)
+        self.host = HostTier(tree, config.host_slots, self._events)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         self._page_size = tree.page_size
         self._page_bytes = 4 * tree.page_size  # int32 tokens: the first page of a key, as bytes

@@ -9,20 +9,28 @@ root). A host-only victim leaves the tree; a device+host victim just loses its L
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
-from hicache.cluster.events import Tier
+from hicache.cluster.events import EVENT_CODES, EVENT_ID_SHIFT, EVENT_TOKENS_SHIFT, EventKind, Tier
 from hicache.cluster.tree import FullComponent, PageAllocator, PageOwner, RadixTree, TreeNode
 from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
 
 _HOST = Tier.HOST.value
+_HOST_STORED = EVENT_CODES[EventKind.STORED, Tier.HOST]
 
 
 class HostTier:
-    def __init__(self, tree: RadixTree, num_slots: int, policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
+    """``events``: the controller's event log (packed ints, events.py); a committed L2 copy is logged there
+    directly (no listener call per node on the backup path); a dropped one goes through ``tree.listener``
+    (the controller also records why it left, for miss reasons)."""
+
+    def __init__(self, tree: RadixTree, num_slots: int, events: deque[int],
+                 policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
         self.tree = tree
+        self._events = events
         self.slots = PageAllocator(num_slots)
         # Host leaves in LRU order. Built from the tree on the first eviction (until L2 runs short nobody
         # pops, so pushing every new host leaf would be wasted work); kept up to date from then on.
@@ -76,16 +84,16 @@ class HostTier:
 
     def _committed(self, chains: list[list[TreeNode]]) -> int:
         """The chains' staged slots (already TREE-owned) become their nodes' L2 copies."""
-        listener = self.tree.listener
+        events = self._events
         maybe_push = self.maybe_push
         tokens = 0
         for nodes in chains:
             for n in nodes:
                 assert n.staged_slots is not None and n.host_slots is None, f"{n}: nothing staged to commit"
                 n.host_slots, n.staged_slots, n.pending = n.staged_slots, None, None
-                tokens += n.num_tokens
-                if listener is not None:
-                    listener.on_stored(n, _HOST)
+                k = n.num_tokens
+                tokens += k
+                events.append(n.id << EVENT_ID_SHIFT | k << EVENT_TOKENS_SHIFT | _HOST_STORED)
             # Only the chain's leaf can be a host leaf: every other node has the next one, now backed up, as
             # a child. (Its parent already had an L2 copy and just got a backed-up child: no longer a leaf.)
             maybe_push(nodes[-1])
