@@ -113,16 +113,16 @@ class ServeRequest:
 class ServePhases:
     """Where a request's service time went (seconds, ``time.perf_counter`` deltas on the serving
     thread). Up to the first token: ``match`` (the first match), ``l3`` (the arrival prefetch's
-    wait, the second L3 query, matches again), ``load_back`` (L2->L1, waited), ``alloc`` (lock +
-    pages), ``prefill`` (every forward of the prompt, logits on the host). After it: ``decode`` and
-    ``finish`` (``cache_finished_req`` and, with a host tier, ``check_hicache_events``). ``arrive``: the
-    ``arrive`` calls a driver made for other requests just before serving this one, when it charges
-    them to this request (``benchmarks.common.ArrivalModel`` does; ``serve`` leaves it 0)."""
+    wait, an L3 query, matches again), ``load_back`` (one step: lock the reused prefix, load its L2
+    part back and wait for it, allocate pages for the rest), ``prefill`` (every forward of the prompt,
+    logits on the host). After it: ``decode`` and ``finish`` (``cache_finished_req`` and, with a host
+    tier, ``check_hicache_events``). ``arrive``: the ``arrive`` calls a driver made for other requests
+    just before serving this one, when it charges them to this request
+    (``benchmarks.common.ArrivalModel`` does; ``serve`` leaves it 0)."""
 
     match: float = 0.0
     l3: float = 0.0
     load_back: float = 0.0
-    alloc: float = 0.0
     prefill: float = 0.0
     decode: float = 0.0
     finish: float = 0.0
@@ -154,6 +154,11 @@ class _Prefix:
     loaded: int = 0  # of hit, loaded back from L2 (including what L3 prefetched)
     fetched: int = 0  # of loaded, fetched from L3 for this request
     failed: bool = False
+
+
+def _table(*parts: np.ndarray) -> np.ndarray:
+    """A request's page table: its prefix pages, then its own (i32)."""
+    return np.concatenate(parts).astype(np.int32, copy=False)
 
 
 @dataclass(frozen=True)
@@ -245,25 +250,35 @@ class Scheduler:
             return self.client.match_prefix(key), progress.tokens
         return m, 0
 
-    def _load_back(self, key: RadixKey, m):  # -> (pages, hit, node, loaded, failed); node not locked
-        """Brings the L2 part of a match into L1 (waits, bounded); on failure falls back to L1's prefix."""
+    def _reuse(self, m, total: int) -> tuple[np.ndarray, int, int, int, bool]:
+        """Locks the reused prefix and allocates pages for the rest of ``total`` tokens, in one step:
+        with an L2 hit, the load-back (it locks the prefix it returns: ``LoadBackParams.lock``), its
+        bounded wait and the alloc; else the lock and the alloc. Returns (page table, reused tokens,
+        locked node, loaded tokens, load failed). A failed load falls back to the L1 prefix (the load's
+        lock covers it): its part gets pages of its own and the lock moves to the L1 prefix."""
         if not (self.hicache and m.host_hit_len > 0):
-            return m.device_pages, m.device_hit_len, m.last_device_node, 0, False
-        # one round trip: start the load and wait for it (a load id of -1, nothing loaded, waits for nothing)
-        started, done = self.client.step([
-            Call(Method.INIT_LOAD_BACK, LoadBackParams(m.best_match_node, m.host_hit_len)),
-            Call(Method.WAIT_LOAD_BACK, ResultRef(0, "load_id"))])
+            locked, own = self.client.step([Call(Method.INC_LOCK_REF, m.last_device_node),
+                                            Call(Method.ALLOC, total - m.device_hit_len)])
+            locked.unwrap()
+            return _table(m.device_pages, own.unwrap()), m.device_hit_len, m.last_device_node, 0, False
+        started, done, own = self.client.step([  # a load id of -1 (nothing loaded) waits for nothing
+            Call(Method.INIT_LOAD_BACK, LoadBackParams(m.best_match_node, m.host_hit_len, lock=True)),
+            Call(Method.WAIT_LOAD_BACK, ResultRef(0, "load_id")),
+            Call(Method.ALLOC, ResultRef(0, "device_hit_len", scale=-1, offset=total))])
         r = started.unwrap()
-        if r.load_id < 0:
-            return m.device_pages, m.device_hit_len, m.last_device_node, 0, False
         if done.unwrap():
-            return r.device_pages, r.device_hit_len, r.last_node, r.loaded_tokens, False
-        m = self.client.match_prefix(key)  # the L2 copy could not be loaded: recompute from the L1 prefix
-        return m.device_pages, m.device_hit_len, m.last_device_node, 0, True
+            return _table(r.device_pages, own.unwrap()), r.device_hit_len, r.last_node, r.loaded_tokens, False
+        own = own.unwrap()  # the L2 copy could not be loaded: recompute its part from the L1 prefix
+        locked, unlocked, more = self.client.step([
+            Call(Method.INC_LOCK_REF, m.last_device_node), Call(Method.DEC_LOCK_REF, r.last_node),
+            Call(Method.ALLOC, r.device_hit_len - m.device_hit_len)])
+        locked.unwrap()
+        unlocked.unwrap()
+        return _table(m.device_pages, more.unwrap(), own), m.device_hit_len, m.last_device_node, 0, True
 
     def _prefix(self, key: RadixKey, m, total: int, arrival: _Arrival | None, marks: list[float]) -> _Prefix:
-        """L3 prefetch, load-back, lock, alloc: the reused prefix in L1 and pages for the rest. Appends
-        the end time of each of the three phases to ``marks``.
+        """L3 prefetch, then load-back + lock + alloc: the reused prefix in L1 and pages for the rest.
+        Appends the end time of each of the two phases to ``marks``.
 
         A request that ``arrive``d had its one L3 query then, as in SGLang: its prefetch (if any) is
         waited for, and L3 is asked again only if the L1+L2 match has since shrunk below what that query
@@ -282,11 +297,7 @@ class Scheduler:
                 m, more = self._prefetch(key, m)
                 fetched += more
         marks.append(time.perf_counter())
-        pages, hit, node, loaded, failed = self._load_back(key, m)
-        marks.append(time.perf_counter())
-        locked, new_pages = self.client.step([Call(Method.INC_LOCK_REF, node), Call(Method.ALLOC, total - hit)])
-        locked.unwrap()
-        table = np.concatenate([pages, new_pages.unwrap()]).astype(np.int32)
+        table, hit, node, loaded, failed = self._reuse(m, total)
         marks.append(time.perf_counter())
         return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
 
@@ -324,7 +335,7 @@ class Scheduler:
             self.client.check_hicache_events()
         marks.append(time.perf_counter())
         phases = ServePhases(*(b - a for a, b in zip(marks, marks[1:])))
-        return ServeResult(gen.tokens, logits, marks[5] - t0, marks[-1] - t0, int(prompt.size),
+        return ServeResult(gen.tokens, logits, marks[4] - t0, marks[-1] - t0, int(prompt.size),
                            p.hit - p.loaded, p.loaded, int(prompt.size) - p.hit, p.fetched, p.failed, phases)
 
     def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:

@@ -255,3 +255,46 @@ def test_hook_between_decode_steps_may_call_the_cache_and_outputs_stay_exact(tmp
         if stack.options.l3_url:
             stack.client.flush_write_through_acks()
             stack.head.detach_storage_backend()
+
+
+def test_failed_load_back_falls_back_to_the_l1_prefix_exact_and_leaks_nothing(runner):
+    """A request with 2 pages in L1 and 3 in L2 whose load fails (a host that failed its copy):
+    it recomputes the L2 part after its L1 prefix, in pages of its own, and its output equals the
+    no-cache output; afterwards no page stays locked or held by a request."""
+    import jax
+
+    from hicache.cluster import CacheHead
+    from hicache.cluster.policy import HiCacheConfig
+    from hicache.cluster.transfers import LocalWorkerGroup
+    from hicache.serving import WorkerEngine
+    from hicache.workers import HostWorker, KVCacheSpec, OpKind
+    from support.hicache_env import FaultyWorkers
+
+    spec = KVCacheSpec(MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, FWD.page_size, MODEL.dtype)
+    worker = HostWorker(spec, 12, 32, devices=jax.devices()[:1])
+    worker.attach_model(lambda kv: ModelRunner(MODEL, FWD, pool=kv, params=runner.params))
+    faulty = FaultyWorkers(LocalWorkerGroup([worker]), fail_kinds=(OpKind.LOAD_H2D,), fail_rate=0.0)
+    head = CacheHead(HeadConfig(tree=TreeConfig(page_size=8, capacity_pages=12), hicache=HiCacheConfig(host_slots=32)),
+                     faulty)
+    client = CacheClient(EmbeddedTransport(head), FWD.page_size)
+    sched = Scheduler(client, WorkerEngine(worker), hicache=True)
+    rng = np.random.default_rng(17)
+    first = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
+    sched.serve(ServeRequest(first, max_new_tokens=2))
+    client.flush_write_through_acks()
+    client.evict(12 * FWD.page_size)  # the first prompt's pages are in L2 only now
+    assert sched.serve(ServeRequest(first[:17], max_new_tokens=1)).loaded_tokens == 16  # 2 pages back in L1
+    client.flush_write_through_acks()
+    m = client.match_prefix(RadixKey(first[:40]))
+    assert (m.device_hit_len, m.host_hit_len) == (16, 24)
+    faulty.fail_rate = 1.0
+    prompt = np.concatenate([first, rng.integers(0, MODEL.vocab_size, 4, dtype=np.int32)])
+    res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
+    ref = runner.generate_no_cache(prompt, 3)
+    assert res.load_failed and res.loaded_tokens == 0 and res.device_hit_tokens == 16
+    assert res.computed_tokens == len(prompt) - 16
+    assert res.output == ref.tokens
+    np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+    client.flush_write_through_acks()
+    st = client.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0
