@@ -23,6 +23,7 @@ the sessions it keeps (``MAX_SESSIONS`` x ``MAX_CAP_TOKENS`` int32 tokens at mos
 from __future__ import annotations
 
 import os
+import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -33,6 +34,7 @@ NEAR_BLOCKS = 32  # ... first among the last 32 (a turn's new tokens), then furt
 DEFAULT_CAP_TOKENS = 4 << 20  # per session: 16 MiB of int32 on each side
 MAX_CAP_TOKENS = 4 << 20
 MAX_SESSIONS = 16  # per head
+_BLOCK_NBYTES = BLOCK * 4
 
 
 class KeyHistory:
@@ -61,71 +63,90 @@ class KeyHistory:
         for tokens in keys:
             entry_id, self._next = self._next, self._next + 1
             self._entries[entry_id] = tokens
-            self.tokens += tokens.shape[0]
+            self.tokens += self._size(tokens)
             self._added(entry_id, tokens)
             while self.tokens > self.cap_tokens:
                 old_id, old = self._entries.popitem(last=False)
-                self.tokens -= old.shape[0]
+                self.tokens -= self._size(old)
                 self._removed(old_id, old)
         self.steps += 1
 
+    @staticmethod
+    def _size(tokens: np.ndarray) -> int:
+        return tokens.shape[0]
+
     def _added(self, entry_id: int, tokens: np.ndarray) -> None:
         pass
 
     def _removed(self, entry_id: int, tokens: np.ndarray) -> None:
         pass
-
-
-_BLOCK_BYTES = np.dtype((np.void, BLOCK * 4))  # one block of int32 tokens as one bytes object
 
 
 class SentKeys(KeyHistory):
-    """The client's copy, indexed to find an entry that is a prefix of a new key."""
+    """The client's copy, indexed to find an entry that is a prefix of a new key. Entries are the keys'
+    token bytes (``tokens.tobytes()``: the one private copy a key needs, made while encoding it, also
+    used to verify a match), so committing copies nothing."""
 
     def __init__(self, cap_tokens: int = DEFAULT_CAP_TOKENS) -> None:
         super().__init__(int.from_bytes(os.urandom(8), "little") >> 1, cap_tokens)
-        self._index: dict[bytes, int] = {}  # an entry's last whole block -> the newest entry ending with it
+        # (whole blocks of an entry << 32) + its last whole block's last token -> the newest such entry
+        self._index: dict[int, int] = {}
+        self._shifts = np.zeros(0, np.int64)  # _shifts[p] = p << 32 (grown on demand)
 
     @staticmethod
-    def _last_block(tokens: np.ndarray) -> bytes | None:
-        end = tokens.shape[0] // BLOCK * BLOCK
-        return tokens[end - BLOCK : end].tobytes() if end else None
+    def _index_key(data: bytes) -> int | None:
+        blocks = len(data) // _BLOCK_NBYTES
+        if not blocks:
+            return None
+        end = blocks * _BLOCK_NBYTES
+        return (blocks << 32) + int.from_bytes(data[end - 4 : end], sys.byteorder, signed=True)
 
-    def _added(self, entry_id: int, tokens: np.ndarray) -> None:
-        last = self._last_block(tokens)
-        if last is not None:
-            self._index[last] = entry_id
+    def _added(self, entry_id: int, data: bytes) -> None:
+        key = self._index_key(data)
+        if key is not None:
+            self._index[key] = entry_id
 
-    def _removed(self, entry_id: int, tokens: np.ndarray) -> None:
-        last = self._last_block(tokens)
-        if last is not None and self._index.get(last) == entry_id:
-            del self._index[last]
+    def _removed(self, entry_id: int, data: bytes) -> None:
+        key = self._index_key(data)
+        if key is not None and self._index.get(key) == entry_id:
+            del self._index[key]
 
-    def find(self, tokens: np.ndarray) -> tuple[int, int]:
-        """(entry id, n): the longest entry prefix (whole blocks, verified token by token) that
-        ``tokens`` (contiguous int32) starts with, among entries ending in its last ``MAX_SCAN_BLOCKS``
-        blocks; (-1, 0) when there is none."""
+    def _position_keys(self, low: int, top: int) -> np.ndarray:
+        """``p << 32`` for the block counts ``p`` in (low, top]."""
+        if self._shifts.shape[0] <= top:
+            self._shifts = np.arange(max(2 * top, 1024), dtype=np.int64) << 32
+        return self._shifts[low + 1 : top + 1]
+
+    def find(self, tokens: np.ndarray, data: bytes | None = None) -> tuple[int, int]:
+        """(entry id, n): the longest entry prefix (whole blocks, verified byte by byte) that ``tokens``
+        (int32; ``data``: its ``tobytes()`` if the caller has it) starts with, among entries ending in its
+        last ``MAX_SCAN_BLOCKS`` blocks; (-1, 0) when there is none."""
         top = tokens.shape[0] // BLOCK
-        low = max(0, top - MAX_SCAN_BLOCKS)
         index = self._index
         if top == 0 or not index:
             return -1, 0
-        entries = self._entries
+        low = max(0, top - MAX_SCAN_BLOCKS)
         near = max(low, top - NEAR_BLOCKS)
+        entries = self._entries
         for first, last in ((near, top), (low, near)):  # the usual hit ends near the key's end: look there first
-            blocks = tokens[first * BLOCK : last * BLOCK].view(_BLOCK_BYTES).tolist()  # bytes objects, one numpy call
-            for block in filter(index.__contains__, reversed(blocks)):  # longest first; the lookups run in C
-                entry_id = index[block]
-                entry = entries[entry_id]
-                n = entry.shape[0] // BLOCK * BLOCK  # the entry ends with ``block``: at this block of ``tokens``?
-                if (first * BLOCK < n <= last * BLOCK and blocks[n // BLOCK - first - 1] == block
-                        and entry[:n].tobytes() == tokens[:n].tobytes()):  # two copies + memcmp: faster than array_equal
-                    return entry_id, n
+            # one int per candidate end (its block count and last token), longest first; lookups run in C
+            ends = (self._position_keys(first, last) + tokens[first * BLOCK + BLOCK - 1 : last * BLOCK : BLOCK]).tolist()
+            for key in filter(index.__contains__, reversed(ends)):
+                if data is None:
+                    data = tokens.tobytes()
+                entry_id = index[key]
+                if data.startswith(memoryview(entries[entry_id])[: (key >> 32) * _BLOCK_NBYTES]):  # memcmp, no copy
+                    return entry_id, (key >> 32) * BLOCK
         return -1, 0
 
-    def commit_copies(self, keys: list[np.ndarray]) -> None:
-        """``commit`` of private copies (serving code may reuse its arrays)."""
-        self.commit([k.copy() for k in keys])
+    def commit_copies(self, keys: list[bytes | np.ndarray]) -> None:
+        """``commit`` of private copies: token bytes as they are (``encode_calls`` made them), arrays
+        (serving code may reuse them) as their int32 bytes."""
+        self.commit([k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys])
+
+    @staticmethod
+    def _size(data: bytes) -> int:
+        return len(data) >> 2
 
 
 class KeyHistories:

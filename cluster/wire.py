@@ -94,11 +94,12 @@ def _plain_int(v: Any) -> bool:
 
 
 # -- calls (client -> head) ---------------------------------------------------------------------------
-def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[Header, np.ndarray, list[np.ndarray]]:
+def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[Header, np.ndarray, list[bytes | np.ndarray]]:
     """(header, buffer, keys) of a batch. With ``sent`` (the client's key history) a key that starts
     with an earlier one refers to it (a request state's key otherwise takes its first ``prefix_len``
-    tokens from the tree); ``keys``: what to commit to ``sent`` when the step is sent (every match key,
-    every request-state key sent as a reference), in call order. Raises ``TypeError`` naming the first
+    tokens from the tree); ``keys``: what to commit to ``sent`` (``SentKeys.commit_copies``) when the step
+    is sent (every match key, every request-state key sent as a reference), in call order: with ``sent``
+    their token bytes (private copies), else the token arrays. Raises ``TypeError`` naming the first
     entry that is not a ``Call``."""
     packer = _Packer()
     header: Header = []
@@ -116,15 +117,24 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
         elif method is Method.MATCH_PREFIX and (kind is RadixKey or (kind is MatchPrefixParams and type(arg.key) is RadixKey)):
             k = arg if kind is RadixKey else arg.key
             tokens = k.token_ids
-            ref_id, ref_len = find(tokens) if find is not None else (-1, 0)
-            keys.append(tokens)
+            if find is not None:
+                data = tokens.tobytes()  # the history's private copy, and what ``find`` verifies against
+                ref_id, ref_len = find(tokens, data)
+                keys.append(data)
+            else:
+                ref_id, ref_len = -1, 0
+                keys.append(tokens)
             header.append((_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt))
         elif kind is RequestState and method in _STATE_METHODS and _compact_state(arg):
             k = arg.key
             tokens = k.token_ids
-            ref_id, ref_len = find(tokens) if find is not None else (-1, 0)
+            if find is not None:
+                data = tokens.tobytes()
+                ref_id, ref_len = find(tokens, data)
+            else:
+                ref_id = -1
             if ref_id >= 0 and ref_len >= arg.prefix_len:
-                keys.append(tokens)
+                keys.append(data)
             else:
                 ref_id, ref_len = _FROM_PATH, arg.prefix_len
             header.append((_STATE, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt,

@@ -254,3 +254,18 @@ def test_keys_are_checked_once_per_buffer_and_a_bad_token_taints_its_session():
     header, buf, _ = wire.encode_calls([Call(Method.MATCH_PREFIX, RadixKey(longer, "t"))], SentKeys())
     (entry,) = wire.decode_results(*wire.run_step(head, header, buf, clean), [None])
     assert entry.ok and clean.checked and entry.value.device_hit_len == 0
+
+
+def test_find_verifies_every_token_and_keeps_private_copies():
+    """The index only narrows candidates (an entry's length and last token): a key that ends a block with the
+    same token at the same place but differs earlier is not matched to it; a committed array may be reused."""
+    sent = SentKeys()
+    base = np.arange(100, 164, dtype=np.int32)  # 4 whole blocks
+    entry = np.r_[base, np.arange(500, 532, dtype=np.int32)]  # 6 whole blocks
+    sent.commit_copies([base, entry])
+    entry[:] = -1  # serving code reuses its array: the history kept its own copy
+    twin = np.r_[base, np.arange(500, 532, dtype=np.int32)]
+    twin[70] = 1  # same length, same last token, differs inside block 4
+    assert sent.find(np.r_[twin, 7, 8, 9]) == (0, 64)  # only ``base`` is a prefix
+    assert sent.find(np.r_[base, np.arange(500, 532, dtype=np.int32), 7]) == (1, 96)
+    assert sent.find(np.r_[base[:-1], 0, np.arange(500, 532, dtype=np.int32)]) == (-1, 0)
