@@ -60,20 +60,21 @@ class KeyHistory:
 
     def commit(self, keys: list[np.ndarray]) -> None:
         """Appends a step's keys (private copies) in order and counts the step."""
-        for tokens in keys:
-            entry_id, self._next = self._next, self._next + 1
-            self._entries[entry_id] = tokens
-            self.tokens += self._size(tokens)
-            self._added(entry_id, tokens)
-            while self.tokens > self.cap_tokens:
-                old_id, old = self._entries.popitem(last=False)
-                self.tokens -= self._size(old)
+        entries, size = self._entries, self._size
+        entry_id, tokens, cap = self._next, self.tokens, self.cap_tokens
+        for key in keys:
+            entries[entry_id] = key
+            tokens += size(key)
+            self._added(entry_id, key)
+            entry_id += 1
+            while tokens > cap:
+                old_id, old = entries.popitem(last=False)
+                tokens -= size(old)
                 self._removed(old_id, old)
+        self._next, self.tokens = entry_id, tokens
         self.steps += 1
 
-    @staticmethod
-    def _size(tokens: np.ndarray) -> int:
-        return tokens.shape[0]
+    _size = staticmethod(len)  # tokens of an entry (an int32 vector here)
 
     def _added(self, entry_id: int, tokens: np.ndarray) -> None:
         pass
@@ -85,7 +86,7 @@ class KeyHistory:
 class SentKeys(KeyHistory):
     """The client's copy, indexed to find an entry that is a prefix of a new key. Entries are the keys'
     token bytes (``tokens.tobytes()``: the one private copy a key needs, made while encoding it, also
-    used to verify a match), so committing copies nothing."""
+    used to verify a match; committing copies nothing) with their index key."""
 
     def __init__(self, cap_tokens: int = DEFAULT_CAP_TOKENS) -> None:
         super().__init__(int.from_bytes(os.urandom(8), "little") >> 1, cap_tokens)
@@ -101,15 +102,20 @@ class SentKeys(KeyHistory):
         end = blocks * _BLOCK_NBYTES
         return (blocks << 32) + int.from_bytes(data[end - 4 : end], sys.byteorder, signed=True)
 
-    def _added(self, entry_id: int, data: bytes) -> None:
-        key = self._index_key(data)
-        if key is not None:
-            self._index[key] = entry_id
+    def _added(self, entry_id: int, entry: tuple[bytes, int | None]) -> None:
+        if entry[1] is not None:
+            self._index[entry[1]] = entry_id
 
-    def _removed(self, entry_id: int, data: bytes) -> None:
-        key = self._index_key(data)
+    def _removed(self, entry_id: int, entry: tuple[bytes, int | None]) -> None:
+        key = entry[1]
         if key is not None and self._index.get(key) == entry_id:
             del self._index[key]
+
+    def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
+        entry = self._entries.get(entry_id)
+        if entry is None or len(entry[0]) < 4 * num_tokens:
+            return None
+        return np.frombuffer(entry[0], np.int32, num_tokens)  # read-only view of the private bytes
 
     def _position_keys(self, low: int, top: int) -> np.ndarray:
         """``p << 32`` for the block counts ``p`` in (low, top]."""
@@ -135,18 +141,19 @@ class SentKeys(KeyHistory):
                 if data is None:
                     data = tokens.tobytes()
                 entry_id = index[key]
-                if data.startswith(memoryview(entries[entry_id])[: (key >> 32) * _BLOCK_NBYTES]):  # memcmp, no copy
+                if data.startswith(memoryview(entries[entry_id][0])[: (key >> 32) * _BLOCK_NBYTES]):  # memcmp, no copy
                     return entry_id, (key >> 32) * BLOCK
         return -1, 0
 
     def commit_copies(self, keys: list[bytes | np.ndarray]) -> None:
         """``commit`` of private copies: token bytes as they are (``encode_calls`` made them), arrays
         (serving code may reuse them) as their int32 bytes."""
-        self.commit([k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys])
+        index_key = self._index_key
+        self.commit([(k, index_key(k)) for k in (k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys)])
 
     @staticmethod
-    def _size(data: bytes) -> int:
-        return len(data) >> 2
+    def _size(entry: tuple[bytes, int | None]) -> int:
+        return len(entry[0]) >> 2
 
 
 class KeyHistories:
