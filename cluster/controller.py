@@ -88,8 +88,9 @@ class _QueuedCopy(PendingTransfer):
     """A D->H backup or H->D load on the head, from queued until acked: ``submit`` merges the queued copies
     of one kind into ONE TransferOp (one dispatch, one ack per host for the whole step).
 
-    Its own ``op`` (one object per copy, not a pending record plus an op): duck-types the fields of
-    ``TransferOp`` the head reads; the arrays are the head's own int32 ids. ``caller_lock``: a load that
+    Its own ``op`` (one object per copy, not a pending record plus an op; a property, not a stored
+    reference to itself: that would make every copy a reference cycle, garbage only the collector frees):
+    duck-types the fields of ``TransferOp`` the head reads; the arrays are the head's own int32 ids. ``caller_lock``: a load that
     holds its caller's path lock (``LoadBackParams.lock``), released by the caller, not by the ack."""
 
     __slots__ = ("op_id", "kind", "device_pages", "host_slots", "caller_lock")
@@ -98,10 +99,14 @@ class _QueuedCopy(PendingTransfer):
                  nodes: list[TreeNode], num_hosts: int, caller_lock: bool = False) -> None:
         """Also marks ``nodes`` as waiting on this copy (``node.pending``); the caller queues it."""
         self.op_id, self.kind, self.device_pages, self.host_slots = op_id, kind, device_pages, host_slots
-        self.op, self.seq, self.nodes, self.num_hosts = self, -1, nodes, num_hosts
+        self.seq, self.nodes, self.num_hosts = -1, nodes, num_hosts
         self.acked_hosts, self.errors, self.caller_lock = NOT_SENT, NO_ERRORS, caller_lock
         for n in nodes:
             n.pending = self
+
+    @property  # type: ignore[override]
+    def op(self) -> _QueuedCopy:
+        return self
 
     @property
     def num_pages(self) -> int:

@@ -5,12 +5,15 @@ Every hit checks that the prefix pages hold exactly the KV written for those tok
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.events import EventKind, KVEvent, MissReason, Tier, pack_event, unpack_event
 from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.transfers import PendingTransfer
 from hicache.cluster.tree import RadixKey
 from hicache.workers import OpKind
 from support.hicache_env import HiCacheEnv
@@ -279,6 +282,23 @@ def test_failed_load_with_lock_leaves_the_lock_to_the_caller():
     assert [(o["load_failed"], o["loaded"]) for o in out] == [(True, 0)] * 3
     assert env.head.stats().protected_tokens == 0 and env.head.controller.in_flight == 0
     check(env)
+
+
+def test_acked_transfers_are_freed_at_once_not_left_to_the_garbage_collector():
+    # A transfer record in a reference cycle (e.g. one that is its own op) outlives its ack until a GC pass.
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
+    prefixes = _host_only_prefixes(env, 3)
+    gc.collect()
+    gc.disable()
+    try:
+        assert [o["loaded"] for o in env.serve_step(prefixes)] == [16] * 3
+        env.serve(seq(5000, 12))  # a new backup
+        env.head.flush_write_through_acks()
+        assert env.head.controller.in_flight == 0
+        alive = [o for o in gc.get_objects() if isinstance(o, PendingTransfer)]
+    finally:
+        gc.enable()
+    assert alive == []
 
 
 def test_a_steps_load_backs_travel_as_one_op_and_are_exact(monkeypatch):
