@@ -7,8 +7,9 @@ seeded random order. Arrivals are Poisson at ``--request-rate`` (default: ``--lo
 rate of the engine without cache), a client's next turn waits for its previous answer, and one server
 serves requests in stream order; see ``benchmarks/common.py`` for the queueing and offline-optimal
 models. The cache configs learn of a request when it arrives in that model (``ArrivalModel``:
-``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on entry to the waiting queue; the
-time that takes is charged to the request being scheduled). The no-reuse pair is measured before
+``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on entry to the waiting queue, before
+the next request starts or between the decode steps of the one running; the time that takes is charged
+to the request being served). The no-reuse pair is measured before
 the rate is known (it defines it), so there every request starts its L3 query when served. Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full KV pages the stream
 writes), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap.
 

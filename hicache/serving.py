@@ -2,12 +2,13 @@
 
 Per request: match (all prompt tokens but the last, whose logits start decoding) -> with L3, when
 the whole pages past the L1+L2 match hold >= ``l3_min_tokens``, an L3 prefetch into L2 (waited for as
-the stop policy allows) -> load-back of the L2 hit (waited for, bounded) -> lock -> alloc pages for the
-rest -> chunked prefill (each chunk but the last cached with ``cache_unfinished_req``) -> greedy decode
--> ``cache_finished_req`` -> with a host tier, ``check_hicache_events`` (sends held backups, applies
-acks, sends the L2->L3 writes they queue). Nothing but the request's own match, load-back, L3 query and
-alloc runs between the start of its service and its first token: L1->L2 backups and their acks are
-handled after the decode, L2->L3 writes run on the workers' storage threads.
+the stop policy allows) -> one head step: load-back of the L2 hit (waited for, bounded; it locks the
+reused prefix) or the lock alone, and the alloc of pages for the rest -> chunked prefill (each chunk but
+the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req`` -> with a host
+tier, ``check_hicache_events`` (sends held backups, applies acks, sends the L2->L3 writes they queue).
+Nothing but the request's own match, load-back, L3 query and alloc runs between the start of its
+service and its first token: L1->L2 backups and their acks are handled after the decode, L2->L3 writes
+run on the workers' storage threads. ``ServeResult.phases`` says where each request's time went.
 
 L3 prefetch at arrival (as SGLang starts it when a request enters the waiting queue): a driver that
 knows a request is queued calls ``arrive(req)``; its match and L3 existence query run then, and the
