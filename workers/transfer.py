@@ -60,6 +60,7 @@ from __future__ import annotations
 import enum
 import functools
 import time
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -135,6 +136,10 @@ def bucket(n: int) -> int:
 
 def _noop() -> None:
     pass
+
+
+def _no_array() -> None:  # stands for a dead weak reference: holds no array
+    return None
 
 
 def _true() -> bool:
@@ -235,10 +240,11 @@ class TransferEngine:
             self._scatter = _scatter_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
         self.data_path = select_data_path(device_pool, host_pool, self.impl)
         self._copier = host_pool.page_copier() if self.data_path is DataPath.HOST_MEMORY else None
-        self._pool_address: tuple[jax.Array, int | None] | None = None  # (kv, row_major_address(kv))
+        # Weak references only: a pool array dropped by everyone else must not stay alive here.
+        self._pool_address: tuple[weakref.ref, int | None] | None = None  # (kv, row_major_address(kv))
         # HOST_MEMORY: the pool array this engine took over last and holds exclusively (ready, row-major,
         # nothing dispatched on it since), and its buffer address. ``release_pool`` forgets it.
-        self._owned: jax.Array | None = None
+        self._owned: Callable[[], jax.Array | None] = _no_array
         self._owned_address = 0
         if self._copier is not None and self._take_pool() is None:  # jit outputs must be row-major
             self.data_path, self._copier = DataPath.JIT, None
@@ -248,25 +254,25 @@ class TransferEngine:
     def release_pool(self) -> None:
         """The pool array is lent out (a model forward, anything that may dispatch work on it): the
         next load takes it over again. ``HostWorker`` calls this whenever it hands the array out."""
-        self._owned = None
+        self._owned = _no_array
 
     def _take_pool(self) -> int | None:
         """HOST_MEMORY: the address of the pool buffer, held exclusively (taken over by donation
         unless this engine holds it already), or ``None`` if it is not row-major."""
-        if self.device_pool.kv is not self._owned:
+        if self.device_pool.kv is not self._owned():
             kv = _take_over(self.device_pool.kv)
             self.device_pool.adopt_kv(kv)  # the old array is deleted: adopt before anything can fail
             address = self._address(kv)
             if address is None:
                 return None
-            self._owned, self._owned_address = kv, address
+            self._owned, self._owned_address = weakref.ref(kv), address
         return self._owned_address
 
     def _address(self, kv: jax.Array) -> int | None:
         """``row_major_address(kv)``, checked once per pool array (a layout query costs ~10 us)."""
         known = self._pool_address
-        if known is None or known[0] is not kv:
-            known = self._pool_address = (kv, row_major_address(kv))
+        if known is None or known[0]() is not kv:
+            known = self._pool_address = (weakref.ref(kv), row_major_address(kv))
         return known[1]
 
     # -- validation (host side, before any buffer is touched) -----------------------------------
@@ -309,16 +315,17 @@ class TransferEngine:
         if self._copier is not None and not self._async_backups and n * self._slot_bytes <= SYNC_BACKUP_MAX_BYTES:
             # No async backup is outstanding, so slot writes still land in dispatch order. Reading
             # needs no pending writer (pending readers may run alongside).
-            if kv is self._owned:
+            if kv is self._owned():
                 address: int | None = self._owned_address
             else:
                 address = self._address(kv) if kv.is_ready() else None
             if address is not None:
+                started = time.perf_counter()
                 self._copier.to_slab(address, pages, slots)
-                return _finished(OpKind.BACKUP_D2H, n, n * self._slot_bytes)
+                return _finished(OpKind.BACKUP_D2H, n, n * self._slot_bytes, started)
         rows = 1 << (n - 1).bit_length()  # bucket(n)
         staging = self._take_staging(rows)
-        self._owned = None  # a computation reads the pool now
+        self._owned = _no_array  # a computation reads the pool now
         staged = self._gather(kv, self._packed_ids(rows, pages), staging)
         pending: PendingBackup = self.host_pool.begin_backup(slots, staged, n)
         free = self._staging.setdefault(rows, [])
@@ -341,10 +348,11 @@ class TransferEngine:
         """``load`` for ids already validated by ``check``."""
         n = pages.size
         if self._copier is not None:
+            started = time.perf_counter()
             address = self._take_pool()
             if address is not None:
                 self._copier.to_pool(address, pages, slots)
-                return _finished(OpKind.LOAD_H2D, n, n * self._slot_bytes)
+                return _finished(OpKind.LOAD_H2D, n, n * self._slot_bytes, started)
         rows = 1 << (n - 1).bit_length()  # bucket(n)
         staged, release = self.host_pool.stage_load(slots, rows)
         try:
@@ -357,10 +365,11 @@ class TransferEngine:
                               _noop, release)
 
 
-def _finished(kind: OpKind, n: int, nbytes: int) -> TransferHandle:
-    """The handle of a transfer done at dispatch."""
+def _finished(kind: OpKind, n: int, nbytes: int, started: float) -> TransferHandle:
+    """The handle of a transfer done at dispatch (begun at ``started``): its duration is the copy's."""
     handle = TransferHandle(kind, n, nbytes, _true, _noop, _noop, _noop)
     handle.finished_at = handle.started
+    handle.started = started
     return handle
 
 

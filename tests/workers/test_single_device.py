@@ -5,6 +5,9 @@ over by donation first), the async D2H fallback, and their ordering/failure rule
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,6 +124,22 @@ def _assert_page(seen: jax.Array, want: np.ndarray) -> None:
     np.testing.assert_array_equal(got, _bits(want).reshape(got.shape))
 
 
+def test_engine_keeps_no_replaced_pool_array_alive(worker):
+    """The engine remembers the pool array it holds (and the last one it checked) by weak
+    reference only: an array replaced by ``set_kv`` and not donated is freed, not kept as a hidden
+    second pool."""
+    dp = worker.device_pool
+    worker.submit(_plan(_op(1, "h2d", [1], [1])))  # the engine holds dp.kv now
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    replaced = weakref.ref(dp.kv)
+    dp.set_kv(jax.device_put(np.zeros(dp.shape, dp.storage_dtype), dp.sharding))
+    worker.submit(_plan(_op(2, "d2h", [1], [2])))  # reads the new array (layout checked, remembered)
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    gc.collect()
+    assert replaced() is None
+    assert not _bits(worker.host_pool.read_slots([2])).any()  # the new array's zeros were backed up
+
+
 def test_load_waits_for_a_pending_reader_of_the_pool(worker):
     """A load writes the L1 buffer in place only after every computation already dispatched on it
     has run: a reader of page 7 still pending when a load overwrites page 7 sees the old page."""
@@ -161,6 +180,29 @@ def test_load_after_run_model_waits_for_the_models_pending_work(worker):
     assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
     _assert_page(seen, old[0])
     np.testing.assert_array_equal(_bits(dp.read_pages([7, 8])), _bits(np.stack([new[0], old[1]])))
+
+
+def test_round_trip_is_bit_identical(worker, backup_mode):
+    dp, hp = worker.device_pool, worker.host_pool
+    src = np.array([31, 3, 17, 0, 22, 9, 39], np.int32)  # unsorted, non-contiguous, not a power of 2
+    slots = np.array([5, 30, 1, 12, 7, 0, 19], np.int32)
+    data = _random_pages(worker, src.size, seed=1)
+    dp.write_pages(src, data)
+    worker.submit(_plan(_op(1, "d2h", src, slots)))
+    acks = worker.wait(timeout_s=60)
+    assert [(a.ok, a.error, a.bytes_moved) for a in acks] == [(True, None, src.size * hp.slot_bytes)]
+    assert acks[0].duration_s > 0  # the copy's own time, also when it is done at dispatch
+    np.testing.assert_array_equal(_bits(hp.read_slots(slots)), _bits(data))
+    assert not _bits(hp.read_slots(np.setdiff1d(np.arange(NUM_SLOTS), slots))).any()  # no other slot written
+
+    before = _bits(dp.read_pages(np.arange(NUM_PAGES))).copy()
+    dst = np.array([2, 38, 11, 25, 6, 14, 33], np.int32)
+    worker.submit(_plan(_op(2, "h2d", dst, slots)))
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    after = _bits(dp.read_pages(np.arange(NUM_PAGES)))
+    np.testing.assert_array_equal(after[dst], _bits(data))
+    untouched = np.setdiff1d(np.arange(NUM_PAGES), dst)
+    np.testing.assert_array_equal(after[untouched], before[untouched])  # no other page written
 
 
 def test_backup_then_load_of_same_slots_in_one_plan(worker, backup_mode):
