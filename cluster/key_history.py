@@ -23,7 +23,6 @@ the sessions it keeps (``MAX_SESSIONS`` x ``MAX_CAP_TOKENS`` int32 tokens at mos
 from __future__ import annotations
 
 import os
-import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -35,6 +34,7 @@ DEFAULT_CAP_TOKENS = 4 << 20  # per session: 16 MiB of int32 on each side
 MAX_CAP_TOKENS = 4 << 20
 MAX_SESSIONS = 16  # per head
 _BLOCK_NBYTES = BLOCK * 4
+_BLOCK_BYTES = np.dtype((np.void, _BLOCK_NBYTES))  # one block of int32 tokens as one bytes object
 
 
 class KeyHistory:
@@ -86,30 +86,25 @@ class KeyHistory:
 class SentKeys(KeyHistory):
     """The client's copy, indexed to find an entry that is a prefix of a new key. Entries are the keys'
     token bytes (``tokens.tobytes()``: the one private copy a key needs, made while encoding it, also
-    used to verify a match; committing copies nothing) with their index key."""
+    used to verify a match; committing copies nothing) with their last whole block (the index key)."""
 
     def __init__(self, cap_tokens: int = DEFAULT_CAP_TOKENS) -> None:
         super().__init__(int.from_bytes(os.urandom(8), "little") >> 1, cap_tokens)
-        # (whole blocks of an entry << 32) + its last whole block's last token -> the newest such entry
-        self._index: dict[int, int] = {}
-        self._shifts = np.zeros(0, np.int64)  # _shifts[p] = p << 32 (grown on demand)
+        self._index: dict[bytes, int] = {}  # an entry's last whole block -> the newest entry ending with it
 
     @staticmethod
-    def _index_key(data: bytes) -> int | None:
-        blocks = len(data) // _BLOCK_NBYTES
-        if not blocks:
-            return None
-        end = blocks * _BLOCK_NBYTES
-        return (blocks << 32) + int.from_bytes(data[end - 4 : end], sys.byteorder, signed=True)
+    def _last_block(data: bytes) -> bytes | None:
+        end = len(data) // _BLOCK_NBYTES * _BLOCK_NBYTES
+        return data[end - _BLOCK_NBYTES : end] if end else None
 
-    def _added(self, entry_id: int, entry: tuple[bytes, int | None]) -> None:
+    def _added(self, entry_id: int, entry: tuple[bytes, bytes | None]) -> None:
         if entry[1] is not None:
             self._index[entry[1]] = entry_id
 
-    def _removed(self, entry_id: int, entry: tuple[bytes, int | None]) -> None:
-        key = entry[1]
-        if key is not None and self._index.get(key) == entry_id:
-            del self._index[key]
+    def _removed(self, entry_id: int, entry: tuple[bytes, bytes | None]) -> None:
+        last = entry[1]
+        if last is not None and self._index.get(last) == entry_id:
+            del self._index[last]
 
     def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
         entry = self._entries.get(entry_id)
@@ -117,39 +112,35 @@ class SentKeys(KeyHistory):
             return None
         return np.frombuffer(entry[0], np.int32, num_tokens)  # read-only view of the private bytes
 
-    def _position_keys(self, low: int, top: int) -> np.ndarray:
-        """``p << 32`` for the block counts ``p`` in (low, top]."""
-        if self._shifts.shape[0] <= top:
-            self._shifts = np.arange(max(2 * top, 1024), dtype=np.int64) << 32
-        return self._shifts[low + 1 : top + 1]
-
     def find(self, tokens: np.ndarray, data: bytes | None = None) -> tuple[int, int]:
         """(entry id, n): the longest entry prefix (whole blocks, verified byte by byte) that ``tokens``
-        (int32; ``data``: its ``tobytes()`` if the caller has it) starts with, among entries ending in its
-        last ``MAX_SCAN_BLOCKS`` blocks; (-1, 0) when there is none."""
+        (contiguous int32; ``data``: its ``tobytes()`` if the caller has it) starts with, among entries
+        ending in its last ``MAX_SCAN_BLOCKS`` blocks; (-1, 0) when there is none."""
         top = tokens.shape[0] // BLOCK
+        low = max(0, top - MAX_SCAN_BLOCKS)
         index = self._index
         if top == 0 or not index:
             return -1, 0
-        low = max(0, top - MAX_SCAN_BLOCKS)
-        near = max(low, top - NEAR_BLOCKS)
         entries = self._entries
+        near = max(low, top - NEAR_BLOCKS)
         for first, last in ((near, top), (low, near)):  # the usual hit ends near the key's end: look there first
-            # one int per candidate end (its block count and last token), longest first; lookups run in C
-            ends = (self._position_keys(first, last) + tokens[first * BLOCK + BLOCK - 1 : last * BLOCK : BLOCK]).tolist()
-            for key in filter(index.__contains__, reversed(ends)):
-                if data is None:
-                    data = tokens.tobytes()
-                entry_id = index[key]
-                if data.startswith(memoryview(entries[entry_id][0])[: (key >> 32) * _BLOCK_NBYTES]):  # memcmp, no copy
-                    return entry_id, (key >> 32) * BLOCK
+            blocks = tokens[first * BLOCK : last * BLOCK].view(_BLOCK_BYTES).tolist()  # bytes objects, one numpy call
+            for block in filter(index.__contains__, reversed(blocks)):  # longest first; the lookups run in C
+                entry_id = index[block]
+                entry = entries[entry_id][0]
+                n = len(entry) // _BLOCK_NBYTES  # the entry ends with ``block``: at this block of ``tokens``?
+                if first < n <= last and blocks[n - first - 1] == block:
+                    if data is None:
+                        data = tokens.tobytes()
+                    if data.startswith(memoryview(entry)[: n * _BLOCK_NBYTES]):  # memcmp, no copy
+                        return entry_id, n * BLOCK
         return -1, 0
 
     def commit_copies(self, keys: list[bytes | np.ndarray]) -> None:
         """``commit`` of private copies: token bytes as they are (``encode_calls`` made them), arrays
         (serving code may reuse them) as their int32 bytes."""
-        index_key = self._index_key
-        self.commit([(k, index_key(k)) for k in (k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys)])
+        last_block = self._last_block
+        self.commit([(k, last_block(k)) for k in (k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys)])
 
     @staticmethod
     def _size(entry: tuple[bytes, int | None]) -> int:
