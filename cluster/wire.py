@@ -170,27 +170,36 @@ def _history_keys(header: Header, buf: np.ndarray,
     """(tokens, keys): the token ids of every key of a step that does not come from the tree (references
     resolved), per header entry (None for the others), and the same keys in call order (what the step
     commits to the key history). None if one refers to an entry ``history`` does not hold (the client
-    must resync)."""
+    must resync). The keys are views of one new array per step (one copy for all of them: the history
+    keeps that array, not the request buffer, until its last key leaves)."""
     tokens: list[np.ndarray | None] = []
-    keys: list[np.ndarray] = []
+    parts: list[np.ndarray] = []  # each key's prefix (a history entry's) and its literal tokens, in order
+    ends: list[int] = []  # where each key ends in the concatenation of ``parts``
     get = history.get if history is not None else None
-    concatenate = np.concatenate
+    end = 0
     for entry in header:
         kind = entry[0]
         if (kind != _KEY and kind != _STATE) or entry[2] == _FROM_PATH:
             tokens.append(None)
             continue
-        ref_id, ref_len, off, n = entry[2:6]
-        if ref_id < 0:
-            key = buf[off : off + n].copy()  # history entries must not pin the whole step buffer
-        else:
+        _, _, ref_id, ref_len, off, n = entry[:6]
+        if ref_id >= 0:
             prefix = get(ref_id, ref_len) if get is not None else None
             if prefix is None:
                 return None
-            key = concatenate((prefix, buf[off : off + n]))
-        tokens.append(key)
-        keys.append(key)
-    return tokens, keys
+            parts.append(prefix)
+            end += prefix.shape[0]
+        literal = buf[off : off + n]
+        parts.append(literal)
+        end += literal.shape[0]
+        ends.append(end)
+        tokens.append(end)  # replaced by the key below
+    if not ends:
+        return tokens, []
+    joined = np.concatenate(parts)
+    keys = [joined[start:stop] for start, stop in zip([0, *ends], ends)]
+    it = iter(keys)
+    return [t if t is None else next(it) for t in tokens], keys
 
 
 def _decode(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None,
@@ -231,31 +240,35 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
     args: list[Any] = []
     run = StepRun()
     values, errors = run.values, run.errors
+    add_arg, add_value, add_error, resolve = args.append, values.append, errors.append, run.resolve
     fns = [getattr(head, m._value_) for m in _METHODS]  # the head's bound methods, by method code
     tree = head.tree
     for entry, key_tokens in zip(header, tokens):
         kind, code = entry[0], entry[1]
         try:  # decode: what fails here fails the call as the head's own step would (CALL_ERRORS)
             if kind == _REF:
-                arg = run.resolve(*entry[2:6])
+                _, _, index, field, scale, offset = entry
+                arg = resolve(index, field, scale, offset)
             elif kind == _INT or kind == _GENERIC:
                 arg = entry[2]
+            elif kind == _KEY:
+                arg = _checked_key(key_tokens, entry[6], entry[7], checked)  # match_prefix takes the key as its params
             else:
                 arg = _decode(entry, buf, tree, key_tokens, checked)
         except CALL_ERRORS as e:
-            args.append(None)
-            values.append(None)
-            errors.append(e)
+            add_arg(None)
+            add_value(None)
+            add_error(e)
             continue
-        args.append(arg)
+        add_arg(arg)
         try:  # CacheHead.dispatch, with the method looked up once per step
             value = fns[code]() if code in _NO_ARG_CODES else fns[code](arg)
         except CALL_ERRORS as e:
-            values.append(None)
-            errors.append(e)
+            add_value(None)
+            add_error(e)
             continue
-        values.append(value)
-        errors.append(None)
+        add_value(value)
+        add_error(None)
     return encode_results(values, errors, args)
 
 

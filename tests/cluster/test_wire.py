@@ -269,3 +269,25 @@ def test_find_verifies_every_token_and_keeps_private_copies():
     assert sent.find(np.r_[twin, 7, 8, 9]) == (0, 64)  # only ``base`` is a prefix
     assert sent.find(np.r_[base, np.arange(500, 532, dtype=np.int32), 7]) == (1, 96)
     assert sent.find(np.r_[base[:-1], 0, np.arange(500, 532, dtype=np.int32)]) == (-1, 0)
+
+
+def test_the_heads_history_keys_are_private_copies_of_the_request():
+    """A step's keys are resolved into one new array (not views of the request buffer, which also holds
+    pages): the buffer may be reused, the history's entries stay the tokens that were sent."""
+    head = CacheHead(HeadConfig(tree=TreeConfig(PS, 256)))
+    sent, history = SentKeys(), KeyHistory(0, DEFAULT_CAP_TOKENS)
+    first, second = np.arange(1, 41, dtype=np.int32), np.arange(100, 133, dtype=np.int32)
+    calls = [Call(Method.MATCH_PREFIX, RadixKey(first)), Call(Method.ALLOC, 8), Call(Method.MATCH_PREFIX, RadixKey(second))]
+    header, buf, keys = wire.encode_calls(calls, sent)
+    assert wire.run_step(head, header, buf, history) is not None
+    sent.commit_copies(keys)
+    buf[:] = 0
+    np.testing.assert_array_equal(history.get(0, 40), first)
+    np.testing.assert_array_equal(history.get(1, 33), second)
+    longer = np.r_[second, np.arange(7, 30, dtype=np.int32)]  # refers to entry 1 (32 tokens) + 24 literal
+    header, buf, keys = wire.encode_calls([Call(Method.MATCH_PREFIX, RadixKey(longer))], sent)
+    assert header[0][2:4] == (1, 32)
+    (res,) = wire.decode_results(*wire.run_step(head, header, buf, history), [None])
+    assert res.ok and res.value.device_hit_len == 0
+    buf[:] = 0
+    np.testing.assert_array_equal(history.get(2, longer.shape[0]), longer)
