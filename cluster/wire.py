@@ -202,22 +202,19 @@ def _history_keys(header: Header, buf: np.ndarray,
     return [t if t is None else next(it) for t in tokens], keys
 
 
-def _decode(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None,
-            checked: bool) -> RadixKey | RequestState:
-    """The argument of a key or request-state entry, as the head runs it: ``tokens`` is the key's resolved
-    token ids (None: a request state's prefix comes from ``tree``, read now), ``checked``: ``tokens`` and
-    the buffer hold valid token ids (``_checked_key``). ``ValueError``/``TypeError`` when the entry names
-    nothing valid."""
-    kind = entry[0]
-    if kind == _KEY:
-        return _checked_key(tokens, entry[6], entry[7], checked)  # match_prefix takes the key as its params
-    if kind == _STATE:
-        _, _, ref_id, ref_len, t_off, t_n, extra_key, cache_salt, p_off, p_n, prefix_len, last_node, priority = entry
-        if tokens is None:
-            tokens = np.concatenate([path_tokens(tree, last_node, ref_len), buf[t_off : t_off + t_n]])
-        key = _checked_key(tokens, extra_key, cache_salt, checked)  # tree paths hold checked keys
-        return RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority)
-    raise ValueError(f"unknown wire entry kind {kind!r}")
+def _decode_state(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None,
+                  checked: bool) -> RequestState:
+    """The ``RequestState`` of a request-state entry, as the head runs it: ``tokens`` is the key's resolved
+    token ids (None: its prefix comes from ``tree``, read now), ``checked``: ``tokens`` and the buffer
+    hold valid token ids (``_checked_key``). ``ValueError``/``TypeError`` when the entry names nothing
+    valid."""
+    if entry[0] != _STATE:
+        raise ValueError(f"unknown wire entry kind {entry[0]!r}")
+    _, _, ref_id, ref_len, t_off, t_n, extra_key, cache_salt, p_off, p_n, prefix_len, last_node, priority = entry
+    if tokens is None:
+        tokens = np.concatenate([path_tokens(tree, last_node, ref_len), buf[t_off : t_off + t_n]])
+    key = _checked_key(tokens, extra_key, cache_salt, checked)  # tree paths hold checked keys
+    return RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority)
 
 
 def run_step(head: CacheHead, header: Header, buf: np.ndarray,
@@ -254,7 +251,7 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
             elif kind == _KEY:
                 arg = _checked_key(key_tokens, entry[6], entry[7], checked)  # match_prefix takes the key as its params
             else:
-                arg = _decode(entry, buf, tree, key_tokens, checked)
+                arg = _decode_state(entry, buf, tree, key_tokens, checked)
         except CALL_ERRORS as e:
             add_arg(None)
             add_value(None)
