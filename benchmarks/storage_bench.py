@@ -2,9 +2,8 @@
 
     python benchmarks/storage_bench.py [--scheme file|memory|gs] [--object-mib 4 [16 ...]] [--quick] [--json PATH]
 
-Small objects, one serving request's L3 write per call (file:// on a local disk: such batches are
-written on the calling thread, ``StorageConfig.local_inline_write_bytes``; the per-object cost is
-mostly the filesystem's file creation, see ``per_object_overhead_us`` and ``cpu_ratio``)::
+Small objects, one serving request's L3 write per call (the per-object cost is mostly the
+filesystem's file creation, see ``per_object_overhead_us`` and ``cpu_ratio``)::
 
     python benchmarks/storage_bench.py --scheme file --page-kib 16 --pages-per-object 4 --batch-pages 32 --total-mib 8
 

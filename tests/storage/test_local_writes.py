@@ -1,6 +1,7 @@
-"""file:// write path on a local filesystem: batches up to ``local_inline_write_bytes`` are written
-on the calling thread (no I/O-thread hand-off), with one pool read per transfer, the same
-write-once / skip / deadline / error semantics as the pooled path, and manifest entries inline."""
+"""file:// write path on a local filesystem: with ``local_inline_write_bytes`` set, batches up to
+that size are written on the calling thread (no I/O-thread hand-off), with one pool read per
+transfer and the same write-once / skip / deadline / error semantics as the pooled path (the
+default); manifest entries are written inline either way."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hicache.storage.testing import NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
 
 SLOT_SHAPE = (2, 2, 4, 2, 8)  # conftest's pool
+INLINE = 1 << 20  # local_inline_write_bytes for the inline tests
 
 
 def _keys(fp, n_pages: int, salt: str = "writes") -> list[str]:
@@ -38,7 +40,7 @@ class _CountingReads(NumpyHostPool):
 @pytest.mark.parametrize("pool_kind", ["views", "copies"])
 def test_small_batch_is_written_on_the_calling_thread(make_store, fp, handoffs, pool_kind):
     pool = NumpyHostPool(64, SLOT_SHAPE, np.float32) if pool_kind == "views" else _CountingReads(64, SLOT_SHAPE, np.float32)
-    st = make_store("file", pool=pool)
+    st = make_store("file", pool=pool, local_inline_write_bytes=INLINE)
     if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem")
     keys = _keys(fp, 14)  # 3 full objects + a partial one of 2 pages
@@ -61,23 +63,27 @@ def test_small_batch_is_written_on_the_calling_thread(make_store, fp, handoffs, 
     assert st.batch_get(keys, S(40, 54)) == [True] * 14 and same_bytes(pool.buf[40:54], pool.buf[20:34])
 
 
-def test_large_batch_or_remote_root_uses_the_io_threads(make_store, fp, handoffs):
-    st = make_store("file", local_inline_write_bytes=3 * 8 * 128)  # below one 4-page object (4 KiB)
+def test_default_large_batch_or_remote_root_uses_the_io_threads(make_store, fp, handoffs):
+    st0 = make_store("file")  # the default: always the I/O threads
     keys = _keys(fp, 8)
+    st0.pool.fill_random(S(0, 8), 6)
+    spy0 = handoffs(st0)
+    assert st0.batch_set(keys, S(0, 8)) == [True] * 8 and spy0.calls == 1
+    st = make_store("file", local_inline_write_bytes=3 * 8 * 128)  # below one 4-page object (4 KiB)
     st.pool.fill_random(S(0, 8), 6)
     spy = handoffs(st)
     assert st.batch_set(keys, S(0, 8)) == [True] * 8 and spy.calls == 1
-    st2 = make_store("file")
+    st2 = make_store("file", local_inline_write_bytes=INLINE)
     st2._io.inline_io = False  # what a root on a network/FUSE mount gets
     spy2 = handoffs(st2)
     st2.pool.buf[:] = st.pool.buf
     assert st2.batch_set(keys, S(0, 8)) == [True] * 8 and spy2.calls == 1
-    for s in (st, st2):
+    for s in (st0, st, st2):
         assert s.batch_get(keys, S(20, 28)) == [True] * 8 and same_bytes(s.pool.buf[20:28], st.pool.buf[0:8])
 
 
 def test_inline_write_past_the_deadline_writes_nothing(make_store, fp):
-    st = make_store("file")
+    st = make_store("file", local_inline_write_bytes=INLINE)
     keys = _keys(fp, 8)
     st.pool.fill_random(S(0, 8), 7)
     assert st.batch_set(keys, S(0, 8), timeout_s=1e-9) == [False] * 8
@@ -87,7 +93,7 @@ def test_inline_write_past_the_deadline_writes_nothing(make_store, fp):
 
 
 def test_inline_write_error_fails_its_pages_only(make_store, fp):
-    st = make_store("file")
+    st = make_store("file", local_inline_write_bytes=INLINE)
     keys = _keys(fp, 12)
     st.pool.fill_random(S(0, 12), 8)
     bad = os.path.dirname(st.object_path(keys[7]))
