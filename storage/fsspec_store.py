@@ -14,9 +14,10 @@ Schemes
   set mtimes (on the open descriptor, chain order: shallow pages newest). No fsync: a cache; a
   crash can lose objects, and anything damaged fails its checksum and is a miss.
 - ``memory://NAME`` — tests. ``pipe_file(mode="create")`` (per process).
-- ``gs://BUCKET/PREFIX`` — gcsfs. ``pipe_file(mode="create")`` → ``ifGenerationMatch=0`` (412 →
-  ``FileExistsError``). Async batched I/O on gcsfs' loop; the instance and listings caches are off
-  (``skip_instance_cache=True``, ``use_listings_cache=False``) so other replicas' writes are seen.
+- ``gs://BUCKET/PREFIX`` — gcsfs. ``pipe_file(mode="create")`` → ``ifGenerationMatch=0``
+  (412 → ``FileExistsError``). Async batched I/O on gcsfs' loop; the instance and listings caches
+  are off (``skip_instance_cache=True``, ``use_listings_cache=False``) so other replicas' writes
+  are seen.
   Any other fsspec URL works through the generic sync (threads) or async path.
 
 Object names (topology-free, content-addressed)::
@@ -63,14 +64,15 @@ request recomputes and rewrites). Recommended bucket configuration for ``gs://BU
 Threads. Calls may come from several threads. Backend I/O runs on this object's thread pool (or
 on gcsfs' event loop; file:// runs one loop per I/O thread that pulls objects in chain order, not
 one task per object, and writes at most ``write_threads`` objects at once). file:// existence
-checks, manifest writes and, if configured, small ``batch_set`` writes (``local_inline_write_bytes``)
-run on the calling thread only when the root is on a local filesystem (``mounts.py``, decided once at
-construction); on a network or FUSE mount they go to the pool like any other I/O.
-The host pool is touched on the calling thread, or, for pools that declare ``concurrent_slot_io``,
-by the I/O threads on disjoint slots and only until the call returns (``_CallGuard``). Every call
-has a deadline (``StorageConfig.timeout_s`` or ``timeout_s=``): operations not finished by then are
-abandoned (counted in ``timeouts``) and their pages report ``False``. A hung sync backend keeps
-its worker threads until it returns; later calls still return by their deadline.
+checks, manifest writes and, if configured, small ``batch_set`` writes
+(``local_inline_write_bytes``) run on the calling thread only when the root is on a local
+filesystem (``mounts.py``, decided once at construction); on a network or FUSE mount they go to
+the pool like any other I/O. The host pool is touched on the calling thread, or, for pools that
+declare ``concurrent_slot_io``, by the I/O threads on disjoint slots and only until the call
+returns (``_CallGuard``). Every call has a deadline (``StorageConfig.timeout_s`` or
+``timeout_s=``): operations not finished by then are abandoned (counted in ``timeouts``) and their
+pages report ``False``. A hung sync backend keeps its worker threads until it returns; later calls
+still return by their deadline.
 """
 
 from __future__ import annotations
