@@ -107,10 +107,11 @@ class SentKeys(KeyHistory):
             del self._index[last]
 
     def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
+        """As ``KeyHistory.get``: a read-only view of the entry's bytes."""
         entry = self._entries.get(entry_id)
         if entry is None or len(entry[0]) < 4 * num_tokens:
             return None
-        return np.frombuffer(entry[0], np.int32, num_tokens)  # read-only view of the private bytes
+        return np.frombuffer(entry[0], np.int32, num_tokens)
 
     def find(self, tokens: np.ndarray, data: bytes | None = None) -> tuple[int, int]:
         """(entry id, n): the longest entry prefix (whole blocks, verified byte by byte) that ``tokens``
@@ -136,14 +137,17 @@ class SentKeys(KeyHistory):
                         return entry_id, n * BLOCK
         return -1, 0
 
-    def commit_copies(self, keys: list[bytes | np.ndarray]) -> None:
-        """``commit`` of private copies: token bytes as they are (``encode_calls`` made them), arrays
-        (serving code may reuse them) as their int32 bytes."""
+    def commit(self, keys: list[bytes | np.ndarray]) -> None:
+        """``KeyHistory.commit`` of private copies: token bytes as they are (``encode_calls`` made them),
+        arrays (serving code may reuse them) as their int32 bytes."""
         last_block = self._last_block
-        self.commit([(k, last_block(k)) for k in (k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys)])
+        data = [k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys]
+        super().commit([(d, last_block(d)) for d in data])
+
+    commit_copies = commit
 
     @staticmethod
-    def _size(entry: tuple[bytes, int | None]) -> int:
+    def _size(entry: tuple[bytes, bytes | None]) -> int:
         return len(entry[0]) >> 2
 
 
