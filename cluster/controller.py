@@ -129,6 +129,9 @@ class HiCacheController:
         self._queued_backups: list[_QueuedCopy] = []  # D->H: merged into one op, held while batching
         self._queued_storage: list[PendingTransfer] = []  # L3 ops: one op each, sent at the next submit
         self._queued_backup_pages = 0
+        # True while ``submit`` (not forced) would send: loads or L3 ops queued, or a full backup batch. Callers
+        # that send after every call (the head) test it first: most calls queue nothing that must go.
+        self.send_due = False
         self._backup_batch_pages = config.backup_batch_pages
         self._backup_held_calls = 0  # check_events calls since the oldest queued backup was queued
         self._backup_queued_at = 0.0
@@ -247,6 +250,8 @@ class HiCacheController:
             self._backup_held_calls = 0
             self._backup_queued_at = time.monotonic()
         self._queued_backup_pages += pages.shape[0]
+        if self._queued_backup_pages >= self._backup_batch_pages:
+            self.send_due = True
         self._queued_backups.append(_QueuedCopy(next(self._op_ids), _D2H, pages, slots, chain, self._num_hosts))
         return True
 
@@ -342,6 +347,7 @@ class HiCacheController:
         # Queued loads are merged into one TransferOp when sent (``submit``): one per step, not per request.
         load = _QueuedCopy(load_id, _H2D, pages, slots, chain, self._num_hosts, caller_lock)
         self._queued_loads.append(load)
+        self.send_due = True
         self._loads[load_id] = load
         return self._prefix_result(leaf, last_device, pages, tokens, load_id, None)
 
@@ -390,6 +396,7 @@ class HiCacheController:
         for n in nodes:
             n.pending = pending
         self._queued_storage.append(pending)
+        self.send_due = True
         return pending
 
     @property
@@ -445,6 +452,8 @@ class HiCacheController:
         dispatch is never on a request's critical path); when they go, they go merged into ONE op. So a
         scheduler step costs one dispatch and one ack per host per kind, not one per request.
         """
+        if not (self.send_due or force):
+            return 0  # nothing queued, or only backups still batching: the common case
         loads, storage, backups = self._queued_loads, self._queued_storage, self._queued_backups
         if backups and (force or self._queued_backup_pages >= self._backup_batch_pages):
             self._queued_backups = []
@@ -454,7 +463,9 @@ class HiCacheController:
             # on the plan of a request's load-back or L3 prefetch (its TTFT).
             backups = []
         else:
-            return 0  # nothing queued, or only backups still batching: the common case
+            return 0  # forced with nothing queued
+        # What stays queued now is a backup batch below its size: nothing is due until more is queued.
+        self.send_due = False
         seq = next(self._seq)
         ops: list[TransferOp] = []
         groups: list[list[PendingTransfer]] = []
@@ -641,6 +652,7 @@ class HiCacheController:
         queued = self._queued_storage + self._queued_loads + self._queued_backups
         self._queued_storage, self._queued_loads, self._queued_backups = [], [], []
         self._queued_backup_pages = 0
+        self.send_due = False
         failed = [p for group, _ in self._pending.values() for p in group] + queued
         self._pending.clear()
         for p in failed:

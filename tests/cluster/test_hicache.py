@@ -10,13 +10,14 @@ import gc
 import numpy as np
 import pytest
 
+from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.events import EventKind, KVEvent, MissReason, Tier, pack_event, unpack_event
 from hicache.cluster.policy import HiCacheConfig
-from hicache.cluster.transfers import PendingTransfer
-from hicache.cluster.tree import RadixKey
-from hicache.workers import OpKind
-from support.hicache_env import HiCacheEnv
+from hicache.cluster.transfers import LocalWorkerGroup, PendingTransfer
+from hicache.cluster.tree import InsertParams, RadixKey, TreeConfig
+from hicache.workers import HostWorker, OpKind
+from support.hicache_env import HiCacheEnv, make_spec
 
 
 def seq(start, n):
@@ -461,5 +462,32 @@ def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
     else:
         assert st["host_tokens"] == 0 and st["transfer_failures"] == 3 and ctl.host.slots.num_free == 16
         assert all(n.host_slots is None and n.staged_slots is None for n in head.tree.iter_nodes())
+    head.tree.check_invariants()
+    ctl.check_invariants()
+
+
+def test_the_head_sends_after_a_call_only_what_is_due():
+    # The head sends after every call only when the controller says a send is due (``send_due``): a backup
+    # batch below ``backup_batch_pages`` stays queued, the call that fills it sends it, a queued load is due.
+    rec = RecordingWorkers(LocalWorkerGroup([HostWorker(make_spec(4), 32, 64)]))
+    config = HeadConfig(tree=TreeConfig(page_size=4, capacity_pages=32),
+                        hicache=HiCacheConfig(host_slots=64, backup_batch_pages=3, ack_timeout_s=10.0))
+    head = CacheHead(config, rec)
+    ctl = head.controller
+    a, b = seq(0, 8), seq(100, 4)
+    head.insert(InsertParams(RadixKey(a), head.alloc(8)))  # 2 pages queued: below the batch
+    assert rec.plans == [] and not ctl.send_due and ctl.in_flight == 1
+    head.insert(InsertParams(RadixKey(b), head.alloc(4)))  # 3 pages: this call sends the batch, merged
+    assert [[(op.kind, op.num_pages) for op in p.ops] for p in rec.plans] == [[(OpKind.BACKUP_D2H, 3)]]
+    assert not ctl.send_due
+    head.flush_write_through_acks()
+    head.evict(10**6)  # both host-only now
+    m = head.match_prefix(RadixKey(a))
+    r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
+    assert r.load_id >= 0 and ctl.send_due and len(rec.plans) == 1  # queued, due, not sent yet
+    head.free(head.alloc(4))  # any call that sends does it now
+    assert [op.kind for op in rec.plans[-1].ops] == [OpKind.LOAD_H2D] and not ctl.send_due
+    assert head.wait_load_back(r.load_id)
+    assert ctl.in_flight == 0 and ctl.submit() == 0
     head.tree.check_invariants()
     ctl.check_invariants()
