@@ -131,8 +131,9 @@ class CacheHead:
 
     def _sent(self, result: Any) -> Any:
         """Sends the transfers a call queued (one plan per call) and returns its result."""
-        if self.controller is not None:
-            self.controller.submit()
+        ctl = self.controller
+        if ctl is not None and ctl.send_due:  # most calls queue nothing due (no call into submit then)
+            ctl.submit()
         return result
 
     # -- control API (DESIGN.md §3) ----------------------------------------------------------------
