@@ -305,7 +305,7 @@ class HiCacheController:
         if reason is not None:
             self.counters.miss_tokens[reason] += tokens
         if caller_lock:
-            self.tree.inc_lock_ref(last_device.id)
+            self.tree.lock_path(last_device)
         return self._prefix_result(last_device, last_device, None, 0, -1, reason)
 
     def _start_load(self, chain: list[TreeNode], last_device: TreeNode, tokens: int,
@@ -316,7 +316,7 @@ class HiCacheController:
         # chain stays locked until the load is acked (host-only nodes take the lock without L1 accounting;
         # their pages count as protected once attached). With ``caller_lock`` it is the caller's lock.
         if caller_lock:
-            self.tree.inc_lock_ref(leaf.id)
+            self.tree.lock_path(leaf)
         else:
             full.lock(leaf)
         for c in chain:
@@ -335,7 +335,7 @@ class HiCacheController:
                 c.host_pin -= 1
             if caller_lock:  # the caller's lock moves to the prefix it gets
                 self.tree.dec_lock_ref(leaf.id)
-                self.tree.inc_lock_ref(last_device.id)
+                self.tree.lock_path(last_device)
             else:
                 full.unlock(leaf)
                 if last_device.parent is not None:

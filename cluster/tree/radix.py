@@ -462,7 +462,10 @@ class RadixTree:
 
     # -- locks -------------------------------------------------------------------------------------
     def inc_lock_ref(self, node_id: int) -> int:
-        node = self.node(node_id)
+        return self.lock_path(self.node(node_id))
+
+    def lock_path(self, node: TreeNode) -> int:
+        """``inc_lock_ref`` of a node the caller holds (no id lookup): locks root..node in every component."""
         if node.parent is None:
             return 0
         delta = self.full.lock(node)
