@@ -272,7 +272,7 @@ def test_find_verifies_every_token_and_keeps_private_copies():
 
 
 def test_the_heads_history_keys_are_private_copies_of_the_request():
-    """A step's keys are resolved into one new array (not views of the request buffer, which also holds
+    """A step's keys are resolved into new arrays (not views of the request buffer, which also holds
     pages): the buffer may be reused, the history's entries stay the tokens that were sent."""
     head = CacheHead(HeadConfig(tree=TreeConfig(PS, 256)))
     sent, history = SentKeys(), KeyHistory(0, DEFAULT_CAP_TOKENS)
