@@ -114,8 +114,11 @@ class PageAllocator:
         return pages
 
     def alloc(self, num_pages: int) -> np.ndarray:
-        """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed)."""
-        return self.alloc_indexed(num_pages)[0]
+        """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed).
+        (``alloc_indexed``'s body, one call less: L2 slots for every backup and load come from here.)"""
+        pages = self._pop_free(num_pages)
+        self._owner[pages.astype(_INTP)] = _REQUEST
+        return pages
 
     def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
         """``alloc`` that also returns the pages as an ``intp`` index (for the caller's next fancy indexing)."""
