@@ -70,17 +70,13 @@ class PageAllocator:
         size = capacity if capacity is not None else initial
         self._owner = np.zeros(size, dtype=np.int8)
         self._free = np.arange(size - 1, -1, -1, dtype=PAGE_DTYPE)  # stack; top = end, pops low ids first
-        self._num_free = size
+        self.num_free = size  # free ids on the stack (read it; only this class changes it)
         self._scratch = np.zeros(size, dtype=PAGE_DTYPE)  # duplicate detection without sorting
         self._positions = np.arange(size, dtype=PAGE_DTYPE)
 
     @property
     def capacity(self) -> int:
         return int(self._owner.shape[0])
-
-    @property
-    def num_free(self) -> int:
-        return self._num_free
 
     def count(self, owner: PageOwner) -> int:
         return int(np.count_nonzero(self._owner == owner))
@@ -94,23 +90,23 @@ class PageAllocator:
         owner = np.zeros(new, dtype=np.int8)
         owner[:old] = self._owner
         free = np.empty(new, dtype=PAGE_DTYPE)
-        free[: self._num_free] = self._free[: self._num_free]
+        free[: self.num_free] = self._free[: self.num_free]
         added = np.arange(new - 1, old - 1, -1, dtype=PAGE_DTYPE)
-        free[self._num_free : self._num_free + added.size] = added
+        free[self.num_free : self.num_free + added.size] = added
         self._owner, self._free = owner, free
-        self._num_free += added.size
+        self.num_free += added.size
         self._scratch = np.zeros(new, dtype=PAGE_DTYPE)
         self._positions = np.arange(new, dtype=PAGE_DTYPE)
 
     def _pop_free(self, num_pages: int) -> np.ndarray:
         """Takes ``num_pages`` ids off the free stack (growing an unbounded pool); owners untouched."""
-        if num_pages > self._num_free:
+        if num_pages > self.num_free:
             if self.bounded:
-                raise CacheCapacityError(f"need {num_pages} pages, {self._num_free} free")
-            self._grow(num_pages - self._num_free)
-        top = self._num_free
+                raise CacheCapacityError(f"need {num_pages} pages, {self.num_free} free")
+            self._grow(num_pages - self.num_free)
+        top = self.num_free
         pages = self._free[top - num_pages : top][::-1].copy()
-        self._num_free = top - num_pages
+        self.num_free = top - num_pages
         return pages
 
     def alloc(self, num_pages: int) -> np.ndarray:
@@ -167,12 +163,12 @@ class PageAllocator:
     # -- one id at a time (Mamba state slots): Python ints, no array per call ----------------------------
     def alloc_one(self) -> int:
         """``alloc(1)[0]`` without the arrays."""
-        if self._num_free == 0:
+        if self.num_free == 0:
             if self.bounded:
                 raise CacheCapacityError(f"need 1 page, 0 free of {self.capacity}")
             self._grow(1)
-        self._num_free -= 1
-        page = self._free.item(self._num_free)
+        self.num_free -= 1
+        page = self._free.item(self.num_free)
         self._owner[page] = _REQUEST
         return page
 
@@ -191,8 +187,8 @@ class PageAllocator:
     def release_one(self, page: int) -> None:
         """``release`` of one already-checked id."""
         self._owner[page] = _FREE
-        self._free[self._num_free] = page
-        self._num_free += 1
+        self._free[self.num_free] = page
+        self.num_free += 1
 
     def transfer(self, pages: np.ndarray, new_owner: PageOwner, index: np.ndarray | None = None) -> None:
         """Changes ownership of already-checked pages between REQUEST and TREE (``index``: the same ids
@@ -205,8 +201,8 @@ class PageAllocator:
         if n == 0:
             return
         self._owner[pages.astype(_INTP) if index is None else index] = _FREE
-        self._free[self._num_free : self._num_free + n] = pages[::-1]
-        self._num_free += n
+        self._free[self.num_free : self.num_free + n] = pages[::-1]
+        self.num_free += n
 
     def free(self, pages: np.ndarray, expected: PageOwner = PageOwner.REQUEST) -> None:
         self.check(pages, expected)
@@ -216,4 +212,4 @@ class PageAllocator:
         size = self.capacity
         self._owner[:] = PageOwner.FREE
         self._free = np.arange(size - 1, -1, -1, dtype=PAGE_DTYPE)
-        self._num_free = size
+        self.num_free = size

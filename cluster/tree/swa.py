@@ -103,10 +103,10 @@ class SWAPagePool(PageAllocator):
 
     def alloc(self, num_pages: int) -> np.ndarray:
         """No owner to record, and SWA ids need no order: a plain slice of the stack (no reversed copy)."""
-        top = self._num_free
+        top = self.num_free
         if num_pages > top:
             return self._pop_free(num_pages)  # grows an unbounded pool, or raises
-        self._num_free = top - num_pages
+        self.num_free = top - num_pages
         return self._free[top - num_pages : top].copy()
 
     def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -119,12 +119,12 @@ class SWAPagePool(PageAllocator):
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
         n = pages.shape[0]
         if n:
-            self._free[self._num_free : self._num_free + n] = pages  # any order (see ``alloc``)
-            self._num_free += n
+            self._free[self.num_free : self.num_free + n] = pages  # any order (see ``alloc``)
+            self.num_free += n
 
     def release_one(self, page: int) -> None:
-        self._free[self._num_free] = page  # no owner to record
-        self._num_free += 1
+        self._free[self.num_free] = page  # no owner to record
+        self.num_free += 1
 
     def _derived_owners(self) -> np.ndarray:
         mapped = self.swa.mapped
@@ -143,7 +143,7 @@ class SWAPagePool(PageAllocator):
         raise TypeError("SWA pages are checked through their full pages (MappedPageAllocator.check)")
 
     def free_pages(self) -> np.ndarray:
-        return self._free[: self._num_free]
+        return self._free[: self.num_free]
 
 
 class MappedPageAllocator(PageAllocator):
@@ -172,10 +172,10 @@ class MappedPageAllocator(PageAllocator):
         self.spare = spare
 
     def alloc(self, num_pages: int) -> np.ndarray:
-        if self.bounded and num_pages > self._num_free:
-            raise CacheCapacityError(f"need {num_pages} pages, {self._num_free} free")
+        if self.bounded and num_pages > self.num_free:
+            raise CacheCapacityError(f"need {num_pages} pages, {self.num_free} free")
         pool = self.swa.allocator
-        if pool.bounded and num_pages > pool._num_free:
+        if pool.bounded and num_pages > pool.num_free:
             self.swa.make_room(num_pages)  # may tombstone; raises before any full page is taken
         swa_pages = pool.alloc(num_pages)
         pages, idx = super().alloc_indexed(num_pages)
