@@ -39,7 +39,7 @@ class FullComponent(TreeComponent):
         self.evictable_tokens = 0
         self.protected_tokens = 0
         # A finishing request's locked node while its insert runs (``RadixTree.cache_finished_req``): a lock
-        # taken then whose path passes through it takes the request's lock over (``_lock_through``).
+        # taken then whose path passes through it takes the request's lock over (``lock``).
         self.handoff: TreeNode | None = None
 
     @staticmethod
@@ -146,46 +146,40 @@ class FullComponent(TreeComponent):
         """Locks the path root..node; returns the change in evictable tokens (<= 0).
 
         Counts never grow towards the leaves (``parent.lock_ref >= child.lock_ref``), so above the first
-        node that was locked already every count only goes up by one: no accounting there."""
-        if self.handoff is not None:
-            return self._lock_through(node)
+        node that was locked already every count only goes up by one: no accounting there.
+
+        While a finishing request hands over its lock on ``self.handoff``, a walk that reaches that node
+        stops there and consumes the handoff (the request's lock on root..handoff becomes this one; the
+        request skips its unlock), so the shared prefix is walked by neither."""
         delta = 0
-        parent = node.parent
-        while parent is not None:
-            ref = node.lock_ref
-            node.lock_ref = ref + 1
-            if ref:
-                node = parent
-                parent = node.parent
-                while parent is not None:
-                    node.lock_ref += 1
+        held = self.handoff
+        if held is not None:
+            while node.parent is not None:
+                if node is held:
+                    self.handoff = None
+                    break
+                ref = node.lock_ref
+                node.lock_ref = ref + 1
+                if not ref and node.device_pages is not None:
+                    delta -= node.num_tokens
+                node = node.parent
+        else:
+            parent = node.parent
+            while parent is not None:
+                ref = node.lock_ref
+                node.lock_ref = ref + 1
+                if ref:
                     node = parent
                     parent = node.parent
-                break
-            if node.device_pages is not None:
-                delta -= node.num_tokens
-            node = parent
-            parent = node.parent
-        if delta:
-            self.evictable_tokens += delta
-            self.protected_tokens -= delta
-        return delta
-
-    def _lock_through(self, node: TreeNode) -> int:
-        """``lock`` while a finishing request hands over its lock on ``self.handoff``: a walk that reaches
-        that node stops there and consumes the handoff (the request's lock on root..handoff becomes this
-        one; the request skips its unlock), so the shared prefix is walked by neither; else a plain lock."""
-        held = self.handoff
-        delta = 0
-        while node.parent is not None:
-            if node is held:
-                self.handoff = None
-                break
-            ref = node.lock_ref
-            node.lock_ref = ref + 1
-            if not ref and node.device_pages is not None:
-                delta -= node.num_tokens
-            node = node.parent
+                    while parent is not None:
+                        node.lock_ref += 1
+                        node = parent
+                        parent = node.parent
+                    break
+                if node.device_pages is not None:
+                    delta -= node.num_tokens
+                node = parent
+                parent = node.parent
         if delta:
             self.evictable_tokens += delta
             self.protected_tokens -= delta
