@@ -33,7 +33,7 @@ from hicache.cluster.events import (
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
-from hicache.cluster.transfers import NO_ERRORS, NOT_SENT, PendingTransfer, WorkerGroup
+from hicache.cluster.transfers import PendingTransfer, WorkerGroup
 from hicache.cluster.tree import CacheCapacityError, MatchResult, RadixKey, RadixTree, TreeNode
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
@@ -84,33 +84,55 @@ class LoadBackResult:
     miss_reason: MissReason | None = None
 
 
-class _QueuedCopy(PendingTransfer):
-    """A D->H backup or H->D load on the head, from queued until acked: ``submit`` merges the queued copies
-    of one kind into ONE TransferOp (one dispatch, one ack per host for the whole step).
+class _CopyBatch(PendingTransfer):
+    """The D->H backups or the H->D loads queued since the last send: ``submit`` sends them as ONE
+    TransferOp (one dispatch, one ack per host for the whole batch), then a new batch opens.
 
-    Its own ``op`` (one object per copy, not a pending record plus an op; a property, not a stored
-    reference to itself: that would make every copy a reference cycle, garbage only the collector frees):
-    duck-types the fields of ``TransferOp`` the head reads; the arrays are the head's own int32 ids. ``caller_lock``: a load that
-    holds its caller's path lock (``LoadBackParams.lock``), released by the caller, not by the ack."""
+    Per copy, list entries only (nothing is built per copy): its chain (root to leaf; each node's
+    ``pending`` is this batch), its id arrays (the head's own int32 ids, pairs in chain order, never
+    written in place), and for loads the load id and ``caller_lock`` (the load holds its caller's path
+    lock, ``LoadBackParams.lock``, released by the caller, not by the ack). ``op`` is the merged op once
+    sent, None before."""
 
-    __slots__ = ("op_id", "kind", "device_pages", "host_slots", "caller_lock")
+    __slots__ = ("kind", "chains", "pages", "slots", "num_pages", "load_ids", "caller_locks")
 
-    def __init__(self, op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray,
-                 nodes: list[TreeNode], num_hosts: int, caller_lock: bool = False) -> None:
-        """Also marks ``nodes`` as waiting on this copy (``node.pending``); the caller queues it."""
-        self.op_id, self.kind, self.device_pages, self.host_slots = op_id, kind, device_pages, host_slots
-        self.seq, self.nodes, self.num_hosts = -1, nodes, num_hosts
-        self.acked_hosts, self.errors, self.caller_lock = NOT_SENT, NO_ERRORS, caller_lock
-        for n in nodes:
-            n.pending = self
-
-    @property  # type: ignore[override]
-    def op(self) -> _QueuedCopy:
-        return self
+    def __init__(self, kind: OpKind, num_hosts: int) -> None:
+        super().__init__(None, -1, [], num_hosts)
+        self.kind = kind
+        self.chains: list[list[TreeNode]] = []
+        self.pages: list[np.ndarray] = []
+        self.slots: list[np.ndarray] = []
+        self.num_pages = 0
+        self.load_ids: list[int] = []
+        self.caller_locks: list[bool] = []
 
     @property
-    def num_pages(self) -> int:
-        return int(self.host_slots.shape[0])
+    def num_transfers(self) -> int:  # type: ignore[override]
+        return len(self.chains)
+
+    def add(self, chain: list[TreeNode], pages: np.ndarray, slots: np.ndarray) -> int:
+        """Queues the copy of ``chain`` (``pages[i] <-> slots[i]``); returns the pages now queued."""
+        self.chains.append(chain)
+        self.pages.append(pages)
+        self.slots.append(slots)
+        for n in chain:
+            n.pending = self
+        self.num_pages += pages.shape[0]
+        return self.num_pages
+
+    def merged_op(self, op_id: int) -> TransferOp:
+        """The batch as one op (its copies' id pairs concatenated, in queue order)."""
+        pages, slots = self.pages, self.slots
+        if len(pages) == 1:
+            return TransferOp(op_id, self.kind, pages[0], slots[0])
+        return TransferOp(op_id, self.kind, np.concatenate(pages), np.concatenate(slots))
+
+    def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        for chain in self.chains:
+            for i, n in enumerate(chain):
+                if n is suffix:
+                    chain.insert(i, prefix)
+                    return
 
 
 class HiCacheController:
@@ -121,14 +143,13 @@ class HiCacheController:
         self._num_hosts = workers.num_hosts
         self._backup_hits = config.backup_hits
         self.counters = CacheCounters()
-        self._pending: dict[int, tuple[list[PendingTransfer], TransferOp]] = {}  # sent op id -> (transfers, op)
-        self._loads: dict[int, PendingTransfer] = {}  # load id -> its queued or in-flight transfer
+        self._pending: dict[int, PendingTransfer] = {}  # sent op id -> its transfers (an L3 op or a copy batch)
+        self._loads: dict[int, _CopyBatch] = {}  # load id -> the batch carrying it (queued or in flight)
         self._finished_loads: dict[int, bool] = {}  # load id -> ok, until asked
         # Built, not yet sent, by kind (``submit`` sends each kind its own way; no filtering per send).
-        self._queued_loads: list[_QueuedCopy] = []  # H->D: merged into one op, sent at the next submit
-        self._queued_backups: list[_QueuedCopy] = []  # D->H: merged into one op, held while batching
+        self._open_loads = _CopyBatch(_H2D, self._num_hosts)  # H->D: one op, sent at the next submit
+        self._open_backups = _CopyBatch(_D2H, self._num_hosts)  # D->H: one op, held while batching
         self._queued_storage: list[PendingTransfer] = []  # L3 ops: one op each, sent at the next submit
-        self._queued_backup_pages = 0
         # True while ``submit`` (not forced) would send: loads or L3 ops queued, or a full backup batch. Callers
         # that send after every call (the head) test it first: most calls queue nothing that must go.
         self.send_due = False
@@ -245,14 +266,13 @@ class HiCacheController:
                 c.staged_slots = slots[start : start + k]
                 start += k
         self.tree.full.lock(chain[-1])
-        # Queued backups are merged into one TransferOp when sent (``submit``): no op is built per chain.
-        if not self._queued_backup_pages:
+        # The open batch goes as one TransferOp when sent (``submit``): nothing is built per chain.
+        batch = self._open_backups
+        if not batch.num_pages:
             self._backup_held_calls = 0
             self._backup_queued_at = time.monotonic()
-        self._queued_backup_pages += pages.shape[0]
-        if self._queued_backup_pages >= self._backup_batch_pages:
+        if batch.add(chain, pages, slots) >= self._backup_batch_pages:
             self.send_due = True
-        self._queued_backups.append(_QueuedCopy(next(self._op_ids), _D2H, pages, slots, chain, self._num_hosts))
         return True
 
     def _write_back(self, victims: list[TreeNode]) -> None:
@@ -344,11 +364,13 @@ class HiCacheController:
             return self._prefix_result(last_device, last_device, None, 0, -1, MissReason.NO_SPACE)
         slots = full.attach_loading_chain(chain, pages)
         load_id = next(self._op_ids)
-        # Queued loads are merged into one TransferOp when sent (``submit``): one per step, not per request.
-        load = _QueuedCopy(load_id, _H2D, pages, slots, chain, self._num_hosts, caller_lock)
-        self._queued_loads.append(load)
+        # The open batch goes as one TransferOp at the next send (``submit``): one per step, not per request.
+        batch = self._open_loads
+        batch.add(chain, pages, slots)
+        batch.load_ids.append(load_id)
+        batch.caller_locks.append(caller_lock)
         self.send_due = True
-        self._loads[load_id] = load
+        self._loads[load_id] = batch
         return self._prefix_result(leaf, last_device, pages, tokens, load_id, None)
 
     def _prefix_result(self, last: TreeNode, last_device: TreeNode, loaded_pages: np.ndarray | None, loaded: int,
@@ -384,14 +406,14 @@ class HiCacheController:
         self._apply(self.workers.poll())
         if load_id in self._loads:
             # Only the loads in flight (device ops are acked in order): never the L2->L3 writes.
-            loads = [op_id for op_id, (_, op) in self._pending.items() if op.kind is OpKind.LOAD_H2D]
+            loads = [op_id for op_id, p in self._pending.items() if p.kind is _H2D]
             self._apply(self.workers.wait(timeout, loads))
         return self._finished_loads.pop(load_id, False)
 
     # -- sending and acks ---------------------------------------------------------------------------
     def _queue(self, op: TransferOp, nodes: list[TreeNode]) -> PendingTransfer:
         """Queues the L3 op ``op`` (the storage tier's callback) for the nodes waiting on it. (L1<->L2 copies
-        are ``_QueuedCopy`` s, queued by kind where they are built.)"""
+        join the open ``_CopyBatch`` of their kind where they are built.)"""
         pending = PendingTransfer(op, -1, nodes, self._num_hosts)
         for n in nodes:
             n.pending = pending
@@ -401,7 +423,7 @@ class HiCacheController:
 
     @property
     def _has_queued(self) -> bool:
-        return bool(self._queued_loads or self._queued_backups or self._queued_storage)
+        return bool(self._open_loads.chains or self._open_backups.chains or self._queued_storage)
 
     # -- L3 ------------------------------------------------------------------------------------------
     def attach_storage_backend(self, params: StorageParams) -> None:
@@ -454,45 +476,36 @@ class HiCacheController:
         """
         if not (self.send_due or force):
             return 0  # nothing queued, or only backups still batching: the common case
-        loads, storage, backups = self._queued_loads, self._queued_storage, self._queued_backups
-        if backups and (force or self._queued_backup_pages >= self._backup_batch_pages):
-            self._queued_backups = []
-            self._queued_backup_pages = 0
-        elif loads or storage:
+        loads, storage, backups = self._open_loads, self._queued_storage, self._open_backups
+        if backups.chains and (force or backups.num_pages >= self._backup_batch_pages):
+            self._open_backups = _CopyBatch(_D2H, self._num_hosts)
+        elif loads.chains or storage:
             # Loads / storage ops go now; held backups keep batching: a D2H dispatch never rides
             # on the plan of a request's load-back or L3 prefetch (its TTFT).
-            backups = []
+            backups = None
         else:
             return 0  # forced with nothing queued
         # What stays queued now is a backup batch below its size: nothing is due until more is queued.
         self.send_due = False
         seq = next(self._seq)
-        ops: list[TransferOp] = []
-        groups: list[list[PendingTransfer]] = []
-        if storage:  # queue order, one op each
-            ops = [p.op for p in storage]
-            groups = [[p] for p in storage]
+        sent: list[PendingTransfer] = storage  # queue order, one op each
+        if storage:
             self._queued_storage = []
-        for merged in (loads, backups):
-            if merged:
-                ops.append(self._merged_op(merged))
-                groups.append(merged)
-        if loads:
-            self._queued_loads = []
+        if loads.chains:
+            self._open_loads = _CopyBatch(_H2D, self._num_hosts)
+            loads.op = loads.merged_op(next(self._op_ids))
+            sent = [*sent, loads]
+        if backups is not None:
+            backups.op = backups.merged_op(next(self._op_ids))
+            sent = [*sent, backups]
         pending = self._pending
-        for op, group in zip(ops, groups):
-            PendingTransfer.sent(group, seq)
-            pending[op.op_id] = (group, op)
-        self.workers.submit(TransferPlan(seq, tuple(ops)))
-        return len(storage) + len(loads) + len(backups)
-
-    def _merged_op(self, group: list[_QueuedCopy]) -> TransferOp:
-        """One TransferOp for queued copies of one kind (their id pairs concatenated, in queue order)."""
-        first = group[0]
-        if len(group) == 1:
-            return TransferOp(first.op_id, first.kind, first.device_pages, first.host_slots)
-        return TransferOp(next(self._op_ids), first.kind, np.concatenate([p.device_pages for p in group]),
-                          np.concatenate([p.host_slots for p in group]))
+        transfers = 0
+        for p in sent:
+            p.sent(seq)
+            pending[p.op.op_id] = p
+            transfers += p.num_transfers
+        self.workers.submit(TransferPlan(seq, tuple(p.op for p in sent)))
+        return transfers
 
     def check_events(self) -> int:
         """Sends what is queued and applies every ack that arrived; returns transfers completed.
@@ -501,9 +514,9 @@ class HiCacheController:
         ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile). L2->L3
         backups queued by the acks applied here are sent before returning.
         """
-        if self._queued_loads or self._queued_backups or self._queued_storage:
+        if self._open_loads.chains or self._open_backups.chains or self._queued_storage:
             force = False
-            if self._queued_backup_pages:
+            if self._open_backups.num_pages:
                 self._backup_held_calls += 1
                 force = (self._backup_held_calls >= _BACKUP_HOLD_CALLS
                          or time.monotonic() - self._backup_queued_at >= _BACKUP_HOLD_S)
@@ -531,28 +544,29 @@ class HiCacheController:
 
     def _apply(self, acks: list[TransferAck]) -> int:
         done = 0
+        pending = self._pending
         for ack in acks:
-            entry = self._pending.get(ack.op_id)
-            if entry is None:
+            p = pending.get(ack.op_id)
+            if p is None:
                 continue  # an ack for a transfer already given up on
-            group, op = entry
-            first = group[0]
-            if ack.host not in first.acked_hosts:
-                self.counters.bytes_moved[op.kind.value] += ack.bytes_moved
+            if ack.host not in p.acked_hosts:
+                kind = p.kind
+                self.counters.bytes_moved[kind._value_] += ack.bytes_moved
                 if self.on_transfer is not None:
-                    self.on_transfer(op.kind.value, ack.duration_s, ack.host)
-            first.record(ack)  # the group shares one ack record
-            if first.done:
-                del self._pending[ack.op_id]
-                kind = op.kind
-                if kind is _H2D and not first.errors:
-                    self._commit_loads(group)  # type: ignore[arg-type]  # loads are _QueuedCopy
-                elif kind is _D2H and not first.errors:
-                    self._commit_backups(group, op)
+                    self.on_transfer(kind._value_, ack.duration_s, ack.host)
+                p.record(ack)
+            if len(p.acked_hosts) == p.num_hosts:
+                del pending[ack.op_id]
+                kind = p.kind
+                if kind is not _H2D and kind is not _D2H:
+                    self._complete_storage(p)
+                elif p.errors:
+                    self._fail_copies(p)  # type: ignore[arg-type]  # L1<->L2 ops are copy batches
+                elif kind is _H2D:
+                    self._commit_loads(p)  # type: ignore[arg-type]
                 else:
-                    for p in group:
-                        self._complete(p)
-                done += len(group)
+                    self._commit_backups(p)  # type: ignore[arg-type]
+                done += p.num_transfers
         if done and self._deferred:
             retry, self._deferred = list(self._deferred.values()), {}
             for node in retry:
@@ -561,12 +575,12 @@ class HiCacheController:
             self.submit()
         return done
 
-    def _commit_backups(self, group: list[PendingTransfer], op: TransferOp) -> None:
-        """Every host acked the D->H op ``op`` that carried the backup chains of ``group``: their staged
-        slots (``op.host_slots``, in chain order; splits since keep the order) become L2 copies with one
-        allocator update, and each chain's path lock is released."""
-        chains = [p.nodes for p in group]
-        self.counters.backed_up_tokens += self.host.commit_chains(chains, op.host_slots)  # clears ``pending``
+    def _commit_backups(self, batch: _CopyBatch) -> None:
+        """Every host acked the D->H op of ``batch``: the chains' staged slots (``op.host_slots``, in chain
+        order; splits since keep the order) become L2 copies with one allocator update, and each chain's
+        path lock is released."""
+        chains = batch.chains
+        self.counters.backed_up_tokens += self.host.commit_chains(chains, batch.op.host_slots)  # clears ``pending``
         unlock = self.tree.full.unlock
         for nodes in chains:
             unlock(nodes[-1])
@@ -574,15 +588,15 @@ class HiCacheController:
             for nodes in chains:
                 self.storage.on_host_committed(nodes)
 
-    def _commit_loads(self, group: list[_QueuedCopy]) -> None:
-        """Every host acked the H->D op that carried the loads of ``group``: each chain (root to leaf) is
-        device+host again, and a load releases its path lock (one that holds its caller's leaves it)."""
+    def _commit_loads(self, batch: _CopyBatch) -> None:
+        """Every host acked the H->D op of ``batch``: each chain (root to leaf) is device+host again, and a
+        load releases its path lock (one that holds its caller's leaves it)."""
         events = self._events
         unlock = self.tree.full.unlock
-        host = self.host
+        maybe_push = self.host.maybe_push
+        loads, finished = self._loads, self._finished_loads
         tokens = 0
-        for p in group:
-            nodes = p.nodes
+        for nodes, caller_lock, load_id in zip(batch.chains, batch.caller_locks, batch.load_ids):
             for n in nodes:
                 n.pending = None
                 n.loading = False
@@ -591,55 +605,63 @@ class HiCacheController:
                 tokens += k
                 events.append(n.id << _ID | k << _TOKENS | _LOADED_CODE)
             leaf = nodes[-1]
-            if not p.caller_lock:
+            if not caller_lock:
                 unlock(leaf)  # pushes the leaf as an L1 candidate if nothing else holds it
             # Every node but the leaf has a child with an L2 copy (and, now, L1 pages): only the leaf can
             # be a host eviction candidate.
-            host.maybe_push(leaf)
-            self._finish_load(p.op_id, True)
+            maybe_push(leaf)
+            del loads[load_id]
+            finished[load_id] = True
         self.counters.loaded_tokens += tokens
+        self._bound_finished_loads()
 
-    def _complete(self, p: PendingTransfer) -> None:
-        """A transfer that failed (any kind), or an L3 op, is done on every host."""
-        c = self.counters
-        ok = not p.errors
-        nodes = p.nodes
-        kind = p.op.kind
+    def _fail_copies(self, batch: _CopyBatch) -> None:
+        """The copies of ``batch`` failed (on some host, or given up on): every chain rolls back to its
+        state before the copy and what the copy reserved is freed."""
+        self.counters.transfer_failures += len(batch.chains)
         full = self.tree.full
-        if not ok:
-            c.transfer_failures += 1
-        for n in nodes:
-            n.pending = None
-        if kind is OpKind.BACKUP_D2H:
-            host = self.host
-            for n in nodes:
-                host.unreserve(n.staged_slots)
-                n.staged_slots = None
-            full.unlock(nodes[-1])
-        elif kind is OpKind.LOAD_H2D:
+        if batch.kind is _D2H:
+            unreserve = self.host.unreserve
+            for nodes in batch.chains:
+                for n in nodes:
+                    n.pending = None
+                    unreserve(n.staged_slots)
+                    n.staged_slots = None
+                full.unlock(nodes[-1])
+            return
+        host = self.host
+        for nodes, caller_lock, load_id in zip(batch.chains, batch.caller_locks, batch.load_ids):
             tokens = 0
-            if not p.caller_lock:  # type: ignore[attr-defined]  # else the caller releases its lock
+            if not caller_lock:  # else the caller releases its lock
                 full.unlock(nodes[-1])
             for n in nodes:
+                n.pending = None
                 n.loading = False
                 n.host_pin -= 1
                 tokens += n.num_tokens
                 full.drop_device(n)  # the pages never got the data: host-only again
-            c.miss_tokens[MissReason.LOAD_FAILED] += tokens
+            self.counters.miss_tokens[MissReason.LOAD_FAILED] += tokens
             parent = nodes[0].parent
             if parent is not None and parent.parent is not None:
                 full.maybe_push(parent)  # may be an L1 leaf again
             for n in nodes:
-                self.host.maybe_push(n)
-            self._finish_load(p.op.op_id, False)
-        elif self.storage is not None and self.storage.owns(p.op.op_id):  # BACKUP_H2S, PREFETCH_S2H
+                host.maybe_push(n)
+            del self._loads[load_id]
+            self._finished_loads[load_id] = False
+        self._bound_finished_loads()
+
+    def _complete_storage(self, p: PendingTransfer) -> None:
+        """An L3 op is done on every host (acked, or failed)."""
+        if p.errors:
+            self.counters.transfer_failures += 1
+        for n in p.nodes:
+            n.pending = None
+        if self.storage is not None and self.storage.owns(p.op.op_id):  # BACKUP_H2S, PREFETCH_S2H
             self.storage.complete(p)
 
-    def _finish_load(self, load_id: int, ok: bool) -> None:
-        del self._loads[load_id]
+    def _bound_finished_loads(self) -> None:
         finished = self._finished_loads
-        finished[load_id] = ok
-        if len(finished) > _MAX_EVENTS:
+        while len(finished) > _MAX_EVENTS:
             finished.pop(next(iter(finished)))
 
     def drop_host_tier(self, reason: str = "worker lost") -> int:
@@ -649,15 +671,19 @@ class HiCacheController:
         tree, device+host nodes become device-only, and every slot is free again. L1 keeps serving;
         nothing is ever served from the lost L2. Returns the tokens dropped from L2.
         """
-        queued = self._queued_storage + self._queued_loads + self._queued_backups
-        self._queued_storage, self._queued_loads, self._queued_backups = [], [], []
-        self._queued_backup_pages = 0
+        queued = self._queued_storage + [b for b in (self._open_loads, self._open_backups) if b.chains]
+        self._queued_storage = []
+        self._open_loads = _CopyBatch(_H2D, self._num_hosts)
+        self._open_backups = _CopyBatch(_D2H, self._num_hosts)
         self.send_due = False
-        failed = [p for group, _ in self._pending.values() for p in group] + queued
+        failed = [*self._pending.values(), *queued]
         self._pending.clear()
         for p in failed:
             p.fail(reason)
-            self._complete(p)
+            if type(p) is _CopyBatch:
+                self._fail_copies(p)
+            else:
+                self._complete_storage(p)
         self._deferred.clear()
         dropped = 0
         # Leaves first, so every host-only node is childless when it goes.
@@ -669,8 +695,8 @@ class HiCacheController:
 
     @property
     def in_flight(self) -> int:
-        queued = len(self._queued_loads) + len(self._queued_backups) + len(self._queued_storage)
-        return sum(len(g) for g, _ in self._pending.values()) + queued
+        queued = len(self._open_loads.chains) + len(self._open_backups.chains) + len(self._queued_storage)
+        return sum(p.num_transfers for p in self._pending.values()) + queued
 
     def check_invariants(self) -> None:
         self.host.check_invariants()

@@ -122,13 +122,14 @@ class LocalWorkerGroup:
 class PendingTransfer:
     """One op in flight and the nodes whose state waits on it (in root-to-leaf order).
 
-    ``op`` is the op as queued; queued copies of one kind may travel merged into one sent op, acked once
-    for all of them: ``sent`` gives the transfers of one sent op ONE shared ack record (``acked_hosts``,
-    ``errors``). A plain slotted class: the head makes one per queued transfer, on the hot path."""
+    ``op`` is the op as sent; ``sent`` gives it its ack record (``acked_hosts``, ``errors``), shared by
+    every transfer the op carries (the controller's copy batches carry many: ``num_transfers``). A plain
+    slotted class: the head makes one per L3 op and per batch of L1<->L2 copies."""
 
     __slots__ = ("op", "seq", "nodes", "num_hosts", "acked_hosts", "errors")
+    num_transfers = 1  # transfers this op carries (the requests' view: a copy batch counts its copies)
 
-    def __init__(self, op: TransferOp, seq: int, nodes: list[TreeNode], num_hosts: int) -> None:
+    def __init__(self, op: TransferOp | None, seq: int, nodes: list[TreeNode], num_hosts: int) -> None:
         self.op = op
         self.seq = seq
         self.nodes = nodes
@@ -136,17 +137,13 @@ class PendingTransfer:
         self.acked_hosts: set[int] = NOT_SENT  # replaced by ``sent``
         self.errors: list[str] = NO_ERRORS  # type: ignore[assignment]  # replaced by ``sent``
 
-    @staticmethod
-    def sent(group: list[PendingTransfer], seq: int) -> None:
-        """The transfers of ``group`` left as one op in plan ``seq``: one ack record for all of them."""
-        acked: set[int] = set()
-        errors: list[str] = []
-        for p in group:
-            p.seq, p.acked_hosts, p.errors = seq, acked, errors
+    def sent(self, seq: int) -> None:
+        """The op left in plan ``seq``: from now on hosts ack it."""
+        self.seq, self.acked_hosts, self.errors = seq, set(), []
 
     def fail(self, reason: str) -> None:
         """Gives up on the transfer (sent or not): it completes as failed on every host."""
-        self.errors = [*self.errors, reason]  # its own list: a shared record may belong to other transfers
+        self.errors = [*self.errors, reason]  # a new list: an unsent op holds the shared placeholder
         self.acked_hosts = set(range(self.num_hosts))
 
     @property
