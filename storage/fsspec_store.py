@@ -88,7 +88,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 import numpy as np
@@ -448,18 +448,20 @@ class _LocalBackend(_Backend):
             return []
         paths = list(paths)
         if self.inline_io:
-            t0 = time.monotonic()
-            out: list[Any] = []
-            for p in paths:
-                if time.monotonic() >= deadline.end:
-                    out.append(TimeoutError(f"existence check of {p} did not start by the deadline"))
-                else:
-                    out.append(os.path.exists(p))
-            if time.monotonic() - t0 > self.INLINE_STAT_LIMIT_S:
-                self.inline_io = False
-            return out
+            return [self.exists_one(p, deadline) for p in paths]
         (r,) = dict(self.map(lambda: [os.path.exists(p) for p in paths], [()], deadline)).values()
         return r if isinstance(r, list) else [r] * len(paths)
+
+    def exists_one(self, path: str, deadline: _Deadline) -> bool | TimeoutError:
+        """One existence check on the calling thread (``inline_io`` only): ``TimeoutError`` past
+        the deadline. A stat slower than ``INLINE_STAT_LIMIT_S`` turns ``inline_io`` off."""
+        t0 = time.monotonic()
+        if t0 >= deadline.end:
+            return TimeoutError(f"existence check of {path} did not start by the deadline")
+        r = os.path.exists(path)
+        if time.monotonic() - t0 > self.INLINE_STAT_LIMIT_S:
+            self.inline_io = False
+        return r
 
     def read_into(
         self,
@@ -765,9 +767,9 @@ class _PoolReg:
         return self.header.header_len
 
 
-@dataclasses.dataclass(frozen=True)
-class _Obj:
-    """One object = pages [start, start+m) of a chain; ``key`` names its last page."""
+class _Obj(NamedTuple):
+    """One object = pages [start, start+m) of a chain; ``key`` names its last page. (A tuple: a
+    query builds one per chunk and probe, a frozen dataclass costs ~10x more to make.)"""
 
     t: int  # transfer index
     start: int
@@ -925,16 +927,17 @@ class FsspecStorage(HiCacheStorage):
     # ---- resolution ----------------------------------------------------------------------------
     def _naturals(self, t: int, reg: _PoolReg, keys: list[str], first: int) -> list[_Obj]:
         """Natural candidate object of every chunk intersecting the query, in order."""
+        return list(self._iter_naturals(t, reg, keys, first))
+
+    def _iter_naturals(self, t: int, reg: _PoolReg, keys: list[str], first: int) -> Iterator[_Obj]:
         C, n = reg.ppo, len(keys)
-        out = []
         if n == 0:
-            return out
+            return
         for j in range(first // C, (first + n - 1) // C + 1):
             s = j * C
             last = min(s + C, first + n) - 1
             k = keys[last - first]
-            out.append(_Obj(t, s, last - s + 1, k, self._path(reg, k)))
-        return out
+            yield _Obj(t, s, last - s + 1, k, self._path(reg, k))
 
     def _partials(self, t: int, reg: _PoolReg, keys: list[str], first: int, nat: _Obj) -> list[_Obj]:
         """Shorter objects of ``nat``'s chunk that end inside the query, longest first."""
@@ -961,8 +964,40 @@ class FsspecStorage(HiCacheStorage):
         elif not isinstance(e, FileNotFoundError):
             self._count(errors=1)
 
+    def _exists_here(self, o: _Obj, deadline: _Deadline) -> bool:
+        """Local filesystem, calling thread: whether ``o`` is stored (one stat; an error or the
+        deadline is a counted miss). Callers stat in chain order and stop at the answer: a miss
+        costs the objects up to it, not one stat per candidate of the whole query (each stat gives
+        the GIL away; on a busy host getting it back costs more than the stat)."""
+        r = self._io.exists_one(o.path, deadline)  # type: ignore[attr-defined]
+        if isinstance(r, BaseException):
+            self._count_exc(r)
+            return False
+        return r
+
+    def _first_stored(self, objs: Sequence[_Obj], deadline: _Deadline) -> _Obj | None:
+        """The first of ``objs`` stored (local, calling thread, in order), or None."""
+        for o in objs:
+            if self._exists_here(o, deadline):
+                return o
+        return None
+
     def _resolve(self, queries: list[tuple[_PoolReg, list[str], np.ndarray, int]], deadline: _Deadline) -> list[list[_Obj]]:
-        """Objects that cover the longest stored prefix of each query (≤ 2 batched rounds)."""
+        """Objects that cover the longest stored prefix of each query (≤ 2 batched rounds; on a
+        local filesystem, stats in chain order up to the first missing object)."""
+        if self._local and self._io.inline_io:  # type: ignore[attr-defined]
+            found = []
+            for t, (reg, keys, _, first) in enumerate(queries):
+                objs: list[_Obj] = []
+                for o in self._iter_naturals(t, reg, keys, first):
+                    if not self._exists_here(o, deadline):
+                        part = self._first_stored(self._partials(t, reg, keys, first, o), deadline)
+                        if part is not None:
+                            objs.append(part)
+                        break
+                    objs.append(o)
+                found.append(objs)
+            return found
         nats = [self._naturals(t, reg, keys, first) for t, (reg, keys, _, first) in enumerate(queries)]
         flat = [o for ns in nats for o in ns]
         flags = iter(self._exists_flags(flat, deadline))
@@ -1081,12 +1116,18 @@ class FsspecStorage(HiCacheStorage):
             base += len(ns)
         if not probes:
             return
-        flags = iter(self._exists_flags([o for _, ps, _ in probes for o in ps], deadline))
         found: list[tuple[_Obj, int]] = []
-        for _, ps, rank in probes:
-            fl = [next(flags) for _ in ps]
-            if True in fl:
-                found.append((ps[fl.index(True)], mtimes[rank]))
+        if self._io.inline_io:  # type: ignore[attr-defined]
+            for _, ps, rank in probes:  # longest first, up to the first one stored
+                part = self._first_stored(ps, deadline)
+                if part is not None:
+                    found.append((part, mtimes[rank]))
+        else:
+            flags = iter(self._exists_flags([o for _, ps, _ in probes for o in ps], deadline))
+            for _, ps, rank in probes:
+                fl = [next(flags) for _ in ps]
+                if True in fl:
+                    found.append((ps[fl.index(True)], mtimes[rank]))
         if found:
             objs2 = [o for o, _ in found]
             res2 = self._read_objs(queries, objs2, guard, deadline, mtimes=[m for _, m in found])

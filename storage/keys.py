@@ -23,6 +23,7 @@ with another TP degree computes the same name for the same heads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 import struct
@@ -88,7 +89,15 @@ class ModelFingerprint:
             _check_pos_int(name, getattr(self, name))
 
     def digest(self) -> bytes:
-        """32-byte SHA-256 over a framed, field-named encoding (stable across processes)."""
+        """32-byte SHA-256 over a framed, field-named encoding (stable across processes). Computed
+        once per instance (the fields are frozen; every key computation starts from it)."""
+        d = self.__dict__.get("_digest")
+        if d is None:
+            d = self._compute_digest()
+            object.__setattr__(self, "_digest", d)
+        return d
+
+    def _compute_digest(self) -> bytes:
         return hashlib.sha256(
             _frame(
                 _FP_TAG,
@@ -126,12 +135,18 @@ class Namespace:
                 raise TypeError(f"{name} must be str or None, got {type(v).__name__}: {v!r}")
 
     def seed(self) -> bytes:
-        return hashlib.sha256(
-            _frame(_NS_TAG, self.fingerprint.digest(), self.extra_key, self.cache_salt)
-        ).digest()
+        """Chain seed (32 bytes). Memoized per (fingerprint, extra_key, cache_salt): the head builds a
+        fresh ``Namespace`` for every L3 query and backup, and framing + hashing cost more than the
+        chain's first pages."""
+        return _seed(self.fingerprint.digest(), self.extra_key, self.cache_salt)
 
     def hexdigest(self) -> str:
         return self.seed().hex()
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed(fingerprint_digest: bytes, extra_key: str | None, cache_salt: str | None) -> bytes:
+    return hashlib.sha256(_frame(_NS_TAG, fingerprint_digest, extra_key, cache_salt)).digest()
 
 
 def _as_tokens(tokens: object) -> np.ndarray:

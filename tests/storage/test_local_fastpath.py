@@ -61,16 +61,22 @@ def _rewrite(st, key: str, blob: bytes) -> None:
 
 
 class _CountingExists:
-    """Wraps the backend's ``exists_many`` to count existence rounds (and the paths asked)."""
+    """Wraps the backend's existence checks: ``paths`` counts the paths asked, ``rounds`` the
+    batched rounds (``exists_many``; on a local root the probes are single stats, in order)."""
 
     def __init__(self, st) -> None:
-        self.rounds, self.paths, self._inner = 0, 0, st._io.exists_many
+        self.rounds, self.paths, self._many, self._one = 0, 0, st._io.exists_many, st._io.exists_one
         st._io.exists_many = self
+        st._io.exists_one = self.one
 
     def __call__(self, paths, deadline):
         self.rounds += 1
         self.paths += len(paths)
-        return self._inner(paths, deadline)
+        return self._many(paths, deadline)
+
+    def one(self, path, deadline):
+        self.paths += 1
+        return self._one(path, deadline)
 
 
 # same-size corruptions land in the pool through the single read and must be wiped; wrong-size
@@ -140,22 +146,26 @@ def test_no_existence_round_for_reads(make_store, fp):
     st.batch_set(keys, S(0, 12))
     spy = _CountingExists(st)
     assert st.batch_get(keys, S(20, 32)) == [True] * 12
-    assert spy.rounds == 0  # full hit: the reads alone
-    # a miss at a chunk whose shorter partial objects lie inside the query: one probe round
+    assert spy.paths == 0  # full hit: the reads alone
+    # a miss at a chunk whose shorter partial objects lie inside the query: they are probed
+    # (local root: on this thread, longest first, up to the first one stored)
     os.unlink(st.object_path(keys[7]))
     assert st.batch_get(keys, S(20, 32)) == [True] * 4 + [False] * 8
-    assert (spy.rounds, spy.paths) == (1, 3)  # partial candidates of chunk 1 (pages 4..6)
+    inline = st._io.inline_io
+    assert (spy.rounds, spy.paths) == ((0, 3) if inline else (1, 3))  # partial candidates of chunk 1 (pages 6, 5, 4)
     # the partial object found by the probe is read in a second round
     st.batch_set(keys[:6], S(0, 6))  # chunk 0 exists, writes the partial (pages 4, 5)
     st.pool.buf[20:32] = 0
+    spy.paths = 0
     assert st.batch_get(keys, S(20, 32)) == [True] * 6 + [False] * 6
+    assert spy.paths == (2 if inline else 3)  # page 6: missing, page 5: stored (the probe stops)
     assert same_bytes(st.pool.buf[20:26], st.pool.buf[0:6])
     # a one-page query at a chunk's first page: its natural object (ending at page 8) is not
     # stored (chunk 2 is stored in full, named by page 11) and no shorter object exists: a miss
-    # with nothing to probe, so still no existence round
-    spy.rounds = 0
+    # with nothing to probe, so still no existence check
+    spy.rounds = spy.paths = 0
     assert st.batch_get(keys[8:9], S(40, 41), first_page=8) == [False]
-    assert spy.rounds == 0
+    assert spy.paths == 0
 
 
 def test_existence_checks_run_on_the_calling_thread_until_a_batch_is_slow(make_store, fp, handoffs):
@@ -179,6 +189,26 @@ def test_existence_checks_run_on_the_calling_thread_until_a_batch_is_slow(make_s
     assert st.batch_exists(keys[:8]) == 8 and spy.calls == 0  # one round (both found), still inline
     assert st.batch_exists(keys[:8]) == 8 and spy.calls == 1  # the next one went to the pool
     assert st.batch_exists(keys[:5]) == 4  # same answers either way
+
+
+def test_local_existence_stops_at_the_first_missing_object(make_store, fp):
+    """A local query stats its objects in chain order and stops at the first missing one: a miss
+    costs its first object and that chunk's shorter partial candidates, not one stat per chunk."""
+    st = make_store("file")
+    if not st._io.inline_io:
+        pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
+    keys = _keys(fp, 16)  # 4 chunks of 4 pages
+    spy = _CountingExists(st)
+    assert st.batch_exists(keys) == 0
+    assert spy.paths == 1 + 3  # chunk 0's natural object, then its partials (pages 2, 1, 0)
+    st.pool.fill_random(S(0, 16), 3)
+    st.batch_set(keys[:4], S(0, 4))
+    spy.paths = 0
+    assert st.batch_exists(keys) == 4
+    assert spy.paths == 2 + 3  # chunks 0 (stored) and 1 (missing), chunk 1's partials; never chunks 2, 3
+    st.batch_set(keys, S(0, 16))
+    spy.paths = 0
+    assert st.batch_exists(keys) == 16 and spy.paths == 4
 
 
 def test_objects_behind_a_missing_one_do_not_count(make_store, fp):
