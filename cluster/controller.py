@@ -164,6 +164,7 @@ class HiCacheController:
         # Packed ints (events.pack_event); the KVEvent objects are built when taken (off the hot path).
         self._events: deque[int] = deque(maxlen=_MAX_EVENTS)
         self.host = HostTier(tree, config.host_slots, self._events)
+        self._slots = self.host.slots  # the L2 slot allocator (one for the controller's life)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         self._page_size = tree.page_size
         self._page_bytes = 4 * tree.page_size  # int32 tokens: the first page of a key, as bytes
@@ -245,14 +246,15 @@ class HiCacheController:
         # Node page arrays are never written in place (splits and evictions replace them), so a single
         # node's array is used as is; TransferOp copies it when the op is built.
         pages = chain[0].device_pages if len(chain) == 1 else np.concatenate([c.device_pages for c in chain])
-        host = self.host
-        if host.slots.num_free >= pages.shape[0]:
-            slots = host.slots.alloc(pages.shape[0])
+        k = pages.shape[0]
+        slot_allocator = self._slots
+        if slot_allocator.num_free >= k:
+            slots = slot_allocator.alloc(k)
         else:  # host eviction first: it must not drop the copy of the node the chain hangs below
             anchor = chain[0].parent
             anchor.host_pin += 1
             try:
-                slots = host.reserve(pages.shape[0])
+                slots = self.host.reserve(k)
             finally:
                 anchor.host_pin -= 1
         if slots is None:

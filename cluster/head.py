@@ -83,6 +83,10 @@ NO_ARG_METHODS = frozenset({  # called without an argument
 CALL_ERRORS = (ValueError, TypeError, RuntimeError)  # what fails one call of a step, not the step
 
 
+def _no_host_tier() -> RuntimeError:
+    return RuntimeError("this head has no host tier (HeadConfig.hicache is None)")
+
+
 @dataclass(frozen=True)
 class Call:
     method: Method | str
@@ -126,7 +130,7 @@ class CacheHead:
 
     def _hicache(self) -> HiCacheController:
         if self.controller is None:
-            raise RuntimeError("this head has no host tier (HeadConfig.hicache is None)")
+            raise _no_host_tier()
         return self.controller
 
     def _sent(self, result: Any) -> Any:
@@ -242,17 +246,30 @@ class CacheHead:
             self.metrics.update(self.cache_stats())
 
     # -- HiCache hooks (scheduler loop) --------------------------------------------------------------
+    # The four called per request or per step test the controller inline (no ``_hicache`` call each).
     def init_load_back(self, params: LoadBackParams) -> LoadBackResult:
-        return self._hicache().init_load_back(params)
+        ctl = self.controller
+        if ctl is None:
+            raise _no_host_tier()
+        return ctl.init_load_back(params)
 
     def wait_load_back(self, load_id: int) -> bool:
-        return self._hicache().wait_load_back(load_id)
+        ctl = self.controller
+        if ctl is None:
+            raise _no_host_tier()
+        return ctl.wait_load_back(load_id)
 
     def ready_to_load_host_cache(self) -> int:
-        return self._hicache().submit()
+        ctl = self.controller
+        if ctl is None:
+            raise _no_host_tier()
+        return ctl.submit()
 
     def check_hicache_events(self) -> int:
-        return self._hicache().check_events()
+        ctl = self.controller
+        if ctl is None:
+            raise _no_host_tier()
+        return ctl.check_events()
 
     def flush_write_through_acks(self) -> int:
         return self._hicache().flush_write_through_acks()

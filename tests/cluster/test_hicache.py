@@ -375,6 +375,17 @@ def test_config_validation():
             HiCacheConfig(**bad)
 
 
+def test_a_head_without_host_tier_refuses_every_hicache_hook():
+    head = CacheHead(HeadConfig(tree=TreeConfig(4, 8)))
+    hooks = [lambda: head.init_load_back(LoadBackParams(0, 0)), lambda: head.wait_load_back(0),
+             head.ready_to_load_host_cache, head.check_hicache_events, head.flush_write_through_acks,
+             head.take_events, head.detach_storage_backend]
+    for hook in hooks:
+        with pytest.raises(RuntimeError, match="no host tier"):
+            hook()
+    assert "host_tokens" not in head.cache_stats()
+
+
 def test_drop_host_tier_keeps_l1_and_forgets_l2():
     env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
     a, b = seq(0, 16), seq(500, 16)
