@@ -2,9 +2,11 @@
 
 Schemes
 -------
-- ``file://DIR`` — embedded default. Write-once is a temp file + ``os.link`` (atomic, fails with
-  ``FileExistsError`` if the name exists), so concurrent writers (threads or processes) leave
-  exactly one complete object and readers never see a torn one. fsspec's own
+- ``file://DIR`` — embedded default. Write-once on a local filesystem: the final name is created
+  with ``O_EXCL`` and no permission bits, written, then published with ``fchmod`` (readers take
+  published objects only); on a network/FUSE mount a temp file + ``os.link``. Either way
+  concurrent writers (threads or processes) leave exactly one complete object and readers never
+  see a torn one. fsspec's own
   ``LocalFileSystem.pipe_file(mode="create")`` is exists-then-write, which is neither, hence the
   local fast path (plain ``os`` calls, no fsspec listing cache involved). Reads have no separate
   existence round: each object is opened directly (a failed ``open`` is the miss) and read with
@@ -216,6 +218,74 @@ def _set_mtime(fd: int, mtime_ns: int | None) -> None:
         pass
 
 
+# file:// on a local filesystem publishes an object in place: its final name is created exclusively
+# (``O_EXCL``: one writer wins) with no permission bits (in progress), written, then given
+# ``PUBLISHED_MODE`` (``fchmod``). One directory entry per object instead of a temp file + link +
+# unlink (the filesystem's file creation is most of a small object's write cost). Readers and
+# existence checks take published objects only: an unpublished one is a miss, never data (a writer
+# is on it, or one died: older than ``STALE_UNPUBLISHED_S`` a reader removes it so the key can be
+# written again). Network/FUSE mounts keep temp file + ``os.link`` (their attribute and data
+# caches do not promise that a reader who sees the mode also sees the bytes).
+PUBLISHED_MODE = 0o644
+STALE_UNPUBLISHED_S = 600.0
+
+
+def _is_published(st: os.stat_result) -> bool:
+    return st.st_mode & 0o777 != 0
+
+
+def _published(path: str) -> bool:
+    """Whether a published object (or any other file with permission bits) exists at ``path``."""
+    try:
+        return _is_published(os.stat(path))
+    except (OSError, ValueError):
+        return False
+
+
+def _drop_if_stale(path: str, st: os.stat_result | None = None) -> None:
+    """Removes the unpublished object at ``path`` if its writer is long gone (best effort)."""
+    try:
+        st = os.stat(path) if st is None else st
+        if not _is_published(st) and time.time() - st.st_mtime > STALE_UNPUBLISHED_S:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _open_published_fd(path: str) -> tuple[int, int]:
+    """``(fd, size)`` of the published object at ``path``; ``FileNotFoundError`` if there is none
+    (missing, or still being written: a miss, never a torn object)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except PermissionError:  # unpublished, and we are not root
+        _drop_if_stale(path)
+        raise FileNotFoundError(path) from None
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not _is_published(st):
+        os.close(fd)
+        _drop_if_stale(path, st)
+        raise FileNotFoundError(path)
+    return fd, st.st_size
+
+
+def _open_published(path: str):  # -> a binary, unbuffered file object
+    return os.fdopen(_open_published_fd(path)[0], "rb", buffering=0)
+
+
+def _writev_all(fd: int, header: bytes, payload: np.ndarray) -> None:
+    """Header and payload with one ``writev`` (more only after a short write)."""
+    bufs = [memoryview(header).cast("B"), memoryview(payload.reshape(-1).view(np.uint8))]
+    n, total = os.writev(fd, bufs), len(bufs[0]) + len(bufs[1])
+    if n < total:  # a short write (rare): finish it
+        bufs = _advance(bufs, n)
+        while bufs:
+            bufs = _advance(bufs, os.writev(fd, bufs))
+
+
 def _object_bytes(header: bytes, payload: np.ndarray) -> bytes:
     """Header + payload as one ``bytes`` for backends that take a whole object: one copy of the
     payload (``header + payload.tobytes()`` would copy it twice)."""
@@ -404,22 +474,23 @@ class _LocalBackend(_Backend):
     def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
         super().__init__(fs, threads, max_pending)
         self.inline_io = False  # until ``attach_root`` finds the root on a local filesystem
+        self.local_fs = False  # the root is on a local filesystem (decided once; publish in place)
 
     def attach_root(self, root: str) -> None:
         """Create ``root`` and decide, once, where existence checks run: inline only on a local
         filesystem (a stat cannot hang there); on a network/FUSE mount or an unknown one, on the
         pool, bounded by each call's deadline."""
         os.makedirs(root, exist_ok=True)
-        self.inline_io = stats_are_local(root)
+        self.local_fs = self.inline_io = stats_are_local(root)
 
     def map(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
         return self.map_pull(fn, items, deadline)
 
     def _exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        return _published(path)
 
     def _read(self, path: str) -> memoryview:
-        with open(path, "rb", buffering=0) as f:
+        with _open_published(path) as f:
             size = os.fstat(f.fileno()).st_size
             buf = np.empty(size, dtype=np.uint8)
             mv = memoryview(buf)
@@ -449,7 +520,7 @@ class _LocalBackend(_Backend):
         paths = list(paths)
         if self.inline_io:
             return [self.exists_one(p, deadline) for p in paths]
-        (r,) = dict(self.map(lambda: [os.path.exists(p) for p in paths], [()], deadline)).values()
+        (r,) = dict(self.map(lambda: [_published(p) for p in paths], [()], deadline)).values()
         return r if isinstance(r, list) else [r] * len(paths)
 
     def exists_one(self, path: str, deadline: _Deadline) -> bool | TimeoutError:
@@ -458,7 +529,7 @@ class _LocalBackend(_Backend):
         t0 = time.monotonic()
         if t0 >= deadline.end:
             return TimeoutError(f"existence check of {path} did not start by the deadline")
-        r = os.path.exists(path)
+        r = _published(path)
         if time.monotonic() - t0 > self.INLINE_STAT_LIMIT_S:
             self.inline_io = False
         return r
@@ -482,9 +553,8 @@ class _LocalBackend(_Backend):
         bump, set on the open descriptor after verification. Returns the object's size."""
         u8 = dest.reshape(-1).view(np.uint8)
         hl = meta.header_len
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd, total = _open_published_fd(path)
         try:
-            total = os.fstat(fd).st_size
             if total != hl + payload_len:  # wrong size: classify from the header, never touch the pool
                 head = os.pread(fd, min(total, hl), 0)
                 decode_header(head, meta, payload_len=payload_len, total_len=total)  # raises
@@ -539,21 +609,47 @@ class _LocalBackend(_Backend):
         raise FileExistsError(f"no free temp file name in {d}")
 
     def write_once_local(self, path: str, header: bytes, payload: np.ndarray, mtime_ns: int | None = None) -> int:
-        """Atomic write-once: a temp file in the object's directory (one ``writev``), its mtime set
-        (LRU), then ``os.link`` to the final name, which fails if another writer won. Returns
-        ``WROTE``, ``EXISTED`` (present before: nothing written) or ``RACED`` (lost the race).
-        This is the only existence check of a file:// ``batch_set``."""
+        """Write-once of one object. Returns ``WROTE``, ``EXISTED`` (stored, or being written by
+        another writer: nothing written) or ``RACED`` (lost a race at the publish step). On a
+        local filesystem: exclusive create of the final name, one ``writev``, mtime (LRU),
+        ``fchmod`` to publish (module comment at ``PUBLISHED_MODE``); elsewhere temp file +
+        ``os.link``. This is the only existence check of a file:// ``batch_set``."""
+        if not self.local_fs:
+            return self._write_once_linked(path, header, payload, mtime_ns)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags, 0)
+        except FileNotFoundError:  # first object of this directory (or the tree was cleared)
+            os.makedirs(path.rpartition("/")[0], exist_ok=True)
+            try:
+                fd = os.open(path, flags, 0)
+            except FileExistsError:
+                return self.EXISTED
+        except FileExistsError:
+            return self.EXISTED
+        try:
+            _writev_all(fd, header, payload)
+            _set_mtime(fd, mtime_ns)
+            os.fchmod(fd, PUBLISHED_MODE)
+        except BaseException:
+            try:  # ours (created exclusively) and never published: nobody reads it
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(fd)
+        return self.WROTE
+
+    def _write_once_linked(self, path: str, header: bytes, payload: np.ndarray, mtime_ns: int | None = None) -> int:
+        """Temp file in the object's directory (one ``writev``), its mtime set (LRU), then
+        ``os.link`` to the final name, which fails if another writer won."""
         if os.path.exists(path):
             return self.EXISTED
         fd, tmp = self._create_tmp(path.rpartition("/")[0])
         try:
             try:
-                bufs = [memoryview(header).cast("B"), memoryview(payload.reshape(-1).view(np.uint8))]
-                n, total = os.writev(fd, bufs), len(bufs[0]) + len(bufs[1])
-                if n < total:  # a short write (rare): finish it
-                    bufs = _advance(bufs, n)
-                    while bufs:
-                        bufs = _advance(bufs, os.writev(fd, bufs))
+                _writev_all(fd, header, payload)
                 _set_mtime(fd, mtime_ns)
             finally:
                 os.close(fd)
@@ -1447,6 +1543,9 @@ class FsspecStorage(HiCacheStorage):
                             os.unlink(p)
                         except OSError:
                             pass
+                    continue
+                if not _is_published(st):  # being written (its writer accounts it), or a crashed one's
+                    _drop_if_stale(p, st)
                     continue
                 idx[p] = (st.st_size, st.st_mtime_ns)
                 used += st.st_size

@@ -199,7 +199,7 @@ def test_concurrent_writers_memory_threads():
 
 
 def test_local_write_once_race_threads(tmp_path):
-    """The os.link publish step itself: many racing writers of one name → exactly one wins, the
+    """The publish step itself: many racing writers of one name → exactly one wins, the
     object is one writer's complete bytes, no temp files remain."""
     st = FsspecStorage(f"file://{tmp_path}/l3", FP, StorageConfig(pages_per_object=4))
     path = f"{tmp_path}/l3/x/obj"
