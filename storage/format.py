@@ -5,22 +5,29 @@ Layout (little-endian)::
     off  size  field
       0     8  magic  b"HICKV\\x00\\r\\n"
       8     2  format_version (u16)            -- checked right after the magic
-     10     2  header_len (u16)                -- 144 + 4*ndim
+     10     2  header_len (u16)                -- 144 + 4*ndim + 32*num_links
      12     1  kind (u8: 1 = KV/state pages, 2 = manifest entry)
      13     1  ndim (u8) of the per-page shape
-     14     2  reserved (0)
+     14     2  link_every (u16): S, the spacing of the object's link names (0: none)
      16    32  model fingerprint digest
      48    32  object key (chain hash of the last page; manifest: namespace seed)
      80     8  first_page (u64, absolute page index of the first page in the chain)
      88     4  num_pages (u32; manifest: number of tokens)
-     92     4  reserved (0)
+     92     4  num_links (u32)
      96    16  dtype name, ASCII, NUL-padded (``np.dtype.name``, e.g. "bfloat16")
     112     8  payload_len (u64)
     120    16  XXH3-128(payload), canonical (big-endian) digest
     136 4*ndim per-page shape (u32 each)
+      . 32*num_links  link keys: chain key of page first_page + k*S - 1, k = 1..num_links
       .     8  XXH3-64(header bytes before this field), u64
 
 The payload is ``num_pages`` pages, each ``prod(shape) * itemsize`` bytes, C order.
+
+Links (v3). A file:// object of more than S pages is also reachable under the chain key of every
+S-th page inside it (hard links, ``fsspec_store``), so a query that ends or diverges inside the
+object still reads its leading pages. The header lists those keys, so a reader that opened a link
+checks that its name is bound to this object at that position (``decode(..., longer_ok=True)``)
+exactly as a reader of the object's own name checks ``key``.
 
 Checksum: XXH3 (``xxhash``), not CRC32C. Version 1 used CRC32C; on this kind of host the
 hardware CRC32C runs at ~15 GB/s on cached data and XXH3 at ~25-35 GB/s, and a local read from
@@ -51,11 +58,12 @@ import numpy as np
 import xxhash
 
 MAGIC = b"HICKV\x00\r\n"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _FIXED = struct.Struct("<8sHHBBH32s32sQII16sQ16s")  # up to and including the payload digest
 assert _FIXED.size == 136
 _HEADER_SUM = struct.Struct("<Q")  # XXH3-64 of the header bytes before it
 MAX_NDIM = 16
+MAX_LINKS = (0xFFFF - _FIXED.size - 4 * MAX_NDIM - _HEADER_SUM.size) // 32  # header_len is a u16
 
 
 class ObjectKind(enum.IntEnum):
@@ -110,6 +118,7 @@ class ObjectMeta:
     num_pages: int
     dtype: str
     shape: tuple[int, ...]  # per page
+    num_links: int = 0  # link keys in the header (see the module docstring)
 
     def __post_init__(self) -> None:
         if len(self.fingerprint) != 32 or len(self.key) != 32:
@@ -120,43 +129,59 @@ class ObjectMeta:
             raise ValueError(f"unsupported page shape {self.shape}")
         if self.first_page < 0 or not (0 <= self.num_pages < 2**32):
             raise ValueError(f"bad first_page/num_pages {self.first_page}/{self.num_pages}")
+        if not 0 <= self.num_links <= MAX_LINKS:
+            raise ValueError(f"bad num_links {self.num_links}")
 
     @property
     def header_len(self) -> int:
-        return _FIXED.size + 4 * len(self.shape) + _HEADER_SUM.size
+        return _FIXED.size + 4 * len(self.shape) + 32 * self.num_links + _HEADER_SUM.size
 
     def payload_len(self, itemsize: int) -> int:
         return self.num_pages * math.prod(self.shape) * itemsize
 
 
 class HeaderEncoder:
-    """Headers of objects that share kind, fingerprint, dtype and per-page shape (one pool's
-    objects): those fields are validated and packed once, not per object. ``encode`` is
-    bit-identical to ``encode_header`` with the same fields."""
+    """Headers of objects that share kind, fingerprint, dtype, per-page shape and link spacing (one
+    pool's objects): those fields are validated and packed once, not per object. ``encode`` is
+    bit-identical to ``encode_header`` with the same fields. ``header_len``: without links."""
 
-    def __init__(self, kind: ObjectKind, fingerprint: bytes, dtype: str, shape: tuple[int, ...]) -> None:
+    def __init__(self, kind: ObjectKind, fingerprint: bytes, dtype: str, shape: tuple[int, ...], link_every: int = 0) -> None:
         probe = ObjectMeta(kind, fingerprint, bytes(32), 0, 0, dtype, tuple(shape))  # validates
+        if isinstance(link_every, bool) or not isinstance(link_every, int) or not 0 <= link_every < 2**16:
+            raise ValueError(f"link_every must be an int in [0, 65535], got {link_every!r}")
         self.header_len = probe.header_len
+        self.link_every = link_every
         self._kind, self._fp, self._dtype = int(kind), fingerprint, dtype.encode("ascii")
         self._ndim = len(probe.shape)
         self._shape = struct.pack(f"<{self._ndim}I", *probe.shape)
 
-    def encode(self, key: bytes, first_page: int, num_pages: int, payload: bytes | memoryview | np.ndarray) -> bytes:
-        """Header for ``payload`` (checksummed here; the payload itself is not copied)."""
+    def encode(
+        self, key: bytes, first_page: int, num_pages: int, payload: bytes | memoryview | np.ndarray,
+        link_keys: tuple[bytes, ...] = (),
+    ) -> bytes:
+        """Header for ``payload`` (checksummed here; the payload itself is not copied).
+        ``link_keys``: keys of pages ``first_page + k*link_every - 1``, k = 1.. (inside the object)."""
         if len(key) != 32:
             raise ValueError(f"key must be 32 bytes, got {len(key)}")
         if first_page < 0 or not (0 <= num_pages < 2**32):
             raise ValueError(f"bad first_page/num_pages {first_page}/{num_pages}")
+        n = len(link_keys)
+        if n and (not self.link_every or n * self.link_every >= num_pages or any(len(k) != 32 for k in link_keys)):
+            raise ValueError(f"{n} link keys do not fit {num_pages} pages linked every {self.link_every}")
         u8 = np.frombuffer(payload, dtype=np.uint8)
         head = _FIXED.pack(
-            MAGIC, FORMAT_VERSION, self.header_len, self._kind, self._ndim, 0, self._fp, key,
-            first_page, num_pages, 0, self._dtype, u8.size, payload_digest(u8),
+            MAGIC, FORMAT_VERSION, self.header_len + 32 * n, self._kind, self._ndim, self.link_every, self._fp, key,
+            first_page, num_pages, n, self._dtype, u8.size, payload_digest(u8),
         ) + self._shape
+        if n:
+            head += b"".join(link_keys)
         return head + _HEADER_SUM.pack(_header_sum(head))
 
 
 def encode_header(meta: ObjectMeta, payload: bytes | memoryview | np.ndarray) -> bytes:
-    """Header for ``payload`` (checksummed here; the payload itself is not copied)."""
+    """Header for ``payload`` (checksummed here; the payload itself is not copied). No links."""
+    if meta.num_links:
+        raise ValueError("encode_header writes objects without links; use HeaderEncoder.encode(link_keys=...)")
     enc = HeaderEncoder(meta.kind, meta.fingerprint, meta.dtype, meta.shape)
     return enc.encode(meta.key, meta.first_page, meta.num_pages, payload)
 
@@ -169,9 +194,13 @@ def decode_header(
     return _check_header(memoryview(head).cast("B"), total_len, expect, payload_len)[1]
 
 
-def _check_header(mv: memoryview, n: int, expect: ObjectMeta, payload_len: int | None) -> tuple[int, bytes]:
+def _check_header(
+    mv: memoryview, n: int, expect: ObjectMeta, payload_len: int | None, longer_ok: bool = False
+) -> tuple[int, bytes, int]:
     """Checks everything but the payload checksum; ``n`` is the object's total size.
-    Returns (header_len, payload digest)."""
+    ``longer_ok``: the object may start where ``expect`` does and hold more pages, if its header
+    binds ``expect.key`` to page ``expect.num_pages`` as a link key. Returns (header_len, payload
+    digest, num_pages)."""
     if len(mv) < 12:
         raise CorruptObjectError(CorruptReason.SHORT, f"{n} bytes < minimal header")
     if bytes(mv[:8]) != MAGIC:
@@ -181,9 +210,9 @@ def _check_header(mv: memoryview, n: int, expect: ObjectMeta, payload_len: int |
         raise CorruptObjectError(CorruptReason.BAD_VERSION, f"format version {version} != {FORMAT_VERSION}")
     if n < _FIXED.size + _HEADER_SUM.size or n < header_len or len(mv) < _FIXED.size + _HEADER_SUM.size:
         raise CorruptObjectError(CorruptReason.SHORT, f"{n} bytes < header")
-    (_, _, _, kind, ndim, _, fp, key, first_page, num_pages, _, dtype_raw, plen, pdigest) = _FIXED.unpack_from(mv, 0)
-    if header_len != _FIXED.size + 4 * ndim + _HEADER_SUM.size:
-        raise CorruptObjectError(CorruptReason.BAD_HEADER, f"header_len {header_len} vs ndim {ndim}")
+    (_, _, _, kind, ndim, every, fp, key, first_page, num_pages, nlinks, dtype_raw, plen, pdigest) = _FIXED.unpack_from(mv, 0)
+    if header_len != _FIXED.size + 4 * ndim + 32 * nlinks + _HEADER_SUM.size:
+        raise CorruptObjectError(CorruptReason.BAD_HEADER, f"header_len {header_len} vs ndim {ndim}, {nlinks} links")
     if len(mv) < header_len:
         raise CorruptObjectError(CorruptReason.BAD_SHAPE, f"header of {header_len} bytes, expected {expect.header_len}")
     (hsum,) = _HEADER_SUM.unpack_from(mv, header_len - _HEADER_SUM.size)
@@ -193,7 +222,13 @@ def _check_header(mv: memoryview, n: int, expect: ObjectMeta, payload_len: int |
         raise CorruptObjectError(CorruptReason.BAD_KIND, f"kind {kind} != {int(expect.kind)}")
     if fp != expect.fingerprint:
         raise CorruptObjectError(CorruptReason.BAD_FINGERPRINT, f"fingerprint {fp.hex()[:16]}… differs")
-    if key != expect.key or first_page != expect.first_page or num_pages != expect.num_pages:
+    exact = key == expect.key and first_page == expect.first_page and num_pages == expect.num_pages
+    if not exact and longer_ok and first_page == expect.first_page and num_pages > expect.num_pages and every:
+        k = expect.num_pages // every  # expect.key must be link k of this object
+        if expect.num_pages % every == 0 and 1 <= k <= nlinks:
+            at = _FIXED.size + 4 * ndim + 32 * (k - 1)
+            exact = bytes(mv[at : at + 32]) == expect.key
+    if not exact:
         raise CorruptObjectError(
             CorruptReason.BAD_KEY,
             f"object is (key {key.hex()[:12]}…, first_page {first_page}, {num_pages} pages), expected "
@@ -205,6 +240,8 @@ def _check_header(mv: memoryview, n: int, expect: ObjectMeta, payload_len: int |
     shape = struct.unpack_from(f"<{ndim}I", mv, _FIXED.size)
     if tuple(shape) != tuple(expect.shape):
         raise CorruptObjectError(CorruptReason.BAD_SHAPE, f"shape {shape} != {tuple(expect.shape)}")
+    if payload_len is not None and num_pages != expect.num_pages:  # a longer object, through a link
+        payload_len = payload_len // expect.num_pages * num_pages
     if payload_len is not None and plen != payload_len:
         raise CorruptObjectError(CorruptReason.BAD_SHAPE, f"payload_len {plen} != {payload_len}")
     have = n - header_len
@@ -212,7 +249,7 @@ def _check_header(mv: memoryview, n: int, expect: ObjectMeta, payload_len: int |
         raise CorruptObjectError(CorruptReason.SHORT, f"payload {have} < {plen} bytes")
     if have > plen:
         raise CorruptObjectError(CorruptReason.TRAILING, f"payload {have} > {plen} bytes")
-    return header_len, pdigest
+    return header_len, pdigest, num_pages
 
 
 def decode(
@@ -221,11 +258,13 @@ def decode(
     *,
     payload_len: int | None = None,
     verify_payload: bool = True,
+    longer_ok: bool = False,
 ) -> memoryview:
     """Verify ``buf`` against ``expect`` (and the expected ``payload_len`` if given); return the
-    payload view or raise ``CorruptObjectError``."""
+    payload view or raise ``CorruptObjectError``. ``longer_ok``: ``buf`` may be a longer object
+    reached through a link (``_check_header``); the view then holds all of its pages."""
     mv = memoryview(buf).cast("B")
-    header_len, pdigest = _check_header(mv, len(mv), expect, payload_len)
+    header_len, pdigest, _ = _check_header(mv, len(mv), expect, payload_len, longer_ok)
     payload = mv[header_len:]
     if verify_payload and payload_digest(payload) != pdigest:
         raise CorruptObjectError(CorruptReason.BAD_CHECKSUM, "payload checksum mismatch")

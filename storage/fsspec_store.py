@@ -24,7 +24,7 @@ Schemes
 
 Object names (topology-free, content-addressed)::
 
-    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}/{key[:2]}/{key}
+    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}[l{S}]/{key[:2]}/{key}
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[:32]}/{tip_key}
 
 Chunking rule (``C`` = pages per object, per pool; default ``target_object_bytes // slot_bytes``)
@@ -48,6 +48,13 @@ different chunk sizes never misread each other.
   full object cannot name that object (its name is the key of a page beyond the query) and loses
   at most ``C-1`` pages; (c) the later longer sequence writes the full chunk, the partial object
   stays until evicted (bounded duplication, ``<= C-1`` pages per sequence).
+- Links (file://, ``link_every_pages`` = S < C; ``l{S}`` in the path): an object is also hard-linked
+  under the key of every S-th page inside it (pages ``jC+S-1, jC+2S-1, ...``), and its header lists
+  those keys. A natural or probed name may therefore open a longer object of the same chunk; the
+  reader checks the header binds that name to that page, verifies the whole payload and lands the
+  pages it asked for. So (b) loses ``< S`` pages, not ``< C``: one object per chunk of C pages
+  costs one file creation plus ``C/S - 1`` links (a directory entry each) instead of ``C/S``
+  objects. The byte cap counts an object once and evicts all of its names together.
 
 gs:// capacity: bucket lifecycle rules (not enforced by this code)
 ------------------------------------------------------------------
@@ -144,6 +151,11 @@ class StorageConfig:
     target_object_bytes: int | None = None  # None → DEFAULT_TARGET_OBJECT_BYTES[scheme]
     pages_per_object: int | None = None  # overrides target_object_bytes for every pool
     write_partial_chunks: bool = True  # store the tail of a sequence that ends mid-chunk
+    # file:// only: an object of more pages than this is also hard-linked under the chain key of
+    # every this-many-th page inside it, so a query that ends or diverges inside the object still
+    # reads its leading pages (it loses < this many pages, not < pages_per_object). A link costs a
+    # directory entry, far less than an object (inode, header, checksum, publish). None: off.
+    link_every_pages: int | None = 4
     max_bytes: int | None = None  # file:// only: byte cap over the whole root, LRU eviction
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
     max_inflight_bytes: int = 256 * MiB  # batch_set gathers from the pool in groups this large
@@ -162,7 +174,8 @@ class StorageConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads!r}")
-        for name in ("target_object_bytes", "pages_per_object", "max_bytes", "local_write_threads", "local_inline_write_bytes"):
+        for name in ("target_object_bytes", "pages_per_object", "max_bytes", "local_write_threads", "local_inline_write_bytes",
+                     "link_every_pages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
@@ -284,6 +297,25 @@ def _writev_all(fd: int, header: bytes, payload: np.ndarray) -> None:
         bufs = _advance(bufs, n)
         while bufs:
             bufs = _advance(bufs, os.writev(fd, bufs))
+
+
+def _add_links(path: str, links: Sequence[str]) -> None:
+    """Hard links ``links`` -> the published object ``path`` (best effort: a name that exists
+    already names an object holding the same pages; a filesystem without hard links gets none,
+    and queries ending inside the object then read less of it)."""
+    for link in links:
+        try:
+            os.link(path, link)
+        except FileExistsError:
+            continue
+        except FileNotFoundError:  # first name in that directory
+            try:
+                os.makedirs(link.rpartition("/")[0], exist_ok=True)
+                os.link(path, link)
+            except OSError:
+                return
+        except OSError:
+            return
 
 
 def _object_bytes(header: bytes, payload: np.ndarray) -> bytes:
@@ -542,6 +574,7 @@ class _LocalBackend(_Backend):
         dest: np.ndarray,
         guard: _CallGuard,
         mtime_ns: int | None = None,
+        longer_ok: bool = False,
     ) -> int:
         """Read one object straight into ``dest`` (pool memory) and verify it: the header (into a
         small buffer) and the payload's first chunk with one ``preadv``, the header checked, then
@@ -550,12 +583,16 @@ class _LocalBackend(_Backend):
         it from memory: measured ~6% more CPU per read). On any failure ``dest`` is zeroed before
         raising, so unverified bytes never stay in the pool. A missing object raises
         ``FileNotFoundError`` from the ``open`` (no separate existence round). ``mtime_ns``: LRU
-        bump, set on the open descriptor after verification. Returns the object's size."""
+        bump, set on the open descriptor after verification. ``longer_ok``: a larger object (a link
+        to a longer one, maybe) raises ``_LongerObject`` before the pool is touched. Returns the
+        object's size."""
         u8 = dest.reshape(-1).view(np.uint8)
         hl = meta.header_len
         fd, total = _open_published_fd(path)
         try:
             if total != hl + payload_len:  # wrong size: classify from the header, never touch the pool
+                if longer_ok and total > hl + payload_len:
+                    raise _LongerObject(path)
                 head = os.pread(fd, min(total, hl), 0)
                 decode_header(head, meta, payload_len=payload_len, total_len=total)  # raises
                 raise CorruptObjectError(CorruptReason.SHORT, f"{total} bytes, expected {hl + payload_len}")  # pragma: no cover
@@ -608,14 +645,20 @@ class _LocalBackend(_Backend):
                 continue
         raise FileExistsError(f"no free temp file name in {d}")
 
-    def write_once_local(self, path: str, header: bytes, payload: np.ndarray, mtime_ns: int | None = None) -> int:
+    def write_once_local(
+        self, path: str, header: bytes, payload: np.ndarray, mtime_ns: int | None = None, links: Sequence[str] = ()
+    ) -> int:
         """Write-once of one object. Returns ``WROTE``, ``EXISTED`` (stored, or being written by
         another writer: nothing written) or ``RACED`` (lost a race at the publish step). On a
         local filesystem: exclusive create of the final name, one ``writev``, mtime (LRU),
         ``fchmod`` to publish (module comment at ``PUBLISHED_MODE``); elsewhere temp file +
-        ``os.link``. This is the only existence check of a file:// ``batch_set``."""
+        ``os.link``. This is the only existence check of a file:// ``batch_set``. A written
+        object then gets its ``links`` (hard links: other names of the same, published object)."""
         if not self.local_fs:
-            return self._write_once_linked(path, header, payload, mtime_ns)
+            r = self._write_once_linked(path, header, payload, mtime_ns)
+            if r == self.WROTE:
+                _add_links(path, links)
+            return r
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(path, flags, 0)
@@ -639,6 +682,7 @@ class _LocalBackend(_Backend):
             raise
         finally:
             os.close(fd)
+        _add_links(path, links)
         return self.WROTE
 
     def _write_once_linked(self, path: str, header: bytes, payload: np.ndarray, mtime_ns: int | None = None) -> int:
@@ -840,6 +884,10 @@ def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
 _SKIPPED = object()  # a read not started because an earlier object of its chain is missing
 
 
+class _LongerObject(Exception):
+    """``read_into``: the object is larger than expected (possibly a link to a longer object)."""
+
+
 def _with_header(header: Callable[[np.ndarray], bytes], data: np.ndarray) -> tuple[bytes, np.ndarray]:
     """``(header(payload bytes), data)``; ``header``: an object's ``HeaderEncoder.encode`` with its
     key and position bound."""
@@ -857,10 +905,13 @@ class _PoolReg:
     header: HeaderEncoder  # this pool's object headers
     shape: tuple[int, ...]  # per-page shape (the pool's ``slot_shape``)
     slot_bytes: int  # bytes per page
+    link_every: int = 0  # S: objects of m pages carry (m - 1) // S link names (0: none)
 
-    @property
-    def header_len(self) -> int:
-        return self.header.header_len
+    def num_links(self, m: int) -> int:
+        return (m - 1) // self.link_every if self.link_every else 0
+
+    def object_bytes(self, m: int) -> int:
+        return self.header.header_len + 32 * self.num_links(m) + m * self.slot_bytes
 
 
 class _Obj(NamedTuple):
@@ -949,7 +1000,19 @@ class FsspecStorage(HiCacheStorage):
         return f"{reg.prefix}/{key[:2]}/{key}"
 
     def _meta(self, reg: _PoolReg, start: int, m: int, key: str) -> ObjectMeta:
-        return ObjectMeta(ObjectKind.PAGES, self._fp, bytes.fromhex(key), start, m, reg.dtype_name, reg.shape)
+        return ObjectMeta(ObjectKind.PAGES, self._fp, bytes.fromhex(key), start, m, reg.dtype_name, reg.shape, reg.num_links(m))
+
+    @staticmethod
+    def _link_pages(reg: _PoolReg, o: _Obj) -> range:
+        """Pages of ``o`` (absolute) whose chain keys name it too: every ``link_every``-th inside it."""
+        S = reg.link_every
+        return range(o.start + S - 1, o.start + o.m - 1, S) if S else range(0)
+
+    def _link_keys(self, reg: _PoolReg, keys: list[str], first: int, o: _Obj) -> tuple[bytes, ...]:
+        return tuple(bytes.fromhex(keys[p - first]) for p in self._link_pages(reg, o))
+
+    def _link_paths(self, reg: _PoolReg, keys: list[str], first: int, o: _Obj) -> tuple[str, ...]:
+        return tuple(self._path(reg, keys[p - first]) for p in self._link_pages(reg, o))
 
     def _check_transfers(self, transfers: object, *, for_set: bool) -> list[tuple[_PoolReg, list[str], np.ndarray, int]]:
         if not isinstance(transfers, Sequence):
@@ -999,9 +1062,11 @@ class FsspecStorage(HiCacheStorage):
         if kind in self._pools:
             raise ValueError(f"a host pool is already registered for {kind.value!r}")
         ppo = pages_per_object or self.config.pages_per_object or max(1, self._target // int(pool.slot_bytes))
-        prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}"
-        header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape)
-        self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header, shape, int(pool.slot_bytes))
+        every = self.config.link_every_pages or 0
+        every = every if self._local and every < ppo else 0
+        prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}" + (f"l{every}" if every else "")
+        header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape, every)
+        self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header, shape, int(pool.slot_bytes), every)
 
     def pages_per_object(self, kind: PoolKind = PoolKind.KV) -> int:
         return self._reg(kind).ppo
@@ -1258,8 +1323,9 @@ class FsspecStorage(HiCacheStorage):
 
         def post(i: int, raw: Any) -> Any:
             meta, plen = expect(i)
-            payload = decode(raw, meta, payload_len=plen)
             o = objs[i]
+            # a name may be a link to a longer object of the same chunk: its leading pages count
+            payload = decode(raw, meta, payload_len=plen, longer_ok=bool(queries[o.t][0].link_every))[:plen]
             if not _concurrent_io(queries[o.t][0].pool):
                 return payload  # scattered on the calling thread
             with guard:  # never touch the pool after the call returned
@@ -1284,7 +1350,10 @@ class FsspecStorage(HiCacheStorage):
             try:
                 v = view(i)
                 if v is not None:
-                    return io.read_into(path, *expect(i), v, guard, mt)
+                    try:
+                        return io.read_into(path, *expect(i), v, guard, mt, longer_ok=bool(queries[objs[i].t][0].link_every))
+                    except _LongerObject:  # reached through a link: read whole, land the leading pages
+                        pass
                 r = post(i, io._read(path))
             except FileNotFoundError:
                 if on_missing is not None:
@@ -1328,7 +1397,7 @@ class FsspecStorage(HiCacheStorage):
         reg, keys, _, first = queries[o.t]
         for p in range(max(o.start, first), min(o.start + o.m, first + len(keys))):
             results[o.t][p - first] = True
-        self._count(objects_read=1, bytes_read=o.m * int(reg.pool.slot_bytes) + reg.header_len)
+        self._count(objects_read=1, bytes_read=reg.object_bytes(o.m))
         return True
 
     def _on_corrupt(self, path: str, err: CorruptObjectError, deadline: _Deadline) -> None:
@@ -1426,7 +1495,8 @@ class FsspecStorage(HiCacheStorage):
             items = []
             for o in group:
                 reg, keys, slots, first = queries[o.t]
-                meta = functools.partial(reg.header.encode, bytes.fromhex(o.key), o.start, o.m)
+                meta = functools.partial(reg.header.encode, bytes.fromhex(o.key), o.start, o.m,
+                                         link_keys=self._link_keys(reg, keys, first, o))
                 v = _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m]) if self._local and _concurrent_io(reg.pool) else None
                 if v is not None:  # zero-copy: checksum and write straight from pool memory
                     items.append((o.path, meta, v))
@@ -1437,20 +1507,22 @@ class FsspecStorage(HiCacheStorage):
                     gather = (lambda data=data: data)
                 items.append((o.path, meta, gather))
 
-            def task(path: str, meta: Callable[[np.ndarray], bytes], src: Any, mtime_ns: int | None = None) -> int:
+            def task(path: str, meta: Callable[[np.ndarray], bytes], src: Any, mtime_ns: int | None = None,
+                     links: tuple[str, ...] = ()) -> int:
                 if not self._local:
                     wrote = self._io._write_once(path, *_with_header(meta, src()))
                     return _LocalBackend.WROTE if wrote else _LocalBackend.RACED
                 io: _LocalBackend = self._io  # type: ignore[assignment]
                 if isinstance(src, np.ndarray):
                     with guard:  # pool memory is read until the write is done
-                        return io.write_once_local(path, *_with_header(meta, src), mtime_ns)
-                return io.write_once_local(path, *_with_header(meta, src()), mtime_ns)
+                        return io.write_once_local(path, *_with_header(meta, src), mtime_ns, links)
+                return io.write_once_local(path, *_with_header(meta, src()), mtime_ns, links)
 
             if isinstance(self._io, _AsyncBackend):
                 writes = self._io.write_many([(p, (lambda m=m, g=g: _with_header(m, g()))) for p, m, g in items], deadline)
             elif self._local:
-                ranked = [(*it, mtimes[rank[id(o)]]) for it, o in zip(items, group)]
+                ranked = [(*it, mtimes[rank[id(o)]], self._link_paths(*queries[o.t][0:2], queries[o.t][3], o))
+                          for it, o in zip(items, group)]
                 writes = self._io.map_pull(task, ranked, deadline, threads=self._write_threads)
             else:
                 writes = self._io.map(task, items, deadline)
@@ -1476,7 +1548,7 @@ class FsspecStorage(HiCacheStorage):
         name = self._OUTCOME[r]
         tally[name] = tally.get(name, 0) + 1
         if r == _LocalBackend.WROTE:
-            size = queries[o.t][0].header_len + o.m * queries[o.t][0].slot_bytes
+            size = queries[o.t][0].object_bytes(o.m)
             tally["bytes_written"] = tally.get("bytes_written", 0) + size
             written.append((o.t, o.start, o.path, size))
 
@@ -1501,7 +1573,7 @@ class FsspecStorage(HiCacheStorage):
         i = 0
         for t, group in itertools.groupby(todo, key=lambda o: o.t):
             objs = list(group)  # consecutive pages of one transfer
-            reg, _, slots, first = queries[t]
+            reg, keys, slots, first = queries[t]
             lo = objs[0].start
             sl = slots[lo - first : objs[-1].start + objs[-1].m - first]
             data = _slot_view(reg.pool, sl)
@@ -1514,8 +1586,9 @@ class FsspecStorage(HiCacheStorage):
                 else:
                     payload = u8[o.start - lo : o.start - lo + o.m]
                     try:
-                        header = reg.header.encode(bytes.fromhex(o.key), o.start, o.m, payload)
-                        r = io.write_once_local(o.path, header, payload, mtimes[i])
+                        header = reg.header.encode(bytes.fromhex(o.key), o.start, o.m, payload,
+                                                   self._link_keys(reg, keys, first, o))
+                        r = io.write_once_local(o.path, header, payload, mtimes[i], self._link_paths(reg, keys, first, o))
                     except OSError as e:
                         r = e
                 i += 1
@@ -1524,7 +1597,10 @@ class FsspecStorage(HiCacheStorage):
 
     # ---- file:// capacity ------------------------------------------------------------------------
     def _scan(self) -> None:
-        idx: dict[str, tuple[int, int]] = {}
+        """Index of every published object name: path -> (bytes, mtime_ns, inode). An object's
+        link names share its inode: its bytes count once, on the first name seen."""
+        idx: dict[str, tuple[int, int, int]] = {}
+        seen: set[int] = set()
         used = 0
         top = f"{self._root}/v{FORMAT_VERSION}"
         now = time.time()
@@ -1547,8 +1623,10 @@ class FsspecStorage(HiCacheStorage):
                 if not _is_published(st):  # being written (its writer accounts it), or a crashed one's
                     _drop_if_stale(p, st)
                     continue
-                idx[p] = (st.st_size, st.st_mtime_ns)
-                used += st.st_size
+                size = 0 if st.st_ino in seen else st.st_size
+                seen.add(st.st_ino)
+                idx[p] = (size, st.st_mtime_ns, st.st_ino)
+                used += size
         self._index, self._used = idx, used
 
     def _account(self, written: list[tuple[str, int]]) -> None:
@@ -1562,27 +1640,34 @@ class FsspecStorage(HiCacheStorage):
                 for p, s in written:
                     if p not in self._index:
                         self._used += s
-                    self._index[p] = (s, now)
+                    self._index[p] = (s, now, -1)  # inode: read at the next scan (before any eviction)
             if self._used <= cap:
                 return
             self._scan()  # include other processes' writes, fresh mtimes (read bumps)
             if self._used <= cap:
                 return
             goal = int(cap * self.config.evict_low_watermark)
-            for p, (s, _) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
+            names: dict[int, list[str]] = {}
+            for p, (_, _, ino) in self._index.items():
+                names.setdefault(ino, []).append(p)
+            for p, (_, _, ino) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
                 if self._used <= goal:
                     break
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    self._counters["errors"] += 1
+                if p not in self._index:  # gone with another name of its object
                     continue
-                del self._index[p]
-                self._used -= s
+                freed = 0
+                for q in names[ino]:  # every name of the object: its bytes are freed with the last
+                    try:
+                        os.unlink(q)
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        self._counters["errors"] += 1
+                        continue
+                    freed += self._index.pop(q, (0,))[0]
+                self._used -= freed
                 self._counters["evicted_objects"] += 1
-                self._counters["evicted_bytes"] += s
+                self._counters["evicted_bytes"] += freed
 
     def used_bytes(self) -> int:
         """Bytes of page objects under the root (file:// only; rescans the directory)."""

@@ -137,14 +137,14 @@ def _meta(**kw):
 
 
 def test_header_bytes_are_stable_and_the_per_pool_encoder_matches():
-    """Golden bytes (computed with the format v2 encoder as first written): a change in the header
-    encoding must bump the format version."""
+    """Golden bytes (computed with the format v3 encoder as first written; an object without
+    links): a change in the header encoding must bump the format version."""
     import hashlib
 
     payload = np.arange(30, dtype=np.float32).reshape(2, 3, 5)
     m = _meta(key=bytes(range(32)))
     h = encode_header(m, payload.view(np.uint8).reshape(-1))
-    assert hashlib.sha256(h).hexdigest() == "7d4c31c5099e656fc6c7fae74cf2fb7e4c3e64cd3b9ce524c60ea0444038486e"
+    assert hashlib.sha256(h).hexdigest() == "93a2c3e0510f370f9f2081bbcabd07bc138cdee9455f78636875d6dabf0d3e43"
     enc = HeaderEncoder(ObjectKind.PAGES, FP.digest(), "float32", (3, 5))
     assert enc.header_len == m.header_len and enc.encode(bytes(range(32)), 8, 2, payload) == h
     assert np.array_equal(np.frombuffer(decode(h + payload.tobytes(), m, payload_len=120), np.float32), payload.reshape(-1))
@@ -193,3 +193,32 @@ def test_format_roundtrip_and_reasons():
     assert reason(blob, _meta(shape=(5, 3))) is CorruptReason.BAD_SHAPE
     assert reason(blob, _meta(kind=ObjectKind.MANIFEST)) is CorruptReason.BAD_KIND
     assert reason(blob, m, plen=64) is CorruptReason.BAD_SHAPE
+
+
+def test_links_bind_a_name_to_its_page_in_a_longer_object():
+    """An object of 8 pages linked every 2 pages lists the keys of pages 1, 3, 5 (absolute 9, 11, 13
+    with first_page 8). A reader that opened link k (expecting 2k pages under that key) accepts the
+    longer object only with ``longer_ok`` and only if the header binds its key to that page."""
+    payload = np.arange(8 * 15, dtype=np.float32)
+    links = (b"a" * 32, b"b" * 32, b"c" * 32)
+    enc = HeaderEncoder(ObjectKind.PAGES, FP.digest(), "float32", (3, 5), link_every=2)
+    blob = enc.encode(b"k" * 32, 8, 8, payload, links) + payload.tobytes()
+    full = _meta(num_pages=8, num_links=3)
+    assert full.header_len == enc.header_len + 96
+    assert np.array_equal(np.frombuffer(decode(blob, full, payload_len=480), np.float32), payload)
+    for k, key in enumerate(links, start=1):
+        want = _meta(key=key, num_pages=2 * k, num_links=(2 * k - 1) // 2)
+        got = decode(blob, want, payload_len=2 * k * 60, longer_ok=True)
+        assert np.array_equal(np.frombuffer(got, np.float32), payload)  # the whole object; callers slice
+        with pytest.raises(CorruptObjectError) as ei:  # without longer_ok: another key's object
+            decode(blob, want, payload_len=2 * k * 60)
+        assert ei.value.reason is CorruptReason.BAD_KEY
+    for bad in (_meta(key=b"b" * 32, num_pages=2), _meta(key=b"z" * 32, num_pages=4),  # wrong position / not a link
+                _meta(key=b"a" * 32, num_pages=2, first_page=10), _meta(key=b"a" * 32, num_pages=3)):
+        with pytest.raises(CorruptObjectError) as ei:
+            decode(blob, bad, payload_len=bad.num_pages * 60, longer_ok=True)
+        assert ei.value.reason is CorruptReason.BAD_KEY
+    with pytest.raises(ValueError, match="link keys do not fit"):
+        enc.encode(b"k" * 32, 8, 6, payload[: 6 * 15], links)  # page 13 is not inside 6 pages
+    with pytest.raises(ValueError, match="without links"):
+        encode_header(_meta(num_links=1), payload)

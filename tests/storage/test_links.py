@@ -1,0 +1,111 @@
+"""file:// link names (``StorageConfig.link_every_pages``): an object of C pages is also reachable
+under the chain key of every S-th page inside it, so a query that ends or diverges inside it still
+reads its leading pages (it loses < S pages, not < C), from one object per chunk. Reads through a
+link verify the header's binding of that name and the whole payload; corrupt -> a wiped miss.
+The byte cap counts an object once and evicts all of its names together."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from hicache.storage import Namespace, page_keys
+from hicache.storage.testing import NumpyHostPool, same_bytes
+from hicache.storage.testing import slot_range as S
+
+SLOT_SHAPE = (2, 2, 4, 2, 8)  # conftest's pool
+
+
+class _CopiesOnly(NumpyHostPool):
+    """A pool without zero-copy views or concurrent slot I/O (like the workers' host pools)."""
+
+    concurrent_slot_io = False
+    slot_view = None
+
+
+def _tokens(fp, n_pages: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1000, n_pages * fp.page_size)
+
+
+@pytest.fixture(params=["views", "copies"])
+def store16(request, make_store, fp):
+    pool = NumpyHostPool(64, SLOT_SHAPE, np.float32) if request.param == "views" else _CopiesOnly(64, SLOT_SHAPE, np.float32)
+    st = make_store("file", pool=pool, pages_per_object=16, link_every_pages=4)
+    assert st._pools[next(iter(st._pools))].link_every == 4
+    return st
+
+
+def test_one_object_per_chunk_with_link_names(store16, fp):
+    st = store16
+    keys = page_keys(Namespace(fp), _tokens(fp, 16, 0))
+    st.pool.fill_random(S(0, 16), 1)
+    assert st.batch_set(keys, S(0, 16)) == [True] * 16
+    assert st.stats().objects_written == 1
+    ino = os.stat(st.object_path(keys[15])).st_ino
+    assert [os.stat(st.object_path(keys[p])).st_ino for p in (3, 7, 11)] == [ino] * 3
+    assert not os.path.exists(st.object_path(keys[5]))
+    assert st.batch_get(keys, S(16, 32)) == [True] * 16 and same_bytes(st.pool.buf[16:32], st.pool.buf[0:16])
+
+
+@pytest.mark.parametrize("end", [4, 6, 11, 15])
+def test_a_query_ending_inside_the_object_reads_up_to_its_last_link(store16, fp, end):
+    st = store16
+    keys = page_keys(Namespace(fp), _tokens(fp, 16, 0))
+    st.pool.fill_random(S(0, 16), 2)
+    st.batch_set(keys, S(0, 16))
+    want = end // 4 * 4  # pages up to the last link at or before the query's end
+    assert st.batch_exists(keys[:end]) == want
+    st.pool.buf[16:32] = 0
+    assert st.batch_get(keys[:end], S(16, 16 + end)) == [True] * want + [False] * (end - want)
+    assert same_bytes(st.pool.buf[16 : 16 + want], st.pool.buf[0:want])
+
+
+def test_a_query_diverging_inside_the_object_reads_the_shared_pages(store16, fp):
+    st = store16
+    a = _tokens(fp, 20, 0)
+    b = a.copy()
+    b[10 * fp.page_size + 1] += 1  # b shares pages 0..9 with a, differs from page 10 on
+    ka, kb = page_keys(Namespace(fp), a), page_keys(Namespace(fp), b)
+    assert ka[:10] == kb[:10] and ka[10] != kb[10]
+    st.pool.fill_random(S(0, 20), 3)
+    st.batch_set(ka, S(0, 20))  # one full object (pages 0..15) + the tail (16..19)
+    assert st.batch_exists(kb) == 8  # up to the link at page 7 (without links: 0)
+    assert st.batch_get(kb, S(32, 52)) == [True] * 8 + [False] * 12
+    assert same_bytes(st.pool.buf[32:40], st.pool.buf[0:8])
+
+
+def test_a_corrupt_object_read_through_a_link_is_a_wiped_miss(store16, fp):
+    st = store16
+    keys = page_keys(Namespace(fp), _tokens(fp, 16, 0))
+    st.pool.fill_random(S(0, 16), 4)
+    st.batch_set(keys, S(0, 16))
+    path = st.object_path(keys[15])
+    with open(path, "r+b") as f:  # flip a payload byte of page 2 (shared by every name)
+        f.seek(os.path.getsize(path) - 14 * st.pool.slot_bytes + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    st.pool.buf[16:32] = 7.0
+    assert st.batch_get(keys[:6], S(16, 22)) == [False] * 6
+    assert not (st.pool.buf[16:20] == st.pool.buf[0:4]).all()  # corrupt bytes never stay as data
+    assert st.stats().corrupt_by_reason == {"bad_checksum": 1}
+
+
+def test_byte_cap_counts_an_object_once_and_evicts_all_its_names(make_store, fp):
+    probe = make_store("file", pages_per_object=16, link_every_pages=4)
+    obj = probe._pools[next(iter(probe._pools))].object_bytes(16)
+    st = make_store("file", pages_per_object=16, link_every_pages=4, max_bytes=3 * obj, evict_low_watermark=0.7)
+    chains = [page_keys(Namespace(fp, cache_salt=str(c)), _tokens(fp, 16, c)) for c in range(4)]
+    st.pool.fill_random(S(0, 16), 5)
+    for keys in chains[:3]:
+        st.batch_set(keys, S(0, 16))
+    assert st.used_bytes() == 3 * obj and st.stats().evicted_objects == 0  # 3 objects, 12 names: at the cap
+    st.batch_set(chains[3], S(0, 16))  # over the cap: evict the oldest down to 0.7 x cap
+    assert st.used_bytes() == 2 * obj
+    s = st.stats()
+    assert (s.evicted_objects, s.evicted_bytes) == (2, 2 * obj)
+    left = [f for d, _, fs in os.walk(st._root) for f in fs if "/manifest" not in d]
+    assert len(left) == 2 * 4  # no orphaned link names
+    assert [st.batch_exists(keys) for keys in chains] == [0, 0, 16, 16]
