@@ -34,6 +34,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -596,6 +597,94 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[int]
                "overhead_mean_ttft": float(best_n.mean() / best_b.mean() - 1),
                "overhead_median_request_ratio": float(np.median(best_n / best_b)) - 1}
     return (best["bare_engine"], best["no_cache"], *first, summary)
+
+
+# --- blocks: one config at a time, its background work on its own account -------------------------
+
+
+def thread_cpu_s() -> dict[int, tuple[str, float]]:
+    """CPU seconds each thread of this process has run so far (Linux ``schedstat``, ns resolution),
+    by native thread id, with a group name: ``serving`` (the calling thread), a Python thread's name
+    without its index (``storage``, ``hicache-manifest``, ...), or ``native`` (threads Python did not
+    start: XLA's executor threads, which run every dispatched forward and copy). Empty elsewhere."""
+    root = f"/proc/{os.getpid()}/task"
+    if not os.path.isdir(root):
+        return {}
+    me = threading.get_native_id()
+    py = {t.native_id: t.name.rstrip("0123456789_-") for t in threading.enumerate() if t.native_id is not None}
+    out = {}
+    for tid in os.listdir(root):
+        try:
+            with open(f"{root}/{tid}/schedstat") as f:
+                run_ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        t = int(tid)
+        out[t] = ("serving" if t == me else py.get(t, "native"), run_ns / 1e9)
+    return out
+
+
+def cpu_by_group(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per thread group between two ``thread_cpu_s`` snapshots (threads that ended in
+    between are not counted)."""
+    out: dict[str, float] = {}
+    for tid, (group, run) in after.items():
+        out[group] = out.get(group, 0.0) + run - before.get(tid, (group, 0.0))[1]
+    return out
+
+
+@dataclass
+class ConfigRun:
+    """One config's part of ``serve_segments``: its results (in stream order; each segment's drain
+    added to the latency of its last request), the CPU its process spent while it served or drained,
+    by thread group (``thread_cpu_s``), and each drain's duration."""
+
+    served: list[Served] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    drain_s: list[float] = field(default_factory=list)
+
+    def cpu_ms_per_request(self) -> dict[str, float]:
+        return {g: round(1e3 * v / max(1, len(self.served)), 3) for g, v in sorted(self.cpu_s.items())}
+
+
+def serve_segments(serves: dict[str, Callable[[ServeRequest], ServeResult]], items: Sequence[Item],
+                   reference: Sequence[tuple[int, ...]], drains: dict[str, Callable[[], object]] | None = None,
+                   segment: int = 16, rotate: int = 0) -> dict[str, ConfigRun]:
+    """Every config serves the stream, ``segment`` consecutive items at a time: one config serves a
+    segment, then ``drains[config]()`` waits for its in-flight transfers (L1->L2 copies, L3 writes),
+    then the next config serves the same items (the first config rotates per segment, shifted by
+    ``rotate``). A config's background work so runs inside its own requests or its drain, never inside
+    another config's, and the drain's time is charged to the latency of the segment's last request
+    (the server was busy with it). Segments short on a noisy machine keep the configs close in time
+    (load drift hits all alike). Each output must equal ``reference`` (``ExactnessError``)."""
+    if segment < 1:
+        raise ValueError(f"segment must be >= 1, got {segment}")
+    names = list(serves)
+    drains = drains or {}
+    runs = {n: ConfigRun() for n in names}
+    for s, lo in enumerate(range(0, len(items), segment)):
+        part = items[lo:lo + segment]
+        k = (s + rotate) % len(names)
+        for name in names[k:] + names[:k]:
+            run = runs[name]
+            before = thread_cpu_s()
+            done = serve_items(serves[name], part, reference, name)
+            t0 = time.perf_counter()
+            drains.get(name, lambda: None)()
+            drained = time.perf_counter() - t0
+            for group, cpu in cpu_by_group(before, thread_cpu_s()).items():
+                run.cpu_s[group] = run.cpu_s.get(group, 0.0) + cpu
+            last = done[-1]
+            done[-1] = Served(last.item, replace(last.result, latency_s=last.result.latency_s + drained))
+            run.served += done
+            run.drain_s.append(drained)
+    return runs
+
+
+def drain_stack(stack) -> None:
+    """Waits (bounded by the head's ack timeout) for every transfer the stack has in flight."""
+    if stack.options.l2_slots:
+        stack.client.flush_write_through_acks()
 
 
 def serve_interleaved(serves: dict[str, Callable[[ServeRequest], ServeResult]], items: Sequence[Item],

@@ -9,9 +9,9 @@ serves requests in stream order; see ``benchmarks/common.py`` for the queueing a
 models. The cache configs learn of a request when it arrives in that model (``ArrivalModel``:
 ``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on entry to the waiting queue, before
 the next request starts or between the decode steps of the one running; the time that takes is charged
-to the request being served). The no-reuse pair is measured before
-the rate is known (it defines it), so there every request starts its L3 query when served. Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full KV pages the stream
-writes), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap.
+to the request being served). The no-reuse pair is served without arrivals: there every request
+starts its L3 query when served. Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full
+KV pages the stream writes), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap.
 
 Configs (same request stream, fresh stack each, one compiled engine):
   bare_engine      the engine alone: never caches (no tree, no transfers)
@@ -23,11 +23,22 @@ Configs (same request stream, fresh stack each, one compiled engine):
 
 Before the timed configs: a reference pass (no cache, decides the stream and the expected outputs)
 and a warm-up pass of the full stack in its own namespace (compiles every transfer bucket), so compile
-stalls stay out of the timings. On a shared, noisy machine each request's service TTFT and latency
-are its best over ``--ttft-reps`` runs of l1_only/l1_l2/l1_l2_l3 (fresh stacks each run, interleaved
-per request; the cache state is deterministic, so every run has the same hits), as the no-reuse
-overhead is best over ``--overhead-reps``. Every config's outputs must equal the reference outputs, and a few
-requests per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits with
+stalls stay out of the timings. Then the no-reuse pair (bare_engine vs no_cache, interleaved per
+request, best of ``--overhead-reps``: the overhead target; no_cache's record). Then the TTFT phase
+(``common.serve_segments``): bare_engine, l1_only, l1_l2 and l1_l2_l3, each on a fresh stack, serve
+the stream ``--segment`` (16) requests at a time: one config serves a segment, waits for its own
+in-flight transfers (L1->L2 copies, L3 writes; the wait is charged to its latency), then the next
+config serves the same requests, the first config rotating. ``--ttft-reps`` reps; each request's
+service TTFT and latency are its best over the reps (the cache state is deterministic, so every rep
+has the same hits). So a config's background threads and async copies burden that config only:
+served interleaved per request, they ran inside the other configs' requests (a decode uses both
+cores here, the serving thread and XLA's executor threads, so any CPU they take shows up in its wall
+time), while short segments keep the configs close in time on a noisy machine. The request rate is
+``--load`` x the bare engine's service rate measured in these same segments (best of the reps;
+bare_engine's record); the arrival announcements while serving use the no-reuse pair's bare engine
+(known before). Each config's CPU per request by thread group (serving, native = XLA's threads,
+storage, L3 writers; ``common.thread_cpu_s``) is in its ``cache_stats``. Every config's outputs must equal the reference outputs, and a few requests
+per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits with
 ``ModelRunner.generate_no_cache``; a mismatch raises.
 
     python benchmarks/multiturn.py [--quick] [--json out.json] [--png out.png]
@@ -38,9 +49,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -49,10 +62,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    ArrivalModel, BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens, best_of_reps, close_stack,
-    finish_stack,
-    in_scratch_dir, jsonable, log, make_record, poisson_ticks, run_stack,
-    serve_interleaved, spot_check, stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
+    ArrivalModel, BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens,
+    best_of_reps, close_stack, drain_stack, finish_stack, in_scratch_dir, jsonable, log,
+    make_record, poisson_ticks, run_stack, serve_segments, stack_options, warm_up_and_baselines, report,
+    tier_sizes, working_set,
 )
 from hicache.engine.runner import ModelRunner  # noqa: E402
 from hicache.serving import ServeRequest  # noqa: E402
@@ -125,7 +138,10 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--l2-fraction", type=float, default=0.5)
     p.add_argument("--overhead-reps", type=int, default=3, help="bare_engine/no_cache repeats (interleaved; best-of-N per request)")
     p.add_argument("--ttft-reps", type=int, default=3,
-                   help="l1_only/l1_l2/l1_l2_l3 repeats (fresh stacks, interleaved; best-of-N TTFT per request)")
+                   help="bare_engine/l1_only/l1_l2/l1_l2_l3 repeats (fresh stacks, one config at a time; "
+                        "best-of-N TTFT per request)")
+    p.add_argument("--segment", type=int, default=16,
+                   help="TTFT phase: requests a config serves in a row before the next config serves them")
     p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")
@@ -156,35 +172,53 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
         args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start))
 
 
+def _rate(args: argparse.Namespace, bare: list) -> float:
+    """Requests/s: ``--request-rate``, or ``--load`` x the service rate of ``bare`` (bare_engine results)."""
+    return args.request_rate or args.load / statistics.fmean(s.result.latency_s for s in bare)
+
+
 def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start) -> list[ConfigRecord]:
     ps = FWD.page_size
     full = lambda d: stack_options(l1_pages, l2_slots, tmp / d)  # noqa: E731
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
     from hicache.embedded import build_stack
 
-    rate = args.request_rate or args.load / float(np.mean([s.result.latency_s for s in served["bare_engine"]]))
-    ticks = poisson_ticks(len(items), rate, args.seed + 1)
-    log(f"  l1_only, l1_l2, l1_l2_l3, interleaved per request ({args.ttft_reps} rep(s), fresh stacks each; "
-        f"requests announced on arrival at {rate:.1f} req/s) ...")
-    reps, stacks = [], {}
+    online = _rate(args, served["bare_engine"])  # the no-reuse pair's bare engine: announcements only
+    log(f"  bare_engine, l1_only, l1_l2, l1_l2_l3 in segments of {args.segment} requests, each config's transfers "
+        f"drained before the next config's segment, {args.ttft_reps} rep(s), fresh stacks; requests announced on "
+        f"arrival at {online:.1f} req/s ...")
+    names = ("bare_engine", "l1_only", "l1_l2", "l1_l2_l3")
+    runs: list[dict] = []
+    announced = {}
     for rep in range(args.ttft_reps):
         opts = {"l1_only": stack_options(l1_pages), "l1_l2": stack_options(l1_pages, l2_slots),
                 "l1_l2_l3": full("l3" if rep == 0 else f"l3-rep{rep}")}
-        rep_stacks = {name: build_stack(o, base) for name, o in opts.items()}
-        arrivals = {n: ArrivalModel(items, ticks, st.scheduler) for n, st in rep_stacks.items()}
-        reps.append(serve_interleaved({n: a.serve for n, a in arrivals.items()}, items, ref, rotate=rep))
-        if rep == 0:
-            stacks = rep_stacks  # rep 0's stacks give the stats and the spot checks
-            announced = {n: a.announced for n, a in arrivals.items()}
-        else:
-            for st in rep_stacks.values():
+        stacks = {n: build_stack(o, base) for n, o in opts.items()}
+        arrivals = {n: ArrivalModel(items, poisson_ticks(len(items), online, args.seed + 1), st.scheduler)
+                    for n, st in stacks.items()}
+        runs.append(serve_segments({"bare_engine": bare.serve, **{n: a.serve for n, a in arrivals.items()}},
+                                   items, ref, {n: partial(drain_stack, st) for n, st in stacks.items()},
+                                   args.segment, rotate=rep))
+        for name, st in stacks.items():
+            if rep == 0:  # rep 0's stacks give the stats and the spot checks
+                spots[name], stats[name] = finish_stack(name, st, runs[0][name].served, args.spot_checks)
+                announced[name] = arrivals[name].announced
+            else:
                 close_stack(st)
-    best, disagreed = best_of_reps(reps)
+        del stacks, arrivals
+    best, disagreed = best_of_reps([{n: run[n].served for n in names} for run in runs])
     served.update(best)
-    for name, st in stacks.items():
-        spots[name], stats[name] = finish_stack(name, st, served[name], args.spot_checks)
+    rate = _rate(args, served["bare_engine"])
+    ticks = poisson_ticks(len(items), rate, args.seed + 1)
+    stats["bare_engine"] = {"online_rate": online}
+    for name in names:
+        cpu = [run[name].cpu_s for run in runs]
+        stats[name]["cpu_ms_per_request"] = {g: round(1e3 * sum(c.get(g, 0.0) for c in cpu) / (len(items) * len(runs)), 3)
+                                             for g in sorted({g for c in cpu for g in c})}
+        stats[name]["drain_ms_mean"] = round(1e3 * statistics.fmean(d for run in runs for d in run[name].drain_s), 3)
         stats[name]["ttft_reps"] = {"reps": args.ttft_reps, "requests_whose_reps_disagreed_on_hits": disagreed[name]}
-        stats[name]["requests_announced_before_served"] = announced[name]
+        if name in announced:
+            stats[name]["requests_announced_before_served"] = announced[name]
     log("  l3_prepopulated (cold stack on l1_l2_l3's L3) ...")
     served["l3_prepopulated"], spots["l3_prepopulated"], stats["l3_prepopulated"], _ = run_stack(
         "l3_prepopulated", full("l3"), base, items, ref, spot=args.spot_checks, ticks=ticks)

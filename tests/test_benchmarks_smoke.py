@@ -47,6 +47,11 @@ def test_multiturn_and_long_doc_qa_tiny(tmp_path):
                     "--json", str(mt), "--png", str(tmp_path / "mt.png")])
     by = _check(mt, tmp_path / "mt.png")
     assert "targets" in by["l1_l2_l3"]["notes"]
+    for name in ("bare_engine", "l1_only", "l1_l2", "l1_l2_l3"):  # served one config at a time, accounted
+        stats = by[name]["notes"]["cache_stats"]
+        assert stats["cpu_ms_per_request"]["serving"] > 0, name
+        assert stats["drain_ms_mean"] >= 0 and stats["ttft_reps"]["reps"] == 3, name
+    assert stats["requests_announced_before_served"] >= 0
     ld = tmp_path / "ld.json"
     long_doc_qa.main(["--docs", "2", "--questions", "2", "--doc-tokens", "64", "96", "--question-tokens", "8", "12",
                       "--output-tokens", "4", "--overhead-reps", "1", "--spot-checks", "1",
@@ -121,3 +126,77 @@ def test_arrival_model_announces_between_decode_steps_what_arrived_meanwhile():
         model.serve(ServeRequest(it.prompt, 1))
     assert [r.prompt is it.prompt for r, it in zip(sched.arrived, items[1:])] == [True, True]
     assert all(a is b for a, b in zip(sched.served[1:], sched.arrived)) and model.announced == 2
+
+
+def test_thread_cpu_accounting_names_the_thread_that_burned_it():
+    """A Python thread that spins for 50 ms of its own CPU time shows up under its name (index
+    stripped), the calling thread's own spin under ``serving``."""
+    import threading
+    import time
+
+    from benchmarks.common import cpu_by_group, thread_cpu_s
+
+    done = threading.Event()
+    before = thread_cpu_s()
+    holder = threading.Thread(target=lambda: (_spin_cpu(0.05), done.wait(30)), name="holder_7")
+    holder.start()
+    try:
+        _spin_cpu(0.02)
+        deadline = time.monotonic() + 30
+        while (got := cpu_by_group(before, thread_cpu_s())).get("holder", 0.0) < 0.045:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.01)
+        assert got["serving"] >= 0.019 and "holder_7" not in got
+    finally:
+        done.set()
+        holder.join(timeout=30)
+
+
+def _spin_cpu(seconds: float) -> None:
+    import time
+
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_serve_segments_keeps_each_config_apart_and_charges_its_drain():
+    """Segments of 2 over 3 items, configs a and b: each serves a segment in stream order, its drain runs
+    right after its own segment (before the other config's), the first config rotates per segment,
+    and the drain's time lands on the latency of the segment's last request. A wrong output raises."""
+    import time
+
+    import numpy as np
+
+    from benchmarks.common import ExactnessError, Item, serve_segments
+
+    items = [Item(i, None, 0, np.arange(3 + i, dtype=np.int32), 1) for i in range(3)]
+    log: list[str] = []
+
+    def serve_as(name):
+        sched = _RecordingScheduler()
+
+        def serve(req):
+            log.append(f"{name}{len(req.prompt) - 3}")
+            return sched.serve(req)
+        return serve
+
+    def drain_as(name):
+        def drain():
+            log.append(f"{name}-drain")
+            if name == "b":
+                time.sleep(0.02)
+        return drain
+
+    runs = serve_segments({"a": serve_as("a"), "b": serve_as("b")}, items, [(1,)] * 3,
+                          {"a": drain_as("a"), "b": drain_as("b")}, segment=2)
+    assert log == ["a0", "a1", "a-drain", "b0", "b1", "b-drain", "b2", "b-drain", "a2", "a-drain"]
+    assert [s.item for s in runs["a"].served] == items == [s.item for s in runs["b"].served]
+    for run in runs.values():  # only a segment's last request carries the drain
+        assert [s.result.latency_s == 1.0 for s in run.served] == [True, False, False]
+    assert all(s.result.latency_s >= 1.02 for s in runs["b"].served[1:])  # b's drains sleep 20 ms
+    assert len(runs["b"].drain_s) == 2 and runs["b"].cpu_ms_per_request().get("serving", 0.0) >= 0
+    with pytest.raises(ExactnessError, match=r"\[b\] request 1"):
+        serve_segments({"a": serve_as("a"), "b": serve_as("b")}, items[:2], [(1,), (2,)], segment=1)
+    with pytest.raises(ValueError, match="segment"):
+        serve_segments({"a": serve_as("a")}, items, [(1,)] * 3, segment=0)
