@@ -30,7 +30,10 @@ looks at the backend):
   copy), then writes the pages into that buffer with numpy and adopts it as the pool. The engine
   keeps holding that array (later loads and backups skip the take-over and every JAX call) until
   it is lent out: ``HostWorker`` calls ``release_pool`` before a model runs on it, and the async
-  gather below drops it too. Code that dispatches work on ``device_pool.kv`` outside
+  gather below drops it too. When the model hands back a new array (its forwards donated the one
+  lent), the worker says so (``adopt_forward_output``): by the ``PoolModel`` contract nothing but
+  the forward producing it can be pending on it, so once it is ready the next load adopts it as is,
+  no take-over (no JAX dispatch on a load-back's critical path). Code that dispatches work on ``device_pool.kv`` outside
   ``run_model`` must wait for it (or call ``release_pool``) before the next plan. Both are
   ``hicache.workers.host_copy.PageCopier`` copies on the owner thread; the handle is born
   finished (no staging, no polling, no token). A D2H falls back to the async jitted gather below
@@ -246,6 +249,9 @@ class TransferEngine:
         # nothing dispatched on it since), and its buffer address. ``release_pool`` forgets it.
         self._owned: Callable[[], jax.Array | None] = _no_array
         self._owned_address = 0
+        # HOST_MEMORY: a pool array a model's forward produced and handed back (``adopt_forward_output``):
+        # once ready, nothing else can be pending on it, so the next load owns it without a take-over.
+        self._forward_output: Callable[[], jax.Array | None] = _no_array
         if self._copier is not None and self._take_pool() is None:  # jit outputs must be row-major
             self.data_path, self._copier = DataPath.JIT, None
         self._slot_bytes = host_pool.slot_bytes
@@ -254,19 +260,33 @@ class TransferEngine:
     def release_pool(self) -> None:
         """The pool array is lent out (a model forward, anything that may dispatch work on it): the
         next load takes it over again. ``HostWorker`` calls this whenever it hands the array out."""
+        self._owned = self._forward_output = _no_array
+
+    def adopt_forward_output(self, kv: jax.Array) -> None:
+        """``kv`` (the pool now) is the output of a forward that donated the array lent out, and the
+        model dispatched nothing else over it (the ``PoolModel`` contract): the one computation that
+        may be pending on its buffer is the one producing it. Once ``kv.is_ready()``, the next load
+        writes it in place without a take-over (a JAX dispatch: ~100-150 us on the critical path of
+        a load-back right after a forward, on this machine)."""
         self._owned = _no_array
+        self._forward_output = weakref.ref(kv) if self._copier is not None else _no_array
 
     def _take_pool(self) -> int | None:
         """HOST_MEMORY: the address of the pool buffer, held exclusively (taken over by donation
-        unless this engine holds it already), or ``None`` if it is not row-major."""
-        if self.device_pool.kv is not self._owned():
-            kv = _take_over(self.device_pool.kv)
+        unless this engine holds it already or it is a finished forward's output), or ``None`` if it
+        is not row-major."""
+        kv = self.device_pool.kv
+        if kv is self._owned():
+            return self._owned_address
+        if kv is not self._forward_output() or not kv.is_ready():
+            kv = _take_over(kv)
             self.device_pool.adopt_kv(kv)  # the old array is deleted: adopt before anything can fail
-            address = self._address(kv)
-            if address is None:
-                return None
-            self._owned, self._owned_address = weakref.ref(kv), address
-        return self._owned_address
+        self._forward_output = _no_array
+        address = self._address(kv)
+        if address is None:
+            return None
+        self._owned, self._owned_address = weakref.ref(kv), address
+        return address
 
     def _address(self, kv: jax.Array) -> int | None:
         """``row_major_address(kv)``, checked once per pool array (a layout query costs ~10 us)."""

@@ -72,7 +72,13 @@ StorageExecutor = Callable[[TransferOp, HostPool], "int | tuple[int, Callable[[]
 
 
 class PoolModel(Protocol):
-    """A per-host model runner that forwards over the worker's L1 array (it donates it per forward)."""
+    """A per-host model runner that forwards over the worker's L1 array (it donates it per forward).
+
+    Contract: every computation the model dispatches over the pool array donates it (a forward), so
+    the array it holds after its last forward has no pending user but that forward. The worker
+    relies on it: a load after ``run_model`` writes that array in place as soon as it is ready, with
+    no take-over. (A model that returns the array it was lent, no forward run, may leave reads of it
+    pending: that array is taken over by donation first, which waits for them.)"""
 
     @property
     def pool(self) -> jax.Array: ...  # the L1 array after its last forward
@@ -212,12 +218,16 @@ class HostWorker:
         model = self._model
         if model is None:
             raise RuntimeError(f"host worker {self.host_index}: no model attached (attach_model first)")
+        lent = self.device_pool.kv
         self.engine.release_pool()
-        model.set_pool(self.device_pool.kv)
+        model.set_pool(lent)
         try:
             return fn(model)
         finally:
-            self.device_pool.set_kv(model.pool)
+            back = model.pool
+            self.device_pool.set_kv(back)
+            if back is not lent:  # forwards donated the lent array: ``back`` is the last one's output
+                self.engine.adopt_forward_output(back)
 
     # -- plans ---------------------------------------------------------------------------------
     def validate(self, plan: TransferPlan) -> None:

@@ -5,6 +5,7 @@ over by donation first), the async D2H fallback, and their ordering/failure rule
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -180,6 +181,59 @@ def test_load_after_run_model_waits_for_the_models_pending_work(worker):
     assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
     _assert_page(seen, old[0])
     np.testing.assert_array_equal(_bits(dp.read_pages([7, 8])), _bits(np.stack([new[0], old[1]])))
+
+
+class _ForwardingModel:
+    """A PoolModel whose forward writes page 7 of the pool (donating it), after a slow computation
+    when asked: its output may still be pending when the call returns."""
+
+    def __init__(self, kv: jax.Array) -> None:
+        self.pool = kv
+
+    def set_pool(self, kv: jax.Array) -> None:
+        self.pool = kv
+
+    def forward(self, page: np.ndarray, slow: bool) -> None:
+        after = _slow(jnp.ones((1024, 1024), jnp.float32)) if slow else jnp.float32(0)
+        self.pool = _write_page_after(self.pool, jnp.asarray(page), after)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_page_after(kv, page, after):  # the written value depends on the slow result: it waits for it
+    page = page + (after > jnp.inf).astype(page.dtype)
+    return lax.dynamic_update_index_in_dim(kv, page, 7, axis=2)
+
+
+def test_load_after_a_forward_writes_its_output_in_place(worker):
+    """A forward's ready output (it donated the array lent) is loaded into in place: no take-over,
+    so the model's array stays the pool, alive, with the loaded page."""
+    dp, hp = worker.device_pool, worker.host_pool
+    page = _random_pages(worker, 1, seed=25)[0]  # [L, 2, S, H, D]: the pool's slice at page 7
+    new = _random_pages(worker, 1, seed=26)
+    hp.write_slots([0], new)
+    model = worker.attach_model(_ForwardingModel)
+    worker.run_model(lambda m: m.forward(page.astype(dp.storage_dtype), slow=False))
+    dp.kv.block_until_ready()
+    worker.submit(_plan(_op(1, "h2d", [7], [0])))
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    assert dp.kv is model.pool and not model.pool.is_deleted()
+    np.testing.assert_array_equal(_bits(dp.read_pages([7])), _bits(new))
+
+
+def test_load_after_a_pending_forward_lands_after_it(worker):
+    """A load right after a forward whose output is still being computed waits for it (the forward's
+    write of the page lands first, then the load's)."""
+    dp, hp = worker.device_pool, worker.host_pool
+    written = _random_pages(worker, 1, seed=27)[0]
+    new = _random_pages(worker, 1, seed=28)
+    hp.write_slots([0], new)
+    worker.attach_model(_ForwardingModel)
+    worker.run_model(lambda m: m.forward(written.astype(dp.storage_dtype), slow=True))  # compiles
+    worker.run_model(lambda m: m.forward(written.astype(dp.storage_dtype), slow=True))
+    assert not dp.kv.is_ready()  # the premise: the forward is pending when the load comes
+    worker.submit(_plan(_op(1, "h2d", [7], [0])))
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    np.testing.assert_array_equal(_bits(dp.read_pages([7])), _bits(new))
 
 
 def test_round_trip_is_bit_identical(worker, backup_mode):
