@@ -1143,6 +1143,19 @@ class FsspecStorage(HiCacheStorage):
                 return o
         return None
 
+    def _probe_here(self, reg: _PoolReg, parts: list[_Obj], deadline: _Deadline) -> _Obj | None:
+        """The longest stored of a chunk's shorter candidates ``parts`` (``_partials``: longest
+        first), local, calling thread. With links, every object of the chunk with >= S pages is
+        named at the chunk's page S-1: that name is asked first, and if it is missing only the
+        candidates shorter than S remain (a miss costs S stats, not C - 1)."""
+        if reg.link_every and parts:
+            k = parts[0].m - reg.link_every  # parts[i] holds parts[0].m - i pages
+            if 0 < k < len(parts):
+                if not self._exists_here(parts[k], deadline):
+                    return self._first_stored(parts[k + 1 :], deadline)
+                return self._first_stored(parts[:k], deadline) or parts[k]
+        return self._first_stored(parts, deadline)
+
     def _resolve(self, queries: list[tuple[_PoolReg, list[str], np.ndarray, int]], deadline: _Deadline) -> list[list[_Obj]]:
         """Objects that cover the longest stored prefix of each query (≤ 2 batched rounds; on a
         local filesystem, stats in chain order up to the first missing object)."""
@@ -1152,7 +1165,7 @@ class FsspecStorage(HiCacheStorage):
                 objs: list[_Obj] = []
                 for o in self._iter_naturals(t, reg, keys, first):
                     if not self._exists_here(o, deadline):
-                        part = self._first_stored(self._partials(t, reg, keys, first, o), deadline)
+                        part = self._probe_here(reg, self._partials(t, reg, keys, first, o), deadline)
                         if part is not None:
                             objs.append(part)
                         break
@@ -1279,8 +1292,8 @@ class FsspecStorage(HiCacheStorage):
             return
         found: list[tuple[_Obj, int]] = []
         if self._io.inline_io:  # type: ignore[attr-defined]
-            for _, ps, rank in probes:  # longest first, up to the first one stored
-                part = self._first_stored(ps, deadline)
+            for t, ps, rank in probes:
+                part = self._probe_here(queries[t][0], ps, deadline)
                 if part is not None:
                     found.append((part, mtimes[rank]))
         else:

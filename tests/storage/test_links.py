@@ -109,3 +109,21 @@ def test_byte_cap_counts_an_object_once_and_evicts_all_its_names(make_store, fp)
     left = [f for d, _, fs in os.walk(st._root) for f in fs if "/manifest" not in d]
     assert len(left) == 2 * 4  # no orphaned link names
     assert [st.batch_exists(keys) for keys in chains] == [0, 0, 16, 16]
+
+
+def test_a_miss_probes_the_first_link_position_then_only_shorter_candidates(make_store, fp):
+    st = make_store("file", pages_per_object=16, link_every_pages=4)
+    if not st._io.inline_io:
+        pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
+    asked = []
+    inner = st._io.exists_one
+    st._io.exists_one = lambda path, deadline: asked.append(path) or inner(path, deadline)
+    keys = page_keys(Namespace(fp), _tokens(fp, 16, 0))
+    assert st.batch_exists(keys) == 0
+    # the natural object (page 15), the first link position (page 3), then pages 2, 1, 0
+    assert asked == [st.object_path(keys[p]) for p in (15, 3, 2, 1, 0)]
+    st.pool.fill_random(S(0, 16), 6)
+    st.batch_set(keys[:10], S(0, 10))  # one object of 10 pages, linked at pages 3 and 7
+    asked.clear()
+    assert st.batch_exists(keys) == 10
+    assert asked == [st.object_path(keys[p]) for p in (15, 3, 14, 13, 12, 11, 10, 9)]
