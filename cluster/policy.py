@@ -19,7 +19,8 @@ class HiCacheConfig:
     write_through_threshold: int = 2  # hits before a selective backup
     load_back_threshold: int = 0  # tokens: shorter host hits are recomputed instead of loaded
     ack_timeout_s: float = 30.0  # bound on every wait for worker acks
-    # L1->L2 backups wait until this many pages are queued (or a plan with loads goes out), then go as ONE op
+    # L1->L2 backups wait until this many pages are queued, then go as ONE op (a plan sent for loads leaves
+    # them queued; the controller sends them anyway after a bounded hold: a few check_events calls or 50 ms)
     backup_batch_pages: int = 256
 
     def __post_init__(self) -> None:
