@@ -331,6 +331,28 @@ def test_a_steps_load_backs_travel_as_one_op_and_are_exact(monkeypatch):
     check(env)
 
 
+def test_a_node_split_while_its_backup_is_held_commits_both_halves_in_order(monkeypatch):
+    """The tree splits a node whose backup waits in the open batch: the new prefix node joins that copy's
+    chain in front of the rest, both halves get their slots of the one op, and loading them back is exact."""
+    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
+    env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
+    a = seq(0, 16)
+    env.serve(a)  # a's backup (4 pages) is held in the open batch
+    ctl = env.head.controller
+    (chain,) = ctl._open_backups.chains
+    assert [n.num_tokens for n in chain] == [16]
+    env.serve(np.concatenate([a[:8], seq(900, 8)]))  # splits a's node after 8 tokens
+    assert [n.num_tokens for n in chain] == [8, 8] and all(n.pending is ctl._open_backups for n in chain)
+    check(env)
+    env.head.flush_write_through_acks()
+    assert env.head.cache_stats()["host_tokens"] == 24  # a's two halves, then the deferred new leaf
+    check(env)
+    env.head.evict(100)
+    r = env.serve(a)  # serve checks the loaded pages hold a's KV
+    assert r["loaded"] == 16 and r["device_hit"] == 0
+    check(env)
+
+
 def test_a_failed_step_load_fails_each_request_which_recomputes():
     env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64,
                      faults={"fail_kinds": (OpKind.LOAD_H2D,), "fail_rate": 1.0})
