@@ -1,10 +1,10 @@
 """Tree nodes. Owned by the radix tree of one replica (the head); never shared across processes.
 
 A node holds a page-aligned run of tokens (``key_bytes``, with ``key`` a read-only int32 view of the same
-memory: the tree compares and indexes keys as bytes, everything else reads the array) and, per tier, where their KV lives: ``device_pages`` (L1 page
-ids, one per page; ``None`` once evicted from L1) and ``host_slots`` (L2 slot ids; ``None`` when not backed
-up). Components (SWA, Mamba) keep their per-node values in ``component_data``. Nodes cross process
-boundaries only as their integer ``id``.
+memory, made on first read: the tree compares and indexes keys as bytes, everything else reads the array)
+and, per tier, where their KV lives: ``device_pages`` (L1 page ids, one per page; ``None`` once evicted from
+L1) and ``host_slots`` (L2 slot ids; ``None`` when not backed up). Components (SWA, Mamba) keep their
+per-node values in ``component_data``. Nodes cross process boundaries only as their integer ``id``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class TreeNode:
         "id",
         "parent",
         "children",
-        "key",
+        "_key",
         "key_bytes",
         "num_tokens",
         "device_pages",
@@ -74,8 +74,17 @@ class TreeNode:
         """Sets the node's tokens (int32 ids, or their bytes); ``num_tokens % page_size == 0``."""
         kb = key if type(key) is bytes else np.ascontiguousarray(key, dtype=np.int32).tobytes()
         self.key_bytes = kb
-        self.key = np.frombuffer(kb, dtype=np.int32)  # i32[num_tokens], read-only view of key_bytes
+        self._key: np.ndarray | None = None  # ``key``, once read
         self.num_tokens = len(kb) >> 2
+
+    @property
+    def key(self) -> np.ndarray:
+        """i32[num_tokens], a read-only view of ``key_bytes``; made on first read (the tree's walks, splits and
+        merges use the bytes only: no numpy view is built per new, split or merged node)."""
+        k = self._key
+        if k is None:
+            k = self._key = np.frombuffer(self.key_bytes, dtype=np.int32)
+        return k
 
     @property
     def evicted(self) -> bool:

@@ -515,6 +515,7 @@ class RadixTree:
         full = self.full
         queue = full.queue
         listener = self.listener
+        merge = not self.extra_components  # host-only chains merge in Full-only trees
         while freed < num_tokens:
             batch, batch_tokens = [], 0
             while freed + batch_tokens < num_tokens:
@@ -541,7 +542,7 @@ class RadixTree:
                     listener.on_removed(node, "device")
                 parent = node.parent
                 if node.host_slots is not None:  # demoted: host-only now
-                    if len(node.children) == 1 and not self.extra_components:
+                    if merge and len(node.children) == 1:
                         self._merge_host_only(node)
                 elif not node.children or not self.storage_only.keep(node):
                     self._remove_leaf(node)  # (a node kept for its storage-only children stays)
@@ -579,7 +580,7 @@ class RadixTree:
         parent = node.parent
         kb = node.key_bytes
         child.set_key(kb + child.key_bytes)
-        child.host_slots = np.concatenate([node.host_slots, child.host_slots])
+        child.host_slots = np.concatenate((node.host_slots, child.host_slots))
         child.parent = parent
         parent.children[kb[: self._ck]] = child
         if node.last_access > child.last_access:
