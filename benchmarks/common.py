@@ -107,8 +107,9 @@ class BareEngine:
         logits = self.runner.prefill(prompt, table, 0)
         ttft = time.perf_counter() - t0
         gen = self.runner.decode(prompt, logits, table, req.max_new_tokens)
-        return ServeResult(gen.tokens, logits, ttft, time.perf_counter() - t0, int(prompt.size), 0, 0,
-                           int(prompt.size))
+        latency = time.perf_counter() - t0
+        return ServeResult(gen.tokens, logits, ttft, latency, int(prompt.size), 0, 0, int(prompt.size),
+                           phases=ServePhases(prefill=ttft, decode=latency - ttft))
 
 
 class ExactnessError(AssertionError):

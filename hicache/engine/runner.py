@@ -116,6 +116,12 @@ class ModelRunner:
             dev = device if device is not None else jax.devices()[0]
             pool = kv_layout.make_pool(model, num_pages, fwd.page_size, dev)
         self.placement = kv_layout.replicated_like(pool)  # where params and step inputs live
+        # Step inputs (a few hundred bytes) go to the jitted forward as numpy arrays in one process:
+        # jit places them itself, replicated like ``placement``, on its C++ path (measured: a chunk's
+        # forward 2.02 -> 1.19 ms, best of 300 alternating, vs a ``jax.device_put`` per input). Several
+        # processes (a multi-host replica) keep the explicit global placement.
+        self._put_inputs: Callable = ((lambda x: x) if jax.process_count() == 1
+                                      else (lambda x: jax.device_put(x, self.placement)))
         self.params = params if params is not None else init_params(model, self.placement)
         self.set_pool(pool)
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
@@ -258,7 +264,8 @@ class ModelRunner:
         """Dispatch the aligned chunks of positions ``[start, len(toks))``; rebinds the pool after each
         forward (the old one is donated). Returns logits f32[len(toks) - start, vocab] to come."""
         c = self.fwd.chunk_size
-        table_d = jax.device_put(table, self.placement)
+        put = self._put_inputs
+        table_d = put(table)
         rows = np.arange(c, dtype=np.int32)
         out = []
         for base, lo, hi in chunk_rows(start, int(toks.size), c):
@@ -266,7 +273,7 @@ class ModelRunner:
             valid = (positions >= lo) & (positions < hi)
             chunk = np.zeros(c, np.int32)
             chunk[lo - base: hi - base] = toks[lo:hi]
-            chunk_d, pos_d, valid_d = jax.device_put((chunk, positions, valid), self.placement)
+            chunk_d, pos_d, valid_d = put((chunk, positions, valid))
             logits, self._kv = forward_chunk(self.params, self._kv, chunk_d, pos_d, valid_d, table_d,
                                              cfg=self.model)
             self.forwards += 1
