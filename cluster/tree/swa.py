@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.cluster.tree.allocator import CacheCapacityError, PageAllocator, PageOwner, as_index, count_true
+from hicache.cluster.tree.allocator import PAGE_DTYPE, CacheCapacityError, PageAllocator, PageOwner, as_index, count_true
 from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
 from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode
@@ -102,12 +102,8 @@ class SWAPagePool(PageAllocator):
         self.swa = swa
 
     def alloc(self, num_pages: int) -> np.ndarray:
-        """No owner to record, and SWA ids need no order: a plain slice of the stack (no reversed copy)."""
-        top = self.num_free
-        if num_pages > top:
-            return self._pop_free(num_pages)  # grows an unbounded pool, or raises
-        self.num_free = top - num_pages
-        return self._free[top - num_pages : top].copy()
+        """No owner to record: the int32 copy of the stack's top slice."""
+        return self._pop_free(num_pages).astype(PAGE_DTYPE)  # (grows an unbounded pool, or raises)
 
     def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
         pages = self.alloc(num_pages)
@@ -119,12 +115,14 @@ class SWAPagePool(PageAllocator):
     def release(self, pages: np.ndarray, index: np.ndarray | None = None) -> None:
         n = pages.shape[0]
         if n:
-            self._free[self.num_free : self.num_free + n] = pages  # any order (see ``alloc``)
-            self.num_free += n
+            nf = self.num_free + n
+            top = self._size - nf
+            self._free[top : top + n] = pages  # the stack's order (see ``PageAllocator.release``)
+            self.num_free = nf
 
     def release_one(self, page: int) -> None:
-        self._free[self.num_free] = page  # no owner to record
         self.num_free += 1
+        self._free[self._size - self.num_free] = page  # no owner to record
 
     def _derived_owners(self) -> np.ndarray:
         mapped = self.swa.mapped
@@ -143,7 +141,7 @@ class SWAPagePool(PageAllocator):
         raise TypeError("SWA pages are checked through their full pages (MappedPageAllocator.check)")
 
     def free_pages(self) -> np.ndarray:
-        return self._free[: self.num_free]
+        return self._free[self._size - self.num_free :]
 
 
 class MappedPageAllocator(PageAllocator):
