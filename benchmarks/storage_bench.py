@@ -132,7 +132,7 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
         raw_fs, raw_root = fsspec.core.url_to_fs(raw_url, **({"skip_instance_cache": True, "use_listings_cache": False, **opts} if scheme == "gs" else opts))
         raw_paths = [f"{raw_root}/{k[:2]}/{k}" for k in (keys[min(n_pages, (i + 1) * ppo) - 1] for i in range(n_obj))]
         if local:  # both sides' fan-out directories exist (steady state of a long-lived cache)
-            our_paths = [st.object_path(keys[min(n_pages, (i + 1) * ppo) - 1]) for i in range(n_obj)]
+            our_paths = [st.object_path(k) for k in keys]  # objects and their link names (file://)
             for d in {os.path.dirname(p) for p in raw_paths + our_paths}:
                 os.makedirs(d, exist_ok=True)
             if raw_dst is None:  # raw read destination: distinct, pre-faulted, page-aligned per object

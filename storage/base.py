@@ -194,7 +194,8 @@ class HiCacheStorage(abc.ABC):
 
     @abc.abstractmethod
     def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:
-        """Whether an object ending exactly at page ``page_index`` (named ``key``) is stored."""
+        """Whether an object named ``key`` is stored: one ending at page ``page_index``, or (file://
+        link names) a longer one of the same chunk whose leading pages end there."""
 
     # ---- warm restart --------------------------------------------------------------------
     @abc.abstractmethod

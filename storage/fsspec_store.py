@@ -154,7 +154,8 @@ class StorageConfig:
     # file:// only: an object of more pages than this is also hard-linked under the chain key of
     # every this-many-th page inside it, so a query that ends or diverges inside the object still
     # reads its leading pages (it loses < this many pages, not < pages_per_object). A link costs a
-    # directory entry, far less than an object (inode, header, checksum, publish). None: off.
+    # directory entry, far less than an object (inode, header, checksum, publish); at most
+    # MAX_LINKS_PER_OBJECT of them (the spacing grows with larger objects). None: off.
     link_every_pages: int | None = 4
     max_bytes: int | None = None  # file:// only: byte cap over the whole root, LRU eviction
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
@@ -241,6 +242,7 @@ def _set_mtime(fd: int, mtime_ns: int | None) -> None:
 # caches do not promise that a reader who sees the mode also sees the bytes).
 PUBLISHED_MODE = 0o644
 STALE_UNPUBLISHED_S = 600.0
+MAX_LINKS_PER_OBJECT = 7  # file:// link names per object (``StorageConfig.link_every_pages``)
 
 
 def _is_published(st: os.stat_result) -> bool:
@@ -1062,8 +1064,8 @@ class FsspecStorage(HiCacheStorage):
         if kind in self._pools:
             raise ValueError(f"a host pool is already registered for {kind.value!r}")
         ppo = pages_per_object or self.config.pages_per_object or max(1, self._target // int(pool.slot_bytes))
-        every = self.config.link_every_pages or 0
-        every = every if self._local and every < ppo else 0
+        every = max(self.config.link_every_pages or 0, -(-ppo // (MAX_LINKS_PER_OBJECT + 1)))
+        every = every if self._local and self.config.link_every_pages and every < ppo else 0
         prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}" + (f"l{every}" if every else "")
         header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape, every)
         self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header, shape, int(pool.slot_bytes), every)

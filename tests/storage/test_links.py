@@ -127,3 +127,14 @@ def test_a_miss_probes_the_first_link_position_then_only_shorter_candidates(make
     asked.clear()
     assert st.batch_exists(keys) == 10
     assert asked == [st.object_path(keys[p]) for p in (15, 3, 14, 13, 12, 11, 10, 9)]
+
+
+@pytest.mark.parametrize("ppo, every, links", [(4, 0, 0), (5, 4, 1), (16, 4, 3), (32, 4, 7), (64, 8, 7), (512, 64, 7)])
+def test_link_spacing_grows_with_the_object(make_store, ppo, every, links):
+    """At most 7 link names per object: beyond 32 pages the spacing grows with the chunk."""
+    st = make_store("file", pages_per_object=ppo, link_every_pages=4)
+    reg = st._pools[next(iter(st._pools))]
+    assert (reg.link_every, reg.num_links(ppo)) == (every, links)
+    assert reg.prefix.endswith(f"/c{ppo}" + (f"l{every}" if every else ""))
+    off = make_store("file", pages_per_object=ppo, link_every_pages=None)
+    assert off._pools[next(iter(off._pools))].link_every == 0
