@@ -38,7 +38,9 @@ class StackOptions:
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.WAIT_COMPLETE
     prefetch_min_tokens: int = 32
-    pages_per_object: int = 4  # L3 object = 4 pages: a prefix query finds all but < 4 pages of it
+    # L3 object = 16 pages, hard-linked every 4 pages (StorageConfig.link_every_pages): a prefix query
+    # finds all but < 4 pages of it, with a quarter of the objects (files) that 4-page objects take
+    pages_per_object: int = 16
     prefill_budget: int = 0
 
     def __post_init__(self) -> None:
