@@ -20,11 +20,8 @@ void item so that numpy moves each with one ``memmove``)::
 Strategies (measured here, 2 shared cores; fresh ids each time; see ``benchmarks/transfer_bench.py``):
 
 * vectorised, for many small pages: per chunk of pages, one ``np.take`` into the scratch buffer and
-  one ``np.put`` from it, both over flat 1-D views (a slot row, or a pool run at ``j * P + page``:
-  the run ids of a batch are made once per call). ``take``/``put`` move one item per id with a
-  plain ``memmove`` loop; fancy-index stores over 2-D views went through numpy's slower general
-  mapping iterator (replay of hicache_bench's transfers, 1 KiB pages, best of 8 interleaved: 80 ->
-  64 ms). Two numpy calls per chunk, no Python step per page; the second pass reads the cache.
+  one fancy-index store from it (two numpy calls per chunk, no Python step per page; the second
+  pass reads the cache);
 * one copy per page (``slab_runs[s] = pool_runs[:, p]``) for big pages, where the memory pass
   dominates and one pass beats two, and for tiny batches, where the numpy calls dominate.
 """
@@ -37,7 +34,7 @@ import numpy as np
 
 # Vectorised copy when a batch has at least VECTOR_MIN_PAGES pages of at most VECTOR_PAGE_MAX_BYTES.
 VECTOR_PAGE_MAX_BYTES = 4 << 10
-VECTOR_MIN_PAGES = 16
+VECTOR_MIN_PAGES = 32
 CHUNK_BYTES = 256 << 10  # scratch buffer: fits the per-core L2 cache
 
 
@@ -53,7 +50,7 @@ class PageCopier:
     (same item size, both C-contiguous). The pool is passed by the address of its buffer (row-major,
     ``pool_bytes`` long), which the caller guarantees may be read (D2H) or written (H2D) during the
     call. Ids are validated by the caller (int32, in range, unique, same size); an id out of range
-    would be clipped by ``np.take``/``np.put``, never read or written out of bounds."""
+    would be clipped by ``np.take``, never read out of bounds."""
 
     def __init__(self, slab: np.ndarray, num_pages: int) -> None:
         if not slab.flags.c_contiguous or slab.ndim != 6:
@@ -66,66 +63,54 @@ class PageCopier:
         self.slot_bytes = slab.nbytes // self.num_slots
         self.pool_bytes = self.num_pages * self.slot_bytes
         self._run = np.dtype((np.void, self.slot_bytes // k))
-        self._slab_runs = _runs(slab, (self.num_slots, k))  # [N, k]: per-page copies
-        self._slab_rows = _runs(slab, (self.num_slots,))  # [N]: one item per slot
-        # Flat pool run id of run j of page p: j * P + p (``_pool_views``' flat view).
-        self._run_offsets = (np.arange(k, dtype=np.intp) * self.num_pages)[None, :]
+        self._slab_runs = _runs(slab, (self.num_slots, k))
+        self._slab_rows = _runs(slab, (self.num_slots,))
         self.chunk_pages = max(1, CHUNK_BYTES // self.slot_bytes)  # pages per vectorised step
-        scratch = np.empty(self.chunk_pages * self.slot_bytes, np.uint8)
-        self._scratch_rows = scratch.view(self._slab_rows.dtype)  # [chunk_pages]
-        self._scratch_runs = scratch.view(self._run)  # [chunk_pages * k]
-        self._pool_at: tuple[int, np.ndarray, np.ndarray] | None = None  # (address, [k, P] runs, [k*P] runs)
+        self._scratch = np.empty(self.chunk_pages * self.slot_bytes, np.uint8)
+        self._pool_at: tuple[int, np.ndarray] | None = None  # (address, runs view) of the last pool
 
-    def _pool_views(self, address: int) -> tuple[np.ndarray, np.ndarray]:
-        """The pool buffer at ``address`` as ``[L*2, P]`` runs and as their flat ``[L*2*P]`` view
-        (cached: the pool usually keeps its address across donations)."""
+    def _pool_runs(self, address: int) -> np.ndarray:
+        """The pool buffer at ``address`` as ``[L*2, P]`` runs (cached: the pool usually keeps its
+        address across donations)."""
         cached = self._pool_at
         if cached is not None and cached[0] == address:
-            return cached[1], cached[2]
+            return cached[1]
         raw = (ctypes.c_char * self.pool_bytes).from_address(address)
-        flat = np.frombuffer(raw, self._run)
-        runs = flat.reshape(self.runs_per_page, self.num_pages)
-        self._pool_at = (address, runs, flat)
-        return runs, flat
+        runs = np.frombuffer(raw, self._run).reshape(self.runs_per_page, self.num_pages)
+        self._pool_at = (address, runs)
+        return runs
 
     def _vectorised(self, n: int) -> bool:
         return n >= VECTOR_MIN_PAGES and self.slot_bytes <= VECTOR_PAGE_MAX_BYTES
 
-    def _flat_runs(self, pages: np.ndarray) -> np.ndarray:
-        """``[n * k]`` flat pool run ids, page-major: the runs of page ``pages[i]`` at ``[i*k, (i+1)*k)``,
-        in the order of a slot row."""
-        return (pages[:, None] + self._run_offsets).ravel()
-
     def to_slab(self, pool_address: int, pages: np.ndarray, slots: np.ndarray) -> None:
         """``slab[slots[i]] = pool[:, :, pages[i]]`` (D2H)."""
-        runs, flat = self._pool_views(pool_address)
+        src, dst = self._pool_runs(pool_address), self._slab_runs
         n = pages.size
         if not self._vectorised(n):
-            dst = self._slab_runs
             for s, p in zip(slots.tolist(), pages.tolist()):
-                dst[s] = runs[:, p]
+                dst[s] = src[:, p]
             return
         k, chunk = self.runs_per_page, self.chunk_pages
-        ids = self._flat_runs(pages)
-        rows, buf, slab = self._scratch_rows, self._scratch_runs, self._slab_rows
+        scratch = self._scratch.view(self._run)
         for i in range(0, n, chunk):
-            m = min(chunk, n - i)
-            np.take(flat, ids[k * i : k * (i + m)], out=buf[: k * m], mode="clip")  # "clip": no buffered copy
-            np.put(slab, slots[i : i + m], rows[:m], mode="clip")
+            ids = pages[i : i + chunk]
+            buf = scratch[: k * ids.size].reshape(k, ids.size)
+            np.take(src, ids, axis=1, out=buf, mode="clip")  # "clip": no buffered copy (ids are valid)
+            dst[slots[i : i + chunk]] = buf.T
 
     def to_pool(self, pool_address: int, pages: np.ndarray, slots: np.ndarray) -> None:
         """``pool[:, :, pages[i]] = slab[slots[i]]`` (H2D)."""
-        runs, flat = self._pool_views(pool_address)
+        dst, src = self._pool_runs(pool_address), self._slab_runs
         n = pages.size
         if not self._vectorised(n):
-            src = self._slab_runs
             for s, p in zip(slots.tolist(), pages.tolist()):
-                runs[:, p] = src[s]
+                dst[:, p] = src[s]
             return
         k, chunk = self.runs_per_page, self.chunk_pages
-        ids = self._flat_runs(pages)
-        rows, buf, slab = self._scratch_rows, self._scratch_runs, self._slab_rows
+        rows = self._scratch.view(self._slab_rows.dtype)
         for i in range(0, n, chunk):
-            m = min(chunk, n - i)
-            np.take(slab, slots[i : i + m], out=rows[:m], mode="clip")
-            np.put(flat, ids[k * i : k * (i + m)], buf[: k * m], mode="clip")
+            ids = slots[i : i + chunk]
+            buf = rows[: ids.size]
+            np.take(self._slab_rows, ids, out=buf, mode="clip")
+            dst[:, pages[i : i + chunk]] = buf.view(self._run).reshape(ids.size, k).T
