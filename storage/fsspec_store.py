@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import ctypes
 import dataclasses
 import functools
 import itertools
@@ -255,6 +256,35 @@ def _published(path: str) -> bool:
         return _is_published(os.stat(path))
     except (OSError, ValueError):
         return False
+
+
+def _statx_holding_gil() -> Callable[..., int] | None:
+    """libc ``statx`` called through ``ctypes.PyDLL``, which keeps the GIL (Linux, glibc >= 2.28);
+    None elsewhere. ``os.stat`` gives the GIL away for the syscall, and on a busy host the calling
+    thread then waits for another Python thread (an L3 writer) to give it back: measured on the
+    serving thread's L3 query, mean 0.9-3.3 ms with ``os.stat`` vs 0.25-0.28 ms with this."""
+    try:
+        fn = ctypes.PyDLL(None).statx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_STATX = _statx_holding_gil()
+_AT_FDCWD, _STATX_MODE, _STATX_BUF, _STX_MODE_AT = -100, 0x2, 256, 28  # struct statx: u16 stx_mode at 28
+
+
+def _published_here(path: str) -> bool:
+    """``_published`` for the calling thread on a local filesystem (a stat cannot hang there): the
+    stat keeps the GIL (``_statx_holding_gil``) where the platform allows."""
+    if _STATX is None:
+        return _published(path)
+    buf = ctypes.create_string_buffer(_STATX_BUF)  # per call: another thread may stat meanwhile
+    if _STATX(_AT_FDCWD, os.fsencode(path), 0, _STATX_MODE, buf) != 0:
+        return False  # missing (or unreadable): a miss, as with os.stat
+    return int.from_bytes(buf.raw[_STX_MODE_AT : _STX_MODE_AT + 2], "little") & 0o777 != 0
 
 
 def _drop_if_stale(path: str, st: os.stat_result | None = None) -> None:
@@ -563,7 +593,7 @@ class _LocalBackend(_Backend):
         t0 = time.monotonic()
         if t0 >= deadline.end:
             return TimeoutError(f"existence check of {path} did not start by the deadline")
-        r = _published(path)
+        r = _published_here(path)
         if time.monotonic() - t0 > self.INLINE_STAT_LIMIT_S:
             self.inline_io = False
         return r
@@ -886,6 +916,21 @@ def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
 _SKIPPED = object()  # a read not started because an earlier object of its chain is missing
 
 
+class _Candidates(Sequence):
+    """A read-only sequence whose items (``make(m)`` for ``m`` in ``ms``) are made on access."""
+
+    def __init__(self, make: Callable[[int], Any], ms: range) -> None:
+        self._make, self._ms = make, ms
+
+    def __len__(self) -> int:
+        return len(self._ms)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        if isinstance(i, slice):
+            return _Candidates(self._make, self._ms[i])
+        return self._make(self._ms[i])
+
+
 class _LongerObject(Exception):
     """``read_into``: the object is larger than expected (possibly a link to a longer object)."""
 
@@ -1102,13 +1147,15 @@ class FsspecStorage(HiCacheStorage):
             k = keys[last - first]
             yield _Obj(t, s, last - s + 1, k, self._path(reg, k))
 
-    def _partials(self, t: int, reg: _PoolReg, keys: list[str], first: int, nat: _Obj) -> list[_Obj]:
-        """Shorter objects of ``nat``'s chunk that end inside the query, longest first."""
-        out = []
-        for last in range(nat.start + nat.m - 2, max(nat.start, first) - 1, -1):
-            k = keys[last - first]
-            out.append(_Obj(t, nat.start, last - nat.start + 1, k, self._path(reg, k)))
-        return out
+    def _partials(self, t: int, reg: _PoolReg, keys: list[str], first: int, nat: _Obj) -> Sequence[_Obj]:
+        """Shorter objects of ``nat``'s chunk that end inside the query, longest first (made on
+        access: a probe usually asks a few of them)."""
+
+        def make(m: int) -> _Obj:
+            k = keys[nat.start + m - 1 - first]
+            return _Obj(t, nat.start, m, k, self._path(reg, k))
+
+        return _Candidates(make, range(nat.m - 1, max(nat.start, first) - nat.start, -1))
 
     def _exists_flags(self, objs: Sequence[_Obj], deadline: _Deadline) -> list[bool]:
         res = self._io.exists_many([o.path for o in objs], deadline)
@@ -1145,7 +1192,7 @@ class FsspecStorage(HiCacheStorage):
                 return o
         return None
 
-    def _probe_here(self, reg: _PoolReg, parts: list[_Obj], deadline: _Deadline) -> _Obj | None:
+    def _probe_here(self, reg: _PoolReg, parts: Sequence[_Obj], deadline: _Deadline) -> _Obj | None:
         """The longest stored of a chunk's shorter candidates ``parts`` (``_partials``: longest
         first), local, calling thread. With links, every object of the chunk with >= S pages is
         named at the chunk's page S-1: that name is asked first, and if it is missing only the

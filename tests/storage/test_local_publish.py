@@ -116,3 +116,19 @@ def test_network_mounts_publish_with_a_link(make_store, fp):
     assert st.batch_get(keys, S(8, 16)) == [True] * 8 and same_bytes(st.pool.buf[8:16], st.pool.buf[0:8])
     assert st.batch_set(keys, S(0, 8)) == [True] * 8
     assert st.stats().objects_skipped_existing == 2
+
+
+def test_calling_thread_stat_agrees_with_os_stat(tmp_path):
+    """The serving thread's existence check (libc statx through ctypes.PyDLL: keeps the GIL)
+    answers as ``os.stat`` does: published file yes; missing, missing directory, unpublished no."""
+    import sys
+
+    if sys.platform.startswith("linux"):
+        assert fsspec_store._STATX is not None
+    pub, unpub = tmp_path / "pub", tmp_path / "unpub"
+    pub.write_bytes(b"x")
+    unpub.write_bytes(b"y")
+    os.chmod(unpub, 0)
+    for p in (pub, unpub, tmp_path / "missing", tmp_path / "no-dir" / "missing", tmp_path / "pub" / "x"):
+        assert fsspec_store._published_here(str(p)) == fsspec_store._published(str(p)), p
+    assert fsspec_store._published_here(str(pub)) and not fsspec_store._published_here(str(unpub))
