@@ -32,11 +32,11 @@ looks at the backend):
   it is lent out: ``HostWorker`` calls ``release_pool`` before a model runs on it, and the async
   gather below drops it too. When the model hands back a new array (its forwards donated the one
   lent), the worker says so (``adopt_forward_output``): by the ``PoolModel`` contract nothing but
-  the forward producing it can be pending on it, so once it is ready the next load adopts it as is,
-  no take-over (no JAX dispatch on a load-back's critical path). Code that dispatches work on ``device_pool.kv`` outside
-  ``run_model`` must wait for it (or call ``release_pool``) before the next plan. Both are
-  ``hicache.workers.host_copy.PageCopier`` copies on the owner thread; the handle is born
-  finished (no staging, no polling, no token). A D2H falls back to the async jitted gather below
+  the forward producing it can be pending on it, so once it is ready the next load adopts it as
+  is, no take-over (no JAX dispatch on a load-back's critical path). Code that dispatches work on
+  ``device_pool.kv`` outside ``run_model`` must wait for it (or call ``release_pool``) before the
+  next plan. Both are ``hicache.workers.host_copy.PageCopier`` copies on the owner thread; the
+  handle is born finished (no staging, no polling, no token). A D2H falls back to the async jitted gather below
   when the pool array is not ready, the batch is over ``SYNC_BACKUP_MAX_BYTES``, or an async
   backup is outstanding (slot writes keep dispatch order).
 * ``JIT`` -- everything else (TPU: Pallas kernels and ``pinned_host`` pages; several devices):

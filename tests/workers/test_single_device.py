@@ -1,7 +1,7 @@
 """The single-device engine paths (the CPU backend's usual case): ``DataPath.HOST_MEMORY`` (numpy
 copies between the L1 buffer and the slab at dispatch, both directions; a load takes the L1 buffer
-over by donation first, unless it is a finished forward's output), the async D2H fallback, and their ordering/failure rules; the numpy
-``PageCopier`` against a numpy model."""
+over by donation first, unless it is a finished forward's output), the async D2H fallback, and
+their ordering/failure rules; the numpy ``PageCopier`` against a numpy model."""
 
 from __future__ import annotations
 
