@@ -281,7 +281,7 @@ class HiCacheController:
         """write_back: L1 victims without an L2 copy are backed up (and waited for) before eviction."""
         started = [v for v in victims if v.host_slots is None and self._backup_chain(v)]
         if started:
-            self.flush_write_through_acks()
+            self.flush_device_backups()
 
     # -- load-back (L2 -> L1) -----------------------------------------------------------------------
     def init_load_back(self, params: LoadBackParams) -> LoadBackResult:
@@ -350,7 +350,7 @@ class HiCacheController:
                 if not self.in_flight:
                     raise
                 # Nodes locked only by queued/in-flight backups become evictable once acked (as head.alloc).
-                self.flush_write_through_acks()
+                self.flush_device_backups()
                 pages = self.tree.alloc(tokens)
         except CacheCapacityError:
             for c in chain:
@@ -543,6 +543,24 @@ class HiCacheController:
             if self._pending:
                 done += self._apply(self.workers.wait(left))
         return done
+
+    def flush_device_backups(self) -> int:
+        """What an L1 eviction short of pages needs: waits (bounded by ``ack_timeout_s``) until every held or
+        in-flight L1->L2 copy is acked, and applies the acks (nodes locked only by their D->H copy become
+        evictable). Unlike ``flush_write_through_acks`` it never waits for L2->L3 writes or L3 prefetches
+        (milliseconds of storage I/O that free no L1 page) and leaves the follow-up L3 writes queued."""
+        deadline = time.monotonic() + self.config.ack_timeout_s
+        done = 0
+        while True:  # an ack may open follow-up backups (a child's chain waits for its parent's copy)
+            if self._open_backups.chains:
+                self.submit(force=True)
+            done += self._apply(self.workers.poll())
+            backups = [op_id for op_id, p in self._pending.items() if p.kind is _D2H]
+            left = deadline - time.monotonic()
+            if (not backups and not self._open_backups.chains) or left <= 0:
+                return done
+            if backups:
+                done += self._apply(self.workers.wait(left, backups))
 
     def _apply(self, acks: list[TransferAck]) -> int:
         done = 0

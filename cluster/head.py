@@ -168,13 +168,14 @@ class CacheHead:
 
     def alloc(self, num_tokens: int) -> np.ndarray:
         """L1 pages, evicting as needed. Nodes locked only by in-flight backups become evictable once
-        acked, so when short the head applies (and, bounded, waits for) those acks and retries once."""
+        acked, so when short the head applies (and, bounded, waits for) those acks and retries once (only the
+        L1->L2 copies: L2->L3 writes free no L1 page)."""
         try:
             return self._sent(self.tree.alloc(num_tokens))
         except CacheCapacityError:
             if self.controller is None or not self.controller.in_flight:
                 raise
-            self.controller.flush_write_through_acks()
+            self.controller.flush_device_backups()
             return self._sent(self.tree.alloc(num_tokens))
 
     def free(self, pages: np.ndarray | Sequence[int]) -> None:

@@ -119,3 +119,45 @@ def test_load_back_does_not_wait_for_l3_writes_in_flight(tmp_path):
         timer.cancel()
     env.head.flush_write_through_acks()
     del storage.batch_set
+
+
+def test_alloc_short_of_pages_waits_for_l1_backups_not_l3_writes(tmp_path):
+    """L1 full, one node locked only by its held L1->L2 backup, an L2->L3 write hanging: an alloc that needs
+    that node's pages sends and waits for the backup (then evicts it), not for the L3 write, which frees no
+    L1 page (if it waited for it, the timer below would release the write first)."""
+    import threading
+
+    env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3", device_pages=16)
+    a, b, c = seq(0, 32), seq(5000, 32), seq(9000, 32)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    release, storage = threading.Event(), env.worker.storage_executor.storage
+    real_set = storage.batch_set
+
+    def slow_set(*args, **kwargs):
+        release.wait(60)
+        return real_set(*args, **kwargs)
+
+    storage.batch_set = slow_set
+    timer = threading.Timer(8.0, release.set)
+    timer.start()
+    try:
+        env.serve(b)  # b's L1->L2 backup, then its L2->L3 write (which hangs)
+        deadline = time.monotonic() + 30
+        while not env.head.controller.storage.in_flight and time.monotonic() < deadline:
+            time.sleep(0.06)  # past the backup hold
+            env.head.check_hicache_events()
+        assert env.head.controller.storage.in_flight, "b's L3 write never started"
+        env.serve(c)  # evicts a (in L2); c's backup is held, c locked by it
+        assert env.head.controller._open_backups.chains, "c's backup should be held"
+        pages = env.head.alloc(48)  # 12 pages: b's 8 + c's 8 are all there is; c's need its backup acked
+        assert len(pages) == 12
+        assert not release.is_set()
+        assert env.head.controller.storage.in_flight  # the L3 write is still running
+        env.head.free(pages)
+    finally:
+        release.set()
+        timer.cancel()
+    env.head.flush_write_through_acks()
+    del storage.batch_set
+    assert env.serve(c)["loaded"] == 32  # c's backup landed intact (serve() checks the bytes)
