@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import numpy as np
@@ -83,16 +85,11 @@ def test_manifest_lists_stored_prefixes_after_flush(tmp_path):
     assert tuple(c.tolist()) in {tuple(p.tokens.tolist()) for p in store.list_prefixes(ns)}
 
 
-def test_load_back_does_not_wait_for_l3_writes_in_flight(tmp_path):
-    """A request's load-back waits for its L2->L1 load only: an L2->L3 write still running (slow storage)
-    is neither waited for nor blocks the load (if it were, the timer below would release it first)."""
-    import threading
-
-    env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3", faults={"delay_polls": 0})
-    a, b = seq(0, 32), seq(5000, 32)
-    env.serve(a)
-    env.head.flush_write_through_acks()
-    assert env.head.evict(32).evicted_tokens == 32  # a: host-only (in L2 and L3)
+@contextlib.contextmanager
+def _hanging_l3_write(env, tokens, release_after_s: float):
+    """Serves ``tokens`` and holds its L2->L3 write in storage (in flight) until the block ends or
+    ``release_after_s`` passes (a timer: a test that waited for the write would see it released).
+    Yields the release event; afterwards every transfer is flushed and the storage restored."""
     release, storage = threading.Event(), env.worker.storage_executor.storage
     real_set = storage.batch_set
 
@@ -101,19 +98,16 @@ def test_load_back_does_not_wait_for_l3_writes_in_flight(tmp_path):
         return real_set(*args, **kwargs)
 
     storage.batch_set = slow_set
-    timer = threading.Timer(10.0, release.set)
+    timer = threading.Timer(release_after_s, release.set)
     timer.start()
     try:
-        env.serve(b)  # b's L1->L2 backup, then its L2->L3 write (which hangs)
+        env.serve(tokens)  # its L1->L2 backup, then its L2->L3 write (which hangs)
         deadline = time.monotonic() + 30
         while not env.head.controller.storage.in_flight and time.monotonic() < deadline:
             time.sleep(0.06)  # past the backup hold
             env.head.check_hicache_events()
-        assert env.head.controller.storage.in_flight, "b's L3 write never started"
-        env.workers.delay_polls = 10**9  # polls hold the load's ack: the load-back has to wait for it
-        r = env.serve(a)  # checks the loaded bytes
-        assert not release.is_set()
-        assert r["loaded"] == 32
+        assert env.head.controller.storage.in_flight, "the L3 write never started"
+        yield release
     finally:
         release.set()
         timer.cancel()
@@ -121,33 +115,30 @@ def test_load_back_does_not_wait_for_l3_writes_in_flight(tmp_path):
     del storage.batch_set
 
 
+def test_load_back_does_not_wait_for_l3_writes_in_flight(tmp_path):
+    """A request's load-back waits for its L2->L1 load only: an L2->L3 write still running (slow storage)
+    is neither waited for nor blocks the load (if it were, the timer below would release it first)."""
+    env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3", faults={"delay_polls": 0})
+    a, b = seq(0, 32), seq(5000, 32)
+    env.serve(a)
+    env.head.flush_write_through_acks()
+    assert env.head.evict(32).evicted_tokens == 32  # a: host-only (in L2 and L3)
+    with _hanging_l3_write(env, b, release_after_s=10.0) as release:
+        env.workers.delay_polls = 10**9  # polls hold the load's ack: the load-back has to wait for it
+        r = env.serve(a)  # checks the loaded bytes
+        assert not release.is_set()
+        assert r["loaded"] == 32
+
+
 def test_alloc_short_of_pages_waits_for_l1_backups_not_l3_writes(tmp_path):
     """L1 full, one node locked only by its held L1->L2 backup, an L2->L3 write hanging: an alloc that needs
     that node's pages sends and waits for the backup (then evicts it), not for the L3 write, which frees no
     L1 page (if it waited for it, the timer below would release the write first)."""
-    import threading
-
     env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3", device_pages=16)
     a, b, c = seq(0, 32), seq(5000, 32), seq(9000, 32)
     env.serve(a)
     env.head.flush_write_through_acks()
-    release, storage = threading.Event(), env.worker.storage_executor.storage
-    real_set = storage.batch_set
-
-    def slow_set(*args, **kwargs):
-        release.wait(60)
-        return real_set(*args, **kwargs)
-
-    storage.batch_set = slow_set
-    timer = threading.Timer(8.0, release.set)
-    timer.start()
-    try:
-        env.serve(b)  # b's L1->L2 backup, then its L2->L3 write (which hangs)
-        deadline = time.monotonic() + 30
-        while not env.head.controller.storage.in_flight and time.monotonic() < deadline:
-            time.sleep(0.06)  # past the backup hold
-            env.head.check_hicache_events()
-        assert env.head.controller.storage.in_flight, "b's L3 write never started"
+    with _hanging_l3_write(env, b, release_after_s=8.0) as release:
         env.serve(c)  # evicts a (in L2); c's backup is held, c locked by it
         assert env.head.controller._open_backups.chains, "c's backup should be held"
         pages = env.head.alloc(48)  # 12 pages: b's 8 + c's 8 are all there is; c's need its backup acked
@@ -155,9 +146,4 @@ def test_alloc_short_of_pages_waits_for_l1_backups_not_l3_writes(tmp_path):
         assert not release.is_set()
         assert env.head.controller.storage.in_flight  # the L3 write is still running
         env.head.free(pages)
-    finally:
-        release.set()
-        timer.cancel()
-    env.head.flush_write_through_acks()
-    del storage.batch_set
     assert env.serve(c)["loaded"] == 32  # c's backup landed intact (serve() checks the bytes)
