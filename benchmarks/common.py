@@ -527,8 +527,7 @@ def run_stack(name: str, options, runner: ModelRunner, items: Sequence[Item],
                                                                      salt(items[0])).serve
     served = serve_items(serve, items, reference, name, salt)
     wall = time.perf_counter() - t0
-    if options.l2_slots:
-        stack.client.flush_write_through_acks()
+    drain_stack(stack)
     stats = stack.head.cache_stats()
     stats["wall_s"] = wall
     n_spot = spot_check(stack.runner, served, name, spot) if spot else 0
@@ -645,7 +644,14 @@ class ConfigRun:
     drain_s: list[float] = field(default_factory=list)
 
     def cpu_ms_per_request(self) -> dict[str, float]:
-        return {g: round(1e3 * v / max(1, len(self.served)), 3) for g, v in sorted(self.cpu_s.items())}
+        return cpu_ms_per_request([self])
+
+
+def cpu_ms_per_request(runs: Sequence[ConfigRun]) -> dict[str, float]:
+    """CPU ms per request served, by thread group, over ``runs`` (one config's reps)."""
+    served = sum(len(r.served) for r in runs)
+    groups = sorted({g for r in runs for g in r.cpu_s})
+    return {g: round(1e3 * sum(r.cpu_s.get(g, 0.0) for r in runs) / max(1, served), 3) for g in groups}
 
 
 def serve_segments(serves: dict[str, Callable[[ServeRequest], ServeResult]], items: Sequence[Item],
@@ -722,8 +728,7 @@ def best_of_reps(reps: Sequence[dict[str, list[Served]]]) -> tuple[dict[str, lis
 
 def finish_stack(name: str, stack, served: Sequence[Served], spot: int) -> tuple[int, dict]:
     """Flushes transfers (outside timings), spot-checks exactness, closes L3; returns (spots, stats)."""
-    if stack.options.l2_slots:
-        stack.client.flush_write_through_acks()
+    drain_stack(stack)
     stats = jsonable(stack.head.cache_stats())
     n = spot_check(stack.runner, served, name, spot)
     close_stack(stack)

@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     ArrivalModel, BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens,
-    best_of_reps, close_stack, drain_stack, finish_stack, in_scratch_dir, jsonable, log,
+    best_of_reps, close_stack, cpu_ms_per_request, drain_stack, finish_stack, in_scratch_dir, jsonable, log,
     make_record, poisson_ticks, run_stack, serve_segments, stack_options, warm_up_and_baselines, report,
     tier_sizes, working_set,
 )
@@ -212,9 +212,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     ticks = poisson_ticks(len(items), rate, args.seed + 1)
     stats["bare_engine"] = {"online_rate": online}
     for name in names:
-        cpu = [run[name].cpu_s for run in runs]
-        stats[name]["cpu_ms_per_request"] = {g: round(1e3 * sum(c.get(g, 0.0) for c in cpu) / (len(items) * len(runs)), 3)
-                                             for g in sorted({g for c in cpu for g in c})}
+        stats[name]["cpu_ms_per_request"] = cpu_ms_per_request([run[name] for run in runs])
         stats[name]["drain_ms_mean"] = round(1e3 * statistics.fmean(d for run in runs for d in run[name].drain_s), 3)
         stats[name]["ttft_reps"] = {"reps": args.ttft_reps, "requests_whose_reps_disagreed_on_hits": disagreed[name]}
         if name in announced:

@@ -83,10 +83,6 @@ NO_ARG_METHODS = frozenset({  # called without an argument
 CALL_ERRORS = (ValueError, TypeError, RuntimeError)  # what fails one call of a step, not the step
 
 
-def _no_host_tier() -> RuntimeError:
-    return RuntimeError("this head has no host tier (HeadConfig.hicache is None)")
-
-
 @dataclass(frozen=True)
 class Call:
     method: Method | str
@@ -130,7 +126,7 @@ class CacheHead:
 
     def _hicache(self) -> HiCacheController:
         if self.controller is None:
-            raise _no_host_tier()
+            raise RuntimeError("this head has no host tier (HeadConfig.hicache is None)")
         return self.controller
 
     def _sent(self, result: Any) -> Any:
@@ -247,30 +243,17 @@ class CacheHead:
             self.metrics.update(self.cache_stats())
 
     # -- HiCache hooks (scheduler loop) --------------------------------------------------------------
-    # The four called per request or per step test the controller inline (no ``_hicache`` call each).
     def init_load_back(self, params: LoadBackParams) -> LoadBackResult:
-        ctl = self.controller
-        if ctl is None:
-            raise _no_host_tier()
-        return ctl.init_load_back(params)
+        return self._hicache().init_load_back(params)
 
     def wait_load_back(self, load_id: int) -> bool:
-        ctl = self.controller
-        if ctl is None:
-            raise _no_host_tier()
-        return ctl.wait_load_back(load_id)
+        return self._hicache().wait_load_back(load_id)
 
     def ready_to_load_host_cache(self) -> int:
-        ctl = self.controller
-        if ctl is None:
-            raise _no_host_tier()
-        return ctl.submit()
+        return self._hicache().submit()
 
     def check_hicache_events(self) -> int:
-        ctl = self.controller
-        if ctl is None:
-            raise _no_host_tier()
-        return ctl.check_events()
+        return self._hicache().check_events()
 
     def flush_write_through_acks(self) -> int:
         return self._hicache().flush_write_through_acks()
