@@ -38,6 +38,17 @@ def _unpublish(path: str, age_s: float = 0.0) -> None:
         os.utime(path, (t, t))
 
 
+def _stored_then_unpublished(st, fp, n_pages: int, seed: int, age_s: float = 0.0) -> tuple[list[str], str]:
+    """Stores ``n_pages`` random pages, then unpublishes the object of the last one (``_unpublish``).
+    Returns (the pages' keys, that object's path)."""
+    keys = _keys(fp, n_pages)
+    st.pool.fill_random(S(0, n_pages), seed)
+    st.batch_set(keys, S(0, n_pages))
+    path = st.object_path(keys[-1])
+    _unpublish(path, age_s)
+    return keys, path
+
+
 def test_objects_are_published_in_place_with_no_temp_files(local_store, fp):
     st = local_store
     keys = _keys(fp, 8)
@@ -52,11 +63,7 @@ def test_objects_are_published_in_place_with_no_temp_files(local_store, fp):
 
 def test_an_unpublished_object_is_a_miss_for_everyone_and_not_overwritten(local_store, fp):
     st = local_store
-    keys = _keys(fp, 8)
-    st.pool.fill_random(S(0, 8), 2)
-    st.batch_set(keys, S(0, 8))
-    path = st.object_path(keys[7])
-    _unpublish(path)  # as if its writer were still writing it
+    keys, path = _stored_then_unpublished(st, fp, 8, seed=2)  # as if its writer were still writing it
     before = st.stats()
     assert st.batch_exists(keys) == 4
     assert not st.exists(keys[7], 7)
@@ -76,11 +83,7 @@ def test_an_unpublished_object_is_a_miss_for_everyone_and_not_overwritten(local_
 
 def test_a_dead_writers_leftover_is_removed_and_the_key_written_again(local_store, fp):
     st = local_store
-    keys = _keys(fp, 4)
-    st.pool.fill_random(S(0, 4), 4)
-    st.batch_set(keys, S(0, 4))
-    path = st.object_path(keys[3])
-    _unpublish(path, age_s=fsspec_store.STALE_UNPUBLISHED_S + 60)
+    keys, path = _stored_then_unpublished(st, fp, 4, seed=4, age_s=fsspec_store.STALE_UNPUBLISHED_S + 60)
     assert st.batch_get(keys, S(8, 12)) == [False] * 4  # a miss; the reader removes the leftover
     assert not os.path.exists(path)
     assert st.batch_set(keys, S(0, 4)) == [True] * 4
