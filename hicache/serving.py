@@ -17,6 +17,13 @@ then checks that prefetch (bounded wait per the stop policy); it asks L3 again o
 match shrank since the arrival (one storage query per request, as SGLang). A request served without
 ``arrive`` starts its prefetch itself.
 
+Iteration-level serving (``ServingLoop``, SGLang's event loop): a waiting queue and a running set;
+each iteration either runs the next waiting request's work up to its first token (``prefill_first``,
+the default) or one decode step of the running requests (``engine.decode_step``), then
+``cache_finished_req`` for those done; ``fcfs_whole_request`` serves one request start to finish like
+``serve``. Every forward is the engine's fixed-shape chunk program, so outputs and logits do not
+depend on the interleaving. ``Scheduler.serve`` / ``serve_all`` serve one request at a time.
+
 Where the model runs (DESIGN.md §1): the ``Scheduler`` drives an ``Engine``; every engine call
 forwards over the replica's L1 pool, wherever that pool lives:
 
@@ -34,7 +41,9 @@ import itertools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,6 +67,8 @@ class Engine(Protocol):
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation: ...
 
+    def decode_step(self, tokens: np.ndarray, page_table: np.ndarray) -> np.ndarray: ...
+
     def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation: ...
 
 
@@ -79,8 +90,11 @@ class RemoteModelEngine(ABC):
         them, here (it may call the cache, which may transfer over L1: never inside a model call)."""
         if between_steps is None:
             return self.call("decode", tokens, last_logits, page_table, max_new_tokens)
-        return greedy_decode(lambda seq: self.call("decode_step", seq, page_table), tokens, last_logits,
+        return greedy_decode(lambda seq: self.decode_step(seq, page_table), tokens, last_logits,
                              max_new_tokens, between_steps=between_steps)
+
+    def decode_step(self, tokens: np.ndarray, page_table: np.ndarray) -> np.ndarray:
+        return self.call("decode_step", tokens, page_table)
 
     def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation:
         """The reference: the same model, same pool shape and sharding, nothing reused."""
@@ -143,6 +157,7 @@ class ServeResult:
     storage_tokens: int = 0  # of loaded_tokens, fetched from L3 for this request
     load_failed: bool = False
     phases: ServePhases = ServePhases()
+    logits: np.ndarray | None = None  # f32[len(output), vocab]: row i gave output[i] (row 0 = last_logits)
 
 
 @dataclass(frozen=True)
@@ -169,6 +184,21 @@ class _Arrival:
     req: ServeRequest
     prefetch: str | None  # id of the L3 prefetch it started, or None
     covered: int  # prompt tokens L1+L2 matched then, plus those its prefetch fetches: L3 held nothing past them
+
+
+@dataclass(frozen=True, eq=False)
+class _Begun:
+    """A request past its first token: what decoding and ``cache_finished_req`` need."""
+
+    req: ServeRequest
+    prompt: np.ndarray  # i32[n]
+    ns: tuple[str | None, str | None]  # (extra_key, cache_salt)
+    table: np.ndarray  # i32[pages]: every page of the request
+    prefix_len: int  # tokens the tree owns (reused + chunks cached by cache_unfinished_req)
+    node: int  # locked node at the end of prefix_len
+    logits: np.ndarray  # f32[vocab]: of the last prompt token
+    prefix: _Prefix
+    marks: tuple[float, ...]  # perf_counter at the start and at the end of match, l3, load_back, prefill
 
 
 class Scheduler:
@@ -302,21 +332,16 @@ class Scheduler:
         marks.append(time.perf_counter())
         return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
 
-    def serve(self, req: ServeRequest, between_steps: Callable[[], None] | None = None) -> ServeResult:
-        """Serves ``req`` now (its TTFT counts from here); picks up its prefetch if it ``arrive``d.
-
-        ``between_steps()`` runs between its decode steps (outside any model call): a driver takes in
-        the requests that arrived meanwhile there (``arrive``), as SGLang's event loop does every
-        iteration, so their L3 fetches overlap this decode. Its time counts in this request's decode."""
+    def _begin(self, req: ServeRequest) -> _Begun:
+        """Everything up to the first token: match, L3, load-back + alloc, (chunked) prefill."""
         t0 = time.perf_counter()
         key = self._key(req)
         arrival = self._arrived.pop(id(req), None)
         prompt = np.asarray(req.prompt, dtype=np.int32)
         ns = (req.extra_key, req.cache_salt)
-        total = prompt.size + req.max_new_tokens
         m = self.client.match_prefix(key)
         marks = [t0, time.perf_counter()]  # start, then the end of each phase
-        p = self._prefix(key, m, total, arrival, marks)
+        p = self._prefix(key, m, prompt.size + req.max_new_tokens, arrival, marks)
         table, prefix_len, node, start = p.table, p.hit, p.node, p.hit
         budget = self.prefill_budget
         while budget and prompt.size - start > budget:
@@ -327,17 +352,200 @@ class Scheduler:
             start = end
         logits = self.engine.extend(prompt, table, start)[-1]
         marks.append(time.perf_counter())
-        gen = (self.engine.decode(prompt, logits, table, req.max_new_tokens) if between_steps is None else
-               self.engine.decode(prompt, logits, table, req.max_new_tokens, between_steps=between_steps))
-        marks.append(time.perf_counter())
-        seq = np.concatenate([prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
-        self.client.cache_finished_req(RequestState(RadixKey(seq, *ns), table, prefix_len, node))
-        if self.hicache:  # off the next request's critical path: send held backups, apply acks
+        return _Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks))
+
+    def _end(self, b: _Begun, gen: Generation, decode_s: float) -> ServeResult:
+        """Caches the finished request (``cache_finished_req``; with a host tier, ``check_hicache_events``:
+        sends held backups, applies acks, off the next request's critical path) and sums up its times."""
+        t = time.perf_counter()
+        seq = np.concatenate([b.prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
+        self.client.cache_finished_req(RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node))
+        if self.hicache:
             self.client.check_hicache_events()
-        marks.append(time.perf_counter())
-        phases = ServePhases(*(b - a for a, b in zip(marks, marks[1:])))
-        return ServeResult(gen.tokens, logits, marks[4] - t0, marks[-1] - t0, int(prompt.size),
-                           p.hit - p.loaded, p.loaded, int(prompt.size) - p.hit, p.fetched, p.failed, phases)
+        end = time.perf_counter()
+        mk, p, n = b.marks, b.prefix, int(b.prompt.size)
+        phases = ServePhases(*(y - x for x, y in zip(mk, mk[1:])), decode=decode_s, finish=end - t)
+        return ServeResult(gen.tokens, b.logits, mk[-1] - mk[0], end - mk[0], n, p.hit - p.loaded, p.loaded,
+                           n - p.hit, p.fetched, p.failed, phases, gen.logits)
+
+    def serve(self, req: ServeRequest, between_steps: Callable[[], None] | None = None) -> ServeResult:
+        """Serves ``req`` now, start to finish (its TTFT counts from here); picks up its prefetch if it
+        ``arrive``d. (``ServingLoop`` interleaves requests instead.)
+
+        ``between_steps()`` runs between its decode steps (outside any model call): a driver takes in
+        the requests that arrived meanwhile there (``arrive``), as SGLang's event loop does every
+        iteration, so their L3 fetches overlap this decode. Its time counts in this request's decode."""
+        b = self._begin(req)
+        t = time.perf_counter()
+        gen = (self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens) if between_steps is None else
+               self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=between_steps))
+        return self._end(b, gen, time.perf_counter() - t)
 
     def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
         return [self.serve(r) for r in requests]
+
+
+# --- the iteration-level loop ---------------------------------------------------------------------
+
+
+class SchedulePolicy(str, Enum):
+    """What a ``ServingLoop`` iteration runs while requests wait and others decode."""
+
+    PREFILL_FIRST = "prefill_first"  # SGLang: admit a waiting request (its whole pre-first-token work) first
+    FCFS_WHOLE_REQUEST = "fcfs_whole_request"  # one request at a time, start to finish (``Scheduler.serve``)
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """``ServingLoop`` options. ``max_running``: requests decoding at once (hard bound); ``max_waiting``:
+    queued requests (``submit`` refuses more); ``decode_batch``: running requests one decode iteration
+    advances by one step each, round-robin (0: all of them, as SGLang's decode batch)."""
+
+    policy: SchedulePolicy = SchedulePolicy.PREFILL_FIRST
+    max_running: int = 32
+    max_waiting: int = 1024
+    decode_batch: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "policy", SchedulePolicy(self.policy))
+        except ValueError:
+            raise ValueError(f"policy must be one of {[p.value for p in SchedulePolicy]}, got {self.policy!r}") from None
+        for name, low in (("max_running", 1), ("max_waiting", 1), ("decode_batch", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+        if self.max_waiting > Scheduler.MAX_ARRIVED:
+            raise ValueError(f"max_waiting {self.max_waiting} > Scheduler.MAX_ARRIVED {Scheduler.MAX_ARRIVED}")
+
+
+class StepKind(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    IDLE = "idle"
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """What one ``ServingLoop.step`` ran: a prefill (``first_token``: the ticket that got its first
+    token) or a decode iteration, and the requests it finished (ticket, result)."""
+
+    kind: StepKind
+    first_token: int | None = None
+    finished: tuple[tuple[int, ServeResult], ...] = ()
+
+
+class _Running:
+    """A decoding request (the loop's own state; mutable, one thread)."""
+
+    def __init__(self, ticket: int, begun: _Begun, pages: int) -> None:
+        self.ticket, self.begun, self.pages = ticket, begun, pages  # pages: counted against the L1 capacity
+        self.seq = [int(t) for t in begun.prompt]
+        self.tokens: list[int] = []
+        self.logits = [begun.logits]
+        self.decode_s = 0.0
+
+    def take(self) -> bool:
+        """Takes the argmax of the last logits as the next token; True when the request is done."""
+        nxt = int(np.argmax(self.logits[-1]))
+        self.tokens.append(nxt)
+        self.seq.append(nxt)
+        return len(self.tokens) == self.begun.req.max_new_tokens
+
+    def generation(self) -> Generation:
+        return Generation(tuple(self.tokens), np.stack(self.logits))
+
+
+class ServingLoop:
+    """An iteration-level scheduler over a ``Scheduler`` (SGLang's event loop, one request per prefill).
+
+    ``submit`` puts a request in the waiting queue (``Scheduler.arrive``: its L3 prefetch starts now).
+    Each ``step`` is one iteration: with ``PREFILL_FIRST``, the next waiting request's pre-first-token
+    work (match, L3 prefetch check, load-back, alloc, chunked prefill) if one waits and may start, else
+    one decode step for each of up to ``decode_batch`` running requests (round-robin), then
+    ``cache_finished_req`` for those done. A request may start when fewer than ``max_running`` run and
+    the pages of the running ones plus its own (prompt + new tokens, counted whole, shared prefixes
+    twice) fit the L1 capacity, or when nothing runs (its alloc may then evict all but itself).
+    ``FCFS_WHOLE_REQUEST`` starts a request only when nothing runs. Every forward is the engine's
+    fixed-shape chunk program, so outputs do not depend on the interleaving.
+
+    Owns: the waiting queue and the running set (their page tables; the pages belong to the tree and
+    the requests as in ``Scheduler.serve``). One thread; the engine's model calls run on it."""
+
+    def __init__(self, scheduler: Scheduler, options: LoopOptions = LoopOptions()) -> None:
+        if not isinstance(options, LoopOptions):
+            raise TypeError(f"options must be LoopOptions, got {type(options).__name__}")
+        self.scheduler = scheduler
+        self.options = options
+        self.capacity_pages = int(scheduler.client.stats().capacity_pages)
+        self._tickets = itertools.count()
+        self.waiting: deque[tuple[int, ServeRequest]] = deque()
+        self.running: deque[_Running] = deque()
+        self._running_pages = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def submit(self, req: ServeRequest) -> int:
+        """Queues ``req``; returns its ticket. ``ValueError`` (nothing queued) on a bad request or a full
+        queue."""
+        if len(self.waiting) >= self.options.max_waiting:
+            raise ValueError(f"{len(self.waiting)} requests wait (max_waiting): step the loop first")
+        self.scheduler.arrive(req)
+        ticket = next(self._tickets)
+        self.waiting.append((ticket, req))
+        return ticket
+
+    def _pages(self, req: ServeRequest) -> int:
+        return -(-(len(req.prompt) + req.max_new_tokens) // self.scheduler.client.page_size)
+
+    def _may_start(self) -> bool:
+        if not self.waiting:
+            return False
+        if not self.running:
+            return True
+        if self.options.policy is SchedulePolicy.FCFS_WHOLE_REQUEST or len(self.running) >= self.options.max_running:
+            return False
+        return self._running_pages + self._pages(self.waiting[0][1]) <= self.capacity_pages
+
+    def step(self) -> LoopStep:
+        """Runs one iteration (see the class docstring)."""
+        if self._may_start():
+            ticket, req = self.waiting.popleft()
+            r = _Running(ticket, self.scheduler._begin(req), self._pages(req))
+            self._running_pages += r.pages
+            if r.take():
+                return LoopStep(StepKind.PREFILL, ticket, (self._finish(r),))
+            self.running.append(r)
+            return LoopStep(StepKind.PREFILL, ticket)
+        if not self.running:
+            return LoopStep(StepKind.IDLE)
+        n = self.options.decode_batch or len(self.running)
+        batch = [self.running.popleft() for _ in range(min(n, len(self.running)))]
+        done = []
+        for r in batch:
+            t = time.perf_counter()
+            r.logits.append(self.scheduler.engine.decode_step(np.asarray(r.seq, np.int32), r.begun.table))
+            r.decode_s += time.perf_counter() - t
+            if r.take():
+                done.append(r)
+            else:
+                self.running.append(r)
+        return LoopStep(StepKind.DECODE, None, tuple(self._finish(r) for r in done))
+
+    def _finish(self, r: _Running) -> tuple[int, ServeResult]:
+        self._running_pages -= r.pages
+        return r.ticket, self.scheduler._end(r.begun, r.generation(), r.decode_s)
+
+    def run(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
+        """Submits ``requests`` (as the queue takes them) and steps until every one is done; results in
+        request order."""
+        out: dict[int, ServeResult] = {}
+        tickets: list[int] = []
+        pending = deque(requests)
+        while pending or not self.idle:
+            while pending and len(self.waiting) < self.options.max_waiting:
+                tickets.append(self.submit(pending.popleft()))
+            out.update(self.step().finished)
+        return [out[t] for t in tickets]

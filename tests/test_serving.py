@@ -298,3 +298,163 @@ def test_failed_load_back_falls_back_to_the_l1_prefix_exact_and_leaks_nothing(ru
     client.flush_write_through_acks()
     st = client.stats()
     assert st.request_pages == 0 and st.protected_tokens == 0
+
+
+# --- the iteration-level loop ---------------------------------------------------------------------
+
+
+def _assert_exact(runner, req, res):
+    ref = runner.generate_no_cache(req.prompt, req.max_new_tokens)
+    assert res.output == ref.tokens
+    np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+    np.testing.assert_array_equal(res.logits, ref.logits)
+
+
+def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no_cache(tmp_path, runner):
+    """Prefill-first loop: requests are prefilled while others decode, with hits from L1, L2 (loaded
+    back) and L3 (a warm stack's, fetched while queued); every request's tokens and every logit row
+    equal ``generate_no_cache``; nothing stays locked or held afterwards."""
+    from hicache.embedded import StackOptions, build_stack
+    from hicache.serving import ServingLoop, StepKind
+
+    opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    rng = np.random.default_rng(19)
+    stored = [rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32) for _ in range(2)]
+    warm = build_stack(opts, runner)
+    for p in stored:
+        warm.scheduler.serve(ServeRequest(p, max_new_tokens=2))
+    warm.client.flush_write_through_acks()
+    warm.head.detach_storage_backend()
+
+    stack = build_stack(opts, runner)
+    shared = rng.integers(0, MODEL.vocab_size, 33, dtype=np.int32)
+    stack.scheduler.serve(ServeRequest(shared, max_new_tokens=1))
+    stack.client.flush_write_through_acks()
+    stack.client.evict(24 * FWD.page_size)  # its 4 pages are in L2 only now
+    loop = ServingLoop(stack.scheduler)
+
+    def turn(prefix, n, new):
+        return ServeRequest(np.concatenate([prefix, rng.integers(0, MODEL.vocab_size, n, dtype=np.int32)]), new)
+
+    waves = [[turn(shared, 9, 5), turn(stored[0], 3, 5)],  # L2 load-back, L3 fetch
+             [turn(shared, 4, 4), turn(rng.integers(0, MODEL.vocab_size, 20, dtype=np.int32), 5, 3)],  # L1, cold
+             [turn(stored[1], 2, 4)]]  # L3
+    results, kinds = {}, []
+
+    def step():
+        s = loop.step()
+        kinds.append(s.kind)
+        results.update(s.finished)
+
+    for wave in waves:  # each wave arrives while the previous one decodes
+        for r in wave:
+            loop.submit(r)
+        for _ in range(len(wave) + 1):
+            step()
+    while not loop.idle:
+        step()
+    reqs = [r for wave in waves for r in wave]
+    assert sorted(results) == list(range(len(reqs)))
+    tiers = {"l1": 0, "l2": 0, "l3": 0}
+    for ticket, req in enumerate(reqs):
+        res = results[ticket]
+        _assert_exact(runner, req, res)
+        tiers["l1"] += res.device_hit_tokens
+        tiers["l2"] += res.loaded_tokens - res.storage_tokens
+        tiers["l3"] += res.storage_tokens
+    assert all(v > 0 for v in tiers.values()), tiers
+    seq = "".join("p" if k is StepKind.PREFILL else "d" for k in kinds if k is not StepKind.IDLE)
+    # each wave is prefilled between the decodes of the one before (the last once L1 has room for it)
+    assert seq.startswith("ppdppd") and "dpd" in seq[5:], seq
+    stack.client.flush_write_through_acks()
+    st = stack.client.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0
+    stack.head.detach_storage_backend()
+
+
+def _l1_loop(runner, l1_pages=96, **options):
+    from hicache.serving import LoopOptions, ServingLoop
+
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=8, capacity_pages=l1_pages)))
+    return ServingLoop(Scheduler(client, runner), LoopOptions(**options))
+
+
+def test_prefill_first_gives_a_request_arriving_mid_decode_its_first_token_before_the_running_finish(runner):
+    """A arrives and decodes; B arrives during A's decode: with prefill_first the next iteration is B's
+    prefill (B's first token comes while A still runs); with fcfs_whole_request A decodes to the end
+    first. Both orders give the no-cache outputs."""
+    from hicache.serving import StepKind
+
+    rng = np.random.default_rng(23)
+    a = ServeRequest(rng.integers(0, MODEL.vocab_size, 30, dtype=np.int32), 6)
+    b = ServeRequest(rng.integers(0, MODEL.vocab_size, 20, dtype=np.int32), 3)
+    for policy in ("prefill_first", "fcfs_whole_request"):
+        loop = _l1_loop(runner, policy=policy)
+        ta = loop.submit(a)
+        assert loop.step().first_token == ta
+        assert loop.step().kind is StepKind.DECODE
+        tb = loop.submit(b)
+        done, trace = {}, []
+        while not loop.idle:
+            s = loop.step()
+            trace.append((s.kind, s.first_token, tuple(t for t, _ in s.finished)))
+            done.update(s.finished)
+        first_b = next(i for i, (_, first, _) in enumerate(trace) if first == tb)
+        finish_a = next(i for i, (_, _, fin) in enumerate(trace) if ta in fin)
+        if policy == "prefill_first":
+            assert first_b == 0 and finish_a > first_b, trace
+            assert trace[1][0] is StepKind.DECODE  # then A and B decode
+        else:
+            assert finish_a < first_b, trace
+        _assert_exact(runner, a, done[ta])
+        _assert_exact(runner, b, done[tb])
+        st = loop.scheduler.client.stats()
+        assert st.request_pages == 0 and st.protected_tokens == 0
+
+
+def test_loop_starts_a_request_only_when_l1_holds_the_running_ones_and_it(runner):
+    """L1 of 12 pages, requests of 5 pages: at most two run at once (no alloc fails); decode_batch=1
+    advances one running request per decode iteration, round-robin; ``run`` returns results in order."""
+    from hicache.serving import StepKind
+
+    loop = _l1_loop(runner, l1_pages=12, decode_batch=1)
+    rng = np.random.default_rng(29)
+    reqs = [ServeRequest(rng.integers(0, MODEL.vocab_size, 33, dtype=np.int32), 4) for _ in range(4)]
+    for r in reqs:
+        loop.submit(r)
+    most, decode_finishes = 0, []
+    while not loop.idle:
+        s = loop.step()
+        most = max(most, len(loop.running))
+        if s.kind is StepKind.DECODE:
+            decode_finishes.append(len(s.finished))
+    assert most == 2
+    assert max(decode_finishes) == 1
+    results = loop.run(reqs[2:])
+    for r, res in zip(reqs[2:], results):
+        _assert_exact(runner, r, res)
+    assert [res.device_hit_tokens for res in results] == [32, 32]  # the last two of the first pass stayed in L1
+
+
+def test_loop_options_and_submit_reject_bad_values_and_change_nothing(runner):
+    from hicache.serving import LoopOptions, SchedulePolicy, ServingLoop
+
+    assert LoopOptions().policy is SchedulePolicy.PREFILL_FIRST
+    assert LoopOptions(policy="fcfs_whole_request").policy is SchedulePolicy.FCFS_WHOLE_REQUEST
+    for bad, match in (({"policy": "lifo"}, "lifo"), ({"max_running": 0}, "max_running"),
+                       ({"max_waiting": True}, "max_waiting"), ({"decode_batch": -1}, "decode_batch"),
+                       ({"max_waiting": 10**9}, "MAX_ARRIVED")):
+        with pytest.raises(ValueError, match=match):
+            LoopOptions(**bad)
+    loop = _l1_loop(runner, max_waiting=1)
+    with pytest.raises(TypeError, match="LoopOptions"):
+        ServingLoop(loop.scheduler, {"policy": "prefill_first"})
+    with pytest.raises(ValueError, match="non-empty"):
+        loop.submit(ServeRequest(np.zeros(0, np.int32), 2))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        loop.submit(ServeRequest(np.ones(4, np.int32), 0))
+    assert loop.idle and loop.scheduler._arrived == {}
+    loop.submit(ServeRequest(np.ones(4, np.int32), 1))
+    with pytest.raises(ValueError, match="max_waiting"):
+        loop.submit(ServeRequest(np.ones(5, np.int32), 1))
+    assert len(loop.waiting) == 1 and len(loop.scheduler._arrived) == 1
