@@ -54,6 +54,9 @@ class _DeferredWrites:
     def __init__(self, pool: HostPool) -> None:
         self._pool = pool
         self._local = threading.local()
+        # The storage's structural HostPool check reads these statically (Python >= 3.12 uses
+        # inspect.getattr_static, which never reaches __getattr__), so they are real attributes.
+        self.slot_shape, self.dtype, self.slot_bytes = pool.slot_shape, pool.dtype, pool.slot_bytes
 
     def __getattr__(self, name: str):
         return getattr(self._pool, name)

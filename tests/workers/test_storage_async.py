@@ -4,6 +4,7 @@ D2H/H2D acks."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan
+from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan, storage_exec
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
 _seq = iter(range(1, 10**6))
@@ -189,3 +190,13 @@ def test_wait_rejects_bad_op_ids(worker, op_ids, err):
     with pytest.raises(err, match="op_ids"):
         worker.wait(timeout_s=1, op_ids=op_ids)
     assert [a.op_id for a in worker.wait(timeout_s=30)] == [1]  # state unchanged by the bad call
+
+
+def test_storage_view_of_the_pool_passes_the_static_protocol_check(worker):
+    """Storage checks ``HostPool`` structurally, and Python >= 3.12 reads a protocol's members with
+    ``inspect.getattr_static`` (no ``__getattr__`` forwarding): the storage thread's view of the pool
+    must hold them itself (a Python 3.12 GPU run failed to attach L3 without this)."""
+    view = storage_exec._DeferredWrites(worker.host_pool)
+    for name in ("slot_shape", "dtype", "slot_bytes", "read_slots", "write_slots"):
+        inspect.getattr_static(view, name)
+    assert (view.slot_shape, view.slot_bytes) == (worker.host_pool.slot_shape, worker.host_pool.slot_bytes)
