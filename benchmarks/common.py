@@ -5,11 +5,15 @@ stack (head + HostWorker + reference engine, L3 in a local directory) that reuse
 params. Requests are served one at a time, in a fixed order that every config shares, so the configs
 see the same request stream (the reference run decides it; see ``Stream``).
 
-Arrival model (``simulate_arrivals``): request i is sent at a Poisson tick ``t_i`` (rate
-``request_rate``), or later if the same client's previous request has not finished yet (a chat client
-sends its next turn after the answer). One server serves requests in stream order: a request starts
-at ``max(sent, server free)``, its service time is what the stack really took. ``ttft_*`` is seen from
-the client (queue wait + service TTFT); ``service_ttft_*`` is the stack's TTFT alone.
+Arrivals: request i is sent at a Poisson tick ``t_i`` (rate ``request_rate``), or later if the same
+client's previous request has not finished yet (a chat client sends its next turn after the answer).
+Two queue models. ``VirtualTimeRun`` (the cache configs of the multiturn TTFT phase): the stack's
+``ServingLoop`` (iteration-level, prefill-first as SGLang) runs on a virtual clock advanced by each
+iteration's measured wall time; requests are submitted when the clock passes their send time, so the
+real execution order follows the clock. ``simulate_arrivals`` (requests served one at a time: the bare
+engine, the no-reuse pair, long_doc_qa): one FCFS server, a request starts at ``max(sent, server
+free)`` and its service time is what the stack really took. ``ttft_*`` is seen from the client (queue
+wait + service TTFT); ``service_ttft_*`` is the stack's TTFT alone (its pre-first-token work).
 
 Offline-optimal hit rate (``belady_hit_tokens``): pages are the chain keys of full pages (key of page
 k = hash of every token up to the end of page k, namespaced by ``cache_salt``), the same unit as the
@@ -84,10 +88,21 @@ class Stream:
         return sum(len(it.prompt) for it in self.items)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One request seen from its client in a ``VirtualTimeRun`` (seconds on its virtual clock)."""
+
+    sent_s: float
+    queue_wait_s: float  # sent -> its pre-first-token work started
+    client_ttft_s: float  # sent -> first token (queue wait + service TTFT)
+    finish_s: float
+
+
 @dataclass
 class Served:
     item: Item
     result: ServeResult
+    timing: Timing | None = None  # None: served one at a time, no clock (``simulate_arrivals`` models the queue)
 
 
 # --- serving --------------------------------------------------------------------------------------
@@ -180,73 +195,84 @@ def simulate_arrivals(served: Sequence[Served], ticks: np.ndarray) -> tuple[np.n
     return ttft, wait, end - (first_sent or 0.0)
 
 
-class ArrivalModel:
-    """``simulate_arrivals`` run online for one config, so the scheduler learns of queued requests when
-    they arrive (``Scheduler.arrive``: their L3 prefetch starts then, as in SGLang) instead of when
-    they are served. Pass ``serve`` where a serve callable is expected; it must get the items in stream
-    order. Before item i is served, its start ``max(sent_i, server free)`` is computed from the
-    latencies measured so far in this run, and every later item already sent by then is announced in
-    stream order; while item i decodes, before each decode step (``Scheduler.serve``'s
-    ``between_steps``: SGLang's event loop takes in new requests every iteration), the items sent by
-    then (its start + the time it has run so far). The announcements run on the serving thread: those
-    before item i are charged to its TTFT and latency (``phases.arrive``), those during its decode to
-    its latency, so only the work they start in the background (the L3 fetch on the storage thread)
-    leaves the critical path."""
+class VirtualTimeRun:
+    """One config's ``ServingLoop`` run in virtual time: item i is sent at ``ticks[i]``, or when its
+    client's previous request finished if later; a clock advances by the measured wall time of each
+    loop iteration and of each ``submit`` (the L3 query a request's arrival starts runs on the serving
+    thread), and jumps to the next send time when the loop is idle. Before each iteration every item
+    sent by then is submitted (in send order), so the execution order, and with it the cache state, is
+    the one this clock gives. A request's queue wait runs from its send time to the start of the
+    iteration that prefills it, its client TTFT to that iteration's end. ``charge(s)`` adds work done
+    outside the loop (a drain of in-flight transfers) to the clock. Every output must equal
+    ``reference`` (``ExactnessError``)."""
 
-    def __init__(self, items: Sequence[Item], ticks: np.ndarray, scheduler, salt: str | None = None) -> None:
-        self.items, self.ticks, self.scheduler, self.salt = items, ticks, scheduler, salt
+    def __init__(self, items: Sequence[Item], ticks: np.ndarray, loop, reference: Sequence[tuple[int, ...]],
+                 config: str, salt: str | None = None) -> None:
+        if len(ticks) != len(items) or any(it.index != i for i, it in enumerate(items)):
+            raise ValueError(f"need one tick per item and items indexed 0..{len(items) - 1} in order")
+        self.items, self.ticks, self.loop, self.reference, self.config, self.salt = \
+            items, ticks, loop, reference, config, salt
         self._prev: list[int | None] = []  # index of the same client's previous item
         last: dict[int, int] = {}
         for it in items:
             self._prev.append(None if it.client is None else last.get(it.client))
             if it.client is not None:
                 last[it.client] = it.index
-        self._finish: dict[int, float] = {}
-        self._free = 0.0
-        self._i = 0  # next item to serve
-        self._announced: dict[int, ServeRequest] = {}
-        self.announced = 0  # items announced before they were served
+        self.now = 0.0
+        self._unsent = set(range(len(items)))
+        self._item_of: dict[int, int] = {}  # ticket -> item
+        self._sent: dict[int, float] = {}
+        self._started: dict[int, tuple[float, float]] = {}  # item -> (iteration start, first token)
+        self._done: dict[int, Served] = {}
+        self._returned = 0  # items before this were returned by serve_until
 
-    def _sent(self, j: int) -> float | None:
-        """When item j is sent, or None while its client's previous request is unfinished."""
+    def _send_time(self, j: int) -> float | None:
         p = self._prev[j]
         if p is None:
             return float(self.ticks[j])
-        done = self._finish.get(p)
-        return None if done is None else max(float(self.ticks[j]), done)
+        return None if p not in self._done else max(float(self.ticks[j]), self._done[p].timing.finish_s)
 
-    def _request(self, it: Item) -> ServeRequest:
-        return ServeRequest(it.prompt, it.max_new_tokens, cache_salt=self.salt)
-
-    def _announce(self, i: int, now: float) -> None:
-        """Announces (``Scheduler.arrive``), in stream order, every item after ``i`` sent by ``now``."""
-        for j in range(i + 1, len(self.items)):
-            if self.ticks[j] > now:
-                break  # ticks increase: nothing later was sent yet
-            sent = self._sent(j)
-            if j not in self._announced and sent is not None and sent <= now:
-                self._announced[j] = self._request(self.items[j])
-                self.scheduler.arrive(self._announced[j])
-
-    def serve(self, req: ServeRequest) -> ServeResult:
-        i = self._i
-        it = self.items[i]
-        if req.prompt is not it.prompt:
-            raise ValueError(f"ArrivalModel: expected item {i} of the stream, got another request")
-        start = max(self._sent(i), self._free)
+    def _admit(self) -> None:
+        due = sorted((t, j) for j in self._unsent if (t := self._send_time(j)) is not None and t <= self.now)
         t0 = time.perf_counter()
-        self._announce(i, start)
-        extra = time.perf_counter() - t0
-        own = self._announced.pop(i, None)
-        self.announced += own is not None
-        # between decode steps: the model time is start + the time this request has run so far
-        res = self.scheduler.serve(own if own is not None else req,
-                                   lambda: self._announce(i, start + time.perf_counter() - t0))
-        res = replace(res, ttft_s=res.ttft_s + extra, latency_s=res.latency_s + extra,
-                      phases=replace(res.phases, arrive=extra))
-        self._free = self._finish[i] = start + res.latency_s
-        self._i = i + 1
-        return res
+        for t, j in due:
+            it = self.items[j]
+            self._item_of[self.loop.submit(ServeRequest(it.prompt, it.max_new_tokens, cache_salt=self.salt))] = j
+            self._sent[j] = t
+            self._unsent.discard(j)
+        self.now += time.perf_counter() - t0
+
+    def charge(self, seconds: float) -> None:
+        self.now += seconds
+
+    def serve_until(self, end: int) -> list[Served]:
+        """Runs the loop until items ``[0, end)`` are done; returns those not returned before, in order."""
+        while any(j not in self._done for j in range(self._returned, end)):
+            self._admit()
+            if self.loop.idle:
+                nxt = [t for j in self._unsent if (t := self._send_time(j)) is not None]
+                if not nxt:
+                    raise RuntimeError(f"[{self.config}] idle with items {sorted(self._unsent)[:5]}... never sent")
+                self.now = max(self.now, min(nxt))
+                continue
+            before, t0 = self.now, time.perf_counter()
+            step = self.loop.step()
+            self.now += time.perf_counter() - t0
+            if step.first_token is not None:
+                self._started[self._item_of[step.first_token]] = (before, self.now)
+            for ticket, res in step.finished:
+                self._finish(self._item_of.pop(ticket), res)
+        out = [self._done[j] for j in range(self._returned, end)]
+        self._returned = max(self._returned, end)
+        return out
+
+    def _finish(self, j: int, res: ServeResult) -> None:
+        it = self.items[j]
+        if tuple(res.output) != tuple(self.reference[j]):
+            raise ExactnessError(f"[{self.config}] request {j} (client {it.client}, round {it.round}): output "
+                                 f"{res.output} != no-cache output {self.reference[j]}")
+        sent, (start, first) = self._sent[j], self._started[j]
+        self._done[j] = Served(it, res, Timing(sent, start - sent, first - sent, self.now))
 
 
 # --- offline optimal ------------------------------------------------------------------------------
@@ -369,7 +395,15 @@ def make_record(config: str, served: Sequence[Served], ticks: np.ndarray, rate: 
                 l2_tokens: int, l3: bool, optimal_hits: Sequence[int] | None, optimal_capacity: float | None,
                 exact_checked: int, spot: int, notes: dict | None = None) -> ConfigRecord:
     res = [s.result for s in served]
-    ttft, wait, makespan = simulate_arrivals(served, ticks)
+    if all(s.timing is not None for s in served):  # a VirtualTimeRun: the loop's own queue
+        ttft = np.array([s.timing.client_ttft_s for s in served])
+        wait = np.array([s.timing.queue_wait_s for s in served])
+        makespan = max(s.timing.finish_s for s in served) - min(s.timing.sent_s for s in served)
+        queue_model = "iteration_loop"
+    else:
+        ttft, wait, makespan = simulate_arrivals(served, ticks)
+        queue_model = "fcfs_whole_request"
+    steps = sum(len(r.output) - 1 for r in res)
     prompt = sum(r.prompt_len for r in res)
     outputs = sum(len(r.output) for r in res)
     l3t = sum(r.storage_tokens for r in res)
@@ -398,7 +432,8 @@ def make_record(config: str, served: Sequence[Served], ticks: np.ndarray, rate: 
         l1_tokens=l1_tokens, l2_tokens=l2_tokens, l3=l3, load_failed=sum(r.load_failed for r in res),
         exact_outputs_checked=exact_checked, exact_spot_checks=spot,
         hit_rate_by_round=by_round_hit, service_ttft_mean_by_round_s=by_round_ttft,
-        notes={"service_phases_mean_ms": phase_means_ms(res), **(notes or {})})
+        notes={"service_phases_mean_ms": phase_means_ms(res), "queue_model": queue_model,
+               "decode_step_ms": 1e3 * sum(r.phases.decode for r in res) / max(1, steps), **(notes or {})})
 
 
 def phase_means_ms(results: Sequence[ServeResult]) -> dict[str, float]:
@@ -408,15 +443,16 @@ def phase_means_ms(results: Sequence[ServeResult]) -> dict[str, float]:
 
 
 def print_records(records: Sequence[ConfigRecord]) -> None:
-    cols = ("config", "reqs", "computed", "hit", "l1", "l2", "l3", "optimal", "ttft ms", "p90", "svc ms",
-            "svc p90", "req/s cap")
+    cols = ("config", "reqs", "computed", "hit", "l1", "l2", "l3", "optimal", "ttft ms", "p90", "wait ms",
+            "svc ms", "svc p90", "decode ms", "req/s cap")
     log(" ".join(f"{c:>15}" if i == 0 else f"{c:>9}" for i, c in enumerate(cols)))
     for r in records:
         opt = "-" if r.optimal_hit_rate is None else f"{r.optimal_hit_rate:.1%}"
         vals = (r.config, r.requests, r.prefill_tokens_computed, f"{r.hit_rate_total:.1%}",
                 f"{r.hit_rate_by_tier['l1']:.1%}", f"{r.hit_rate_by_tier['l2']:.1%}",
                 f"{r.hit_rate_by_tier['l3']:.1%}", opt, f"{r.ttft_mean_s * 1e3:.1f}", f"{r.ttft_p90_s * 1e3:.1f}",
-                f"{r.service_ttft_mean_s * 1e3:.1f}", f"{r.service_ttft_p90_s * 1e3:.1f}",
+                f"{r.queue_wait_mean_s * 1e3:.1f}", f"{r.service_ttft_mean_s * 1e3:.1f}",
+                f"{r.service_ttft_p90_s * 1e3:.1f}", f"{r.notes.get('decode_step_ms', 0.0):.2f}",
                 f"{r.capacity_requests_per_s:.1f}")
         log(" ".join(f"{v:>15}" if i == 0 else f"{v!s:>9}" for i, v in enumerate(vals)))
     names = [f.name for f in fields(ServePhases)]
@@ -515,17 +551,21 @@ def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = 
 def run_stack(name: str, options, runner: ModelRunner, items: Sequence[Item],
               reference: Sequence[tuple[int, ...]] | None,
               salt: Callable[[Item], str | None] = lambda it: None, spot: int = 3,
-              keep: bool = False, ticks: np.ndarray | None = None):
-    """Fresh stack for ``options``; serves ``items`` (with ``ticks``: through an ``ArrivalModel``, which
-    needs one salt for all items); flushes transfers (L2/L3 writes land) outside the timings;
-    spot-checks exactness. Returns (served, spot checks run, cache stats, stack or None)."""
+              keep: bool = False, ticks: np.ndarray | None = None, loop_options=None):
+    """Fresh stack for ``options``; serves ``items`` one at a time, or with ``ticks`` (and ``reference``)
+    through a ``ServingLoop`` (``loop_options``) in a ``VirtualTimeRun`` (one salt for all items); flushes
+    transfers (L2/L3 writes land) outside the timings; spot-checks exactness. Returns (served, spot
+    checks run, cache stats, stack or None)."""
     from hicache.embedded import build_stack
+    from hicache.serving import LoopOptions, ServingLoop
 
     stack = build_stack(options, runner)
     t0 = time.perf_counter()
-    serve = stack.scheduler.serve if ticks is None else ArrivalModel(items, ticks, stack.scheduler,
-                                                                     salt(items[0])).serve
-    served = serve_items(serve, items, reference, name, salt)
+    if ticks is None:
+        served = serve_items(stack.scheduler.serve, items, reference, name, salt)
+    else:
+        loop = ServingLoop(stack.scheduler, loop_options or LoopOptions())
+        served = VirtualTimeRun(items, ticks, loop, reference, name, salt(items[0])).serve_until(len(items))
     wall = time.perf_counter() - t0
     drain_stack(stack)
     stats = stack.head.cache_stats()
@@ -654,16 +694,38 @@ def cpu_ms_per_request(runs: Sequence[ConfigRun]) -> dict[str, float]:
     return {g: round(1e3 * sum(r.cpu_s.get(g, 0.0) for r in runs) / max(1, served), 3) for g in groups}
 
 
-def serve_segments(serves: dict[str, Callable[[ServeRequest], ServeResult]], items: Sequence[Item],
-                   reference: Sequence[tuple[int, ...]], drains: dict[str, Callable[[], object]] | None = None,
+def one_at_a_time(serve: Callable[[ServeRequest], ServeResult], reference: Sequence[tuple[int, ...]],
+                  config: str) -> Callable[[Sequence[Item]], list[Served]]:
+    """A ``serve_segments`` server that serves a segment's items one at a time (``serve_items``)."""
+    return lambda part: serve_items(serve, part, reference, config)
+
+
+def in_virtual_time(run: VirtualTimeRun) -> Callable[[Sequence[Item]], list[Served]]:
+    """A ``serve_segments`` server that runs ``run``'s loop until a segment's items are done (later items
+    sent meanwhile are in its queue or running: they stay there until the config's next segment)."""
+    return lambda part: run.serve_until(part[-1].index + 1)
+
+
+def drain_charged(stack, run: VirtualTimeRun) -> Callable[[], None]:
+    """A drain of ``stack`` whose time advances ``run``'s clock (the server is busy with it)."""
+    def drain() -> None:
+        t0 = time.perf_counter()
+        drain_stack(stack)
+        run.charge(time.perf_counter() - t0)
+    return drain
+
+
+def serve_segments(serves: dict[str, Callable[[Sequence[Item]], list[Served]]], items: Sequence[Item],
+                   drains: dict[str, Callable[[], object]] | None = None,
                    segment: int = 16, rotate: int = 0) -> dict[str, ConfigRun]:
-    """Every config serves the stream, ``segment`` consecutive items at a time: one config serves a
-    segment, then ``drains[config]()`` waits for its in-flight transfers (L1->L2 copies, L3 writes),
+    """Every config serves the stream, ``segment`` consecutive items at a time (``serves[config](part)``
+    returns their results, checked against the reference: ``one_at_a_time``, ``in_virtual_time``): one
+    config serves a segment, then ``drains[config]()`` waits for its in-flight transfers (L1->L2 copies, L3 writes),
     then the next config serves the same items (the first config rotates per segment, shifted by
     ``rotate``). A config's background work so runs inside its own requests or its drain, never inside
     another config's, and the drain's time is charged to the latency of the segment's last request
     (the server was busy with it). Segments short on a noisy machine keep the configs close in time
-    (load drift hits all alike). Each output must equal ``reference`` (``ExactnessError``)."""
+    (load drift hits all alike)."""
     if segment < 1:
         raise ValueError(f"segment must be >= 1, got {segment}")
     names = list(serves)
@@ -675,14 +737,14 @@ def serve_segments(serves: dict[str, Callable[[ServeRequest], ServeResult]], ite
         for name in names[k:] + names[:k]:
             run = runs[name]
             before = thread_cpu_s()
-            done = serve_items(serves[name], part, reference, name)
+            done = serves[name](part)
             t0 = time.perf_counter()
             drains.get(name, lambda: None)()
             drained = time.perf_counter() - t0
             for group, cpu in cpu_by_group(before, thread_cpu_s()).items():
                 run.cpu_s[group] = run.cpu_s.get(group, 0.0) + cpu
             last = done[-1]
-            done[-1] = Served(last.item, replace(last.result, latency_s=last.result.latency_s + drained))
+            done[-1] = replace(last, result=replace(last.result, latency_s=last.result.latency_s + drained))
             run.served += done
             run.drain_s.append(drained)
     return runs
@@ -709,9 +771,11 @@ def serve_interleaved(serves: dict[str, Callable[[ServeRequest], ServeResult]], 
 
 
 def best_of_reps(reps: Sequence[dict[str, list[Served]]]) -> tuple[dict[str, list[Served]], dict[str, int]]:
-    """Rep 0's results, each request's ``ttft_s`` and ``latency_s`` replaced by its best (minimum) over
-    the reps that served it with the same hits and computed tokens (cache state is deterministic, so
-    normally all of them). Returns (served, per config the requests whose reps disagreed on hits)."""
+    """Rep 0's results, each request's ``ttft_s`` and ``latency_s`` (and, served in virtual time, its
+    queue wait and client TTFT) replaced by its best (minimum) over the reps that served it with the
+    same hits and computed tokens (one at a time the cache state is deterministic; in virtual time the
+    schedule follows the measured step times, so reps may disagree). Returns (served, per config the
+    requests whose reps disagreed on hits)."""
     def shape(r: ServeResult) -> tuple:
         return r.device_hit_tokens, r.loaded_tokens, r.storage_tokens, r.computed_tokens
 
@@ -719,10 +783,12 @@ def best_of_reps(reps: Sequence[dict[str, list[Served]]]) -> tuple[dict[str, lis
     for name, first in reps[0].items():
         out[name], disagreed[name] = [], 0
         for i, s in enumerate(first):
-            same = [rep[name][i].result for rep in reps if shape(rep[name][i].result) == shape(s.result)]
+            same = [rep[name][i] for rep in reps if shape(rep[name][i].result) == shape(s.result)]
             disagreed[name] += len(same) < len(reps)
-            out[name].append(Served(s.item, replace(s.result, ttft_s=min(r.ttft_s for r in same),
-                                                    latency_s=min(r.latency_s for r in same))))
+            timing = s.timing and replace(s.timing, queue_wait_s=min(x.timing.queue_wait_s for x in same),
+                                          client_ttft_s=min(x.timing.client_ttft_s for x in same))
+            out[name].append(Served(s.item, replace(s.result, ttft_s=min(x.result.ttft_s for x in same),
+                                                    latency_s=min(x.result.latency_s for x in same)), timing))
     return out, disagreed
 
 

@@ -4,13 +4,16 @@ N clients x R rounds. Client c starts from shared system prompt ``c mod --system
 and each round sends its whole history (earlier prompts and the model's real answers) plus
 ``--request-tokens`` new tokens, asking for ``--output-tokens``. Within a round clients come in a
 seeded random order. Arrivals are Poisson at ``--request-rate`` (default: ``--load`` x the service
-rate of the engine without cache), a client's next turn waits for its previous answer, and one server
-serves requests in stream order; see ``benchmarks/common.py`` for the queueing and offline-optimal
-models. The cache configs learn of a request when it arrives in that model (``ArrivalModel``:
-``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on entry to the waiting queue, before
-the next request starts or between the decode steps of the one running; the time that takes is charged
-to the request being served). The no-reuse pair is served without arrivals: there every request
-starts its L3 query when served. Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full
+rate of the engine without cache), a client's next turn waits for its previous answer. The cache
+configs are served by their stack's ``ServingLoop`` (``--policy``, default prefill_first: SGLang's
+iteration-level scheduler, a waiting request's prefill before the running requests' next decode step)
+on a virtual clock (``common.VirtualTimeRun``): each iteration advances it by its measured wall time,
+a request enters the loop's queue (``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on
+entry to the waiting queue) when the clock passes its send time, and the execution order, hence the
+cache state, is the one that clock gives. Its TTFT = queue wait (send -> start of its prefill
+iteration) + service TTFT (that iteration). The bare engine and the no-reuse pair are served one at a
+time under the FCFS whole-request model (``common.simulate_arrivals``; the record's
+``notes.queue_model`` says which). Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full
 KV pages the stream writes), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap.
 
 Configs (same request stream, fresh stack each, one compiled engine):
@@ -28,15 +31,17 @@ request, best of ``--overhead-reps``: the overhead target; no_cache's record). T
 (``common.serve_segments``): bare_engine, l1_only, l1_l2 and l1_l2_l3, each on a fresh stack, serve
 the stream ``--segment`` (16) requests at a time: one config serves a segment, waits for its own
 in-flight transfers (L1->L2 copies, L3 writes; the wait is charged to its latency), then the next
-config serves the same requests, the first config rotating. ``--ttft-reps`` reps; each request's
-service TTFT and latency are its best over the reps (the cache state is deterministic, so every rep
-has the same hits). So a config's background threads and async copies burden that config only:
+config serves the same requests, the first config rotating (a loop's later requests sent meanwhile
+wait in its queue or keep running until its next segment; its drain advances its clock).
+``--ttft-reps`` reps; each request's TTFT, queue wait, service TTFT and latency are its best over the
+reps that served it with the same hits (the schedule follows measured times, so reps may differ;
+``ttft_reps`` in the stats counts those that did). So a config's background threads and async copies burden that config only:
 served interleaved per request, they ran inside the other configs' requests (a decode uses both
 cores here, the serving thread and XLA's executor threads, so any CPU they take shows up in its wall
 time), while short segments keep the configs close in time on a noisy machine. The request rate is
-``--load`` x the bare engine's service rate measured in these same segments (best of the reps;
-bare_engine's record); the arrival announcements while serving use the no-reuse pair's bare engine
-(known before). Each config's CPU per request by thread group (serving, native = XLA's threads,
+``--load`` x the bare engine's service rate measured in the no-reuse pair (best of its reps; the
+clock needs it before the TTFT phase starts); the bare engine is served again in the TTFT phase's
+segments, and its stats give the rate measured there and the load it means. Each config's CPU per request by thread group (serving, native = XLA's threads,
 storage, L3 writers; ``common.thread_cpu_s``) is in its ``cache_stats``. Every config's outputs must equal the reference outputs, and a few requests
 per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits with
 ``ModelRunner.generate_no_cache``; a mismatch raises.
@@ -53,7 +58,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -62,13 +66,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    ArrivalModel, BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, accesses, belady_hit_tokens,
-    best_of_reps, close_stack, cpu_ms_per_request, drain_stack, finish_stack, in_scratch_dir, jsonable, log,
-    make_record, poisson_ticks, run_stack, serve_segments, stack_options, warm_up_and_baselines, report,
-    tier_sizes, working_set,
+    BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, VirtualTimeRun, accesses, belady_hit_tokens, best_of_reps,
+    close_stack, cpu_ms_per_request, drain_charged, finish_stack, in_scratch_dir, in_virtual_time, jsonable, log,
+    make_record, one_at_a_time, poisson_ticks, run_stack, serve_segments, stack_options, warm_up_and_baselines,
+    report, tier_sizes, working_set,
 )
 from hicache.engine.runner import ModelRunner  # noqa: E402
-from hicache.serving import ServeRequest  # noqa: E402
+from hicache.serving import LoopOptions, SchedulePolicy, ServeRequest, ServingLoop  # noqa: E402
 
 CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
 
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
                         "best-of-N TTFT per request)")
     p.add_argument("--segment", type=int, default=16,
                    help="TTFT phase: requests a config serves in a row before the next config serves them")
+    p.add_argument("--policy", default=SchedulePolicy.PREFILL_FIRST.value, choices=[x.value for x in SchedulePolicy],
+                   help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
     p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")
@@ -183,43 +189,41 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
     from hicache.embedded import build_stack
 
-    online = _rate(args, served["bare_engine"])  # the no-reuse pair's bare engine: announcements only
+    rate = _rate(args, served["bare_engine"])  # the no-reuse pair's bare engine, best of its reps
+    ticks = poisson_ticks(len(items), rate, args.seed + 1)
+    loop_options = LoopOptions(policy=args.policy)
     log(f"  bare_engine, l1_only, l1_l2, l1_l2_l3 in segments of {args.segment} requests, each config's transfers "
-        f"drained before the next config's segment, {args.ttft_reps} rep(s), fresh stacks; requests announced on "
-        f"arrival at {online:.1f} req/s ...")
+        f"drained before the next config's segment, {args.ttft_reps} rep(s), fresh stacks; cache configs in a "
+        f"{args.policy} ServingLoop on a virtual clock, arrivals at {rate:.1f} req/s ...")
     names = ("bare_engine", "l1_only", "l1_l2", "l1_l2_l3")
     runs: list[dict] = []
-    announced = {}
     for rep in range(args.ttft_reps):
         opts = {"l1_only": stack_options(l1_pages), "l1_l2": stack_options(l1_pages, l2_slots),
                 "l1_l2_l3": full("l3" if rep == 0 else f"l3-rep{rep}")}
         stacks = {n: build_stack(o, base) for n, o in opts.items()}
-        arrivals = {n: ArrivalModel(items, poisson_ticks(len(items), online, args.seed + 1), st.scheduler)
-                    for n, st in stacks.items()}
-        runs.append(serve_segments({"bare_engine": bare.serve, **{n: a.serve for n, a in arrivals.items()}},
-                                   items, ref, {n: partial(drain_stack, st) for n, st in stacks.items()},
+        clocks = {n: VirtualTimeRun(items, ticks, ServingLoop(st.scheduler, loop_options), ref, n)
+                  for n, st in stacks.items()}
+        runs.append(serve_segments({"bare_engine": one_at_a_time(bare.serve, ref, "bare_engine"),
+                                    **{n: in_virtual_time(c) for n, c in clocks.items()}},
+                                   items, {n: drain_charged(st, clocks[n]) for n, st in stacks.items()},
                                    args.segment, rotate=rep))
         for name, st in stacks.items():
             if rep == 0:  # rep 0's stacks give the stats and the spot checks
                 spots[name], stats[name] = finish_stack(name, st, runs[0][name].served, args.spot_checks)
-                announced[name] = arrivals[name].announced
             else:
                 close_stack(st)
-        del stacks, arrivals
+        del stacks, clocks
     best, disagreed = best_of_reps([{n: run[n].served for n in names} for run in runs])
     served.update(best)
-    rate = _rate(args, served["bare_engine"])
-    ticks = poisson_ticks(len(items), rate, args.seed + 1)
-    stats["bare_engine"] = {"online_rate": online}
+    segment_rate = _rate(args, served["bare_engine"])
+    stats["bare_engine"] = {"request_rate_from_segments": segment_rate, "load_in_segments": args.load * rate / segment_rate}
     for name in names:
         stats[name]["cpu_ms_per_request"] = cpu_ms_per_request([run[name] for run in runs])
         stats[name]["drain_ms_mean"] = round(1e3 * statistics.fmean(d for run in runs for d in run[name].drain_s), 3)
         stats[name]["ttft_reps"] = {"reps": args.ttft_reps, "requests_whose_reps_disagreed_on_hits": disagreed[name]}
-        if name in announced:
-            stats[name]["requests_announced_before_served"] = announced[name]
     log("  l3_prepopulated (cold stack on l1_l2_l3's L3) ...")
     served["l3_prepopulated"], spots["l3_prepopulated"], stats["l3_prepopulated"], _ = run_stack(
-        "l3_prepopulated", full("l3"), base, items, ref, spot=args.spot_checks, ticks=ticks)
+        "l3_prepopulated", full("l3"), base, items, ref, spot=args.spot_checks, ticks=ticks, loop_options=loop_options)
 
     inf = float("inf")
     nc_acc = accesses([(it.prompt, o) for it, o in zip(items, ref)], ps, [f"nc-{it.index}" for it in items])

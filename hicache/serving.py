@@ -131,9 +131,8 @@ class ServePhases:
     wait, an L3 query, matches again), ``load_back`` (one step: lock the reused prefix, load its L2
     part back and wait for it, allocate pages for the rest), ``prefill`` (every forward of the prompt,
     logits on the host). After it: ``decode`` and ``finish`` (``cache_finished_req`` and, with a host
-    tier, ``check_hicache_events``). ``arrive``: the ``arrive`` calls a driver made for other requests
-    just before serving this one, when it charges them to this request
-    (``benchmarks.common.ArrivalModel`` does; ``serve`` leaves it 0)."""
+    tier, ``check_hicache_events``). In a ``ServingLoop``, ``decode`` sums the request's own decode
+    steps (other requests' iterations run in between)."""
 
     match: float = 0.0
     l3: float = 0.0
@@ -141,7 +140,6 @@ class ServePhases:
     prefill: float = 0.0
     decode: float = 0.0
     finish: float = 0.0
-    arrive: float = 0.0
 
 
 @dataclass(frozen=True, eq=False)

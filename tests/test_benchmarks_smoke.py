@@ -51,7 +51,8 @@ def test_multiturn_and_long_doc_qa_tiny(tmp_path):
         stats = by[name]["notes"]["cache_stats"]
         assert stats["cpu_ms_per_request"]["serving"] > 0, name
         assert stats["drain_ms_mean"] >= 0 and stats["ttft_reps"]["reps"] == 3, name
-    assert stats["requests_announced_before_served"] >= 0
+        if name != "bare_engine":
+            assert by[name]["notes"]["queue_model"] == "iteration_loop" and by[name]["notes"]["decode_step_ms"] > 0
     ld = tmp_path / "ld.json"
     long_doc_qa.main(["--docs", "2", "--questions", "2", "--doc-tokens", "64", "96", "--question-tokens", "8", "12",
                       "--output-tokens", "4", "--overhead-reps", "1", "--spot-checks", "1",
@@ -62,70 +63,69 @@ def test_multiturn_and_long_doc_qa_tiny(tmp_path):
 
 
 class _RecordingScheduler:
-    """Stands in for ``Scheduler`` (``arrive``/``serve``) with fixed service times: 0.5 s TTFT, 1 s.
-    With ``decode_s``, ``serve`` sleeps that long, then runs its ``between_steps`` hook once."""
+    """Stands in for ``Scheduler.serve`` with fixed service times: 0.5 s TTFT, 1 s."""
 
-    def __init__(self, decode_s: float = 0.0) -> None:
-        self.arrived: list = []
-        self.served: list = []
-        self.decode_s = decode_s
-
-    def arrive(self, req) -> bool:
-        self.arrived.append(req)
-        return True
-
-    def serve(self, req, between_steps=None):
-        import time
-
+    def serve(self, req):
         import numpy as np
 
         from hicache.serving import ServeResult
 
-        self.served.append(req)
-        if self.decode_s:
-            time.sleep(self.decode_s)
-            between_steps()
         return ServeResult((1,), np.zeros(1, np.float32), 0.5, 1.0, len(req.prompt), 0, 0, len(req.prompt))
 
 
-def test_arrival_model_announces_what_the_queue_holds_when_a_request_starts():
-    """Item 2 (client 0's next turn, sent when item 0 finished at t=1) is queued when item 1 starts at
-    t=1 (the server was busy until then): announced before item 1, served as that same request. Item 3
-    (tick 2.5) is not sent before item 2 starts (t=2); item 1 (tick 0.5) not before item 0 starts."""
+def _virtual_run(policy: str, ticks, reference=None):
+    """Three items on an L1-only stack's loop: client 0's turn at ticks[0], client 1's at ticks[1] and
+    client 0's next turn (its history + the answer + 5 tokens) at ticks[2] or when its first finished."""
     import numpy as np
 
-    from benchmarks.common import ArrivalModel, Item
-    from hicache.serving import ServeRequest
+    from benchmarks.common import FWD, MODEL, Item, VirtualTimeRun, stack_options
+    from hicache.embedded import build_stack
+    from hicache.engine.runner import ModelRunner
+    from hicache.serving import LoopOptions, ServingLoop
 
-    items = [Item(i, c, 0, np.arange(4 + i, dtype=np.int32), 1) for i, c in enumerate([0, 1, 0, None])]
-    sched = _RecordingScheduler()
-    model = ArrivalModel(items, np.array([0.0, 0.5, 0.6, 2.5]), sched)
-    results = [model.serve(ServeRequest(it.prompt, 1)) for it in items]
-    assert [r.prompt is items[2].prompt for r in sched.arrived] == [True]
-    assert sched.served[2] is sched.arrived[0] and model.announced == 1
-    assert all(r.ttft_s >= 0.5 and r.latency_s >= 1.0 for r in results)  # announcements are charged
-    with pytest.raises(ValueError, match="expected item 0"):
-        ArrivalModel(items, np.zeros(4), _RecordingScheduler()).serve(ServeRequest(items[1].prompt, 1))
+    runner = ModelRunner(MODEL, FWD, num_pages=64)
+    rng = np.random.default_rng(31)
+    first = rng.integers(0, MODEL.vocab_size, 40, dtype=np.int32)
+    out0 = runner.generate_no_cache(first, 6).tokens
+    prompts = [first, rng.integers(0, MODEL.vocab_size, 30, dtype=np.int32),
+               np.concatenate([first, np.asarray(out0, np.int32), rng.integers(0, MODEL.vocab_size, 5, dtype=np.int32)])]
+    items = [Item(i, c, r, p, 6) for i, (c, r, p) in enumerate(zip([0, 1, 0], [0, 0, 1], prompts))]
+    ref = reference or [runner.generate_no_cache(p, 6).tokens for p in prompts]
+    loop = ServingLoop(build_stack(stack_options(64), runner).scheduler, LoopOptions(policy=policy))
+    return items, VirtualTimeRun(items, np.asarray(ticks, float), loop, ref, policy)
 
 
-def test_arrival_model_announces_between_decode_steps_what_arrived_meanwhile():
-    """Item 1 (tick 1 ms) is sent while item 0 runs (it started at 0 and ran >= 5 ms before its
-    decode-step hook): announced from that hook, not when item 1 starts. Item 2, client 0's next turn,
-    is not sent before item 0 finished: announced before item 1 is served (item 1 starts after it)."""
-    import numpy as np
+def test_virtual_time_run_follows_the_clock_and_prefill_first_serves_an_arrival_mid_decode():
+    """Client 1's request, sent 1 us after client 0's, waits only for the iteration in progress and gets
+    its first token while client 0's still decodes (prefill_first); client 0's next turn is sent when
+    its answer is done, with a hit on it; under fcfs_whole_request client 1 waits for client 0's whole
+    request. serve_until returns items in order, each once; the loop jumps idle time to the next send."""
+    done = {}
+    for policy in ("prefill_first", "fcfs_whole_request"):
+        items, run = _virtual_run(policy, [0.0, 1e-6, 0.0])
+        got = run.serve_until(2) + run.serve_until(3)
+        assert [s.item.index for s in got] == [0, 1, 2]
+        t = [s.timing for s in got]
+        assert t[0].sent_s == 0.0 and t[0].queue_wait_s < 0.05  # only its own submit ran before it
+        assert t[2].sent_s == t[0].finish_s and got[2].result.device_hit_tokens >= 40
+        for x, s in zip(t, got):
+            assert 0 <= x.queue_wait_s < x.client_ttft_s and s.result.ttft_s <= x.client_ttft_s - x.queue_wait_s + 1e-9
+        done[policy] = t
+    pf, fcfs = done["prefill_first"], done["fcfs_whole_request"]
+    assert pf[1].sent_s + pf[1].client_ttft_s < pf[0].finish_s  # first token before the running one ends
+    assert fcfs[1].sent_s + fcfs[1].queue_wait_s >= fcfs[0].finish_s  # started only after it
+    items, run = _virtual_run("prefill_first", [0.0, 100.0, 0.0])
+    late = run.serve_until(3)[1].timing
+    assert late.sent_s == 100.0 and run.now >= 100.0 and late.queue_wait_s < 0.05  # idle until it was sent
 
-    from benchmarks.common import ArrivalModel, Item
-    from hicache.serving import ServeRequest
 
-    items = [Item(i, c, 0, np.arange(4 + i, dtype=np.int32), 1) for i, c in enumerate([0, 1, 0])]
-    sched = _RecordingScheduler(decode_s=0.005)
-    model = ArrivalModel(items, np.array([0.0, 0.001, 0.002]), sched)
-    model.serve(ServeRequest(items[0].prompt, 1))
-    assert [r.prompt is items[1].prompt for r in sched.arrived] == [True]
-    for it in items[1:]:
-        model.serve(ServeRequest(it.prompt, 1))
-    assert [r.prompt is it.prompt for r, it in zip(sched.arrived, items[1:])] == [True, True]
-    assert all(a is b for a, b in zip(sched.served[1:], sched.arrived)) and model.announced == 2
+def test_virtual_time_run_checks_outputs_and_inputs():
+    from benchmarks.common import ExactnessError
+
+    with pytest.raises(ExactnessError, match=r"\[prefill_first\] request 0"):
+        _virtual_run("prefill_first", [0.0, 0.0, 0.0], reference=[(1,), (1,), (1,)])[1].serve_until(1)
+    with pytest.raises(ValueError, match="one tick per item"):
+        _virtual_run("prefill_first", [0.0, 0.0])
 
 
 def test_thread_cpu_accounting_names_the_thread_that_burned_it():
@@ -168,18 +168,18 @@ def test_serve_segments_keeps_each_config_apart_and_charges_its_drain():
 
     import numpy as np
 
-    from benchmarks.common import ExactnessError, Item, serve_segments
+    from benchmarks.common import ExactnessError, Item, one_at_a_time, serve_segments
 
     items = [Item(i, None, 0, np.arange(3 + i, dtype=np.int32), 1) for i in range(3)]
     log: list[str] = []
 
-    def serve_as(name):
+    def serve_as(name, reference=((1,),) * 3):
         sched = _RecordingScheduler()
 
         def serve(req):
             log.append(f"{name}{len(req.prompt) - 3}")
             return sched.serve(req)
-        return serve
+        return one_at_a_time(serve, reference, name)
 
     def drain_as(name):
         def drain():
@@ -188,7 +188,7 @@ def test_serve_segments_keeps_each_config_apart_and_charges_its_drain():
                 time.sleep(0.02)
         return drain
 
-    runs = serve_segments({"a": serve_as("a"), "b": serve_as("b")}, items, [(1,)] * 3,
+    runs = serve_segments({"a": serve_as("a"), "b": serve_as("b")}, items,
                           {"a": drain_as("a"), "b": drain_as("b")}, segment=2)
     assert log == ["a0", "a1", "a-drain", "b0", "b1", "b-drain", "b2", "b-drain", "a2", "a-drain"]
     assert [s.item for s in runs["a"].served] == items == [s.item for s in runs["b"].served]
@@ -197,6 +197,6 @@ def test_serve_segments_keeps_each_config_apart_and_charges_its_drain():
     assert all(s.result.latency_s >= 1.02 for s in runs["b"].served[1:])  # b's drains sleep 20 ms
     assert len(runs["b"].drain_s) == 2 and runs["b"].cpu_ms_per_request().get("serving", 0.0) >= 0
     with pytest.raises(ExactnessError, match=r"\[b\] request 1"):
-        serve_segments({"a": serve_as("a"), "b": serve_as("b")}, items[:2], [(1,), (2,)], segment=1)
+        serve_segments({"a": serve_as("a", [(1,), (2,)]), "b": serve_as("b", [(1,), (2,)])}, items[:2], segment=1)
     with pytest.raises(ValueError, match="segment"):
-        serve_segments({"a": serve_as("a")}, items, [(1,)] * 3, segment=0)
+        serve_segments({"a": serve_as("a")}, items, segment=0)
