@@ -55,6 +55,12 @@ class Pages:
         return self._reserved[name]
 
 
+# Paged forward vs the dense reference (two different programs): f32 matmuls are exact-f32 on CPU,
+# TF32 by default on NVIDIA GPUs (differences ~2e-3 seen on an H200). Cached-vs-recomputed checks
+# (the same program) stay bit-exact everywhere.
+REF_TOL = 1e-4 if jax.default_backend() == "cpu" else 5e-3
+
+
 @pytest.fixture(scope="module")
 def base() -> Pages:
     return Pages(ModelRunner(BASE, FWD, NUM_PAGES))
@@ -74,6 +80,8 @@ def bf16() -> Pages:
 @pytest.fixture(scope="module")
 def sharded() -> Pages:
     """The pool sharded on the KV-head axis over 2 fake CPU devices (as the data plane lays it out)."""
+    if len(jax.devices()) < 4:
+        pytest.skip(f"needs 4 devices (fake CPU devices here), {jax.default_backend()} has {len(jax.devices())}")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("kv",))
     pool = kv_layout.make_pool(BASE, NUM_PAGES, PAGE,
                                jax.sharding.NamedSharding(mesh, kv_layout.sharded_spec("kv")))
@@ -244,7 +252,7 @@ def test_paged_forward_matches_dense_reference(pages: Pages) -> None:
     seq = _prompt(7, 100)
     got = r.extend(seq, pages.take(pages_needed(100, PAGE)), 0)
     want = np.asarray(reference_forward(r.params, np.asarray(seq, np.int32), cfg=r.model))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, want, rtol=REF_TOL, atol=REF_TOL)
     assert np.all(np.isfinite(got))
 
 
@@ -255,7 +263,7 @@ def test_sliding_window_changes_only_late_positions(base: Pages, swa: Pages) -> 
     s_cfg = ModelConfig(num_layers=2, sliding_window=SWA.sliding_window)
     s = np.asarray(reference_forward(init_params(s_cfg), np.asarray(seq, np.int32), cfg=s_cfg))
     w = SWA.sliding_window
-    np.testing.assert_allclose(s[:w], b[:w], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s[:w], b[:w], rtol=REF_TOL, atol=REF_TOL)
     assert np.max(np.abs(s[w:] - b[w:])) > 1e-2
 
 
