@@ -203,8 +203,11 @@ class VirtualTimeRun:
     sent by then is submitted (in send order), so the execution order, and with it the cache state, is
     the one this clock gives. A request's queue wait runs from its send time to the start of the
     iteration that prefills it, its client TTFT to that iteration's end. ``charge(s)`` adds work done
-    outside the loop (a drain of in-flight transfers) to the clock. Every output must equal
-    ``reference`` (``ExactnessError``)."""
+    outside the loop (a drain of in-flight transfers) to the clock. Every measured time is multiplied
+    by ``speed`` (default 1) before it advances the clock: a driver that measures the machine's speed
+    now against a reference (the bare engine on the same requests) sets it, so that a busier machine
+    does not raise the load the arrivals put on the server. Every output must equal ``reference``
+    (``ExactnessError``)."""
 
     def __init__(self, items: Sequence[Item], ticks: np.ndarray, loop, reference: Sequence[tuple[int, ...]],
                  config: str, salt: str | None = None) -> None:
@@ -219,6 +222,7 @@ class VirtualTimeRun:
             if it.client is not None:
                 last[it.client] = it.index
         self.now = 0.0
+        self.speed = 1.0
         self._unsent = set(range(len(items)))
         self._item_of: dict[int, int] = {}  # ticket -> item
         self._sent: dict[int, float] = {}
@@ -240,10 +244,10 @@ class VirtualTimeRun:
             self._item_of[self.loop.submit(ServeRequest(it.prompt, it.max_new_tokens, cache_salt=self.salt))] = j
             self._sent[j] = t
             self._unsent.discard(j)
-        self.now += time.perf_counter() - t0
+        self.now += self.speed * (time.perf_counter() - t0)
 
     def charge(self, seconds: float) -> None:
-        self.now += seconds
+        self.now += self.speed * seconds
 
     def serve_until(self, end: int) -> list[Served]:
         """Runs the loop until items ``[0, end)`` are done; returns those not returned before, in order."""
@@ -257,7 +261,7 @@ class VirtualTimeRun:
                 continue
             before, t0 = self.now, time.perf_counter()
             step = self.loop.step()
-            self.now += time.perf_counter() - t0
+            self.now += self.speed * (time.perf_counter() - t0)
             if step.first_token is not None:
                 self._started[self._item_of[step.first_token]] = (before, self.now)
             for ticket, res in step.finished:
@@ -398,6 +402,7 @@ def make_record(config: str, served: Sequence[Served], ticks: np.ndarray, rate: 
     if all(s.timing is not None for s in served):  # a VirtualTimeRun: the loop's own queue
         ttft = np.array([s.timing.client_ttft_s for s in served])
         wait = np.array([s.timing.queue_wait_s for s in served])
+        svc = ttft - wait  # the prefill iteration on the clock (scaled by its speed)
         makespan = max(s.timing.finish_s for s in served) - min(s.timing.sent_s for s in served)
         queue_model = "iteration_loop"
     else:
@@ -415,7 +420,8 @@ def make_record(config: str, served: Sequence[Served], ticks: np.ndarray, rate: 
         rs = [s.result for s in served if s.item.round == rd]
         by_round_hit.append(sum(r.prompt_len - r.computed_tokens for r in rs) / sum(r.prompt_len for r in rs))
         by_round_ttft.append(statistics.fmean(r.ttft_s for r in rs))
-    svc = np.array([r.ttft_s for r in res])
+    if queue_model != "iteration_loop":
+        svc = np.array([r.ttft_s for r in res])
     return ConfigRecord(
         config=config, requests=len(res), prompt_tokens=prompt, output_tokens=outputs,
         prefill_tokens_computed=sum(r.computed_tokens for r in res),
@@ -717,7 +723,7 @@ def drain_charged(stack, run: VirtualTimeRun) -> Callable[[], None]:
 
 def serve_segments(serves: dict[str, Callable[[Sequence[Item]], list[Served]]], items: Sequence[Item],
                    drains: dict[str, Callable[[], object]] | None = None,
-                   segment: int = 16, rotate: int = 0) -> dict[str, ConfigRun]:
+                   segment: int = 16, rotate: int = 0, lead: str | None = None) -> dict[str, ConfigRun]:
     """Every config serves the stream, ``segment`` consecutive items at a time (``serves[config](part)``
     returns their results, checked against the reference: ``one_at_a_time``, ``in_virtual_time``): one
     config serves a segment, then ``drains[config]()`` waits for its in-flight transfers (L1->L2 copies, L3 writes),
@@ -725,16 +731,19 @@ def serve_segments(serves: dict[str, Callable[[Sequence[Item]], list[Served]]], 
     ``rotate``). A config's background work so runs inside its own requests or its drain, never inside
     another config's, and the drain's time is charged to the latency of the segment's last request
     (the server was busy with it). Segments short on a noisy machine keep the configs close in time
-    (load drift hits all alike)."""
+    (load drift hits all alike). ``lead``, if given, serves every segment first (the others rotate
+    after it): its results may set up the others' (``VirtualTimeRun.speed``)."""
     if segment < 1:
         raise ValueError(f"segment must be >= 1, got {segment}")
-    names = list(serves)
+    if lead is not None and lead not in serves:
+        raise ValueError(f"lead {lead!r} is not one of the configs {list(serves)}")
+    names = [n for n in serves if n != lead]
     drains = drains or {}
-    runs = {n: ConfigRun() for n in names}
+    runs = {n: ConfigRun() for n in serves}
     for s, lo in enumerate(range(0, len(items), segment)):
         part = items[lo:lo + segment]
-        k = (s + rotate) % len(names)
-        for name in names[k:] + names[:k]:
+        k = (s + rotate) % max(1, len(names))
+        for name in ([lead] if lead is not None else []) + names[k:] + names[:k]:
             run = runs[name]
             before = thread_cpu_s()
             done = serves[name](part)

@@ -40,8 +40,12 @@ served interleaved per request, they ran inside the other configs' requests (a d
 cores here, the serving thread and XLA's executor threads, so any CPU they take shows up in its wall
 time), while short segments keep the configs close in time on a noisy machine. The request rate is
 ``--load`` x the bare engine's service rate measured in the no-reuse pair (best of its reps; the
-clock needs it before the TTFT phase starts); the bare engine is served again in the TTFT phase's
-segments, and its stats give the rate measured there and the load it means. Each config's CPU per request by thread group (serving, native = XLA's threads,
+clock needs it before the TTFT phase starts). The bare engine serves every segment first in the TTFT
+phase: its time on the segment's requests against its time on them in the no-reuse pair gives the
+machine's speed now (a shared machine's load drifts), and the clocks of that segment advance by the
+measured times x that speed (``VirtualTimeRun.speed``), so the arrivals load the server at ``--load``
+x the bare engine's rate measured in the same segment, whatever the machine's load then; bare_engine's
+stats give the speeds, the rate measured there and the load it means unscaled. Each config's CPU per request by thread group (serving, native = XLA's threads,
 storage, L3 writers; ``common.thread_cpu_s``) is in its ``cache_stats``. Every config's outputs must equal the reference outputs, and a few requests
 per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits with
 ``ModelRunner.generate_no_cache``; a mismatch raises.
@@ -190,6 +194,9 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     from hicache.embedded import build_stack
 
     rate = _rate(args, served["bare_engine"])  # the no-reuse pair's bare engine, best of its reps
+    ref_latency = [s.result.latency_s for s in served["bare_engine"]]  # in item order
+    speeds: list[float] = []
+    bare_part = one_at_a_time(bare.serve, ref, "bare_engine")
     ticks = poisson_ticks(len(items), rate, args.seed + 1)
     loop_options = LoopOptions(policy=args.policy)
     log(f"  bare_engine, l1_only, l1_l2, l1_l2_l3 in segments of {args.segment} requests, each config's transfers "
@@ -203,10 +210,19 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
         stacks = {n: build_stack(o, base) for n, o in opts.items()}
         clocks = {n: VirtualTimeRun(items, ticks, ServingLoop(st.scheduler, loop_options), ref, n)
                   for n, st in stacks.items()}
-        runs.append(serve_segments({"bare_engine": one_at_a_time(bare.serve, ref, "bare_engine"),
-                                    **{n: in_virtual_time(c) for n, c in clocks.items()}},
+        def bare_first(part, clocks=clocks):
+            """The bare engine serves the segment first; its time on these requests against its time
+            on them in the no-reuse pair (the rate's reference) sets the clocks' speed for the segment."""
+            done = bare_part(part)
+            speed = sum(ref_latency[it.index] for it in part) / sum(d.result.latency_s for d in done)
+            speeds.append(speed)
+            for c in clocks.values():
+                c.speed = speed
+            return done
+
+        runs.append(serve_segments({"bare_engine": bare_first, **{n: in_virtual_time(c) for n, c in clocks.items()}},
                                    items, {n: drain_charged(st, clocks[n]) for n, st in stacks.items()},
-                                   args.segment, rotate=rep))
+                                   args.segment, rotate=rep, lead="bare_engine"))
         for name, st in stacks.items():
             if rep == 0:  # rep 0's stacks give the stats and the spot checks
                 spots[name], stats[name] = finish_stack(name, st, runs[0][name].served, args.spot_checks)
@@ -216,7 +232,9 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     best, disagreed = best_of_reps([{n: run[n].served for n in names} for run in runs])
     served.update(best)
     segment_rate = _rate(args, served["bare_engine"])
-    stats["bare_engine"] = {"request_rate_from_segments": segment_rate, "load_in_segments": args.load * rate / segment_rate}
+    stats["bare_engine"] = {"request_rate_from_segments": segment_rate, "load_in_segments": args.load * rate / segment_rate,
+                            "clock_speed_per_segment": {"min": min(speeds), "mean": statistics.fmean(speeds),
+                                                        "max": max(speeds)}}
     for name in names:
         stats[name]["cpu_ms_per_request"] = cpu_ms_per_request([run[name] for run in runs])
         stats[name]["drain_ms_mean"] = round(1e3 * statistics.fmean(d for run in runs for d in run[name].drain_s), 3)

@@ -200,3 +200,8 @@ def test_serve_segments_keeps_each_config_apart_and_charges_its_drain():
         serve_segments({"a": serve_as("a", [(1,), (2,)]), "b": serve_as("b", [(1,), (2,)])}, items[:2], segment=1)
     with pytest.raises(ValueError, match="segment"):
         serve_segments({"a": serve_as("a")}, items, segment=0)
+    log.clear()  # a lead config serves every segment first; the others rotate after it
+    serve_segments({"a": serve_as("a"), "b": serve_as("b"), "c": serve_as("c")}, items, segment=2, lead="c")
+    assert log == ["c0", "c1", "a0", "a1", "b0", "b1", "c2", "b2", "a2"]
+    with pytest.raises(ValueError, match="lead 'd'"):
+        serve_segments({"a": serve_as("a")}, items, lead="d")
