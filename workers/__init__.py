@@ -18,11 +18,11 @@ from hicache.workers.host_pool import (
 )
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.spec import KVCacheSpec
-from hicache.workers.transfer import TransferEngine, TransferHandle
+from hicache.workers.transfer import DataPath, TransferEngine, TransferHandle
 from hicache.workers.worker import HostWorker, StorageExecutor
 
 __all__ = [
-    "DevicePool", "HostPool", "HostPoolConfig", "HostPoolKind", "HostWorker", "KVCacheSpec",
+    "DataPath", "DevicePool", "HostPool", "HostPoolConfig", "HostPoolKind", "HostWorker", "KVCacheSpec",
     "NumpySlabHostPool", "OpKind", "PinnedPagesHostPool", "SlotAllocator", "StorageExecutor",
     "TransferAck", "TransferEngine", "TransferHandle", "TransferOp", "TransferPlan", "default_mesh",
     "make_host_pool", "select_host_pool_kind", "size_host_pool",

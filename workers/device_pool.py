@@ -11,7 +11,10 @@ heads of its addressable shards.
 Ownership: the ``HostWorker`` of each host owns one ``DevicePool`` object; the *array* is owned by
 whichever thread currently holds it. The model forward donates ``kv`` and hands the new array back
 with ``set_kv``; the transfer engine reads/writes it only between forwards, on that same thread
-(DESIGN §4 "donation safety").
+(DESIGN §4 "donation safety"). A transfer engine that copies pages on a thread of its own (the CPU
+backend's copy thread) registers ``set_sync``: every access from outside the engine (``kv``,
+``set_kv``, ``read_pages``, ``write_pages``) first waits for those copies, so whoever gets the array
+may donate or write it; the engine itself reads ``kv_unsynced``.
 
 Memory (CPU backend): the pool's buffers are XLA-allocated host memory; at construction each
 local shard's buffer is moved into transparent huge pages (``hicache.workers.hugepages``), which
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -132,6 +136,7 @@ class DevicePool:
         self.head_shards = local_head_shards(self.sharding, self.shape)
         self.host_head_range = (self.head_shards[0].heads.start, self.head_shards[-1].heads.stop)
         self._kv = zeros_fn(self.shape, self.storage_dtype, self.sharding)()
+        self._sync: Callable[[], None] = _no_sync  # the engine's "wait for my copies" (set_sync)
         self.huge_page_bytes = 0  # bytes of this host's shards advised into huge pages
         if huge_pages and mesh.devices.flat[0].platform == "cpu":
             self._kv.block_until_ready()
@@ -157,8 +162,19 @@ class DevicePool:
     @property
     def kv(self) -> jax.Array:
         """``[L, 2, P, S, H, D]`` in ``storage_dtype``. After a forward that donated it, hand the
-        result to ``set_kv``; view gathered pages with ``to_logical``."""
+        result to ``set_kv``; view gathered pages with ``to_logical``. No engine copy touches the
+        returned array's buffer until the next transfer is submitted."""
+        self._sync()
         return self._kv
+
+    @property
+    def kv_unsynced(self) -> jax.Array:
+        """``kv`` without waiting for the engine's copies: for the transfer engine, which orders them."""
+        return self._kv
+
+    def set_sync(self, sync: Callable[[], None] | None) -> None:
+        """Registers the engine's wait for its in-flight copies of the pool buffer (``None``: none)."""
+        self._sync = _no_sync if sync is None else sync
 
     def to_logical(self, x: jax.Array) -> jax.Array:
         """Storage-dtype values (e.g. gathered pages) -> the model dtype (no-op off CPU)."""
@@ -170,6 +186,7 @@ class DevicePool:
         return x if x.dtype == self.storage_dtype else jax.lax.bitcast_convert_type(x, self.storage_dtype)
 
     def set_kv(self, new_kv: jax.Array) -> None:
+        self._sync()
         if not isinstance(new_kv, jax.Array):
             raise TypeError(f"set_kv expects a jax.Array, got {type(new_kv).__name__}")
         if tuple(new_kv.shape) != self.shape or new_kv.dtype != self.storage_dtype:
@@ -206,6 +223,7 @@ class DevicePool:
     def read_pages(self, pages: object) -> np.ndarray:
         """``[n, L, 2, S, H_host, D]`` copy of this host's heads of ``pages``. Runs on every host."""
         ids = validate_ids(pages, self.num_pages, name="pages")
+        self._sync()
         rows = _gather_jit(self.sharding)(self._kv, jnp.asarray(ids))
         out = np.empty((ids.size, *self.host_row_shape), self.dtype)
         a = self.host_head_range[0]
@@ -230,7 +248,12 @@ class DevicePool:
             h0, h1, _ = idx[HEAD_AXIS].indices(self.spec.num_kv_heads)
             pieces.append(jax.device_put(np.ascontiguousarray(arr[..., h0 - a : h1 - a, :]), dev))
         rows = jax.make_array_from_single_device_arrays(global_shape, row_sharding, pieces)
+        self._sync()
         self._kv = _scatter_jit(self.sharding)(self._kv, jnp.asarray(ids), rows)
+
+
+def _no_sync() -> None:
+    pass
 
 
 def device_memory_bytes(device: jax.Device) -> int:

@@ -9,7 +9,11 @@ over by donation) and passes its address.
 Who owns what: the host pool owns the slab and builds the copier over it; the pool buffer belongs to
 the device pool (and the model forward donates it between plans): the copier only keeps a view of
 it at the last address it was given, used again only when given that address again. The copier
-owns one reused scratch buffer of ``CHUNK_BYTES`` (cache-sized): owner thread only.
+owns one reused scratch buffer of ``CHUNK_BYTES`` (cache-sized) for the owner thread; a copy run on
+another thread at the same time (the engine's copy thread, ``hicache.workers.copy_thread``) passes
+its own (``new_scratch``). The copies release the GIL while they move bytes (numpy's take and
+fancy-index store over void items need no Python API), so a copy thread overlaps the owner thread;
+the per-page strategy makes one numpy call per page and holds the GIL between them.
 
 Layouts, as *runs* (the contiguous pieces of a page, ``S*H*D`` elements each, viewed as one numpy
 void item so that numpy moves each with one ``memmove``)::
@@ -80,35 +84,50 @@ class PageCopier:
         self._pool_at = (address, runs)
         return runs
 
-    def _vectorised(self, n: int) -> bool:
+    def vectorised(self, n: int) -> bool:
+        """True when a copy of ``n`` pages takes the vectorised strategy (a few GIL-free numpy calls)."""
         return n >= VECTOR_MIN_PAGES and self.slot_bytes <= VECTOR_PAGE_MAX_BYTES
 
-    def to_slab(self, pool_address: int, pages: np.ndarray, slots: np.ndarray) -> None:
-        """``slab[slots[i]] = pool[:, :, pages[i]]`` (D2H)."""
+    def new_scratch(self, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
+        """A scratch buffer for copies run on another thread than the owner's (at least one page)."""
+        return np.empty(max(1, int(chunk_bytes) // self.slot_bytes) * self.slot_bytes, np.uint8)
+
+    def _chunk(self, scratch: np.ndarray | None) -> tuple[np.ndarray, int]:
+        if scratch is None:
+            return self._scratch, self.chunk_pages
+        return scratch, scratch.size // self.slot_bytes
+
+    def to_slab(self, pool_address: int, pages: np.ndarray, slots: np.ndarray,
+                scratch: np.ndarray | None = None) -> None:
+        """``slab[slots[i]] = pool[:, :, pages[i]]`` (D2H). ``scratch``: the caller's own buffer
+        (``new_scratch``) when it runs on another thread than the owner's."""
         src, dst = self._pool_runs(pool_address), self._slab_runs
         n = pages.size
-        if not self._vectorised(n):
+        if not self.vectorised(n):
             for s, p in zip(slots.tolist(), pages.tolist()):
                 dst[s] = src[:, p]
             return
-        k, chunk = self.runs_per_page, self.chunk_pages
-        scratch = self._scratch.view(self._run)
+        k = self.runs_per_page
+        buffer, chunk = self._chunk(scratch)
+        scratch = buffer.view(self._run)
         for i in range(0, n, chunk):
             ids = pages[i : i + chunk]
             buf = scratch[: k * ids.size].reshape(k, ids.size)
             np.take(src, ids, axis=1, out=buf, mode="clip")  # "clip": no buffered copy (ids are valid)
             dst[slots[i : i + chunk]] = buf.T
 
-    def to_pool(self, pool_address: int, pages: np.ndarray, slots: np.ndarray) -> None:
-        """``pool[:, :, pages[i]] = slab[slots[i]]`` (H2D)."""
+    def to_pool(self, pool_address: int, pages: np.ndarray, slots: np.ndarray,
+                scratch: np.ndarray | None = None) -> None:
+        """``pool[:, :, pages[i]] = slab[slots[i]]`` (H2D); ``scratch`` as for ``to_slab``."""
         dst, src = self._pool_runs(pool_address), self._slab_runs
         n = pages.size
-        if not self._vectorised(n):
+        if not self.vectorised(n):
             for s, p in zip(slots.tolist(), pages.tolist()):
                 dst[:, p] = src[s]
             return
-        k, chunk = self.runs_per_page, self.chunk_pages
-        rows = self._scratch.view(self._slab_rows.dtype)
+        k = self.runs_per_page
+        buffer, chunk = self._chunk(scratch)
+        rows = buffer.view(self._slab_rows.dtype)
         for i in range(0, n, chunk):
             ids = slots[i : i + chunk]
             buf = rows[: ids.size]

@@ -62,8 +62,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 import jax
@@ -72,6 +74,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hicache.kernels.paged_copy import CopyImpl, gather_pages, scatter_pages, select_impl, validate_ids
+from hicache.workers.copy_thread import CopyJob, CopyThread
 from hicache.workers.device_pool import DevicePool, zeros_fn
 from hicache.workers.host_pool import HostPool, PendingBackup
 from hicache.workers.plan import OpKind
@@ -83,6 +86,17 @@ from hicache.workers.plan import OpKind
 # (~0.1 s per 256 MiB here).
 SYNC_BACKUP_MAX_BYTES = 256 << 20
 
+# HOST_THREAD: backups of at least this many pages run on the copy thread; smaller ones are copied
+# at dispatch (a hand-over to the thread costs ~10-50 us, and the per-page strategy under
+# ``host_copy.VECTOR_MIN_PAGES`` holds the GIL between its numpy calls).
+ASYNC_MIN_PAGES = 32
+# The copy thread's scratch: its vectorised copies make two GIL-free numpy calls per chunk, and each
+# return to Python waits for the GIL (up to the interpreter's switch interval, 5 ms, while the owner
+# thread runs Python): one chunk per batch of up to 1024 pages of 1 KiB.
+THREAD_CHUNK_BYTES = 1 << 20
+# Bound of every wait for the copy thread (a copy of a few MiB takes milliseconds).
+COPY_TIMEOUT_S = 60.0
+
 # Readiness polling: a CPU transfer of a few pages finishes within tens of microseconds, while one
 # ``time.sleep`` costs ~60+ us on Linux. Spin on ``is_ready`` this long before sleeping.
 _SPIN_S = 300e-6
@@ -90,22 +104,46 @@ _SPIN_S = 300e-6
 
 class DataPath(str, enum.Enum):
     HOST_MEMORY = "host_memory"  # one CPU device + one numpy slab: numpy copies on the owner thread
+    HOST_THREAD = "host_thread"  # as HOST_MEMORY, but backups (D2H) run on the engine's copy thread
     JIT = "jit"  # jitted kernels (Pallas on TPU, portable XLA elsewhere) + the host pool's staging
 
 
-def select_data_path(device_pool: DevicePool, host_pool: HostPool, impl: CopyImpl) -> DataPath:
-    """How an engine moves bytes (see the module docstring); the one place that decides it."""
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def select_data_path(device_pool: DevicePool, host_pool: HostPool, impl: CopyImpl,
+                     requested: DataPath | str | None = None) -> DataPath:
+    """How an engine moves bytes (see the module docstring); the one place that decides it.
+
+    Both tiers in plain host memory (one CPU device, the XLA impl, a one-slab host pool): numpy
+    copies, backups on a copy thread when the process may use more than one CPU (``HOST_THREAD``),
+    else all on the owner thread (``HOST_MEMORY``). Anything else: ``JIT``. ``requested`` forces a
+    path (``ValueError`` if a host-memory path is asked for where it cannot run)."""
     devices = device_pool.mesh.devices
     copier = host_pool.page_copier()
-    if (
+    host_memory = (
         impl is CopyImpl.XLA
         and devices.size == 1
         and devices.flat[0].platform == "cpu"
         and copier is not None
-        and copier.pool_bytes == device_pool.kv.nbytes
-    ):
-        return DataPath.HOST_MEMORY
-    return DataPath.JIT
+        and copier.pool_bytes == device_pool.kv_unsynced.nbytes
+    )
+    if requested is not None:
+        path = DataPath(requested)
+        if path is not DataPath.JIT and not host_memory:
+            raise ValueError(
+                f"data path {path.value!r} needs one CPU device, the XLA impl and a one-slab host pool "
+                f"(got {devices.size} {devices.flat[0].platform} device(s), impl {impl.value!r}, "
+                f"host pool {type(host_pool).__name__})"
+            )
+        return path
+    if not host_memory:
+        return DataPath.JIT
+    return DataPath.HOST_THREAD if _usable_cpus() > 1 else DataPath.HOST_MEMORY
 
 
 def row_major_address(arr: jax.Array) -> int | None:
@@ -153,7 +191,7 @@ class TransferHandle:
     """One in-flight D2H or H2D."""
 
     __slots__ = ("kind", "num_pages", "bytes_moved", "started", "finished_at", "_ready", "_block", "_commit",
-                 "_release", "_done")
+                 "_release", "_wait", "_done")
 
     def __init__(
         self,
@@ -164,13 +202,17 @@ class TransferHandle:
         block: Callable[[], None],
         commit: Callable[[], None],
         release: Callable[[], None],
+        wait: Callable[[float], bool] | None = None,
     ) -> None:
+        """``wait(timeout_s) -> ready``: a blocking wait that gives the GIL away (a copy thread's
+        job); without it ``block_until_ready`` polls ``ready`` (a JAX transfer)."""
         self.kind = kind
         self.num_pages = num_pages
         self.bytes_moved = bytes_moved
         self.started = time.perf_counter()
         self.finished_at: float | None = None
         self._ready, self._block, self._commit, self._release = ready, block, commit, release
+        self._wait = wait
         self._done = False
 
     def is_ready(self) -> bool:
@@ -180,6 +222,8 @@ class TransferHandle:
         """Waits until ready; ``False`` if ``timeout_s`` passed first."""
         if self._done or self._ready():
             return True
+        if self._wait is not None:  # spinning would hold the GIL the copy thread needs to finish
+            return self._wait(COPY_TIMEOUT_S if timeout_s is None else timeout_s)
         if timeout_s is None:
             self._block()
             return True
@@ -225,7 +269,9 @@ class TransferHandle:
 
 
 class TransferEngine:
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, impl: CopyImpl | str | None = None) -> None:
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, impl: CopyImpl | str | None = None,
+                 data_path: DataPath | str | None = None) -> None:
+        """``data_path``: force a path (see ``select_data_path``, which picks it by default)."""
         if host_pool.device_pool is not device_pool:
             raise ValueError("host_pool was built for another device pool")
         self.device_pool = device_pool
@@ -241,8 +287,8 @@ class TransferEngine:
         else:
             self._gather = _gather_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
             self._scatter = _scatter_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
-        self.data_path = select_data_path(device_pool, host_pool, self.impl)
-        self._copier = host_pool.page_copier() if self.data_path is DataPath.HOST_MEMORY else None
+        self.data_path = select_data_path(device_pool, host_pool, self.impl, data_path)
+        self._copier = host_pool.page_copier() if self.data_path is not DataPath.JIT else None
         # Weak references only: a pool array dropped by everyone else must not stay alive here.
         self._pool_address: tuple[weakref.ref, int | None] | None = None  # (kv, row_major_address(kv))
         # HOST_MEMORY: the pool array this engine took over last and holds exclusively (ready, row-major,
@@ -252,14 +298,84 @@ class TransferEngine:
         # HOST_MEMORY: a pool array a model's forward produced and handed back (``adopt_forward_output``):
         # once ready, nothing else can be pending on it, so the next load owns it without a take-over.
         self._forward_output: Callable[[], jax.Array | None] = _no_array
+        # HOST_THREAD: the copy thread, its scratch buffer, and its jobs not known finished, with the
+        # pages they read and the slots they write (oldest first).
+        self._copies: CopyThread | None = None
+        self._in_flight: deque[tuple[CopyJob, np.ndarray, np.ndarray]] = deque()
         if self._copier is not None and self._take_pool() is None:  # jit outputs must be row-major
             self.data_path, self._copier = DataPath.JIT, None
         self._slot_bytes = host_pool.slot_bytes
         self._num_pages = device_pool.num_pages
+        if self.data_path is DataPath.HOST_THREAD:
+            assert self._copier is not None
+            self._copies = CopyThread(f"copy-{id(self):x}")
+            self._thread_scratch = self._copier.new_scratch(THREAD_CHUNK_BYTES)
+            self._page_marks = np.zeros(self._num_pages, np.bool_)  # conflict checks (owner thread)
+            self._slot_marks = np.zeros(host_pool.num_slots, np.bool_)
+            device_pool.set_sync(self.drain_copies)
+
+    # -- the copy thread (HOST_THREAD) ---------------------------------------------------------------
+    def drain_copies(self) -> None:
+        """Waits (bounded by ``COPY_TIMEOUT_S``) until no copy of this engine is in flight: after it,
+        nothing but the caller touches the pool buffer or the slab. Called before the pool array is
+        lent out, taken over or written by a jitted call, and by every ``DevicePool`` access."""
+        if self._in_flight:
+            _await_job(self._in_flight[-1][0])
+            self._in_flight.clear()
+
+    def _settle_copies(self, pages: np.ndarray, slots: np.ndarray) -> None:
+        """Before a copy on the owner thread: waits for the in-flight copies that touch any of ``pages``
+        or ``slots`` (and the ones before them, FIFO); copies of other pages and slots go on."""
+        flight = self._in_flight
+        while flight and flight[0][0].is_ready():
+            flight.popleft()
+        if not flight:
+            return
+        page_marks, slot_marks = self._page_marks, self._slot_marks
+        page_marks[pages] = True
+        slot_marks[slots] = True
+        try:
+            last = -1
+            for i, (_, p, s) in enumerate(flight):
+                if page_marks[p].any() or slot_marks[s].any():
+                    last = i
+        finally:
+            page_marks[pages] = False
+            slot_marks[slots] = False
+        if last >= 0:
+            _await_job(flight[last][0])
+            for _ in range(last + 1):
+                flight.popleft()
+
+    def _backup_on_thread(self, kv: jax.Array, address: int, pages: np.ndarray, slots: np.ndarray,
+                          started: float) -> TransferHandle:
+        """D2H on the copy thread: the job holds ``kv`` (its buffer stays alive) until it has copied."""
+        job = self._copies.submit(_to_slab, self._copier, kv, address, pages, slots, self._thread_scratch)
+        self._in_flight.append((job, pages, slots))
+        n = pages.size
+        handle = TransferHandle(OpKind.BACKUP_D2H, n, n * self._slot_bytes, job.is_ready,
+                                functools.partial(_await_job, job), functools.partial(_raise_job_error, job),
+                                _noop, job.wait)
+        handle.started = started
+        return handle
+
+    def close(self, timeout_s: float = COPY_TIMEOUT_S) -> bool:
+        """Ends the copy thread after its queued copies (bounded); True if they all finished. The
+        engine copies on the owner thread afterwards (``HOST_MEMORY``)."""
+        copies, self._copies = self._copies, None
+        if copies is None:
+            return True
+        self.data_path = DataPath.HOST_MEMORY  # the pool's sync stays: copies may still be queued
+        done = copies.close(timeout_s)
+        if done:
+            self._in_flight.clear()
+        return done
 
     def release_pool(self) -> None:
         """The pool array is lent out (a model forward, anything that may dispatch work on it): the
-        next load takes it over again. ``HostWorker`` calls this whenever it hands the array out."""
+        next load takes it over again. ``HostWorker`` calls this whenever it hands the array out.
+        Waits for the copy thread first: a forward may donate the array."""
+        self.drain_copies()
         self._owned = self._forward_output = _no_array
 
     def adopt_forward_output(self, kv: jax.Array) -> None:
@@ -275,10 +391,11 @@ class TransferEngine:
         """HOST_MEMORY: the address of the pool buffer, held exclusively (taken over by donation
         unless this engine holds it already or it is a finished forward's output), or ``None`` if it
         is not row-major."""
-        kv = self.device_pool.kv
+        kv = self.device_pool.kv_unsynced
         if kv is self._owned():
             return self._owned_address
         if kv is not self._forward_output() or not kv.is_ready():
+            self.drain_copies()  # a take-over donates the buffer the copies use
             kv = _take_over(kv)
             self.device_pool.adopt_kv(kv)  # the old array is deleted: adopt before anything can fail
         self._forward_output = _no_array
@@ -331,9 +448,9 @@ class TransferEngine:
     def backup_checked(self, pages: np.ndarray, slots: np.ndarray) -> TransferHandle:
         """``backup`` for ids already validated by ``check`` (int32, in range, unique, same size)."""
         n = pages.size
-        kv = self.device_pool.kv
+        kv = self.device_pool.kv_unsynced
         if self._copier is not None and not self._async_backups and n * self._slot_bytes <= SYNC_BACKUP_MAX_BYTES:
-            # No async backup is outstanding, so slot writes still land in dispatch order. Reading
+            # No async gather is outstanding, so slot writes still land in dispatch order. Reading
             # needs no pending writer (pending readers may run alongside).
             if kv is self._owned():
                 address: int | None = self._owned_address
@@ -341,8 +458,13 @@ class TransferEngine:
                 address = self._address(kv) if kv.is_ready() else None
             if address is not None:
                 started = time.perf_counter()
+                if self._copies is not None and n >= ASYNC_MIN_PAGES:
+                    return self._backup_on_thread(kv, address, pages, slots, started)
+                if self._in_flight:
+                    self._settle_copies(pages, slots)
                 self._copier.to_slab(address, pages, slots)
                 return _finished(OpKind.BACKUP_D2H, n, n * self._slot_bytes, started)
+        self.drain_copies()  # the gather's commit writes slots after them
         rows = 1 << (n - 1).bit_length()  # bucket(n)
         staging = self._take_staging(rows)
         self._owned = _no_array  # a computation reads the pool now
@@ -371,18 +493,43 @@ class TransferEngine:
             started = time.perf_counter()
             address = self._take_pool()
             if address is not None:
+                if self._in_flight:  # backups of other pages and slots go on alongside
+                    self._settle_copies(pages, slots)
                 self._copier.to_pool(address, pages, slots)
                 return _finished(OpKind.LOAD_H2D, n, n * self._slot_bytes, started)
+        self.drain_copies()  # the scatter donates the pool buffer
         rows = 1 << (n - 1).bit_length()  # bucket(n)
         staged, release = self.host_pool.stage_load(slots, rows)
         try:
-            new_kv, token = self._scatter(self.device_pool.kv, self._packed_ids(rows, pages), staged)
+            new_kv, token = self._scatter(self.device_pool.kv_unsynced, self._packed_ids(rows, pages), staged)
         except BaseException:
             release()
             raise
         self.device_pool.adopt_kv(new_kv)
         return TransferHandle(OpKind.LOAD_H2D, n, n * self._slot_bytes, token.is_ready, token.block_until_ready,
                               _noop, release)
+
+
+def _to_slab(copier, kv: jax.Array, address: int, pages: np.ndarray, slots: np.ndarray, scratch: np.ndarray) -> None:
+    """The copy thread's D2H; ``kv`` rides along so that its buffer outlives the copy."""
+    copier.to_slab(address, pages, slots, scratch)
+
+
+def _copy_timeout(job: CopyJob) -> None:
+    """A copy-thread wait ran out: withdraw the job if it has not started, and fail loudly."""
+    state = "withdrawn" if job.cancel() else "still running"
+    raise TimeoutError(f"copy thread: a copy did not finish within {COPY_TIMEOUT_S} s ({state})")
+
+
+def _await_job(job: CopyJob) -> None:
+    if not job.wait(COPY_TIMEOUT_S):
+        _copy_timeout(job)
+
+
+def _raise_job_error(job: CopyJob) -> None:
+    """The handle's commit: the bytes are in place unless the copy raised."""
+    if job.error is not None:
+        raise job.error
 
 
 def _finished(kind: OpKind, n: int, nbytes: int, started: float) -> TransferHandle:

@@ -62,7 +62,7 @@ from hicache.workers.device_pool import DevicePool, default_mesh
 from hicache.workers.host_pool import HostPool, HostPoolConfig, HostPoolKind, make_host_pool, size_host_pool
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.spec import KVCacheSpec
-from hicache.workers.transfer import TransferEngine, TransferHandle
+from hicache.workers.transfer import COPY_TIMEOUT_S, DataPath, TransferEngine, TransferHandle
 
 # (op, host_pool) -> bytes moved, or (bytes moved, commit) where ``commit()`` does the op's pool
 # writes on the owner thread at ack time; raise to fail the op. Runs on the worker's storage thread:
@@ -174,7 +174,9 @@ class HostWorker:
         impl: CopyImpl | str | None = None,
         host_pool_kind: HostPoolKind | str | None = None,
         storage_executor: StorageExecutor | None = None,
+        data_path: DataPath | str | None = None,
     ) -> None:
+        """``data_path``: force the engine's data path (``select_data_path`` picks it by default)."""
         if mesh is None:
             mesh = default_mesh(spec.num_kv_heads, devices)
         elif devices is not None:
@@ -189,7 +191,7 @@ class HostWorker:
         else:
             num_slots = host_pool
         self.host_pool = make_host_pool(self.device_pool, num_slots, host_pool_kind)
-        self.engine = TransferEngine(self.device_pool, self.host_pool, impl=impl)
+        self.engine = TransferEngine(self.device_pool, self.host_pool, impl=impl, data_path=data_path)
         self.storage_executor = storage_executor
         self._last_seq: int | None = None
         self._pending: deque[_Pending] = deque()
@@ -404,11 +406,14 @@ class HostWorker:
                 return p
         return None
 
-    def close(self) -> None:
-        """Stops the storage thread (after the op it is running, which ends by the storage timeout)."""
+    def close(self, timeout_s: float = COPY_TIMEOUT_S) -> None:
+        """Stops the storage thread (after the op it is running, which ends by the storage timeout)
+        and the engine's copy thread after the copies it has queued (bounded by ``timeout_s``; their
+        acks still come by ``poll``/``wait``). Later D2H copies run on this thread."""
         if self._storage_thread is not None:
             self._storage_thread.shutdown(wait=False, cancel_futures=True)
             self._storage_thread = None
+        self.engine.close(timeout_s)
 
     @property
     def num_pending(self) -> int:

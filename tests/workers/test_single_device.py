@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 import weakref
 
 import jax
@@ -65,22 +66,24 @@ def _vectorised(monkeypatch, copier: host_copy.PageCopier, chunk_pages: int) -> 
     monkeypatch.setattr(copier, "chunk_pages", chunk_pages)
 
 
-@pytest.fixture(params=["sync", "sync_vectorised", "async"])
+@pytest.fixture(params=["sync", "sync_vectorised", "thread", "async"])
 def backup_mode(request, monkeypatch, worker) -> str:
-    """How pages move: numpy per page, numpy vectorised (both directions), or (D2H) the async jitted
-    gather with its commit."""
+    """How pages move: numpy per page, numpy vectorised (both directions), (D2H) vectorised on the
+    copy thread, or (D2H) the async jitted gather with its commit."""
     if request.param == "async":
         monkeypatch.setattr(transfer_mod, "SYNC_BACKUP_MAX_BYTES", 0)
     elif request.param == "sync":
         _per_page(monkeypatch)
+        monkeypatch.setattr(transfer_mod, "ASYNC_MIN_PAGES", NUM_PAGES + 1)
     else:
         _vectorised(monkeypatch, worker.host_pool.page_copier(), 3)
+        monkeypatch.setattr(transfer_mod, "ASYNC_MIN_PAGES", 1 if request.param == "thread" else NUM_PAGES + 1)
     return request.param
 
 
 def test_fast_paths_are_selected(worker):
     engine = worker.engine
-    assert engine.single_device and engine.data_path is DataPath.HOST_MEMORY
+    assert engine.single_device and engine.data_path is DataPath.HOST_THREAD  # this machine has 2 CPUs
     assert engine._copier is worker.host_pool.page_copier()
     # the copier writes the slab itself, not a copy of it
     assert engine._copier._slab_rows.ctypes.data == worker.host_pool._slabs[0].ctypes.data
@@ -400,31 +403,36 @@ def test_merged_ops_on_a_huge_page_pool_are_bit_identical():
         np.testing.assert_array_equal(_bits(hp.read_slots(np.arange(num_slots))), _bits(model_l2))
 
 
-@pytest.mark.parametrize("strategy", ["per_page", "vectorised"])
+@pytest.mark.parametrize("strategy", ["per_page", "vectorised", "own_scratch"])
 @pytest.mark.parametrize("shape", [(1, 2, 16, 1, 8), (2, 2, 4, 2, 16), (3, 2, 1, 1, 1)])
 def test_page_copier_matches_a_numpy_model(shape, strategy, monkeypatch):
     """``PageCopier`` both ways against plain numpy indexing, on a private pool buffer: layouts with
     size-1 axes and odd run counts, random and consecutive ids, chunks that split a batch (a copy to
-    a wrong place, a torn page or a write outside the ids fails)."""
+    a wrong place, a torn page or a write outside the ids fails); ``own_scratch``: the chunks of a
+    caller's scratch buffer (the copy thread's), 3 pages each."""
     rng = np.random.default_rng(30)
     num_pages, num_slots = 50, 70
     pool = rng.integers(0, 1 << 16, (shape[0], shape[1], num_pages, *shape[2:]), dtype=np.uint16)
     slab = rng.integers(0, 1 << 16, (num_slots, *shape), dtype=np.uint16)
     copier = host_copy.PageCopier(slab, num_pages)
+    scratch = None
     if strategy == "per_page":
         _per_page(monkeypatch)
     else:
         _vectorised(monkeypatch, copier, 4)
+    if strategy == "own_scratch":
+        scratch = copier.new_scratch(3 * copier.slot_bytes + 1)
+        assert scratch.size == 3 * copier.slot_bytes
     model_pool, model_slab = pool.copy(), slab.copy()
     cases = [(rng.permutation(num_pages)[:11], rng.permutation(num_slots)[:11]),
              (np.arange(20, 29), np.arange(60, 69)), (np.array([49]), np.array([0]))]
     for pages, slots in cases:
         pages, slots = pages.astype(np.int32), slots.astype(np.int32)
-        copier.to_slab(pool.ctypes.data, pages, slots)
+        copier.to_slab(pool.ctypes.data, pages, slots, scratch)
         model_slab[slots] = np.moveaxis(model_pool[:, :, pages], 2, 0)
         np.testing.assert_array_equal(slab, model_slab)
         back = rng.permutation(num_pages)[: pages.size].astype(np.int32)
-        copier.to_pool(pool.ctypes.data, back, slots)
+        copier.to_pool(pool.ctypes.data, back, slots, scratch)
         model_pool[:, :, back] = np.moveaxis(model_slab[slots], 0, 2)
         np.testing.assert_array_equal(pool, model_pool)
 
@@ -434,3 +442,170 @@ def test_page_copier_rejects_bad_arguments():
         host_copy.PageCopier(np.zeros((4, 2), np.uint16), 8)
     with pytest.raises(ValueError, match="num_pages must be a positive int, got 0"):
         host_copy.PageCopier(np.zeros((4, 1, 2, 1, 1, 8), np.uint16), 0)
+
+
+# -- the copy thread (DataPath.HOST_THREAD): backups run on it, acked once their bytes landed ---------
+@pytest.fixture
+def threaded(monkeypatch) -> HostWorker:
+    """A HOST_THREAD worker whose backups of any size go to the copy thread."""
+    monkeypatch.setattr(transfer_mod, "ASYNC_MIN_PAGES", 1)
+    w = HostWorker(SPECS["f32"], NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]], host_pool_kind="numpy_slab",
+                   data_path="host_thread")
+    yield w
+    w.close(timeout_s=60)
+
+
+class _Gate:
+    """Holds the copy thread (a job that waits for ``open``), so the copies queued behind it are in
+    flight for as long as a test needs. Opens by itself after ``auto_open_s`` if given."""
+
+    def __init__(self, worker: HostWorker, auto_open_s: float | None = None) -> None:
+        self.event = threading.Event()
+        self.job = worker.engine._copies.submit(self.event.wait, 60)
+        self.timer = None
+        if auto_open_s is not None:
+            self.timer = threading.Timer(auto_open_s, self.event.set)
+            self.timer.start()
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def test_copy_thread_acks_a_backup_only_after_its_bytes_landed(threaded):
+    dp, hp = threaded.device_pool, threaded.host_pool
+    data = _random_pages(threaded, 3, seed=40)
+    dp.write_pages([4, 5, 6], data)
+    gate = _Gate(threaded)
+    threaded.submit(_plan(_op(1, "d2h", [4, 5, 6], [7, 8, 9])))
+    assert threaded.poll() == []  # in flight: no ack, no byte written yet
+    assert threaded.wait(timeout_s=0.05) == []  # a bounded wait gives up
+    assert not _bits(hp.read_slots([7, 8, 9])).any()
+    gate.open()
+    acks = threaded.wait(timeout_s=60)
+    assert [(a.op_id, a.ok, a.bytes_moved) for a in acks] == [(1, True, 3 * hp.slot_bytes)]
+    np.testing.assert_array_equal(_bits(hp.read_slots([7, 8, 9])), _bits(data))
+
+
+def test_copy_thread_keeps_plan_order(threaded, monkeypatch):
+    """Copies land in plan order: two backups to one slot (the later wins, also when the later one is
+    small enough to be copied at dispatch), and a load of a slot whose backup is in flight."""
+    dp, hp = threaded.device_pool, threaded.host_pool
+    data = _random_pages(threaded, 4, seed=41)
+    dp.write_pages([1, 2, 3, 4], data)
+    _Gate(threaded, auto_open_s=0.2)
+    threaded.submit(_plan(_op(1, "d2h", [1, 2], [10, 11])))
+    threaded.submit(_plan(_op(2, "d2h", [3], [10])))  # on the thread, behind op 1
+    monkeypatch.setattr(transfer_mod, "ASYNC_MIN_PAGES", 2)
+    threaded.submit(_plan(_op(3, "d2h", [4], [11])))  # at dispatch: waits for op 1's write of slot 11
+    threaded.submit(_plan(_op(4, "h2d", [20, 21], [10, 11])))  # reads both slots after their backups
+    acks = threaded.wait(timeout_s=60)
+    assert [(a.op_id, a.ok) for a in acks] == [(1, True), (2, True), (3, True), (4, True)]
+    np.testing.assert_array_equal(_bits(hp.read_slots([10, 11])), _bits(data[[2, 3]]))
+    np.testing.assert_array_equal(_bits(dp.read_pages([20, 21])), _bits(data[[2, 3]]))
+
+
+def test_a_load_of_other_pages_overlaps_a_backup_in_flight(threaded):
+    """A load that touches neither the pages nor the slots of an in-flight backup runs at dispatch,
+    while the backup still waits on the copy thread; then both are bit-exact. (The engine holds the
+    pool array from the first load on: no take-over, which would wait for the copy thread.)"""
+    dp, hp = threaded.device_pool, threaded.host_pool
+    data, loaded = _random_pages(threaded, 2, seed=42), _random_pages(threaded, 2, seed=43)
+    hp.write_slots([20, 21, 22, 23], np.concatenate([loaded, data]))
+    threaded.submit(_plan(_op(0, "h2d", [1, 2], [22, 23])))
+    assert [a.ok for a in threaded.wait(timeout_s=60)] == [True]
+    gate = _Gate(threaded)
+    threaded.submit(_plan(_op(1, "d2h", [1, 2], [5, 6])))
+    threaded.submit(_plan(_op(2, "h2d", [30, 31], [20, 21])))
+    assert threaded.poll() == []  # the load is done, but acks keep their order behind the backup
+    handles = [p.handle for p in threaded._pending]
+    assert [h.is_ready() for h in handles] == [False, True]
+    gate.open()
+    assert [(a.op_id, a.ok) for a in threaded.wait(timeout_s=60)] == [(1, True), (2, True)]
+    np.testing.assert_array_equal(_bits(hp.read_slots([5, 6])), _bits(data))
+    np.testing.assert_array_equal(_bits(dp.read_pages([30, 31])), _bits(loaded))
+
+
+@pytest.mark.parametrize("writer", ["write_pages", "load", "forward"])
+def test_writing_l1_pages_while_their_backup_is_in_flight_keeps_the_backup(threaded, writer):
+    """The backup copies the pages as they were when it was submitted: a later write of them (the
+    pool's own write, a load into them, a model forward that donates the pool) waits for it."""
+    dp, hp = threaded.device_pool, threaded.host_pool
+    old, new = _random_pages(threaded, 2, seed=44), _random_pages(threaded, 2, seed=45)
+    dp.write_pages([3, 7], old)
+    hp.write_slots([0, 1], new)
+    _Gate(threaded, auto_open_s=0.2)
+    threaded.submit(_plan(_op(1, "d2h", [3, 7], [12, 13])))
+    if writer == "write_pages":
+        dp.write_pages([3, 7], new)
+    elif writer == "load":
+        threaded.submit(_plan(_op(2, "h2d", [3, 7], [0, 1])))
+    else:
+        model = threaded.attach_model(_ForwardingModel)  # writes page 7, donating the pool
+        threaded.run_model(lambda m: m.forward(new[1].astype(dp.storage_dtype), slow=False))
+        threaded.submit(_plan(_op(2, "h2d", [3], [0])))
+        assert dp.kv is model.pool
+    assert all(a.ok for a in threaded.wait(timeout_s=60))
+    np.testing.assert_array_equal(_bits(hp.read_slots([12, 13])), _bits(old))
+    np.testing.assert_array_equal(_bits(dp.read_pages([3, 7])), _bits(new))
+
+
+def test_close_with_copies_in_flight_lands_them_then_copies_inline(threaded):
+    dp, hp = threaded.device_pool, threaded.host_pool
+    data = _random_pages(threaded, 3, seed=46)
+    dp.write_pages([1, 2, 3], data)
+    _Gate(threaded, auto_open_s=0.2)
+    threaded.submit(_plan(_op(1, "d2h", [1, 2], [4, 5])))
+    threaded.close(timeout_s=60)  # waits for the queued copy
+    assert threaded.engine.data_path is DataPath.HOST_MEMORY
+    assert [(a.op_id, a.ok) for a in threaded.poll()] == [(1, True)]
+    threaded.submit(_plan(_op(2, "d2h", [3], [6])))  # after close: copied at dispatch
+    assert [(a.op_id, a.ok) for a in threaded.poll()] == [(2, True)]
+    np.testing.assert_array_equal(_bits(hp.read_slots([4, 5, 6])), _bits(data))
+
+
+def test_close_that_times_out_leaves_the_copies_to_finish(threaded):
+    """A bounded close gives up on a held copy thread; the copy still lands and is acked, and an
+    access to the pool waits for it first."""
+    dp, hp = threaded.device_pool, threaded.host_pool
+    data, new = _random_pages(threaded, 1, seed=47), _random_pages(threaded, 1, seed=48)
+    dp.write_pages([1], data)
+    gate = _Gate(threaded)
+    threaded.submit(_plan(_op(1, "d2h", [1], [4])))
+    threaded.close(timeout_s=0.05)
+    assert threaded.poll() == []
+    threading.Timer(0.1, gate.open).start()
+    dp.write_pages([1], new)  # waits for the backup still queued
+    assert [(a.op_id, a.ok) for a in threaded.wait(timeout_s=60)] == [(1, True)]
+    np.testing.assert_array_equal(_bits(hp.read_slots([4])), _bits(data))
+    np.testing.assert_array_equal(_bits(dp.read_pages([1])), _bits(new))
+
+
+def test_a_copy_that_times_out_is_withdrawn_and_fails(threaded, monkeypatch):
+    """A copy still queued when its bounded wait runs out never runs: its op fails, its slots keep
+    their bytes, and the load behind it goes on."""
+    monkeypatch.setattr(transfer_mod, "COPY_TIMEOUT_S", 0.05)
+    dp, hp = threaded.device_pool, threaded.host_pool
+    dp.write_pages([1], _random_pages(threaded, 1, seed=49))
+    before = _bits(hp.read_slots([4])).copy()
+    gate = _Gate(threaded)
+    threaded.submit(_plan(_op(1, "d2h", [1], [4])))
+    threaded.submit(_plan(_op(2, "h2d", [9], [4])))  # reads slot 4: waits for op 1, bounded
+    acks = threaded.poll()
+    assert [(a.op_id, a.ok) for a in acks] == [(1, False), (2, True)]
+    assert "withdrawn" in acks[0].error
+    gate.open()
+    threaded.engine._copies.drain(60)
+    np.testing.assert_array_equal(_bits(hp.read_slots([4])), before)
+    np.testing.assert_array_equal(_bits(dp.read_pages([9])), before)
+
+
+def test_forcing_a_data_path():
+    spec = SPECS["f32"]
+    w = HostWorker(spec, NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]], host_pool_kind="numpy_slab",
+                   data_path="host_memory")
+    assert w.engine.data_path is DataPath.HOST_MEMORY and w.engine._copies is None
+    with pytest.raises(ValueError, match="data path 'host_thread' needs one CPU device.*PinnedPagesHostPool"):
+        HostWorker(spec, NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]], host_pool_kind="pinned_pages",
+                   data_path="host_thread")
+    with pytest.raises(ValueError, match="'dma'"):
+        HostWorker(spec, NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]], data_path="dma")
