@@ -35,6 +35,7 @@ from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
 from hicache.cluster.transfers import PendingTransfer, WorkerGroup
 from hicache.cluster.tree import CacheCapacityError, MatchResult, RadixKey, RadixTree, TreeNode
+from hicache.cluster.tree.allocator import concat
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
 _MAX_EVENTS = 100_000
@@ -125,7 +126,7 @@ class _CopyBatch(PendingTransfer):
         pages, slots = self.pages, self.slots
         if len(pages) == 1:
             return TransferOp(op_id, self.kind, pages[0], slots[0])
-        return TransferOp(op_id, self.kind, np.concatenate(pages), np.concatenate(slots))
+        return TransferOp(op_id, self.kind, concat(pages), concat(slots))
 
     def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
         for chain in self.chains:
@@ -164,7 +165,6 @@ class HiCacheController:
         # Packed ints (events.pack_event); the KVEvent objects are built when taken (off the hot path).
         self._events: deque[int] = deque(maxlen=_MAX_EVENTS)
         self.host = HostTier(tree, config.host_slots, self._events)
-        self._slots = self.host.slots  # the L2 slot allocator (one for the controller's life)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         self._page_size = tree.page_size
         self._page_bytes = 4 * tree.page_size  # int32 tokens: the first page of a key, as bytes
@@ -226,39 +226,54 @@ class HiCacheController:
             return
         # Nodes with an L2 copy (or one in flight) are a prefix of the path (chains are contiguous from the
         # root), so only the suffix after them may need a backup; the deepest node that qualifies takes every
-        # ancestor without a copy along in one chain.
-        for node in reversed(path):
-            if node.host_slots is not None or node.staged_slots is not None:
+        # ancestor without a copy along in one chain. Under write_through that is the last node (its first
+        # insert counts as a hit): tested before any loop.
+        node = path[-1]
+        if node.host_slots is not None or node.staged_slots is not None:
+            return
+        if node.hit_count < threshold:
+            for node in reversed(path):
+                if node.host_slots is not None or node.staged_slots is not None:
+                    return
+                if node.hit_count >= threshold:
+                    break
+            else:
                 return
-            if node.hit_count >= threshold:
-                self._backup_chain(node)
-                return
+        self._backup_chain(node)
 
     def _backup_chain(self, node: TreeNode) -> bool:
         """Backs up ``node`` and every ancestor without an L2 copy, in one op. False if not started."""
-        chain, blocker = self.tree.full.backup_chain(node)
-        if blocker is not None:
-            if blocker.staged_slots is not None and blocker is not node:
-                self._deferred[node.id] = node  # an ancestor's backup is in flight: after its ack
-            return False
-        if not chain:
-            return False
-        # Node page arrays are never written in place (splits and evictions replace them), so a single
-        # node's array is used as is; TransferOp copies it when the op is built.
-        pages = chain[0].device_pages if len(chain) == 1 else np.concatenate([c.device_pages for c in chain])
+        parent = node.parent
+        pages = node.device_pages
+        if (
+            (parent.host_slots is not None or parent.parent is None) and pages is not None and not node.loading
+            and node.host_slots is None and node.staged_slots is None
+        ):
+            # The common chain (a new leaf below a backed-up node or the root): the node alone, as
+            # ``FullComponent.backup_chain`` would find it, without the walk.
+            chain = [node]
+        else:
+            chain, blocker = self.tree.full.backup_chain(node)
+            if blocker is not None:
+                if blocker.staged_slots is not None and blocker is not node:
+                    self._deferred[node.id] = node  # an ancestor's backup is in flight: after its ack
+                return False
+            if not chain:
+                return False
+            # Node page arrays are never written in place (splits and evictions replace them), so a single
+            # node's array is used as is; TransferOp copies it when the op is built.
+            pages = chain[0].device_pages if len(chain) == 1 else concat([c.device_pages for c in chain])
         k = pages.shape[0]
-        slot_allocator = self._slots
-        if slot_allocator.num_free >= k:
-            slots = slot_allocator.alloc(k)
-        else:  # host eviction first: it must not drop the copy of the node the chain hangs below
+        slots = self.host.take(k)
+        if slots is None:  # host eviction first: it must not drop the copy of the node the chain hangs below
             anchor = chain[0].parent
             anchor.host_pin += 1
             try:
                 slots = self.host.reserve(k)
             finally:
                 anchor.host_pin -= 1
-        if slots is None:
-            return False  # L2 full of pinned / in-flight entries: this node stays L1-only
+            if slots is None:
+                return False  # L2 full of pinned / in-flight entries: this node stays L1-only
         if len(chain) == 1:
             node.staged_slots = slots
         else:
@@ -387,7 +402,7 @@ class HiCacheController:
         if loaded_pages is not None:
             parts.append(loaded_pages)
         if len(parts) > 1:
-            pages = np.concatenate(parts)
+            pages = concat(parts)
         else:
             pages = parts[0] if parts else _NO_PAGES
         return LoadBackResult(pages, pages.shape[0] * self.tree.page_size, last.id, loaded, load_id, reason)
@@ -705,6 +720,7 @@ class HiCacheController:
             else:
                 self._complete_storage(p)
         self._deferred.clear()
+        self.host.return_block()
         dropped = 0
         # Leaves first, so every host-only node is childless when it goes.
         for node in sorted(self.tree.iter_nodes(), key=self.tree.depth, reverse=True):

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.cluster.tree.allocator import PageAllocator, PageOwner
+from hicache.cluster.tree.allocator import PageAllocator, PageOwner, concat
 from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
 from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
 from hicache.cluster.tree.node import TreeNode
@@ -109,7 +109,7 @@ class FullComponent(TreeComponent):
                 parts.append(node.host_slots)
                 start = end
             assert start == pages.shape[0], f"{pages.shape[0]} pages for a chain of {start}"
-            slots = np.concatenate(parts)
+            slots = concat(parts)
         self.allocator.transfer(pages, PageOwner.TREE)
         self.protected_tokens += pages.shape[0] * ps
         return slots

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hicache.cluster.tree.allocator import CacheCapacityError, PageOwner, as_index, as_page_array
+from hicache.cluster.tree.allocator import CacheCapacityError, PageOwner, as_index, as_page_array, concat
 from hicache.cluster.tree.component import NO_VALUES, ComponentHooks, TreeComponent
 from hicache.cluster.tree.eviction import EvictionPolicy, parse_policy
 from hicache.cluster.tree.full import FullComponent
@@ -571,8 +571,9 @@ class RadixTree:
         (child,) = node.children.values()
         # (No lock test: a demoted node is unlocked, so are its children; a host-only child has no staged
         # backup either: that needs L1 pages.)
+        slots = child.host_slots
         if (
-            child.device_pages is not None or child.host_slots is None or child.host_pin or node.host_pin
+            slots is None or child.device_pages is not None or child.host_pin or node.host_pin
             or child.pending is not None or node.pending is not None or child.priority != node.priority
             or child.stored != node.stored
         ):
@@ -580,7 +581,7 @@ class RadixTree:
         parent = node.parent
         kb = node.key_bytes
         child.set_key(kb + child.key_bytes)
-        child.host_slots = np.concatenate((node.host_slots, child.host_slots))
+        child.host_slots = concat((node.host_slots, slots))
         child.parent = parent
         parent.children[kb[: self._ck]] = child
         if node.last_access > child.last_access:

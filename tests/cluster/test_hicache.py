@@ -173,13 +173,40 @@ def test_host_tier_is_bounded_and_evicts_lru_host_leaves():
     assert st["miss_tokens"].get("evicted_l2", 0) >= 16
 
 
+def test_backup_slots_come_from_a_bulk_block_that_never_causes_a_host_eviction():
+    env = HiCacheEnv(page_size=4, device_pages=8, host_slots=10)
+    host = env.head.controller.host
+    a, b = host.take(3), host.take(2)  # one refill reserves every free slot (fewer than a block)
+    assert a.tolist() == [0, 1, 2] and b.tolist() == [3, 4]  # the free stack's hand-out order
+    assert host.slots.num_free == 0 and host.num_free == 5 and not a.flags.writeable
+    assert host.take(6) is None  # more than the free slots: the caller goes through reserve
+    assert host.slots.num_free == 5 and host.num_free == 5  # (the unused block went back)
+    d = host.take(1)
+    c = host.reserve(4)  # short on the free stack: takes the block back first, evicts nothing
+    assert d.tolist() == [5] and sorted(c.tolist()) == [6, 7, 8, 9] and host.evicted_tokens == 0
+    for slots in (a, b, c, d):
+        host.unreserve(slots)
+    assert host.num_free == host.slots.num_free == 10
+    host.check_invariants()
+    # End to end: backups staged from blocks commit exactly and L2 stays bounded.
+    for i in range(4):
+        env.serve(seq(i * 100, 16))
+        env.head.flush_write_through_acks()
+        assert env.head.cache_stats()["host_tokens"] <= 40
+        check(env)
+    m = env.head.match_prefix(RadixKey(seq(300, 16)))
+    assert m.device_hit_len + m.host_hit_len == 16
+    r = env.serve(seq(300, 16))  # serve() checks the bytes of every hit, loaded ones included
+    assert r["device_hit"] + r["loaded"] == 16
+
+
 def test_failed_backup_frees_slots_and_node_stays_device_only():
     env = HiCacheEnv(faults={"fail_kinds": (OpKind.BACKUP_D2H,), "fail_rate": 1.0})
     env.serve(seq(0, 16))
     env.head.flush_write_through_acks()
     st = env.head.cache_stats()
     assert st["host_tokens"] == 0 and st["transfer_failures"] == 1 and st["in_flight"] == 0
-    assert env.head.controller.host.slots.num_free == 64
+    assert env.head.controller.host.num_free == 64
     assert env.head.stats().protected_tokens == 0
     check(env)
 
@@ -419,7 +446,7 @@ def test_drop_host_tier_keeps_l1_and_forgets_l2():
     assert dropped == 16
     st = env.head.cache_stats()
     assert st["host_tokens"] == 0 and st["in_flight"] == 0
-    assert env.head.controller.host.slots.num_free == 32
+    assert env.head.controller.host.num_free == 32
     ma, mb = env.head.match_prefix(RadixKey(a)), env.head.match_prefix(RadixKey(b))
     assert (ma.device_hit_len, ma.host_hit_len) == (0, 0)
     assert (mb.device_hit_len, mb.host_hit_len) == (16, 0)
@@ -486,7 +513,7 @@ def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
     assert ctl.submit(force=True) == 3 and len(ctl._pending) == 1  # three chains, one op
     head.flush_write_through_acks()  # host 0 acks; host 1 holds: nothing may change (bounded wait)
     assert head.cache_stats()["host_tokens"] == 0 and ctl.in_flight == 3
-    assert head.stats().protected_tokens == 24 and ctl.host.slots.num_free == 10  # locked, slots reserved
+    assert head.stats().protected_tokens == 24 and ctl.host.num_free == 10  # locked, slots reserved
     head.tree.check_invariants()
     ctl.check_invariants()
     workers.release_ok = host1_ok
@@ -494,10 +521,10 @@ def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
     st = head.cache_stats()
     assert ctl.in_flight == 0 and head.stats().protected_tokens == 0
     if host1_ok:
-        assert st["host_tokens"] == st["backed_up_tokens"] == 24 and ctl.host.slots.num_free == 10
+        assert st["host_tokens"] == st["backed_up_tokens"] == 24 and ctl.host.num_free == 10
         assert all(n.host_slots is not None for n in head.tree.iter_nodes())
     else:
-        assert st["host_tokens"] == 0 and st["transfer_failures"] == 3 and ctl.host.slots.num_free == 16
+        assert st["host_tokens"] == 0 and st["transfer_failures"] == 3 and ctl.host.num_free == 16
         assert all(n.host_slots is None and n.staged_slots is None for n in head.tree.iter_nodes())
     head.tree.check_invariants()
     ctl.check_invariants()
