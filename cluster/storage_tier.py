@@ -18,6 +18,10 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   at most ``warm_restart_max_tokens`` tokens (also their cap afterwards; 0: off). Matches report them
   as ``storage_hit_len``; a prefetch covered by them skips the existence lookup, still reads with
   checksums, turns them into host-only nodes, and on a failed read drops them. Detach drops them all.
+- Write hold (``pause_writes``/``resume_writes``, the serving loop's calls): while a prefill is
+  next or running, new L2->L3 writes wait here (pinned, bounded by ``max_inflight_backup_pages``
+  and ``write_hold_max_s``), so their CPU (file creation, checksum, the GIL) lands in decodes, not
+  in a request's TTFT. Reads are never held; a detach drops held writes (later misses, never data).
 - Prefetch: for a queued request, the pages after its matched prefix that L3 has (prefix-ordered,
   all hosts) are fetched into fresh L2 slots below the deepest matched node (pinned meanwhile). When
   every host acked, they become one host-only node; a request then loads them back like any L2 hit.
@@ -43,7 +47,7 @@ import numpy as np
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.transfers import PendingTransfer, WorkerGroup
 from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
-from hicache.storage import ModelFingerprint, Namespace, StorageConfig, page_keys
+from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfig, page_keys
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
 
@@ -71,6 +75,7 @@ class StorageParams:
     negative_cache_size: int = 4096  # LRU bound on remembered misses
     manifest_interval_s: float = 2.0  # write queued manifest entries at most this often (background)
     warm_restart_max_tokens: int = 1 << 20  # storage-only tree entries read from the manifest (0: off)
+    write_hold_max_s: float = 0.5  # pause_writes() holds L2->L3 writes at most this long (0: never holds)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -87,7 +92,7 @@ class StorageParams:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s",
-                     "negative_cache_ttl_s", "manifest_interval_s"):
+                     "negative_cache_ttl_s", "manifest_interval_s", "write_hold_max_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -161,6 +166,8 @@ class StorageCounters:
     warm_restart_failures: int = 0  # namespaces whose manifest could not be listed
     prefetch_known_stored: int = 0  # prefetches sized by storage-only entries (no existence lookup)
     storage_only_dropped_tokens: int = 0  # storage-only entries dropped after a failed read
+    backup_held_ops: int = 0  # L2->L3 writes held by pause_writes() until resume_writes() (or the bound)
+    backup_held_dropped_pages: int = 0  # held writes dropped on detach (never sent: later misses)
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -185,6 +192,8 @@ class StorageTier:
         self._manifest_next = 0.0  # monotonic time of the next background write
         self._manifest_thread: cf.ThreadPoolExecutor | None = None
         self._manifest_job: cf.Future | None = None
+        self._held: list[TransferOp] = []  # L2->L3 writes held by pause_writes(), in queue order
+        self._paused_at: float | None = None  # monotonic start of the current pause (None: not paused)
         workers.attach_storage(params.attachment())
         self.pages_per_object = workers.storage_pages_per_object()
         tree.storage_only.cap_tokens = params.warm_restart_max_tokens if not tree.extra_components else 0
@@ -280,10 +289,52 @@ class StorageTier:
             node.host_pin += 1
         self._backups[op.op_id] = _Backup(op.op_id, pinned, last, num_pages, tuple(keys))
         self._inflight_backup_pages += num_pages
-        self._queue_op(op, [])
+        if self._holding():
+            self._held.append(op)
+            self.counters.backup_held_ops += 1
+        else:
+            self._queue_op(op, [])
+
+    # -- write hold (the serving loop's latency-critical window) ------------------------------------
+    def pause_writes(self) -> None:
+        """Host CPU becomes latency-critical: a prefill is next (a request's work up to its first
+        token: L3 query, load-back, prefill). A serving loop pauses at the end of a decode when a
+        request waits (that decode's ``cache_finished_req`` queues its writes) or before the next
+        request's match, and resumes once that request's first token is out, so L2->L3 writes run
+        during decodes, not prefills. L2->L3 writes queued from now on are held here, not sent:
+        their nodes stay host-pinned and count against ``max_inflight_backup_pages`` (beyond it
+        backups are skipped, as always). ``resume_writes()`` sends them; a pause also ends by itself
+        ``write_hold_max_s`` after it began (at the next call into this tier), so a loop that never
+        resumes delays writes, never stops them. Reads (prefetches) are never held. Writes already
+        sent run on. Idempotent; a pause in progress keeps its start time."""
+        if self._paused_at is None and self.params.write_hold_max_s > 0:
+            self._paused_at = time.monotonic()
+
+    def resume_writes(self) -> int:
+        """Ends the pause: held writes are queued in their order (the caller's controller sends them
+        with its next plan). Returns how many were held."""
+        self._paused_at = None
+        held, self._held = self._held, []
+        for op in held:
+            self._queue_op(op, [])
+        return len(held)
+
+    @property
+    def writes_paused(self) -> bool:
+        return self._paused_at is not None
+
+    def _holding(self) -> bool:
+        """Whether a write queued now is held (an expired pause ends first, its writes go first)."""
+        self._expire_pause()
+        return self._paused_at is not None
+
+    def _expire_pause(self) -> None:
+        if self._paused_at is not None and time.monotonic() - self._paused_at >= self.params.write_hold_max_s:
+            self.resume_writes()
 
     # -- L3 -> L2 prefetch ---------------------------------------------------------------------------
     def prefetch(self, params: PrefetchParams) -> PrefetchProgress:
+        self._expire_pause()  # its writes go with this call's plan
         if not isinstance(params, PrefetchParams):
             raise TypeError(f"prefetch_from_storage expects PrefetchParams, got {type(params).__name__}")
         if not isinstance(params.key, RadixKey):
@@ -291,7 +342,10 @@ class StorageTier:
         if params.req_id in self._by_req:
             raise ValueError(f"request {params.req_id!r} already has a prefetch")
         anchor = self.tree.node(params.node_id)
-        if self.tree.namespace_of(anchor) != params.key.namespace:
+        root = anchor
+        while root.parent is not None:
+            root = root.parent
+        if self.tree.roots().get(params.key.namespace) is not root:  # (namespace_of scans every root)
             raise ValueError(f"node {params.node_id} is not in the key's namespace")
         ps = self.tree.page_size
         depth = self.tree.depth(anchor)
@@ -312,14 +366,15 @@ class StorageTier:
         parent_key = self._page_keys(path, ns, depth // ps)  # fills chain keys; nothing new to return
         assert not parent_key
         prev = path[-1].chain_key if path else None
-        first_key = page_keys(ns, tokens[depth : depth + ps], parent=prev)[0]
+        # lazy: a miss hashes only the pages storage asks about (a few), not the whole prompt's
+        keys = ChainKeys(ns, tokens[depth:whole], parent=prev)
+        first_key = keys[0]
         known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps if anchor.children else 0
         if known * ps < self.params.prefetch_min_tokens:
             known = 0
         if not known and self._recent_miss(first_key):
             self.counters.prefetch_negative_hits += 1
             return skip("not enough pages in L3 (recent miss)")
-        keys = [first_key] + page_keys(ns, tokens[depth + ps : whole], parent=first_key)
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
         keys = keys[: max(0, room)]
         if known and keys:
@@ -341,7 +396,7 @@ class StorageTier:
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
                         tuple(keys[:found]), first_page=depth // ps)
         now = time.monotonic()
-        task = _Prefetch(params.req_id, op.op_id, anchor, tokens[depth : depth + found * ps].copy(), keys[:found],
+        task = _Prefetch(params.req_id, op.op_id, anchor, tokens[depth : depth + found * ps].copy(), list(op.storage_keys),
                          slots, now, now + self.params.prefetch_timeout_s(found * ps))
         self._prefetches[op.op_id] = task
         self._by_req[params.req_id] = task
@@ -461,6 +516,7 @@ class StorageTier:
         return op_id in self._backups or op_id in self._prefetches
 
     def complete(self, p: PendingTransfer) -> None:
+        self._expire_pause()
         op_id = p.op.op_id
         if p.kind is OpKind.BACKUP_H2S:
             b = self._backups.pop(op_id)
@@ -514,9 +570,19 @@ class StorageTier:
 
     @property
     def in_flight(self) -> int:
-        return len(self._backups) + len(self._prefetches)
+        """Storage ops sent and not acked (held writes are not: ``detach`` drops them)."""
+        return len(self._backups) - len(self._held) + len(self._prefetches)
 
     def detach(self) -> None:
+        self._paused_at = None
+        for op in self._held:  # never sent: unpin, nothing stored (later queries miss them)
+            b = self._backups.pop(op.op_id)
+            self._inflight_backup_pages -= b.num_pages
+            self.counters.backup_held_dropped_pages += b.num_pages
+            for node in b.pinned:
+                node.host_pin -= 1
+                self.host.maybe_push(node)
+        self._held = []
         self.flush_manifest()
         self.tree.storage_only.drop_all()  # nothing left to fetch them from
         self.tree.storage_only.cap_tokens = 0

@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, check_key
+from hicache.storage.keys import ChainKeys, ModelFingerprint, Namespace, ShardCoord, check_key
 
 
 class PoolKind(str, enum.Enum):
@@ -245,7 +245,11 @@ def _all_keys_valid(keys: list[str]) -> bool:
     )
 
 
-def check_keys(keys: object) -> list[str]:
+def check_keys(keys: object) -> Sequence[str]:
+    """``keys`` as a list of valid chain keys; a ``ChainKeys`` is valid by construction and stays
+    lazy (a query that ends early hashes only the pages it reads)."""
+    if isinstance(keys, ChainKeys):
+        return keys
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a sequence of hex str, got {type(keys).__name__}")
     out = list(keys)

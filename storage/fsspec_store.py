@@ -1138,24 +1138,29 @@ class FsspecStorage(HiCacheStorage):
         return list(self._iter_naturals(t, reg, keys, first))
 
     def _iter_naturals(self, t: int, reg: _PoolReg, keys: list[str], first: int) -> Iterator[_Obj]:
-        C, n = reg.ppo, len(keys)
+        for start, m in self._spans(reg, len(keys), first):
+            yield self._obj(t, reg, keys, first, start, m)
+
+    @staticmethod
+    def _spans(reg: _PoolReg, n: int, first: int) -> Iterator[tuple[int, int]]:
+        """``(start, pages)`` of the natural candidate of every chunk intersecting pages
+        ``[first, first + n)``, in order (no key read: ``keys`` may be lazy)."""
+        C = reg.ppo
         if n == 0:
             return
         for j in range(first // C, (first + n - 1) // C + 1):
             s = j * C
-            last = min(s + C, first + n) - 1
-            k = keys[last - first]
-            yield _Obj(t, s, last - s + 1, k, self._path(reg, k))
+            yield s, min(s + C, first + n) - s
 
-    def _partials(self, t: int, reg: _PoolReg, keys: list[str], first: int, nat: _Obj) -> Sequence[_Obj]:
-        """Shorter objects of ``nat``'s chunk that end inside the query, longest first (made on
-        access: a probe usually asks a few of them)."""
+    def _obj(self, t: int, reg: _PoolReg, keys: Sequence[str], first: int, start: int, m: int) -> _Obj:
+        """The object holding pages ``[start, start + m)`` (named by the key of its last page)."""
+        k = keys[start + m - 1 - first]
+        return _Obj(t, start, m, k, self._path(reg, k))
 
-        def make(m: int) -> _Obj:
-            k = keys[nat.start + m - 1 - first]
-            return _Obj(t, nat.start, m, k, self._path(reg, k))
-
-        return _Candidates(make, range(nat.m - 1, max(nat.start, first) - nat.start, -1))
+    def _partials(self, t: int, reg: _PoolReg, keys: list[str], first: int, start: int, m: int) -> Sequence[_Obj]:
+        """Objects of the chunk at ``start`` shorter than ``m`` pages that end inside the query,
+        longest first (made on access: a probe usually asks a few of them)."""
+        return _Candidates(lambda mm: self._obj(t, reg, keys, first, start, mm), range(m - 1, max(start, first) - start, -1))
 
     def _exists_flags(self, objs: Sequence[_Obj], deadline: _Deadline) -> list[bool]:
         res = self._io.exists_many([o.path for o in objs], deadline)
@@ -1207,14 +1212,33 @@ class FsspecStorage(HiCacheStorage):
 
     def _resolve(self, queries: list[tuple[_PoolReg, list[str], np.ndarray, int]], deadline: _Deadline) -> list[list[_Obj]]:
         """Objects that cover the longest stored prefix of each query (≤ 2 batched rounds; on a
-        local filesystem, stats in chain order up to the first missing object)."""
+        local filesystem, stats in chain order up to the first missing object). Local, with links:
+        a query's first chunk is asked at its page S-1 first (every object of >= S pages there is
+        named at it): if that is missing, only the chunk's objects of < S pages remain, so a miss
+        costs S stats and reads only the first S keys (lazy ``ChainKeys`` hash no more); a hit
+        costs one stat more than without that question."""
         if self._local and self._io.inline_io:  # type: ignore[attr-defined]
             found = []
             for t, (reg, keys, _, first) in enumerate(queries):
                 objs: list[_Obj] = []
-                for o in self._iter_naturals(t, reg, keys, first):
+                for start, m in self._spans(reg, len(keys), first):
+                    gate = None
+                    if not objs and reg.link_every:  # the chain's first chunk: is it stored at all?
+                        parts = self._partials(t, reg, keys, first, start, m)
+                        k = m - 1 - reg.link_every  # parts[k]: the chunk's object of S pages
+                        if 0 <= k < len(parts):
+                            if not self._exists_here(parts[k], deadline):
+                                part = self._first_stored(parts[k + 1 :], deadline)  # objects of < S pages
+                                if part is not None:
+                                    objs.append(part)
+                                break
+                            gate = parts[:k], parts[k]  # the longer candidates, a known stored one
+                    o = self._obj(t, reg, keys, first, start, m)  # the natural candidate
                     if not self._exists_here(o, deadline):
-                        part = self._probe_here(reg, self._partials(t, reg, keys, first, o), deadline)
+                        if gate is None:
+                            part = self._probe_here(reg, self._partials(t, reg, keys, first, start, m), deadline)
+                        else:
+                            part = self._first_stored(gate[0], deadline) or gate[1]
                         if part is not None:
                             objs.append(part)
                         break
@@ -1232,7 +1256,7 @@ class FsspecStorage(HiCacheStorage):
             found.append(ns[:cut])
             if cut < len(ns):
                 reg, keys, _, first = queries[t]
-                parts = self._partials(t, reg, keys, first, ns[cut])
+                parts = self._partials(t, reg, keys, first, ns[cut].start, ns[cut].m)
                 if parts:
                     probes.append((t, parts))
         if probes:
@@ -1333,7 +1357,7 @@ class FsspecStorage(HiCacheStorage):
             miss = [j for j in range(len(ns)) if isinstance(res[base + j], FileNotFoundError)]
             if miss and all(ok[base : base + miss[0]]):
                 reg, keys, _, first = queries[t]
-                parts = self._partials(t, reg, keys, first, ns[miss[0]])
+                parts = self._partials(t, reg, keys, first, ns[miss[0]].start, ns[miss[0]].m)
                 if parts:
                     probes.append((t, parts, base + miss[0]))
             base += len(ns)

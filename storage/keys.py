@@ -205,6 +205,89 @@ def page_keys(
     return out
 
 
+class ChainKeys(Sequence):
+    """``page_keys(namespace, tokens, parent=parent)`` as a lazy, read-only sequence: a key is hashed
+    when it (or a later one) is first read, and kept. An L3 query that ends early (a miss is known
+    after the first few pages of the chain) hashes only those pages, not the whole prompt's.
+    Valid by construction (every item is a chain key), equal item by item to ``page_keys``; a
+    prefix slice (``keys[:n]``) is lazy too and shares the hashed keys, any other slice is a list.
+    Picklable (a Ray call carries the seed and the tokens; the receiver hashes what it reads)."""
+
+    __slots__ = ("_prev", "_raw", "_page_bytes", "_n", "_done")
+
+    def __init__(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray, *, parent: str | None = None) -> None:
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        arr = _as_tokens(tokens)
+        p = namespace.fingerprint.page_size
+        self._prev = namespace.seed() if parent is None else bytes.fromhex(check_key(parent, what="parent"))
+        self._raw = arr[: len(arr) - len(arr) % p].tobytes()
+        self._page_bytes = p * 8
+        self._n = len(arr) // p
+        self._done: list[str] = []
+
+    @classmethod
+    def _view(cls, base: ChainKeys, n: int) -> ChainKeys:
+        out = cls.__new__(cls)
+        out._prev, out._raw, out._page_bytes, out._done = base._prev, base._raw, base._page_bytes, base._done
+        out._n = n
+        return out
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _upto(self, n: int) -> None:
+        """Hashes pages until ``n`` keys are known."""
+        done, stride, raw = self._done, self._page_bytes, self._raw
+        prev = bytes.fromhex(done[-1]) if done else self._prev
+        for i in range(len(done), n):
+            prev = hashlib.sha256(prev + raw[i * stride : (i + 1) * stride]).digest()
+            done.append(prev.hex())
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        if isinstance(i, slice):
+            idx = range(*i.indices(self._n))
+            if idx.start == 0 and idx.step == 1:
+                return ChainKeys._view(self, len(idx))
+            if idx:
+                self._upto(max(idx[0], idx[-1]) + 1)
+            return [self._done[j] for j in idx]
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"ChainKeys indices must be ints or slices, got {type(i).__name__}")
+        j = int(i) + self._n if i < 0 else int(i)
+        if not 0 <= j < self._n:
+            raise IndexError(f"key index {i} out of range for {self._n} keys")
+        if j >= len(self._done):
+            self._upto(j + 1)
+        return self._done[j]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for j in range(self._n):
+            yield self[j]
+
+    def __getstate__(self) -> tuple:
+        return (self._prev, self._raw[: self._n * self._page_bytes], self._page_bytes, self._n)
+
+    def __setstate__(self, state: tuple) -> None:
+        self._prev, self._raw, self._page_bytes, self._n = state
+        self._done = []
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (str, bytes)) or not isinstance(other, Sequence):
+            return NotImplemented
+        return len(other) == self._n and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable cache, compares by items
+
+    def __repr__(self) -> str:
+        return f"ChainKeys({self._n} keys, {self.hashed} hashed)"
+
+    @property
+    def hashed(self) -> int:
+        """Keys hashed so far (for tests and profiling)."""
+        return min(len(self._done), self._n)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardCoord:
     """This host's slice of a page: KV heads ``[head_start, head_end)`` of ``num_heads`` and

@@ -200,6 +200,8 @@ def test_attach_and_detach_at_runtime(tmp_path):
         StorageParams("not-a-url", env.fingerprint)
     with pytest.raises(ValueError, match="prefetch policy"):
         StorageParams("file:///x", env.fingerprint, prefetch_policy="never")
+    with pytest.raises(ValueError, match="write_hold_max_s"):
+        StorageParams("file:///x", env.fingerprint, write_hold_max_s=-1.0)
 
 
 def test_reset_keeps_l3_attached_and_writes_the_queued_manifest(tmp_path):

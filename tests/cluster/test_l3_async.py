@@ -10,7 +10,7 @@ import numpy as np
 
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey
-from hicache.storage import Namespace
+from hicache.storage import Namespace, page_keys
 from support.hicache_env import HiCacheEnv
 
 
@@ -147,3 +147,76 @@ def test_alloc_short_of_pages_waits_for_l1_backups_not_l3_writes(tmp_path):
         assert env.head.controller.storage.in_flight  # the L3 write is still running
         env.head.free(pages)
     assert env.serve(c)["loaded"] == 32  # c's backup landed intact (serve() checks the bytes)
+
+
+# -- write hold: pause_writes() keeps L2->L3 writes out of the serving loop's prefill window ----------
+
+
+def _stored_pages(env, tokens):
+    store = env.workers._executors()[0].storage
+    return store.batch_exists(page_keys(Namespace(env.fingerprint), tokens))
+
+
+def _paused_backup(tmp_path, **kwargs):
+    """An env whose tier is paused and holds the L2->L3 write of one served sequence."""
+    env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3", storage_kwargs=kwargs)
+    tier = env.head.controller.storage
+    tier.pause_writes()
+    a = seq(0, 16)
+    env.serve(a)
+    env.head.controller.flush_device_backups()  # the D->H ack queues the L2->L3 write: held
+    return env, tier, a
+
+
+def test_paused_writes_are_held_then_sent_on_resume_bit_exact(tmp_path):
+    env, tier, a = _paused_backup(tmp_path)
+    assert tier.writes_paused and tier.counters.backup_held_ops == 1
+    assert tier.in_flight == 0  # held, not sent
+    pinned = [n for n in env.head.controller.tree.iter_nodes() if n.host_pin]
+    assert pinned  # its nodes stay pinned in L2 meanwhile
+    env.head.flush_write_through_acks()
+    assert _stored_pages(env, a) == 0  # nothing reached L3 while paused
+    assert tier.resume_writes() == 1 and not tier.writes_paused
+    env.head.controller.submit()
+    env.head.flush_write_through_acks()
+    assert _stored_pages(env, a) == 4
+    assert tier.counters.backup_pages == 4 and not any(n.host_pin for n in env.head.controller.tree.iter_nodes())
+    cold = HiCacheEnv(storage_url=f"file://{tmp_path}/l3")
+    assert cold.serve(a)["prefetched"] == 16  # serve() checks the loaded bytes
+
+
+def test_a_pause_ends_by_itself_after_write_hold_max_s(tmp_path):
+    env, tier, a = _paused_backup(tmp_path, write_hold_max_s=300.0)
+    assert tier.counters.backup_held_ops == 1
+    tier._paused_at -= 301.0  # expired (no wall-clock race on a busy machine)
+    _prefetch(env, seq(5000, 16), "other")  # the next call into the tier ends the pause, sends the write
+    assert not tier.writes_paused
+    env.head.flush_write_through_acks()
+    assert _stored_pages(env, a) == 4
+
+
+def test_detach_drops_held_writes_and_unpins(tmp_path):
+    env, tier, a = _paused_backup(tmp_path)
+    env.head.detach_storage_backend()  # held writes were never sent: no in-flight error
+    assert tier.counters.backup_held_dropped_pages == 4
+    assert not any(n.host_pin for n in env.head.controller.tree.iter_nodes())
+    fresh = HiCacheEnv(storage_url=f"file://{tmp_path}/l3")
+    assert _stored_pages(fresh, a) == 0  # a later query misses them, never reads wrong data
+
+
+def test_reads_are_never_held_and_a_zero_bound_never_pauses(tmp_path):
+    url = f"file://{tmp_path}/l3"
+    writer = HiCacheEnv(storage_url=url)
+    a = seq(0, 16)
+    writer.serve(a)
+    writer.head.flush_write_through_acks()
+    reader = HiCacheEnv(storage_url=url)
+    reader.head.controller.storage.pause_writes()
+    assert reader.serve(a)["prefetched"] == 16  # the prefetch went out while writes were paused
+    off = HiCacheEnv(storage_url=f"file://{tmp_path}/l3-off", storage_kwargs={"write_hold_max_s": 0.0})
+    tier = off.head.controller.storage
+    tier.pause_writes()
+    assert not tier.writes_paused
+    off.serve(seq(100, 16))
+    off.head.flush_write_through_acks()
+    assert tier.counters.backup_held_ops == 0 and _stored_pages(off, seq(100, 16)) == 4

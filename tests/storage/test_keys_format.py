@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage import CorruptObjectError, CorruptReason, ModelFingerprint, Namespace, ShardCoord, page_keys
+from hicache.storage import ChainKeys, CorruptObjectError, CorruptReason, ModelFingerprint, Namespace, ShardCoord, page_keys
 from hicache.storage.base import check_keys
 from hicache.storage.format import FORMAT_VERSION, HeaderEncoder, ObjectKind, ObjectMeta, decode, encode_header
 
@@ -222,3 +223,27 @@ def test_links_bind_a_name_to_its_page_in_a_longer_object():
         enc.encode(b"k" * 32, 8, 6, payload[: 6 * 15], links)  # page 13 is not inside 6 pages
     with pytest.raises(ValueError, match="without links"):
         encode_header(_meta(num_links=1), payload)
+
+
+def test_chain_keys_are_page_keys_hashed_on_demand():
+    fp = ModelFingerprint("m", "float32", 8, 2, 2, 32)
+    ns = Namespace(fp, cache_salt="s")
+    tokens = np.arange(8 * 10 + 3) % 50  # a trailing partial page has no key
+    ref = page_keys(ns, tokens)
+    keys = ChainKeys(ns, tokens)
+    assert len(keys) == 10 and keys.hashed == 0
+    assert keys[3] == ref[3] and keys.hashed == 4  # reading key 3 hashed pages 0..3 only
+    head = keys[:5]
+    assert isinstance(head, ChainKeys) and len(head) == 5 and head.hashed == 4  # a prefix stays lazy
+    assert keys[2:7] == ref[2:7] and keys[::-1] == ref[::-1] and keys[-1] == ref[-1]
+    assert keys == ref and list(keys) == ref
+    assert ChainKeys(ns, tokens[8:], parent=ref[0]) == ref[1:]  # continues a chain like page_keys
+    sent = pickle.loads(pickle.dumps(ChainKeys(ns, tokens)[:6]))  # a Ray call: the receiver hashes
+    assert sent.hashed == 0 and list(sent) == ref[:6]
+    assert check_keys(keys) is keys  # valid by construction: not forced by validation
+    with pytest.raises(IndexError):
+        keys[10]
+    with pytest.raises(TypeError, match="ChainKeys indices"):
+        keys["1"]
+    with pytest.raises(ValueError, match="token ids must be >= 0"):
+        ChainKeys(ns, np.array([-1] * 8))

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from hicache.storage import Namespace, page_keys
+from hicache.storage import ChainKeys, Namespace, page_keys
 from hicache.storage.testing import NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
 
@@ -119,14 +119,21 @@ def test_a_miss_probes_the_first_link_position_then_only_shorter_candidates(make
     inner = st._io.exists_one
     st._io.exists_one = lambda path, deadline: asked.append(path) or inner(path, deadline)
     keys = page_keys(Namespace(fp), _tokens(fp, 16, 0))
-    assert st.batch_exists(keys) == 0
-    # the natural object (page 15), the first link position (page 3), then pages 2, 1, 0
-    assert asked == [st.object_path(keys[p]) for p in (15, 3, 2, 1, 0)]
+    lazy = ChainKeys(Namespace(fp), _tokens(fp, 16, 0))
+    assert st.batch_exists(lazy) == 0
+    # the first link position (page 3: every object of >= 4 pages is named there), then pages 2, 1, 0
+    assert asked == [st.object_path(keys[p]) for p in (3, 2, 1, 0)]
+    assert lazy.hashed == 4  # a miss hashes the pages it asked about, not the whole chain
     st.pool.fill_random(S(0, 16), 6)
     st.batch_set(keys[:10], S(0, 10))  # one object of 10 pages, linked at pages 3 and 7
     asked.clear()
     assert st.batch_exists(keys) == 10
-    assert asked == [st.object_path(keys[p]) for p in (15, 3, 14, 13, 12, 11, 10, 9)]
+    # page 3 (stored), the natural object (page 15, missing), the longer candidates down to page 9
+    assert asked == [st.object_path(keys[p]) for p in (3, 15, 14, 13, 12, 11, 10, 9)]
+    asked.clear()
+    st.batch_set(keys, S(0, 16))  # the whole chunk: page 3 and the natural object
+    assert st.batch_exists(ChainKeys(Namespace(fp), _tokens(fp, 16, 0))) == 16
+    assert asked == [st.object_path(keys[p]) for p in (3, 15)]
 
 
 @pytest.mark.parametrize("ppo, every, links", [(4, 0, 0), (5, 4, 1), (16, 4, 3), (32, 4, 7), (64, 8, 7), (512, 64, 7)])
