@@ -223,6 +223,7 @@ class VirtualTimeRun:
                 last[it.client] = it.index
         self.now = 0.0
         self.speed = 1.0
+        self.busy_s = 0.0  # clock time the server worked (iterations, submits, charged drains)
         self._unsent = set(range(len(items)))
         self._item_of: dict[int, int] = {}  # ticket -> item
         self._sent: dict[int, float] = {}
@@ -244,10 +245,14 @@ class VirtualTimeRun:
             self._item_of[self.loop.submit(ServeRequest(it.prompt, it.max_new_tokens, cache_salt=self.salt))] = j
             self._sent[j] = t
             self._unsent.discard(j)
-        self.now += self.speed * (time.perf_counter() - t0)
+        self._advance(time.perf_counter() - t0)
+
+    def _advance(self, seconds: float) -> None:
+        self.now += self.speed * seconds
+        self.busy_s += self.speed * seconds
 
     def charge(self, seconds: float) -> None:
-        self.now += self.speed * seconds
+        self._advance(seconds)
 
     def serve_until(self, end: int) -> list[Served]:
         """Runs the loop until items ``[0, end)`` are done; returns those not returned before, in order."""
@@ -261,7 +266,7 @@ class VirtualTimeRun:
                 continue
             before, t0 = self.now, time.perf_counter()
             step = self.loop.step()
-            self.now += self.speed * (time.perf_counter() - t0)
+            self._advance(time.perf_counter() - t0)
             if step.first_token is not None:
                 self._started[self._item_of[step.first_token]] = (before, self.now)
             for ticket, res in step.finished:
@@ -556,22 +561,15 @@ def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = 
 
 def run_stack(name: str, options, runner: ModelRunner, items: Sequence[Item],
               reference: Sequence[tuple[int, ...]] | None,
-              salt: Callable[[Item], str | None] = lambda it: None, spot: int = 3,
-              keep: bool = False, ticks: np.ndarray | None = None, loop_options=None):
-    """Fresh stack for ``options``; serves ``items`` one at a time, or with ``ticks`` (and ``reference``)
-    through a ``ServingLoop`` (``loop_options``) in a ``VirtualTimeRun`` (one salt for all items); flushes
-    transfers (L2/L3 writes land) outside the timings; spot-checks exactness. Returns (served, spot
-    checks run, cache stats, stack or None)."""
+              salt: Callable[[Item], str | None] = lambda it: None, spot: int = 3, keep: bool = False):
+    """Fresh stack for ``options``; serves ``items`` one at a time; flushes transfers (L2/L3 writes land)
+    outside the timings; spot-checks exactness. Returns (served, spot checks run, cache stats, stack or
+    None)."""
     from hicache.embedded import build_stack
-    from hicache.serving import LoopOptions, ServingLoop
 
     stack = build_stack(options, runner)
     t0 = time.perf_counter()
-    if ticks is None:
-        served = serve_items(stack.scheduler.serve, items, reference, name, salt)
-    else:
-        loop = ServingLoop(stack.scheduler, loop_options or LoopOptions())
-        served = VirtualTimeRun(items, ticks, loop, reference, name, salt(items[0])).serve_until(len(items))
+    served = serve_items(stack.scheduler.serve, items, reference, name, salt)
     wall = time.perf_counter() - t0
     drain_stack(stack)
     stats = stack.head.cache_stats()

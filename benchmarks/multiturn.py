@@ -62,6 +62,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -72,7 +73,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     BareEngine, ConfigRecord, FWD, Item, MODEL, Stream, VirtualTimeRun, accesses, belady_hit_tokens, best_of_reps,
     close_stack, cpu_ms_per_request, drain_charged, finish_stack, in_scratch_dir, in_virtual_time, jsonable, log,
-    make_record, one_at_a_time, poisson_ticks, run_stack, serve_segments, stack_options, warm_up_and_baselines,
+    make_record, one_at_a_time, poisson_ticks, serve_segments, stack_options, warm_up_and_baselines,
     report, tier_sizes, working_set,
 )
 from hicache.engine.runner import ModelRunner  # noqa: E402
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
                    help="TTFT phase: requests a config serves in a row before the next config serves them")
     p.add_argument("--policy", default=SchedulePolicy.PREFILL_FIRST.value, choices=[x.value for x in SchedulePolicy],
                    help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
+    p.add_argument("--decode-batch", type=int, default=0,
+                   help="running requests one decode iteration advances, round-robin (0: all; LoopOptions)")
     p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")
@@ -196,9 +199,21 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     rate = _rate(args, served["bare_engine"])  # the no-reuse pair's bare engine, best of its reps
     ref_latency = [s.result.latency_s for s in served["bare_engine"]]  # in item order
     speeds: list[float] = []
+    utilization: dict[str, list[float]] = {}  # per config, per rep: the server's busy share of its clock
     bare_part = one_at_a_time(bare.serve, ref, "bare_engine")
     ticks = poisson_ticks(len(items), rate, args.seed + 1)
-    loop_options = LoopOptions(policy=args.policy)
+
+    def bare_first(clocks: dict[str, VirtualTimeRun], part):
+        """The bare engine serves the segment first; its time on these requests against its time on
+        them in the no-reuse pair (the rate's reference) sets the clocks' speed for the segment."""
+        done = bare_part(part)
+        speed = sum(ref_latency[it.index] for it in part) / sum(d.result.latency_s for d in done)
+        speeds.append(speed)
+        for c in clocks.values():
+            c.speed = speed
+        return done
+
+    loop_options = LoopOptions(policy=args.policy, decode_batch=args.decode_batch)
     log(f"  bare_engine, l1_only, l1_l2, l1_l2_l3 in segments of {args.segment} requests, each config's transfers "
         f"drained before the next config's segment, {args.ttft_reps} rep(s), fresh stacks; cache configs in a "
         f"{args.policy} ServingLoop on a virtual clock, arrivals at {rate:.1f} req/s ...")
@@ -210,20 +225,12 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
         stacks = {n: build_stack(o, base) for n, o in opts.items()}
         clocks = {n: VirtualTimeRun(items, ticks, ServingLoop(st.scheduler, loop_options), ref, n)
                   for n, st in stacks.items()}
-        def bare_first(part, clocks=clocks):
-            """The bare engine serves the segment first; its time on these requests against its time
-            on them in the no-reuse pair (the rate's reference) sets the clocks' speed for the segment."""
-            done = bare_part(part)
-            speed = sum(ref_latency[it.index] for it in part) / sum(d.result.latency_s for d in done)
-            speeds.append(speed)
-            for c in clocks.values():
-                c.speed = speed
-            return done
-
-        runs.append(serve_segments({"bare_engine": bare_first, **{n: in_virtual_time(c) for n, c in clocks.items()}},
+        runs.append(serve_segments({"bare_engine": partial(bare_first, clocks),
+                                    **{n: in_virtual_time(c) for n, c in clocks.items()}},
                                    items, {n: drain_charged(st, clocks[n]) for n, st in stacks.items()},
                                    args.segment, rotate=rep, lead="bare_engine"))
         for name, st in stacks.items():
+            utilization.setdefault(name, []).append(clocks[name].busy_s / clocks[name].now)
             if rep == 0:  # rep 0's stacks give the stats and the spot checks
                 spots[name], stats[name] = finish_stack(name, st, runs[0][name].served, args.spot_checks)
             else:
@@ -239,9 +246,17 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
         stats[name]["cpu_ms_per_request"] = cpu_ms_per_request([run[name] for run in runs])
         stats[name]["drain_ms_mean"] = round(1e3 * statistics.fmean(d for run in runs for d in run[name].drain_s), 3)
         stats[name]["ttft_reps"] = {"reps": args.ttft_reps, "requests_whose_reps_disagreed_on_hits": disagreed[name]}
-    log("  l3_prepopulated (cold stack on l1_l2_l3's L3) ...")
-    served["l3_prepopulated"], spots["l3_prepopulated"], stats["l3_prepopulated"], _ = run_stack(
-        "l3_prepopulated", full("l3"), base, items, ref, spot=args.spot_checks, ticks=ticks, loop_options=loop_options)
+        if name in utilization:
+            stats[name]["server_utilization_per_rep"] = [round(u, 3) for u in utilization[name]]
+    log("  l3_prepopulated (cold stack on l1_l2_l3's L3; in segments after the bare engine, for its clock's speed) ...")
+    cold = build_stack(full("l3"), base)
+    clock = VirtualTimeRun(items, ticks, ServingLoop(cold.scheduler, loop_options), ref, "l3_prepopulated")
+    run = serve_segments({"bare_engine": partial(bare_first, {"l3_prepopulated": clock}),
+                          "l3_prepopulated": in_virtual_time(clock)}, items,
+                         {"l3_prepopulated": drain_charged(cold, clock)}, args.segment, lead="bare_engine")
+    served["l3_prepopulated"] = run["l3_prepopulated"].served
+    spots["l3_prepopulated"], stats["l3_prepopulated"] = finish_stack("l3_prepopulated", cold,
+                                                                      served["l3_prepopulated"], args.spot_checks)
 
     inf = float("inf")
     nc_acc = accesses([(it.prompt, o) for it, o in zip(items, ref)], ps, [f"nc-{it.index}" for it in items])
