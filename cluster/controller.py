@@ -34,7 +34,7 @@ from hicache.cluster.host_tier import HostTier
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
 from hicache.cluster.transfers import PendingTransfer, WorkerGroup
-from hicache.cluster.tree import CacheCapacityError, MatchResult, RadixKey, RadixTree, TreeNode
+from hicache.cluster.tree import CacheCapacityError, MatchResult, PageOwner, RadixKey, RadixTree, TreeNode
 from hicache.cluster.tree.allocator import concat
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
@@ -51,6 +51,7 @@ _ID, _TOKENS = EVENT_ID_SHIFT, EVENT_TOKENS_SHIFT
 _DEVICE = Tier.DEVICE.value
 _D2H, _H2D = OpKind.BACKUP_D2H, OpKind.LOAD_H2D
 _NOT_CACHED = MissReason.NOT_CACHED
+_TREE = int(PageOwner.TREE)
 _NO_PAGES = np.empty(0, np.int32)
 _NO_PAGES.setflags(write=False)
 
@@ -358,15 +359,19 @@ class HiCacheController:
             full.lock(leaf)
         for c in chain:
             c.host_pin += 1  # write_back: the eviction below may back up and evict host leaves
+        # The chain's pages go straight to the tree (it takes them below): no request-held state in between.
+        allocator = full.allocator
+        need = tokens // self._page_size
         try:
             try:
-                pages = self.tree.alloc(tokens)
+                self.tree.make_room(need, tokens)
             except CacheCapacityError:
                 if not self.in_flight:
                     raise
                 # Nodes locked only by queued/in-flight backups become evictable once acked (as head.alloc).
                 self.flush_device_backups()
-                pages = self.tree.alloc(tokens)
+                self.tree.make_room(need, tokens)
+            pages = allocator.alloc(need, _TREE)
         except CacheCapacityError:
             for c in chain:
                 c.host_pin -= 1

@@ -119,9 +119,10 @@ class PageAllocator:
         self.num_free = nf - num_pages
         return self._free[top : top + num_pages]
 
-    def alloc(self, num_pages: int) -> np.ndarray:
-        """Hands out ``num_pages`` pages to a request; raises CacheCapacityError if short (nothing changed).
-        (The fast path inline, one call less: L2 slots for every backup and load come from here.)"""
+    def alloc(self, num_pages: int, owner: int = _REQUEST) -> np.ndarray:
+        """Hands out ``num_pages`` pages to a request (``owner``: or straight to the tree, for pages a node takes
+        at once: a load-back's); raises CacheCapacityError if short (nothing changed). (The fast path inline,
+        one call less: L2 slots for every backup and load come from here.)"""
         nf = self.num_free
         if num_pages > nf:
             idx = self._pop_free(num_pages)  # grows an unbounded pool, or raises
@@ -129,7 +130,7 @@ class PageAllocator:
             top = self._size - nf
             self.num_free = nf - num_pages
             idx = self._free[top : top + num_pages]
-        self._owner[idx] = _REQUEST
+        self._owner[idx] = owner
         return idx.astype(PAGE_DTYPE)
 
     def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:

@@ -88,10 +88,11 @@ class FullComponent(TreeComponent):
 
     def attach_loading_chain(self, chain: list[TreeNode], pages: np.ndarray) -> np.ndarray:
         """A load-back starts: the host-only ``chain`` (root first; the caller locked its deepest node, so
-        the whole path) takes the request-held ``pages`` in order and is marked ``loading`` until the
-        controller applies the ack. One allocator update for the whole chain; each node's pages are a slice
-        of ``pages`` (node page arrays are never written in place). Returns the chain's host ids in the same
-        order (the load's source: ``pages[i]`` gets the KV of slot ``i``)."""
+        the whole path) takes ``pages`` in order and is marked ``loading`` until the controller applies the
+        ack. The pages were allocated straight to the tree (``allocator.alloc(n, TREE)``: no allocator update
+        here); each node's pages are a slice of ``pages`` (node page arrays are never written in place).
+        Returns the chain's host ids in the same order (the load's source: ``pages[i]`` gets the KV of slot
+        ``i``)."""
         ps = self.tree.page_size
         if len(chain) == 1:
             node = chain[0]
@@ -110,7 +111,6 @@ class FullComponent(TreeComponent):
                 start = end
             assert start == pages.shape[0], f"{pages.shape[0]} pages for a chain of {start}"
             slots = concat(parts)
-        self.allocator.transfer(pages, PageOwner.TREE)
         self.protected_tokens += pages.shape[0] * ps
         return slots
 

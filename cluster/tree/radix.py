@@ -630,20 +630,29 @@ class RadixTree:
         """L1 pages for ``num_tokens`` tokens (rounded up to pages), evicting unlocked leaves if needed."""
         if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        ps = self.page_size
-        need = -(-int(num_tokens) // ps)
+        need = -(-int(num_tokens) // self.page_size)
         alloc = self.full.allocator
-        short = need - alloc.num_free
-        if short > 0 and alloc.bounded:
-            if short * ps > self.full.evictable_tokens:
-                raise CacheCapacityError(
-                    f"alloc({num_tokens}) needs {need} pages: {alloc.num_free} free and "
-                    f"{self.full.evictable_tokens // ps} evictable"
-                )
-            self._evict_full(short * ps)
-            if alloc.num_free < need:  # evictable tokens were locked behind children; report honestly
-                raise CacheCapacityError(f"alloc({num_tokens}) needs {need} pages, only {alloc.num_free} free")
+        if need > alloc.num_free and alloc.bounded:
+            self.make_room(need, num_tokens)
         return alloc.alloc(need)
+
+    def make_room(self, num_pages: int, num_tokens: int) -> None:
+        """Evicts L1 victims until ``num_pages`` pages are free (``alloc`` of ``num_tokens`` tokens; a load-back
+        allocates its chain's pages after it). CacheCapacityError, evicting nothing, when free plus evictable
+        pages cannot cover them; also (after evicting) when evictable tokens were locked behind children."""
+        alloc = self.full.allocator
+        short = num_pages - alloc.num_free
+        if short <= 0 or not alloc.bounded:
+            return
+        ps = self.page_size
+        if short * ps > self.full.evictable_tokens:
+            raise CacheCapacityError(
+                f"alloc({num_tokens}) needs {num_pages} pages: {alloc.num_free} free and "
+                f"{self.full.evictable_tokens // ps} evictable"
+            )
+        self._evict_full(short * ps)
+        if alloc.num_free < num_pages:  # evictable tokens were locked behind children; report honestly
+            raise CacheCapacityError(f"alloc({num_tokens}) needs {num_pages} pages, only {alloc.num_free} free")
 
     def free(self, pages: np.ndarray | Sequence[int]) -> None:
         """Returns request-held pages to the free list (never pages the tree owns)."""

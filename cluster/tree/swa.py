@@ -101,8 +101,8 @@ class SWAPagePool(PageAllocator):
         super().__init__(capacity)
         self.swa = swa
 
-    def alloc(self, num_pages: int) -> np.ndarray:
-        """No owner to record: the int32 copy of the stack's top slice."""
+    def alloc(self, num_pages: int, owner: int = PageOwner.REQUEST) -> np.ndarray:
+        """No owner to record (``owner`` is the full page's): the int32 copy of the stack's top slice."""
         return self._pop_free(num_pages).astype(PAGE_DTYPE)  # (grows an unbounded pool, or raises)
 
     def alloc_indexed(self, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,7 +169,7 @@ class MappedPageAllocator(PageAllocator):
         spare[:old] = self.spare
         self.spare = spare
 
-    def alloc(self, num_pages: int) -> np.ndarray:
+    def alloc(self, num_pages: int, owner: int = PageOwner.REQUEST) -> np.ndarray:
         if self.bounded and num_pages > self.num_free:
             raise CacheCapacityError(f"need {num_pages} pages, {self.num_free} free")
         pool = self.swa.allocator
@@ -179,6 +179,8 @@ class MappedPageAllocator(PageAllocator):
         pages, idx = super().alloc_indexed(num_pages)
         self.swa_of[idx] = swa_pages
         self.spare[idx] = False
+        if owner != PageOwner.REQUEST:
+            self._owner[idx] = owner
         return pages
 
     def spare_pages(self) -> np.ndarray:
