@@ -119,7 +119,7 @@ class _CopyBatch(PendingTransfer):
         self.slots.append(slots)
         for n in chain:
             n.pending = self
-        self.num_pages += pages.shape[0]
+        self.num_pages += len(pages)  # (len: no shape tuple per call)
         return self.num_pages
 
     def merged_op(self, op_id: int) -> TransferOp:
@@ -204,7 +204,7 @@ class HiCacheController:
 
     # -- match accounting ------------------------------------------------------------------------------
     def record_match(self, key: RadixKey, m: MatchResult) -> None:
-        n = key.token_ids.shape[0]
+        n = len(key.token_ids)
         whole = n - n % self._page_size
         device, host = m.device_hit_len, m.host_hit_len
         c = self.counters
@@ -264,7 +264,7 @@ class HiCacheController:
             # Node page arrays are never written in place (splits and evictions replace them), so a single
             # node's array is used as is; TransferOp copies it when the op is built.
             pages = chain[0].device_pages if len(chain) == 1 else concat([c.device_pages for c in chain])
-        k = pages.shape[0]
+        k = len(pages)
         slots = self.host.take(k)
         if slots is None:  # host eviction first: it must not drop the copy of the node the chain hangs below
             anchor = chain[0].parent
@@ -280,7 +280,7 @@ class HiCacheController:
         else:
             start = 0
             for c in chain:
-                k = c.device_pages.shape[0]
+                k = len(c.device_pages)
                 c.staged_slots = slots[start : start + k]
                 start += k
         self.tree.full.lock(chain[-1])
@@ -410,7 +410,7 @@ class HiCacheController:
             pages = concat(parts)
         else:
             pages = parts[0] if parts else _NO_PAGES
-        return LoadBackResult(pages, pages.shape[0] * self.tree.page_size, last.id, loaded, load_id, reason)
+        return LoadBackResult(pages, len(pages) * self._page_size, last.id, loaded, load_id, reason)
 
     def wait_load_back(self, load_id: int, timeout_s: float | None = None) -> bool:
         """True once load ``load_id`` is acked by every host; False if it failed or timed out."""

@@ -51,6 +51,7 @@ class HostTier:
         # Slots reserved in bulk for backups: ``_block[_block_pos:]`` are not handed out yet.
         self._block: np.ndarray = _NO_SLOTS
         self._block_pos = 0
+        self._block_len = 0
 
     # The host-leaf rule is the Full component's (one definition for the tree's hooks and this tier).
     is_evictable = staticmethod(FullComponent.is_host_leaf)
@@ -66,38 +67,38 @@ class HostTier:
     @property
     def num_free(self) -> int:
         """Slots no copy holds or waits for: the free stack and the unused part of the reserved block."""
-        return self.slots.num_free + self._block.shape[0] - self._block_pos
+        return self.slots.num_free + self._block_len - self._block_pos
 
     def take(self, num_slots: int) -> np.ndarray | None:
         """Slots for a backup from the reserved block (refilled in bulk from free slots only; never evicts):
         a read-only slice of it, or None when the free slots cannot cover ``num_slots`` (then ``reserve``)."""
         pos = self._block_pos
         end = pos + num_slots
-        block = self._block
-        if end > block.shape[0]:
+        if end > self._block_len:
             slots = self.slots
             self.return_block()
             refill = min(_BLOCK_SLOTS, slots.num_free)
             if refill < num_slots:
                 return None
-            block = self._block = slots.alloc(refill)
-            block.setflags(write=False)
+            self._block = slots.alloc(refill)
+            self._block.setflags(write=False)
+            self._block_len = refill
             pos, end = 0, num_slots
         self._block_pos = end
-        return block[pos:end]
+        return self._block[pos:end]
 
     def return_block(self) -> None:
         """Gives the unused part of the reserved block back to the free stack."""
         block, pos = self._block, self._block_pos
-        if pos < block.shape[0]:
+        if pos < self._block_len:
             self.slots.release(block[pos:])
-        self._block, self._block_pos = _NO_SLOTS, 0
+        self._block, self._block_pos, self._block_len = _NO_SLOTS, 0, 0
 
     def reserve(self, num_slots: int) -> np.ndarray | None:
         """Reserves slots for a backup or a prefetch, evicting host leaves if short (after giving the reserved
         block back); None when L2 cannot make room."""
         short = num_slots - self.slots.num_free
-        if short > 0 and self._block_pos < self._block.shape[0]:
+        if short > 0 and self._block_pos < self._block_len:
             self.return_block()
             short = num_slots - self.slots.num_free
         if short > 0:
@@ -146,7 +147,7 @@ class HostTier:
 
     def drop(self, node: TreeNode) -> int:
         """Releases the node's L2 copy; a host-only node leaves the tree. Returns tokens dropped."""
-        n = node.key.shape[0]
+        n = node.num_tokens
         self.slots.free(node.host_slots, PageOwner.TREE)
         node.host_slots = None
         self.host_tokens -= n

@@ -96,7 +96,7 @@ class FullComponent(TreeComponent):
         ps = self.tree.page_size
         if len(chain) == 1:
             node = chain[0]
-            assert node.device_pages is None and node.lock_ref and pages.shape[0] * ps == node.num_tokens
+            assert node.device_pages is None and node.lock_ref and len(pages) * ps == node.num_tokens
             node.device_pages = pages
             node.loading = True
             slots = node.host_slots
@@ -109,9 +109,9 @@ class FullComponent(TreeComponent):
                 node.loading = True
                 parts.append(node.host_slots)
                 start = end
-            assert start == pages.shape[0], f"{pages.shape[0]} pages for a chain of {start}"
+            assert start == len(pages), f"{len(pages)} pages for a chain of {start}"
             slots = concat(parts)
-        self.protected_tokens += pages.shape[0] * ps
+        self.protected_tokens += len(pages) * ps
         return slots
 
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
