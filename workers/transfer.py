@@ -291,6 +291,7 @@ class TransferEngine:
         self._copier = host_pool.page_copier() if self.data_path is not DataPath.JIT else None
         # Weak references only: a pool array dropped by everyone else must not stay alive here.
         self._pool_address: tuple[weakref.ref, int | None] | None = None  # (kv, row_major_address(kv))
+        self._lent_address: int | None = None  # row-major address of the array last lent out, if known
         # HOST_MEMORY: the pool array this engine took over last and holds exclusively (ready, row-major,
         # nothing dispatched on it since), and its buffer address. ``release_pool`` forgets it.
         self._owned: Callable[[], jax.Array | None] = _no_array
@@ -376,6 +377,14 @@ class TransferEngine:
         next load takes it over again. ``HostWorker`` calls this whenever it hands the array out.
         Waits for the copy thread first: a forward may donate the array."""
         self.drain_copies()
+        known = self._pool_address
+        lent = self.device_pool.kv_unsynced
+        if known is not None and known[0]() is lent:
+            self._lent_address = known[1]
+        elif lent is not self._forward_output():
+            self._lent_address = None
+        # else: the last forward's output is lent on (forwards in a row): it keeps the address lent
+        # before (a forward that aliased its input has the input's layout and buffer).
         self._owned = self._forward_output = _no_array
 
     def adopt_forward_output(self, kv: jax.Array) -> None:
@@ -394,23 +403,37 @@ class TransferEngine:
         kv = self.device_pool.kv_unsynced
         if kv is self._owned():
             return self._owned_address
-        if kv is not self._forward_output() or not kv.is_ready():
+        forward_output = kv is self._forward_output()
+        if not forward_output or not kv.is_ready():
             self.drain_copies()  # a take-over donates the buffer the copies use
             kv = _take_over(kv)
             self.device_pool.adopt_kv(kv)  # the old array is deleted: adopt before anything can fail
+            forward_output = False
         self._forward_output = _no_array
-        address = self._address(kv)
+        address = self._address(kv, forward_output)
         if address is None:
             return None
         self._owned, self._owned_address = weakref.ref(kv), address
         return address
 
-    def _address(self, kv: jax.Array) -> int | None:
-        """``row_major_address(kv)``, checked once per pool array (a layout query costs ~10 us)."""
+    def _address(self, kv: jax.Array, forward_output: bool = False) -> int | None:
+        """``row_major_address(kv)``, checked once per pool array. The layout query costs ~10 us warm
+        and ~80 us with cold caches, as right after a forward (with the pointer and readiness
+        queries it made a load-back's submit cost 140-200 us there). A forward's output whose buffer
+        is the one lent to the model is known by its pointer alone: the forward's donation aliased
+        it, and XLA aliases an output to a donated input only in that input's layout (``PoolModel``:
+        the model returns the pool in the layout it was given). ``forward_output``: ``kv`` is the
+        output ``adopt_forward_output`` announced."""
         known = self._pool_address
-        if known is None or known[0]() is not kv:
-            known = self._pool_address = (weakref.ref(kv), row_major_address(kv))
-        return known[1]
+        if known is not None and known[0]() is kv:
+            return known[1]
+        lent = self._lent_address
+        if forward_output and lent is not None and kv.unsafe_buffer_pointer() == lent:
+            address: int | None = lent
+        else:
+            address = row_major_address(kv)
+        self._pool_address = (weakref.ref(kv), address)
+        return address
 
     # -- validation (host side, before any buffer is touched) -----------------------------------
     def check(self, device_pages: object, host_slots: object) -> tuple[np.ndarray, np.ndarray]:
@@ -455,7 +478,7 @@ class TransferEngine:
             if kv is self._owned():
                 address: int | None = self._owned_address
             else:
-                address = self._address(kv) if kv.is_ready() else None
+                address = self._address(kv, kv is self._forward_output()) if kv.is_ready() else None
             if address is not None:
                 started = time.perf_counter()
                 if self._copies is not None and n >= ASYNC_MIN_PAGES:

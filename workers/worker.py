@@ -75,7 +75,9 @@ class PoolModel(Protocol):
     """A per-host model runner that forwards over the worker's L1 array (it donates it per forward).
 
     Contract: every computation the model dispatches over the pool array donates it (a forward), so
-    the array it holds after its last forward has no pending user but that forward. The worker
+    the array it holds after its last forward has no pending user but that forward; a forward
+    returns the pool in the layout it was given (jit's default row-major one: the CPU engine then
+    knows a forward's output that kept the lent buffer by its pointer, with no layout query). The worker
     relies on it: a load after ``run_model`` writes that array in place as soon as it is ready, with
     no take-over. (A model that returns the array it was lent, no forward run, may leave reads of it
     pending: that array is taken over by donation first, which waits for them.)"""
