@@ -206,11 +206,14 @@ class VirtualTimeRun:
     outside the loop (a drain of in-flight transfers) to the clock. Every measured time is multiplied
     by ``speed`` (default 1) before it advances the clock: a driver that measures the machine's speed
     now against a reference (the bare engine on the same requests) sets it, so that a busier machine
-    does not raise the load the arrivals put on the server. Every output must equal ``reference``
+    does not raise the load the arrivals put on the server. ``clock`` says what is measured: wall time
+    (``time.perf_counter``, default) or this process's CPU time, every thread (``time.process_time``:
+    the work done, whatever other processes take from a shared machine; background threads' work then
+    counts as if it ran on the critical path). Every output must equal ``reference``
     (``ExactnessError``)."""
 
     def __init__(self, items: Sequence[Item], ticks: np.ndarray, loop, reference: Sequence[tuple[int, ...]],
-                 config: str, salt: str | None = None) -> None:
+                 config: str, salt: str | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         if len(ticks) != len(items) or any(it.index != i for i, it in enumerate(items)):
             raise ValueError(f"need one tick per item and items indexed 0..{len(items) - 1} in order")
         self.items, self.ticks, self.loop, self.reference, self.config, self.salt = \
@@ -221,6 +224,7 @@ class VirtualTimeRun:
             self._prev.append(None if it.client is None else last.get(it.client))
             if it.client is not None:
                 last[it.client] = it.index
+        self.clock = clock  # what a measured time is: wall (perf_counter) or this process's CPU (process_time)
         self.now = 0.0
         self.speed = 1.0
         self.busy_s = 0.0  # clock time the server worked (iterations, submits, charged drains)
@@ -239,13 +243,13 @@ class VirtualTimeRun:
 
     def _admit(self) -> None:
         due = sorted((t, j) for j in self._unsent if (t := self._send_time(j)) is not None and t <= self.now)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for t, j in due:
             it = self.items[j]
             self._item_of[self.loop.submit(ServeRequest(it.prompt, it.max_new_tokens, cache_salt=self.salt))] = j
             self._sent[j] = t
             self._unsent.discard(j)
-        self._advance(time.perf_counter() - t0)
+        self._advance(self.clock() - t0)
 
     def _advance(self, seconds: float) -> None:
         self.now += self.speed * seconds
@@ -264,9 +268,9 @@ class VirtualTimeRun:
                     raise RuntimeError(f"[{self.config}] idle with items {sorted(self._unsent)[:5]}... never sent")
                 self.now = max(self.now, min(nxt))
                 continue
-            before, t0 = self.now, time.perf_counter()
+            before, t0 = self.now, self.clock()
             step = self.loop.step()
-            self._advance(time.perf_counter() - t0)
+            self._advance(self.clock() - t0)
             if step.first_token is not None:
                 self._started[self._item_of[step.first_token]] = (before, self.now)
             for ticket, res in step.finished:
@@ -711,11 +715,11 @@ def in_virtual_time(run: VirtualTimeRun) -> Callable[[Sequence[Item]], list[Serv
 
 
 def drain_charged(stack, run: VirtualTimeRun) -> Callable[[], None]:
-    """A drain of ``stack`` whose time advances ``run``'s clock (the server is busy with it)."""
+    """A drain of ``stack`` whose time (on ``run``'s clock) advances ``run``'s clock (the server is busy)."""
     def drain() -> None:
-        t0 = time.perf_counter()
+        t0 = run.clock()
         drain_stack(stack)
-        run.charge(time.perf_counter() - t0)
+        run.charge(run.clock() - t0)
     return drain
 
 

@@ -45,7 +45,8 @@ phase: its time on the segment's requests against its time on them in the no-reu
 machine's speed now (a shared machine's load drifts), and the clocks of that segment advance by the
 measured times x that speed (``VirtualTimeRun.speed``), so the arrivals load the server at ``--load``
 x the bare engine's rate measured in the same segment, whatever the machine's load then; bare_engine's
-stats give the speeds, the rate measured there and the load it means unscaled. Each config's CPU per request by thread group (serving, native = XLA's threads,
+stats give the speeds, the rate measured there and the load it means unscaled. ``--clock cpu`` measures
+every time (the bare engine's segment too) as this process's CPU time instead of wall time. Each config's CPU per request by thread group (serving, native = XLA's threads,
 storage, L3 writers; ``common.thread_cpu_s``) is in its ``cache_stats``. Every config's outputs must equal the reference outputs, and a few requests
 per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits with
 ``ModelRunner.generate_no_cache``; a mismatch raises.
@@ -79,6 +80,7 @@ from benchmarks.common import (  # noqa: E402
 from hicache.engine.runner import ModelRunner  # noqa: E402
 from hicache.serving import LoopOptions, SchedulePolicy, ServeRequest, ServingLoop  # noqa: E402
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
 
 
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
                    help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
     p.add_argument("--decode-batch", type=int, default=0,
                    help="running requests one decode iteration advances, round-robin (0: all; LoopOptions)")
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                   help="what advances the loops' virtual clocks: wall time, or this process's CPU time (all "
+                        "threads; robust to other processes on a shared machine)")
     p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")
@@ -203,11 +208,16 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     bare_part = one_at_a_time(bare.serve, ref, "bare_engine")
     ticks = poisson_ticks(len(items), rate, args.seed + 1)
 
+    clock = CLOCKS[args.clock]
+
     def bare_first(clocks: dict[str, VirtualTimeRun], part):
-        """The bare engine serves the segment first; its time on these requests against its time on
-        them in the no-reuse pair (the rate's reference) sets the clocks' speed for the segment."""
+        """The bare engine serves the segment first; its time on these requests (on ``clock``) against
+        its wall time on them in the no-reuse pair (the rate's reference) sets the clocks' speed for
+        the segment."""
+        t0 = clock()
         done = bare_part(part)
-        speed = sum(ref_latency[it.index] for it in part) / sum(d.result.latency_s for d in done)
+        spent = clock() - t0 if args.clock == "cpu" else sum(d.result.latency_s for d in done)
+        speed = sum(ref_latency[it.index] for it in part) / spent
         speeds.append(speed)
         for c in clocks.values():
             c.speed = speed
@@ -223,7 +233,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
         opts = {"l1_only": stack_options(l1_pages), "l1_l2": stack_options(l1_pages, l2_slots),
                 "l1_l2_l3": full("l3" if rep == 0 else f"l3-rep{rep}")}
         stacks = {n: build_stack(o, base) for n, o in opts.items()}
-        clocks = {n: VirtualTimeRun(items, ticks, ServingLoop(st.scheduler, loop_options), ref, n)
+        clocks = {n: VirtualTimeRun(items, ticks, ServingLoop(st.scheduler, loop_options), ref, n, clock=clock)
                   for n, st in stacks.items()}
         runs.append(serve_segments({"bare_engine": partial(bare_first, clocks),
                                     **{n: in_virtual_time(c) for n, c in clocks.items()}},
@@ -250,10 +260,11 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
             stats[name]["server_utilization_per_rep"] = [round(u, 3) for u in utilization[name]]
     log("  l3_prepopulated (cold stack on l1_l2_l3's L3; in segments after the bare engine, for its clock's speed) ...")
     cold = build_stack(full("l3"), base)
-    clock = VirtualTimeRun(items, ticks, ServingLoop(cold.scheduler, loop_options), ref, "l3_prepopulated")
-    run = serve_segments({"bare_engine": partial(bare_first, {"l3_prepopulated": clock}),
-                          "l3_prepopulated": in_virtual_time(clock)}, items,
-                         {"l3_prepopulated": drain_charged(cold, clock)}, args.segment, lead="bare_engine")
+    cold_clock = VirtualTimeRun(items, ticks, ServingLoop(cold.scheduler, loop_options), ref, "l3_prepopulated",
+                                clock=clock)
+    run = serve_segments({"bare_engine": partial(bare_first, {"l3_prepopulated": cold_clock}),
+                          "l3_prepopulated": in_virtual_time(cold_clock)}, items,
+                         {"l3_prepopulated": drain_charged(cold, cold_clock)}, args.segment, lead="bare_engine")
     served["l3_prepopulated"] = run["l3_prepopulated"].served
     spots["l3_prepopulated"], stats["l3_prepopulated"] = finish_stack("l3_prepopulated", cold,
                                                                       served["l3_prepopulated"], args.spot_checks)
