@@ -56,7 +56,12 @@ _NO_PAGES = np.empty(0, np.int32)
 _NO_PAGES.setflags(write=False)
 
 
-@dataclass(frozen=True)
+# LoadBackParams and LoadBackResult (one of each per load-back) write their fields into the instance dict in
+# one call: the generated __init__ of a frozen dataclass stores each field through object.__setattr__ (about
+# three times the cost; RadixKey hand-writes its __init__ for the same reason). Still frozen after __init__.
+
+
+@dataclass(frozen=True, init=False)
 class LoadBackParams:
     """``lock=True``: the result's ``last_node`` comes locked for the caller, exactly as after
     ``inc_lock_ref(last_node)`` (also when nothing is loaded), and a started load holds that same lock
@@ -69,8 +74,11 @@ class LoadBackParams:
     mem_quota: int | None = None  # max L1 tokens this load may take; None = no limit
     lock: bool = False
 
+    def __init__(self, node_id: int, host_hit_len: int, mem_quota: int | None = None, lock: bool = False) -> None:
+        self.__dict__.update(node_id=node_id, host_hit_len=host_hit_len, mem_quota=mem_quota, lock=lock)
 
-@dataclass(frozen=True, eq=False)
+
+@dataclass(frozen=True, eq=False, init=False)
 class LoadBackResult:
     """Pages of the whole cached prefix after the load; the caller locks ``last_node`` as after a match.
 
@@ -84,6 +92,11 @@ class LoadBackResult:
     loaded_tokens: int
     load_id: int
     miss_reason: MissReason | None = None
+
+    def __init__(self, device_pages: np.ndarray, device_hit_len: int, last_node: int, loaded_tokens: int,
+                 load_id: int, miss_reason: MissReason | None = None) -> None:
+        self.__dict__.update(device_pages=device_pages, device_hit_len=device_hit_len, last_node=last_node,
+                             loaded_tokens=loaded_tokens, load_id=load_id, miss_reason=miss_reason)
 
 
 class _CopyBatch(PendingTransfer):
