@@ -1,9 +1,12 @@
 """CopyThread: the CPU data plane's "DMA engine" -- one background thread running page copies in order.
 
 On TPU the DMA engines move KV bytes while the host thread goes on; on the CPU backend the bytes
-move by numpy copies (``hicache.workers.host_copy``), which release the GIL while they copy. A
-``CopyThread`` runs such copies on a second thread so that the owner thread's bookkeeping (the
-head's tree work, in embedded mode) overlaps them.
+move by numpy copies (``hicache.workers.host_copy``), which release the GIL while they copy (checked
+here: during one vectorised 60k-page call on this thread, another thread ran Python at 90-130 % of
+its rate alone, f32 and bf16 layouts, both directions). A ``CopyThread`` runs such copies on a
+second thread (``hicache.workers.transfer.DataPath.HOST_THREAD``). The thread needs the GIL to wake
+and between its numpy calls, so it overlaps the owner thread only while that one gives the GIL
+away (blocks, or runs GIL-free C); see the transfer module for what that measured.
 
 Contract:
 

@@ -4,7 +4,7 @@
 their ids on the host, dispatch jitted work and return a ``TransferHandle`` at once; completion is
 polled with ``is_ready()`` or awaited with ``block_until_ready(timeout_s)``, then ``finish()``
 commits (for D2H, the write into the host pool happens at commit, so a failed transfer changes
-nothing). No thread is involved.
+nothing). No thread is involved, except the copy thread of ``HOST_THREAD`` below.
 
 Device side (per shard, inside ``shard_map`` over the pool's mesh; kernel picked by
 ``hicache.kernels.select_impl``):
@@ -39,6 +39,31 @@ looks at the backend):
   handle is born finished (no staging, no polling, no token). A D2H falls back to the async jitted gather below
   when the pool array is not ready, the batch is over ``SYNC_BACKUP_MAX_BYTES``, or an async
   backup is outstanding (slot writes keep dispatch order).
+  Donation safety (DESIGN §4) on this path: the L1 buffer is host memory that numpy writes in
+  place, so "between forwards, on the owner thread" is the whole rule -- a load writes only a buffer
+  no computation is pending on (taken over, or a ready forward output), a backup reads only a ready
+  one, and the next forward gets the array only through ``run_model`` (``release_pool``), after the
+  copy returned.
+* ``HOST_THREAD`` -- ``HOST_MEMORY`` with backups of ``ASYNC_MIN_PAGES`` or more on a copy thread
+  (``hicache.workers.copy_thread``, FIFO), like a DMA engine: the handle is ready (and the op acked)
+  only once the bytes are in the slab. Loads stay on the owner thread (a caller waits for them at
+  once) and run alongside in-flight backups unless they touch the same pages or slots (then they
+  wait for those first: order is kept). Donation safety: a backup's job holds the pool array and
+  reads its buffer while the owner thread goes on, so the buffer must neither be donated nor
+  written where the job reads until it finished: every hand-out of the array waits for the copy
+  thread first (``drain_copies``: ``release_pool`` before a forward, a take-over, the jitted
+  fallbacks, and ``DevicePool.kv``/``set_kv``/``read_pages``/``write_pages``), and the owner
+  thread's own copies wait for conflicting jobs (``_settle_copies``). Waits are bounded by
+  ``COPY_TIMEOUT_S`` (a job still queued is withdrawn and its op fails). Opt-in only: under
+  CPython's GIL the thread needs the GIL three times per copy (to wake, and after each of its two
+  numpy calls) and gets it only when the owner thread blocks or after the 5 ms switch interval, so
+  the owner's Python bookkeeping does not overlap the copies. Measured here (loaded 2-CPU VM): a
+  268-page backup (~0.17 ms of copying) landed after a median 7.7 ms while the owner ran Python;
+  hicache_bench paired in one process (7 alternating runs each): overhead ratio 0.383 inline vs
+  0.375 threaded (0.365 with a 0.2 ms switch interval) -- noise; a load split over both threads
+  took 5.7 ms vs 0.49 ms inline. And a forward must drain the thread first, so backups cannot
+  overlap forwards either. It is the asynchronous semantics of the TPU path on CPU, tested; a
+  native copy engine (no GIL per copy) would make it pay.
 * ``JIT`` -- everything else (TPU: Pallas kernels and ``pinned_host`` pages; several devices):
   D2H = jitted gather into a donated staging buffer, committed into the host pool at ``finish``;
   H2D = the host pool stages the slots as a device array, then a jitted scatter into the donated
@@ -120,9 +145,10 @@ def select_data_path(device_pool: DevicePool, host_pool: HostPool, impl: CopyImp
     """How an engine moves bytes (see the module docstring); the one place that decides it.
 
     Both tiers in plain host memory (one CPU device, the XLA impl, a one-slab host pool): numpy
-    copies, backups on a copy thread when the process may use more than one CPU (``HOST_THREAD``),
-    else all on the owner thread (``HOST_MEMORY``). Anything else: ``JIT``. ``requested`` forces a
-    path (``ValueError`` if a host-memory path is asked for where it cannot run)."""
+    copies on the owner thread (``HOST_MEMORY``). ``HOST_THREAD`` (backups on a copy thread) only
+    when requested: under CPython's GIL it measured no gain (see the module docstring). Anything
+    else: ``JIT``. ``requested`` forces a path (``ValueError`` if a host-memory path is asked for
+    where it cannot run, or the copy thread on a process limited to one CPU)."""
     devices = device_pool.mesh.devices
     copier = host_pool.page_copier()
     host_memory = (
@@ -140,10 +166,10 @@ def select_data_path(device_pool: DevicePool, host_pool: HostPool, impl: CopyImp
                 f"(got {devices.size} {devices.flat[0].platform} device(s), impl {impl.value!r}, "
                 f"host pool {type(host_pool).__name__})"
             )
+        if path is DataPath.HOST_THREAD and _usable_cpus() < 2:
+            raise ValueError("data path 'host_thread' needs a second CPU for its copy thread")
         return path
-    if not host_memory:
-        return DataPath.JIT
-    return DataPath.HOST_THREAD if _usable_cpus() > 1 else DataPath.HOST_MEMORY
+    return DataPath.HOST_MEMORY if host_memory else DataPath.JIT
 
 
 def row_major_address(arr: jax.Array) -> int | None:

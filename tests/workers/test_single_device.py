@@ -51,8 +51,12 @@ def _op(op_id, kind, pages, slots) -> TransferOp:
 
 @pytest.fixture(params=sorted(SPECS))
 def worker(request) -> HostWorker:
-    return HostWorker(SPECS[request.param], NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]],
-                      host_pool_kind="numpy_slab")
+    """Default data path (HOST_MEMORY); with ``backup_mode`` "thread", the copy thread's."""
+    thread = getattr(request.node, "callspec", None) and request.node.callspec.params.get("backup_mode") == "thread"
+    w = HostWorker(SPECS[request.param], NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]],
+                   host_pool_kind="numpy_slab", data_path="host_thread" if thread else None)
+    yield w
+    w.close(timeout_s=60)
 
 
 def _per_page(monkeypatch) -> None:
@@ -70,6 +74,7 @@ def _vectorised(monkeypatch, copier: host_copy.PageCopier, chunk_pages: int) -> 
 def backup_mode(request, monkeypatch, worker) -> str:
     """How pages move: numpy per page, numpy vectorised (both directions), (D2H) vectorised on the
     copy thread, or (D2H) the async jitted gather with its commit."""
+    assert (worker.engine.data_path is DataPath.HOST_THREAD) == (request.param == "thread")
     if request.param == "async":
         monkeypatch.setattr(transfer_mod, "SYNC_BACKUP_MAX_BYTES", 0)
     elif request.param == "sync":
@@ -83,7 +88,7 @@ def backup_mode(request, monkeypatch, worker) -> str:
 
 def test_fast_paths_are_selected(worker):
     engine = worker.engine
-    assert engine.single_device and engine.data_path is DataPath.HOST_THREAD  # this machine has 2 CPUs
+    assert engine.single_device and engine.data_path is DataPath.HOST_MEMORY
     assert engine._copier is worker.host_pool.page_copier()
     # the copier writes the slab itself, not a copy of it
     assert engine._copier._slab_rows.ctypes.data == worker.host_pool._slabs[0].ctypes.data
@@ -374,14 +379,17 @@ def test_huge_page_range():
         hugepages.huge_page_range(-1, 10)
 
 
-def test_merged_ops_on_a_huge_page_pool_are_bit_identical():
+@pytest.mark.parametrize("data_path", ["host_memory", "host_thread"])
+def test_merged_ops_on_a_huge_page_pool_are_bit_identical(data_path):
     """hicache_bench's layout (1 KiB pages, size-1 axes) at its scale: merged ops of thousands of
     random pages over a pool of several 2 MiB pages, advised into huge pages. The whole L1 pool and
     every slot are checked against a numpy model after each step, so a page copied to a wrong
-    place, a torn page or a write outside the op fails."""
+    place, a torn page or a write outside the op fails. (On the copy thread, each step's load reads
+    the slots its backup is still writing.)"""
     spec = SPECS["f32"]
     num_pages, num_slots = 6144, 8192  # 6 MiB of L1: >= 2 whole huge pages at any alignment
-    w = HostWorker(spec, num_pages, num_slots, devices=[jax.devices()[0]], host_pool_kind="numpy_slab")
+    w = HostWorker(spec, num_pages, num_slots, devices=[jax.devices()[0]], host_pool_kind="numpy_slab",
+                   data_path=data_path)
     assert DevicePool(spec, num_pages, mesh=w.device_pool.mesh, huge_pages=False).huge_page_bytes == 0
     dp, hp = w.device_pool, w.host_pool
     if hugepages._MADVISE is not None and _thp_available():
@@ -602,8 +610,9 @@ def test_a_copy_that_times_out_is_withdrawn_and_fails(threaded, monkeypatch):
 def test_forcing_a_data_path():
     spec = SPECS["f32"]
     w = HostWorker(spec, NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]], host_pool_kind="numpy_slab",
-                   data_path="host_memory")
-    assert w.engine.data_path is DataPath.HOST_MEMORY and w.engine._copies is None
+                   data_path="host_thread")
+    assert w.engine.data_path is DataPath.HOST_THREAD and w.engine._copies is not None
+    w.close(timeout_s=60)
     with pytest.raises(ValueError, match="data path 'host_thread' needs one CPU device.*PinnedPagesHostPool"):
         HostWorker(spec, NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]], host_pool_kind="pinned_pages",
                    data_path="host_thread")
