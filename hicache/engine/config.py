@@ -129,6 +129,6 @@ def numerics_key(model: ModelConfig, fwd: ForwardConfig, backend: str,
     ``jax.default_backend()``; ``mesh_shape`` is the shape of the mesh a sharded pool lives on (``()``
     for one device), since a forward split over another mesh may round its reductions differently.
     """
-    return (f"hicache-engine-v1|{model!r}|chunk={fwd.chunk_size}|page={fwd.page_size}"
+    return (f"hicache-engine-v2|{model!r}|chunk={fwd.chunk_size}|page={fwd.page_size}"
             f"|max_pages={fwd.max_pages}|backend={backend}|mesh={tuple(mesh_shape)}"
             f"|jax={jax.__version__}")

@@ -101,16 +101,15 @@ def write_tokens(pool: jax.Array, layer: int, page_ids: jax.Array, slots: jax.Ar
 
 
 def read_context(pool: jax.Array, layer: int, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Gather one layer's K and V of a whole request context, in position order.
+    """Gather one layer's K and V of a whole request context, in position order (one gather of whole
+    pages for both).
 
     page_table: i32[max_pages]  (entries past the request's pages may be any valid page id)
     returns:    (k, v), each [max_pages * S, Hkv, D]; row ``t`` holds position ``t``.
     """
-    def one(half: int) -> jax.Array:
-        pages = pool[layer, half][page_table]  # [max_pages, S, Hkv, D]
-        return pages.reshape(-1, *pages.shape[2:])
-
-    return one(K), one(V)
+    pages = pool[layer][:, page_table]  # [2, max_pages, S, Hkv, D]
+    k, v = pages.reshape(2, -1, *pages.shape[3:])
+    return k, v
 
 
 # --- host-side views and edits (tests, debugging, data-plane checks) -----------------------------

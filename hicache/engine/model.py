@@ -20,14 +20,15 @@ request that recomputes everything.
 
 Why it holds, step by step:
 
-1. *One program.* Every forward (prefill chunk or decode step) calls the same jitted function with the
-   same shapes: ``tokens: i32[C]``, ``positions: i32[C]``, ``valid: bool[C]``, ``page_table:
-   i32[max_pages]``, a pool of fixed shape. XLA compiles it once; the kernels, blocking and reduction
+1. *One program.* Every forward (prefill chunk or decode step) calls the same jitted function
+   (``compiled_forward``) with the same shapes: one ``step: i32[3 + C + max_pages]`` (chunk base,
+   valid range, tokens, page table) and a pool of fixed shape. XLA compiles it once; the kernels, blocking and reduction
    orders are then fixed. (On XLA:CPU the same row of a matmul rounds differently with a different
    number of rows, e.g. M=1 vs M=16: different kernels and blocking. Measured here: the dense forward
    over 17 vs 40 tokens differs by ~1e-6 in row 16. Hence a decode step is a padded chunk, not an M=1
    matmul, and attention always spans the padded maximum context.)
-2. *Fixed row.* Position ``p`` is always computed in row ``p % C`` (``chunk_rows``): a token's row does
+2. *Fixed row.* Position ``p`` is always computed in row ``p % C`` (``chunk_rows``; the forward derives
+   row ``r``'s position as ``base + r`` from the chunk base, a multiple of ``C``): a token's row does
    not depend on where the chunk starts, so even a kernel whose code path depends on the row index
    (edge tiles, vector tails) treats it identically every time.
 3. *Row independence.* Every op in the forward is row-wise: embedding lookup, RMSNorm (reduces over
@@ -47,7 +48,7 @@ Why it holds, step by step:
    flip the sign of an attention output element that is exactly zero, and that element is consumed
    only as a summand of the ``wo`` projection, where it again changes nothing. The masked slots
    themselves differ between runs (stale data, another request's tokens, later positions of this
-   chunk); key rows that no valid query of the chunk may see are replaced by ``0.0`` so that NaN or
+   chunk); value rows that no valid query of the chunk may see are replaced by ``0.0`` so that NaN or
    inf left there cannot turn ``0 * v`` into NaN. The grouping of the summed terms depends only on key
    positions, the same in every run.
 6. *Induction over positions.* Position 0 depends only on token 0. If all positions ``< p`` hold the
@@ -64,6 +65,7 @@ is, to floating-point tolerance.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -95,7 +97,9 @@ def _normal_stream(seed: int, n: int) -> np.ndarray:
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """The params pytree with shapes as leaves (same structure as ``init_params``)."""
+    """The weights as drawn from the seed's stream, in drawing order, with shapes as leaves. The
+    params pytree (``init_params``) concatenates each layer's ``wq|wk|wv`` into ``wqkv`` and
+    ``w_gate|w_up`` into ``w_gate_up`` (one matmul each in the forward instead of three and two)."""
     h, q_dim, kv_dim = cfg.hidden, cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layer = {
         "attn_norm": (h,), "wq": (h, q_dim), "wk": (h, kv_dim), "wv": (h, kv_dim), "wo": (q_dim, h),
@@ -111,7 +115,9 @@ def init_params(cfg: ModelConfig, device: jax.Device | jax.sharding.Sharding | N
 
     Tensors take consecutive slices of the seed's normal stream in a fixed order (embed, then each
     layer's tensors in ``param_shapes`` order, then the head): matrices scaled by 1/sqrt(fan_in) so
-    activations stay O(1), norm weights 1 + 0.1 * noise (the final norm is ones).
+    activations stay O(1), norm weights 1 + 0.1 * noise (the final norm is ones). Each layer holds
+    ``attn_norm``, ``wqkv`` (``[wq | wk | wv]``), ``wo``, ``mlp_norm``, ``w_gate_up``
+    (``[w_gate | w_up]``) and ``w_down``.
     """
     shapes = param_shapes(cfg)
     sizes = [int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))]
@@ -125,19 +131,30 @@ def init_params(cfg: ModelConfig, device: jax.Device | jax.sharding.Sharding | N
         offset += n
         return out
 
-    def tensor(name: str, shape: tuple[int, ...]) -> jax.Array:
+    def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
         x = take(shape)
         if name.endswith("norm"):
             x = 1.0 + 0.1 * x
         elif name != "embed":
             x = x / np.sqrt(shape[0])
-        return jnp.asarray(x.astype(np.float32), cfg.jnp_dtype, device=device)
+        return x.astype(np.float32)
 
-    embed = tensor("embed", shapes["embed"])
-    layers = [{name: tensor(name, shape) for name, shape in layer.items()} for layer in shapes["layers"]]
+    def put(x: np.ndarray) -> jax.Array:
+        return jnp.asarray(x, cfg.jnp_dtype, device=device)
+
+    def layer_params(drawn: dict[str, np.ndarray]) -> Params:
+        return {"attn_norm": put(drawn["attn_norm"]),
+                "wqkv": put(np.concatenate([drawn["wq"], drawn["wk"], drawn["wv"]], axis=1)),
+                "wo": put(drawn["wo"]), "mlp_norm": put(drawn["mlp_norm"]),
+                "w_gate_up": put(np.concatenate([drawn["w_gate"], drawn["w_up"]], axis=1)),
+                "w_down": put(drawn["w_down"])}
+
+    embed = put(draw("embed", shapes["embed"]))
+    layers = [layer_params({name: draw(name, shape) for name, shape in layer.items()})
+              for layer in shapes["layers"]]
     final_norm = jnp.ones(shapes["final_norm"], cfg.jnp_dtype, device=device)
     take(shapes["final_norm"])  # keep the stream order independent of how the final norm is set
-    lm_head = tensor("lm_head", shapes["lm_head"])
+    lm_head = put(draw("lm_head", shapes["lm_head"]))
     return {"embed": embed, "layers": layers, "final_norm": final_norm, "lm_head": lm_head}
 
 
@@ -163,17 +180,20 @@ def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def _mlp(x: jax.Array, lp: Params) -> jax.Array:
-    """SwiGLU. x: [n, H] -> [n, H]."""
-    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+    """SwiGLU. x: [n, H] -> [n, H]; gate and up in one matmul."""
+    gate, up = jnp.split(x @ lp["w_gate_up"], 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ lp["w_down"]
 
 
 def _qkv(h: jax.Array, lp: Params, positions: jax.Array,
          cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h: [n, H] -> q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] (RoPE applied to q and k)."""
     n = h.shape[0]
-    q = (h @ lp["wq"]).reshape(n, cfg.num_q_heads, cfg.head_dim)
-    k = (h @ lp["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    v = (h @ lp["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    q_dim, kv_dim = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, k, v = jnp.split(h @ lp["wqkv"], [q_dim, q_dim + kv_dim], axis=-1)  # one matmul
+    q = q.reshape(n, cfg.num_q_heads, cfg.head_dim)
+    k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     return _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta), v
 
 
@@ -181,17 +201,17 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: Mode
     """Masked GQA attention in float32.
 
     q: [n, Hq, D]; k, v: [T, Hkv, D]; mask: bool[n, T] (True = visible). Returns [n, Hq * D] in q.dtype.
-    Rows with no visible key return zeros.
+    Rows with no visible key return zeros. A masked score is -inf whatever its key holds, so its
+    probability is exp(-inf) = +0.0 exactly.
     """
     n = q.shape[0]
     qg = q.astype(jnp.float32).reshape(n, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim)
     qg = qg * (1.0 / np.sqrt(cfg.head_dim))
     s = jnp.einsum("ngqd,tgd->ngqt", qg, k.astype(jnp.float32))  # [n, Hkv, G, T]
-    m4 = mask[:, None, None, :]
-    s = jnp.where(m4, s, -jnp.inf)
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
     s_max = jnp.max(s, axis=-1, keepdims=True)
     s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
-    p = jnp.where(m4, jnp.exp(s - s_max), 0.0)
+    p = jnp.exp(s - s_max)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("ngqt,tgd->ngqd", p, v.astype(jnp.float32))
     o = o / jnp.where(denom > 0.0, denom, 1.0)
@@ -208,25 +228,51 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.
 
 # --- the paged forward ---------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv_pool",))
+STEP_HEADER = 3  # (base, lo, hi) at the head of a forward's step input
+
+
+def step_input(tokens: np.ndarray, page_table: np.ndarray, base: int, lo: int, hi: int,
+               chunk_size: int) -> np.ndarray:
+    """A forward's one small input, ``i32[3 + C + max_pages]``: ``(base, lo, hi)``, the chunk's
+    tokens by row (row ``r`` = position ``base + r``; ``tokens[lo:hi]`` in the valid rows, 0 in the
+    others), then the padded page table. One array, so one host->device transfer per forward.
+
+    tokens:     i32[n]  the whole sequence
+    page_table: i32[max_pages]
+    """
+    step = np.zeros(STEP_HEADER + chunk_size + page_table.size, np.int32)
+    step[:STEP_HEADER] = base, lo, hi
+    step[STEP_HEADER + lo - base: STEP_HEADER + hi - base] = tokens[lo:hi]
+    step[STEP_HEADER + chunk_size:] = page_table
+    return step
+
+
 def forward_chunk(
     params: Params,
-    kv_pool: jax.Array,  # [L, 2, P, S, Hkv, D] (kv_layout), donated
-    tokens: jax.Array,  # i32[C]; row r holds the token at positions[r]
-    positions: jax.Array,  # i32[C]; must be p with p % C == r in row r for the exactness guarantee
-    valid: jax.Array,  # bool[C]; True rows form one contiguous run of positions
-    page_table: jax.Array,  # i32[max_pages]; the request's pages in position order, padded
+    kv_pool: jax.Array,  # [L, 2, P, S, Hkv, D] (kv_layout), donated by ``compiled_forward``
+    step: jax.Array,  # i32[3 + C + max_pages] from ``step_input``
     *,
     cfg: ModelConfig,
+    chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
     """One chunk of one request: write its K/V into the request's pages and return its logits.
 
-    Valid rows attend to every earlier position of the request (already in the pool or in this chunk)
-    through ``page_table``. Invalid rows write nothing and return zero logits. All positions ``<`` the
-    first valid position must already be in the pool. Use ``chunk_rows`` to build the row arrays.
+    ``step`` holds ``(base, lo, hi)``, the tokens of rows ``0..C-1`` and the request's page table
+    (``step_input``). Row ``r`` is position ``base + r`` (``base`` a multiple of ``C``, see
+    ``chunk_rows``) and is valid iff ``lo <= base + r < hi``. Valid rows attend to every earlier
+    position of the request (already in the pool or in this chunk) through the page table. Invalid
+    rows write nothing and return zero logits. All positions ``< lo`` must already be in the pool.
 
-    Returns ``(logits f32[C, vocab], kv_pool)``; the returned pool replaces the donated one.
+    Returns ``(logits f32[C, vocab], kv_pool)``; the returned pool replaces the donated one. Run it
+    through ``compiled_forward``.
     """
+    c = chunk_size
+    base, lo, hi = step[0], step[1], step[2]
+    tokens = step[STEP_HEADER: STEP_HEADER + c]
+    page_table = step[STEP_HEADER + c:]  # i32[max_pages]
+    positions = base + jnp.arange(c, dtype=jnp.int32)
+    valid = (positions >= lo) & (positions < hi)
+
     geo = kv_layout.geometry(kv_pool)
     num_pages, page_size = geo.num_pages, geo.page_size
     ctx = page_table.shape[0] * page_size
@@ -236,8 +282,6 @@ def forward_chunk(
     page_ids = jnp.where(valid, page_table[jnp.clip(positions // page_size, 0, page_table.shape[0] - 1)],
                          num_pages)
     slots = positions % page_size
-    lo = jnp.min(jnp.where(valid, positions, ctx))  # first valid position
-    hi = jnp.max(jnp.where(valid, positions + 1, 0))  # one past the last valid position
 
     x = params["embed"][tokens]  # [C, H]
     for layer, lp in enumerate(params["layers"]):
@@ -246,11 +290,11 @@ def forward_chunk(
         q, k, v = _qkv(h, lp, positions, cfg)
         kv_pool = kv_layout.write_tokens(kv_pool, layer, page_ids, slots, k, v)
         k_ctx, v_ctx = kv_layout.read_context(kv_pool, layer, page_table)  # [ctx, Hkv, D] each
-        # Key rows no valid query may see are zeroed: stale/NaN slots cannot leak through 0 * x.
+        # Value rows no valid query may see are zeroed: stale/NaN slots cannot leak through 0 * v.
+        # (Their scores are -inf whatever the keys hold, so keys need no zeroing.)
         live = k_pos < hi
         if window is not None:
             live &= k_pos > lo - window
-        k_ctx = jnp.where(live[:, None, None], k_ctx, 0)
         v_ctx = jnp.where(live[:, None, None], v_ctx, 0)
         mask = _window_mask(positions, k_pos, window) & valid[:, None] & live[None, :]
         x = x + _attend(q, k_ctx, v_ctx, mask, cfg) @ lp["wo"]
@@ -258,6 +302,15 @@ def forward_chunk(
 
     logits = (_rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]).astype(jnp.float32)
     return jnp.where(valid[:, None], logits, 0.0), kv_pool
+
+
+@functools.cache
+def compiled_forward(cfg: ModelConfig, chunk_size: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """``forward_chunk`` jitted for one model and chunk size, donating the pool:
+    ``fn(params, kv_pool, step) -> (logits, kv_pool)``. One function per (config, chunk size) for the
+    process, so every runner of a config shares one compiled program, and a call hashes no static
+    argument (a ``ModelConfig`` hash costs microseconds on every forward)."""
+    return jax.jit(functools.partial(forward_chunk, cfg=cfg, chunk_size=chunk_size), donate_argnums=1)
 
 
 def chunk_rows(start: int, end: int, chunk_size: int) -> list[tuple[int, int, int]]:

@@ -34,7 +34,7 @@ import numpy as np
 
 from hicache.engine import kv_layout
 from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.engine.model import Params, chunk_rows, forward_chunk, init_params
+from hicache.engine.model import Params, chunk_rows, compiled_forward, init_params, step_input
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,18 @@ class Generation:
 
 class PendingLogits:
     """Logits of forwards already dispatched (JAX async dispatch): ``result()`` waits for them and
-    returns ``f32[n, vocab]``. Lets a caller overlap other work (a cache query) with a prefill."""
+    returns ``f32[n, vocab]``; ``last()`` only the last row's, from the last forward. Lets a caller
+    overlap other work (a cache query) with a prefill."""
 
     def __init__(self, parts: list[tuple[jax.Array, int, int]]) -> None:
         self._parts = parts  # (logits f32[C, vocab] of one forward, first row, end row)
 
     def result(self) -> np.ndarray:
         return np.concatenate([np.asarray(logits)[lo:hi] for logits, lo, hi in self._parts])
+
+    def last(self) -> np.ndarray:
+        logits, _, hi = self._parts[-1]
+        return np.asarray(logits)[hi - 1]
 
 
 def greedy_decode(step: Callable[[list[int]], np.ndarray], tokens: Sequence[int], last_logits: np.ndarray,
@@ -116,13 +121,15 @@ class ModelRunner:
             dev = device if device is not None else jax.devices()[0]
             pool = kv_layout.make_pool(model, num_pages, fwd.page_size, dev)
         self.placement = kv_layout.replicated_like(pool)  # where params and step inputs live
-        # Step inputs (a few hundred bytes) go to the jitted forward as numpy arrays in one process:
-        # jit places them itself, replicated like ``placement``, on its C++ path (measured: a chunk's
-        # forward 2.02 -> 1.19 ms, best of 300 alternating, vs a ``jax.device_put`` per input). Several
-        # processes (a multi-host replica) keep the explicit global placement.
+        # A forward's step input (one i32 array of a few hundred bytes, ``step_input``) goes to the
+        # jitted forward as a numpy array in one process: jit places it itself, replicated like
+        # ``placement``, on its C++ path (measured: a chunk's forward 2.02 -> 1.19 ms, best of 300
+        # alternating, vs a ``jax.device_put`` per input). Several processes (a multi-host replica)
+        # keep the explicit global placement.
         self._put_inputs: Callable = ((lambda x: x) if jax.process_count() == 1
                                       else (lambda x: jax.device_put(x, self.placement)))
         self.params = params if params is not None else init_params(model, self.placement)
+        self._forward = compiled_forward(model, fwd.chunk_size)
         self.set_pool(pool)
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
 
@@ -171,12 +178,12 @@ class ModelRunner:
         if not isinstance(start_pos, (int, np.integer)) or start_pos % self.fwd.page_size:
             raise ValueError(
                 f"start_pos={start_pos!r} must be a multiple of page_size={self.fwd.page_size}")
-        return self.extend(tokens, page_table, int(start_pos))[-1]
+        return self.start_extend(tokens, page_table, int(start_pos)).last()
 
     def decode_step(self, tokens: Sequence[int], page_table: Sequence[int]) -> np.ndarray:
         """One decode step: computes the last position of ``tokens`` (all earlier ones are in the
         pages) and returns its logits ``f32[vocab]``."""
-        return self.extend(tokens, page_table, len(tokens) - 1)[0]
+        return self.start_extend(tokens, page_table, len(tokens) - 1).last()
 
     def decode(self, tokens: Sequence[int], last_logits: np.ndarray, page_table: Sequence[int],
                max_new_tokens: int, stop_token: int | None = None,
@@ -264,18 +271,10 @@ class ModelRunner:
         """Dispatch the aligned chunks of positions ``[start, len(toks))``; rebinds the pool after each
         forward (the old one is donated). Returns logits f32[len(toks) - start, vocab] to come."""
         c = self.fwd.chunk_size
-        put = self._put_inputs
-        table_d = put(table)
-        rows = np.arange(c, dtype=np.int32)
         out = []
         for base, lo, hi in chunk_rows(start, int(toks.size), c):
-            positions = base + rows
-            valid = (positions >= lo) & (positions < hi)
-            chunk = np.zeros(c, np.int32)
-            chunk[lo - base: hi - base] = toks[lo:hi]
-            chunk_d, pos_d, valid_d = put((chunk, positions, valid))
-            logits, self._kv = forward_chunk(self.params, self._kv, chunk_d, pos_d, valid_d, table_d,
-                                             cfg=self.model)
+            step = self._put_inputs(step_input(toks, table, base, lo, hi, c))
+            logits, self._kv = self._forward(self.params, self._kv, step)
             self.forwards += 1
             out.append((logits, lo - base, hi - base))
         return PendingLogits(out)

@@ -288,6 +288,19 @@ def test_swa_layers_never_read_outside_the_window(swa: Pages) -> None:
     assert np.all(np.isnan(poisoned[0])), "query 48 must read positions 37..39 of layer 0"
 
 
+def test_nan_where_no_query_may_look_changes_nothing(base: Pages) -> None:
+    """Stale NaN in every slot no query may see (later slots of the request's own pages, the pages the
+    padded page table points at) changes no bit: a masked score is -inf whatever its key holds, and
+    unseen value rows are zeroed before ``p @ V``."""
+    r = ModelRunner(BASE, FWD, NUM_PAGES, params=base.runner.params)  # own pool, same compiled forward
+    prompt = _prompt(21, 27)
+    ref = r.generate_no_cache(prompt, max_new_tokens=4)
+    r.set_pool(kv_layout.fill_pages(r.pool, range(NUM_PAGES), np.nan))
+    gen = r.generate(prompt, [5, 9, 2, 7], max_new_tokens=4)  # 30 positions; the padding reads page 0
+    assert gen.tokens == ref.tokens
+    _assert_same_bits(gen.logits, ref.logits, "logits over a pool full of NaN")
+
+
 # --- (4) bad input and config ----------------------------------------------------------------------
 
 def test_bad_requests_raise_value_error_naming_the_value(base: Pages) -> None:
