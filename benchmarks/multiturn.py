@@ -7,7 +7,7 @@ seeded random order. Arrivals are Poisson at ``--request-rate`` (default: ``--lo
 rate of the engine without cache), a client's next turn waits for its previous answer. The cache
 configs are served by their stack's ``ServingLoop`` (``--policy``, default prefill_first: SGLang's
 iteration-level scheduler, a waiting request's prefill before the running requests' next decode step)
-on a virtual clock (``common.VirtualTimeRun``): each iteration advances it by its measured wall time,
+on a virtual clock (``common.VirtualTimeRun``): each iteration advances it by its measured time,
 a request enters the loop's queue (``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on
 entry to the waiting queue) when the clock passes its send time, and the execution order, hence the
 cache state, is the one that clock gives. Its TTFT = queue wait (send -> start of its prefill
@@ -45,8 +45,14 @@ phase: its time on the segment's requests against its time on them in the no-reu
 machine's speed now (a shared machine's load drifts), and the clocks of that segment advance by the
 measured times x that speed (``VirtualTimeRun.speed``), so the arrivals load the server at ``--load``
 x the bare engine's rate measured in the same segment, whatever the machine's load then; bare_engine's
-stats give the speeds, the rate measured there and the load it means unscaled. ``--clock cpu`` measures
-every time (the bare engine's segment too) as this process's CPU time instead of wall time. Each config's CPU per request by thread group (serving, native = XLA's threads,
+stats give the speeds, the rate measured there and the load it means unscaled. What is measured
+(``--clock``): by default this process's CPU time, every thread (``time.process_time``), the bare
+engine's segment too: the work each iteration did, whatever the other processes on a shared 2-CPU
+machine take (measured in wall time, the bare engine's speed swung 0.15-1.26 between segments of one
+run, and the configs' queues with it; in CPU time 0.6-1.2, and each config's utilization agreed
+across reps within a few %). A config's background threads (copies, L3 writes) then count as if they
+ran on the serving path, which can only slow the cache configs. ``--clock wall``: wall time.
+Each config's CPU per request by thread group (serving, native = XLA's threads,
 storage, L3 writers; ``common.thread_cpu_s``) is in its ``cache_stats``. Every config's outputs must equal the reference outputs, and a few requests
 per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits with
 ``ModelRunner.generate_no_cache``; a mismatch raises.
@@ -157,9 +163,10 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
                    help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
     p.add_argument("--decode-batch", type=int, default=0,
                    help="running requests one decode iteration advances, round-robin (0: all; LoopOptions)")
-    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
-                   help="what advances the loops' virtual clocks: wall time, or this process's CPU time (all "
-                        "threads; robust to other processes on a shared machine)")
+    p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
+                   help="what advances the loops' virtual clocks: this process's CPU time (all threads; robust to "
+                        "other processes on a shared machine; background work counts as if on the critical path), "
+                        "or wall time")
     p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")
