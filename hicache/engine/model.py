@@ -231,18 +231,19 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.
 STEP_HEADER = 3  # (base, lo, hi) at the head of a forward's step input
 
 
-def step_input(tokens: np.ndarray, page_table: np.ndarray, base: int, lo: int, hi: int,
+def step_input(chunk_tokens: np.ndarray, page_table: np.ndarray, base: int, lo: int, hi: int,
                chunk_size: int) -> np.ndarray:
     """A forward's one small input, ``i32[3 + C + max_pages]``: ``(base, lo, hi)``, the chunk's
-    tokens by row (row ``r`` = position ``base + r``; ``tokens[lo:hi]`` in the valid rows, 0 in the
-    others), then the padded page table. One array, so one host->device transfer per forward.
+    tokens by row (row ``r`` = position ``base + r``; positions ``[lo, hi)`` hold ``chunk_tokens``,
+    the other rows 0), then the padded page table. One array, so one host->device transfer per
+    forward.
 
-    tokens:     i32[n]  the whole sequence
-    page_table: i32[max_pages]
+    chunk_tokens: i32[hi - lo]  the tokens of positions ``[lo, hi)``
+    page_table:   i32[max_pages]
     """
     step = np.zeros(STEP_HEADER + chunk_size + page_table.size, np.int32)
     step[:STEP_HEADER] = base, lo, hi
-    step[STEP_HEADER + lo - base: STEP_HEADER + hi - base] = tokens[lo:hi]
+    step[STEP_HEADER + lo - base: STEP_HEADER + hi - base] = chunk_tokens
     step[STEP_HEADER + chunk_size:] = page_table
     return step
 

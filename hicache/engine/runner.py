@@ -130,6 +130,7 @@ class ModelRunner:
                                       else (lambda x: jax.device_put(x, self.placement)))
         self.params = params if params is not None else init_params(model, self.placement)
         self._forward = compiled_forward(model, fwd.chunk_size)
+        self._pool_signature: tuple | None = None
         self.set_pool(pool)
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
 
@@ -145,7 +146,13 @@ class ModelRunner:
         return self._kv
 
     def set_pool(self, kv_pool: jax.Array) -> None:
-        """Hand a (possibly updated) pool back to the runner, e.g. after a host->device load."""
+        """Hand a (possibly updated) pool back to the runner, e.g. after a host->device load. A pool of
+        the shape, dtype and sharding already checked is taken without checking again (a worker lends
+        the runner its L1 array for every model call)."""
+        signature = (kv_pool.shape, kv_pool.dtype, kv_pool.sharding)
+        if signature == self._pool_signature:
+            self._kv = kv_pool
+            return
         geo = kv_layout.check_pool(self.model, kv_pool)
         if kv_pool.sharding.device_set != self.placement.device_set:
             raise ValueError(f"pool sharding {kv_pool.sharding} is not on the runner's devices "
@@ -155,6 +162,7 @@ class ModelRunner:
                 f"pool page_size={geo.page_size} != ForwardConfig.page_size={self.fwd.page_size}")
         self._kv = kv_pool
         self.num_pages = geo.num_pages
+        self._pool_signature = signature
 
     # --- forwards ------------------------------------------------------------------------------
 
@@ -196,8 +204,18 @@ class ModelRunner:
         step (see ``greedy_decode``).
         """
         self._check_decode(tokens, page_table, max_new_tokens)
-        return greedy_decode(lambda seq: self.decode_step(seq, page_table), tokens, last_logits, max_new_tokens,
-                             stop_token, between_steps)
+        # The request is checked once, pages for its final length included; a step only appends a
+        # greedy token (an argmax, inside the vocabulary) and forwards that one position.
+        self._check_tokens(tokens)
+        table = self._check_table(page_table, len(tokens) + max_new_tokens - 1)
+        c = self.fwd.chunk_size
+
+        def step(seq: list[int]) -> np.ndarray:
+            pos = len(seq) - 1
+            return PendingLogits([self._dispatch(np.array(seq[-1:], np.int32), table, pos - pos % c, pos,
+                                                 pos + 1)]).last()
+
+        return greedy_decode(step, tokens, last_logits, max_new_tokens, stop_token, between_steps)
 
     def generate(self, tokens: Sequence[int], page_table: Sequence[int], max_new_tokens: int,
                  start_pos: int = 0, stop_token: int | None = None) -> Generation:
@@ -235,6 +253,14 @@ class ModelRunner:
     def _check(self, tokens: Sequence[int], page_table: Sequence[int],
                start_pos: int) -> tuple[np.ndarray, np.ndarray]:
         """Validate one request; returns ``tokens i32[n]`` and the padded ``page_table i32[max_pages]``."""
+        toks = self._check_tokens(tokens)
+        n = int(toks.size)
+        if not isinstance(start_pos, (int, np.integer)) or not 0 <= start_pos < n:
+            raise ValueError(f"start_pos={start_pos!r} must be in [0, {n}) for {n} tokens")
+        return toks, self._check_table(page_table, n)
+
+    def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
+        """``tokens`` as i32[n]: a non-empty 1-D sequence of ids inside the vocabulary."""
         toks = np.asarray(tokens)
         if toks.ndim != 1 or toks.size == 0 or not np.issubdtype(toks.dtype, np.integer):
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ints, got {tokens!r:.80}")
@@ -242,9 +268,11 @@ class ModelRunner:
         if bad.size:
             raise ValueError(f"token id {int(toks[bad[0]])} at index {int(bad[0])} is outside the "
                              f"vocabulary [0, {self.model.vocab_size})")
-        n = int(toks.size)
-        if not isinstance(start_pos, (int, np.integer)) or not 0 <= start_pos < n:
-            raise ValueError(f"start_pos={start_pos!r} must be in [0, {n}) for {n} tokens")
+        return toks.astype(np.int32)
+
+    def _check_table(self, page_table: Sequence[int], n: int) -> np.ndarray:
+        """The padded ``page_table i32[max_pages]`` of a request of ``n`` positions: its first pages
+        (those ``n`` positions need) distinct and inside the pool."""
         ps, max_pages = self.fwd.page_size, self.fwd.max_pages
         if n > self.fwd.max_context:
             raise ValueError(f"{n} tokens exceed max_context={self.fwd.max_context} "
@@ -265,16 +293,19 @@ class ModelRunner:
             raise ValueError(f"page_table repeats a page among its first {need}: {used.tolist()}")
         padded = np.zeros(max_pages, np.int32)
         padded[:need] = used
-        return toks.astype(np.int32), padded
+        return padded
+
+    def _dispatch(self, chunk_tokens: np.ndarray, table: np.ndarray, base: int, lo: int,
+                  hi: int) -> tuple[jax.Array, int, int]:
+        """Dispatch one forward (positions ``[lo, hi)`` of the chunk at ``base``) and rebind the pool to
+        its output (the old one is donated). Returns (logits f32[C, vocab] to come, first row, end row)."""
+        step = self._put_inputs(step_input(chunk_tokens, table, base, lo, hi, self.fwd.chunk_size))
+        logits, self._kv = self._forward(self.params, self._kv, step)
+        self.forwards += 1
+        return logits, lo - base, hi - base
 
     def _run(self, toks: np.ndarray, table: np.ndarray, start: int) -> PendingLogits:
-        """Dispatch the aligned chunks of positions ``[start, len(toks))``; rebinds the pool after each
-        forward (the old one is donated). Returns logits f32[len(toks) - start, vocab] to come."""
-        c = self.fwd.chunk_size
-        out = []
-        for base, lo, hi in chunk_rows(start, int(toks.size), c):
-            step = self._put_inputs(step_input(toks, table, base, lo, hi, c))
-            logits, self._kv = self._forward(self.params, self._kv, step)
-            self.forwards += 1
-            out.append((logits, lo - base, hi - base))
-        return PendingLogits(out)
+        """Dispatch the aligned chunks of positions ``[start, len(toks))``. Returns logits
+        f32[len(toks) - start, vocab] to come."""
+        return PendingLogits([self._dispatch(toks[lo:hi], table, base, lo, hi)
+                              for base, lo, hi in chunk_rows(start, int(toks.size), self.fwd.chunk_size)])

@@ -331,6 +331,19 @@ def test_bad_requests_raise_value_error_naming_the_value(base: Pages) -> None:
         r.generate(prompt, table, max_new_tokens=8)
 
 
+def test_decode_checks_every_page_it_will_write_before_any_forward(base: Pages) -> None:
+    r = base.runner
+    prompt = _prompt(22, 15)  # 2 pages; 6 new tokens write positions up to 19: a third page
+    table = base.take(2)
+    logits = r.prefill(prompt, table)
+    before = r.forwards
+    with pytest.raises(ValueError, match=r"repeats a page"):
+        r.decode(prompt, logits, table + [table[0]], max_new_tokens=6)
+    with pytest.raises(ValueError, match=rf"page id {NUM_PAGES} at index 2 is outside the pool"):
+        r.decode(prompt, logits, table + [NUM_PAGES], max_new_tokens=6)
+    assert r.forwards == before  # rejected before the first decode step
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_q_heads": 3}, r"num_q_heads=3 must be a multiple of num_kv_heads=2"),
     ({"head_dim": 31}, r"head_dim must be even for RoPE, got 31"),
