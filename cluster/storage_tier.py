@@ -21,7 +21,8 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 - Write hold (``pause_writes``/``resume_writes``, the serving loop's calls): while a prefill is
   next or running, new L2->L3 writes wait here (pinned, bounded by ``max_inflight_backup_pages``
   and ``write_hold_max_s``), so their CPU (file creation, checksum, the GIL) lands in decodes, not
-  in a request's TTFT. Reads are never held; a detach drops held writes (later misses, never data).
+  in a request's TTFT; a due manifest write waits for the resume too. Reads are never held; a
+  detach drops held writes (later misses, never data).
 - Prefetch: for a queued request, the pages after its matched prefix that L3 has (prefix-ordered,
   all hosts) are fetched into fresh L2 slots below the deepest matched node (pinned meanwhile). When
   every host acked, they become one host-only node; a request then loads them back like any L2 hit.
@@ -317,6 +318,7 @@ class StorageTier:
         held, self._held = self._held, []
         for op in held:
             self._queue_op(op, [])
+        self._maybe_write_manifest()
         return len(held)
 
     @property
@@ -445,8 +447,14 @@ class StorageTier:
                 self.counters.manifest_coalesced += 1
             a = a.parent
         self._manifest[node.id] = (self._namespace(node), self._tokens_of(node))
+        self._maybe_write_manifest()
+
+    def _maybe_write_manifest(self) -> None:
+        """Starts the background manifest write if one is due and none runs; not during a write hold
+        (``resume_writes`` starts it then)."""
         now = time.monotonic()
-        if now >= self._manifest_next and (self._manifest_job is None or self._manifest_job.done()):
+        if (self._manifest and self._paused_at is None and now >= self._manifest_next
+                and (self._manifest_job is None or self._manifest_job.done())):
             self._manifest_next = now + self.params.manifest_interval_s
             self._write_manifest(wait=False)
 

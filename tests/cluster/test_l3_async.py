@@ -231,3 +231,22 @@ def test_reads_are_never_held_and_a_zero_bound_never_pauses(tmp_path):
     off.serve(seq(100, 16))
     off.head.flush_write_through_acks()
     assert tier.counters.backup_held_ops == 0 and _stored_pages(off, seq(100, 16)) == 4
+
+
+def test_a_due_manifest_write_waits_for_the_resume(tmp_path):
+    env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3",
+                     storage_kwargs={"manifest_interval_s": 0.0, "write_hold_max_s": 300.0})
+    tier = env.head.controller.storage
+    env.serve(seq(0, 16))
+    env.head.controller.flush_device_backups()  # the L2->L3 write is queued (not paused yet) ...
+    env.head.controller.submit()  # ... and sent
+    tier.pause_writes()
+    deadline = time.monotonic() + 10.0
+    while tier.counters.backup_pages == 0 and time.monotonic() < deadline:  # its ack, applied while paused
+        env.head.check_hicache_events()
+        time.sleep(0.01)
+    assert tier.counters.backup_pages == 4
+    assert tier._manifest and tier.counters.manifest_records == 0  # due, but held with the writes
+    tier.resume_writes()
+    tier.flush_manifest()
+    assert tier.counters.manifest_records == 1
