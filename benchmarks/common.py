@@ -243,6 +243,8 @@ class VirtualTimeRun:
 
     def _admit(self) -> None:
         due = sorted((t, j) for j in self._unsent if (t := self._send_time(j)) is not None and t <= self.now)
+        if not due:
+            return
         t0 = self.clock()
         for t, j in due:
             it = self.items[j]

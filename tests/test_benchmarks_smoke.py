@@ -73,7 +73,7 @@ class _RecordingScheduler:
         return ServeResult((1,), np.zeros(1, np.float32), 0.5, 1.0, len(req.prompt), 0, 0, len(req.prompt))
 
 
-def _virtual_run(policy: str, ticks, reference=None):
+def _virtual_run(policy: str, ticks, reference=None, **clock):
     """Three items on an L1-only stack's loop: client 0's turn at ticks[0], client 1's at ticks[1] and
     client 0's next turn (its history + the answer + 5 tokens) at ticks[2] or when its first finished."""
     import numpy as np
@@ -92,7 +92,7 @@ def _virtual_run(policy: str, ticks, reference=None):
     items = [Item(i, c, r, p, 6) for i, (c, r, p) in enumerate(zip([0, 1, 0], [0, 0, 1], prompts))]
     ref = reference or [runner.generate_no_cache(p, 6).tokens for p in prompts]
     loop = ServingLoop(build_stack(stack_options(64), runner).scheduler, LoopOptions(policy=policy))
-    return items, VirtualTimeRun(items, np.asarray(ticks, float), loop, ref, policy)
+    return items, VirtualTimeRun(items, np.asarray(ticks, float), loop, ref, policy, **clock)
 
 
 def test_virtual_time_run_follows_the_clock_and_prefill_first_serves_an_arrival_mid_decode():
@@ -117,6 +117,22 @@ def test_virtual_time_run_follows_the_clock_and_prefill_first_serves_an_arrival_
     items, run = _virtual_run("prefill_first", [0.0, 100.0, 0.0])
     late = run.serve_until(3)[1].timing
     assert late.sent_s == 100.0 and run.now >= 100.0 and late.queue_wait_s < 0.05  # idle until it was sent
+
+
+def test_virtual_time_run_advances_by_the_measured_time_times_speed():
+    """A clock that moves 1 s per reading and speed 2: each measured piece (a submit, an iteration, a
+    charged drain) advances the virtual clock by 2 s; an idle loop jumps to the next send time."""
+    import itertools
+
+    items, run = _virtual_run("prefill_first", [0.0, 50.0, 100.0], clock=itertools.count(0.0, 1.0).__next__)
+    run.speed = 2.0
+    first = run.serve_until(1)[0].timing  # submit (2 s), prefill (2 s), 5 decode iterations (2 s each)
+    assert (first.sent_s, first.queue_wait_s, first.client_ttft_s, first.finish_s) == (0.0, 2.0, 4.0, 14.0)
+    run.charge(1.5)
+    assert run.now == 17.0 and run.busy_s == 17.0
+    second = run.serve_until(2)[0].timing  # item 1 only (item 0 was returned); idle until 50
+    assert (second.sent_s, second.queue_wait_s, second.client_ttft_s, second.finish_s) == (50.0, 2.0, 4.0, 64.0)
+    assert run.busy_s == 31.0
 
 
 def test_virtual_time_run_checks_outputs_and_inputs():
