@@ -1,0 +1,57 @@
+"""``decode_steps`` (one scan over B decode chunks) equals B ``decode_step`` calls bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.engine.batched import decode_steps, padded_batch
+from hicache.engine.config import ForwardConfig, ModelConfig
+from hicache.engine.runner import ModelRunner
+
+MODEL = ModelConfig()
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_batched_decode_equals_one_step_per_request_bit_for_bit(chunk):
+    """Two runners, same params, same prefills; one decodes request by request, the other in batches
+    of 1..8 (padded to powers of two): every logit row and the whole pool are the same bits, over
+    three steps, positions in every row of the chunk."""
+    fwd = ForwardConfig(chunk_size=chunk, page_size=8, max_pages=16)
+    one = ModelRunner(MODEL, fwd, num_pages=160)
+    many = ModelRunner(MODEL, fwd, num_pages=160, params=one.params)
+    rng = np.random.default_rng(chunk)
+    for b in range(1, 9):
+        seqs = [list(rng.integers(0, MODEL.vocab_size, int(rng.integers(5, 100)))) for _ in range(b)]
+        tables = [np.arange(i * 16, i * 16 + 16, dtype=np.int32)[::-1].copy() for i in range(b)]
+        for s, t in zip(seqs, tables):
+            for r in (one, many):
+                r.extend(s, t, 0)
+        for _ in range(3):
+            ref = [one.decode_step(s, t) for s, t in zip(seqs, tables)]
+            got = decode_steps(many, seqs, tables)
+            for x, y in zip(got, ref):
+                np.testing.assert_array_equal(x, y)
+            for s, x in zip(seqs, ref):
+                s.append(int(np.argmax(x)))
+        np.testing.assert_array_equal(np.asarray(many.pool), np.asarray(one.pool))
+    assert many.forwards == one.forwards
+
+
+def test_batched_decode_rejects_bad_requests_and_runs_nothing():
+    fwd = ForwardConfig(chunk_size=16, page_size=8, max_pages=16)
+    r = ModelRunner(MODEL, fwd, num_pages=32)
+    pool, forwards = r.pool, r.forwards
+    seq, table = list(range(20)), np.arange(3, dtype=np.int32)
+    with pytest.raises(ValueError, match="as many page tables"):
+        decode_steps(r, [seq], [])
+    with pytest.raises(ValueError, match="same page"):
+        decode_steps(r, [seq, seq], [table, table])
+    with pytest.raises(ValueError, match="outside the pool"):
+        decode_steps(r, [seq], [np.array([0, 1, 99], np.int32)])
+    with pytest.raises(ValueError, match="vocabulary"):
+        decode_steps(r, [[MODEL.vocab_size]], [table])
+    assert r.pool is pool and r.forwards == forwards
+    assert [padded_batch(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    with pytest.raises(ValueError, match="at least one"):
+        padded_batch(0)
