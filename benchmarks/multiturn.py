@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
                    help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
     p.add_argument("--decode-batch", type=int, default=0,
                    help="running requests one decode iteration advances, round-robin (0: all; LoopOptions)")
+    p.add_argument("--batched-decode", action="store_true",
+                   help="a decode iteration in one dispatch (hicache.engine.batched: a scan of the [C] program)")
     p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
                    help="what advances the loops' virtual clocks: this process's CPU time (all threads; robust to "
                         "other processes on a shared machine; background work counts as if on the critical path), "
@@ -230,7 +232,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
             c.speed = speed
         return done
 
-    loop_options = LoopOptions(policy=args.policy, decode_batch=args.decode_batch)
+    loop_options = LoopOptions(policy=args.policy, decode_batch=args.decode_batch, batched_decode=args.batched_decode)
     log(f"  bare_engine, l1_only, l1_l2, l1_l2_l3 in segments of {args.segment} requests, each config's transfers "
         f"drained before the next config's segment, {args.ttft_reps} rep(s), fresh stacks; cache configs in a "
         f"{args.policy} ServingLoop on a virtual clock, arrivals at {rate:.1f} req/s ...")

@@ -53,7 +53,8 @@ from hicache.cluster.head import Call, Method
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
-from hicache.engine.runner import Generation, greedy_decode
+from hicache.engine import batched
+from hicache.engine.runner import Generation, ModelRunner, greedy_decode
 
 
 class Engine(Protocol):
@@ -96,6 +97,14 @@ class RemoteModelEngine(ABC):
     def decode_step(self, tokens: np.ndarray, page_table: np.ndarray) -> np.ndarray:
         return self.call("decode_step", tokens, page_table)
 
+    def decode_steps(self, seqs: Sequence[np.ndarray], tables: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """``decode_step`` for each request (one call each; an engine whose model runs in this process
+        does it in one dispatch)."""
+        return [self.decode_step(s, t) for s, t in zip(seqs, tables)]
+
+    def compile_decode_batches(self, max_batch: int) -> None:
+        """Compiles what ``decode_steps`` runs for up to ``max_batch`` requests (nothing here)."""
+
     def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation:
         """The reference: the same model, same pool shape and sharding, nothing reused."""
         return self.call("generate_no_cache", tokens, max_new_tokens)
@@ -114,6 +123,13 @@ class WorkerEngine(RemoteModelEngine):
     def call(self, method: str, *args: Any) -> Any:
         fn: Callable = lambda model: getattr(model, method)(*args)  # noqa: E731
         return self.worker.run_model(fn)
+
+    def decode_steps(self, seqs: Sequence[np.ndarray], tables: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """One model call, one dispatch (``hicache.engine.batched.decode_steps``), bit-identical."""
+        return self.worker.run_model(lambda model: batched.decode_steps(model, seqs, tables))
+
+    def compile_decode_batches(self, max_batch: int) -> None:
+        self.worker.run_model(lambda model: batched.compile_batches(model, max_batch))
 
 
 @dataclass(frozen=True)
@@ -397,12 +413,16 @@ class SchedulePolicy(str, Enum):
 class LoopOptions:
     """``ServingLoop`` options. ``max_running``: requests decoding at once (hard bound); ``max_waiting``:
     queued requests (``submit`` refuses more); ``decode_batch``: running requests one decode iteration
-    advances by one step each, round-robin (0: all of them, as SGLang's decode batch)."""
+    advances by one step each, round-robin (0: all of them, as SGLang's decode batch);
+    ``batched_decode``: those steps in one dispatch (``hicache.engine.batched``, bit-identical; only
+    where the model runs in this process: ``ModelRunner``, ``WorkerEngine``; a remote engine still
+    calls once per request)."""
 
     policy: SchedulePolicy = SchedulePolicy.PREFILL_FIRST
     max_running: int = 32
     max_waiting: int = 1024
     decode_batch: int = 0
+    batched_decode: bool = False  # a decode iteration in one dispatch where the model runs in this process
 
     def __post_init__(self) -> None:
         try:
@@ -413,6 +433,8 @@ class LoopOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+        if not isinstance(self.batched_decode, bool):
+            raise ValueError(f"batched_decode must be a bool, got {self.batched_decode!r}")
         if self.max_waiting > Scheduler.MAX_ARRIVED:
             raise ValueError(f"max_waiting {self.max_waiting} > Scheduler.MAX_ARRIVED {Scheduler.MAX_ARRIVED}")
 
@@ -480,6 +502,21 @@ class ServingLoop:
         self.waiting: deque[tuple[int, ServeRequest]] = deque()
         self.running: deque[_Running] = deque()
         self._running_pages = 0
+        self._decode = self._decode_fn()
+
+    def _decode_fn(self) -> Callable[[list[np.ndarray], list[np.ndarray]], list[np.ndarray]]:
+        """One decode step per request: one dispatch with ``batched_decode`` (its programs compiled now,
+        for up to ``max_running`` requests), else one ``decode_step`` each."""
+        engine = self.scheduler.engine
+        if not self.options.batched_decode:
+            return lambda seqs, tables: [engine.decode_step(s, t) for s, t in zip(seqs, tables)]
+        if isinstance(engine, ModelRunner):
+            batched.compile_batches(engine, self.options.max_running)
+            return lambda seqs, tables: batched.decode_steps(engine, seqs, tables)
+        if isinstance(engine, RemoteModelEngine):
+            engine.compile_decode_batches(self.options.max_running)
+            return engine.decode_steps
+        raise TypeError(f"batched_decode needs a ModelRunner or a RemoteModelEngine, got {type(engine).__name__}")
 
     @property
     def idle(self) -> bool:
@@ -521,11 +558,13 @@ class ServingLoop:
             return LoopStep(StepKind.IDLE)
         n = self.options.decode_batch or len(self.running)
         batch = [self.running.popleft() for _ in range(min(n, len(self.running)))]
+        t = time.perf_counter()
+        logits = self._decode([np.asarray(r.seq, np.int32) for r in batch], [r.begun.table for r in batch])
+        share = (time.perf_counter() - t) / len(batch)
         done = []
-        for r in batch:
-            t = time.perf_counter()
-            r.logits.append(self.scheduler.engine.decode_step(np.asarray(r.seq, np.int32), r.begun.table))
-            r.decode_s += time.perf_counter() - t
+        for r, row in zip(batch, logits):
+            r.logits.append(row)
+            r.decode_s += share
             if r.take():
                 done.append(r)
             else:

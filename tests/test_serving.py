@@ -310,12 +310,15 @@ def _assert_exact(runner, req, res):
     np.testing.assert_array_equal(res.logits, ref.logits)
 
 
-def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no_cache(tmp_path, runner):
+@pytest.mark.parametrize("batched_decode", [False, True])
+def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no_cache(tmp_path, runner,
+                                                                                        batched_decode):
     """Prefill-first loop: requests are prefilled while others decode, with hits from L1, L2 (loaded
     back) and L3 (a warm stack's, fetched while queued); every request's tokens and every logit row
-    equal ``generate_no_cache``; nothing stays locked or held afterwards."""
+    equal ``generate_no_cache`` (decode steps one call each, or one dispatch per iteration inside the
+    host worker); nothing stays locked or held afterwards."""
     from hicache.embedded import StackOptions, build_stack
-    from hicache.serving import ServingLoop, StepKind
+    from hicache.serving import LoopOptions, ServingLoop, StepKind
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     rng = np.random.default_rng(19)
@@ -331,7 +334,7 @@ def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no
     stack.scheduler.serve(ServeRequest(shared, max_new_tokens=1))
     stack.client.flush_write_through_acks()
     stack.client.evict(24 * FWD.page_size)  # its 4 pages are in L2 only now
-    loop = ServingLoop(stack.scheduler)
+    loop = ServingLoop(stack.scheduler, LoopOptions(max_running=8, batched_decode=batched_decode))
 
     def turn(prefix, n, new):
         return ServeRequest(np.concatenate([prefix, rng.integers(0, MODEL.vocab_size, n, dtype=np.int32)]), new)
@@ -388,8 +391,8 @@ def test_prefill_first_gives_a_request_arriving_mid_decode_its_first_token_befor
     rng = np.random.default_rng(23)
     a = ServeRequest(rng.integers(0, MODEL.vocab_size, 30, dtype=np.int32), 6)
     b = ServeRequest(rng.integers(0, MODEL.vocab_size, 20, dtype=np.int32), 3)
-    for policy in ("prefill_first", "fcfs_whole_request"):
-        loop = _l1_loop(runner, policy=policy)
+    for policy, batched in (("prefill_first", False), ("prefill_first", True), ("fcfs_whole_request", False)):
+        loop = _l1_loop(runner, policy=policy, batched_decode=batched, max_running=4)
         ta = loop.submit(a)
         assert loop.step().first_token == ta
         assert loop.step().kind is StepKind.DECODE
@@ -443,6 +446,7 @@ def test_loop_options_and_submit_reject_bad_values_and_change_nothing(runner):
     assert LoopOptions(policy="fcfs_whole_request").policy is SchedulePolicy.FCFS_WHOLE_REQUEST
     for bad, match in (({"policy": "lifo"}, "lifo"), ({"max_running": 0}, "max_running"),
                        ({"max_waiting": True}, "max_waiting"), ({"decode_batch": -1}, "decode_batch"),
+                       ({"batched_decode": 1}, "batched_decode"),
                        ({"max_waiting": 10**9}, "MAX_ARRIVED")):
         with pytest.raises(ValueError, match=match):
             LoopOptions(**bad)

@@ -54,6 +54,24 @@ def padded_batch(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _empty_step(runner: ModelRunner) -> np.ndarray:
+    """A chunk with no valid row: it writes nothing and returns zero logits."""
+    c = runner.fwd.chunk_size
+    return step_input(np.zeros(0, np.int32), np.zeros(runner.fwd.max_pages, np.int32), 0, 0, 0, c)
+
+
+def compile_batches(runner: ModelRunner, max_batch: int) -> list[int]:
+    """Compiles the program of every padded batch size up to ``max_batch`` (chunks with no valid row:
+    nothing is written), so that no request waits for a compile. Returns the sizes."""
+    sizes = [1 << k for k in range(padded_batch(max_batch).bit_length())]
+    fn = compiled_decode_batch(runner.model, runner.fwd.chunk_size)
+    for b in sizes:
+        logits, kv = fn(runner.params, runner.pool, runner._put_inputs(np.stack([_empty_step(runner)] * b)))
+        runner.set_pool(kv)
+        np.asarray(logits)
+    return sizes
+
+
 def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
                  tables: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """For each request, ``runner.decode_step(seqs[i], tables[i])``, in one dispatch: computes the
@@ -72,8 +90,7 @@ def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
         written.append(int(padded[p // runner.fwd.page_size]))
     if len(set(written)) != len(written):
         raise ValueError(f"two requests write the same page: {written}")
-    empty = step_input(np.zeros(0, np.int32), np.zeros(runner.fwd.max_pages, np.int32), 0, 0, 0, c)
-    steps += [empty] * (padded_batch(len(seqs)) - len(seqs))
+    steps += [_empty_step(runner)] * (padded_batch(len(seqs)) - len(seqs))
     fn = compiled_decode_batch(runner.model, c)
     logits, kv = fn(runner.params, runner.pool, runner._put_inputs(np.stack(steps)))
     runner.set_pool(kv)
