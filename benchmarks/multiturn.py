@@ -6,7 +6,8 @@ and each round sends its whole history (earlier prompts and the model's real ans
 seeded random order. Arrivals are Poisson at ``--request-rate`` (default: ``--load`` x the service
 rate of the engine without cache), a client's next turn waits for its previous answer. The cache
 configs are served by their stack's ``ServingLoop`` (``--policy``, default prefill_first: SGLang's
-iteration-level scheduler, a waiting request's prefill before the running requests' next decode step)
+iteration-level scheduler, a waiting request's prefill before the running requests' next decode step;
+a decode iteration advances every running request, in one dispatch unless ``--no-batched-decode``)
 on a virtual clock (``common.VirtualTimeRun``): each iteration advances it by its measured time,
 a request enters the loop's queue (``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on
 entry to the waiting queue) when the clock passes its send time, and the execution order, hence the
@@ -163,8 +164,9 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
                    help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
     p.add_argument("--decode-batch", type=int, default=0,
                    help="running requests one decode iteration advances, round-robin (0: all; LoopOptions)")
-    p.add_argument("--batched-decode", action="store_true",
-                   help="a decode iteration in one dispatch (hicache.engine.batched: a scan of the [C] program)")
+    p.add_argument("--batched-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="a decode iteration in one dispatch (hicache.engine.batched: a scan of the [C] program, "
+                        "bit-identical), as SGLang's decode batch runs one forward")
     p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
                    help="what advances the loops' virtual clocks: this process's CPU time (all threads; robust to "
                         "other processes on a shared machine; background work counts as if on the critical path), "
