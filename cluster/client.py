@@ -245,6 +245,12 @@ class CacheClient:
     def check_prefetch_progress(self, req_id: str) -> PrefetchProgress:
         return self._call(Method.CHECK_PREFETCH_PROGRESS, req_id)
 
+    def pause_storage_writes(self) -> None:
+        self._call(Method.PAUSE_STORAGE_WRITES)
+
+    def resume_storage_writes(self) -> int:
+        return self._call(Method.RESUME_STORAGE_WRITES)
+
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
         """Many calls in one round trip; results in order, errors per call. A call's argument may be a
         ``ResultRef`` to an earlier call's result (dependent calls in the same round trip)."""

@@ -563,8 +563,22 @@ class HiCacheController:
             self.submit()  # request's prefetch or load-back
         return done
 
+    def pause_storage_writes(self) -> None:
+        """A prefill is next: L2->L3 writes queued from now wait on the head (``StorageTier.pause_writes``)."""
+        if self.storage is not None:
+            self.storage.pause_writes()
+
+    def resume_storage_writes(self) -> int:
+        """The first token is out: held L2->L3 writes are sent now (they run during the decode)."""
+        n = self.storage.resume_writes() if self.storage is not None else 0
+        if n:
+            self.submit()
+        return n
+
     def flush_write_through_acks(self) -> int:
         """Waits (bounded by ``ack_timeout_s``) until every in-flight transfer is acked, and applies them."""
+        if self.storage is not None:
+            self.storage.resume_writes()  # a flush sends everything, held writes included
         deadline = time.monotonic() + self.config.ack_timeout_s
         done = 0
         while True:  # acks may queue follow-up work (L2->L3 after D->H, deferred backups)

@@ -72,11 +72,14 @@ class Method(str, Enum):
     DETACH_STORAGE_BACKEND = "detach_storage_backend"
     PREFETCH_FROM_STORAGE = "prefetch_from_storage"
     CHECK_PREFETCH_PROGRESS = "check_prefetch_progress"
+    PAUSE_STORAGE_WRITES = "pause_storage_writes"
+    RESUME_STORAGE_WRITES = "resume_storage_writes"
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
     Method.RESET, Method.STATS, Method.CACHE_STATS, Method.READY_TO_LOAD_HOST_CACHE,
     Method.CHECK_HICACHE_EVENTS, Method.FLUSH_WRITE_THROUGH_ACKS, Method.TAKE_EVENTS, Method.DETACH_STORAGE_BACKEND,
+    Method.PAUSE_STORAGE_WRITES, Method.RESUME_STORAGE_WRITES,
 })
 
 
@@ -273,6 +276,12 @@ class CacheHead:
 
     def check_prefetch_progress(self, req_id: str) -> PrefetchProgress:
         return self._hicache().check_prefetch_progress(req_id)
+
+    def pause_storage_writes(self) -> None:
+        self._hicache().pause_storage_writes()
+
+    def resume_storage_writes(self) -> int:
+        return self._hicache().resume_storage_writes()
 
     def call(self, call: Call) -> Any:
         """Dispatches one ``Call`` (the single entry point a transport needs)."""

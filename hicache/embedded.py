@@ -99,7 +99,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     client = CacheClient(EmbeddedTransport(head), ps)
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
-                      l3_min_tokens=options.prefetch_min_tokens)
+                      l3_min_tokens=options.prefetch_min_tokens, hold_storage_writes=True)
     return EmbeddedStack(options, head, client, runner, sched, worker)
 
 

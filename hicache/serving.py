@@ -217,9 +217,14 @@ class _Begun:
 
 class Scheduler:
     def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
-                 prefill_budget: int = 0, l3_min_tokens: int = 0) -> None:
+                 prefill_budget: int = 0, l3_min_tokens: int = 0, hold_storage_writes: bool = False) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
         caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does.
+
+        ``hold_storage_writes`` (with ``storage``): L2->L3 writes wait on the head while a request is
+        between its start and its first token (``serve`` also holds those its finish queues until the
+        next first token), so their CPU stays out of prefills. It costs two head calls per request:
+        worth it where the client is in-process (the embedded stack turns it on), not over Ray.
 
         ``l3_min_tokens`` (with ``storage``): L3 is asked only when the whole pages of the prompt past
         the L1+L2 match hold at least that many tokens (pass the head's ``prefetch_min_tokens``: the
@@ -235,6 +240,9 @@ class Scheduler:
         self.engine = engine
         self.hicache = hicache
         self.storage = storage
+        if not isinstance(hold_storage_writes, bool):
+            raise TypeError(f"hold_storage_writes must be a bool, got {hold_storage_writes!r}")
+        self.hold_writes = storage and hold_storage_writes
         self.prefill_budget = prefill_budget
         self.l3_min_tokens = max(l3_min_tokens, ps)
         self._req_ids = itertools.count()
@@ -353,19 +361,25 @@ class Scheduler:
         arrival = self._arrived.pop(id(req), None)
         prompt = np.asarray(req.prompt, dtype=np.int32)
         ns = (req.extra_key, req.cache_salt)
-        m = self.client.match_prefix(key)
-        marks = [t0, time.perf_counter()]  # start, then the end of each phase
-        p = self._prefix(key, m, prompt.size + req.max_new_tokens, arrival, marks)
-        table, prefix_len, node, start = p.table, p.hit, p.node, p.hit
-        budget = self.prefill_budget
-        while budget and prompt.size - start > budget:
-            end = start + budget
-            self.engine.extend(prompt[:end], table, start)
-            state = self.client.cache_unfinished_req(RequestState(RadixKey(prompt[:end], *ns), table, prefix_len, node))
-            table, prefix_len, node = state.device_pages, state.prefix_len, state.last_node
-            start = end
-        logits = self.engine.extend(prompt, table, start)[-1]
-        marks.append(time.perf_counter())
+        if self.hold_writes:
+            self.client.pause_storage_writes()
+        try:
+            m = self.client.match_prefix(key)
+            marks = [t0, time.perf_counter()]  # start, then the end of each phase
+            p = self._prefix(key, m, prompt.size + req.max_new_tokens, arrival, marks)
+            table, prefix_len, node, start = p.table, p.hit, p.node, p.hit
+            budget = self.prefill_budget
+            while budget and prompt.size - start > budget:
+                end = start + budget
+                self.engine.extend(prompt[:end], table, start)
+                state = self.client.cache_unfinished_req(RequestState(RadixKey(prompt[:end], *ns), table, prefix_len, node))
+                table, prefix_len, node = state.device_pages, state.prefix_len, state.last_node
+                start = end
+            logits = self.engine.extend(prompt, table, start)[-1]
+            marks.append(time.perf_counter())
+        finally:  # also when the match, load-back or a forward fails
+            if self.hold_writes:
+                self.client.resume_storage_writes()
         return _Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks))
 
     def _end(self, b: _Begun, gen: Generation, decode_s: float) -> ServeResult:
@@ -388,12 +402,21 @@ class Scheduler:
 
         ``between_steps()`` runs between its decode steps (outside any model call): a driver takes in
         the requests that arrived meanwhile there (``arrive``), as SGLang's event loop does every
-        iteration, so their L3 fetches overlap this decode. Its time counts in this request's decode."""
+        iteration, so their L3 fetches overlap this decode. Its time counts in this request's decode.
+
+        With ``hold_storage_writes``, the L2->L3 writes this request's finish queues are held on the head
+        (``pause_storage_writes``) until the next request's first token, so their CPU lands in that
+        decode rather than in its prefill (each prefill holds writes too). They are sent by the next
+        ``serve``, ``resume_storage_writes()``, ``flush_write_through_acks()``, or the first cache call
+        after ``StorageParams.write_hold_max_s``: a server that goes idle calls one of those."""
         b = self._begin(req)
         t = time.perf_counter()
         gen = (self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens) if between_steps is None else
                self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=between_steps))
-        return self._end(b, gen, time.perf_counter() - t)
+        decode_s = time.perf_counter() - t
+        if self.hold_writes:  # the next request's prefill may follow at once: its writes wait for that first token
+            self.client.pause_storage_writes()
+        return self._end(b, gen, decode_s)
 
     def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
         return [self.serve(r) for r in requests]

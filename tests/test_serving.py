@@ -4,6 +4,7 @@ worker): cached runs equal no-cache runs, bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -81,6 +82,35 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
         fetched.append(res.storage_tokens)
     assert sum(fetched) > 0, fetched
     cold.client.flush_write_through_acks()
+
+def test_l3_writes_wait_for_the_next_first_token_and_land_exact(tmp_path, runner):
+    """The embedded stack holds L2->L3 writes between a request's finish and the next first token
+    (``hold_storage_writes``): held after ``serve``, sent by the flush, then a cold stack reads them
+    back exact. A bad flag is a TypeError."""
+    from hicache.embedded import StackOptions, build_stack
+
+    opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    stack = build_stack(opts, runner)
+    tier = stack.head._hicache().storage
+    tier.params = dataclasses.replace(tier.params, write_hold_max_s=60.0)  # no expiry on a slow CI box
+    prompt = np.random.default_rng(5).integers(0, MODEL.vocab_size, 40, dtype=np.int32)
+    ref = runner.generate_no_cache(prompt, 3)
+    assert stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3)).output == ref.tokens
+    deadline = time.monotonic() + 10  # the L1->L2 backups go out after their batching hold; their
+    while tier.counters.backup_held_ops == 0 and time.monotonic() < deadline:  # acks queue the L3 writes
+        stack.client.check_hicache_events()
+        time.sleep(0.01)
+    assert tier.writes_paused and tier.counters.backup_held_ops > 0 and tier.counters.backup_pages == 0
+    stack.client.flush_write_through_acks()
+    assert not tier.writes_paused
+    cold = build_stack(dataclasses.replace(opts, l1_pages=8), runner)
+    res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+    assert res.output == ref.tokens and res.storage_tokens >= 32
+    np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+    cold.client.flush_write_through_acks()
+    with pytest.raises(TypeError, match="hold_storage_writes"):
+        Scheduler(stack.client, stack.scheduler.engine, storage=True, hold_storage_writes=1)
+
 
 def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_path, runner):
     from hicache.embedded import StackOptions, build_stack, warm_up
