@@ -76,6 +76,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
@@ -84,6 +85,7 @@ from benchmarks.common import (  # noqa: E402
     make_record, one_at_a_time, poisson_ticks, serve_segments, stack_options, warm_up_and_baselines,
     report, tier_sizes, working_set,
 )
+from hicache.engine import batched  # noqa: E402
 from hicache.engine.runner import ModelRunner  # noqa: E402
 from hicache.serving import LoopOptions, SchedulePolicy, ServeRequest, ServingLoop  # noqa: E402
 
@@ -164,9 +166,10 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
                    help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
     p.add_argument("--decode-batch", type=int, default=0,
                    help="running requests one decode iteration advances, round-robin (0: all; LoopOptions)")
-    p.add_argument("--batched-decode", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--batched-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="a decode iteration in one dispatch (hicache.engine.batched: a scan of the [C] program, "
-                        "bit-identical), as SGLang's decode batch runs one forward")
+                        "bit-identical where checked), as SGLang's decode batch runs one forward; default: on "
+                        "where batched.supported (XLA:CPU), else one decode_step per request")
     p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
                    help="what advances the loops' virtual clocks: this process's CPU time (all threads; robust to "
                         "other processes on a shared machine; background work counts as if on the critical path), "
@@ -234,6 +237,8 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
             c.speed = speed
         return done
 
+    if args.batched_decode is None:
+        args.batched_decode = batched.supported(jax.default_backend())
     loop_options = LoopOptions(policy=args.policy, decode_batch=args.decode_batch, batched_decode=args.batched_decode)
     log(f"  bare_engine, l1_only, l1_l2, l1_l2_l3 in segments of {args.segment} requests, each config's transfers "
         f"drained before the next config's segment, {args.ttft_reps} rep(s), fresh stacks; cache configs in a "

@@ -437,9 +437,9 @@ class LoopOptions:
     """``ServingLoop`` options. ``max_running``: requests decoding at once (hard bound); ``max_waiting``:
     queued requests (``submit`` refuses more); ``decode_batch``: running requests one decode iteration
     advances by one step each, round-robin (0: all of them, as SGLang's decode batch);
-    ``batched_decode``: those steps in one dispatch (``hicache.engine.batched``, bit-identical; only
-    where the model runs in this process: ``ModelRunner``, ``WorkerEngine``; a remote engine still
-    calls once per request)."""
+    ``batched_decode``: those steps in one dispatch (``hicache.engine.batched``: bit-identical on the
+    platforms it was checked on, ``ValueError`` elsewhere; only where the model runs in this process:
+    ``ModelRunner``, ``WorkerEngine``; a remote engine still calls once per request)."""
 
     policy: SchedulePolicy = SchedulePolicy.PREFILL_FIRST
     max_running: int = 32

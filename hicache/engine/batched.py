@@ -12,6 +12,11 @@ compare logits and pools bit for bit, B in 1..8). What it saves is the per-forwa
 on a loaded 2-CPU host, best of 30: B=2 3.11 -> 2.39 ms, B=4 7.15 -> 5.06, B=8 8.72 -> 5.96); the
 chunks still run one after another.
 
+Backends: bit-identity is a property of the compiler, so it holds where it was checked: XLA:CPU (the
+tests). On XLA:GPU (an H200, JAX 0.11.2) the scan's logits differed from ``decode_step``'s (the tokens
+were equal), so ``compile_batches`` and ``decode_steps`` refuse any platform outside
+``BIT_EXACT_PLATFORMS`` (``ValueError``): there a decode iteration calls ``decode_step`` per request.
+
 Buffers: as ``ModelRunner``: the runner owns the pool between forwards; ``decode_steps`` donates it
 to the scan and rebinds the runner to the result (``set_pool``), on the runner's thread. B is padded
 to a power of two with chunks that have no valid row (they write nothing), so a few programs serve
@@ -29,6 +34,22 @@ import numpy as np
 from hicache.engine.config import ModelConfig
 from hicache.engine.model import forward_chunk, step_input
 from hicache.engine.runner import ModelRunner
+
+
+BIT_EXACT_PLATFORMS = frozenset({"cpu"})  # where the scan's bits were checked equal to decode_step's
+
+
+def supported(platform: str) -> bool:
+    """Whether batched decode is bit-identical to ``decode_step`` on this JAX platform."""
+    return platform in BIT_EXACT_PLATFORMS
+
+
+def check_platform(runner: ModelRunner) -> None:
+    """``ValueError`` unless the runner's pool lives on a platform in ``BIT_EXACT_PLATFORMS``."""
+    platforms = {d.platform for d in runner.pool.devices()}
+    if not all(supported(p) for p in platforms):
+        raise ValueError(f"batched decode is not bit-identical to decode_step on {sorted(platforms)} "
+                         f"(checked: {sorted(BIT_EXACT_PLATFORMS)}): decode one request per step there")
 
 
 @functools.cache
@@ -63,6 +84,7 @@ def _empty_step(runner: ModelRunner) -> np.ndarray:
 def compile_batches(runner: ModelRunner, max_batch: int) -> list[int]:
     """Compiles the program of every padded batch size up to ``max_batch`` (chunks with no valid row:
     nothing is written), so that no request waits for a compile. Returns the sizes."""
+    check_platform(runner)
     sizes = [1 << k for k in range(padded_batch(max_batch).bit_length())]
     fn = compiled_decode_batch(runner.model, runner.fwd.chunk_size)
     for b in sizes:
@@ -80,6 +102,7 @@ def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
     Every request is checked as ``decode_step`` checks it before anything runs (``ValueError``)."""
     if len(seqs) != len(tables) or not seqs:
         raise ValueError(f"need as many page tables as sequences (>= 1), got {len(seqs)} and {len(tables)}")
+    check_platform(runner)
     c = runner.fwd.chunk_size
     steps, rows, written = [], [], []
     for seq, table in zip(seqs, tables):

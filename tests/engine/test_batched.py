@@ -55,3 +55,20 @@ def test_batched_decode_rejects_bad_requests_and_runs_nothing():
     assert [padded_batch(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     with pytest.raises(ValueError, match="at least one"):
         padded_batch(0)
+
+
+def test_batched_decode_runs_only_where_its_bits_were_checked(monkeypatch):
+    """Bit-identity is the compiler's: off the checked platforms (an H200's XLA:GPU gave other logits)
+    both entry points refuse before anything runs, and the pool stays the runner's."""
+    from hicache.engine import batched
+
+    assert batched.supported("cpu") and not batched.supported("gpu") and not batched.supported("tpu")
+    fwd = ForwardConfig(chunk_size=16, page_size=8, max_pages=16)
+    r = ModelRunner(MODEL, fwd, num_pages=32)
+    pool, forwards = r.pool, r.forwards
+    monkeypatch.setattr(batched, "BIT_EXACT_PLATFORMS", frozenset({"tpu"}))
+    with pytest.raises(ValueError, match=r"not bit-identical .*\['cpu'\]"):
+        batched.compile_batches(r, 4)
+    with pytest.raises(ValueError, match="not bit-identical"):
+        decode_steps(r, [list(range(20))], [np.arange(3, dtype=np.int32)])
+    assert r.pool is pool and r.forwards == forwards
