@@ -344,10 +344,7 @@ class StorageTier:
         if params.req_id in self._by_req:
             raise ValueError(f"request {params.req_id!r} already has a prefetch")
         anchor = self.tree.node(params.node_id)
-        root = anchor
-        while root.parent is not None:
-            root = root.parent
-        if self.tree.roots().get(params.key.namespace) is not root:  # (namespace_of scans every root)
+        if not self.tree.in_namespace(anchor, params.key.namespace):
             raise ValueError(f"node {params.node_id} is not in the key's namespace")
         ps = self.tree.page_size
         depth = self.tree.depth(anchor)
@@ -549,7 +546,7 @@ class StorageTier:
         anchor = task.anchor
         if anchor.parent is not None:
             anchor.host_pin -= 1
-        alive = anchor.parent is not None or anchor in self.tree.roots().values()
+        alive = anchor.parent is not None or self.tree.is_root(anchor)
         usable = p.ok and alive and (anchor.parent is None or anchor.host_slots is not None)
         nodes = self.tree.storage_only.adopt(anchor, task.tokens) if usable else None
         if not p.ok and alive:  # a missing or corrupt object: what the tree thought stored is not

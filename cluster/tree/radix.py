@@ -96,6 +96,7 @@ class RadixTree:
         self._tick = 0
         self._nodes: dict[int, TreeNode] = {}
         self._roots: dict[Namespace, TreeNode] = {}
+        self._root_namespace: dict[int, Namespace] = {}  # root node id -> its namespace (the reverse map)
         self._match_calls = 0
         self._matched_tokens = 0
         self._queried_tokens = 0
@@ -118,6 +119,7 @@ class RadixTree:
             root = self._new_node(None, _EMPTY_TOKENS)
             root.lock_ref = 1  # roots are never evicted
             self._roots[namespace] = root
+            self._root_namespace[root.id] = namespace
         return root
 
     def node(self, node_id: int) -> TreeNode:
@@ -609,11 +611,21 @@ class RadixTree:
         return leaf
 
     def namespace_of(self, node: TreeNode) -> Namespace:
+        """The namespace of ``node``'s root: O(depth), whatever the number of namespaces."""
         root = self._root_of(node)
-        for ns, r in self._roots.items():
-            if r is root:
-                return ns
-        raise ValueError(f"node {node.id} is not in this tree")
+        ns = self._root_namespace.get(root.id)
+        if ns is None or self._roots[ns] is not root:
+            raise ValueError(f"node {node.id} is not in this tree")
+        return ns
+
+    def in_namespace(self, node: TreeNode, namespace: Namespace) -> bool:
+        """Whether ``node`` hangs below ``namespace``'s root (O(depth))."""
+        return self._roots.get(namespace) is self._root_of(node)
+
+    def is_root(self, node: TreeNode) -> bool:
+        """Whether ``node`` is one of this tree's namespace roots."""
+        ns = self._root_namespace.get(node.id)
+        return ns is not None and self._roots[ns] is node
 
     def remove_host_only(self, node: TreeNode) -> None:
         """Deletes a host-only leaf (host eviction); its slots must already be released by the caller."""

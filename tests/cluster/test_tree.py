@@ -96,6 +96,27 @@ def test_namespaces_never_share_nodes():
     tree.check_invariants()
 
 
+def test_namespace_lookups_find_each_node_its_root():
+    """namespace_of / in_namespace / is_root, over many namespaces (O(depth) each), and a node of
+    another tree is refused."""
+    tree = make_tree()
+    toks = np.arange(12)
+    for salt in (None, "a", "b", "c"):
+        put(tree, toks, cache_salt=salt)
+    for salt in (None, "a", "b", "c"):
+        node = tree.match_prefix(RadixKey(toks, cache_salt=salt)).last_device_node
+        leaf = tree.node(node)
+        assert tree.namespace_of(leaf) == (None, salt)
+        assert tree.in_namespace(leaf, (None, salt)) and not tree.in_namespace(leaf, ("x", salt))
+        assert not tree.is_root(leaf) and tree.is_root(tree.roots()[(None, salt)])
+    other = make_tree()
+    put(other, toks)
+    stranger = other.node(other.match_prefix(RadixKey(toks)).last_device_node)
+    with pytest.raises(ValueError, match="not in this tree"):
+        tree.namespace_of(stranger)
+    assert not tree.is_root(other.roots()[(None, None)])  # same id as a root here, another object
+
+
 def test_token_inputs_lists_and_numpy_dtypes_agree():
     tree = make_tree()
     put(tree, [5, 6, 7, 8])
