@@ -88,7 +88,7 @@ def compile_batches(runner: ModelRunner, max_batch: int) -> list[int]:
     sizes = [1 << k for k in range(padded_batch(max_batch).bit_length())]
     fn = compiled_decode_batch(runner.model, runner.fwd.chunk_size)
     for b in sizes:
-        logits, kv = fn(runner.params, runner.pool, runner._put_inputs(np.stack([_empty_step(runner)] * b)))
+        logits, kv = fn(runner.params, runner.pool, runner.put_inputs(np.stack([_empty_step(runner)] * b)))
         runner.set_pool(kv)
         np.asarray(logits)
     return sizes
@@ -103,19 +103,17 @@ def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
     if len(seqs) != len(tables) or not seqs:
         raise ValueError(f"need as many page tables as sequences (>= 1), got {len(seqs)} and {len(tables)}")
     check_platform(runner)
-    c = runner.fwd.chunk_size
     steps, rows, written = [], [], []
     for seq, table in zip(seqs, tables):
-        toks, padded = runner._check(seq, table, len(seq) - 1)
-        p = int(toks.size) - 1
-        steps.append(step_input(toks[p:], padded, p - p % c, p, p + 1, c))
-        rows.append(p % c)
-        written.append(int(padded[p // runner.fwd.page_size]))
+        step, row, page = runner.decode_step_input(seq, table)
+        steps.append(step)
+        rows.append(row)
+        written.append(page)
     if len(set(written)) != len(written):
         raise ValueError(f"two requests write the same page: {written}")
     steps += [_empty_step(runner)] * (padded_batch(len(seqs)) - len(seqs))
-    fn = compiled_decode_batch(runner.model, c)
-    logits, kv = fn(runner.params, runner.pool, runner._put_inputs(np.stack(steps)))
+    fn = compiled_decode_batch(runner.model, runner.fwd.chunk_size)
+    logits, kv = fn(runner.params, runner.pool, runner.put_inputs(np.stack(steps)))
     runner.set_pool(kv)
     runner.forwards += len(seqs)
     out = np.asarray(logits)

@@ -193,6 +193,19 @@ class ModelRunner:
         pages) and returns its logits ``f32[vocab]``."""
         return self.start_extend(tokens, page_table, len(tokens) - 1).last()
 
+    def decode_step_input(self, tokens: Sequence[int], page_table: Sequence[int]) -> tuple[np.ndarray, int, int]:
+        """What ``decode_step`` forwards, checked as it checks it: (the step input
+        ``i32[3 + C + max_pages]`` of the chunk holding the last position, that position's row in the
+        chunk, the page it writes). For callers that batch several requests' steps (``engine.batched``)."""
+        toks, table = self._check(tokens, page_table, len(tokens) - 1)
+        p, c = int(toks.size) - 1, self.fwd.chunk_size
+        return step_input(toks[p:], table, p - p % c, p, p + 1, c), p % c, int(table[p // self.fwd.page_size])
+
+    def put_inputs(self, steps: np.ndarray) -> np.ndarray | jax.Array:
+        """Step inputs (``i32[..., 3 + C + max_pages]``) as this runner's forwards take them: as they are
+        in one process, one global array across hosts."""
+        return self._put_inputs(steps)
+
     def decode(self, tokens: Sequence[int], last_logits: np.ndarray, page_table: Sequence[int],
                max_new_tokens: int, stop_token: int | None = None,
                between_steps: Callable[[], None] | None = None) -> Generation:
