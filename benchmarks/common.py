@@ -43,6 +43,7 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from enum import Enum
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -597,56 +598,85 @@ def jsonable(obj):
     return json.loads(json.dumps(obj, default=str))
 
 
-def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[int], object], items: Sequence[Item],
-                  reference: Sequence[tuple[int, ...]], reps: int):
+class PairMode(str, Enum):
+    """How ``overhead_pair`` alternates the bare engine and the no-reuse stack."""
+
+    SEGMENTS = "segments"  # ``segment`` requests in a row per config, the stack drained after each of its segments
+    INTERLEAVED = "interleaved"  # request by request, nothing drained in between (the figure before segments)
+
+
+def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str], object], items: Sequence[Item],
+                  reference: Sequence[tuple[int, ...]], reps: int, segment: int = 16):
     """The no-reuse workload through the full stack (``no_cache``: every request in its own cache_salt)
-    and through ``bare`` (never caches), interleaved request by request (alternating which goes first),
-    so load drift on a shared machine hits both alike. Every cache call, L3 writes included, runs on
-    this thread inside ``serve`` or on the worker's storage thread, so nothing of one spills into the
-    other's timings except background L3 writes (which the overhead is meant to include).
+    and through ``bare`` (never caches), as a server serves its own requests: in segments of
+    ``segment`` requests (``serve_segments``: the configs alternate per segment, the first one rotated
+    per rep), the stack's background work (L1->L2 copies, L3 writes and their acks) drained at the
+    end of each of its segments. That work so lands in the stack's own requests or in its drains,
+    never in the bare engine's; each drain is reported (``no_cache_drain_ms_per_request``, and as a
+    bound the overhead with every drain charged to a TTFT), and so is each config's thread CPU per
+    request (``cpu_ms_per_request``, ``thread_cpu_s`` groups). ``options(tag)`` gives a fresh stack's
+    options (its own L3 directory per tag).
 
     Robust to a shared, noisy machine: each request's TTFT and latency are its best of ``reps`` runs
     (fresh stack per rep), per config (``best_of_reps``); the overhead is the ratio of the mean
-    best-of-N TTFTs (and the median of the per-request best-of-N ratios). Returns (bare served,
-    no_cache served: best-of-N timings; no_cache stats and spot checks of rep 0; summary)."""
+    best-of-N TTFTs (and the median of the per-request best-of-N ratios). Each rep also serves the
+    pair interleaved request by request with nothing drained (``PairMode.INTERLEAVED``, another fresh
+    stack; the summary's ``interleaved``), so the two protocols are compared on the same machine state.
+    Returns (bare served, no_cache served: best-of-N timings of the segments; no_cache stats and spot
+    checks of rep 0; summary)."""
     from hicache.embedded import build_stack
 
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    plans = {PairMode.SEGMENTS: segment, PairMode.INTERLEAVED: 1}
+    served: dict[PairMode, list[dict[str, list[Served]]]] = {m: [] for m in plans}
+    runs: dict[PairMode, list[dict[str, ConfigRun]]] = {m: [] for m in plans}
     first = None
-    per_rep = []
-    reps_served = []
     for rep in range(reps):
-        stack = build_stack(options(rep), runner)
-        b, n = [], []
-        for i, it in enumerate(items):
-            req_nc = ServeRequest(it.prompt, it.max_new_tokens, cache_salt=f"nc-{rep}-{it.index}")
-            req_b = ServeRequest(it.prompt, it.max_new_tokens)
-            if (i + rep) % 2 == 0:
-                rb, rn = bare.serve(req_b), stack.scheduler.serve(req_nc)
-            else:
-                rn, rb = stack.scheduler.serve(req_nc), bare.serve(req_b)
-            for name, r in (("bare_engine", rb), ("no_cache", rn)):
-                if tuple(r.output) != tuple(reference[it.index]):
-                    raise ExactnessError(f"[{name}] request {it.index}: output {r.output} != {reference[it.index]}")
-            b.append(Served(it, rb))
-            n.append(Served(it, rn))
-        reps_served.append({"bare_engine": b, "no_cache": n})
-        stack.client.flush_write_through_acks()
-        stats = jsonable(stack.head.cache_stats())
-        per_rep.append({"bare_engine_service_ttft_mean_s": statistics.fmean(s.result.ttft_s for s in b),
-                        "no_cache_service_ttft_mean_s": statistics.fmean(s.result.ttft_s for s in n)})
-        if first is None:
-            spots = (spot_check(bare.runner, b, "bare_engine", 1), spot_check(stack.runner, n, "no_cache", 1))
-            first = (stats, spots)
-        close_stack(stack)
-    best, _ = best_of_reps(reps_served)
-    best_b = np.array([s.result.ttft_s for s in best["bare_engine"]])
-    best_n = np.array([s.result.ttft_s for s in best["no_cache"]])
-    summary = {"per_rep": per_rep, "reps": reps,
-               "bare_engine_best_of_n_ttft_mean_s": float(best_b.mean()),
-               "no_cache_best_of_n_ttft_mean_s": float(best_n.mean()),
-               "overhead_mean_ttft": float(best_n.mean() / best_b.mean() - 1),
-               "overhead_median_request_ratio": float(np.median(best_n / best_b)) - 1}
+        for mode in (list(plans) if rep % 2 == 0 else list(plans)[::-1]):
+            stack = build_stack(options(f"{mode.value}-{rep}"), runner)
+            salt = lambda it, tag=f"nc-{mode.value}-{rep}": f"{tag}-{it.index}"  # noqa: E731
+            serves = {"bare_engine": one_at_a_time(bare.serve, reference, "bare_engine"),
+                      "no_cache": one_at_a_time(stack.scheduler.serve, reference, "no_cache", salt)}
+            drains = {"no_cache": lambda st=stack: drain_stack(st)} if mode is PairMode.SEGMENTS else {}
+            run = serve_segments(serves, items, drains, plans[mode], rotate=rep)
+            drain_stack(stack)  # the interleaved pair's writes land here, outside its timings
+            runs[mode].append(run)
+            served[mode].append({n: r.served for n, r in run.items()})
+            if first is None and mode is PairMode.SEGMENTS:
+                stats = jsonable(stack.head.cache_stats())
+                spots = (spot_check(bare.runner, run["bare_engine"].served, "bare_engine", 1),
+                         spot_check(stack.runner, run["no_cache"].served, "no_cache", 1))
+                first = (stats, spots)
+            close_stack(stack)
+    best, summary = _pair_summary(PairMode.SEGMENTS, segment, served[PairMode.SEGMENTS], runs[PairMode.SEGMENTS])
+    summary["interleaved"] = _pair_summary(PairMode.INTERLEAVED, 1, served[PairMode.INTERLEAVED],
+                                           runs[PairMode.INTERLEAVED])[1]
     return (best["bare_engine"], best["no_cache"], *first, summary)
+
+
+def _pair_summary(mode: PairMode, segment: int, served: Sequence[dict[str, list[Served]]],
+                  runs: Sequence[dict[str, ConfigRun]]) -> tuple[dict[str, list[Served]], dict]:
+    """(best-of-reps results, the summary ``overhead_pair`` reports) of one protocol's reps."""
+    best, _ = best_of_reps(served)
+    ttft = {n: np.array([s.result.ttft_s for s in best[n]]) for n in best}
+    latency = {n: np.array([s.result.latency_s for s in best[n]]) for n in best}
+    b, n = ttft["bare_engine"], ttft["no_cache"]
+    drains = [d for run in runs for d in run["no_cache"].drain_s]
+    drain_ms = 1e3 * sum(drains) / sum(len(run["no_cache"].served) for run in runs)
+    return best, {
+        "mode": mode.value, "segment": segment, "reps": len(served),
+        "bare_engine_best_of_n_ttft_mean_s": float(b.mean()), "no_cache_best_of_n_ttft_mean_s": float(n.mean()),
+        "overhead_mean_ttft": float(n.mean() / b.mean() - 1),
+        "overhead_median_request_ratio": float(np.median(n / b)) - 1,
+        "overhead_mean_latency": float(latency["no_cache"].mean() / latency["bare_engine"].mean() - 1),
+        "no_cache_drains": len(drains), "no_cache_drain_ms_per_request": round(drain_ms, 3),
+        "overhead_mean_ttft_drain_charged": float((n.mean() + drain_ms / 1e3) / b.mean() - 1),
+        "cpu_ms_per_request": {name: cpu_ms_per_request([run[name] for run in runs]) for name in best},
+        "service_phases_mean_ms": {name: phase_means_ms([s.result for rep in served for s in rep[name]])
+                                   for name in best},
+        "per_rep": [{f"{name}_service_ttft_mean_s": statistics.fmean(s.result.ttft_s for s in rep[name])
+                     for name in rep} for rep in served]}
 
 
 # --- blocks: one config at a time, its background work on its own account -------------------------
@@ -705,9 +735,11 @@ def cpu_ms_per_request(runs: Sequence[ConfigRun]) -> dict[str, float]:
 
 
 def one_at_a_time(serve: Callable[[ServeRequest], ServeResult], reference: Sequence[tuple[int, ...]],
-                  config: str) -> Callable[[Sequence[Item]], list[Served]]:
-    """A ``serve_segments`` server that serves a segment's items one at a time (``serve_items``)."""
-    return lambda part: serve_items(serve, part, reference, config)
+                  config: str, salt: Callable[[Item], str | None] = lambda it: None
+                  ) -> Callable[[Sequence[Item]], list[Served]]:
+    """A ``serve_segments`` server that serves a segment's items one at a time (``serve_items``, each
+    request in the cache_salt ``salt(item)``)."""
+    return lambda part: serve_items(serve, part, reference, config, salt)
 
 
 def in_virtual_time(run: VirtualTimeRun) -> Callable[[Sequence[Item]], list[Served]]:
@@ -828,15 +860,22 @@ def in_scratch_dir(l3_dir: str | None, prefix: str, run: Callable[[Path], object
 def warm_up_and_baselines(args, items: Sequence[Item], ref, base: ModelRunner, bare: BareEngine,
                           full: Callable[[str], object]):
     """Compile pass (full stack, then a cold stack on its L3, own namespace), then the no-reuse pair
-    (bare engine vs a stack that never reuses), interleaved per request.
+    (bare engine vs a stack that never reuses; ``overhead_pair``: in segments of ``args.segment``,
+    and interleaved per request for comparison).
 
     Returns (served, spot checks, stats, overhead) keyed by config name, for the two baseline configs.
     """
     log("  warm-up pass (full stack then a cold stack on its L3, own namespace; compiles transfers) ...")
     run_stack("warm-up", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=1)
     run_stack("warm-up cold", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=0)
-    log(f"  bare_engine + no_cache, interleaved per request ({args.overhead_reps} rep(s)) ...")
+    log(f"  bare_engine + no_cache in segments of {args.segment} requests (no_cache drained after each of its "
+        f"segments), and interleaved per request, {args.overhead_reps} rep(s) ...")
     b, n, nc_stats, (sp_b, sp_n), overhead = overhead_pair(
-        bare, base, lambda rep: full(f"l3-nc-{rep}"), items, ref, args.overhead_reps)
+        bare, base, lambda tag: full(f"l3-nc-{tag}"), items, ref, args.overhead_reps, args.segment)
+    log(f"  no-reuse overhead (mean service TTFT, best of {args.overhead_reps}): "
+        f"{overhead['overhead_mean_ttft']:+.1%} in segments of {args.segment} (drain "
+        f"{overhead['no_cache_drain_ms_per_request']:.2f} ms per request; "
+        f"{overhead['overhead_mean_ttft_drain_charged']:+.1%} with every drain on a TTFT), "
+        f"{overhead['interleaved']['overhead_mean_ttft']:+.1%} interleaved per request")
     return ({"bare_engine": b, "no_cache": n}, {"bare_engine": sp_b, "no_cache": sp_n},
             {"bare_engine": {}, "no_cache": nc_stats}, overhead)

@@ -18,7 +18,8 @@ Configs (same request stream, fresh stack each, one compiled engine):
                    round it serves). Target: its round-1 hit rate >= 90% of the warm replica's round-1
                    hit rate (same requests; the warm replica has L1, L2 and L3 from round 0).
 
-Reference pass, warm-up pass and exactness checks as in ``multiturn.py``.
+Reference pass, warm-up pass, the no-reuse pair (bare_engine vs no_cache in segments of ``--segment``
+requests, ``common.overhead_pair``) and exactness checks as in ``multiturn.py``.
 
     python benchmarks/long_doc_qa.py [--quick] [--json out.json] [--png out.png]
     ray job submit --working-dir . -- python benchmarks/long_doc_qa.py --json ldqa.json
@@ -83,7 +84,10 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--load", type=float, default=0.7)
     p.add_argument("--l1-fraction", type=float, default=0.25)
     p.add_argument("--l2-fraction", type=float, default=0.5)
-    p.add_argument("--overhead-reps", type=int, default=3, help="bare_engine/no_cache repeats (interleaved; best-of-N per request)")
+    p.add_argument("--overhead-reps", type=int, default=3,
+                   help="bare_engine/no_cache repeats (in segments, and interleaved; best-of-N per request)")
+    p.add_argument("--segment", type=int, default=16,
+                   help="no-reuse pair: requests a config serves in a row before the other serves them")
     p.add_argument("--spot-checks", type=int, default=3, help="generate_no_cache comparisons per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l3-dir", help="parent of the L3 directories (default: a temp dir, removed)")

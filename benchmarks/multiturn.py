@@ -27,8 +27,11 @@ Configs (same request stream, fresh stack each, one compiled engine):
 
 Before the timed configs: a reference pass (no cache, decides the stream and the expected outputs)
 and a warm-up pass of the full stack in its own namespace (compiles every transfer bucket), so compile
-stalls stay out of the timings. Then the no-reuse pair (bare_engine vs no_cache, interleaved per
-request, best of ``--overhead-reps``: the overhead target; no_cache's record). Then the TTFT phase
+stalls stay out of the timings. Then the no-reuse pair (``common.overhead_pair``: bare_engine vs
+no_cache in segments of ``--segment`` requests, no_cache's transfers drained after each of its
+segments, the drain reported per request; best of ``--overhead-reps``: the overhead target;
+no_cache's record; the same pair interleaved per request is in ``overhead_vs_bare.interleaved``,
+for comparison). Then the TTFT phase
 (``common.serve_segments``): bare_engine, l1_only, l1_l2 and l1_l2_l3, each on a fresh stack, serve
 the stream ``--segment`` (16) requests at a time: one config serves a segment, waits for its own
 in-flight transfers (L1->L2 copies, L3 writes; the wait is charged to its latency), then the next
@@ -156,12 +159,13 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--load", type=float, default=0.7)
     p.add_argument("--l1-fraction", type=float, default=0.25)
     p.add_argument("--l2-fraction", type=float, default=0.5)
-    p.add_argument("--overhead-reps", type=int, default=3, help="bare_engine/no_cache repeats (interleaved; best-of-N per request)")
+    p.add_argument("--overhead-reps", type=int, default=3, help="bare_engine/no_cache repeats (in segments, and interleaved; best-of-N per request)")
     p.add_argument("--ttft-reps", type=int, default=3,
                    help="bare_engine/l1_only/l1_l2/l1_l2_l3 repeats (fresh stacks, one config at a time; "
                         "best-of-N TTFT per request)")
     p.add_argument("--segment", type=int, default=16,
-                   help="TTFT phase: requests a config serves in a row before the next config serves them")
+                   help="TTFT phase and no-reuse pair: requests a config serves in a row before the next config "
+                        "serves them")
     p.add_argument("--policy", default=SchedulePolicy.PREFILL_FIRST.value, choices=[x.value for x in SchedulePolicy],
                    help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
     p.add_argument("--decode-batch", type=int, default=0,

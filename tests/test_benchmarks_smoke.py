@@ -38,14 +38,39 @@ def _check(path: Path, png: Path) -> dict:
     return by
 
 
+def _check_no_reuse_pair(by: dict, requests: int, segment: int, reps: int) -> None:
+    """The no-reuse pair's summary: the segments protocol is the target's figure and the records' TTFTs,
+    every drain of no_cache is counted and reported per request, each config's thread CPU and phases
+    are there, and the interleaved protocol is kept beside it (one "drain" per request: none ran)."""
+    ov = by["no_cache"]["notes"]["overhead_vs_bare"]
+    assert ov == by["bare_engine"]["notes"]["overhead_vs_bare"]
+    targets = by["no_cache"]["notes"]["targets"]
+    assert targets["no_reuse_overhead_service_ttft"] == ov["overhead_mean_ttft"]
+    assert by["no_cache"]["service_ttft_mean_s"] == pytest.approx(ov["no_cache_best_of_n_ttft_mean_s"], rel=1e-12)
+    assert ov["overhead_mean_ttft"] == pytest.approx(
+        ov["no_cache_best_of_n_ttft_mean_s"] / ov["bare_engine_best_of_n_ttft_mean_s"] - 1, rel=1e-9)
+    inter = ov["interleaved"]
+    for pair, mode, seg, drains in ((ov, "segments", segment, reps * -(-requests // segment)),
+                                    (inter, "interleaved", 1, reps * requests)):
+        assert (pair["mode"], pair["segment"], pair["reps"], len(pair["per_rep"])) == (mode, seg, reps, reps)
+        assert pair["no_cache_drains"] == drains and pair["no_cache_drain_ms_per_request"] >= 0
+        assert pair["overhead_mean_ttft_drain_charged"] >= pair["overhead_mean_ttft"]
+        for name in ("bare_engine", "no_cache"):
+            assert pair["cpu_ms_per_request"][name]["serving"] > 0, (mode, name)
+            assert pair["service_phases_mean_ms"][name]["prefill"] > 0, (mode, name)
+        assert pair["service_phases_mean_ms"]["bare_engine"]["match"] == 0  # the bare engine has no cache
+        assert pair["service_phases_mean_ms"]["no_cache"]["match"] > 0
+
+
 def test_multiturn_and_long_doc_qa_tiny(tmp_path):
     from benchmarks import long_doc_qa, multiturn
 
     mt = tmp_path / "mt.json"
     multiturn.main(["--clients", "3", "--rounds", "2", "--system-tokens", "24", "40", "--request-tokens", "8", "16",
-                    "--output-tokens", "4", "--overhead-reps", "1", "--spot-checks", "1", "--l2-fraction", "2",
-                    "--json", str(mt), "--png", str(tmp_path / "mt.png")])
+                    "--output-tokens", "4", "--overhead-reps", "2", "--segment", "4", "--spot-checks", "1",
+                    "--l2-fraction", "2", "--json", str(mt), "--png", str(tmp_path / "mt.png")])
     by = _check(mt, tmp_path / "mt.png")
+    _check_no_reuse_pair(by, requests=6, segment=4, reps=2)
     assert "targets" in by["l1_l2_l3"]["notes"]
     for name in ("bare_engine", "l1_only", "l1_l2", "l1_l2_l3"):  # served one config at a time, accounted
         stats = by[name]["notes"]["cache_stats"]
@@ -55,10 +80,11 @@ def test_multiturn_and_long_doc_qa_tiny(tmp_path):
             assert by[name]["notes"]["queue_model"] == "iteration_loop" and by[name]["notes"]["decode_step_ms"] > 0
     ld = tmp_path / "ld.json"
     long_doc_qa.main(["--docs", "2", "--questions", "2", "--doc-tokens", "64", "96", "--question-tokens", "8", "12",
-                      "--output-tokens", "4", "--overhead-reps", "1", "--spot-checks", "1",
+                      "--output-tokens", "4", "--overhead-reps", "1", "--segment", "3", "--spot-checks", "1",
                       "--l2-fraction", "2",  # an L3 prefetch needs L2 room for the whole run it fetches
                       "--json", str(ld), "--png", str(tmp_path / "ld.png")])
     by = _check(ld, tmp_path / "ld.png")
+    _check_no_reuse_pair(by, requests=4, segment=3, reps=1)
     assert by["l3_prepopulated"]["notes"]["targets"]["cold_round1_hit_rate"] > 0
 
 
