@@ -65,6 +65,8 @@ class Engine(Protocol):
 
     def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray: ...
 
+    def prefill(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray: ...
+
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation: ...
 
@@ -84,6 +86,9 @@ class RemoteModelEngine(ABC):
 
     def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray:
         return self.call("extend", tokens, page_table, start_pos)
+
+    def prefill(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray:
+        return self.call("prefill", tokens, page_table, start_pos)
 
     def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation:
@@ -371,11 +376,11 @@ class Scheduler:
             budget = self.prefill_budget
             while budget and prompt.size - start > budget:
                 end = start + budget
-                self.engine.extend(prompt[:end], table, start)
+                self.engine.prefill(prompt[:end], table, start)
                 state = self.client.cache_unfinished_req(RequestState(RadixKey(prompt[:end], *ns), table, prefix_len, node))
                 table, prefix_len, node = state.device_pages, state.prefix_len, state.last_node
                 start = end
-            logits = self.engine.extend(prompt, table, start)[-1]
+            logits = self.engine.prefill(prompt, table, start)  # the last row only: one wait, no copies
             marks.append(time.perf_counter())
         finally:  # also when the match, load-back or a forward fails
             if self.hold_writes:

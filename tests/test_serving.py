@@ -46,6 +46,32 @@ def test_multi_turn_with_l1_cache_equals_no_cache(runner):
     assert st.request_pages == 0 and st.protected_tokens == 0
 
 
+def test_prefill_asks_the_engine_for_the_last_row_only_and_stays_exact(runner):
+    """A prefill (each chunked piece too) is one ``prefill`` call: the engine hands back the last logits
+    row, not every row of every forward (which would wait on each forward and copy its logits)."""
+    from hicache.serving import RemoteModelEngine
+
+    class Recording(RemoteModelEngine):
+        page_size = FWD.page_size
+
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def call(self, method, *args):
+            self.calls.append(method)
+            return getattr(runner, method)(*args)
+
+    engine = Recording()
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=8, capacity_pages=96)))
+    sched = Scheduler(client, engine, prefill_budget=16)
+    prompt = np.random.default_rng(3).integers(0, MODEL.vocab_size, 45, dtype=np.int32)
+    res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
+    ref = runner.generate_no_cache(prompt, 3)
+    assert res.output == ref.tokens
+    np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+    assert engine.calls == ["prefill", "prefill", "prefill", "decode"]  # 16 + 16 + 13 tokens, then decode
+
+
 def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
     """Tiny L1 forces L2 load-backs; a second stack (cold L1/L2) gets L3 hits; outputs stay exact."""
     from hicache.embedded import StackOptions, build_stack
