@@ -59,26 +59,31 @@ def worker(request) -> HostWorker:
     w.close(timeout_s=60)
 
 
-def _per_page(monkeypatch) -> None:
+def _per_page(monkeypatch, copier: host_copy.PageCopier) -> None:
+    copier.set_strategy("numpy")
     monkeypatch.setattr(host_copy, "VECTOR_PAGE_MAX_BYTES", 0)
 
 
 def _vectorised(monkeypatch, copier: host_copy.PageCopier, chunk_pages: int) -> None:
     """np.take per chunk of ``chunk_pages`` pages: several chunks and a partial last one."""
+    copier.set_strategy("numpy")
     monkeypatch.setattr(host_copy, "VECTOR_PAGE_MAX_BYTES", copier.slot_bytes)
     monkeypatch.setattr(host_copy, "VECTOR_MIN_PAGES", 1)
     monkeypatch.setattr(copier, "chunk_pages", chunk_pages)
 
 
-@pytest.fixture(params=["sync", "sync_vectorised", "thread", "async"])
+@pytest.fixture(params=["sync_compiled", "sync", "sync_vectorised", "thread", "async"])
 def backup_mode(request, monkeypatch, worker) -> str:
-    """How pages move: numpy per page, numpy vectorised (both directions), (D2H) vectorised on the
-    copy thread, or (D2H) the async jitted gather with its commit."""
+    """How pages move: the compiled loops (the default), numpy per page, numpy vectorised (both
+    directions), (D2H) vectorised on the copy thread, or (D2H) the async jitted gather with its commit."""
     assert (worker.engine.data_path is DataPath.HOST_THREAD) == (request.param == "thread")
     if request.param == "async":
         monkeypatch.setattr(transfer_mod, "SYNC_BACKUP_MAX_BYTES", 0)
+    elif request.param == "sync_compiled":
+        assert worker.host_pool.page_copier().strategy is host_copy.CopyStrategy.COMPILED
+        monkeypatch.setattr(transfer_mod, "ASYNC_MIN_PAGES", NUM_PAGES + 1)
     elif request.param == "sync":
-        _per_page(monkeypatch)
+        _per_page(monkeypatch, worker.host_pool.page_copier())
         monkeypatch.setattr(transfer_mod, "ASYNC_MIN_PAGES", NUM_PAGES + 1)
     else:
         _vectorised(monkeypatch, worker.host_pool.page_copier(), 3)
@@ -411,7 +416,7 @@ def test_merged_ops_on_a_huge_page_pool_are_bit_identical(data_path):
         np.testing.assert_array_equal(_bits(hp.read_slots(np.arange(num_slots))), _bits(model_l2))
 
 
-@pytest.mark.parametrize("strategy", ["per_page", "vectorised", "own_scratch"])
+@pytest.mark.parametrize("strategy", ["compiled", "per_page", "vectorised", "own_scratch"])
 @pytest.mark.parametrize("shape", [(1, 2, 16, 1, 8), (2, 2, 4, 2, 16), (3, 2, 1, 1, 1)])
 def test_page_copier_matches_a_numpy_model(shape, strategy, monkeypatch):
     """``PageCopier`` both ways against plain numpy indexing, on a private pool buffer: layouts with
@@ -424,8 +429,10 @@ def test_page_copier_matches_a_numpy_model(shape, strategy, monkeypatch):
     slab = rng.integers(0, 1 << 16, (num_slots, *shape), dtype=np.uint16)
     copier = host_copy.PageCopier(slab, num_pages)
     scratch = None
-    if strategy == "per_page":
-        _per_page(monkeypatch)
+    if strategy == "compiled":
+        assert copier.strategy is host_copy.CopyStrategy.COMPILED
+    elif strategy == "per_page":
+        _per_page(monkeypatch, copier)
     else:
         _vectorised(monkeypatch, copier, 4)
     if strategy == "own_scratch":
