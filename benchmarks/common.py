@@ -116,13 +116,15 @@ class BareEngine:
     def __init__(self, runner: ModelRunner, l1_pages: int) -> None:
         self.runner = ModelRunner(runner.model, runner.fwd, num_pages=l1_pages, params=runner.params)
 
-    def serve(self, req: ServeRequest) -> ServeResult:
+    def serve(self, req: ServeRequest, between_steps: Callable[[], None] | None = None) -> ServeResult:
+        """As ``Scheduler.serve``: ``between_steps()`` runs between decode steps, the first right after
+        the first token."""
         prompt = np.asarray(req.prompt, dtype=np.int32)
         t0 = time.perf_counter()
         table = np.arange(pages_needed(prompt.size + req.max_new_tokens, self.runner.fwd.page_size), dtype=np.int32)
         logits = self.runner.prefill(prompt, table, 0)
         ttft = time.perf_counter() - t0
-        gen = self.runner.decode(prompt, logits, table, req.max_new_tokens)
+        gen = self.runner.decode(prompt, logits, table, req.max_new_tokens, between_steps=between_steps)
         latency = time.perf_counter() - t0
         return ServeResult(gen.tokens, logits, ttft, latency, int(prompt.size), 0, 0, int(prompt.size),
                            phases=ServePhases(prefill=ttft, decode=latency - ttft))
@@ -605,78 +607,148 @@ class PairMode(str, Enum):
     INTERLEAVED = "interleaved"  # request by request, nothing drained in between (the figure before segments)
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def on_cpu_clock(serve: Callable[..., ServeResult]) -> Callable[[ServeRequest], ServeResult]:
+    """``serve(req, between_steps)`` (``Scheduler.serve``, ``BareEngine.serve``) with its TTFT and
+    latency in this process's CPU time, every thread (``time.process_time``): from the call to the
+    first ``between_steps()`` (it runs right after the first token) and to the return. Background
+    threads' CPU in that window counts. The phases stay wall time (``on_wall_clock`` reads them)."""
+    def serve_on_cpu(req: ServeRequest) -> ServeResult:
+        first: list[float] = []
+
+        def after_token() -> None:
+            if not first:
+                first.append(time.process_time())
+        t0 = time.process_time()
+        res = serve(req, after_token)
+        end = time.process_time()
+        return replace(res, ttft_s=(first[0] if first else end) - t0, latency_s=end - t0)
+    return serve_on_cpu
+
+
+def on_wall_clock(served: Sequence[Served], drains: Sequence[float] = (), segment: int = 1) -> list[Served]:
+    """``served`` with each TTFT and latency the wall time of its phases (``ServePhases``: the TTFT is
+    the phases up to the first token, the latency all of them), and ``drains[j]`` (wall seconds)
+    added to the latency of the last request of segment ``j`` (as ``serve_segments`` charges them)."""
+    out = []
+    for i, s in enumerate(served):
+        p = s.result.phases
+        ttft = p.match + p.l3 + p.load_back + p.prefill
+        drained = drains[i // segment] if drains and (i % segment == segment - 1 or i == len(served) - 1) else 0.0
+        out.append(Served(s.item, replace(s.result, ttft_s=ttft, latency_s=ttft + p.decode + p.finish + drained),
+                          s.timing))
+    return out
+
+
 def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str], object], items: Sequence[Item],
-                  reference: Sequence[tuple[int, ...]], reps: int, segment: int = 16):
+                  reference: Sequence[tuple[int, ...]], reps: int, segment: int = 16, clock: str = "cpu"):
     """The no-reuse workload through the full stack (``no_cache``: every request in its own cache_salt)
     and through ``bare`` (never caches), as a server serves its own requests: in segments of
     ``segment`` requests (``serve_segments``: the configs alternate per segment, the first one rotated
     per rep), the stack's background work (L1->L2 copies, L3 writes and their acks) drained at the
     end of each of its segments. That work so lands in the stack's own requests or in its drains,
-    never in the bare engine's; each drain is reported (``no_cache_drain_ms_per_request``, and as a
-    bound the overhead with every drain charged to a TTFT), and so is each config's thread CPU per
-    request (``cpu_ms_per_request``, ``thread_cpu_s`` groups). ``options(tag)`` gives a fresh stack's
-    options (its own L3 directory per tag).
+    never in the bare engine's; the drains are reported per request (wall and CPU ms, and as a bound
+    the overhead with every drain charged to a TTFT), and so is each config's thread CPU per request
+    (``cpu_ms_per_request``, ``thread_cpu_s`` groups). ``options(tag)`` gives a fresh stack's options
+    (its own L3 directory per tag).
 
-    Robust to a shared, noisy machine: each request's TTFT and latency are its best of ``reps`` runs
-    (fresh stack per rep), per config (``best_of_reps``); the overhead is the ratio of the mean
-    best-of-N TTFTs (and the median of the per-request best-of-N ratios). Each rep also serves the
-    pair interleaved request by request with nothing drained (``PairMode.INTERLEAVED``, another fresh
-    stack; the summary's ``interleaved``), so the two protocols are compared on the same machine state.
-    Returns (bare served, no_cache served: best-of-N timings of the segments; no_cache stats and spot
-    checks of rep 0; summary)."""
+    Every request is timed on both clocks (``by_clock``): wall time (``ServePhases``) and this
+    process's CPU time, every thread (``on_cpu_clock``: what the work took, whatever other processes
+    on a shared machine take; background threads count as if on the critical path); ``clock`` says
+    which one the top-level figures (the target) use. Robust to a noisy machine: each request's TTFT
+    and latency are its best of ``reps`` runs (fresh stack per rep), per config and clock
+    (``best_of_reps``); the overhead is the ratio of the mean best-of-N TTFTs (and the median of the
+    per-request best-of-N ratios). Each rep also serves the pair interleaved request by request with
+    nothing drained (``PairMode.INTERLEAVED``, another fresh stack; the summary's ``interleaved``),
+    so that both protocols meet the same machine state. Returns (bare served, no_cache served:
+    best-of-N wall timings of the segments; no_cache stats and spot checks of rep 0; summary)."""
     from hicache.embedded import build_stack
 
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     plans = {PairMode.SEGMENTS: segment, PairMode.INTERLEAVED: 1}
-    served: dict[PairMode, list[dict[str, list[Served]]]] = {m: [] for m in plans}
+    cpu_served: dict[PairMode, list[dict[str, list[Served]]]] = {m: [] for m in plans}
+    wall_served: dict[PairMode, list[dict[str, list[Served]]]] = {m: [] for m in plans}
     runs: dict[PairMode, list[dict[str, ConfigRun]]] = {m: [] for m in plans}
     first = None
     for rep in range(reps):
         for mode in (list(plans) if rep % 2 == 0 else list(plans)[::-1]):
             stack = build_stack(options(f"{mode.value}-{rep}"), runner)
             salt = lambda it, tag=f"nc-{mode.value}-{rep}": f"{tag}-{it.index}"  # noqa: E731
-            serves = {"bare_engine": one_at_a_time(bare.serve, reference, "bare_engine"),
-                      "no_cache": one_at_a_time(stack.scheduler.serve, reference, "no_cache", salt)}
-            drains = {"no_cache": lambda st=stack: drain_stack(st)} if mode is PairMode.SEGMENTS else {}
-            run = serve_segments(serves, items, drains, plans[mode], rotate=rep)
+            serves = {"bare_engine": one_at_a_time(on_cpu_clock(bare.serve), reference, "bare_engine"),
+                      "no_cache": one_at_a_time(on_cpu_clock(stack.scheduler.serve), reference, "no_cache", salt)}
+            wall_drains: list[float] = []
+
+            def drain(st=stack, out=wall_drains) -> None:
+                t0 = time.perf_counter()
+                drain_stack(st)
+                out.append(time.perf_counter() - t0)
+            drains = {"no_cache": drain} if mode is PairMode.SEGMENTS else {}
+            run = serve_segments(serves, items, drains, plans[mode], rotate=rep, clock=time.process_time)
             drain_stack(stack)  # the interleaved pair's writes land here, outside its timings
             runs[mode].append(run)
-            served[mode].append({n: r.served for n, r in run.items()})
+            cpu_served[mode].append({n: r.served for n, r in run.items()})
+            wall_served[mode].append({n: on_wall_clock(r.served, wall_drains if n == "no_cache" else (), plans[mode])
+                                      for n, r in run.items()})
             if first is None and mode is PairMode.SEGMENTS:
                 stats = jsonable(stack.head.cache_stats())
                 spots = (spot_check(bare.runner, run["bare_engine"].served, "bare_engine", 1),
                          spot_check(stack.runner, run["no_cache"].served, "no_cache", 1))
                 first = (stats, spots)
             close_stack(stack)
-    best, summary = _pair_summary(PairMode.SEGMENTS, segment, served[PairMode.SEGMENTS], runs[PairMode.SEGMENTS])
-    summary["interleaved"] = _pair_summary(PairMode.INTERLEAVED, 1, served[PairMode.INTERLEAVED],
-                                           runs[PairMode.INTERLEAVED])[1]
+    summaries = {m: _pair_summary(m, plans[m], clock, {"cpu": cpu_served[m], "wall": wall_served[m]}, runs[m])
+                 for m in plans}
+    best, summary = summaries[PairMode.SEGMENTS]
+    summary["interleaved"] = summaries[PairMode.INTERLEAVED][1]
     return (best["bare_engine"], best["no_cache"], *first, summary)
 
 
-def _pair_summary(mode: PairMode, segment: int, served: Sequence[dict[str, list[Served]]],
+def no_reuse_targets(overhead: dict) -> dict[str, float]:
+    """The no-reuse pair's figures for a benchmark's targets: the overhead on the pair's clock (the
+    target), its median per request, the other clock's and the interleaved pair's."""
+    out = {"no_reuse_overhead_service_ttft": overhead["overhead_mean_ttft"],
+           "no_reuse_overhead_median_request": overhead["overhead_median_request_ratio"]}
+    for clock, seg in overhead["by_clock"].items():
+        out[f"no_reuse_overhead_service_ttft_{clock}"] = seg["overhead_mean_ttft"]
+    out["no_reuse_overhead_interleaved"] = overhead["interleaved"]["overhead_mean_ttft"]
+    return out
+
+
+def _pair_summary(mode: PairMode, segment: int, clock: str, served: dict[str, Sequence[dict[str, list[Served]]]],
                   runs: Sequence[dict[str, ConfigRun]]) -> tuple[dict[str, list[Served]], dict]:
-    """(best-of-reps results, the summary ``overhead_pair`` reports) of one protocol's reps."""
-    best, _ = best_of_reps(served)
-    ttft = {n: np.array([s.result.ttft_s for s in best[n]]) for n in best}
-    latency = {n: np.array([s.result.latency_s for s in best[n]]) for n in best}
-    b, n = ttft["bare_engine"], ttft["no_cache"]
-    drains = [d for run in runs for d in run["no_cache"].drain_s]
-    drain_ms = 1e3 * sum(drains) / sum(len(run["no_cache"].served) for run in runs)
-    return best, {
-        "mode": mode.value, "segment": segment, "reps": len(served),
-        "bare_engine_best_of_n_ttft_mean_s": float(b.mean()), "no_cache_best_of_n_ttft_mean_s": float(n.mean()),
-        "overhead_mean_ttft": float(n.mean() / b.mean() - 1),
-        "overhead_median_request_ratio": float(np.median(n / b)) - 1,
-        "overhead_mean_latency": float(latency["no_cache"].mean() / latency["bare_engine"].mean() - 1),
-        "no_cache_drains": len(drains), "no_cache_drain_ms_per_request": round(drain_ms, 3),
-        "overhead_mean_ttft_drain_charged": float((n.mean() + drain_ms / 1e3) / b.mean() - 1),
-        "cpu_ms_per_request": {name: cpu_ms_per_request([run[name] for run in runs]) for name in best},
-        "service_phases_mean_ms": {name: phase_means_ms([s.result for rep in served for s in rep[name]])
-                                   for name in best},
-        "per_rep": [{f"{name}_service_ttft_mean_s": statistics.fmean(s.result.ttft_s for s in rep[name])
-                     for name in rep} for rep in served]}
+    """(best-of-reps wall results, the summary ``overhead_pair`` reports) of one protocol's reps;
+    ``served[clock]``: the reps timed on that clock."""
+    requests = sum(len(run["no_cache"].served) for run in runs)
+    drains = {"cpu": [d for run in runs for d in run["no_cache"].drain_s]}
+    drains["wall"] = [s.result.latency_s - sum(getattr(s.result.phases, f.name) for f in fields(ServePhases))
+                      for rep in served["wall"] for s in rep["no_cache"]]  # what on_wall_clock added
+    by_clock, best_wall = {}, None
+    for name, reps in served.items():
+        best, _ = best_of_reps(reps)
+        best_wall = best if name == "wall" else best_wall
+        ttft = {c: np.array([s.result.ttft_s for s in best[c]]) for c in best}
+        latency = {c: np.array([s.result.latency_s for s in best[c]]) for c in best}
+        b, n = ttft["bare_engine"], ttft["no_cache"]
+        drain_s = sum(drains[name]) / requests
+        by_clock[name] = {
+            "bare_engine_best_of_n_ttft_mean_s": float(b.mean()), "no_cache_best_of_n_ttft_mean_s": float(n.mean()),
+            "overhead_mean_ttft": float(n.mean() / b.mean() - 1),
+            "overhead_median_request_ratio": float(np.median(n / b)) - 1,
+            "overhead_mean_latency": float(latency["no_cache"].mean() / latency["bare_engine"].mean() - 1),
+            "no_cache_drain_ms_per_request": round(1e3 * drain_s, 3),
+            "overhead_mean_ttft_drain_charged": float((n.mean() + drain_s) / b.mean() - 1),
+            "per_rep_service_ttft_mean_s": [{c: statistics.fmean(s.result.ttft_s for s in rep[c]) for c in rep}
+                                            for rep in reps]}
+    return best_wall, {
+        "mode": mode.value, "segment": segment, "reps": len(runs), "clock": clock, **by_clock[clock],
+        "by_clock": by_clock, "no_cache_drains": len(drains["cpu"]),
+        "cpu_ms_per_request": {c: cpu_ms_per_request([run[c] for run in runs]) for c in runs[0]},
+        "service_phases_mean_ms": {c: phase_means_ms([s.result for rep in served["wall"] for s in rep[c]])
+                                   for c in runs[0]}}
 
 
 # --- blocks: one config at a time, its background work on its own account -------------------------
@@ -759,7 +831,8 @@ def drain_charged(stack, run: VirtualTimeRun) -> Callable[[], None]:
 
 def serve_segments(serves: dict[str, Callable[[Sequence[Item]], list[Served]]], items: Sequence[Item],
                    drains: dict[str, Callable[[], object]] | None = None,
-                   segment: int = 16, rotate: int = 0, lead: str | None = None) -> dict[str, ConfigRun]:
+                   segment: int = 16, rotate: int = 0, lead: str | None = None,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, ConfigRun]:
     """Every config serves the stream, ``segment`` consecutive items at a time (``serves[config](part)``
     returns their results, checked against the reference: ``one_at_a_time``, ``in_virtual_time``): one
     config serves a segment, then ``drains[config]()`` waits for its in-flight transfers (L1->L2 copies, L3 writes),
@@ -768,7 +841,8 @@ def serve_segments(serves: dict[str, Callable[[Sequence[Item]], list[Served]]], 
     another config's, and the drain's time is charged to the latency of the segment's last request
     (the server was busy with it). Segments short on a noisy machine keep the configs close in time
     (load drift hits all alike). ``lead``, if given, serves every segment first (the others rotate
-    after it): its results may set up the others' (``VirtualTimeRun.speed``)."""
+    after it): its results may set up the others' (``VirtualTimeRun.speed``). ``clock`` measures the
+    drains (wall time by default; ``time.process_time``: the CPU the process spent meanwhile)."""
     if segment < 1:
         raise ValueError(f"segment must be >= 1, got {segment}")
     if lead is not None and lead not in serves:
@@ -783,9 +857,9 @@ def serve_segments(serves: dict[str, Callable[[Sequence[Item]], list[Served]]], 
             run = runs[name]
             before = thread_cpu_s()
             done = serves[name](part)
-            t0 = time.perf_counter()
+            t0 = clock()
             drains.get(name, lambda: None)()
-            drained = time.perf_counter() - t0
+            drained = clock() - t0
             for group, cpu in cpu_by_group(before, thread_cpu_s()).items():
                 run.cpu_s[group] = run.cpu_s.get(group, 0.0) + cpu
             last = done[-1]
@@ -871,11 +945,12 @@ def warm_up_and_baselines(args, items: Sequence[Item], ref, base: ModelRunner, b
     log(f"  bare_engine + no_cache in segments of {args.segment} requests (no_cache drained after each of its "
         f"segments), and interleaved per request, {args.overhead_reps} rep(s) ...")
     b, n, nc_stats, (sp_b, sp_n), overhead = overhead_pair(
-        bare, base, lambda tag: full(f"l3-nc-{tag}"), items, ref, args.overhead_reps, args.segment)
-    log(f"  no-reuse overhead (mean service TTFT, best of {args.overhead_reps}): "
-        f"{overhead['overhead_mean_ttft']:+.1%} in segments of {args.segment} (drain "
-        f"{overhead['no_cache_drain_ms_per_request']:.2f} ms per request; "
-        f"{overhead['overhead_mean_ttft_drain_charged']:+.1%} with every drain on a TTFT), "
-        f"{overhead['interleaved']['overhead_mean_ttft']:+.1%} interleaved per request")
+        bare, base, lambda tag: full(f"l3-nc-{tag}"), items, ref, args.overhead_reps, args.segment, args.clock)
+    for clock, seg in overhead["by_clock"].items():
+        log(f"  no-reuse overhead on the {clock} clock (mean service TTFT, best of {args.overhead_reps}): "
+            f"{seg['overhead_mean_ttft']:+.1%} in segments of {args.segment} (drain "
+            f"{seg['no_cache_drain_ms_per_request']:.2f} ms per request; "
+            f"{seg['overhead_mean_ttft_drain_charged']:+.1%} with every drain on a TTFT), {overhead['interleaved']['by_clock'][clock]['overhead_mean_ttft']:+.1%} "
+            "interleaved per request")
     return ({"bare_engine": b, "no_cache": n}, {"bare_engine": sp_b, "no_cache": sp_n},
             {"bare_engine": {}, "no_cache": nc_stats}, overhead)
