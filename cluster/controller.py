@@ -136,11 +136,12 @@ class _CopyBatch(PendingTransfer):
         return self.num_pages
 
     def merged_op(self, op_id: int) -> TransferOp:
-        """The batch as one op (its copies' id pairs concatenated, in queue order)."""
+        """The batch as one op (its copies' id pairs concatenated, in queue order). The ids are the head's
+        own (allocators, nodes; never written in place): the op takes them as they are (``copy_op``)."""
         pages, slots = self.pages, self.slots
         if len(pages) == 1:
-            return TransferOp(op_id, self.kind, pages[0], slots[0])
-        return TransferOp(op_id, self.kind, concat(pages), concat(slots))
+            return TransferOp.copy_op(op_id, self.kind, pages[0], slots[0])
+        return TransferOp.copy_op(op_id, self.kind, concat(pages), concat(slots))
 
     def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
         for chain in self.chains:
@@ -644,8 +645,9 @@ class HiCacheController:
 
     def _commit_backups(self, batch: _CopyBatch) -> None:
         """Every host acked the D->H op of ``batch``: the chains' staged slots (``op.host_slots``, in chain
-        order; splits since keep the order) become L2 copies with one allocator update, and each chain's
-        path lock is released."""
+        order; splits since keep the order) become L2 copies with one allocator update, each chain's path
+        lock is released, and each chain's leaf absorbs its parent where the tree allows
+        (``RadixTree.merge_backed_up``)."""
         chains = batch.chains
         self.counters.backed_up_tokens += self.host.commit_chains(chains, batch.op.host_slots)  # clears ``pending``
         unlock = self.tree.full.unlock
@@ -653,7 +655,10 @@ class HiCacheController:
             unlock(nodes[-1])
         if self.storage is not None:
             for nodes in chains:
-                self.storage.on_host_committed(nodes)
+                self.storage.on_host_committed(nodes)  # (an L2->L3 write pins its chain: no merge below)
+        merge = self.tree.merge_backed_up
+        for nodes in chains:
+            merge(nodes[-1])
 
     def _commit_loads(self, batch: _CopyBatch) -> None:
         """Every host acked the H->D op of ``batch``: each chain (root to leaf) is device+host again, and a

@@ -73,6 +73,18 @@ class TransferOp:
                 f"op {self.op_id}: {len(self.storage_keys)} storage_keys vs {self.host_slots.size} host_slots"
             )
 
+    @classmethod
+    def copy_op(cls, op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray) -> TransferOp:
+        """An L1<->L2 copy op from ids the caller owns and trusts: the head's own ``int32`` 1-D arrays, of
+        equal length, never written in place after (its allocators and nodes replace arrays, they never
+        write into them). Built without the checks and private copies of the constructor (one op per sent
+        batch, each a few hundred ids); whatever arrives from elsewhere (tests, callers of a worker, a plan
+        off the wire) still goes through ``TransferOp(...)``, and the worker checks every id of a plan."""
+        op = object.__new__(cls)
+        op.__dict__.update(op_id=op_id, kind=kind, device_pages=device_pages, host_slots=host_slots,
+                           storage_keys=(), first_page=0)
+        return op
+
     @property
     def num_pages(self) -> int:
         return int(self.host_slots.size)

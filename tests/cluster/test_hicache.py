@@ -16,7 +16,7 @@ from hicache.cluster.events import EventKind, KVEvent, MissReason, Tier, pack_ev
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.transfers import LocalWorkerGroup, PendingTransfer
 from hicache.cluster.tree import InsertParams, RadixKey, TreeConfig
-from hicache.workers import HostWorker, OpKind
+from hicache.workers import HostWorker, OpKind, TransferOp, TransferPlan
 from support.hicache_env import HiCacheEnv, make_spec
 
 
@@ -104,10 +104,13 @@ def test_load_back_threshold_and_quota_are_misses_with_reasons():
 
 
 def _l1_prefix_with_host_tail(env: HiCacheEnv, tail: int) -> tuple[np.ndarray, np.ndarray]:
-    """Serves ``a`` (8 tokens) and ``b`` = ``a`` + ``tail`` tokens; b's tail ends host-only, ``a`` in L1."""
+    """Serves ``a`` (8 tokens) and ``b`` = ``a`` + ``tail`` tokens; b's tail ends host-only, ``a`` in L1.
+    A one-page branch below ``a``, served before ``b`` (so it leaves L1 first), keeps ``a`` a node of its
+    own: a backed-up only child would absorb it (``RadixTree.merge_backed_up``)."""
     a = seq(0, 8)
     b = np.concatenate([a, seq(100, tail)])
     env.serve(a)
+    env.serve(np.concatenate([a, seq(900, 4)]))
     env.serve(b)
     env.head.flush_write_through_acks()
     env.head.evict(tail)
@@ -555,3 +558,18 @@ def test_the_head_sends_after_a_call_only_what_is_due():
     assert ctl.in_flight == 0 and ctl.submit() == 0
     head.tree.check_invariants()
     ctl.check_invariants()
+
+
+def test_head_built_copy_op_is_the_checked_op_and_the_worker_still_checks_it():
+    """``TransferOp.copy_op`` (the head's sent batches) skips the constructor's checks and copies only: it
+    equals the checked op, and a worker rejects a bad id in it before touching anything."""
+    pages, slots = np.array([3, 1], np.int32), np.array([0, 5], np.int32)
+    op = TransferOp.copy_op(7, OpKind.LOAD_H2D, pages, slots)
+    assert op == TransferOp(7, OpKind.LOAD_H2D, pages, slots) and op.num_pages == 2
+    env = HiCacheEnv(page_size=4, device_pages=8, host_slots=8)
+    before = env.worker.device_pool.read_pages(np.arange(8, dtype=np.int32))
+    for bad_pages, bad_slots in (([99], [0]), ([1, 1], [0, 2]), ([1], [77])):
+        bad = TransferOp.copy_op(8, OpKind.LOAD_H2D, np.array(bad_pages, np.int32), np.array(bad_slots, np.int32))
+        with pytest.raises(ValueError):
+            env.worker.submit(TransferPlan(1000, (bad,)))
+    np.testing.assert_array_equal(env.worker.device_pool.read_pages(np.arange(8, dtype=np.int32)), before)

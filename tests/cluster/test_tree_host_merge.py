@@ -130,3 +130,76 @@ def test_merged_conversation_loads_back_bit_identical():
     assert stats["device_hit"] + stats["loaded"] == 20
     tree.check_invariants()
     env.head.controller.check_invariants()
+
+
+# -- merges as a backup lands (RadixTree.merge_backed_up) -----------------------------------------------
+
+
+def _turns(env: HiCacheEnv, first: np.ndarray, second: np.ndarray, before_ack=None):
+    """Serves ``first``, then ``first + second`` (write-through: the new leaf's backup is queued), runs
+    ``before_ack(head, first_node)``, then applies every ack. Returns (first's node, second's node)."""
+    head, tree = env.head, env.head.tree
+    env.serve(first)
+    head.flush_write_through_acks()
+    first_node = tree.node(head.match_prefix(RadixKey(first)).last_device_node)
+    env.serve(np.r_[first, second])
+    leaf = tree.node(head.match_prefix(RadixKey(np.r_[first, second])).last_device_node)
+    assert leaf.parent is first_node and leaf.staged_slots is not None  # the backup is in flight
+    if before_ack is not None:
+        before_ack(head, first_node)
+    head.flush_write_through_acks()
+    return first_node, leaf
+
+
+def test_acked_leaf_absorbs_its_backed_up_parent():
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
+    first, second = np.arange(16, dtype=np.int32), np.arange(100, 112, dtype=np.int32)
+    a, leaf = _turns(env, first, second)
+    tree = env.head.tree
+    assert a.parent is None and leaf.parent is tree.default_root  # one node, the leaf's id
+    with pytest.raises(ValueError, match="unknown node id"):
+        tree.node(a.id)
+    np.testing.assert_array_equal(leaf.key, np.r_[first, second])
+    assert leaf.device_pages.shape == (7,) and leaf.host_slots.shape == (7,)
+    assert a.device_pages is None and a.host_slots is None  # the absorbed node holds nothing any more
+    tree.check_invariants()
+    env.head.controller.check_invariants()
+    # Its L1 pages and L2 slots are in token order: an L1 hit and, after L1 eviction, a load-back both
+    # return exactly the bytes written for these tokens (HiCacheEnv.serve checks every hit).
+    assert env.serve(np.r_[first, second, 7, 7, 7, 7])["device_hit"] == 28
+    env.head.flush_write_through_acks()
+    env.head.evict(10**6)
+    stats = env.serve(np.r_[first, second, 7, 7, 7, 7])
+    assert stats["loaded"] == 32 and stats["device_hit"] == 0
+    env.head.flush_write_through_acks()
+    tree.check_invariants()
+    env.head.controller.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "before_ack",
+    [
+        lambda head, a: head.inc_lock_ref(a.id),  # another request holds ``a`` alone: locks differ
+        lambda head, a: setattr(a, "priority", 3),  # another priority
+        lambda head, a: setattr(a, "host_pin", 1),  # an L2->L3 write of ``a`` in flight
+    ],
+    ids=["locked", "priority", "pinned"],
+)
+def test_parent_that_differs_is_not_absorbed(before_ack):
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
+    a, leaf = _turns(env, np.arange(16, dtype=np.int32), np.arange(100, 112, dtype=np.int32), before_ack)
+    assert leaf.parent is a and a.parent is env.head.tree.default_root
+    assert (a.num_tokens, leaf.num_tokens) == (16, 12)
+    a.host_pin = 0
+    env.head.tree.check_invariants()
+    env.head.controller.check_invariants()
+
+
+def test_branch_point_is_not_absorbed():
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
+    first = np.arange(16, dtype=np.int32)
+    a, leaf = _turns(env, first, np.arange(100, 112, dtype=np.int32),
+                     lambda head, a: env.serve(np.r_[first, 500, 501, 502, 503]))
+    assert leaf.parent is a and len(a.children) == 2
+    env.head.tree.check_invariants()
+    env.head.controller.check_invariants()
