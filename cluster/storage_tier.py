@@ -21,7 +21,9 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 - Write hold (``pause_writes``/``resume_writes``, the serving loop's calls): while a prefill is
   next or running, new L2->L3 writes wait here (pinned, bounded by ``max_inflight_backup_pages``
   and ``write_hold_max_s``), so their CPU (file creation, checksum, the GIL) lands in decodes, not
-  in a request's TTFT; a due manifest write waits for the resume too. Reads are never held; a
+  in a request's TTFT; a due manifest write waits for the resume too, and a manifest write already
+  running stops between entries while a hold is on (up to what is left of that hold's bound: a
+  few hundred entries take the manifest thread hundreds of ms, over many requests' prefills). Reads are never held; a
   detach drops held writes (later misses, never data).
 - Prefetch: for a queued request, the pages after its matched prefix that L3 has (prefix-ordered,
   all hosts) are fetched into fresh L2 slots below the deepest matched node (pinned meanwhile). When
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -161,6 +164,7 @@ class StorageCounters:
     prefetch_redundant_pages: int = 0  # arrived but the tree already had those tokens
     prefetch_negative_hits: int = 0  # existence lookups skipped: a recent miss for the same page
     manifest_records: int = 0  # manifest entries written
+    manifest_hold_waits: int = 0  # manifest entries that waited for a write hold to end (a prefill's first token)
     manifest_coalesced: int = 0  # queued entries replaced by a longer stored path before a write
     warm_restart_prefixes: int = 0  # manifest entries turned into storage-only tree entries on attach
     warm_restart_tokens: int = 0  # tokens those entries added
@@ -195,6 +199,8 @@ class StorageTier:
         self._manifest_job: cf.Future | None = None
         self._held: list[TransferOp] = []  # L2->L3 writes held by pause_writes(), in queue order
         self._paused_at: float | None = None  # monotonic start of the current pause (None: not paused)
+        self._writes_open = threading.Event()  # clear while a pause is on: the manifest thread waits on it
+        self._writes_open.set()
         workers.attach_storage(params.attachment())
         self.pages_per_object = workers.storage_pages_per_object()
         tree.storage_only.cap_tokens = params.warm_restart_max_tokens if not tree.extra_components else 0
@@ -307,14 +313,17 @@ class StorageTier:
         backups are skipped, as always). ``resume_writes()`` sends them; a pause also ends by itself
         ``write_hold_max_s`` after it began (at the next call into this tier), so a loop that never
         resumes delays writes, never stops them. Reads (prefetches) are never held. Writes already
-        sent run on. Idempotent; a pause in progress keeps its start time."""
+        sent run on; a manifest write in progress stops before its next entry until the resume (or
+        the bound). Idempotent; a pause in progress keeps its start time."""
         if self._paused_at is None and self.params.write_hold_max_s > 0:
             self._paused_at = time.monotonic()
+            self._writes_open.clear()
 
     def resume_writes(self) -> int:
         """Ends the pause: held writes are queued in their order (the caller's controller sends them
         with its next plan). Returns how many were held."""
         self._paused_at = None
+        self._writes_open.set()
         held, self._held = self._held, []
         for op in held:
             self._queue_op(op, [])
@@ -329,6 +338,12 @@ class StorageTier:
         """Whether a write queued now is held (an expired pause ends first, its writes go first)."""
         self._expire_pause()
         return self._paused_at is not None
+
+    def _hold_left_s(self) -> float:
+        """How much longer the current pause may hold writes (0.0: none on, or past its bound). Read by
+        the manifest thread (one attribute read)."""
+        at = self._paused_at
+        return 0.0 if at is None else max(0.0, at + self.params.write_hold_max_s - time.monotonic())
 
     def _expire_pause(self) -> None:
         if self._paused_at is not None and time.monotonic() - self._paused_at >= self.params.write_hold_max_s:
@@ -462,15 +477,20 @@ class StorageTier:
             if self._manifest_thread is None:
                 self._manifest_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="hicache-manifest")
             record = self.workers.storage_record_prefix
-            counters = self.counters
+            counters, hold_left, writes_open = self.counters, self._hold_left_s, self._writes_open
 
             def write() -> None:
                 for ns, tokens in entries:
+                    left = hold_left()
+                    if left:  # a prefill runs: this entry waits for its first token (bounded by the hold)
+                        counters.manifest_hold_waits += 1
+                        writes_open.wait(left)
                     record(ns, tokens)
                     counters.manifest_records += 1
 
             self._manifest_job = self._manifest_thread.submit(write)
         if wait and self._manifest_job is not None:
+            self._writes_open.set()  # a flush writes now, pause or not (the next pause holds again)
             try:
                 self._manifest_job.result(timeout=max(1.0, self.params.storage.timeout_s * (len(entries) + 1)))
             except cf.TimeoutError:

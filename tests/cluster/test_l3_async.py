@@ -250,3 +250,68 @@ def test_a_due_manifest_write_waits_for_the_resume(tmp_path):
     tier.resume_writes()
     tier.flush_manifest()
     assert tier.counters.manifest_records == 1
+
+
+def _manifest_job_with_two_entries(tmp_path, hold_s: float):
+    """An env whose manifest job (two entries) is inside its first entry's write, blocked there until
+    ``release`` is set; returns (env, tier, the two prefixes, release)."""
+    env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3",
+                     storage_kwargs={"manifest_interval_s": 0.0, "write_hold_max_s": hold_s})
+    tier = env.head.controller.storage
+    tier.pause_writes()
+    a, b = seq(0, 16), seq(700, 16)
+    for t in (a, b):
+        env.serve(t)
+    env.head.controller.flush_device_backups()
+    tier.resume_writes()
+    env.head.controller.submit()  # the L2->L3 writes go out ...
+    tier.pause_writes()  # ... and their acks land while paused: both manifest entries wait
+    deadline = time.monotonic() + 10.0
+    while tier.counters.backup_pages < 8 and time.monotonic() < deadline:  # L2->L3 acked, entries queued
+        env.head.check_hicache_events()
+        time.sleep(0.01)
+    assert tier.counters.backup_pages == 8 and len(tier._manifest) == 2 and tier._manifest_job is None
+    workers = env.head.controller.storage.workers
+    record, started, release = workers.storage_record_prefix, threading.Event(), threading.Event()
+
+    def first_blocks(ns, tokens):  # the real record; the first one waits for the test
+        if not started.is_set():
+            started.set()
+            assert release.wait(10.0)
+        record(ns, tokens)
+
+    workers.storage_record_prefix = first_blocks
+    tier.resume_writes()  # starts the due manifest job
+    assert started.wait(10.0)
+    return env, tier, (a, b), release
+
+
+def _listed(env):
+    store = env.workers._executors()[0].storage
+    return sorted(tuple(p.tokens.tolist()) for p in store.list_prefixes(Namespace(env.fingerprint)))
+
+
+def test_a_running_manifest_write_stops_between_entries_while_paused(tmp_path):
+    env, tier, (a, b), release = _manifest_job_with_two_entries(tmp_path, hold_s=300.0)
+    tier.pause_writes()  # a prefill starts while the job is inside its first entry
+    release.set()
+    deadline = time.monotonic() + 10.0
+    while tier.counters.manifest_hold_waits == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    assert tier.counters.manifest_hold_waits == 1 and tier.counters.manifest_records == 1  # the second waits
+    assert not tier._manifest_job.done()
+    tier.resume_writes()  # the first token: the job goes on
+    tier._manifest_job.result(timeout=10.0)
+    assert tier.counters.manifest_records == 2
+    assert _listed(env) == sorted([tuple(a.tolist()), tuple(b.tolist())])  # nothing lost
+
+
+def test_a_paused_manifest_write_goes_on_after_the_hold_bound_without_a_resume(tmp_path):
+    env, tier, (a, b), release = _manifest_job_with_two_entries(tmp_path, hold_s=0.2)
+    tier.pause_writes()  # never resumed: the job waits at most what is left of the 0.2 s bound
+    release.set()
+    tier._manifest_job.result(timeout=10.0)
+    assert tier.counters.manifest_records == 2 and tier.counters.manifest_hold_waits == 1
+    assert tier.writes_paused
+    assert _listed(env) == sorted([tuple(a.tolist()), tuple(b.tolist())])
