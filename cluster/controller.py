@@ -362,15 +362,17 @@ class HiCacheController:
 
     def _start_load(self, chain: list[TreeNode], last_device: TreeNode, tokens: int,
                     caller_lock: bool) -> LoadBackResult:
-        full = self.tree.full
+        tree = self.tree
+        full = tree.full
         leaf = chain[-1]
         # One lock on the whole path: last_device's pages must survive the eviction alloc() may do, and the
         # chain stays locked until the load is acked (host-only nodes take the lock without L1 accounting;
-        # their pages count as protected once attached). With ``caller_lock`` it is the caller's lock.
+        # their pages count as protected once attached). With ``caller_lock`` it is the caller's lock, taken
+        # in every component as ``inc_lock_ref`` takes it (``tree.lock_path``, inline: one call less).
+        full.lock(leaf)
         if caller_lock:
-            self.tree.lock_path(leaf)
-        else:
-            full.lock(leaf)
+            for on_lock in tree.hooks.on_lock:
+                on_lock(leaf)
         for c in chain:
             c.host_pin += 1  # write_back: the eviction below may back up and evict host leaves
         # The chain's pages go straight to the tree (it takes them below): no request-held state in between.
@@ -650,14 +652,15 @@ class HiCacheController:
         (``RadixTree.merge_backed_up``)."""
         chains = batch.chains
         self.counters.backed_up_tokens += self.host.commit_chains(chains, batch.op.host_slots)  # clears ``pending``
-        unlock = self.tree.full.unlock
+        unlock, merge = self.tree.full.unlock, self.tree.merge_backed_up
+        if self.storage is None:
+            for nodes in chains:
+                unlock(nodes[-1])
+                merge(nodes[-1])
+            return
         for nodes in chains:
             unlock(nodes[-1])
-        if self.storage is not None:
-            for nodes in chains:
-                self.storage.on_host_committed(nodes)  # (an L2->L3 write pins its chain: no merge below)
-        merge = self.tree.merge_backed_up
-        for nodes in chains:
+            self.storage.on_host_committed(nodes)  # an L2->L3 write pins the chain: no merge then
             merge(nodes[-1])
 
     def _commit_loads(self, batch: _CopyBatch) -> None:
