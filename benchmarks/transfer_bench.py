@@ -6,14 +6,15 @@
     python benchmarks/transfer_bench.py --small                      # 512 B / 4 KiB pages, 16-2048 per batch: ~1 min
     python benchmarks/transfer_bench.py --hicache-replay             # hicache_bench's own transfers: ~1 min
 
-``--hicache-replay``: records the worker calls (plans, polls, waits) of one HiCache run of
-``benchmarks/hicache_bench.py`` at its defaults (multi-turn, L1 200K / L2 800K tokens, 1 KiB pages,
+``--hicache-replay [--copy-strategy compiled numpy]``: records the worker calls (plans, polls, waits)
+of one HiCache run of ``benchmarks/hicache_bench.py`` at its defaults (multi-turn, L1 200K / L2 800K tokens, 1 KiB pages,
 write_through, 8 requests per step), then replays them ``--reps`` times on fresh workers (after one
 warm-up replay) and reports the best *thread CPU* seconds of the replay (this thread only: the CPU
 backend runs these transfers inline, and on a shared box thread CPU time does not count the time
 other processes hold the core), per page and per op: for the whole trace, and for its H2D and D2H
 ops replayed alone (plans filtered to one kind). This is the data plane's share of hicache_bench's
-overhead target, without the tree.
+overhead target, without the tree. ``--copy-strategy``: the CPU copier's strategies
+(``hicache.workers.host_copy.CopyStrategy``), one fresh worker each, alternating in every round.
 
 Small pages (``--small``, or ``--page-bytes`` below one token of the default layout): per-page costs
 dominate there, so the table's ``us/page`` column is the figure to read. 512 B and 1 KiB pages use
@@ -59,6 +60,7 @@ then the rss records and one ``direction == "summary"`` record with the targets 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -84,6 +86,8 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--impl", default=None, choices=["xla", "pallas_tpu", "pallas_interpret"])
     ap.add_argument("--hicache-replay", action="store_true",
                     help="replay the worker calls of one hicache_bench HiCache run (see the docstring)")
+    ap.add_argument("--copy-strategy", nargs="+", default=[None], choices=["compiled", "numpy"],
+                    help="--hicache-replay: PageCopier strategies, replayed alternately (default: the worker's)")
     ap.add_argument("--child-out", help=argparse.SUPPRESS)  # internal: one page size, records to this file
     return ap.parse_args()
 
@@ -417,11 +421,14 @@ def record_hicache_calls() -> tuple[KVCacheSpec, int, int, list[tuple[str, objec
     return spec, l1 // spec.page_size, l2 // spec.page_size, calls
 
 
-def replay(spec: KVCacheSpec, l1: int, l2: int, calls: list, reps: int) -> float:
-    """Best thread-CPU seconds of ``calls`` on a fresh worker (one warm-up replay first)."""
-    best = float("inf")
-    for r in range(reps + 1):
+def replay(spec: KVCacheSpec, l1: int, l2: int, calls: list, reps: int, strategies: list) -> dict:
+    """Best thread-CPU seconds of ``calls`` on a fresh worker per copy strategy (``None``: the worker's
+    own), the strategies alternating in each round (one warm-up round first)."""
+    best = {s: float("inf") for s in strategies}
+    for r, strategy in itertools.product(range(reps + 1), strategies):
         w = HostWorker(spec, l1, l2, host_pool_kind=ARGS.host_pool_kind, impl=ARGS.impl)
+        if strategy is not None:
+            w.host_pool.page_copier().set_strategy(strategy)
         t = time.thread_time()
         for kind, arg in calls:
             if kind == "submit":
@@ -434,8 +441,8 @@ def replay(spec: KVCacheSpec, l1: int, l2: int, calls: list, reps: int) -> float
         dt = time.thread_time() - t
         assert all(a.ok for a in acks), [a.error for a in acks if not a.ok]
         w.close()
-        if r:  # replay 0 warms up (compiles, first-touch of the process heap)
-            best = min(best, dt)
+        if r:  # round 0 warms up (compiles, first-touch of the process heap)
+            best[strategy] = min(best[strategy], dt)
     return best
 
 
@@ -455,11 +462,12 @@ def run_hicache_replay() -> dict:
                 pages += sum(op.num_pages for op in kept)
                 arg = TransferPlan(next(seq), kept)
             mine.append((kind, arg))
-        secs = replay(spec, l1, l2, mine, reps)
-        out.update({f"{part}_ops": ops, f"{part}_pages": pages, f"{part}_cpu_s": secs,
-                    f"{part}_us_per_page": 1e6 * secs / pages, f"{part}_us_per_op": 1e6 * secs / ops})
-        print(f"{part:>4}: {ops:4d} ops, {pages:7d} pages of {spec.page_bytes} B: best thread CPU {secs * 1e3:7.1f} ms "
-              f"= {1e6 * secs / pages:.3f} us/page = {1e6 * secs / ops:.0f} us/op", flush=True)
+        for strategy, secs in replay(spec, l1, l2, mine, reps, ARGS.copy_strategy).items():
+            key = part if strategy is None else f"{part}_{strategy}"
+            out.update({f"{key}_ops": ops, f"{key}_pages": pages, f"{key}_cpu_s": secs,
+                        f"{key}_us_per_page": 1e6 * secs / pages, f"{key}_us_per_op": 1e6 * secs / ops})
+            print(f"{key:>13}: {ops:4d} ops, {pages:7d} pages of {spec.page_bytes} B: best thread CPU "
+                  f"{secs * 1e3:7.1f} ms = {1e6 * secs / pages:.3f} us/page = {1e6 * secs / ops:.0f} us/op", flush=True)
     return out
 
 

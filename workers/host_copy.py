@@ -2,9 +2,9 @@
 
 On XLA:CPU with one device the L1 pool's buffer is host memory, like the host pool's numpy slab, so
 a D2H or H2D is a host memory copy on the KV-owning thread (a compiled loop, or numpy): no XLA
-kernel, no staging array, no readiness polling. ``PageCopier`` does the copies; the transfer engine decides when the pool buffer
-may be read or written (``hicache.workers.transfer``: reads need a ready array, writes a buffer taken
-over by donation) and passes its address.
+kernel, no staging array, no readiness polling. ``PageCopier`` does the copies; the transfer engine
+decides when the pool buffer may be read or written (``hicache.workers.transfer``: reads need a
+ready array, writes a buffer taken over by donation) and passes its address.
 
 Who owns what: the host pool owns the slab and builds the copier over it; the pool buffer belongs to
 the device pool (and the model forward donates it between plans): the copier only keeps a view of
@@ -152,7 +152,7 @@ class PageCopier:
         src, words = self._pool_views(pool_address)
         if self._loops is not None:
             _same_size(pages, slots)
-            self._loops[1](words, self._slab_words, pages, slots)
+            self._loops.to_slab(words, self._slab_words, pages, slots)
             return
         dst = self._slab_runs
         n = pages.size
@@ -175,7 +175,7 @@ class PageCopier:
         dst, words = self._pool_views(pool_address)
         if self._loops is not None:
             _same_size(pages, slots)
-            self._loops[0](words, self._slab_words, pages, slots)
+            self._loops.to_pool(words, self._slab_words, pages, slots)
             return
         src = self._slab_runs
         n = pages.size

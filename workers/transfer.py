@@ -99,6 +99,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hicache.kernels.paged_copy import CopyImpl, gather_pages, scatter_pages, select_impl, validate_ids
+from hicache.workers import page_loops
 from hicache.workers.copy_thread import CopyJob, CopyThread
 from hicache.workers.device_pool import DevicePool, zeros_fn
 from hicache.workers.host_pool import HostPool, PendingBackup
@@ -333,6 +334,11 @@ class TransferEngine:
             self.data_path, self._copier = DataPath.JIT, None
         self._slot_bytes = host_pool.slot_bytes
         self._num_pages = device_pool.num_pages
+        # The CPU data path (numba loaded anyway): ids checked in one compiled pass (``check``).
+        self._id_loops = page_loops.loops() if self._copier is not None else None
+        if self._id_loops is not None:
+            self._page_id_marks = np.zeros(self._num_pages, np.uint8)
+            self._slot_id_marks = np.zeros(host_pool.num_slots, np.uint8)
         if self.data_path is DataPath.HOST_THREAD:
             assert self._copier is not None
             self._copies = CopyThread(f"copy-{id(self):x}")
@@ -463,6 +469,14 @@ class TransferEngine:
 
     # -- validation (host side, before any buffer is touched) -----------------------------------
     def check(self, device_pages: object, host_slots: object) -> tuple[np.ndarray, np.ndarray]:
+        """Private int32 copies of the ids once in range, unique and paired (``ValueError``/``TypeError``
+        naming the bad value otherwise)."""
+        loops = self._id_loops
+        if (loops is not None and _plain_ids(device_pages) and _plain_ids(host_slots)
+                and device_pages.size == host_slots.size  # type: ignore[union-attr]
+                and loops.first_bad_id(device_pages, self._num_pages, self._page_id_marks) < 0
+                and loops.first_bad_id(host_slots, self.host_pool.num_slots, self._slot_id_marks) < 0):
+            return device_pages.copy(), host_slots.copy()  # type: ignore[union-attr]
         pages = validate_ids(device_pages, self._num_pages, name="device_pages")
         slots = self.host_pool.check_slots(host_slots)
         if pages.size != slots.size:
@@ -557,6 +571,11 @@ class TransferEngine:
         self.device_pool.adopt_kv(new_kv)
         return TransferHandle(OpKind.LOAD_H2D, n, n * self._slot_bytes, token.is_ready, token.block_until_ready,
                               _noop, release)
+
+
+def _plain_ids(ids: object) -> bool:
+    """A non-empty 1-D int32 numpy array (what plans carry): the compiled check's input."""
+    return type(ids) is np.ndarray and ids.dtype == np.int32 and ids.ndim == 1 and ids.size > 0
 
 
 def _to_slab(copier, kv: jax.Array, address: int, pages: np.ndarray, slots: np.ndarray, scratch: np.ndarray) -> None:

@@ -86,7 +86,8 @@ def test_compiled_and_numpy_strategies_agree_on_one_copier():
 
 
 def test_word_dtype_is_the_widest_that_divides_a_run():
-    assert [page_loops.word_dtype(b) for b in (512, 12, 6, 3, 1)] == [np.dtype(t) for t in ("u8", "u4", "u2", "u1", "u1")]
+    words = [page_loops.word_dtype(b) for b in (512, 12, 6, 3, 1)]
+    assert words == [np.dtype(t) for t in ("u8", "u4", "u2", "u1", "u1")]
 
 
 def test_without_numba_the_numpy_strategy_is_the_default(monkeypatch):
@@ -121,3 +122,49 @@ def test_compiled_copy_of_unequal_id_arrays_is_refused_untouched():
         copier.to_pool(pool.ctypes.data, np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32))
     np.testing.assert_array_equal(slab, before)
     assert not pool.any()
+
+
+@needs_numba
+def test_first_bad_id_finds_range_and_duplicate_errors_and_clears_its_marks():
+    first_bad = page_loops.loops().first_bad_id
+    marks = np.zeros(10, np.uint8)
+    cases = [([0, 9, 3, 4], -1), ([2], -1), ([1, 2, 10, 3], 2), ([-1, 2], 0), ([4, 5, 6, 5, 7], 3),
+             ([3, 3], 1), (list(range(10)), -1), ([0, 1, 2, 2147483647], 3)]
+    for ids, want in cases:
+        assert first_bad(np.array(ids, np.int32), 10, marks) == want, ids
+        assert not marks.any(), ids
+
+
+@needs_numba
+def test_the_engine_checks_ids_in_one_compiled_pass_and_still_names_bad_values():
+    """``TransferEngine.check`` on the CPU data path: good plan ids come back as private copies, bad
+    ones raise the sort-based check's messages, and its marks stay clear for the next plan."""
+    import jax
+
+    from hicache.workers import HostWorker, KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_size=16, dtype="float32")
+    worker = HostWorker(spec, 24, 16, devices=[jax.devices()[0]], host_pool_kind="numpy_slab")
+    engine = worker.engine
+    assert engine._id_loops is not None
+    pages, slots = np.array([5, 0, 23], np.int32), np.array([15, 2, 0], np.int32)
+    got_pages, got_slots = engine.check(pages, slots)
+    np.testing.assert_array_equal(got_pages, pages)
+    np.testing.assert_array_equal(got_slots, slots)
+    assert got_pages is not pages and not np.shares_memory(got_pages, pages)
+    assert got_slots is not slots and not np.shares_memory(got_slots, slots)
+    bad = [
+        (([1, 24], [0, 1]), r"device_pages out of range \[0, 24\): \[24\]"),
+        (([1, -2], [0, 1]), r"device_pages out of range \[0, 24\): \[-2\]"),
+        (([1, 2], [0, 16]), r"host_slots out of range \[0, 16\): \[16\]"),
+        (([4, 7, 4], [0, 1, 2]), r"device_pages has duplicates: \[4\]"),
+        (([4, 7, 8], [5, 1, 5]), r"host_slots has duplicates: \[5\]"),
+        (([1, 2], [0]), r"2 device_pages vs 1 host_slots"),
+    ]
+    for (p, s), message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine.check(np.array(p, np.int32), np.array(s, np.int32))
+        assert not engine._page_id_marks.any() and not engine._slot_id_marks.any()
+    with pytest.raises(TypeError, match="device_pages must be integers"):
+        engine.check(np.array([1.5]), np.array([0], np.int32))
+    worker.close()
