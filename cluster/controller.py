@@ -655,8 +655,9 @@ class HiCacheController:
         unlock, merge = self.tree.full.unlock, self.tree.merge_backed_up
         if self.storage is None:
             for nodes in chains:
-                unlock(nodes[-1])
-                merge(nodes[-1])
+                leaf = nodes[-1]
+                merge(leaf)  # (the path lock is on both: equal locks either side of the unlock)
+                unlock(leaf)  # one node less to walk once merged
             return
         for nodes in chains:
             unlock(nodes[-1])
