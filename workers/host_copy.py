@@ -75,13 +75,6 @@ def _runs(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return flat.view(np.dtype((np.void, run * a.itemsize))).reshape(shape)
 
 
-def _same_size(pages: np.ndarray, slots: np.ndarray) -> None:
-    """The one check before a compiled loop (the caller validated the ids): it indexes ``slots`` by
-    the position in ``pages``."""
-    if pages.shape != slots.shape:
-        raise ValueError(f"{pages.size} pages vs {slots.size} slots")
-
-
 class PageCopier:
     """Copies pages between the L1 pool ``[L, 2, P, S, H, D]`` and the slab ``[N, L, 2, S, H, D]``
     (same item size, both C-contiguous). The pool is passed by the address of its buffer (row-major,
@@ -145,15 +138,18 @@ class PageCopier:
             return self._scratch, self.chunk_pages
         return scratch, scratch.size // self.slot_bytes
 
+    def _copy_compiled(self, pool_words: np.ndarray, pages: np.ndarray, slots: np.ndarray, into_pool: bool) -> None:
+        if pages.shape != slots.shape:  # the one check here (the caller validated the ids): the loop
+            raise ValueError(f"{pages.size} pages vs {slots.size} slots")  # reads slots[i] for each pages[i]
+        self._loops.copy_pages(pool_words, self._slab_words, pages, slots, into_pool)
+
     def to_slab(self, pool_address: int, pages: np.ndarray, slots: np.ndarray,
                 scratch: np.ndarray | None = None) -> None:
         """``slab[slots[i]] = pool[:, :, pages[i]]`` (D2H). ``scratch``: the caller's own buffer
         (``new_scratch``) when it runs on another thread than the owner's."""
         src, words = self._pool_views(pool_address)
         if self._loops is not None:
-            _same_size(pages, slots)
-            self._loops.to_slab(words, self._slab_words, pages, slots)
-            return
+            return self._copy_compiled(words, pages, slots, into_pool=False)
         dst = self._slab_runs
         n = pages.size
         if not self.vectorised(n):
@@ -174,9 +170,7 @@ class PageCopier:
         """``pool[:, :, pages[i]] = slab[slots[i]]`` (H2D); ``scratch`` as for ``to_slab``."""
         dst, words = self._pool_views(pool_address)
         if self._loops is not None:
-            _same_size(pages, slots)
-            self._loops.to_pool(words, self._slab_words, pages, slots)
-            return
+            return self._copy_compiled(words, pages, slots, into_pool=True)
         src = self._slab_runs
         n = pages.size
         if not self.vectorised(n):

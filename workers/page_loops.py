@@ -31,24 +31,20 @@ from typing import NamedTuple
 
 import numpy as np
 
-# pool words [L*2, P, W], slab words [N, L*2, W], pages int32[n], slots int32[n]
-PageLoop = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+# (pool words [L*2, P, W], slab words [N, L*2, W], pages int32[n], slots int32[n], into_pool) -> None
+PageLoop = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool], None]
 
 
-def _to_pool(pool: np.ndarray, slab: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> None:
+def _copy_pages(pool: np.ndarray, slab: np.ndarray, pages: np.ndarray, slots: np.ndarray, into_pool: bool) -> None:
+    """``pool[:, pages[i]] = slab[slots[i]]`` (H2D) if ``into_pool``, else the reverse (D2H)."""
     runs = pool.shape[0]
     for i in range(pages.shape[0]):
         page, slot = pages[i], slots[i]
         for j in range(runs):
-            pool[j, page, :] = slab[slot, j, :]
-
-
-def _to_slab(pool: np.ndarray, slab: np.ndarray, pages: np.ndarray, slots: np.ndarray) -> None:
-    runs = pool.shape[0]
-    for i in range(pages.shape[0]):
-        page, slot = pages[i], slots[i]
-        for j in range(runs):
-            slab[slot, j, :] = pool[j, page, :]
+            if into_pool:
+                pool[j, page, :] = slab[slot, j, :]
+            else:
+                slab[slot, j, :] = pool[j, page, :]
 
 
 def _first_bad_id(ids: np.ndarray, upper: int, marks: np.ndarray) -> int:
@@ -70,8 +66,7 @@ def _first_bad_id(ids: np.ndarray, upper: int, marks: np.ndarray) -> int:
 
 
 class Loops(NamedTuple):
-    to_pool: PageLoop
-    to_slab: PageLoop
+    copy_pages: PageLoop
     # (ids int32[n], upper, marks u1[upper]) -> position of the first bad id, or -1
     first_bad_id: Callable[[np.ndarray, int, np.ndarray], int]
 
@@ -84,7 +79,7 @@ def loops() -> Loops | None:
     except ImportError:
         return None
     jit = numba.njit(nogil=True, cache=True, boundscheck=False)
-    return Loops(jit(_to_pool), jit(_to_slab), jit(_first_bad_id))
+    return Loops(jit(_copy_pages), jit(_first_bad_id))
 
 
 def word_dtype(run_bytes: int) -> np.dtype:
