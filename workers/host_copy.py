@@ -27,7 +27,7 @@ Strategies (``CopyStrategy``, chosen once per copier; ``COMPILED`` where numba i
 * ``COMPILED``: one pass per page, slot to page or back, in a loop compiled by numba
   (``hicache.workers.page_loops``): no scratch, no Python step per page, GIL released. Numpy cannot
   copy from gathered rows to scattered ones without materialising them in between, so the numpy
-  strategies below move every byte twice; on hicache_bench's plans this one took 0.65-0.7x their
+  strategies below move every byte twice; on hicache_bench's plans this one took 0.6-0.7x their
   CPU time (see ``page_loops``).
 * ``NUMPY``, per batch (measured here, 2 shared cores; fresh ids each time; see
   ``benchmarks/transfer_bench.py``):

@@ -4,11 +4,13 @@ to its L1 page or back (a ``memcpy`` per run), with no scratch buffer in between
 Why compiled: numpy has no gather-to-scatter copy. ``np.take`` writes only a C-contiguous ``out``
 and a fancy-index store reads a materialised value array, so ``PageCopier``'s numpy strategies take
 pages into a scratch buffer and store them from there: two passes over the bytes. These loops (numba,
-``nogil``) make one. Measured here (2 shared cores, thread CPU time, best of 9, alternating):
-hicache_bench's 302 recorded plans replayed on one worker, 1 KiB pages, numpy 70.5 ms vs compiled
-48.1 ms per replay; its loads alone (126.7 MB over 142 batches) 30.8 -> 18.4 ms and its backups
-(43.9 MB) 10.9 -> 7.1 ms with the same loop in C. Random 512-byte runs of a slab larger than the
-last-level cache stay memory-bound; the second pass is what goes.
+``nogil``) make one. Measured here (2 shared cores, load 5-11; ``python benchmarks/transfer_bench.py
+--hicache-replay --copy-strategy compiled numpy --reps 9``: hicache_bench's 302 plans of 1 KiB pages
+replayed on fresh workers, the strategies alternating, best thread CPU), two runs: the whole trace
+73.3 -> 51.1 and 66.5 -> 41.5 ms (0.6-0.7x), its loads (123.7K pages) 53.6 -> 33.9 and 41.8 -> 30.9
+ms, its backups (42.9K pages) 21.5 -> 11.5 and 22.0 -> 13.6 ms. Random 512-byte runs of a slab
+larger than the last-level cache stay memory-bound (a C loop with software prefetch did no better);
+the second pass is what goes.
 
 Who owns what: nothing here holds a buffer. The caller (``hicache.workers.host_copy.PageCopier``)
 passes word views of the pool buffer ``[L*2, P, W]`` and of the slab ``[N, L*2, W]`` (``W`` words per
