@@ -674,6 +674,7 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
     cpu_served: dict[PairMode, list[dict[str, list[Served]]]] = {m: [] for m in plans}
     wall_served: dict[PairMode, list[dict[str, list[Served]]]] = {m: [] for m in plans}
     runs: dict[PairMode, list[dict[str, ConfigRun]]] = {m: [] for m in plans}
+    wall_drain_s: dict[PairMode, list[float]] = {m: [] for m in plans}
     first = None
     for rep in range(reps):
         for mode in (list(plans) if rep % 2 == 0 else list(plans)[::-1]):
@@ -691,6 +692,7 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
             run = serve_segments(serves, items, drains, plans[mode], rotate=rep, clock=time.process_time)
             drain_stack(stack)  # the interleaved pair's writes land here, outside its timings
             runs[mode].append(run)
+            wall_drain_s[mode] += wall_drains
             cpu_served[mode].append({n: r.served for n, r in run.items()})
             wall_served[mode].append({n: on_wall_clock(r.served, wall_drains if n == "no_cache" else (), plans[mode])
                                       for n, r in run.items()})
@@ -700,8 +702,8 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
                          spot_check(stack.runner, run["no_cache"].served, "no_cache", 1))
                 first = (stats, spots)
             close_stack(stack)
-    summaries = {m: _pair_summary(m, plans[m], clock, {"cpu": cpu_served[m], "wall": wall_served[m]}, runs[m])
-                 for m in plans}
+    summaries = {m: _pair_summary(m, plans[m], clock, {"cpu": cpu_served[m], "wall": wall_served[m]}, runs[m],
+                                  wall_drain_s[m]) for m in plans}
     best, summary = summaries[PairMode.SEGMENTS]
     summary["interleaved"] = summaries[PairMode.INTERLEAVED][1]
     return (best["bare_engine"], best["no_cache"], *first, summary)
@@ -719,13 +721,12 @@ def no_reuse_targets(overhead: dict) -> dict[str, float]:
 
 
 def _pair_summary(mode: PairMode, segment: int, clock: str, served: dict[str, Sequence[dict[str, list[Served]]]],
-                  runs: Sequence[dict[str, ConfigRun]]) -> tuple[dict[str, list[Served]], dict]:
+                  runs: Sequence[dict[str, ConfigRun]], wall_drain_s: Sequence[float]
+                  ) -> tuple[dict[str, list[Served]], dict]:
     """(best-of-reps wall results, the summary ``overhead_pair`` reports) of one protocol's reps;
-    ``served[clock]``: the reps timed on that clock."""
+    ``served[clock]``: the reps timed on that clock; the no_cache drains: CPU in ``runs``, wall given."""
     requests = sum(len(run["no_cache"].served) for run in runs)
-    drains = {"cpu": [d for run in runs for d in run["no_cache"].drain_s]}
-    drains["wall"] = [s.result.latency_s - sum(getattr(s.result.phases, f.name) for f in fields(ServePhases))
-                      for rep in served["wall"] for s in rep["no_cache"]]  # what on_wall_clock added
+    drains = {"cpu": [d for run in runs for d in run["no_cache"].drain_s], "wall": wall_drain_s}
     by_clock, best_wall = {}, None
     for name, reps in served.items():
         best, _ = best_of_reps(reps)
@@ -947,10 +948,11 @@ def warm_up_and_baselines(args, items: Sequence[Item], ref, base: ModelRunner, b
     b, n, nc_stats, (sp_b, sp_n), overhead = overhead_pair(
         bare, base, lambda tag: full(f"l3-nc-{tag}"), items, ref, args.overhead_reps, args.segment, args.clock)
     for clock, seg in overhead["by_clock"].items():
+        interleaved = overhead["interleaved"]["by_clock"][clock]
         log(f"  no-reuse overhead on the {clock} clock (mean service TTFT, best of {args.overhead_reps}): "
             f"{seg['overhead_mean_ttft']:+.1%} in segments of {args.segment} (drain "
             f"{seg['no_cache_drain_ms_per_request']:.2f} ms per request; "
-            f"{seg['overhead_mean_ttft_drain_charged']:+.1%} with every drain on a TTFT), {overhead['interleaved']['by_clock'][clock]['overhead_mean_ttft']:+.1%} "
-            "interleaved per request")
+            f"{seg['overhead_mean_ttft_drain_charged']:+.1%} with every drain on a TTFT), "
+            f"{interleaved['overhead_mean_ttft']:+.1%} interleaved per request")
     return ({"bare_engine": b, "no_cache": n}, {"bare_engine": sp_b, "no_cache": sp_n},
             {"bare_engine": {}, "no_cache": nc_stats}, overhead)
