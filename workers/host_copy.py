@@ -65,7 +65,7 @@ class CopyStrategy(str, enum.Enum):
 
 def default_strategy() -> CopyStrategy:
     """``COMPILED`` where numba is installed, else ``NUMPY``: the one place that looks."""
-    return CopyStrategy.COMPILED if page_loops.loops() is not None else CopyStrategy.NUMPY
+    return CopyStrategy.COMPILED if page_loops.available() else CopyStrategy.NUMPY
 
 
 def _runs(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -108,10 +108,10 @@ class PageCopier:
         """How the next copies run (``None``: ``default_strategy()``); ``ValueError`` for an unknown
         strategy or ``COMPILED`` without numba (the strategy stays as it was)."""
         strategy = default_strategy() if strategy is None else CopyStrategy(strategy)
-        loops = page_loops.loops() if strategy is CopyStrategy.COMPILED else None
-        if strategy is CopyStrategy.COMPILED and loops is None:
+        compiled = strategy is CopyStrategy.COMPILED
+        if compiled and not page_loops.available():
             raise ValueError("strategy 'compiled' needs numba, which is not installed")
-        self.strategy, self._loops = strategy, loops
+        self.strategy, self._compiled = strategy, compiled  # compiled on the first copy
 
     def _pool_views(self, address: int) -> tuple[np.ndarray, np.ndarray]:
         """The pool buffer at ``address`` as ``[L*2, P]`` runs and as ``[L*2, P, W]`` words (cached:
@@ -127,7 +127,7 @@ class PageCopier:
 
     def vectorised(self, n: int) -> bool:
         """True when a copy of ``n`` pages takes few GIL-free calls: compiled, or numpy vectorised."""
-        return self._loops is not None or (n >= VECTOR_MIN_PAGES and self.slot_bytes <= VECTOR_PAGE_MAX_BYTES)
+        return self._compiled or (n >= VECTOR_MIN_PAGES and self.slot_bytes <= VECTOR_PAGE_MAX_BYTES)
 
     def new_scratch(self, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
         """A scratch buffer for copies run on another thread than the owner's (at least one page)."""
@@ -141,14 +141,14 @@ class PageCopier:
     def _copy_compiled(self, pool_words: np.ndarray, pages: np.ndarray, slots: np.ndarray, into_pool: bool) -> None:
         if pages.shape != slots.shape:  # the one check here (the caller validated the ids): the loop
             raise ValueError(f"{pages.size} pages vs {slots.size} slots")  # reads slots[i] for each pages[i]
-        self._loops.copy_pages(pool_words, self._slab_words, pages, slots, into_pool)
+        page_loops.loops().copy_pages(pool_words, self._slab_words, pages, slots, into_pool)
 
     def to_slab(self, pool_address: int, pages: np.ndarray, slots: np.ndarray,
                 scratch: np.ndarray | None = None) -> None:
         """``slab[slots[i]] = pool[:, :, pages[i]]`` (D2H). ``scratch``: the caller's own buffer
         (``new_scratch``) when it runs on another thread than the owner's."""
         src, words = self._pool_views(pool_address)
-        if self._loops is not None:
+        if self._compiled:
             return self._copy_compiled(words, pages, slots, into_pool=False)
         dst = self._slab_runs
         n = pages.size
@@ -169,7 +169,7 @@ class PageCopier:
                 scratch: np.ndarray | None = None) -> None:
         """``pool[:, :, pages[i]] = slab[slots[i]]`` (H2D); ``scratch`` as for ``to_slab``."""
         dst, words = self._pool_views(pool_address)
-        if self._loops is not None:
+        if self._compiled:
             return self._copy_compiled(words, pages, slots, into_pool=True)
         src = self._slab_runs
         n = pages.size

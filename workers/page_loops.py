@@ -22,12 +22,13 @@ the sort-based ``validate_ids`` took ~5 ms per hicache_bench run for its 604 id 
 
 Compiled on first use per word type (seconds, once per machine: numba caches the machine code on
 disk, ``__pycache__`` beside this file or its user cache when that is read-only). ``loops()`` is
-``None`` where numba is not installed; the copier then keeps to its numpy strategies.
+``None`` where numba is not installed (``available()``); the copier then keeps to its numpy strategies.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -74,12 +75,19 @@ class Loops(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """numba is installed (found without importing it: the import takes 0.3-1.5 s here, paid at the
+    first copy, never by a process that builds a copier it does not use)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+@functools.lru_cache(maxsize=1)
 def loops() -> Loops | None:
     """The loops compiled (lazily, per argument types), or ``None`` without numba."""
-    try:
-        import numba
-    except ImportError:
+    if not available():
         return None
+    import numba
+
     jit = numba.njit(nogil=True, cache=True, boundscheck=False)
     return Loops(jit(_copy_pages), jit(_first_bad_id))
 

@@ -56,8 +56,9 @@ looks at the backend):
   thread's own copies wait for conflicting jobs (``_settle_copies``). Waits are bounded by
   ``COPY_TIMEOUT_S`` (a job still queued is withdrawn and its op fails). Opt-in only: under
   CPython's GIL the thread needs the GIL three times per copy (to wake, and after each of its two
-  numpy calls; twice with the compiled loops, measured before them) and gets it only when the owner thread blocks or after the 5 ms switch interval, so
-  the owner's Python bookkeeping does not overlap the copies. Measured here (loaded 2-CPU VM): a
+  numpy calls; twice with the compiled loops, measured before them) and gets it only when the
+  owner thread blocks or after the 5 ms switch interval, so the owner's Python bookkeeping does not
+  overlap the copies. Measured here (loaded 2-CPU VM): a
   268-page backup (~0.17 ms of copying) landed after a median 7.7 ms while the owner ran Python;
   hicache_bench paired in one process (7 alternating runs each): overhead ratio 0.383 inline vs
   0.375 threaded (0.365 with a 0.2 ms switch interval) -- noise; a load split over both threads

@@ -41,7 +41,7 @@ def _id_cases(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(p.astype(np.int32), s.astype(np.int32)) for p, s in cases]
 
 
-needs_numba = pytest.mark.skipif(page_loops.loops() is None, reason="numba is not installed")
+needs_numba = pytest.mark.skipif(not page_loops.available(), reason="numba is not installed")
 
 
 @needs_numba
@@ -91,7 +91,7 @@ def test_word_dtype_is_the_widest_that_divides_a_run():
 
 
 def test_without_numba_the_numpy_strategy_is_the_default(monkeypatch):
-    monkeypatch.setattr(page_loops, "loops", lambda: None)
+    monkeypatch.setattr(page_loops, "available", lambda: False)
     assert host_copy.default_strategy() is CopyStrategy.NUMPY
     slab = np.zeros((4, 1, 2, 1, 1, 8), np.uint16)
     copier = PageCopier(slab, 8)
@@ -168,3 +168,25 @@ def test_the_engine_checks_ids_in_one_compiled_pass_and_still_names_bad_values()
     with pytest.raises(TypeError, match="device_pages must be integers"):
         engine.check(np.array([1.5]), np.array([0], np.int32))
     worker.close()
+
+
+def test_a_copier_imports_numba_only_at_its_first_compiled_copy():
+    """Building a copier (every single-shard slab pool does, also for engines that never use it)
+    costs no numba import; the first copy does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from hicache.workers.host_copy import PageCopier\n"
+        "c = PageCopier(np.zeros((4, 1, 2, 1, 1, 8), np.uint16), 8)\n"
+        "print(c.strategy.value, 'numba' in sys.modules)\n"
+        "pool = np.zeros((1, 2, 8, 1, 1, 8), np.uint16)\n"
+        "c.to_pool(pool.ctypes.data, np.array([1], np.int32), np.array([2], np.int32))\n"
+        "print('numba' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    if page_loops.available():
+        assert out.stdout.split() == ["compiled", "False", "True"]
+    else:
+        assert out.stdout.split() == ["numpy", "False", "False"]
