@@ -6,7 +6,9 @@ host acked (DESIGN.md §1). A failed transfer rolls the nodes back and frees wha
 
 Node states (Full KV): device-only -> device + staged (backup in flight, path locked) -> device+host ->
 host-only (L1 evicted) -> removed (L2 evicted); load-back: host-only -> loading (L1 pages attached,
-locked, host copy pinned) -> device+host. Runs on the head's single thread; workers never decide.
+locked, host copy pinned) -> device+host. When a backup is acked, its chain's leaf absorbs its parent if
+both are device+host and nothing tells them apart (``RadixTree.merge_backed_up``): a write-through
+conversation stays one node. Runs on the head's single thread; workers never decide.
 """
 
 from __future__ import annotations
