@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pickle
 import subprocess
@@ -140,7 +141,6 @@ def _meta(**kw):
 def test_header_bytes_are_stable_and_the_per_pool_encoder_matches():
     """Golden bytes (computed with the format v3 encoder as first written; an object without
     links): a change in the header encoding must bump the format version."""
-    import hashlib
 
     payload = np.arange(30, dtype=np.float32).reshape(2, 3, 5)
     m = _meta(key=bytes(range(32)))
@@ -223,6 +223,24 @@ def test_links_bind_a_name_to_its_page_in_a_longer_object():
         enc.encode(b"k" * 32, 8, 6, payload[: 6 * 15], links)  # page 13 is not inside 6 pages
     with pytest.raises(ValueError, match="without links"):
         encode_header(_meta(num_links=1), payload)
+
+
+def test_chain_hash_equals_hashlib_sha256_over_the_documented_bytes():
+    """The chain's SHA-256 (CPython's builtin one where present, ``keys._sha256``) gives the digests
+    ``hashlib.sha256`` gives over the bytes the module docstring names: seed, then link + page."""
+    from hicache.storage.keys import _frame, _sha256
+
+    for data in (b"", b"x", bytes(range(256)) * 3):
+        assert _sha256(data).digest() == hashlib.sha256(data).digest()
+    ns = Namespace(FP, extra_key="lora", cache_salt="s")
+    tokens = np.arange(4 * 6, dtype=np.int32) * 7919
+    prev = hashlib.sha256(_frame(b"hicache/ns/v1", FP.digest(), "lora", "s")).digest()
+    assert ns.seed() == prev
+    ref = []
+    for i in range(6):
+        prev = hashlib.sha256(prev + tokens[4 * i : 4 * i + 4].astype("<i8").tobytes()).digest()
+        ref.append(prev.hex())
+    assert page_keys(ns, tokens) == ref and list(ChainKeys(ns, tokens)) == ref
 
 
 def test_chain_keys_are_page_keys_hashed_on_demand():
