@@ -222,8 +222,8 @@ class HostWorkerActor:
     def storage_pages_per_object(self) -> int:
         return self._storage().pages_per_object()
 
-    def storage_exists(self, keys: list[str], first_page: int) -> int:
-        return self._storage().batch_exists(keys, first_page=first_page)
+    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int:
+        return self._storage().batch_exists(keys, first_page=first_page, min_pages=min_pages)
 
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         self._storage().record_prefix(namespace, tokens)
@@ -412,10 +412,10 @@ class RayWorkerGroup:
     def storage_pages_per_object(self) -> int:
         return ray.get(self.actors[0].storage_pages_per_object.remote(), timeout=self.options.call_timeout_s)
 
-    def storage_exists(self, keys: list[str], first_page: int) -> int:
+    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int:
         """MIN over hosts of the stored prefix length; a host that cannot answer counts as 0 (a miss)."""
         try:
-            found = ray.get([a.storage_exists.remote(keys, first_page) for a in self.actors],
+            found = ray.get([a.storage_exists.remote(keys, first_page, min_pages) for a in self.actors],
                             timeout=self.options.call_timeout_s)
         except Exception as e:  # storage trouble is a miss, never an error for the request
             log.warning("replica %s: L3 existence check failed: %s", self.replica, e)

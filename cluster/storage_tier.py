@@ -28,7 +28,10 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 - Prefetch: for a queued request, the pages after its matched prefix that L3 has (prefix-ordered,
   all hosts) are fetched into fresh L2 slots below the deepest matched node (pinned meanwhile). When
   every host acked, they become one host-only node; a request then loads them back like any L2 hit.
-  Stop policies decide how long ``check_prefetch_progress`` lets a request wait. A miss (too little in
+  Stop policies decide how long ``check_prefetch_progress`` lets a request wait. The existence
+  query carries the prefetch minimum in pages (``prefetch_min_tokens``): storage leaves out the
+  objects that could only make a shorter hit (a miss asks fewer names; a hit is found as before).
+  A miss (too little in
   L3) is remembered for ``negative_cache_ttl_s`` in a bounded LRU keyed by the chain key of the
   first page after the matched prefix, so repeated misses skip the existence lookup; a remembered
   miss is dropped early when this head stores that page. Hits are never cached: a prefetch always
@@ -193,6 +196,9 @@ class StorageTier:
         self._inflight_backup_pages = 0
         self._inflight_prefetch_pages = 0
         self._misses: OrderedDict[str, float] = OrderedDict()  # first-page chain key -> expiry
+        # fewest pages a prefetch fetches (prefetch_min_tokens): an L3 query leaves out objects that
+        # could only make a shorter hit (on a miss, fewer existence checks)
+        self._exists_min_pages = max(1, -(-params.prefetch_min_tokens // tree.page_size))
         self._manifest: dict[int, tuple[Namespace, np.ndarray]] = {}  # node id -> queued entry
         self._manifest_next = 0.0  # monotonic time of the next background write
         self._manifest_thread: cf.ThreadPoolExecutor | None = None
@@ -391,14 +397,15 @@ class StorageTier:
             return skip("not enough pages in L3 (recent miss)")
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
         keys = keys[: max(0, room)]
-        if known and keys:
+        if len(keys) < self._exists_min_pages:  # not L3's answer: no miss to remember
+            return skip("prefetch pages in flight at max_inflight_prefetch_pages")
+        if known:
             found = self._known_stored_pages(keys, depth // ps, min(known, len(keys)))
             self.counters.prefetch_known_stored += 1
         else:
-            found = self.workers.storage_exists(keys, depth // ps) if keys else 0
-        if found * ps < self.params.prefetch_min_tokens or found == 0:
-            if keys:
-                self._note_miss(first_key)
+            found = self.workers.storage_exists(keys, depth // ps, self._exists_min_pages)
+        if found < self._exists_min_pages:
+            self._note_miss(first_key)
             return skip("not enough pages in L3")
         if anchor.parent is not None:
             anchor.host_pin += 1

@@ -41,7 +41,8 @@ class WorkerGroup(Protocol):
 
     def storage_pages_per_object(self) -> int: ...
 
-    def storage_exists(self, keys: list[str], first_page: int) -> int: ...  # MIN over hosts
+    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int: ...  # MIN over hosts
+    # min_pages: exact at or above it, below it any smaller count (FsspecStorage.batch_exists)
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
 
@@ -102,8 +103,8 @@ class LocalWorkerGroup:
     def storage_pages_per_object(self) -> int:
         return self._executors()[0].storage.pages_per_object()
 
-    def storage_exists(self, keys: list[str], first_page: int) -> int:
-        return min(e.storage.batch_exists(keys, first_page=first_page) for e in self._executors())
+    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int:
+        return min(e.storage.batch_exists(keys, first_page=first_page, min_pages=min_pages) for e in self._executors())
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:
         self._executors()[0].storage.record_prefix(namespace, tokens)

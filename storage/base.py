@@ -147,8 +147,14 @@ class HiCacheStorage(abc.ABC):
         first_page: int = 0,
         pool: PoolKind = PoolKind.KV,
         timeout_s: float | None = None,
+        min_pages: int = 1,
     ) -> int:
-        """Number of consecutive pages, from ``keys[0]``, that ``batch_get`` can load now."""
+        """Number of consecutive pages, from ``keys[0]``, that ``batch_get`` can load now.
+
+        ``min_pages``: the caller has no use for a hit shorter than this (a prefetch below its
+        minimum). The answer is exact when it is ``>= min_pages``; below, it is some smaller number,
+        so a store may leave out the objects that could only make such a hit (fewer existence
+        checks on a miss). A query of fewer than ``min_pages`` keys is 0 without I/O."""
 
     @abc.abstractmethod
     def batch_get_pools(
@@ -260,12 +266,20 @@ def check_keys(keys: object) -> Sequence[str]:
     return out
 
 
+def _check_int_at_least(name: str, v: object, least: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}: {v!r}")
+    if v < least:
+        raise ValueError(f"{name} must be >= {least}, got {v}")
+    return int(v)
+
+
 def check_first_page(first_page: object) -> int:
-    if isinstance(first_page, bool) or not isinstance(first_page, (int, np.integer)):
-        raise TypeError(f"first_page must be an int, got {type(first_page).__name__}: {first_page!r}")
-    if first_page < 0:
-        raise ValueError(f"first_page must be >= 0, got {first_page}")
-    return int(first_page)
+    return _check_int_at_least("first_page", first_page, 0)
+
+
+def check_min_pages(min_pages: object) -> int:
+    return _check_int_at_least("min_pages", min_pages, 1)
 
 
 def check_slots(host_slots: object, n: int) -> np.ndarray:

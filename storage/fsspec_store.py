@@ -114,6 +114,7 @@ from hicache.storage.base import (
     StoredPrefix,
     check_first_page,
     check_keys,
+    check_min_pages,
     check_pool_kind,
     check_slots,
 )
@@ -913,6 +914,7 @@ def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
     return v
 
 
+_NO_SLOTS = np.zeros(0, np.int32)  # batch_exists' queries carry no slots (read-only, shared)
 _SKIPPED = object()  # a read not started because an earlier object of its chain is missing
 
 
@@ -1157,10 +1159,13 @@ class FsspecStorage(HiCacheStorage):
         k = keys[start + m - 1 - first]
         return _Obj(t, start, m, k, self._path(reg, k))
 
-    def _partials(self, t: int, reg: _PoolReg, keys: list[str], first: int, start: int, m: int) -> Sequence[_Obj]:
-        """Objects of the chunk at ``start`` shorter than ``m`` pages that end inside the query,
-        longest first (made on access: a probe usually asks a few of them)."""
-        return _Candidates(lambda mm: self._obj(t, reg, keys, first, start, mm), range(m - 1, max(start, first) - start, -1))
+    def _partials(self, t: int, reg: _PoolReg, keys: list[str], first: int, start: int, m: int,
+                  min_pages: int = 1) -> Sequence[_Obj]:
+        """Objects of the chunk at ``start`` shorter than ``m`` pages that end inside the query at
+        its page ``min_pages - 1`` or later (a shorter hit is of no use to the caller), longest first
+        (made on access: a probe usually asks a few of them)."""
+        shortest = max(1, first + min_pages - start)
+        return _Candidates(lambda mm: self._obj(t, reg, keys, first, start, mm), range(m - 1, shortest - 1, -1))
 
     def _exists_flags(self, objs: Sequence[_Obj], deadline: _Deadline) -> list[bool]:
         res = self._io.exists_many([o.path for o in objs], deadline)
@@ -1210,13 +1215,20 @@ class FsspecStorage(HiCacheStorage):
                 return self._first_stored(parts[:k], deadline) or parts[k]
         return self._first_stored(parts, deadline)
 
-    def _resolve(self, queries: list[tuple[_PoolReg, list[str], np.ndarray, int]], deadline: _Deadline) -> list[list[_Obj]]:
+    def _resolve(self, queries: list[tuple[_PoolReg, list[str], np.ndarray, int]], deadline: _Deadline,
+                 min_pages: int = 1) -> list[list[_Obj]]:
         """Objects that cover the longest stored prefix of each query (≤ 2 batched rounds; on a
-        local filesystem, stats in chain order up to the first missing object). Local, with links:
+        local filesystem, stats in chain order up to the first missing object). ``min_pages``
+        (``batch_exists``): shorter partial objects that would end a hit before the query's page
+        ``min_pages - 1`` are not asked about (the answer is then short of ``min_pages`` anyway).
+        Local, with links:
         a query's first chunk is asked at its page S-1 first (every object of >= S pages there is
         named at it): if that is missing, only the chunk's objects of < S pages remain, so a miss
         costs S stats and reads only the first S keys (lazy ``ChainKeys`` hash no more); a hit
-        costs one stat more than without that question."""
+        costs one stat more than without that question. With ``min_pages``, the gate is the chunk's
+        page g-1, g the largest multiple of S up to the shortest useful object (every object of >= g
+        pages is named there): a miss costs one stat per useful size below g, one in all when that
+        shortest size is S or more."""
         if self._local and self._io.inline_io:  # type: ignore[attr-defined]
             found = []
             for t, (reg, keys, _, first) in enumerate(queries):
@@ -1224,19 +1236,21 @@ class FsspecStorage(HiCacheStorage):
                 for start, m in self._spans(reg, len(keys), first):
                     gate = None
                     if not objs and reg.link_every:  # the chain's first chunk: is it stored at all?
-                        parts = self._partials(t, reg, keys, first, start, m)
-                        k = m - 1 - reg.link_every  # parts[k]: the chunk's object of S pages
-                        if 0 <= k < len(parts):
-                            if not self._exists_here(parts[k], deadline):
-                                part = self._first_stored(parts[k + 1 :], deadline)  # objects of < S pages
+                        S = reg.link_every
+                        g = S * max(1, (first + min_pages - start) // S)  # gate: every object of >= g pages
+                        if first - start < g < m:  # is named at the chunk's page g - 1 (itself or a link)
+                            parts = self._partials(t, reg, keys, first, start, m, min_pages)  # parts[i]: m-1-i pages
+                            o = self._obj(t, reg, keys, first, start, g)
+                            if not self._exists_here(o, deadline):
+                                part = self._first_stored(parts[m - g :], deadline)  # objects of < g pages
                                 if part is not None:
                                     objs.append(part)
                                 break
-                            gate = parts[:k], parts[k]  # the longer candidates, a known stored one
+                            gate = parts[: m - 1 - g], o  # the longer candidates, a known stored one
                     o = self._obj(t, reg, keys, first, start, m)  # the natural candidate
                     if not self._exists_here(o, deadline):
                         if gate is None:
-                            part = self._probe_here(reg, self._partials(t, reg, keys, first, start, m), deadline)
+                            part = self._probe_here(reg, self._partials(t, reg, keys, first, start, m, min_pages), deadline)
                         else:
                             part = self._first_stored(gate[0], deadline) or gate[1]
                         if part is not None:
@@ -1256,7 +1270,7 @@ class FsspecStorage(HiCacheStorage):
             found.append(ns[:cut])
             if cut < len(ns):
                 reg, keys, _, first = queries[t]
-                parts = self._partials(t, reg, keys, first, ns[cut].start, ns[cut].m)
+                parts = self._partials(t, reg, keys, first, ns[cut].start, ns[cut].m, min_pages)
                 if parts:
                     probes.append((t, parts))
         if probes:
@@ -1276,15 +1290,17 @@ class FsspecStorage(HiCacheStorage):
         first_page: int = 0,
         pool: PoolKind = PoolKind.KV,
         timeout_s: float | None = None,
+        min_pages: int = 1,
     ) -> int:
         reg = self._reg(pool)
         keys = check_keys(keys)
         first = check_first_page(first_page)
+        least = check_min_pages(min_pages)
         deadline = self._timeout(timeout_s)
         self._count(exists_calls=1)
-        if not keys:
+        if len(keys) < least:  # no hit could reach min_pages (also: no keys)
             return 0
-        objs = self._resolve([(reg, keys, np.zeros(0, np.int32), first)], deadline)[0]
+        objs = self._resolve([(reg, keys, _NO_SLOTS, first)], deadline, least)[0]
         if not objs:
             return 0
         return objs[-1].start + objs[-1].m - first

@@ -315,3 +315,34 @@ def test_a_paused_manifest_write_goes_on_after_the_hold_bound_without_a_resume(t
     assert tier.counters.manifest_records == 2 and tier.counters.manifest_hold_waits == 1
     assert tier.writes_paused
     assert _listed(env) == sorted([tuple(a.tolist()), tuple(b.tolist())])
+
+
+def test_min_pages_query_finds_another_replicas_write_exactly(tmp_path):
+    """The existence query carries prefetch_min_tokens in pages (3 here): storage leaves out what
+    could only make a shorter hit, yet a prefix another head stored after this one's miss is found
+    whole, one of exactly the minimum too, and one below it starts nothing."""
+    url = f"file://{tmp_path}/l3"
+    kw = {"negative_cache_ttl_s": 0.0, "prefetch_min_tokens": 12, "pages_per_object": 8}
+    reader, writer = HiCacheEnv(storage_url=url, storage_kwargs=kw), HiCacheEnv(storage_url=url, storage_kwargs=kw)
+    assert reader.head.controller.storage._exists_min_pages == 3
+    a, b, c = seq(0, 40), seq(500, 12), seq(900, 8)
+    assert _prefetch(reader, a, "m0").state is PrefetchState.NOT_STARTED
+    for tokens in (a, b, c):
+        writer.serve(tokens)
+    writer.head.flush_write_through_acks()
+    assert reader.serve(a)["prefetched"] == 40  # serve() checks the bytes exactly
+    assert reader.serve(np.r_[b, seq(700, 8)].astype(np.int32))["prefetched"] == 12
+    assert _prefetch(reader, np.r_[c, seq(300, 8)].astype(np.int32), "m1").state is PrefetchState.NOT_STARTED
+    assert reader.head.controller.storage.counters.prefetch_failures == 0
+
+
+def test_prefetch_at_the_inflight_cap_is_no_remembered_miss(tmp_path):
+    """Room for fewer pages than a prefetch's minimum is not L3's answer: storage is not asked and no
+    miss is remembered (a later prefetch asks storage)."""
+    url = f"file://{tmp_path}/l3"
+    env = HiCacheEnv(storage_url=url, storage_kwargs={"negative_cache_ttl_s": 300.0, "prefetch_min_tokens": 12,
+                                                      "max_inflight_prefetch_pages": 2})
+    for i in range(2):
+        p = _prefetch(env, seq(0, 32), f"c{i}")
+        assert p.state is PrefetchState.NOT_STARTED and "max_inflight_prefetch_pages" in p.reason
+    assert env.head.controller.storage.counters.prefetch_negative_hits == 0 and not env.head.controller.storage._misses

@@ -145,3 +145,58 @@ def test_link_spacing_grows_with_the_object(make_store, ppo, every, links):
     assert reg.prefix.endswith(f"/c{ppo}" + (f"l{every}" if every else ""))
     off = make_store("file", pages_per_object=ppo, link_every_pages=None)
     assert off._pools[next(iter(off._pools))].link_every == 0
+
+
+def test_min_pages_leaves_out_only_the_shorter_candidates(make_store, make_url, fp):
+    """``batch_exists(min_pages=k)``: names that could only make a hit of < k pages are not asked
+    about (a miss costs fewer stats); a hit of >= k pages is found as without it, also when another
+    store instance wrote it after this one answered a miss."""
+    url = make_url("file")
+    st, writer = make_store("file", url=url, pages_per_object=16, link_every_pages=4), make_store("file", url=url, pages_per_object=16, link_every_pages=4)
+    if not st._io.inline_io:
+        pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
+    asked = []
+    inner = st._io.exists_one
+    st._io.exists_one = lambda path, deadline: asked.append(path) or inner(path, deadline)
+    tokens = _tokens(fp, 16, 0)
+    keys = page_keys(Namespace(fp), tokens)
+    for least, pages in ((1, (3, 2, 1, 0)), (2, (3, 2, 1)), (3, (3, 2)), (4, (3,)), (5, (3,)), (9, (7,)), (16, (15,))):
+        asked.clear()
+        lazy = ChainKeys(Namespace(fp), tokens)
+        assert st.batch_exists(lazy, min_pages=least) == 0
+        assert asked == [st.object_path(keys[p]) for p in pages], least
+        assert lazy.hashed == pages[0] + 1  # up to the page asked about first
+    asked.clear()
+    assert st.batch_exists(keys[:3], min_pages=4) == 0 and asked == []  # too few keys: no I/O
+    writer.pool.fill_random(S(0, 16), 3)
+    writer.batch_set(keys[:2], S(0, 2))  # a partial object of 2 pages (named at page 1)
+    assert st.batch_exists(keys, min_pages=2) == 2 and st.batch_exists(keys) == 2
+    assert st.batch_exists(keys, min_pages=3) < 3
+    writer.batch_set(keys[:7], S(0, 7))  # 7 pages, linked at page 3
+    assert st.batch_exists(keys, min_pages=5) == 7 == st.batch_exists(keys)
+    assert st.batch_get(keys[:7], S(20, 27)) == [True] * 7
+    assert same_bytes(st.pool.buf[20:27], writer.pool.buf[0:7])
+    assert st.batch_exists(keys[5:], first_page=5, min_pages=2) == 2  # mid-chunk: counted from first_page
+    assert st.batch_exists(keys[5:], first_page=5, min_pages=3) < 3
+
+
+def test_min_pages_with_links_answers_exactly_at_or_above_it(store16, fp):
+    """With link names (the gate moves to the largest link position below the shortest useful
+    object): exact at or above ``min_pages`` for stored prefixes of any length, queries starting
+    mid-chunk included; below it, any smaller count."""
+    st = store16
+    chains = {n: page_keys(Namespace(fp, cache_salt=f"n{n}"), _tokens(fp, 24, n)) for n in (1, 2, 3, 4, 5, 8, 9, 11, 16, 19)}
+    st.pool.fill_random(S(0, 24), 5)
+    for n, keys in chains.items():
+        st.batch_set(keys[:n], S(0, n))
+    for n, keys in chains.items():
+        for first in (0, 2, 5):
+            for q_end in (first + 1, first + 4, 9, 16, 24):
+                if q_end <= first:
+                    continue
+                q = keys[first:q_end]
+                exact = st.batch_exists(q, first_page=first)
+                for least in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16):
+                    got = st.batch_exists(ChainKeys(Namespace(fp, cache_salt=f"n{n}"), _tokens(fp, 24, n)[first * fp.page_size : q_end * fp.page_size], parent=keys[first - 1] if first else None),
+                                          first_page=first, min_pages=least)
+                    assert got == exact if exact >= least else got < least, (n, first, q_end, least, exact, got)

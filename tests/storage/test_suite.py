@@ -109,6 +109,39 @@ def test_misaligned_query(scheme, make_store, fp):
         st.batch_set(keys[5:], S(5, 12), first_page=5)
 
 
+def test_min_pages_answers_exactly_at_or_above_it(scheme, make_store, make_url, fp):
+    """``batch_exists(min_pages=k)`` equals the plain answer when that is >= k, and is < k otherwise,
+    for stored prefixes ending anywhere in a chunk and queries starting mid-chunk; a second instance
+    that answered a miss sees the first one's later writes."""
+    url = make_url(scheme)
+    writer, reader = make_store(scheme, url=url), make_store(scheme, url=url)
+    chains = [_chain(fp, 10, salt=f"s{n}")[2] for n in (5, 6, 7, 8)]
+    assert all(reader.batch_exists(keys, min_pages=2) == 0 for keys in chains)
+    _fill(writer, 0, 10)
+    for n, keys in zip((5, 6, 7, 8), chains):  # chunk 0 full, then 1, 2, 3 or 4 pages of chunk 1
+        writer.batch_set(keys[:n], S(0, n))
+    for keys in chains:
+        for first in (0, 3, 5):
+            for n in (1, 2, 4, 10 - first):
+                q = keys[first : first + n]
+                exact = reader.batch_exists(q, first_page=first)
+                for least in (1, 2, 3, 5):
+                    got = reader.batch_exists(q, first_page=first, min_pages=least)
+                    assert got == exact if exact >= least else got < least, (first, n, least, exact, got)
+    assert reader.batch_get(chains[2][:7], S(20, 27)) == [True] * 7
+    assert same_bytes(reader.pool.buf[20:27], writer.pool.buf[0:7])
+
+
+def test_min_pages_bad_input_raises_and_changes_nothing(scheme, make_store, fp):
+    st = make_store(scheme)
+    _, _, keys = _chain(fp, 4)
+    before = st.stats()
+    for bad, exc in ((0, ValueError), (-1, ValueError), (True, TypeError), ("2", TypeError), (2.0, TypeError)):
+        with pytest.raises(exc, match="min_pages"):
+            st.batch_exists(keys, min_pages=bad)
+    assert st.stats() == before
+
+
 def _opts(scheme):
     return {"token": "anon"} if scheme == "gs" else {}
 
