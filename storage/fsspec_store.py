@@ -275,17 +275,27 @@ def _statx_holding_gil() -> Callable[..., int] | None:
 
 _STATX = _statx_holding_gil()
 _AT_FDCWD, _STATX_MODE, _STATX_BUF, _STX_MODE_AT = -100, 0x2, 256, 28  # struct statx: u16 stx_mode at 28
+_STATX_OUT = threading.local()  # per thread: (struct statx buffer, its stx_mode field); owned by that thread
+
+
+def _statx_out() -> tuple[ctypes.Array, ctypes.c_uint16]:
+    out = getattr(_STATX_OUT, "v", None)
+    if out is None:
+        buf = ctypes.create_string_buffer(_STATX_BUF)
+        out = _STATX_OUT.v = (buf, ctypes.c_uint16.from_buffer(buf, _STX_MODE_AT))
+    return out
 
 
 def _published_here(path: str) -> bool:
     """``_published`` for the calling thread on a local filesystem (a stat cannot hang there): the
-    stat keeps the GIL (``_statx_holding_gil``) where the platform allows."""
+    stat keeps the GIL (``_statx_holding_gil``) where the platform allows. The result buffer is the
+    calling thread's own (made once per thread; another thread may stat meanwhile)."""
     if _STATX is None:
         return _published(path)
-    buf = ctypes.create_string_buffer(_STATX_BUF)  # per call: another thread may stat meanwhile
+    buf, mode = _statx_out()
     if _STATX(_AT_FDCWD, os.fsencode(path), 0, _STATX_MODE, buf) != 0:
         return False  # missing (or unreadable): a miss, as with os.stat
-    return int.from_bytes(buf.raw[_STX_MODE_AT : _STX_MODE_AT + 2], "little") & 0o777 != 0
+    return mode.value & 0o777 != 0
 
 
 def _drop_if_stale(path: str, st: os.stat_result | None = None) -> None:
@@ -931,6 +941,9 @@ class _Candidates(Sequence):
         if isinstance(i, slice):
             return _Candidates(self._make, self._ms[i])
         return self._make(self._ms[i])
+
+    def __iter__(self) -> Iterator[Any]:  # (Sequence's own ends on an IndexError, an exception per loop)
+        return map(self._make, self._ms)
 
 
 class _LongerObject(Exception):

@@ -172,8 +172,16 @@ def _seed(fingerprint_digest: bytes, extra_key: str | None, cache_salt: str | No
     return _sha256(_frame(_NS_TAG, fingerprint_digest, extra_key, cache_salt)).digest()
 
 
+_min_reduce = np.minimum.reduce  # the ufunc directly: ndarray.min adds a Python frame per call
+_I32 = np.dtype(np.int32)
+
+
 def _as_tokens(tokens: object) -> np.ndarray:
     """Validate token ids → contiguous little-endian int64 array (a copy only when needed)."""
+    if type(tokens) is np.ndarray and tokens.ndim == 1 and tokens.dtype == _I32 and tokens.shape[0]:
+        # fast path (the head's int32 ids): one reduction, one conversion
+        if _min_reduce(tokens) >= 0:
+            return tokens.astype("<i8")
     if isinstance(tokens, np.ndarray):
         arr = tokens
         if arr.ndim != 1:

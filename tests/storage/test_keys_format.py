@@ -37,6 +37,7 @@ def test_keys_are_stable_across_processes():
     assert page_keys(Namespace(FP), [0, 1, 2, 3]) == [golden]
     assert page_keys(Namespace(FP), np.array([0, 1, 2, 3], np.int32)) == [golden]  # dtype-independent
     assert page_keys(Namespace(FP), np.array([0, 1, 2, 3], np.uint64)) == [golden]
+    assert page_keys(Namespace(FP), np.array([0, 9, 1, 9, 2, 9, 3], np.int32)[::2]) == [golden]  # strided int32
     assert FP.hexdigest() == "38833e17fefa24f975da2ad44731fd00568cc204066047ec394331bd36155293"
 
 
@@ -78,6 +79,7 @@ def test_chain_continuation(tokens, split_pages):
     "tokens, exc, match",
     [
         ([1, 2, -3, 4], ValueError, "tokens\\[2\\] = -3"),
+        (np.array([1, 2, 3, -4], np.int32), ValueError, "tokens\\[3\\] = -4"),  # the int32 fast path
         ([1, 2, 3.0, 4], TypeError, "tokens\\[2\\]"),
         (np.array([1.0, 2.0]), TypeError, "float64"),
         (np.zeros((2, 4), np.int32), ValueError, "1-D"),

@@ -135,3 +135,33 @@ def test_calling_thread_stat_agrees_with_os_stat(tmp_path):
     for p in (pub, unpub, tmp_path / "missing", tmp_path / "no-dir" / "missing", tmp_path / "pub" / "x"):
         assert fsspec_store._published_here(str(p)) == fsspec_store._published(str(p)), p
     assert fsspec_store._published_here(str(pub)) and not fsspec_store._published_here(str(unpub))
+
+
+def test_calling_thread_stat_is_right_from_several_threads_at_once(tmp_path):
+    """Each thread has its own statx result buffer: threads stating a published and an unpublished
+    file at the same time each get their own file's answer."""
+    import sys
+    import threading
+
+    pub, unpub = tmp_path / "pub", tmp_path / "unpub"
+    pub.write_bytes(b"x")
+    unpub.write_bytes(b"y")
+    os.chmod(unpub, 0)
+    wrong = []
+
+    def run(path, expected):
+        for _ in range(3000):
+            if fsspec_store._published_here(str(path)) is not expected:
+                wrong.append(path)
+
+    threads = [threading.Thread(target=run, args=(p, e)) for p, e in ((pub, True), (unpub, False)) * 2]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads) and not wrong
