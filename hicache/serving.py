@@ -303,10 +303,13 @@ class Scheduler:
             req_id, _ = self._start_prefetch(key, m)
             if req_id is None:
                 return m, 0
-        progress = self.client.check_prefetch_progress(req_id)
-        if progress.state is PrefetchState.DONE and progress.tokens:
-            return self.client.match_prefix(key), progress.tokens
-        return m, 0
+        # Matched again in the same round trip, whatever the progress: the check applies acks, and an
+        # acked L1->L2 backup may merge unlocked nodes of the earlier match (``RadixTree.merge_backed_up``),
+        # whose ids must not be used after it.
+        checked, matched = self.client.step([Call(Method.CHECK_PREFETCH_PROGRESS, req_id),
+                                             Call(Method.MATCH_PREFIX, key)])
+        progress = checked.unwrap()
+        return matched.unwrap(), progress.tokens if progress.state is PrefetchState.DONE else 0
 
     def _reuse(self, m, total: int) -> tuple[np.ndarray, int, int, int, bool]:
         """Locks the reused prefix and allocates pages for the rest of ``total`` tokens, in one step:

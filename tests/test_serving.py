@@ -156,7 +156,7 @@ def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_
 
 
 class RecordingTransport(EmbeddedTransport):
-    """The embedded transport, recording the methods of single calls."""
+    """The embedded transport, recording the methods of every call (single or in a step)."""
 
     def __init__(self, head) -> None:
         super().__init__(head)
@@ -165,6 +165,10 @@ class RecordingTransport(EmbeddedTransport):
     def call(self, call):
         self.methods.append(call.method.value)
         return super().call(call)
+
+    def step(self, calls):
+        self.methods.extend(c.method.value for c in calls)
+        return super().step(calls)
 
 
 def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, runner):
