@@ -1052,6 +1052,9 @@ class FsspecStorage(HiCacheStorage):
         return _Deadline(float(timeout_s))
 
     def _reg(self, kind: object) -> _PoolReg:
+        reg = self._pools.get(kind) if type(kind) is PoolKind else None  # type: ignore[arg-type]
+        if reg is not None:  # (the usual call: a registered PoolKind, no enum lookup)
+            return reg
         k = check_pool_kind(kind)
         reg = self._pools.get(k)
         if reg is None:
