@@ -278,21 +278,17 @@ _AT_FDCWD, _STATX_MODE, _STATX_BUF, _STX_MODE_AT = -100, 0x2, 256, 28  # struct 
 _STATX_OUT = threading.local()  # per thread: (struct statx buffer, its stx_mode field); owned by that thread
 
 
-def _statx_out() -> tuple[ctypes.Array, ctypes.c_uint16]:
-    out = getattr(_STATX_OUT, "v", None)
-    if out is None:
-        buf = ctypes.create_string_buffer(_STATX_BUF)
-        out = _STATX_OUT.v = (buf, ctypes.c_uint16.from_buffer(buf, _STX_MODE_AT))
-    return out
-
-
 def _published_here(path: str) -> bool:
     """``_published`` for the calling thread on a local filesystem (a stat cannot hang there): the
     stat keeps the GIL (``_statx_holding_gil``) where the platform allows. The result buffer is the
     calling thread's own (made once per thread; another thread may stat meanwhile)."""
     if _STATX is None:
         return _published(path)
-    buf, mode = _statx_out()
+    try:
+        buf, mode = _STATX_OUT.v
+    except AttributeError:  # this thread's first stat
+        buf = ctypes.create_string_buffer(_STATX_BUF)
+        buf, mode = _STATX_OUT.v = (buf, ctypes.c_uint16.from_buffer(buf, _STX_MODE_AT))
     if _STATX(_AT_FDCWD, os.fsencode(path), 0, _STATX_MODE, buf) != 0:
         return False  # missing (or unreadable): a miss, as with os.stat
     return mode.value & 0o777 != 0

@@ -284,6 +284,8 @@ class ChainKeys(Sequence):
             done.append(prev.hex())
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        if type(i) is int and 0 <= i < len(self._done) and i < self._n:  # a key hashed already
+            return self._done[i]
         if isinstance(i, slice):
             idx = range(*i.indices(self._n))
             if idx.start == 0 and idx.step == 1:
