@@ -522,3 +522,42 @@ def test_loop_options_and_submit_reject_bad_values_and_change_nothing(runner):
     with pytest.raises(ValueError, match="max_waiting"):
         loop.submit(ServeRequest(np.ones(5, np.int32), 1))
     assert len(loop.waiting) == 1 and len(loop.scheduler._arrived) == 1
+
+
+def test_a_failed_prefetch_is_followed_by_a_fresh_match_and_a_recompute(tmp_path, runner):
+    """L3 holds the prompt's objects, corrupted after they were written: the existence check finds them,
+    the read fails its checksum, the prefetch ends FAILED. The request is then computed (exact to no
+    cache), and what it locks comes from a match taken after the prefetch check: the check applies
+    acks, and an acked backup may merge unlocked nodes of an earlier match (``merge_backed_up``)."""
+    from pathlib import Path
+
+    from hicache.embedded import StackOptions, build_stack
+
+    opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    prompt = np.random.default_rng(5).integers(0, MODEL.vocab_size, 41, dtype=np.int32)
+    warm = build_stack(opts, runner)
+    warm.scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
+    warm.client.flush_write_through_acks()
+    warm.head.detach_storage_backend()
+    inodes = {p.stat().st_ino: p for p in Path(tmp_path, "l3").rglob("*") if p.is_file() and p.stat().st_size > 64}
+    assert inodes
+    for p in inodes.values():  # per object (link names share it): one payload byte flipped, checksum off
+        raw = bytearray(p.read_bytes())
+        raw[-1] ^= 0xFF
+        p.write_bytes(bytes(raw))
+
+    cold = build_stack(opts, runner)
+    transport = RecordingTransport(cold.head)
+    cold.scheduler.client = CacheClient(transport, FWD.page_size)
+    res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
+    ref = runner.generate_no_cache(prompt, 2)
+    assert res.output == ref.tokens
+    np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+    assert res.storage_tokens == 0 and res.computed_tokens == len(prompt)
+    methods = transport.methods
+    assert methods.count("prefetch_from_storage") == 1 and methods.count("check_prefetch_progress") == 1
+    check = methods.index("check_prefetch_progress")
+    after = methods[check:]
+    assert "match_prefix" in after and after.index("match_prefix") < after.index("inc_lock_ref"), after
+    assert cold.head.cache_stats()["storage"]["prefetch_failures"] >= 1
+    cold.head.detach_storage_backend()
