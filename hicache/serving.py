@@ -220,6 +220,25 @@ class _Begun:
     marks: tuple[float, ...]  # perf_counter at the start and at the end of match, l3, load_back, prefill
 
 
+class _AfterFirstToken:
+    """A ``between_steps`` hook that runs the driver's ``hook`` and then, on its first call only,
+    ``resume`` (held L2->L3 writes are sent once the first token is out, after the driver saw it).
+    ``resume()`` is idempotent: the serving code calls it again when the decode ends."""
+
+    def __init__(self, hook: Callable[[], None], resume: Callable[[], object]) -> None:
+        self._hook, self._resume = hook, resume
+        self._pending = True
+
+    def __call__(self) -> None:
+        self._hook()
+        self.resume()
+
+    def resume(self) -> None:
+        if self._pending:
+            self._pending = False
+            self._resume()
+
+
 class Scheduler:
     def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
                  prefill_budget: int = 0, l3_min_tokens: int = 0, hold_storage_writes: bool = False) -> None:
@@ -362,8 +381,11 @@ class Scheduler:
         marks.append(time.perf_counter())
         return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
 
-    def _begin(self, req: ServeRequest) -> _Begun:
-        """Everything up to the first token: match, L3, load-back + alloc, (chunked) prefill."""
+    def _begin(self, req: ServeRequest, *, resume: bool = True) -> _Begun:
+        """Everything up to the first token: match, L3, load-back + alloc, (chunked) prefill. With
+        ``hold_storage_writes``, L2->L3 writes are held from here; ``resume=False`` leaves them held
+        after a successful prefill (the caller resumes once it has handed out the first token); a
+        failure resumes them whatever ``resume`` says."""
         t0 = time.perf_counter()
         key = self._key(req)
         arrival = self._arrived.pop(id(req), None)
@@ -371,6 +393,7 @@ class Scheduler:
         ns = (req.extra_key, req.cache_salt)
         if self.hold_writes:
             self.client.pause_storage_writes()
+        done = False
         try:
             m = self.client.match_prefix(key)
             marks = [t0, time.perf_counter()]  # start, then the end of each phase
@@ -385,8 +408,9 @@ class Scheduler:
                 start = end
             logits = self.engine.prefill(prompt, table, start)  # the last row only: one wait, no copies
             marks.append(time.perf_counter())
+            done = True
         finally:  # also when the match, load-back or a forward fails
-            if self.hold_writes:
+            if self.hold_writes and (resume or not done):
                 self.client.resume_storage_writes()
         return _Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks))
 
@@ -414,13 +438,24 @@ class Scheduler:
 
         With ``hold_storage_writes``, the L2->L3 writes this request's finish queues are held on the head
         (``pause_storage_writes``) until the next request's first token, so their CPU lands in that
-        decode rather than in its prefill (each prefill holds writes too). They are sent by the next
+        decode rather than in its prefill (each prefill holds writes too). With ``between_steps`` the
+        resume runs in its first call, after the driver's hook (the first token is out: a server
+        emits it, then does bookkeeping), or when the decode ends, whichever comes first. They are sent by the next
         ``serve``, ``resume_storage_writes()``, ``flush_write_through_acks()``, or the first cache call
         after ``StorageParams.write_hold_max_s``: a server that goes idle calls one of those."""
-        b = self._begin(req)
+        if between_steps is None or not self.hold_writes:
+            b = self._begin(req)  # (no hook: writes resume once the first token's logits are in)
+            step = between_steps
+        else:  # writes resume right after the first token is handed out: in the first between_steps()
+            b = self._begin(req, resume=False)
+            step = _AfterFirstToken(between_steps, self.client.resume_storage_writes)
         t = time.perf_counter()
-        gen = (self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens) if between_steps is None else
-               self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=between_steps))
+        try:
+            gen = (self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens) if step is None else
+                   self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step))
+        finally:  # a one-token answer never calls between_steps; a failed decode must not keep the hold
+            if isinstance(step, _AfterFirstToken):
+                step.resume()
         decode_s = time.perf_counter() - t
         if self.hold_writes:  # the next request's prefill may follow at once: its writes wait for that first token
             self.client.pause_storage_writes()

@@ -138,6 +138,69 @@ def test_l3_writes_wait_for_the_next_first_token_and_land_exact(tmp_path, runner
         Scheduler(stack.client, stack.scheduler.engine, storage=True, hold_storage_writes=1)
 
 
+def _stack_with_held_writes(tmp_path, runner):
+    """An embedded L1+L2+L3 stack (no hold expiry) that served one request whose L2->L3 writes are
+    now held on the head; returns (stack, tier, ids of the held ops)."""
+    from hicache.embedded import StackOptions, build_stack
+
+    opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    stack = build_stack(opts, runner)
+    tier = stack.head._hicache().storage
+    tier.params = dataclasses.replace(tier.params, write_hold_max_s=60.0)  # no expiry on a slow CI box
+    prompt = np.random.default_rng(6).integers(0, MODEL.vocab_size, 40, dtype=np.int32)
+    stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
+    deadline = time.monotonic() + 10
+    while not tier._held and time.monotonic() < deadline:  # the L1->L2 acks queue the (held) L3 writes
+        stack.client.check_hicache_events()
+        time.sleep(0.01)
+    held = {op.op_id for op in tier._held}
+    assert held and tier.writes_paused
+    return stack, tier, held
+
+
+def test_held_l3_writes_are_sent_after_the_first_token_is_handed_out(tmp_path, runner):
+    """With ``between_steps``, the writes held since the previous request stay held through this
+    request's prefill and its driver's first-token hook, and go out right after that hook (before the
+    second decode step), so neither their sending nor their I/O is in this request's TTFT; exact."""
+    stack, tier, held = _stack_with_held_writes(tmp_path, runner)
+    seen: list[tuple[bool, bool]] = []  # per hook call: (paused, the earlier request's writes still held)
+
+    def hook() -> None:
+        seen.append((tier.writes_paused, bool(held & {op.op_id for op in tier._held})))
+    prompt = np.random.default_rng(7).integers(0, MODEL.vocab_size, 33, dtype=np.int32)
+    res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt="other"), hook)
+    assert seen == [(True, True), (False, False)]
+    ref = runner.generate_no_cache(prompt, 3)
+    assert res.output == ref.tokens
+    np.testing.assert_array_equal(res.logits, ref.logits)
+    stack.client.flush_write_through_acks()
+    assert not tier._held and tier.counters.backup_held_dropped_pages == 0
+
+
+def test_held_l3_writes_are_sent_without_a_second_step_or_when_the_decode_fails(tmp_path, runner):
+    """A one-token answer never calls ``between_steps``: the held writes go out when its decode ends.
+    A hook that raises (a failed decode) still ends the hold and loses no write."""
+    stack, tier, held = _stack_with_held_writes(tmp_path, runner)
+    calls: list[int] = []
+    prompt = np.random.default_rng(8).integers(0, MODEL.vocab_size, 20, dtype=np.int32)
+    stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=1, cache_salt="one"), lambda: calls.append(1))
+    assert not calls and not held & {op.op_id for op in tier._held}
+    deadline = time.monotonic() + 10
+    while not tier._held and time.monotonic() < deadline:
+        stack.client.check_hicache_events()
+        time.sleep(0.01)
+    held = {op.op_id for op in tier._held}
+    assert held
+
+    def failing() -> None:
+        raise RuntimeError("driver failed")
+    with pytest.raises(RuntimeError, match="driver failed"):
+        stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt="two"), failing)
+    assert not tier.writes_paused and not held & {op.op_id for op in tier._held}
+    stack.client.flush_write_through_acks()
+    assert tier.counters.backup_failures == 0 and tier.counters.backup_held_dropped_pages == 0
+
+
 def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_path, runner):
     from hicache.embedded import StackOptions, build_stack, warm_up
 
