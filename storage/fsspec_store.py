@@ -24,8 +24,16 @@ Schemes
 
 Object names (topology-free, content-addressed)::
 
-    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}[l{S}]/{key[:2]}/{key}
-    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[:32]}/{tip_key}
+    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}[l{S}]/{key[0]}/{key}
+    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tip_key}
+
+Sixteen directories per pool and sixteen for the manifest (the first hex digit of the name), made
+when a file:// store is opened (``_make_fanout``), so that no write creates a directory: on ext4 a
+``mkdir`` costs more CPU than the object's own file (a new inode plus a directory block; measured
+in the no-reuse benchmark, where 256 key-prefix directories and one manifest directory per new
+namespace took as many ``mkdir`` calls per request as object files). A namespace's manifest
+entries are the names with its prefix in one of the sixteen directories (one listing of that
+directory). An ext4 directory indexes ~10M names, so sixteen hold far more than a local cache.
 
 Chunking rule (``C`` = pages per object, per pool; default ``target_object_bytes // slot_bytes``)
 ------------------------------------------------------------------------------------------------
@@ -353,6 +361,19 @@ def _add_links(path: str, links: Sequence[str]) -> None:
                 os.link(path, link)
             except OSError:
                 return
+        except OSError:
+            return
+
+
+FANOUT = "0123456789abcdef"  # object and manifest names are hex: one directory per first digit
+
+
+def _make_fanout(parent: str) -> None:
+    """The sixteen fan-out directories under ``parent`` (file://; best effort: a write still makes
+    a missing one)."""
+    for digit in FANOUT:
+        try:
+            os.makedirs(f"{parent}/{digit}", exist_ok=True)
         except OSError:
             return
 
@@ -1024,6 +1045,7 @@ class FsspecStorage(HiCacheStorage):
         self._write_threads = config.local_write_threads or min(config.io_threads, _usable_cpus())
         if isinstance(self._io, _LocalBackend):
             self._io.attach_root(self._root)
+            _make_fanout(self._manifest_parent())
         self._target = config.target_object_bytes or DEFAULT_TARGET_OBJECT_BYTES.get(scheme, _FALLBACK_TARGET_OBJECT_BYTES)
         self._pools: dict[PoolKind, _PoolReg] = {}
         self._lock = threading.Lock()
@@ -1058,7 +1080,7 @@ class FsspecStorage(HiCacheStorage):
         return reg
 
     def _path(self, reg: _PoolReg, key: str) -> str:
-        return f"{reg.prefix}/{key[:2]}/{key}"
+        return f"{reg.prefix}/{key[0]}/{key}"
 
     def _meta(self, reg: _PoolReg, start: int, m: int, key: str) -> ObjectMeta:
         return ObjectMeta(ObjectKind.PAGES, self._fp, bytes.fromhex(key), start, m, reg.dtype_name, reg.shape, reg.num_links(m))
@@ -1128,6 +1150,8 @@ class FsspecStorage(HiCacheStorage):
         prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}" + (f"l{every}" if every else "")
         header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape, every)
         self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header, shape, int(pool.slot_bytes), every)
+        if self._local:
+            _make_fanout(prefix)
 
     def pages_per_object(self, kind: PoolKind = PoolKind.KV) -> int:
         return self._reg(kind).ppo
@@ -1792,8 +1816,14 @@ class FsspecStorage(HiCacheStorage):
             return self._used
 
     # ---- manifest (warm restart) -----------------------------------------------------------------
-    def _manifest_dir(self, namespace: Namespace) -> str:
-        return f"{self._base}/manifest/{namespace.hexdigest()[:32]}"
+    def _manifest_parent(self, first_digit: str = "") -> str:
+        """The manifest's directory (``first_digit``: one of its sixteen fan-out directories)."""
+        return f"{self._base}/manifest" + (f"/{first_digit}" if first_digit else "")
+
+    def _manifest_name(self, namespace: Namespace) -> tuple[str, str]:
+        """(directory, name prefix) of ``namespace``'s manifest entries: ``{prefix}{tip_key}``."""
+        h = namespace.hexdigest()
+        return self._manifest_parent(h[0]), f"{h[:32]}-"
 
     def _check_ns(self, namespace: object) -> Namespace:
         if not isinstance(namespace, Namespace):
@@ -1811,7 +1841,8 @@ class FsspecStorage(HiCacheStorage):
             return False
         tip = page_keys(ns, arr)[-1]
         meta = ObjectMeta(ObjectKind.MANIFEST, self._fp, ns.seed(), 0, len(arr), "int64", ())
-        path = f"{self._manifest_dir(ns)}/{tip}"
+        d, name = self._manifest_name(ns)
+        path = f"{d}/{name}{tip}"
         items = [(path, lambda: (encode_header(meta, arr.view(np.uint8)), arr))]
         for _, r in self._io.write_many(items, self._timeout(None)):
             if isinstance(r, BaseException):
@@ -1824,7 +1855,8 @@ class FsspecStorage(HiCacheStorage):
         reg = self._reg(pool) if verify else None
         deadline = self._timeout(None)
         try:
-            paths = sorted(self._io.list_files(self._manifest_dir(ns)))
+            d, name = self._manifest_name(ns)
+            paths = sorted(p for p in self._io.list_files(d) if os.path.basename(p).startswith(name))
         except Exception as e:  # backend outage: nothing listed
             self._count_exc(e)
             return []
@@ -1842,7 +1874,7 @@ class FsspecStorage(HiCacheStorage):
                 self._on_corrupt(paths[i], r, deadline)
             elif isinstance(r, BaseException):
                 self._count_exc(r)
-            elif len(r) and len(r) % P == 0 and page_keys(ns, r)[-1] == os.path.basename(paths[i]):
+            elif len(r) and len(r) % P == 0 and page_keys(ns, r)[-1] == os.path.basename(paths[i])[len(name):]:
                 entries.append(r)
         out = []
         for toks in entries:

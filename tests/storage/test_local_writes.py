@@ -95,12 +95,13 @@ def test_inline_write_past_the_deadline_writes_nothing(make_store, fp):
 
 def test_inline_write_error_fails_its_pages_only(make_store, fp):
     st = make_store("file", local_inline_write_bytes=INLINE)
-    keys = _keys(fp, 12)
+    for salt in (f"writes-{i}" for i in range(100)):  # the 2nd object's fan-out directory is only its own
+        keys = _keys(fp, 12, salt)
+        bad = os.path.dirname(st.object_path(keys[7]))
+        if bad not in (os.path.dirname(st.object_path(keys[3])), os.path.dirname(st.object_path(keys[11]))):
+            break
     st.pool.fill_random(S(0, 12), 8)
-    bad = os.path.dirname(st.object_path(keys[7]))
-    if os.path.dirname(st.object_path(keys[3])) == bad or os.path.dirname(st.object_path(keys[11])) == bad:
-        pytest.skip("fan-out directories collide for these keys")
-    os.makedirs(os.path.dirname(bad), exist_ok=True)
+    os.rmdir(bad)  # (made, empty, when the store was opened)
     with open(bad, "w"):  # a file where the object's directory should be: open fails
         pass
     assert st.batch_set(keys, S(0, 12)) == [True] * 4 + [False] * 4 + [True] * 4
@@ -115,6 +116,30 @@ def test_bad_inline_limit_is_a_value_error():
     for v in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="local_inline_write_bytes"):
             StorageConfig(local_inline_write_bytes=v)
+
+
+def test_no_write_makes_a_directory(make_store, make_url, fp):
+    """A file:// store makes its sixteen object and sixteen manifest fan-out directories when opened;
+    objects (links included) and manifest entries of new namespaces then go into them (a ``mkdir``
+    costs ext4 more than the object's own file)."""
+    url = make_url("file")
+    st = make_store("file", url=url, pages_per_object=8)  # an 8-page object has a link (every 4 pages)
+    root = st._root
+
+    def dirs() -> set[str]:
+        return {d for d, _, _ in os.walk(root)}
+    before = dirs()
+    assert len([d for d in before if os.path.basename(d) in "0123456789abcdef" and len(os.path.basename(d)) == 1]) == 32
+    for i in range(6):
+        ns = Namespace(fp, cache_salt=f"dirs-{i}")
+        toks = np.arange(10 * fp.page_size) + i
+        st.pool.fill_random(S(0, 10), i)
+        assert st.batch_set(page_keys(ns, toks), S(0, 10)) == [True] * 10
+        assert st.record_prefix(ns, toks)
+    assert st.stats().objects_written == 12 and dirs() == before
+    assert os.stat(st.object_path(page_keys(ns, toks)[7])).st_nlink == 2  # the object and its link
+    again = make_store("file", url=url, pages_per_object=8)  # opening an existing store makes nothing either
+    assert dirs() == before and again.batch_exists(page_keys(ns, toks)) == 10
 
 
 def test_manifest_entries_are_written_inline(make_store, fp, handoffs):

@@ -319,6 +319,27 @@ def test_manifest_warm_restart(scheme, make_store, make_url, fp):
         st2.list_prefixes(Namespace(dataclasses.replace(fp, head_dim=16)))
 
 
+def test_manifest_namespaces_sharing_a_fanout_directory_list_only_their_own(scheme, make_store, make_url, fp):
+    """Manifest entries of every namespace whose digest starts with the same hex digit share one
+    directory: each namespace lists its own entries only (a new store instance included)."""
+    url = make_url(scheme)
+    st = make_store(scheme, url=url)
+    ns_a, toks_a, keys_a = _chain(fp, 4, salt="a")
+    ns_b = next(ns for ns in (Namespace(fp, cache_salt=f"b{i}") for i in range(200))
+                if ns.hexdigest()[0] == ns_a.hexdigest()[0])
+    toks_b = toks_a[: 2 * fp.page_size] + 7
+    keys_b = page_keys(ns_b, toks_b)
+    _fill(st, 0, 6)
+    st.batch_set(keys_a, S(0, 4))
+    st.batch_set(keys_b, S(4, 6))
+    assert st.record_prefix(ns_a, toks_a) and st.record_prefix(ns_b, toks_b)
+    st2 = make_store(scheme, url=url)
+    got_a, got_b = st2.list_prefixes(ns_a), st2.list_prefixes(ns_b)
+    assert [(p.num_pages, p.keys) for p in got_a] == [(4, tuple(keys_a))]
+    assert [(p.num_pages, p.keys) for p in got_b] == [(2, tuple(keys_b))]
+    assert st2.list_prefixes(Namespace(fp, cache_salt="neither")) == []
+
+
 def test_clear(scheme, make_store, fp):
     st = make_store(scheme)
     _, _, keys = _chain(fp, 8)
