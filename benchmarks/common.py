@@ -643,7 +643,7 @@ def on_wall_clock(served: Sequence[Served], drains: Sequence[float] = (), segmen
 
 
 def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str], object], items: Sequence[Item],
-                  reference: Sequence[tuple[int, ...]], reps: int, segment: int = 16, clock: str = "cpu"):
+                  reference: Sequence[tuple[int, ...]], reps: int, segment: int = 4, clock: str = "cpu"):
     """The no-reuse workload through the full stack (``no_cache``: every request in its own cache_salt)
     and through ``bare`` (never caches), as a server serves its own requests: in segments of
     ``segment`` requests (``serve_segments``: the configs alternate per segment, the first one rotated
@@ -652,18 +652,26 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
     never in the bare engine's; the drains are reported per request (wall and CPU ms, and as a bound
     the overhead with every drain charged to a TTFT), and so is each config's thread CPU per request
     (``cpu_ms_per_request``, ``thread_cpu_s`` groups). ``options(tag)`` gives a fresh stack's options
-    (its own L3 directory per tag).
+    (its own L3 directory per tag). A shorter segment drains more often: the background work left by
+    each segment's last request goes to the drain rather than into the next request (its L3 writes
+    would wait past the next first token anyway: ``Scheduler`` ``hold_storage_writes``); the drain
+    figures bound that.
 
     Every request is timed on both clocks (``by_clock``): wall time (``ServePhases``) and this
     process's CPU time, every thread (``on_cpu_clock``: what the work took, whatever other processes
     on a shared machine take; background threads count as if on the critical path); ``clock`` says
-    which one the top-level figures (the target) use. Robust to a noisy machine: each request's TTFT
-    and latency are its best of ``reps`` runs (fresh stack per rep), per config and clock
-    (``best_of_reps``); the overhead is the ratio of the mean best-of-N TTFTs (and the median of the
-    per-request best-of-N ratios). Each rep also serves the pair interleaved request by request with
-    nothing drained (``PairMode.INTERLEAVED``, another fresh stack; the summary's ``interleaved``),
-    so that both protocols meet the same machine state. Returns (bare served, no_cache served:
-    best-of-N wall timings of the segments; no_cache stats and spot checks of rep 0; summary)."""
+    which one the top-level figures (the target) use. Robust to a noisy machine (``paired_overhead``):
+    the overhead is a ratio of mean TTFTs over blocks of ``PAIR_BLOCK`` requests, each block's ratio
+    the median over ``reps`` (fresh stack per rep) of the two configs' summed TTFTs on it, served
+    within seconds of each other. On this 2-CPU machine the CPU time of the same work swings by
+    tens of % with the other processes' load, on the scale of seconds, so short segments (default
+    4) pair the configs closely in time; a block holds several of them. Beside it: the ratio of the
+    mean best-of-N TTFTs (each request's best of ``reps``, ``best_of_reps``; noisier: a request's
+    minimum comes from whichever rep met a quiet moment) and the median of the per-request best-of-N
+    ratios. Each rep also serves the pair interleaved request by request with nothing drained
+    (``PairMode.INTERLEAVED``, another fresh stack; the summary's ``interleaved``), so that both
+    protocols meet the same machine state. Returns (bare served, no_cache served: best-of-N wall
+    timings of the segments; no_cache stats and spot checks of rep 0; summary)."""
     from hicache.embedded import build_stack
 
     if reps < 1:
@@ -711,13 +719,47 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
 
 def no_reuse_targets(overhead: dict) -> dict[str, float]:
     """The no-reuse pair's figures for a benchmark's targets: the overhead on the pair's clock (the
-    target), its median per request, the other clock's and the interleaved pair's."""
+    target, ``paired_overhead``), its median per request, the other clock's and the interleaved pair's."""
     out = {"no_reuse_overhead_service_ttft": overhead["overhead_mean_ttft"],
            "no_reuse_overhead_median_request": overhead["overhead_median_request_ratio"]}
     for clock, seg in overhead["by_clock"].items():
         out[f"no_reuse_overhead_service_ttft_{clock}"] = seg["overhead_mean_ttft"]
     out["no_reuse_overhead_interleaved"] = overhead["interleaved"]["overhead_mean_ttft"]
     return out
+
+
+PAIR_BLOCK = 16  # requests per block of ``paired_overhead``
+
+
+def paired_overhead(reps: Sequence[dict[str, list[Served]]], block: int = PAIR_BLOCK, base: str = "bare_engine",
+                    other: str = "no_cache") -> tuple[float, float]:
+    """(overhead of ``other`` over ``base``, ``base``'s mean TTFT) from reps that each served the same
+    stream with both configs (results in stream order), robust to a shared machine's load: the
+    stream is cut into blocks of ``block`` requests; in each rep a block's ratio is ``other``'s summed
+    TTFT over ``base``'s (both served it within seconds, so load drift largely cancels); a block's
+    ratio is its median over the reps (a rep whose windows of one config met a burst of load is
+    outvoted, a cost that recurs in every rep stays, as a deterministic one does); the overhead is
+    the blocks' ratios weighted by ``base``'s block TTFT (median over the reps), minus 1: a ratio of
+    mean TTFTs. ``base``'s mean TTFT: those weights summed over the requests."""
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be an int >= 1, got {block!r}")
+    if not reps:
+        raise ValueError("need at least one rep")
+    order = [s.item.index for s in reps[0][base]]
+    for rep in reps:
+        for name in (base, other):
+            if [s.item.index for s in rep[name]] != order:
+                raise ValueError(f"every rep must serve the same items in the same order with {base!r} and "
+                                 f"{other!r}; {name!r} served {[s.item.index for s in rep[name]][:8]}... vs "
+                                 f"{order[:8]}...")
+    ratios, weights = [], []
+    for lo in range(0, len(order), block):
+        b = np.array([sum(s.result.ttft_s for s in rep[base][lo:lo + block]) for rep in reps])
+        o = np.array([sum(s.result.ttft_s for s in rep[other][lo:lo + block]) for rep in reps])
+        ratios.append(float(np.median(o / b)))
+        weights.append(float(np.median(b)))
+    w = np.array(weights)
+    return float((np.array(ratios) * w).sum() / w.sum() - 1), float(w.sum() / len(order))
 
 
 def _pair_summary(mode: PairMode, segment: int, clock: str, served: dict[str, Sequence[dict[str, list[Served]]]],
@@ -735,13 +777,15 @@ def _pair_summary(mode: PairMode, segment: int, clock: str, served: dict[str, Se
         latency = {c: np.array([s.result.latency_s for s in best[c]]) for c in best}
         b, n = ttft["bare_engine"], ttft["no_cache"]
         drain_s = sum(drains[name]) / requests
+        overhead, bare_mean = paired_overhead(reps)
         by_clock[name] = {
             "bare_engine_best_of_n_ttft_mean_s": float(b.mean()), "no_cache_best_of_n_ttft_mean_s": float(n.mean()),
-            "overhead_mean_ttft": float(n.mean() / b.mean() - 1),
+            "overhead_mean_ttft": overhead, "paired_block": PAIR_BLOCK, "bare_engine_paired_ttft_mean_s": bare_mean,
+            "overhead_best_of_n_mean_ttft": float(n.mean() / b.mean() - 1),
             "overhead_median_request_ratio": float(np.median(n / b)) - 1,
             "overhead_mean_latency": float(latency["no_cache"].mean() / latency["bare_engine"].mean() - 1),
             "no_cache_drain_ms_per_request": round(1e3 * drain_s, 3),
-            "overhead_mean_ttft_drain_charged": float((n.mean() + drain_s) / b.mean() - 1),
+            "overhead_mean_ttft_drain_charged": overhead + drain_s / bare_mean,
             "per_rep_service_ttft_mean_s": [{c: statistics.fmean(s.result.ttft_s for s in rep[c]) for c in rep}
                                             for rep in reps]}
     return best_wall, {
@@ -935,7 +979,7 @@ def in_scratch_dir(l3_dir: str | None, prefix: str, run: Callable[[Path], object
 def warm_up_and_baselines(args, items: Sequence[Item], ref, base: ModelRunner, bare: BareEngine,
                           full: Callable[[str], object]):
     """Compile pass (full stack, then a cold stack on its L3, own namespace), then the no-reuse pair
-    (bare engine vs a stack that never reuses; ``overhead_pair``: in segments of ``args.segment``,
+    (bare engine vs a stack that never reuses; ``overhead_pair``: in segments of ``args.pair_segment``,
     and interleaved per request for comparison).
 
     Returns (served, spot checks, stats, overhead) keyed by config name, for the two baseline configs.
@@ -943,16 +987,16 @@ def warm_up_and_baselines(args, items: Sequence[Item], ref, base: ModelRunner, b
     log("  warm-up pass (full stack then a cold stack on its L3, own namespace; compiles transfers) ...")
     run_stack("warm-up", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=1)
     run_stack("warm-up cold", full("l3-warm-up"), base, items, ref, salt=lambda it: "warm-up", spot=0)
-    log(f"  bare_engine + no_cache in segments of {args.segment} requests (no_cache drained after each of its "
+    log(f"  bare_engine + no_cache in segments of {args.pair_segment} requests (no_cache drained after each of its "
         f"segments), and interleaved per request, {args.overhead_reps} rep(s) ...")
     b, n, nc_stats, (sp_b, sp_n), overhead = overhead_pair(
-        bare, base, lambda tag: full(f"l3-nc-{tag}"), items, ref, args.overhead_reps, args.segment, args.clock)
+        bare, base, lambda tag: full(f"l3-nc-{tag}"), items, ref, args.overhead_reps, args.pair_segment, args.clock)
     for clock, seg in overhead["by_clock"].items():
         interleaved = overhead["interleaved"]["by_clock"][clock]
-        log(f"  no-reuse overhead on the {clock} clock (mean service TTFT, best of {args.overhead_reps}): "
-            f"{seg['overhead_mean_ttft']:+.1%} in segments of {args.segment} (drain "
-            f"{seg['no_cache_drain_ms_per_request']:.2f} ms per request; "
-            f"{seg['overhead_mean_ttft_drain_charged']:+.1%} with every drain on a TTFT), "
+        log(f"  no-reuse overhead on the {clock} clock (mean service TTFT, blocks of {PAIR_BLOCK} requests, median "
+            f"of {args.overhead_reps} rep(s)): {seg['overhead_mean_ttft']:+.1%} in segments of {args.pair_segment} "
+            f"(best-of-N {seg['overhead_best_of_n_mean_ttft']:+.1%}; drain {seg['no_cache_drain_ms_per_request']:.2f} "
+            f"ms per request; {seg['overhead_mean_ttft_drain_charged']:+.1%} with every drain on a TTFT), "
             f"{interleaved['overhead_mean_ttft']:+.1%} interleaved per request")
     return ({"bare_engine": b, "no_cache": n}, {"bare_engine": sp_b, "no_cache": sp_n},
             {"bare_engine": {}, "no_cache": nc_stats}, overhead)

@@ -18,7 +18,7 @@ Configs (same request stream, fresh stack each, one compiled engine):
                    round it serves). Target: its round-1 hit rate >= 90% of the warm replica's round-1
                    hit rate (same requests; the warm replica has L1, L2 and L3 from round 0).
 
-Reference pass, warm-up pass, the no-reuse pair (bare_engine vs no_cache in segments of ``--segment``
+Reference pass, warm-up pass, the no-reuse pair (bare_engine vs no_cache in segments of ``--pair-segment``
 requests, ``common.overhead_pair``, its target on ``--clock``, both clocks reported) and exactness
 checks as in ``multiturn.py``.
 
@@ -86,9 +86,11 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--l1-fraction", type=float, default=0.25)
     p.add_argument("--l2-fraction", type=float, default=0.5)
     p.add_argument("--overhead-reps", type=int, default=3,
-                   help="bare_engine/no_cache repeats (in segments, and interleaved; best-of-N per request)")
-    p.add_argument("--segment", type=int, default=16,
-                   help="no-reuse pair: requests a config serves in a row before the other serves them")
+                   help="bare_engine/no_cache repeats (in segments, and interleaved; median over the reps per block "
+                        "of requests, common.paired_overhead)")
+    p.add_argument("--pair-segment", "--segment", dest="pair_segment", type=int, default=4,
+                   help="no-reuse pair: requests a config serves in a row (no_cache then drained) before the other "
+                        "serves them; short, so that the two configs meet the same machine load")
     p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
                    help="what times the no-reuse pair's target: this process's CPU time (all threads; robust to "
                         "other processes on a shared machine), or wall time; both are reported")

@@ -28,9 +28,11 @@ Configs (same request stream, fresh stack each, one compiled engine):
 Before the timed configs: a reference pass (no cache, decides the stream and the expected outputs)
 and a warm-up pass of the full stack in its own namespace (compiles every transfer bucket), so compile
 stalls stay out of the timings. Then the no-reuse pair (``common.overhead_pair``: bare_engine vs
-no_cache in segments of ``--segment`` requests, no_cache's transfers drained after each of its
-segments, the drain reported per request; best of ``--overhead-reps``; TTFT on ``--clock``, the other
-clock's figures beside it: the overhead target; no_cache's record, wall time; the same pair
+no_cache in segments of ``--pair-segment`` requests, no_cache's transfers drained after each of its
+segments, the drain reported per request; ``--overhead-reps`` reps, the overhead a ratio of mean TTFTs
+over blocks of 16 requests, each block's ratio its median over the reps (``common.paired_overhead``:
+the load of the other processes on a shared machine swings the same work's time by tens of % within
+seconds); TTFT on ``--clock``, the other clock's figures beside it: the overhead target; no_cache's record, wall time; the same pair
 interleaved per request is in ``overhead_vs_bare.interleaved``, for comparison). Then the TTFT phase
 (``common.serve_segments``): bare_engine, l1_only, l1_l2 and l1_l2_l3, each on a fresh stack, serve
 the stream ``--segment`` (16) requests at a time: one config serves a segment, waits for its own
@@ -43,7 +45,7 @@ reps that served it with the same hits (the schedule follows measured times, so 
 served interleaved per request, they ran inside the other configs' requests (a decode uses both
 cores here, the serving thread and XLA's executor threads, so any CPU they take shows up in its wall
 time), while short segments keep the configs close in time on a noisy machine. The request rate is
-``--load`` x the bare engine's service rate measured in the no-reuse pair (best of its reps; the
+``--load`` x the bare engine's service rate measured in the no-reuse pair (best of its reps per request; the
 clock needs it before the TTFT phase starts). The bare engine serves every segment first in the TTFT
 phase: its time on the segment's requests against its time on them in the no-reuse pair gives the
 machine's speed now (a shared machine's load drifts), and the clocks of that segment advance by the
@@ -158,13 +160,17 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--load", type=float, default=0.7)
     p.add_argument("--l1-fraction", type=float, default=0.25)
     p.add_argument("--l2-fraction", type=float, default=0.5)
-    p.add_argument("--overhead-reps", type=int, default=3, help="bare_engine/no_cache repeats (in segments, and interleaved; best-of-N per request)")
+    p.add_argument("--overhead-reps", type=int, default=3,
+                   help="bare_engine/no_cache repeats (in segments, and interleaved; median over the reps per block "
+                        "of requests, common.paired_overhead)")
     p.add_argument("--ttft-reps", type=int, default=3,
                    help="bare_engine/l1_only/l1_l2/l1_l2_l3 repeats (fresh stacks, one config at a time; "
                         "best-of-N TTFT per request)")
     p.add_argument("--segment", type=int, default=16,
-                   help="TTFT phase and no-reuse pair: requests a config serves in a row before the next config "
-                        "serves them")
+                   help="TTFT phase: requests a config serves in a row before the next config serves them")
+    p.add_argument("--pair-segment", type=int, default=4,
+                   help="no-reuse pair: requests a config serves in a row (no_cache then drained) before the other "
+                        "serves them; short, so that the two configs meet the same machine load")
     p.add_argument("--policy", default=SchedulePolicy.PREFILL_FIRST.value, choices=[x.value for x in SchedulePolicy],
                    help="the cache configs' ServingLoop policy (TTFT phase and l3_prepopulated)")
     p.add_argument("--decode-batch", type=int, default=0,

@@ -57,8 +57,9 @@ def _check_no_reuse_pair(by: dict, requests: int, segment: int, reps: int) -> No
                                     (inter, "interleaved", 1, reps * requests)):
         assert (pair["mode"], pair["segment"], pair["reps"], pair["no_cache_drains"]) == (mode, seg, reps, drains)
         for clock, fig in pair["by_clock"].items():
-            assert fig["overhead_mean_ttft"] == pytest.approx(
+            assert fig["overhead_best_of_n_mean_ttft"] == pytest.approx(
                 fig["no_cache_best_of_n_ttft_mean_s"] / fig["bare_engine_best_of_n_ttft_mean_s"] - 1, rel=1e-9)
+            assert fig["paired_block"] == 16 and fig["bare_engine_paired_ttft_mean_s"] > 0  # paired_overhead's
             assert fig["no_cache_drain_ms_per_request"] >= 0 and len(fig["per_rep_service_ttft_mean_s"]) == reps
             assert fig["overhead_mean_ttft_drain_charged"] >= fig["overhead_mean_ttft"], (mode, clock)
         for name in ("bare_engine", "no_cache"):
@@ -96,12 +97,58 @@ def test_clock_views_of_a_served_request():
     assert [s.result.latency_s for s in walls] == [pytest.approx(x) for x in (0.021, 0.021, 0.521, 0.021, 0.271)]
 
 
+def _paired(ttfts: dict[str, list[list[float]]], **kw) -> tuple[float, float]:
+    """paired_overhead over reps whose TTFTs per config are ``ttfts[config][rep]`` (ms), stream order."""
+    import numpy as np
+
+    from benchmarks.common import Item, Served, paired_overhead
+    from hicache.serving import ServeResult
+
+    def served(ms: list[float]) -> list[Served]:
+        return [Served(Item(i, None, 0, np.arange(3, dtype=np.int32), 1),
+                       ServeResult((1,), np.zeros(1, np.float32), t / 1e3, t / 1e3, 3, 0, 0, 3)) for i, t in enumerate(ms)]
+    reps = len(ttfts["bare_engine"])
+    return paired_overhead([{c: served(ttfts[c][r]) for c in ttfts} for r in range(reps)], **kw)
+
+
+def test_paired_overhead_outvotes_a_loaded_rep_keeps_recurring_costs_and_weighs_by_ttft():
+    """Blocks of 2 requests: block 0 (bare 10+10 ms) costs 10% more with the stack, block 1 (bare 30+30
+    ms) 20% more, of which a 6 ms cost on request 3 recurs in every rep: the overhead is the ratio of
+    mean TTFTs, (22+72)/(20+60) - 1 = 17.5% (not the mean of the block ratios, 15%). A rep whose
+    stack windows met a load burst (x2) in block 0, and another whose bare windows did in block 1,
+    are outvoted by the other reps. The bare mean: the blocks' median bare TTFTs, 80 ms / 4."""
+    bare = [[10, 10, 30, 30]] * 3
+    stack = [[11, 11, 33, 39]] * 3
+    overhead, bare_mean = _paired({"bare_engine": bare, "no_cache": stack}, block=2)
+    assert overhead == pytest.approx(94 / 80 - 1) and bare_mean == pytest.approx(0.020)
+    loaded_bare = [[10, 10, 30, 30], [10, 10, 60, 60], [10, 10, 30, 30]]
+    loaded_stack = [[22, 22, 33, 39], [11, 11, 33, 39], [11, 11, 33, 39]]
+    overhead, bare_mean = _paired({"bare_engine": loaded_bare, "no_cache": loaded_stack}, block=2)
+    assert overhead == pytest.approx(94 / 80 - 1) and bare_mean == pytest.approx(0.020)
+    one_block, _ = _paired({"bare_engine": bare, "no_cache": stack}, block=16)  # the whole stream in one block
+    assert one_block == pytest.approx(94 / 80 - 1)
+
+
+def test_paired_overhead_rejects_bad_blocks_and_mismatched_reps():
+    bare, stack = [[10, 10, 30]], [[11, 11, 33]]
+    for bad in (0, -1, 2.0, None):
+        with pytest.raises(ValueError, match=f"block must be an int >= 1, got {bad!r}"):
+            _paired({"bare_engine": bare, "no_cache": stack}, block=bad)
+    with pytest.raises(ValueError, match="same items in the same order"):
+        _paired({"bare_engine": bare, "no_cache": [[11, 11]]})
+    from benchmarks.common import paired_overhead
+
+    with pytest.raises(ValueError, match="at least one rep"):
+        paired_overhead([])
+
+
 def test_multiturn_and_long_doc_qa_tiny(tmp_path):
     from benchmarks import long_doc_qa, multiturn
 
     mt = tmp_path / "mt.json"
     multiturn.main(["--clients", "3", "--rounds", "2", "--system-tokens", "24", "40", "--request-tokens", "8", "16",
-                    "--output-tokens", "4", "--overhead-reps", "2", "--segment", "4", "--spot-checks", "1",
+                    "--output-tokens", "4", "--overhead-reps", "2", "--segment", "3", "--pair-segment", "4",
+                    "--spot-checks", "1",
                     "--l2-fraction", "2", "--json", str(mt), "--png", str(tmp_path / "mt.png")])
     by = _check(mt, tmp_path / "mt.png")
     _check_no_reuse_pair(by, requests=6, segment=4, reps=2)
