@@ -161,8 +161,9 @@ class EmbeddedTransport:
         return self.head.call(call)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
-        if any(type(c.arg) is ResultRef for c in calls):
-            return run_with_refs(self.head, calls)
+        for c in calls:
+            if type(c.arg) is ResultRef:
+                return run_with_refs(self.head, calls)
         return self.head.step(calls)
 
     def submit(self, calls: Sequence[Call]) -> DoneStep:
@@ -173,8 +174,10 @@ class CacheClient:
     def __init__(self, transport: Transport, page_size: int) -> None:
         self._transport = transport
         self.page_size = page_size
+        # A head in this process: each call is its ``dispatch`` (no ``Call`` object, no transport hop).
+        self._call = transport.head.dispatch if type(transport) is EmbeddedTransport else self._send
 
-    def _call(self, method: Method, arg: Any = None) -> Any:
+    def _send(self, method: Method, arg: Any = None) -> Any:
         return self._transport.call(Call(method, arg))
 
     def match_prefix(self, params: MatchPrefixParams | RadixKey) -> MatchResult:

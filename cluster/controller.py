@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,6 +46,9 @@ _MAX_GHOSTS = 65_536
 # check_events sends held backups anyway once they waited this many calls or this long (bounded hold).
 _BACKUP_HOLD_CALLS = 4
 _BACKUP_HOLD_S = 0.05
+# ... and once they hold more than this fraction of a bounded L1: held backups lock their nodes, and a request
+# whose alloc then finds too few free + evictable pages waits for them on its critical path (send, D2H, ack).
+_BACKUP_HOLD_L1_FRACTION = 0.5
 # Event codes by the tier's name (what the tree's listener calls pass); events are packed ints (events.py).
 _STORED_CODE = {t.value: EVENT_CODES[EventKind.STORED, t] for t in Tier}
 _REMOVED_CODE = {t.value: EVENT_CODES[EventKind.REMOVED, t] for t in Tier}
@@ -56,6 +60,7 @@ _NOT_CACHED = MissReason.NOT_CACHED
 _TREE = int(PageOwner.TREE)
 _NO_PAGES = np.empty(0, np.int32)
 _NO_PAGES.setflags(write=False)
+_T = TypeVar("_T")
 
 
 # LoadBackParams and LoadBackResult (one of each per load-back) write their fields into the instance dict in
@@ -171,7 +176,10 @@ class HiCacheController:
         # True while ``submit`` (not forced) would send: loads or L3 ops queued, or a full backup batch. Callers
         # that send after every call (the head) test it first: most calls queue nothing that must go.
         self.send_due = False
-        self._backup_batch_pages = config.backup_batch_pages
+        # Pages that make a held backup batch due: ``backup_batch_pages``, or more than half of a bounded L1.
+        l1 = tree.full.allocator
+        self._backup_batch_pages = (min(config.backup_batch_pages, int(l1.capacity * _BACKUP_HOLD_L1_FRACTION) + 1)
+                                    if l1.bounded else config.backup_batch_pages)
         self._backup_held_calls = 0  # check_events calls since the oldest queued backup was queued
         self._backup_queued_at = 0.0
         self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
@@ -387,8 +395,7 @@ class HiCacheController:
                 if not self.in_flight:
                     raise
                 # Nodes locked only by queued/in-flight backups become evictable once acked (as head.alloc).
-                self.flush_device_backups()
-                self.tree.make_room(need, tokens)
+                self.relieve_l1(lambda: self.tree.make_room(need, tokens))
             pages = allocator.alloc(need, _TREE)
         except CacheCapacityError:
             for c in chain:
@@ -509,10 +516,11 @@ class HiCacheController:
         """Sends queued ops as one plan to all hosts; returns the number of transfers sent.
 
         Loads (and storage ops) are sent at once: a request waits for them; queued loads travel as ONE
-        merged op. Backups are off the critical path: alone they wait until ``backup_batch_pages`` are
-        queued (or ``force``); a plan that goes out for loads or storage ops leaves them queued (a D2H
-        dispatch is never on a request's critical path); when they go, they go merged into ONE op. So a
-        scheduler step costs one dispatch and one ack per host per kind, not one per request.
+        merged op. Backups are off the critical path: alone they wait until ``backup_batch_pages`` (or more
+        than half of a bounded L1: ``_BACKUP_HOLD_L1_FRACTION``) are queued (or ``force``); a plan that goes
+        out for loads or storage ops leaves them queued (a D2H dispatch is never on a request's critical
+        path); when they go, they go merged into ONE op. So a scheduler step costs one dispatch and one ack
+        per host per kind, not one per request.
         """
         if not (self.send_due or force):
             return 0  # nothing queued, or only backups still batching: the common case
@@ -550,8 +558,8 @@ class HiCacheController:
     def check_events(self) -> int:
         """Sends what is queued and applies every ack that arrived; returns transfers completed.
 
-        Loads go at once; backups keep batching up to ``backup_batch_pages``, but never wait longer than
-        ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile). L2->L3
+        Loads go at once; backups keep batching up to ``backup_batch_pages`` (at most half of L1), but never
+        wait longer than ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile). L2->L3
         backups queued by the acks applied here are sent before returning.
         """
         if self._open_loads.chains or self._open_backups.chains or self._queued_storage:
@@ -595,6 +603,19 @@ class HiCacheController:
             if self._pending:
                 done += self._apply(self.workers.wait(left))
         return done
+
+    def relieve_l1(self, retry: Callable[[], _T]) -> _T:
+        """``retry()`` once L1 has more room, after a ``CacheCapacityError`` with transfers in flight: nodes
+        locked only by their L1->L2 copy become evictable when it is acked. First the acks that already came
+        (no wait; a copy sent at an earlier finish is usually done by the next request's alloc), then, if
+        ``retry`` still fails, every held or in-flight copy is sent and waited for (bounded)."""
+        if self._pending and self._apply(self.workers.poll()):
+            try:
+                return retry()
+            except CacheCapacityError:
+                pass
+        self.flush_device_backups()
+        return retry()
 
     def flush_device_backups(self) -> int:
         """What an L1 eviction short of pages needs: waits (bounded by ``ack_timeout_s``) until every held or

@@ -86,25 +86,32 @@ NO_ARG_METHODS = frozenset({  # called without an argument
 CALL_ERRORS = (ValueError, TypeError, RuntimeError)  # what fails one call of a step, not the step
 
 
-@dataclass(frozen=True)
+# Call and CallResult (one per call) write their fields into the instance dict in one call, as the tree's
+# per-request params do (a frozen dataclass's generated __init__ stores each field through object.__setattr__).
+
+
+@dataclass(frozen=True, init=False)
 class Call:
     method: Method | str
     arg: Any = None
 
-    def __post_init__(self) -> None:
-        if type(self.method) is Method:  # the usual case; Method(...) alone costs ~1 us
-            return
-        try:
-            object.__setattr__(self, "method", Method(self.method))
-        except ValueError:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {[m.value for m in Method]}") from None
+    def __init__(self, method: Method | str, arg: Any = None) -> None:
+        if type(method) is not Method:  # the usual case is a Method; Method(...) alone costs ~1 us
+            try:
+                method = Method(method)
+            except ValueError:
+                raise ValueError(f"unknown method {method!r}; choose one of {[m.value for m in Method]}") from None
+        self.__dict__.update(method=method, arg=arg)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CallResult:
     ok: bool
     value: Any = None
     error: BaseException | None = None
+
+    def __init__(self, ok: bool, value: Any = None, error: BaseException | None = None) -> None:
+        self.__dict__.update(ok=ok, value=value, error=error)
 
     def unwrap(self) -> Any:
         if not self.ok:
@@ -167,15 +174,14 @@ class CacheHead:
 
     def alloc(self, num_tokens: int) -> np.ndarray:
         """L1 pages, evicting as needed. Nodes locked only by in-flight backups become evictable once
-        acked, so when short the head applies (and, bounded, waits for) those acks and retries once (only the
-        L1->L2 copies: L2->L3 writes free no L1 page)."""
+        acked, so when short the head applies the acks that came and retries, then (bounded) waits for the
+        rest and retries once (only the L1->L2 copies: L2->L3 writes free no L1 page; ``relieve_l1``)."""
         try:
             return self._sent(self.tree.alloc(num_tokens))
         except CacheCapacityError:
             if self.controller is None or not self.controller.in_flight:
                 raise
-            self.controller.flush_device_backups()
-            return self._sent(self.tree.alloc(num_tokens))
+            return self._sent(self.controller.relieve_l1(lambda: self.tree.alloc(num_tokens)))
 
     def free(self, pages: np.ndarray | Sequence[int]) -> None:
         self.tree.free(pages)
@@ -299,7 +305,9 @@ class CacheHead:
         results = []
         for call in calls:
             try:
-                results.append(CallResult(True, self.call(call)))
+                if type(call) is not Call and not isinstance(call, Call):
+                    raise TypeError(f"expected a Call, got {call!r}")
+                results.append(CallResult(True, self.dispatch(call.method, call.arg)))
             except CALL_ERRORS as exc:
                 results.append(CallResult(False, error=exc))
         return results

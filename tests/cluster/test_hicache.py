@@ -6,6 +6,7 @@ Every hit checks that the prefix pages hold exactly the KV written for those tok
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -531,6 +532,62 @@ def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
         assert all(n.host_slots is None and n.staged_slots is None for n in head.tree.iter_nodes())
     head.tree.check_invariants()
     ctl.check_invariants()
+
+
+class GatedWorkers(RecordingWorkers):
+    """``RecordingWorkers`` whose acks reach the head only once ``open``; counts the head's ``wait`` calls."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.is_open, self.held, self.waits = False, [], 0
+
+    def collect(self, op_id: int, timeout_s: float = 10.0) -> None:
+        """Takes acks from the worker (kept from the head) until op ``op_id``'s came."""
+        deadline = time.monotonic() + timeout_s
+        while all(a.op_id != op_id for a in self.held):
+            assert time.monotonic() < deadline, f"op {op_id} never acked"
+            self.held += self.inner.poll()
+            time.sleep(0.001)
+
+    def poll(self):
+        acks = self.inner.poll()
+        if not self.is_open:
+            self.held += acks
+            return []
+        acks, self.held = self.held + acks, []
+        return acks
+
+    def wait(self, timeout_s, op_ids=None):
+        self.waits += 1
+        return self.held and self.poll() or self.inner.wait(timeout_s, op_ids)
+
+
+def test_backups_go_once_half_of_l1_is_held_and_a_short_alloc_takes_acks_that_came_without_waiting(monkeypatch):
+    """Held L1->L2 backups lock their nodes: once they hold more than half of a bounded L1 they go at once (a
+    request's alloc then never waits on its critical path for a batch still being held). An alloc short of pages
+    first applies the acks that already came and retries, before it sends held backups and waits for them."""
+    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
+    ctl = env.head.controller
+    gate = GatedWorkers(ctl.workers)
+    ctl.workers = gate
+    a, b = seq(0, 72), seq(1000, 8)  # 18 pages (> 16: sent by its finish), 2 pages (held)
+    env.serve(a)
+    assert [[(op.kind, op.num_pages) for op in p.ops] for p in gate.plans] == [[(OpKind.BACKUP_D2H, 18)]]
+    env.serve(b)
+    env.head.check_hicache_events()
+    assert len(gate.plans) == 1 and [n.num_tokens for n in ctl._open_backups.chains[0]] == [8]  # b: held
+    gate.collect(gate.plans[0].ops[0].op_id)
+    gate.is_open = True
+    st = env.head.stats()
+    assert st.free_pages == 12 and st.evictable_tokens == 0  # a and b locked by their backups
+    pages = env.head.alloc(14 * 4)  # a's ack (already there) makes a evictable: no send, no wait
+    assert len(pages) == 14 and gate.waits == 0 and len(gate.plans) == 1 and ctl._open_backups.chains
+    env.head.free(pages)
+    check(env)
+    env.head.flush_write_through_acks()
+    assert env.serve(a)["loaded"] == 72  # a's L2 copy is intact (serve() checks the bytes)
+    check(env)
 
 
 def test_the_head_sends_after_a_call_only_what_is_due():
