@@ -32,8 +32,9 @@ no_cache in segments of ``--pair-segment`` requests, no_cache's transfers draine
 segments, the drain reported per request; ``--overhead-reps`` reps, the overhead a ratio of mean TTFTs
 over blocks of 16 requests, each block's ratio its median over the reps (``common.paired_overhead``:
 the load of the other processes on a shared machine swings the same work's time by tens of % within
-seconds); TTFT on ``--clock``, the other clock's figures beside it: the overhead target; no_cache's record, wall time; the same pair
-interleaved per request is in ``overhead_vs_bare.interleaved``, for comparison). Then the TTFT phase
+seconds); TTFT on ``--clock``, the other clock's figures beside it: the overhead target; no_cache's
+record: best of the reps per request, wall time; the same pair interleaved per request is in
+``overhead_vs_bare.interleaved``, for comparison). Then the TTFT phase
 (``common.serve_segments``): bare_engine, l1_only, l1_l2 and l1_l2_l3, each on a fresh stack, serve
 the stream ``--segment`` (16) requests at a time: one config serves a segment, waits for its own
 in-flight transfers (L1->L2 copies, L3 writes; the wait is charged to its latency), then the next
