@@ -52,7 +52,6 @@ _FROM_PATH = -2  # (request states only) the path from the root to ``last_node``
 Header = list[tuple]
 _min_reduce = np.minimum.reduce
 _new_key = object.__new__
-_set = object.__setattr__
 
 
 def _checked_key(tokens: np.ndarray, extra_key: Any, cache_salt: Any, checked: bool) -> RadixKey:
@@ -62,9 +61,7 @@ def _checked_key(tokens: np.ndarray, extra_key: Any, cache_salt: Any, checked: b
     if not checked or not (extra_key is None or type(extra_key) is str) or not (cache_salt is None or type(cache_salt) is str):
         return RadixKey(tokens, extra_key, cache_salt)  # validates; raises naming the bad value
     key = _new_key(RadixKey)
-    _set(key, "token_ids", tokens)
-    _set(key, "extra_key", extra_key)
-    _set(key, "cache_salt", cache_salt)
+    key.__dict__.update(token_ids=tokens, extra_key=extra_key, cache_salt=cache_salt)
     return key
 
 

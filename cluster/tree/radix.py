@@ -42,7 +42,6 @@ from hicache.cluster.tree.params import (
 )
 
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
-_EMPTY_TOKENS = np.empty(0, dtype=np.int32)
 
 
 class TierListener(Protocol):
@@ -117,7 +116,7 @@ class RadixTree:
         """The namespace's root, created on first use (roots are small and never removed)."""
         root = self._roots.get(namespace)
         if root is None:
-            root = self._new_node(None, _EMPTY_TOKENS)
+            root = self._new_node(None, b"")  # no tokens (as bytes: no array to convert)
             root.lock_ref = 1  # roots are never evicted
             self._roots[namespace] = root
             self._root_namespace[root.id] = namespace
@@ -250,7 +249,8 @@ class RadixTree:
         end = n - n % ps
         self._match_calls += 1
         self._queried_tokens += end
-        root = self._roots.get(key.namespace) or self._root_for(key.namespace)
+        namespace = (key.extra_key, key.cache_salt)
+        root = self._roots.get(namespace) or self._root_for(namespace)
         path, partial = self._walk(root, tokens.tobytes(), 0, end)
         if partial:
             path[-1] = self._split(path[-1], partial)
