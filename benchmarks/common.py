@@ -643,7 +643,7 @@ def on_wall_clock(served: Sequence[Served], drains: Sequence[float] = (), segmen
 
 
 def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str], object], items: Sequence[Item],
-                  reference: Sequence[tuple[int, ...]], reps: int, segment: int = 4, clock: str = "cpu"):
+                  reference: Sequence[tuple[int, ...]], reps: int, segment: int = 1, clock: str = "cpu"):
     """The no-reuse workload through the full stack (``no_cache``: every request in its own cache_salt)
     and through ``bare`` (never caches), as a server serves its own requests: in segments of
     ``segment`` requests (``serve_segments``: the configs alternate per segment, the first one rotated
@@ -653,9 +653,11 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
     the overhead with every drain charged to a TTFT), and so is each config's thread CPU per request
     (``cpu_ms_per_request``, ``thread_cpu_s`` groups). ``options(tag)`` gives a fresh stack's options
     (its own L3 directory per tag). A shorter segment drains more often: the background work left by
-    each segment's last request goes to the drain rather than into the next request (its L3 writes
-    would wait past the next first token anyway: ``Scheduler`` ``hold_storage_writes``); the drain
-    figures bound that.
+    each segment's last request goes to its drain (the stack's latency) rather than into the next
+    request. The stack keeps that work out of TTFT windows itself (its L3 writes wait past the next
+    request's first token, ``Scheduler`` ``hold_storage_writes``; L1->L2 backups go in batches at a
+    finish), and the drain figures bound what is left (here segments of 1, 4 and 16 measured the
+    same overhead within their noise).
 
     Every request is timed on both clocks (``by_clock``): wall time (``ServePhases``) and this
     process's CPU time, every thread (``on_cpu_clock``: what the work took, whatever other processes
@@ -665,10 +667,11 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
     the median over ``reps`` (fresh stack per rep) of the two configs' summed TTFTs on it, served
     within seconds of each other. On this 2-CPU machine the CPU time of the same work swings by
     tens of % with the other processes' load, on the scale of seconds, so short segments (default
-    4) pair the configs closely in time; a block holds several of them. Beside it: the ratio of the
-    mean best-of-N TTFTs (each request's best of ``reps``, ``best_of_reps``; noisier: a request's
-    minimum comes from whichever rep met a quiet moment) and the median of the per-request best-of-N
-    ratios. Each rep also serves the pair interleaved request by request with nothing drained
+    1) pair the configs closely in time; a block holds several of them (the spread of the figure
+    over runs here: a few tenths of a point in segments of 1, points in segments of 4 or 16).
+    Beside it: the ratio of the mean best-of-N TTFTs (each request's best of ``reps``,
+    ``best_of_reps``; noisier: a request's minimum comes from whichever rep met a quiet moment) and
+    the median of the per-request best-of-N ratios. Each rep also serves the pair interleaved request by request with nothing drained
     (``PairMode.INTERLEAVED``, another fresh stack; the summary's ``interleaved``), so that both
     protocols meet the same machine state. Returns (bare served, no_cache served: best-of-N wall
     timings of the segments; no_cache stats and spot checks of rep 0; summary)."""

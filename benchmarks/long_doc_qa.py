@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--overhead-reps", type=int, default=3,
                    help="bare_engine/no_cache repeats (in segments, and interleaved; median over the reps per block "
                         "of requests, common.paired_overhead)")
-    p.add_argument("--pair-segment", "--segment", dest="pair_segment", type=int, default=4,
+    p.add_argument("--pair-segment", "--segment", dest="pair_segment", type=int, default=1,
                    help="no-reuse pair: requests a config serves in a row (no_cache then drained) before the other "
                         "serves them; short, so that the two configs meet the same machine load")
     p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
                         "best-of-N TTFT per request)")
     p.add_argument("--segment", type=int, default=16,
                    help="TTFT phase: requests a config serves in a row before the next config serves them")
-    p.add_argument("--pair-segment", type=int, default=4,
+    p.add_argument("--pair-segment", type=int, default=1,
                    help="no-reuse pair: requests a config serves in a row (no_cache then drained) before the other "
                         "serves them; short, so that the two configs meet the same machine load")
     p.add_argument("--policy", default=SchedulePolicy.PREFILL_FIRST.value, choices=[x.value for x in SchedulePolicy],
