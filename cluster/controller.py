@@ -46,9 +46,6 @@ _MAX_GHOSTS = 65_536
 # check_events sends held backups anyway once they waited this many calls or this long (bounded hold).
 _BACKUP_HOLD_CALLS = 4
 _BACKUP_HOLD_S = 0.05
-# ... and once they hold more than this fraction of a bounded L1: held backups lock their nodes, and a request
-# whose alloc then finds too few free + evictable pages waits for them on its critical path (send, D2H, ack).
-_BACKUP_HOLD_L1_FRACTION = 0.5
 # Event codes by the tier's name (what the tree's listener calls pass); events are packed ints (events.py).
 _STORED_CODE = {t.value: EVENT_CODES[EventKind.STORED, t] for t in Tier}
 _REMOVED_CODE = {t.value: EVENT_CODES[EventKind.REMOVED, t] for t in Tier}
@@ -176,10 +173,10 @@ class HiCacheController:
         # True while ``submit`` (not forced) would send: loads or L3 ops queued, or a full backup batch. Callers
         # that send after every call (the head) test it first: most calls queue nothing that must go.
         self.send_due = False
-        # Pages that make a held backup batch due: ``backup_batch_pages``, or more than half of a bounded L1.
-        l1 = tree.full.allocator
-        self._backup_batch_pages = (min(config.backup_batch_pages, int(l1.capacity * _BACKUP_HOLD_L1_FRACTION) + 1)
-                                    if l1.bounded else config.backup_batch_pages)
+        self._backup_batch_pages = config.backup_batch_pages
+        # Pages of the last L1 alloc (``note_alloc``): held backups lock their nodes, so ``check_events`` sends
+        # them once L1's free + evictable pages fall below it (a next alloc like it would wait for them).
+        self._last_alloc_pages = 0
         self._backup_held_calls = 0  # check_events calls since the oldest queued backup was queued
         self._backup_queued_at = 0.0
         self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
@@ -388,6 +385,7 @@ class HiCacheController:
         # The chain's pages go straight to the tree (it takes them below): no request-held state in between.
         allocator = full.allocator
         need = tokens // self._page_size
+        self.note_alloc(need)
         try:
             try:
                 self.tree.make_room(need, tokens)
@@ -516,11 +514,10 @@ class HiCacheController:
         """Sends queued ops as one plan to all hosts; returns the number of transfers sent.
 
         Loads (and storage ops) are sent at once: a request waits for them; queued loads travel as ONE
-        merged op. Backups are off the critical path: alone they wait until ``backup_batch_pages`` (or more
-        than half of a bounded L1: ``_BACKUP_HOLD_L1_FRACTION``) are queued (or ``force``); a plan that goes
-        out for loads or storage ops leaves them queued (a D2H dispatch is never on a request's critical
-        path); when they go, they go merged into ONE op. So a scheduler step costs one dispatch and one ack
-        per host per kind, not one per request.
+        merged op. Backups are off the critical path: alone they wait until ``backup_batch_pages`` are
+        queued (or ``force``); a plan that goes out for loads or storage ops leaves them queued (a D2H
+        dispatch is never on a request's critical path); when they go, they go merged into ONE op. So a
+        scheduler step costs one dispatch and one ack per host per kind, not one per request.
         """
         if not (self.send_due or force):
             return 0  # nothing queued, or only backups still batching: the common case
@@ -558,16 +555,19 @@ class HiCacheController:
     def check_events(self) -> int:
         """Sends what is queued and applies every ack that arrived; returns transfers completed.
 
-        Loads go at once; backups keep batching up to ``backup_batch_pages`` (at most half of L1), but never
-        wait longer than ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile). L2->L3
-        backups queued by the acks applied here are sent before returning.
+        Loads go at once; backups keep batching up to ``backup_batch_pages``, but never wait longer than
+        ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile), nor once L1's
+        free + evictable pages are fewer than the last alloc took (``note_alloc``): a next request like it
+        would wait for them in its alloc, on its critical path; sent now, they are acked by then. L2->L3 backups queued by
+        the acks applied here are sent before returning.
         """
         if self._open_loads.chains or self._open_backups.chains or self._queued_storage:
             force = False
             if self._open_backups.num_pages:
                 self._backup_held_calls += 1
                 force = (self._backup_held_calls >= _BACKUP_HOLD_CALLS
-                         or time.monotonic() - self._backup_queued_at >= _BACKUP_HOLD_S)
+                         or time.monotonic() - self._backup_queued_at >= _BACKUP_HOLD_S
+                         or self._l1_room() < self._last_alloc_pages)
             self.submit(force=force)
         if not self._pending:
             return 0
@@ -603,6 +603,18 @@ class HiCacheController:
             if self._pending:
                 done += self._apply(self.workers.wait(left))
         return done
+
+    def note_alloc(self, num_pages: int) -> None:
+        """An L1 alloc of ``num_pages`` pages (a request's, a load-back's): the room ``check_events`` keeps free
+        of held backups."""
+        self._last_alloc_pages = num_pages
+
+    def _l1_room(self) -> int:
+        """L1 pages an alloc gets now without waiting for a transfer: free, plus evictable."""
+        full = self.tree.full
+        if not full.allocator.bounded:
+            return self._last_alloc_pages  # an unbounded L1 grows: nothing waits
+        return full.allocator.num_free + full.evictable_tokens // self._page_size
 
     def relieve_l1(self, retry: Callable[[], _T]) -> _T:
         """``retry()`` once L1 has more room, after a ``CacheCapacityError`` with transfers in flight: nodes

@@ -175,13 +175,17 @@ class CacheHead:
     def alloc(self, num_tokens: int) -> np.ndarray:
         """L1 pages, evicting as needed. Nodes locked only by in-flight backups become evictable once
         acked, so when short the head applies the acks that came and retries, then (bounded) waits for the
-        rest and retries once (only the L1->L2 copies: L2->L3 writes free no L1 page; ``relieve_l1``)."""
+        rest and retries once (only the L1->L2 copies: L2->L3 writes free no L1 page; ``relieve_l1``). The
+        controller notes the size (``note_alloc``: held backups go before they would make one wait)."""
+        ctl = self.controller
+        if ctl is not None and type(num_tokens) is int:  # (a bad value: the tree raises naming it)
+            ctl.note_alloc(-(-num_tokens // self.tree.page_size))
         try:
             return self._sent(self.tree.alloc(num_tokens))
         except CacheCapacityError:
-            if self.controller is None or not self.controller.in_flight:
+            if ctl is None or not ctl.in_flight:
                 raise
-            return self._sent(self.controller.relieve_l1(lambda: self.tree.alloc(num_tokens)))
+            return self._sent(ctl.relieve_l1(lambda: self.tree.alloc(num_tokens)))
 
     def free(self, pages: np.ndarray | Sequence[int]) -> None:
         self.tree.free(pages)

@@ -562,27 +562,31 @@ class GatedWorkers(RecordingWorkers):
         return self.held and self.poll() or self.inner.wait(timeout_s, op_ids)
 
 
-def test_backups_go_once_half_of_l1_is_held_and_a_short_alloc_takes_acks_that_came_without_waiting(monkeypatch):
-    """Held L1->L2 backups lock their nodes: once they hold more than half of a bounded L1 they go at once (a
-    request's alloc then never waits on its critical path for a batch still being held). An alloc short of pages
-    first applies the acks that already came and retries, before it sends held backups and waits for them."""
+def test_held_backups_go_before_they_would_make_an_alloc_wait_and_a_short_alloc_takes_acks_that_came(monkeypatch):
+    """Held L1->L2 backups lock their nodes: ``check_events`` sends them once L1's free + evictable pages are
+    fewer than the last alloc took (a next request like it would wait for them on its critical path). An
+    alloc short of pages first applies the acks that already came and retries, before it sends held backups
+    and waits for them."""
     monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
     env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
     ctl = env.head.controller
     gate = GatedWorkers(ctl.workers)
     ctl.workers = gate
-    a, b = seq(0, 72), seq(1000, 8)  # 18 pages (> 16: sent by its finish), 2 pages (held)
-    env.serve(a)
-    assert [[(op.kind, op.num_pages) for op in p.ops] for p in gate.plans] == [[(OpKind.BACKUP_D2H, 18)]]
-    env.serve(b)
+    a, b, c = seq(0, 72), seq(1000, 8), seq(2000, 8)  # 18, 2, 2 pages
+    env.serve(c)
     env.head.check_hicache_events()
-    assert len(gate.plans) == 1 and [n.num_tokens for n in ctl._open_backups.chains[0]] == [8]  # b: held
+    assert gate.plans == []  # 30 pages free: c's backup is held
+    env.serve(a)
+    env.head.check_hicache_events()  # 12 free, none evictable < 18 (a's alloc, the last): c + a go now
+    assert [[(op.kind, op.num_pages) for op in p.ops] for p in gate.plans] == [[(OpKind.BACKUP_D2H, 20)]]
+    env.serve(b)  # b's backup: held (no check_events)
+    assert [n.num_tokens for n in ctl._open_backups.chains[0]] == [8]
     gate.collect(gate.plans[0].ops[0].op_id)
     gate.is_open = True
     st = env.head.stats()
-    assert st.free_pages == 12 and st.evictable_tokens == 0  # a and b locked by their backups
-    pages = env.head.alloc(14 * 4)  # a's ack (already there) makes a evictable: no send, no wait
-    assert len(pages) == 14 and gate.waits == 0 and len(gate.plans) == 1 and ctl._open_backups.chains
+    assert st.free_pages == 10 and st.evictable_tokens == 0  # a, b, c locked by their backups
+    pages = env.head.alloc(24 * 4)  # c's and a's ack (already there) make them evictable: no send, no wait
+    assert len(pages) == 24 and gate.waits == 0 and len(gate.plans) == 1 and ctl._open_backups.chains
     env.head.free(pages)
     check(env)
     env.head.flush_write_through_acks()
