@@ -407,12 +407,10 @@ class StorageTier:
         if found < self._exists_min_pages:
             self._note_miss(first_key)
             return skip("not enough pages in L3")
-        if anchor.parent is not None:
-            anchor.host_pin += 1
+        anchor.host_pin += 1  # (a root too: it stays while the fetch is in flight, RadixTree._drop_idle_roots)
         slots = self.host.reserve(found)
         if slots is None:
-            if anchor.parent is not None:
-                anchor.host_pin -= 1
+            anchor.host_pin -= 1
             return skip("no L2 room")
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
                         tuple(keys[:found]), first_page=depth // ps)
@@ -571,8 +569,7 @@ class StorageTier:
         task = self._prefetches.pop(op_id)
         self._inflight_prefetch_pages -= len(task.keys)
         anchor = task.anchor
-        if anchor.parent is not None:
-            anchor.host_pin -= 1
+        anchor.host_pin -= 1
         alive = anchor.parent is not None or self.tree.is_root(anchor)
         usable = p.ok and alive and (anchor.parent is None or anchor.host_slots is not None)
         nodes = self.tree.storage_only.adopt(anchor, task.tokens) if usable else None

@@ -42,6 +42,9 @@ from hicache.cluster.tree.params import (
 )
 
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
+# Namespace roots are kept until there are this many; then roots that nothing hangs below or holds are
+# dropped, and the next sweep waits for twice the roots kept (``_drop_idle_roots``).
+ROOT_SWEEP_MIN = 1024
 
 
 class TierListener(Protocol):
@@ -101,6 +104,7 @@ class RadixTree:
         self._matched_tokens = 0
         self._queried_tokens = 0
         self._evicted_tokens = 0
+        self._root_sweep_at = ROOT_SWEEP_MIN
         self.default_root = self._root_for((None, None))
 
     # -- nodes -------------------------------------------------------------------------------------
@@ -113,14 +117,36 @@ class RadixTree:
         return node
 
     def _root_for(self, namespace: Namespace) -> TreeNode:
-        """The namespace's root, created on first use (roots are small and never removed)."""
+        """The namespace's root, created on first use (then, past ``_root_sweep_at`` roots, idle roots go:
+        ``_drop_idle_roots``)."""
         root = self._roots.get(namespace)
         if root is None:
+            if len(self._roots) >= self._root_sweep_at:
+                self._drop_idle_roots()
             root = self._new_node(None, b"")  # no tokens (as bytes: no array to convert)
-            root.lock_ref = 1  # roots are never evicted
+            root.lock_ref = 1  # roots are never evicted; each request whose last node is the root adds one
             self._roots[namespace] = root
             self._root_namespace[root.id] = namespace
         return root
+
+    def _drop_idle_roots(self) -> None:
+        """Forgets the namespace roots that nothing hangs below or holds: no child, no request's lock (a
+        request that matched nothing holds its root: ``lock_path``), no pin (an L3 prefetch anchored
+        there). A server that sees a new ``cache_salt`` per request would otherwise keep a root per
+        request. The next sweep waits until the roots double (amortized O(1) per new root). A dropped
+        root's id is unknown from then on, as an evicted node's; its namespace gets a new root on use."""
+        for namespace, root in list(self._roots.items()):
+            if root is not self.default_root and not root.children and root.lock_ref == 1 and not root.host_pin:
+                del self._roots[namespace]
+                del self._root_namespace[root.id]
+                del self._nodes[root.id]
+        self._root_sweep_at = max(ROOT_SWEEP_MIN, 2 * len(self._roots))
+
+    @staticmethod
+    def _unlock_root(root: TreeNode) -> None:
+        """Releases a request's lock on its namespace root (``lock_path`` of a root); the base count stays."""
+        if root.lock_ref > 1:
+            root.lock_ref -= 1
 
     def node(self, node_id: int) -> TreeNode:
         if not isinstance(node_id, (int, np.integer)) or isinstance(node_id, bool):
@@ -468,8 +494,10 @@ class RadixTree:
         return self.lock_path(self.node(node_id))
 
     def lock_path(self, node: TreeNode) -> int:
-        """``inc_lock_ref`` of a node the caller holds (no id lookup): locks root..node in every component."""
+        """``inc_lock_ref`` of a node the caller holds (no id lookup): locks root..node in every component.
+        A root's lock only keeps the root (a request that matched nothing in its namespace)."""
         if node.parent is None:
+            node.lock_ref += 1
             return 0
         delta = self.full.lock(node)
         for on_lock in self.hooks.on_lock:
@@ -479,6 +507,7 @@ class RadixTree:
     def dec_lock_ref(self, node_id: int) -> int:
         node = self.node(node_id)
         if node.parent is None:
+            self._unlock_root(node)
             return 0
         if node.lock_ref <= 0:
             raise ValueError(f"lock underflow: node {node_id} is not locked")
@@ -845,6 +874,8 @@ class RadixTree:
                 full.unlock(last)
             for on_unlock in hooks.on_unlock:
                 on_unlock(last)
+        else:
+            self._unlock_root(last)
         for on_request_cached in hooks.on_request_cached:
             on_request_cached(state, end, True)
         return FinishResult(new_prefix, d - k + pages.shape[0] - whole)
@@ -869,8 +900,12 @@ class RadixTree:
         new_last = self.node(match.last_device_node)
         if new_last.parent is not None:
             self.full.lock(new_last)
+        else:
+            new_last.lock_ref += 1
         if last.parent is not None:
             self.full.unlock(last)
+        else:
+            self._unlock_root(last)
         new_pages = np.concatenate([match.device_pages, pages[match.device_pages.shape[0] :]])
         return RequestState(state.key, new_pages, match.device_hit_len, new_last.id, state.priority)
 
@@ -883,10 +918,14 @@ class RadixTree:
             self.full.lock(end)
             for on_lock in hooks.on_lock:
                 on_lock(end)
+        else:
+            end.lock_ref += 1
         if last.parent is not None:
             self.full.unlock(last)
             for on_unlock in hooks.on_unlock:
                 on_unlock(last)
+        else:
+            self._unlock_root(last)
         prefix = self._path_pages(end)
         values = {}
         for on_request_cached in hooks.on_request_cached:

@@ -336,3 +336,55 @@ def test_single_slot_allocator_ops_match_the_array_ops_and_reject_bad_ids():
     assert a.alloc_one() == slots[1] and a.owners(np.array(slots)).tolist() == [PageOwner.TREE, 1, 1]
     grown = PageAllocator(None, initial=1)
     assert [grown.alloc_one() for _ in range(3)] == [0, 1, 2] and grown.capacity >= 3
+
+
+def test_namespace_roots_stay_bounded_with_a_new_cache_salt_per_request():
+    """A new cache_salt per request (every namespace used once) keeps at most about twice the live roots,
+    not one root per request: roots nothing hangs below or holds are dropped at a sweep. The tree still
+    caches and evicts as before, and its invariants hold."""
+    from hicache.cluster.tree.radix import ROOT_SWEEP_MIN
+
+    tree = make_tree(page_size=1, capacity=256)
+    requests = 3 * ROOT_SWEEP_MIN + 7
+    for i in range(requests):
+        assert put(tree, np.arange(i % 5, i % 5 + 12), cache_salt=f"request-{i}") == 0
+    assert len(tree.roots()) <= 2 * ROOT_SWEEP_MIN + 1
+    assert len(tree.roots()) < requests // 2
+    assert tree.num_nodes <= 256  # every node holds L1 pages: the capacity bounds them
+    tree.check_invariants()
+    last = (requests - 1) % 5
+    assert put(tree, np.arange(last, last + 12), cache_salt=f"request-{requests - 1}") == 12  # still cached
+
+
+def test_a_root_held_by_a_request_or_a_pin_survives_the_sweep_and_an_idle_one_goes():
+    """A request that matched nothing holds its namespace root (its lock, taken on the root): a sweep keeps
+    it, and the request's finish inserts below it. A pinned root (an L3 prefetch anchored there) is kept
+    too. A root that nothing holds is dropped: its id is then unknown, as an evicted node's."""
+    from hicache.cluster.tree.radix import ROOT_SWEEP_MIN
+
+    tree = make_tree(page_size=1, capacity=64)
+    held_key = RadixKey(np.arange(8, dtype=np.int32), cache_salt="held")
+    m = tree.match_prefix(held_key)
+    held = m.last_device_node
+    tree.inc_lock_ref(held)
+    pages = tree.alloc(8)
+    pinned = tree.node(tree.match_prefix(RadixKey([1], cache_salt="pinned")).last_device_node)
+    pinned.host_pin += 1
+    idle = tree.match_prefix(RadixKey([1], cache_salt="idle")).last_device_node
+    for i in range(ROOT_SWEEP_MIN + 1):  # enough new namespaces for a sweep
+        tree.match_prefix(RadixKey([1], cache_salt=f"other-{i}"))
+    assert tree.node(held) is tree.roots()[(None, "held")]
+    assert tree.roots()[(None, "pinned")] is pinned
+    assert (None, "idle") not in tree.roots()
+    with pytest.raises(ValueError, match="unknown node id"):
+        tree.node(idle)
+    tree.cache_finished_req(RequestState(held_key, pages, 0, held))
+    assert tree.match_prefix(held_key).device_hit_len == 8
+    tree.check_invariants()
+    # the finish released the root's lock: with its pages evicted, the next sweep drops it
+    tree.evict(64)
+    pinned.host_pin -= 1
+    for i in range(2 * ROOT_SWEEP_MIN + 1):
+        tree.match_prefix(RadixKey([1], cache_salt=f"again-{i}"))
+    assert (None, "held") not in tree.roots() and (None, "pinned") not in tree.roots()
+    tree.check_invariants()
