@@ -309,7 +309,7 @@ class CacheHead:
         results = []
         for call in calls:
             try:
-                if type(call) is not Call and not isinstance(call, Call):
+                if not isinstance(call, Call):
                     raise TypeError(f"expected a Call, got {call!r}")
                 results.append(CallResult(True, self.dispatch(call.method, call.arg)))
             except CALL_ERRORS as exc:

@@ -149,13 +149,20 @@ def _stack_with_held_writes(tmp_path, runner):
     tier.params = dataclasses.replace(tier.params, write_hold_max_s=60.0)  # no expiry on a slow CI box
     prompt = np.random.default_rng(6).integers(0, MODEL.vocab_size, 40, dtype=np.int32)
     stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
+    held = _held_writes(stack, tier)
+    assert tier.writes_paused
+    return stack, tier, held
+
+
+def _held_writes(stack, tier) -> set[int]:
+    """Ids of the L2->L3 writes held on the head, once the L1->L2 acks of the last request queued them."""
     deadline = time.monotonic() + 10
-    while not tier._held and time.monotonic() < deadline:  # the L1->L2 acks queue the (held) L3 writes
+    while not tier._held and time.monotonic() < deadline:
         stack.client.check_hicache_events()
         time.sleep(0.01)
     held = {op.op_id for op in tier._held}
-    assert held and tier.writes_paused
-    return stack, tier, held
+    assert held
+    return held
 
 
 def test_held_l3_writes_are_sent_after_the_first_token_is_handed_out(tmp_path, runner):
@@ -185,12 +192,7 @@ def test_held_l3_writes_are_sent_without_a_second_step_or_when_the_decode_fails(
     prompt = np.random.default_rng(8).integers(0, MODEL.vocab_size, 20, dtype=np.int32)
     stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=1, cache_salt="one"), lambda: calls.append(1))
     assert not calls and not held & {op.op_id for op in tier._held}
-    deadline = time.monotonic() + 10
-    while not tier._held and time.monotonic() < deadline:
-        stack.client.check_hicache_events()
-        time.sleep(0.01)
-    held = {op.op_id for op in tier._held}
-    assert held
+    held = _held_writes(stack, tier)
 
     def failing() -> None:
         raise RuntimeError("driver failed")

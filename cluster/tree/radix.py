@@ -142,12 +142,6 @@ class RadixTree:
                 del self._nodes[root.id]
         self._root_sweep_at = max(ROOT_SWEEP_MIN, 2 * len(self._roots))
 
-    @staticmethod
-    def _unlock_root(root: TreeNode) -> None:
-        """Releases a request's lock on its namespace root (``lock_path`` of a root); the base count stays."""
-        if root.lock_ref > 1:
-            root.lock_ref -= 1
-
     def node(self, node_id: int) -> TreeNode:
         if not isinstance(node_id, (int, np.integer)) or isinstance(node_id, bool):
             raise TypeError(f"node id must be an int, got {node_id!r}")
@@ -506,11 +500,17 @@ class RadixTree:
 
     def dec_lock_ref(self, node_id: int) -> int:
         node = self.node(node_id)
-        if node.parent is None:
-            self._unlock_root(node)
-            return 0
-        if node.lock_ref <= 0:
+        if node.parent is not None and node.lock_ref <= 0:
             raise ValueError(f"lock underflow: node {node_id} is not locked")
+        return self.unlock_path(node)
+
+    def unlock_path(self, node: TreeNode) -> int:
+        """Releases a ``lock_path`` lock of a node the caller holds (checked): root..node in every component,
+        or a root's own count (its base stays)."""
+        if node.parent is None:
+            if node.lock_ref > 1:
+                node.lock_ref -= 1
+            return 0
         delta = self.full.unlock(node)
         for on_unlock in self.hooks.on_unlock:
             on_unlock(node)
@@ -869,13 +869,11 @@ class RadixTree:
         if whole < pages.shape[0]:
             alloc.release(pages[whole:], own[whole - k :])
         hooks = self.hooks
-        if last.parent is not None:
-            if not handed_over:
-                full.unlock(last)
+        if handed_over:  # the backup's walk took over the request's lock: only the components release theirs
             for on_unlock in hooks.on_unlock:
                 on_unlock(last)
         else:
-            self._unlock_root(last)
+            self.unlock_path(last)
         for on_request_cached in hooks.on_request_cached:
             on_request_cached(state, end, True)
         return FinishResult(new_prefix, d - k + pages.shape[0] - whole)
@@ -898,14 +896,8 @@ class RadixTree:
             return self._continue_request(state, last, end, pages)
         match = self.match_prefix(prefix_key)
         new_last = self.node(match.last_device_node)
-        if new_last.parent is not None:
-            self.full.lock(new_last)
-        else:
-            new_last.lock_ref += 1
-        if last.parent is not None:
-            self.full.unlock(last)
-        else:
-            self._unlock_root(last)
+        self.lock_path(new_last)
+        self.unlock_path(last)
         new_pages = np.concatenate([match.device_pages, pages[match.device_pages.shape[0] :]])
         return RequestState(state.key, new_pages, match.device_hit_len, new_last.id, state.priority)
 
@@ -914,18 +906,8 @@ class RadixTree:
         component would let a *match* use: the request holds its own KV there), then components hand the
         request its continuing values."""
         hooks = self.hooks
-        if end.parent is not None:
-            self.full.lock(end)
-            for on_lock in hooks.on_lock:
-                on_lock(end)
-        else:
-            end.lock_ref += 1
-        if last.parent is not None:
-            self.full.unlock(last)
-            for on_unlock in hooks.on_unlock:
-                on_unlock(last)
-        else:
-            self._unlock_root(last)
+        self.lock_path(end)
+        self.unlock_path(last)
         prefix = self._path_pages(end)
         values = {}
         for on_request_cached in hooks.on_request_cached:
