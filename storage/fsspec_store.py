@@ -1220,36 +1220,73 @@ class FsspecStorage(HiCacheStorage):
         elif not isinstance(e, FileNotFoundError):
             self._count(errors=1)
 
-    def _exists_here(self, o: _Obj, deadline: _Deadline) -> bool:
-        """Local filesystem, calling thread: whether ``o`` is stored (one stat; an error or the
-        deadline is a counted miss). Callers stat in chain order and stop at the answer: a miss
-        costs the objects up to it, not one stat per candidate of the whole query (each stat gives
-        the GIL away; on a busy host getting it back costs more than the stat)."""
-        r = self._io.exists_one(o.path, deadline)  # type: ignore[attr-defined]
-        if isinstance(r, BaseException):
-            self._count_exc(r)
-            return False
-        return r
-
-    def _first_stored(self, objs: Sequence[_Obj], deadline: _Deadline) -> _Obj | None:
-        """The first of ``objs`` stored (local, calling thread, in order), or None."""
-        for o in objs:
-            if self._exists_here(o, deadline):
-                return o
+    def _stored_here(self, t: int, reg: _PoolReg, keys: Sequence[str], first: int, start: int, sizes: Iterator[int] | range,
+                     deadline: _Deadline) -> _Obj | None:
+        """Local filesystem, calling thread: the first stored of the objects of ``sizes`` pages that
+        start at page ``start`` (one stat each, in the given order, up to the first one stored; an
+        error or the deadline is a counted miss), or None. Callers ask in chain order and stop at
+        the answer: a miss costs the objects up to it, not one stat per candidate of the whole
+        query (each stat gives the GIL away; on a busy host getting it back costs more than the
+        stat). Only the object found is built (``_Obj``): a miss builds nothing but path strings."""
+        exists_one, prefix = self._io.exists_one, reg.prefix  # type: ignore[attr-defined]
+        for m in sizes:
+            k = keys[start + m - 1 - first]
+            path = f"{prefix}/{k[0]}/{k}"
+            r = exists_one(path, deadline)
+            if r is True:
+                return _Obj(t, start, m, k, path)
+            if r is not False:
+                self._count_exc(r)
         return None
 
-    def _probe_here(self, reg: _PoolReg, parts: Sequence[_Obj], deadline: _Deadline) -> _Obj | None:
-        """The longest stored of a chunk's shorter candidates ``parts`` (``_partials``: longest
-        first), local, calling thread. With links, every object of the chunk with >= S pages is
-        named at the chunk's page S-1: that name is asked first, and if it is missing only the
-        candidates shorter than S remain (a miss costs S stats, not C - 1)."""
-        if reg.link_every and parts:
-            k = parts[0].m - reg.link_every  # parts[i] holds parts[0].m - i pages
-            if 0 < k < len(parts):
-                if not self._exists_here(parts[k], deadline):
-                    return self._first_stored(parts[k + 1 :], deadline)
-                return self._first_stored(parts[:k], deadline) or parts[k]
-        return self._first_stored(parts, deadline)
+    def _probe_here(self, t: int, reg: _PoolReg, keys: Sequence[str], first: int, start: int, m: int, shortest: int,
+                    deadline: _Deadline) -> _Obj | None:
+        """The longest stored object of the chunk at ``start`` shorter than ``m`` pages and at least
+        ``shortest`` pages long (``_partials``' candidates), local, calling thread. With links, every
+        object of the chunk with >= S pages is named at the chunk's page S-1: that name is asked
+        first, and if it is missing only the candidates shorter than S remain (a miss costs S
+        stats, not C - 1)."""
+        S = reg.link_every
+        if S and shortest <= S < m - 1:
+            if self._stored_here(t, reg, keys, first, start, (S,), deadline) is None:
+                return self._stored_here(t, reg, keys, first, start, range(S - 1, shortest - 1, -1), deadline)
+            return (self._stored_here(t, reg, keys, first, start, range(m - 1, S, -1), deadline)
+                    or self._obj(t, reg, keys, first, start, S))
+        return self._stored_here(t, reg, keys, first, start, range(m - 1, shortest - 1, -1), deadline)
+
+    def _resolve_here(self, t: int, reg: _PoolReg, keys: Sequence[str], first: int, least: int,
+                      deadline: _Deadline) -> list[_Obj]:
+        """``_resolve`` of one query on a local filesystem, on the calling thread: stats in chain
+        order up to the first missing object, then that chunk's shorter candidates (``_probe_here``).
+        With links, the chain's first chunk is gated (``_resolve``)."""
+        objs: list[_Obj] = []
+        S = reg.link_every
+        for start, m in self._spans(reg, len(keys), first):
+            shortest = max(1, first + least - start)  # the shortest object of this chunk of any use
+            if not objs and S:  # the chain's first chunk: is it stored at all?
+                g = S * max(1, shortest // S)  # gate: every object of >= g pages is named at page g - 1
+                if first - start < g < m:  # (itself or a link)
+                    if self._stored_here(t, reg, keys, first, start, (g,), deadline) is None:
+                        part = self._stored_here(t, reg, keys, first, start, range(g - 1, shortest - 1, -1), deadline)
+                        if part is not None:  # an object of < g pages
+                            objs.append(part)
+                        return objs
+                    o = self._stored_here(t, reg, keys, first, start, (m,), deadline)  # the natural candidate
+                    if o is None:  # the longer candidates, else the gate's own (known stored)
+                        o = (self._stored_here(t, reg, keys, first, start, range(m - 1, g, -1), deadline)
+                             or self._obj(t, reg, keys, first, start, g))
+                        objs.append(o)
+                        return objs
+                    objs.append(o)
+                    continue
+            o = self._stored_here(t, reg, keys, first, start, (m,), deadline)  # the natural candidate
+            if o is None:
+                part = self._probe_here(t, reg, keys, first, start, m, shortest, deadline)
+                if part is not None:
+                    objs.append(part)
+                return objs
+            objs.append(o)
+        return objs
 
     def _resolve(self, queries: list[tuple[_PoolReg, list[str], np.ndarray, int]], deadline: _Deadline,
                  min_pages: int = 1) -> list[list[_Obj]]:
@@ -1266,35 +1303,7 @@ class FsspecStorage(HiCacheStorage):
         pages is named there): a miss costs one stat per useful size below g, one in all when that
         shortest size is S or more."""
         if self._local and self._io.inline_io:  # type: ignore[attr-defined]
-            found = []
-            for t, (reg, keys, _, first) in enumerate(queries):
-                objs: list[_Obj] = []
-                for start, m in self._spans(reg, len(keys), first):
-                    gate = None
-                    if not objs and reg.link_every:  # the chain's first chunk: is it stored at all?
-                        S = reg.link_every
-                        g = S * max(1, (first + min_pages - start) // S)  # gate: every object of >= g pages
-                        if first - start < g < m:  # is named at the chunk's page g - 1 (itself or a link)
-                            parts = self._partials(t, reg, keys, first, start, m, min_pages)  # parts[i]: m-1-i pages
-                            o = self._obj(t, reg, keys, first, start, g)
-                            if not self._exists_here(o, deadline):
-                                part = self._first_stored(parts[m - g :], deadline)  # objects of < g pages
-                                if part is not None:
-                                    objs.append(part)
-                                break
-                            gate = parts[: m - 1 - g], o  # the longer candidates, a known stored one
-                    o = self._obj(t, reg, keys, first, start, m)  # the natural candidate
-                    if not self._exists_here(o, deadline):
-                        if gate is None:
-                            part = self._probe_here(reg, self._partials(t, reg, keys, first, start, m, min_pages), deadline)
-                        else:
-                            part = self._first_stored(gate[0], deadline) or gate[1]
-                        if part is not None:
-                            objs.append(part)
-                        break
-                    objs.append(o)
-                found.append(objs)
-            return found
+            return [self._resolve_here(t, reg, keys, first, min_pages, deadline) for t, (reg, keys, _, first) in enumerate(queries)]
         nats = [self._naturals(t, reg, keys, first) for t, (reg, keys, _, first) in enumerate(queries)]
         flat = [o for ns in nats for o in ns]
         flags = iter(self._exists_flags(flat, deadline))
@@ -1418,7 +1427,8 @@ class FsspecStorage(HiCacheStorage):
         found: list[tuple[_Obj, int]] = []
         if self._io.inline_io:  # type: ignore[attr-defined]
             for t, ps, rank in probes:
-                part = self._probe_here(queries[t][0], ps, deadline)
+                reg, keys, _, first = queries[t]
+                part = self._probe_here(t, reg, keys, first, ps[0].start, ps[0].m + 1, ps[-1].m, deadline)
                 if part is not None:
                     found.append((part, mtimes[rank]))
         else:
