@@ -59,7 +59,10 @@ class HostPool(Protocol):
     # offer ``slot_view(start, n) -> ndarray [n, *slot_shape]``: a C-contiguous view of
     # consecutive slots; file:// then reads/writes objects straight from/to pool memory (one copy
     # less). A payload that fails verification after landing in a view is zeroed, so corrupt
-    # bytes never stay in the pool.
+    # bytes never stay in the pool. A pool written only on the calling thread may still set
+    # ``concurrent_slot_reads = True``: I/O threads then read its slots (``batch_set``: objects
+    # written straight from ``slot_view`` views, one per run of consecutive slots) but never
+    # write them.
 
     def read_slots(self, slots: np.ndarray) -> np.ndarray:  # slots: i32[n] -> [n, *slot_shape]
         """Copy of the slots' contents (owned by the caller)."""

@@ -156,10 +156,13 @@ class HeaderEncoder:
         self._shape = struct.pack(f"<{self._ndim}I", *probe.shape)
 
     def encode(
-        self, key: bytes, first_page: int, num_pages: int, payload: bytes | memoryview | np.ndarray,
+        self, key: bytes, first_page: int, num_pages: int,
+        payload: bytes | memoryview | np.ndarray | list[memoryview] | tuple[memoryview, ...],
         link_keys: tuple[bytes, ...] = (),
     ) -> bytes:
-        """Header for ``payload`` (checksummed here; the payload itself is not copied).
+        """Header for ``payload`` (checksummed here; the payload itself is not copied): one buffer,
+        or a list of contiguous buffers that make the payload in order (runs of pool slots, written
+        as they lie in pool memory).
         ``link_keys``: keys of pages ``first_page + k*link_every - 1``, k = 1.. (inside the object)."""
         if len(key) != 32:
             raise ValueError(f"key must be 32 bytes, got {len(key)}")
@@ -168,10 +171,19 @@ class HeaderEncoder:
         n = len(link_keys)
         if n and (not self.link_every or n * self.link_every >= num_pages or any(len(k) != 32 for k in link_keys)):
             raise ValueError(f"{n} link keys do not fit {num_pages} pages linked every {self.link_every}")
-        u8 = np.frombuffer(payload, dtype=np.uint8)
+        if isinstance(payload, (list, tuple)):  # parts, concatenated in order (no copy)
+            h = xxhash.xxh3_128()
+            size = 0
+            for part in payload:
+                h.update(part)
+                size += memoryview(part).nbytes
+            digest = h.digest()
+        else:
+            u8 = np.frombuffer(payload, dtype=np.uint8)
+            size, digest = u8.size, payload_digest(u8)
         head = _FIXED.pack(
             MAGIC, FORMAT_VERSION, self.header_len + 32 * n, self._kind, self._ndim, self.link_every, self._fp, key,
-            first_page, num_pages, n, self._dtype, u8.size, payload_digest(u8),
+            first_page, num_pages, n, self._dtype, size, digest,
         ) + self._shape
         if n:
             head += b"".join(link_keys)

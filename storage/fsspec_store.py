@@ -336,10 +336,19 @@ def _open_published(path: str):  # -> a binary, unbuffered file object
     return os.fdopen(_open_published_fd(path)[0], "rb", buffering=0)
 
 
-def _writev_all(fd: int, header: bytes, payload: np.ndarray) -> None:
-    """Header and payload with one ``writev`` (more only after a short write)."""
-    bufs = [memoryview(header).cast("B"), memoryview(payload.reshape(-1).view(np.uint8))]
-    n, total = os.writev(fd, bufs), len(bufs[0]) + len(bufs[1])
+Payload = np.ndarray | list[memoryview]  # an object's pages: one array, or byte runs in order (of pool slots)
+
+
+def _payload_bufs(payload: Payload) -> list[memoryview]:
+    """The payload's bytes as buffers in order (no copy)."""
+    return payload if isinstance(payload, list) else [memoryview(payload.reshape(-1).view(np.uint8))]
+
+
+def _writev_all(fd: int, header: bytes, payload: Payload) -> None:
+    """Header and payload (its parts: ``iovec`` entries) with one ``writev`` (more only after a
+    short write)."""
+    bufs = [memoryview(header).cast("B"), *_payload_bufs(payload)]
+    n, total = os.writev(fd, bufs), sum(len(b) for b in bufs)
     if n < total:  # a short write (rare): finish it
         bufs = _advance(bufs, n)
         while bufs:
@@ -378,10 +387,10 @@ def _make_fanout(parent: str) -> None:
             return
 
 
-def _object_bytes(header: bytes, payload: np.ndarray) -> bytes:
+def _object_bytes(header: bytes, payload: Payload) -> bytes:
     """Header + payload as one ``bytes`` for backends that take a whole object: one copy of the
     payload (``header + payload.tobytes()`` would copy it twice)."""
-    return b"".join((header, memoryview(payload.reshape(-1).view(np.uint8))))
+    return b"".join((header, *_payload_bufs(payload)))
 
 
 class _Deadline:
@@ -413,7 +422,7 @@ class _Backend:
     def _read(self, path: str) -> bytes | bytearray | memoryview:
         return self.fs.cat_file(path)
 
-    def _write_once(self, path: str, header: bytes, payload: np.ndarray) -> bool:
+    def _write_once(self, path: str, header: bytes, payload: Payload) -> bool:
         try:
             self.fs.pipe_file(path, _object_bytes(header, payload), mode="create")
         except FileExistsError:
@@ -706,7 +715,7 @@ class _LocalBackend(_Backend):
         raise FileExistsError(f"no free temp file name in {d}")
 
     def write_once_local(
-        self, path: str, header: bytes, payload: np.ndarray, mtime_ns: int | None = None, links: Sequence[str] = ()
+        self, path: str, header: bytes, payload: Payload, mtime_ns: int | None = None, links: Sequence[str] = ()
     ) -> int:
         """Write-once of one object. Returns ``WROTE``, ``EXISTED`` (stored, or being written by
         another writer: nothing written) or ``RACED`` (lost a race at the publish step). On a
@@ -745,7 +754,7 @@ class _LocalBackend(_Backend):
         _add_links(path, links)
         return self.WROTE
 
-    def _write_once_linked(self, path: str, header: bytes, payload: np.ndarray, mtime_ns: int | None = None) -> int:
+    def _write_once_linked(self, path: str, header: bytes, payload: Payload, mtime_ns: int | None = None) -> int:
         """Temp file in the object's directory (one ``writev``), its mtime set (LRU), then
         ``os.link`` to the final name, which fails if another writer won."""
         if os.path.exists(path):
@@ -774,7 +783,7 @@ class _LocalBackend(_Backend):
                 except FileNotFoundError:
                     pass
 
-    def _write_once(self, path: str, header: bytes, payload: np.ndarray) -> bool:
+    def _write_once(self, path: str, header: bytes, payload: Payload) -> bool:
         return self.write_once_local(path, header, payload) == self.WROTE
 
     def write_many(self, items: Sequence[tuple[str, Callable[[], tuple[bytes, np.ndarray]]]], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
@@ -920,6 +929,26 @@ def _concurrent_io(pool: HostPool) -> bool:
     return bool(getattr(pool, "concurrent_slot_io", False))
 
 
+def _concurrent_reads(pool: HostPool) -> bool:
+    """Pools whose slots I/O threads may read during a call (``concurrent_slot_io``, or
+    ``concurrent_slot_reads`` for a pool written only on the calling thread)."""
+    return _concurrent_io(pool) or bool(getattr(pool, "concurrent_slot_reads", False))
+
+
+def _view_of(pool: HostPool, fn: Callable[[int, int], Any], start: int, n: int) -> np.ndarray | None:
+    """``fn(start, n)`` (the pool's ``slot_view``) if it is a C-contiguous ``[n, *slot_shape]``
+    array of the pool's dtype, else None."""
+    v = fn(start, n)
+    if (
+        not isinstance(v, np.ndarray)
+        or v.shape != (n, *pool.slot_shape)
+        or v.dtype != np.dtype(pool.dtype)
+        or not v.flags.c_contiguous
+    ):
+        return None
+    return v
+
+
 def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
     """Zero-copy view of consecutive slots if the pool offers ``slot_view(start, n)``."""
     fn = getattr(pool, "slot_view", None)
@@ -930,15 +959,35 @@ def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
     s0 = ids[0]
     if ids[-1] - s0 != n - 1 or (n > 2 and ids != list(range(s0, s0 + n))):
         return None
-    v = fn(s0, n)
-    if (
-        not isinstance(v, np.ndarray)
-        or v.shape != (n, *pool.slot_shape)
-        or v.dtype != np.dtype(pool.dtype)
-        or not v.flags.c_contiguous
-    ):
+    return _view_of(pool, fn, s0, n)
+
+
+def _slot_runs(pool: HostPool, slots: np.ndarray) -> list[memoryview] | None:
+    """The bytes of ``slots`` in their order, zero-copy, one buffer per run of consecutive ids, if
+    the pool offers ``slot_view(start, n)`` (else None): a payload written straight from pool
+    memory, the slots as they lie (a backup's slots come from a free list, often not consecutive).
+    One ``slot_view`` of the span of ``slots``, then byte slices of it (a view per slot would cost
+    more Python than the gathered copy it saves)."""
+    fn = getattr(pool, "slot_view", None)
+    n = len(slots)
+    if fn is None or n == 0:
         return None
-    return v
+    ids = slots.tolist()
+    lo = min(ids)
+    span = _view_of(pool, fn, lo, max(ids) - lo + 1)
+    if span is None:
+        return None
+    flat = memoryview(span.reshape(-1).view(np.uint8))
+    sb = len(flat) // len(span)
+    out = []
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and ids[j] == ids[j - 1] + 1:
+            j += 1
+        out.append(flat[(ids[i] - lo) * sb : (ids[j - 1] + 1 - lo) * sb])
+        i = j
+    return out
 
 
 _NO_SLOTS = np.zeros(0, np.int32)  # batch_exists' queries carry no slots (read-only, shared)
@@ -967,10 +1016,10 @@ class _LongerObject(Exception):
     """``read_into``: the object is larger than expected (possibly a link to a longer object)."""
 
 
-def _with_header(header: Callable[[np.ndarray], bytes], data: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """``(header(payload bytes), data)``; ``header``: an object's ``HeaderEncoder.encode`` with its
-    key and position bound."""
-    return header(data.reshape(-1).view(np.uint8)), data
+def _with_header(header: Callable[[Any], bytes], data: Payload) -> tuple[bytes, Payload]:
+    """``(header(payload), data)``; ``header``: an object's ``HeaderEncoder.encode`` with its key
+    and position bound (it takes one array or a list of parts)."""
+    return header(data if isinstance(data, list) else data.reshape(-1).view(np.uint8)), data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1645,7 +1694,7 @@ class FsspecStorage(HiCacheStorage):
                 reg, keys, slots, first = queries[o.t]
                 meta = functools.partial(reg.header.encode, bytes.fromhex(o.key), o.start, o.m,
                                          link_keys=self._link_keys(reg, keys, first, o))
-                v = _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m]) if self._local and _concurrent_io(reg.pool) else None
+                v = _slot_runs(reg.pool, slots[o.start - first : o.start - first + o.m]) if self._local and _concurrent_reads(reg.pool) else None
                 if v is not None:  # zero-copy: checksum and write straight from pool memory
                     items.append((o.path, meta, v))
                     continue
@@ -1661,7 +1710,7 @@ class FsspecStorage(HiCacheStorage):
                     wrote = self._io._write_once(path, *_with_header(meta, src()))
                     return _LocalBackend.WROTE if wrote else _LocalBackend.RACED
                 io: _LocalBackend = self._io  # type: ignore[assignment]
-                if isinstance(src, np.ndarray):
+                if isinstance(src, list):
                     with guard:  # pool memory is read until the write is done
                         return io.write_once_local(path, *_with_header(meta, src), mtime_ns, links)
                 return io.write_once_local(path, *_with_header(meta, src()), mtime_ns, links)
@@ -1714,7 +1763,8 @@ class FsspecStorage(HiCacheStorage):
         them (objects not started by then count as timeouts). For small batches the hand-off to
         the I/O threads (a wake-up per thread, then the caller's) cost more CPU than the writes,
         and every extra thread that takes the GIL delays the serving thread. The pages of a
-        transfer come from one zero-copy ``slot_view`` or ONE ``read_slots`` (not one per object)."""
+        transfer are written straight from pool memory (``_slot_runs``) or come from ONE ``read_slots``
+        (not one per object)."""
         io: _LocalBackend = self._io  # type: ignore[assignment]
         mtimes = self._write_mtimes(len(todo))
         tally: dict[str, int] = {}
@@ -1724,15 +1774,15 @@ class FsspecStorage(HiCacheStorage):
             reg, keys, slots, first = queries[t]
             lo = objs[0].start
             sl = slots[lo - first : objs[-1].start + objs[-1].m - first]
-            data = _slot_view(reg.pool, sl)
-            if data is None:
-                data = self._gather(reg, sl, None)
-            u8 = data.reshape(len(sl), -1).view(np.uint8)  # [pages, slot_bytes]
-            for o in objs:
+            views = [_slot_runs(reg.pool, sl[o.start - lo : o.start - lo + o.m]) for o in objs]
+            u8 = None
+            if None in views:  # no zero-copy access: ONE gather for the transfer
+                u8 = self._gather(reg, sl, None).reshape(len(sl), -1).view(np.uint8)  # [pages, slot_bytes]
+            for o, v in zip(objs, views):
                 if time.monotonic() >= deadline.end:
                     r: Any = TimeoutError(f"write of {o.path} did not start by the deadline")
                 else:
-                    payload = u8[o.start - lo : o.start - lo + o.m]
+                    payload: Payload = v if u8 is None else u8[o.start - lo : o.start - lo + o.m]
                     try:
                         header = reg.header.encode(bytes.fromhex(o.key), o.start, o.m, payload,
                                                    self._link_keys(reg, keys, first, o))

@@ -292,6 +292,12 @@ class NumpySlabHostPool(HostPool):
     def page_copier(self) -> PageCopier | None:
         return self._copier
 
+    def slot_view(self, start: int, n: int) -> np.ndarray | None:
+        """Zero-copy ``[n, *slot_shape]`` view of slots ``start .. start+n-1`` when the pool is one
+        slab (one head shard), else None: the L3 storage's optional ``slot_view`` (it writes backups
+        straight from pinned slots, ``hicache.storage.base.HostPool``)."""
+        return self._slabs[0][start : start + n] if len(self._slabs) == 1 else None
+
     @property
     def used_bytes(self) -> int:
         return sum(s.nbytes for s in self._slabs)

@@ -47,9 +47,13 @@ def host_shard(pool: HostPool, fingerprint: ModelFingerprint) -> ShardCoord:
 class _DeferredWrites:
     """The host pool as the storage sees it on the storage thread: reads go to the pool, writes are
     collected (per thread) and applied later by the owner thread. Not ``concurrent_slot_io``, so
-    the storage scatters on the calling thread."""
+    the storage scatters on the calling thread; ``concurrent_slot_reads``: its I/O threads may read
+    the slots of a backup during the call (they are pinned by the head until it is acked, and reads
+    of pool memory need no owner thread), so with the pool's ``slot_view`` an L2->L3 write goes
+    straight from the slab to the file (no gathered copy)."""
 
     concurrent_slot_io = False
+    concurrent_slot_reads = True
 
     def __init__(self, pool: HostPool) -> None:
         self._pool = pool

@@ -150,6 +150,10 @@ def test_header_bytes_are_stable_and_the_per_pool_encoder_matches():
     assert hashlib.sha256(h).hexdigest() == "93a2c3e0510f370f9f2081bbcabd07bc138cdee9455f78636875d6dabf0d3e43"
     enc = HeaderEncoder(ObjectKind.PAGES, FP.digest(), "float32", (3, 5))
     assert enc.header_len == m.header_len and enc.encode(bytes(range(32)), 8, 2, payload) == h
+    # a payload given as parts (runs of pool slots, in order) has the header of the joined bytes
+    raw = memoryview(payload.view(np.uint8).reshape(-1))
+    assert enc.encode(bytes(range(32)), 8, 2, [raw[:7], raw[7:64], raw[64:]]) == h
+    assert enc.encode(bytes(range(32)), 8, 2, [raw[:64]]) != h  # every part counts
     assert np.array_equal(np.frombuffer(decode(h + payload.tobytes(), m, payload_len=120), np.float32), payload.reshape(-1))
     for bad in (dict(key=b"k" * 31), dict(first_page=-1), dict(num_pages=2**32)):
         args = {"key": b"k" * 32, "first_page": 0, "num_pages": 1, **bad}

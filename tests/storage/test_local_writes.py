@@ -155,3 +155,33 @@ def test_manifest_entries_are_written_inline(make_store, fp, handoffs):
     assert st.record_prefix(ns, toks) and spy.calls == 0
     (got,) = st.list_prefixes(ns)
     assert got.num_pages == 8 and np.array_equal(got.tokens, toks)
+
+
+class _ReadOnlyViews(_CountingReads):
+    """A pool written only on the calling thread whose slots I/O threads may read (like the workers'
+    ``_DeferredWrites`` over a one-slab host pool): ``slot_view`` for reads, no ``write_slots`` off
+    the calling thread."""
+
+    concurrent_slot_reads = True
+
+    def slot_view(self, start, n):
+        return self.buf[start : start + n]
+
+
+@pytest.mark.parametrize("inline", [None, INLINE])
+def test_objects_are_written_straight_from_scattered_slots(make_store, fp, inline):
+    """A pool with ``slot_view`` and ``concurrent_slot_reads``: objects go from pool memory to the
+    file as they lie, one buffer per run of consecutive slots (no ``read_slots`` copy), also when
+    the slots are scattered and out of order; the bytes read back are the slots' own."""
+    pool = _ReadOnlyViews(64, SLOT_SHAPE, np.float32)
+    st = make_store("file", pool=pool, local_inline_write_bytes=inline)
+    keys = _keys(fp, 10, salt=f"scattered-{inline}")  # objects of 4, 4, 2 pages
+    slots = np.array([9, 10, 3, 40, 41, 42, 7, 60, 61, 0], np.int32)
+    pool.fill_random(slots, 11)
+    assert st.batch_set(keys, slots) == [True] * 10
+    assert pool.reads == 0
+    plain = make_store("file", url=st.url)  # reads with a plain pool: the bytes on disk
+    assert plain.batch_get(keys, S(20, 30)) == [True] * 10
+    assert same_bytes(plain.pool.buf[20:30], pool.buf[slots])
+    blob = plain.fs.cat_file(plain.object_path(keys[3]))  # header + the pages of slots 9, 10, 3, 40
+    assert blob.endswith(pool.buf[slots[:4]].tobytes())

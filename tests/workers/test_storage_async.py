@@ -200,3 +200,32 @@ def test_storage_view_of_the_pool_passes_the_static_protocol_check(worker):
     for name in ("slot_shape", "dtype", "slot_bytes", "read_slots", "write_slots"):
         inspect.getattr_static(view, name)
     assert (view.slot_shape, view.slot_bytes) == (worker.host_pool.slot_shape, worker.host_pool.slot_bytes)
+
+
+def test_backup_to_storage_writes_from_pool_memory_and_reads_back_exact(worker, tmp_path):
+    """An L2->L3 backup of scattered slots through the storage thread's view of the pool: with a
+    one-slab pool (``slot_view``) the objects are written straight from the slab, no ``read_slots``
+    copy; either pool kind reads the same bytes back into other slots."""
+    from hicache.storage import ModelFingerprint, Namespace, page_keys
+
+    fp = ModelFingerprint("async-test", SPEC.dtype, SPEC.page_size, SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim)
+    ex = storage_exec.StorageExecutor(storage_exec.StorageAttachment(f"file://{tmp_path}/l3", fp, pages_per_object=4), worker.host_pool)
+    pool = worker.host_pool
+    reads = []
+    inner = pool.read_slots
+    pool.read_slots = lambda slots: reads.append(len(slots)) or inner(slots)
+    try:
+        keys = page_keys(Namespace(fp, cache_salt="zero-copy"), np.arange(6 * SPEC.page_size))
+        src = np.array([9, 2, 3, 12, 0, 7], np.int32)
+        data = _pages(worker, 6, 5)
+        pool.write_slots(src, data)
+        assert ex(TransferOp(1, OpKind.BACKUP_H2S, np.empty(0, np.int32), src, tuple(keys)), pool) == 6 * pool.slot_bytes
+        assert reads == ([] if pool.kind.value == "numpy_slab" else [4, 2])
+        dst = np.array([1, 4, 5, 6, 8, 10], np.int32)
+        moved, commit = ex(TransferOp(2, OpKind.PREFETCH_S2H, np.empty(0, np.int32), dst, tuple(keys)), pool)
+        commit()
+        assert moved == 6 * pool.slot_bytes
+        assert np.array_equal(pool.read_slots(dst).view(np.uint32), data.view(np.uint32))
+    finally:
+        del pool.read_slots
+        ex.close()
