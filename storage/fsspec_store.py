@@ -25,7 +25,7 @@ Schemes
 Object names (topology-free, content-addressed)::
 
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}[l{S}]/{key[0]}/{key}
-    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tip_key}
+    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tokens_tag}
 
 Sixteen directories per pool and sixteen for the manifest (the first hex digit of the name), made
 when a file:// store is opened (``_make_fanout``), so that no write creates a directory: on ext4 a
@@ -99,6 +99,7 @@ import concurrent.futures as cf
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import os
@@ -135,7 +136,6 @@ from hicache.storage.format import (
     ObjectKind,
     ObjectMeta,
     decode,
-    encode_header,
     payload_hasher,
 )
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
@@ -253,6 +253,14 @@ def _set_mtime(fd: int, mtime_ns: int | None) -> None:
 PUBLISHED_MODE = 0o644
 STALE_UNPUBLISHED_S = 600.0
 MAX_LINKS_PER_OBJECT = 7  # file:// link names per object (``StorageConfig.link_every_pages``)
+
+
+def _manifest_tag(seed: bytes, tokens: np.ndarray) -> str:
+    """A manifest entry's name tag: SHA-256 of the namespace seed and the entry's tokens (int64 LE),
+    hex. One hash over the tokens, not the chain's page by page (the name only has to be a pure
+    function of the entry: equal entries share one write-once name, and a reader checks the
+    content it lists against it)."""
+    return hashlib.sha256(seed + tokens.astype("<i8", copy=False).tobytes()).hexdigest()
 
 
 def _is_published(st: os.stat_result) -> bool:
@@ -1097,6 +1105,7 @@ class FsspecStorage(HiCacheStorage):
             _make_fanout(self._manifest_parent())
         self._target = config.target_object_bytes or DEFAULT_TARGET_OBJECT_BYTES.get(scheme, _FALLBACK_TARGET_OBJECT_BYTES)
         self._pools: dict[PoolKind, _PoolReg] = {}
+        self._manifest_header = HeaderEncoder(ObjectKind.MANIFEST, self._fp, "int64", ())
         self._lock = threading.Lock()
         self._counters: dict[str, int] = {f.name: 0 for f in dataclasses.fields(StorageStats) if f.name not in ("corrupt_by_reason", "used_bytes")}
         self._corrupt: dict[str, int] = {}
@@ -1881,7 +1890,8 @@ class FsspecStorage(HiCacheStorage):
         return f"{self._base}/manifest" + (f"/{first_digit}" if first_digit else "")
 
     def _manifest_name(self, namespace: Namespace) -> tuple[str, str]:
-        """(directory, name prefix) of ``namespace``'s manifest entries: ``{prefix}{tip_key}``."""
+        """(directory, name prefix) of ``namespace``'s manifest entries: ``{prefix}{tokens_tag}``
+        (``_manifest_tag``)."""
         h = namespace.hexdigest()
         return self._manifest_parent(h[0]), f"{h[:32]}-"
 
@@ -1899,11 +1909,10 @@ class FsspecStorage(HiCacheStorage):
         arr = arr[: (len(arr) // P) * P]
         if len(arr) == 0:
             return False
-        tip = page_keys(ns, arr)[-1]
-        meta = ObjectMeta(ObjectKind.MANIFEST, self._fp, ns.seed(), 0, len(arr), "int64", ())
+        seed = ns.seed()
         d, name = self._manifest_name(ns)
-        path = f"{d}/{name}{tip}"
-        items = [(path, lambda: (encode_header(meta, arr.view(np.uint8)), arr))]
+        path = f"{d}/{name}{_manifest_tag(seed, arr)}"
+        items = [(path, lambda: (self._manifest_header.encode(seed, 0, len(arr), arr.view(np.uint8)), arr))]
         for _, r in self._io.write_many(items, self._timeout(None)):
             if isinstance(r, BaseException):
                 self._count_exc(r)
@@ -1934,7 +1943,7 @@ class FsspecStorage(HiCacheStorage):
                 self._on_corrupt(paths[i], r, deadline)
             elif isinstance(r, BaseException):
                 self._count_exc(r)
-            elif len(r) and len(r) % P == 0 and page_keys(ns, r)[-1] == os.path.basename(paths[i])[len(name):]:
+            elif len(r) and len(r) % P == 0 and _manifest_tag(seed, r) == os.path.basename(paths[i])[len(name):]:
                 entries.append(r)
         out = []
         for toks in entries:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import struct
 
 import ml_dtypes
@@ -338,6 +340,27 @@ def test_manifest_namespaces_sharing_a_fanout_directory_list_only_their_own(sche
     assert [(p.num_pages, p.keys) for p in got_a] == [(4, tuple(keys_a))]
     assert [(p.num_pages, p.keys) for p in got_b] == [(2, tuple(keys_b))]
     assert st2.list_prefixes(Namespace(fp, cache_salt="neither")) == []
+
+
+def test_manifest_entry_is_named_by_one_hash_of_its_tokens_and_checked_against_it(scheme, make_store, make_url, fp):
+    """A manifest entry's name is ``{namespace[:32]}-`` + SHA-256(namespace seed, int64 LE tokens):
+    one hash over the tokens, not the chain hashed page by page. An entry listed under a name that
+    is not its own content's (copied, or renamed) is ignored."""
+    url = make_url(scheme)
+    st = make_store(scheme, url=url)
+    ns, toks, keys = _chain(fp, 8, salt="tagged")
+    _fill(st, 0, 8)
+    st.batch_set(keys, S(0, 8))
+    assert st.record_prefix(ns, toks[: 4 * fp.page_size]) and st.record_prefix(ns, toks)
+    d, prefix = st._manifest_name(ns)
+    tag = hashlib.sha256(ns.seed() + np.asarray(toks, "<i8").tobytes()).hexdigest()
+    names = sorted(os.path.basename(p) for p in st._io.list_files(d) if os.path.basename(p).startswith(prefix))
+    assert f"{prefix}{tag}" in names and len(names) == 2
+    short = next(n for n in names if n != f"{prefix}{tag}")
+    st.fs.rm_file(f"{d}/{short}")  # the 4-page entry's bytes, re-listed under a name of 8 pages' worth
+    st.fs.pipe_file(f"{d}/{prefix}{'0' * 64}", st.fs.cat_file(f"{d}/{prefix}{tag}"))
+    st2 = make_store(scheme, url=url)
+    assert [p.num_pages for p in st2.list_prefixes(ns)] == [8]  # the renamed copy is not an entry
 
 
 def test_clear(scheme, make_store, fp):
