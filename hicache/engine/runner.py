@@ -216,19 +216,36 @@ class ModelRunner:
         ``len(tokens) + max_new_tokens - 1`` positions. ``between_steps()`` runs before each decode
         step (see ``greedy_decode``).
         """
-        self._check_decode(tokens, page_table, max_new_tokens)
-        # The request is checked once, pages for its final length included; a step only appends a
-        # greedy token (an argmax, inside the vocabulary) and forwards that one position.
-        self._check_tokens(tokens)
-        table = self._check_table(page_table, len(tokens) + max_new_tokens - 1)
-        c = self.fwd.chunk_size
+        return greedy_decode(self.decoder(tokens, page_table, max_new_tokens), tokens, last_logits,
+                             max_new_tokens, stop_token, between_steps)
 
-        def step(seq: list[int]) -> np.ndarray:
+    def decoder(self, tokens: Sequence[int], page_table: Sequence[int],
+                max_new_tokens: int) -> Callable[[Sequence[int]], np.ndarray]:
+        """One request's decode steps, checked once: the prompt ``tokens`` and the pages of its final
+        length ``len(tokens) + max_new_tokens - 1`` (``ValueError`` before any forward). Returns
+        ``step(seq)``: ``seq`` is ``tokens`` plus the tokens generated so far; it forwards the last
+        position of ``seq`` (earlier ones in the pages) and returns its logits ``f32[vocab]``, as
+        ``decode_step(seq, page_table)`` would, checking only that one position (inside the checked
+        length) and its token (inside the vocabulary). The steps of ``decode``; a caller that lends
+        the pool out between steps (``WorkerEngine``) calls ``step`` with the pool lent back."""
+        self._check_decode(tokens, page_table, max_new_tokens)
+        first = int(self._check_tokens(tokens).size)  # the first position a step computes
+        end = first + max_new_tokens - 1  # positions [first, end) have pages
+        table = self._check_table(page_table, end)
+        c, vocab = self.fwd.chunk_size, self.model.vocab_size
+
+        def step(seq: Sequence[int]) -> np.ndarray:
             pos = len(seq) - 1
-            return PendingLogits([self._dispatch(np.array(seq[-1:], np.int32), table, pos - pos % c, pos,
+            if not first <= pos < end:
+                raise ValueError(f"decode step at position {pos}: the request was checked for positions "
+                                 f"[{first}, {end})")
+            token = int(seq[-1])
+            if not 0 <= token < vocab:
+                raise ValueError(f"token id {token} at index {pos} is outside the vocabulary [0, {vocab})")
+            return PendingLogits([self._dispatch(np.array([token], np.int32), table, pos - pos % c, pos,
                                                  pos + 1)]).last()
 
-        return greedy_decode(step, tokens, last_logits, max_new_tokens, stop_token, between_steps)
+        return step
 
     def generate(self, tokens: Sequence[int], page_table: Sequence[int], max_new_tokens: int,
                  start_pos: int = 0, stop_token: int | None = None) -> Generation:

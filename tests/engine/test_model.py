@@ -344,6 +344,27 @@ def test_decode_checks_every_page_it_will_write_before_any_forward(base: Pages) 
     assert r.forwards == before  # rejected before the first decode step
 
 
+def test_decoder_steps_equal_decode_step_and_reject_what_was_not_checked(base: Pages) -> None:
+    r = base.runner
+    prompt = _prompt(23, 13)  # 4 new tokens: positions 13..15 computed, 2 pages
+    table = base.take(2)
+    logits = r.prefill(prompt, table)
+    step = r.decoder(prompt, table, max_new_tokens=4)
+    seq = prompt + [int(np.argmax(logits))]
+    got = step(seq)
+    twin = base.take(2)  # the same request again in pages of its own, one decode_step
+    r.prefill(prompt, twin)
+    _assert_same_bits(got, r.decode_step(seq, twin), "decoder step vs decode_step")
+    before = r.forwards
+    with pytest.raises(ValueError, match=r"decode step at position 12: the request was checked for positions \[13, 16\)"):
+        step(prompt)  # the prompt's own last position: not a decode step
+    with pytest.raises(ValueError, match=r"decode step at position 16"):
+        step(seq + [1, 2, 3])  # past the pages checked for max_new_tokens
+    with pytest.raises(ValueError, match=rf"token id {BASE.vocab_size} at index 14 is outside the vocabulary"):
+        step(seq + [BASE.vocab_size])
+    assert r.forwards == before  # nothing forwarded by a rejected step
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_q_heads": 3}, r"num_q_heads=3 must be a multiple of num_kv_heads=2"),
     ({"head_dim": 31}, r"head_dim must be even for RoPE, got 31"),

@@ -60,3 +60,35 @@ def test_attach_model_rejects_what_is_not_a_pool_model():
     with pytest.raises(TypeError, match="PoolModel"):
         w.attach_model(lambda kv: object())
     assert w.model is None
+
+
+def test_decode_with_a_hook_is_checked_once_and_lends_the_pool_back_between_steps(worker):
+    engine = WorkerEngine(worker)
+    prompt = np.arange(40, 57, dtype=np.int32)  # 17 tokens; 6 new tokens write positions up to 21: 3 pages
+    table = np.array([7, 3, 12], np.int32)
+    logits = engine.prefill(prompt, table, 0)
+    slots = iter(range(8))
+    acks = []
+
+    def hook() -> None:  # a transfer over L1 between steps, as a serving loop's cache calls may run
+        worker.submit(TransferPlan(100 + len(acks), (TransferOp(len(acks), OpKind.BACKUP_D2H, table[:1],
+                                                                np.array([next(slots)], np.int32)),)))
+        acks.extend(worker.wait(10.0))
+
+    gen = engine.decode(prompt, logits, table, 6, between_steps=hook)
+    assert len(acks) == 5 and all(a.ok for a in acks)
+    ref = ModelRunner(MODEL, FWD, num_pages=16, params=worker.model.params)
+    own = np.array([0, 1, 2], np.int32)
+    want = ref.decode(prompt, ref.prefill(prompt, own, 0), own, 6)
+    assert gen.tokens == want.tokens
+    np.testing.assert_array_equal(gen.logits, want.logits)  # bit-identical to the runner's own decode
+    np.testing.assert_array_equal(kv_layout.read_positions(worker.device_pool.kv, table, 22)[0],
+                                  kv_layout.read_positions(ref.pool, own, 22)[0])
+
+    # The pages of the final length are checked before the first step: nothing forwarded, no hook run.
+    before, calls = worker.model.forwards, []
+    with pytest.raises(ValueError, match=r"page_table has 2 pages, 3 needed for 17 tokens \+ 6 new tokens"):
+        engine.decode(prompt, logits, table[:2], 6, between_steps=lambda: calls.append(1))
+    with pytest.raises(ValueError, match=r"page id 16 at index 2 is outside the pool"):
+        engine.decode(prompt, logits, np.array([7, 3, 16], np.int32), 6, between_steps=lambda: calls.append(1))
+    assert worker.model.forwards == before and not calls
