@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
 from hicache.cluster.head import CALL_ERRORS, Call, CacheHead, CallResult, HeadConfig, Method
@@ -182,6 +183,11 @@ class CacheClient:
 
     def match_prefix(self, params: MatchPrefixParams | RadixKey) -> MatchResult:
         return self._call(Method.MATCH_PREFIX, params)
+
+    def begin_request(self, params: BeginParams) -> BeginResult:
+        """A request's start in one call (``hicache.cluster.begin``): hold writes, check its arrival's
+        prefetch, match, ask L3, lock + alloc, as ``params`` says."""
+        return self._call(Method.BEGIN_REQUEST, params)
 
     def insert(self, params: InsertParams) -> InsertResult:
         return self._call(Method.INSERT, params)

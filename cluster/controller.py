@@ -498,6 +498,16 @@ class HiCacheController:
         self.submit()
         return progress
 
+    def prefetch_matched(self, req_id: str, key: RadixKey, m: MatchResult) -> PrefetchProgress:
+        """``prefetch_from_storage`` below ``m.best_match_node``, ``m`` the tree's match of ``key`` in this
+        same head call (``CacheHead.begin_request``): its node and depth are known, not checked again."""
+        if self.storage is None:
+            raise RuntimeError("no storage backend attached")
+        progress = self.storage.prefetch_matched(req_id, key, self.tree.node(m.best_match_node),
+                                                 m.device_hit_len + m.host_hit_len)
+        self.submit()
+        return progress
+
     def check_prefetch_progress(self, req_id: str) -> PrefetchProgress:
         """Applies acks; under ``wait_complete``/``timeout`` blocks (bounded) as the policy allows.
         Held backups stay held (the request waits here; its prefetch op went out when it started)."""

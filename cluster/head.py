@@ -7,6 +7,7 @@ cluster wraps the same class in a Ray actor. Exactly one thread calls into a hea
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -14,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.policy import HiCacheConfig
-from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, PrefetchState, StorageParams
 from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
     CacheCapacityError,
@@ -74,6 +76,7 @@ class Method(str, Enum):
     CHECK_PREFETCH_PROGRESS = "check_prefetch_progress"
     PAUSE_STORAGE_WRITES = "pause_storage_writes"
     RESUME_STORAGE_WRITES = "resume_storage_writes"
+    BEGIN_REQUEST = "begin_request"
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -292,6 +295,50 @@ class CacheHead:
 
     def resume_storage_writes(self) -> int:
         return self._hicache().resume_storage_writes()
+
+    # -- a request's start in one call ---------------------------------------------------------------
+    def begin_request(self, params: BeginParams) -> BeginResult:
+        """Hold writes, check the arrival's prefetch, match, ask L3, lock + alloc: the calls
+        ``BeginParams`` lists, in one (see ``hicache.cluster.begin``). The L3 query goes to storage as
+        ``prefetch_from_storage`` of the match's deepest node would (negative cache, stop policy, bounds).
+        A failed alloc (``CacheCapacityError``) releases the lock it took before it raises."""
+        if type(params) is not BeginParams:
+            raise TypeError(f"begin_request expects BeginParams, got {type(params).__name__}")
+        ctl = self.controller
+        l3 = params.check_prefetch is not None or params.prefetch_id is not None
+        if (params.hold_writes or l3) and ctl is None:
+            self._hicache()  # raises: no host tier
+        if l3 and ctl.storage is None:
+            raise RuntimeError("no storage backend attached")
+        if params.hold_writes:
+            ctl.pause_storage_writes()
+        fetched = 0
+        if params.check_prefetch is not None:
+            checked = ctl.check_prefetch_progress(params.check_prefetch)
+            if checked.state is PrefetchState.DONE:
+                fetched = checked.tokens
+        key = params.key
+        m = self.match_prefix(key)
+        l3_s = 0.0
+        if params.prefetch_id is not None:
+            hit, n = m.device_hit_len + m.host_hit_len, key.token_ids.shape[0]
+            if hit < params.l3_below and n - n % self.tree.page_size - hit >= params.l3_min_tokens:
+                t = time.perf_counter()
+                started = ctl.prefetch_matched(params.prefetch_id, key, m)
+                l3_s = time.perf_counter() - t
+                if started.state is not PrefetchState.NOT_STARTED:
+                    return BeginResult(m, fetched, started, None, l3_s)
+        if m.host_hit_len:
+            return BeginResult(m, fetched, None, None, l3_s)
+        t = time.perf_counter()
+        node = self.tree.node(m.last_device_node)
+        self.tree.lock_path(node)
+        try:
+            pages = self.alloc(params.total_tokens - m.device_hit_len)
+        except BaseException:
+            self.tree.unlock_path(node)
+            raise
+        return BeginResult(m, fetched, None, pages, l3_s, time.perf_counter() - t)
 
     def call(self, call: Call) -> Any:
         """Dispatches one ``Call`` (the single entry point a transport needs)."""

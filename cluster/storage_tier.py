@@ -367,25 +367,44 @@ class StorageTier:
         anchor = self.tree.node(params.node_id)
         if not self.tree.in_namespace(anchor, params.key.namespace):
             raise ValueError(f"node {params.node_id} is not in the key's namespace")
-        ps = self.tree.page_size
         depth = self.tree.depth(anchor)
         tokens = params.key.token_ids
-        whole = len(tokens) - len(tokens) % ps
-        if depth > whole or (depth and not np.array_equal(tokens[:depth], self._tokens_of(anchor))):
+        if depth > len(tokens) - len(tokens) % self.tree.page_size or (
+                depth and not np.array_equal(tokens[:depth], self._tokens_of(anchor))):
             raise ValueError(f"node {params.node_id} is not a prefix of the request's tokens")
+        return self._prefetch(params.req_id, params.key, anchor, depth)
 
-        def skip(reason: str) -> PrefetchProgress:
-            return PrefetchProgress(params.req_id, PrefetchState.NOT_STARTED, 0, True, reason)
+    def prefetch_matched(self, req_id: str, key: RadixKey, anchor: TreeNode, depth: int) -> PrefetchProgress:
+        """``prefetch`` below ``anchor``, the deepest node of the tree's own match of ``key`` (``depth``
+        tokens: its L1+L2 hit), taken in the same head call: in the key's namespace and a prefix of its
+        tokens by construction, so not checked again."""
+        self._expire_pause()
+        if req_id in self._by_req:
+            raise ValueError(f"request {req_id!r} already has a prefetch")
+        return self._prefetch(req_id, key, anchor, depth)
 
+    @staticmethod
+    def _skip(req_id: str, reason: str) -> PrefetchProgress:
+        return PrefetchProgress(req_id, PrefetchState.NOT_STARTED, 0, True, reason)
+
+    def _prefetch(self, req_id: str, key: RadixKey, anchor: TreeNode, depth: int) -> PrefetchProgress:
+        """The pages of ``key`` past ``anchor`` (``depth`` tokens deep, a checked prefix) that L3 holds,
+        fetched into L2 below it (see the module docstring)."""
+        ps = self.tree.page_size
+        tokens = key.token_ids
+        whole = len(tokens) - len(tokens) % ps
+        skip = self._skip
         if whole - depth < max(self.params.prefetch_min_tokens, ps):
-            return skip("below prefetch_min_tokens")
+            return skip(req_id, "below prefetch_min_tokens")
         if anchor.parent is not None and anchor.host_slots is None:
-            return skip("matched prefix has no L2 copy to hang fetched pages below")
-        path = self._path(anchor)
-        ns = Namespace(self.params.fingerprint, *params.key.namespace)
-        parent_key = self._page_keys(path, ns, depth // ps)  # fills chain keys; nothing new to return
-        assert not parent_key
-        prev = path[-1].chain_key if path else None
+            return skip(req_id, "matched prefix has no L2 copy to hang fetched pages below")
+        ns = Namespace(self.params.fingerprint, key.extra_key, key.cache_salt)
+        prev = None
+        if depth:
+            path = self._path(anchor)
+            parent_key = self._page_keys(path, ns, depth // ps)  # fills chain keys; nothing new to return
+            assert not parent_key
+            prev = path[-1].chain_key
         # lazy: a miss hashes only the pages storage asks about (a few), not the whole prompt's
         keys = ChainKeys(ns, tokens[depth:whole], parent=prev)
         first_key = keys[0]
@@ -394,11 +413,11 @@ class StorageTier:
             known = 0
         if not known and self._recent_miss(first_key):
             self.counters.prefetch_negative_hits += 1
-            return skip("not enough pages in L3 (recent miss)")
+            return skip(req_id, "not enough pages in L3 (recent miss)")
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
         keys = keys[: max(0, room)]
         if len(keys) < self._exists_min_pages:  # not L3's answer: no miss to remember
-            return skip("prefetch pages in flight at max_inflight_prefetch_pages")
+            return skip(req_id, "prefetch pages in flight at max_inflight_prefetch_pages")
         if known:
             found = self._known_stored_pages(keys, depth // ps, min(known, len(keys)))
             self.counters.prefetch_known_stored += 1
@@ -406,23 +425,23 @@ class StorageTier:
             found = self.workers.storage_exists(keys, depth // ps, self._exists_min_pages)
         if found < self._exists_min_pages:
             self._note_miss(first_key)
-            return skip("not enough pages in L3")
+            return skip(req_id, "not enough pages in L3")
         anchor.host_pin += 1  # (a root too: it stays while the fetch is in flight, RadixTree._drop_idle_roots)
         slots = self.host.reserve(found)
         if slots is None:
             anchor.host_pin -= 1
-            return skip("no L2 room")
+            return skip(req_id, "no L2 room")
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
                         tuple(keys[:found]), first_page=depth // ps)
         now = time.monotonic()
-        task = _Prefetch(params.req_id, op.op_id, anchor, tokens[depth : depth + found * ps].copy(), list(op.storage_keys),
+        task = _Prefetch(req_id, op.op_id, anchor, tokens[depth : depth + found * ps].copy(), list(op.storage_keys),
                          slots, now, now + self.params.prefetch_timeout_s(found * ps))
         self._prefetches[op.op_id] = task
-        self._by_req[params.req_id] = task
+        self._by_req[req_id] = task
         self._inflight_prefetch_pages += found
         self.counters.prefetch_started += 1
         self._queue_op(op, [])
-        return self.progress(params.req_id)
+        return self.progress(req_id)
 
     # -- negative cache ------------------------------------------------------------------------------
     def _recent_miss(self, key: str) -> bool:

@@ -9,8 +9,10 @@ tokens, so a multi-turn prompt sends the user's new tokens (the previous turn's 
 output) and a finish sends its output tokens. A request state (``cache_finished_req``/
 ``cache_unfinished_req``) without such a reference carries only the tokens past ``prefix_len``: the
 head takes the first ``prefix_len`` tokens from the path of the locked ``last_node`` (the tree resumes
-its walk there). A returned request state carries no key (it is the key the client sent). Calls and
-results without a compact form travel pickled inside the header, unchanged.
+its walk there). A returned request state carries no key (it is the key the client sent). A request's
+start (``begin_request``) sends its key as a match does, plus its scalars; its result, the match and
+the pages, as a match's and an alloc's. Calls and results without a compact form travel pickled inside
+the header, unchanged.
 
 The head runs the decoded calls as ``CacheHead.dispatch`` does (its methods looked up once per step; no
 ``Call`` per call), catching what ``CacheHead.step`` catches, so every answer is the one the head gives
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.client import ResultRef, StepRun
 from hicache.cluster.head import CALL_ERRORS, NO_ARG_METHODS, CacheHead, Call, CallResult, Method
 from hicache.cluster.key_history import KeyHistory, SentKeys
@@ -43,9 +46,9 @@ _STATE_METHODS = frozenset({Method.CACHE_FINISHED_REQ, Method.CACHE_UNFINISHED_R
 _NO_ARG_CODES = frozenset(_CODE[m] for m in NO_ARG_METHODS)
 
 # call kinds
-_GENERIC, _KEY, _STATE, _INT, _REF = range(5)
+_GENERIC, _KEY, _STATE, _INT, _REF, _BEGIN = range(6)
 # result kinds
-_R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE, _R_FINISH, _R_VALUE = range(6)
+_R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE, _R_FINISH, _R_VALUE, _R_BEGIN = range(7)
 # a key's prefix: ``ref_id >= 0``: that key-history entry; -1: none (the literal is the whole key);
 _FROM_PATH = -2  # (request states only) the path from the root to ``last_node``
 
@@ -111,7 +114,8 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
             header.append((_REF, code, arg.index, arg.field, arg.scale, arg.offset))
         elif kind is int:
             header.append((_INT, code, arg))
-        elif method is Method.MATCH_PREFIX and (kind is RadixKey or (kind is MatchPrefixParams and type(arg.key) is RadixKey)):
+        elif (method is Method.MATCH_PREFIX and (kind is RadixKey or (kind is MatchPrefixParams and type(arg.key) is RadixKey))
+              or kind is BeginParams and method is Method.BEGIN_REQUEST):
             k = arg if kind is RadixKey else arg.key
             tokens = k.token_ids
             if find is not None:
@@ -121,7 +125,11 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
             else:
                 ref_id, ref_len = -1, 0
                 keys.append(tokens)
-            header.append((_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt))
+            entry = (_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt)
+            if kind is BeginParams:  # the key as a match's, then the scalars
+                entry = (_BEGIN, *entry[1:], arg.total_tokens, arg.hold_writes, arg.check_prefetch, arg.prefetch_id,
+                         arg.l3_min_tokens, arg.l3_below)
+            header.append(entry)
         elif kind is RequestState and method in _STATE_METHODS and _compact_state(arg):
             k = arg.key
             tokens = k.token_ids
@@ -175,7 +183,7 @@ def _history_keys(header: Header, buf: np.ndarray,
     concatenate = np.concatenate
     for entry in header:
         kind = entry[0]
-        if (kind != _KEY and kind != _STATE) or entry[2] == _FROM_PATH:
+        if (kind != _KEY and kind != _STATE and kind != _BEGIN) or entry[2] == _FROM_PATH:
             tokens.append(None)
             continue
         ref_id, ref_len, off, n = entry[2:6]
@@ -239,6 +247,8 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
                 arg = entry[2]
             elif kind == _KEY:
                 arg = _checked_key(key_tokens, entry[6], entry[7], checked)  # match_prefix takes the key as its params
+            elif kind == _BEGIN:
+                arg = BeginParams(_checked_key(key_tokens, entry[6], entry[7], checked), *entry[8:])
             else:
                 arg = _decode_state(entry, buf, tree, key_tokens, checked)
         except CALL_ERRORS as e:
@@ -271,9 +281,11 @@ def encode_results(values: Sequence[Any], errors: Sequence[BaseException | None]
             header.append((_R_GENERIC, CallResult(False, error=error)))
             continue
         vt = type(v)
-        if vt is MatchResult and not v.components and _is_i32_vector(v.device_pages):
-            header.append((_R_MATCH, *packer.add(v.device_pages), v.device_hit_len, v.host_hit_len,
-                           v.last_device_node, v.last_host_node, v.best_match_node, v.storage_hit_len))
+        if vt is MatchResult and _compact_match(v):
+            header.append((_R_MATCH, *_match_fields(v, packer)))
+        elif vt is BeginResult and _compact_match(v.match) and (v.pages is None or _is_i32_vector(v.pages)):
+            header.append((_R_BEGIN, *_match_fields(v.match, packer), v.fetched, v.prefetch,
+                           *((-1, -1) if v.pages is None else packer.add(v.pages)), v.l3_s, v.alloc_s))
         elif vt is np.ndarray and v.dtype == _I32 and v.ndim == 1:
             header.append((_R_PAGES, *packer.add(v)))
         elif (vt is RequestState and type(arg) is RequestState and v.key is arg.key
@@ -288,6 +300,23 @@ def encode_results(values: Sequence[Any], errors: Sequence[BaseException | None]
     return header, packer.buffer()
 
 
+def _compact_match(m: MatchResult) -> bool:
+    return not m.components and _is_i32_vector(m.device_pages)
+
+
+def _match_fields(m: MatchResult, packer: _Packer) -> tuple:
+    """A compact match's 8 header fields (its pages go to ``packer``)."""
+    return (*packer.add(m.device_pages), m.device_hit_len, m.host_hit_len, m.last_device_node, m.last_host_node,
+            m.best_match_node, m.storage_hit_len)
+
+
+def _decode_match(entry: tuple, buf: np.ndarray) -> MatchResult:
+    """The match whose fields ``_match_fields`` wrote at ``entry[1:9]``."""
+    off, n, device_hit_len, host_hit_len, last_device, last_host, best, storage_hit_len = entry[1:9]
+    return MatchResult(buf[off : off + n], device_hit_len, host_hit_len, last_device, last_host, best,
+                       storage_hit_len=storage_hit_len)
+
+
 def decode_results(header: Header, buf: np.ndarray, calls: Sequence[Call]) -> list[CallResult]:
     """The ``CallResult`` list of a reply; ``calls`` are the calls the client sent, in order."""
     out = []
@@ -300,9 +329,11 @@ def decode_results(header: Header, buf: np.ndarray, calls: Sequence[Call]) -> li
         elif kind == _R_FINISH:
             out.append(CallResult(True, FinishResult(entry[1], entry[2])))
         elif kind == _R_MATCH:
-            *lens_and_nodes, storage_hit_len = entry[3:]
-            out.append(CallResult(True, MatchResult(buf[entry[1] : entry[1] + entry[2]], *lens_and_nodes,
-                                                    storage_hit_len=storage_hit_len)))
+            out.append(CallResult(True, _decode_match(entry, buf)))
+        elif kind == _R_BEGIN:
+            fetched, prefetch, p_off, p_n, l3_s, alloc_s = entry[9:]
+            pages = None if p_n < 0 else buf[p_off : p_off + p_n]
+            out.append(CallResult(True, BeginResult(_decode_match(entry, buf), fetched, prefetch, pages, l3_s, alloc_s)))
         elif kind == _R_PAGES:
             out.append(CallResult(True, buf[entry[1] : entry[1] + entry[2]]))
         elif kind == _R_STATE:

@@ -2,11 +2,13 @@
 
 Per request: match (all prompt tokens but the last, whose logits start decoding) -> with L3, when
 the whole pages past the L1+L2 match hold >= ``l3_min_tokens``, an L3 prefetch into L2 (waited for as
-the stop policy allows) -> one head step: load-back of the L2 hit (waited for, bounded; it locks the
-reused prefix) or the lock alone, and the alloc of pages for the rest -> chunked prefill (each chunk but
+the stop policy allows) -> load-back of the L2 hit (waited for, bounded; it locks the reused prefix)
+or the lock alone, and the alloc of pages for the rest -> chunked prefill (each chunk but
 the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req`` -> with a host
 tier, ``check_hicache_events`` (sends held backups, applies acks, sends the L2->L3 writes they queue).
-Nothing but the request's own match, load-back, L3 query and alloc runs between the start of its
+A request's start is one head call (``begin_request``: the write hold, match, L3 query, lock and
+alloc, as far as nothing is to be waited for; a started prefetch and an L2 load-back add one step
+each). Nothing but the request's own match, load-back, L3 query and alloc runs between the start of its
 service and its first token: L1->L2 backups and their acks are handled after the decode, L2->L3 writes
 run on the workers' storage threads. ``ServeResult.phases`` says where each request's time went.
 
@@ -48,6 +50,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hicache.cluster.begin import BeginParams
 from hicache.cluster.client import CacheClient, ResultRef
 from hicache.cluster.head import Call, Method
 from hicache.cluster.controller import LoadBackParams
@@ -129,16 +132,6 @@ class WorkerEngine(RemoteModelEngine):
         fn: Callable = lambda model: getattr(model, method)(*args)  # noqa: E731
         return self.worker.run_model(fn)
 
-    def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
-               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation:
-        """As ``RemoteModelEngine.decode``, the request checked once (``ModelRunner.decoder``: no pool
-        touched), not at every step; each step one model call, the hook between them."""
-        if between_steps is None:
-            return self.call("decode", tokens, last_logits, page_table, max_new_tokens)
-        step = self.worker.model.decoder(tokens, page_table, max_new_tokens)
-        return greedy_decode(lambda seq: self.worker.run_model(lambda _: step(seq)), tokens, last_logits,
-                             max_new_tokens, between_steps=between_steps)
-
     def decode_steps(self, seqs: Sequence[np.ndarray], tables: Sequence[np.ndarray]) -> list[np.ndarray]:
         """One model call, one dispatch (``hicache.engine.batched.decode_steps``), bit-identical."""
         return self.worker.run_model(lambda model: batched.decode_steps(model, seqs, tables))
@@ -158,9 +151,10 @@ class ServeRequest:
 @dataclass(frozen=True)
 class ServePhases:
     """Where a request's service time went (seconds, ``time.perf_counter`` deltas on the serving
-    thread). Up to the first token: ``match`` (the first match), ``l3`` (the arrival prefetch's
-    wait, an L3 query, matches again), ``load_back`` (one step: lock the reused prefix, load its L2
-    part back and wait for it, allocate pages for the rest), ``prefill`` (every forward of the prompt,
+    thread). Up to the first token: ``match`` (the request's first head call, ``begin_request``, less
+    its head-side L3 query and lock + alloc: the write hold, the arrival prefetch's check, the match),
+    ``l3`` (the L3 query; a started prefetch's wait and the match after it), ``load_back`` (lock the
+    reused prefix, load its L2 part back and wait for it, allocate pages for the rest), ``prefill`` (every forward of the prompt,
     logits on the host). After it: ``decode`` and ``finish`` (``cache_finished_req`` and, with a host
     tier, ``check_hicache_events``). In a ``ServingLoop``, ``decode`` sums the request's own decode
     steps (other requests' iterations run in between)."""
@@ -305,7 +299,7 @@ class Scheduler:
             raise ValueError(f"request {req!r:.80} already arrived")
         if len(self._arrived) >= self.MAX_ARRIVED:
             raise ValueError(f"{len(self._arrived)} requests arrived and not served (MAX_ARRIVED): serve some first")
-        key = self._key(req)
+        key = self._key(req)[1]
         if not self.storage:
             self._arrived[id(req)] = _Arrival(req, None, 0)
             return False
@@ -317,21 +311,17 @@ class Scheduler:
     MAX_ARRIVED = 4096
 
     @staticmethod
-    def _key(req: ServeRequest) -> RadixKey:
+    def _key(req: ServeRequest) -> tuple[np.ndarray, RadixKey]:
+        """(the prompt as i32, the key a request matches: every prompt token but the last)."""
         prompt = np.asarray(req.prompt, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ValueError(f"prompt must be a non-empty 1-D token array, got shape {prompt.shape}")
         if req.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        return RadixKey(prompt[:-1], req.extra_key, req.cache_salt)
+        return prompt, RadixKey(prompt[:-1], req.extra_key, req.cache_salt)
 
-    def _prefetch(self, key: RadixKey, m, req_id: str | None = None):  # -> (MatchResult, tokens from L3)
-        """Waits for prefetch ``req_id`` as the stop policy allows and matches again (``None``: starts
-        one first, if L3 may extend the match)."""
-        if req_id is None:
-            req_id, _ = self._start_prefetch(key, m)
-            if req_id is None:
-                return m, 0
+    def _check_prefetch(self, key: RadixKey, req_id: str):  # -> (MatchResult, tokens from L3)
+        """Waits for prefetch ``req_id`` as the stop policy allows and matches again."""
         # Matched again in the same round trip, whatever the progress: the check applies acks, and an
         # acked L1->L2 backup may merge unlocked nodes of the earlier match (``RadixTree.merge_backed_up``),
         # whose ids must not be used after it.
@@ -341,15 +331,17 @@ class Scheduler:
         return matched.unwrap(), progress.tokens if progress.state is PrefetchState.DONE else 0
 
     def _reuse(self, m, total: int) -> tuple[np.ndarray, int, int, int, bool]:
-        """Locks the reused prefix and allocates pages for the rest of ``total`` tokens, in one step:
-        with an L2 hit, the load-back (it locks the prefix it returns: ``LoadBackParams.lock``), its
-        bounded wait and the alloc; else the lock and the alloc. Returns (page table, reused tokens,
-        locked node, loaded tokens, load failed). A failed load falls back to the L1 prefix (the load's
-        lock covers it): its part gets pages of its own and the lock moves to the L1 prefix."""
+        """Loads the L2 part of ``m`` back (it locks the prefix it returns: ``LoadBackParams.lock``), waits
+        for it (bounded) and allocates pages for the rest of ``total`` tokens, in one step; without an L2
+        part (no host tier), the lock and the alloc. Returns (page table, reused tokens, locked node,
+        loaded tokens, load failed). A failed load falls back to the L1 prefix (the load's lock covers
+        it): its part gets pages of its own and the lock moves to the L1 prefix."""
         if not (self.hicache and m.host_hit_len > 0):
             locked, own = self.client.step([Call(Method.INC_LOCK_REF, m.last_device_node),
                                             Call(Method.ALLOC, total - m.device_hit_len)])
             locked.unwrap()
+            if not own.ok:  # the lock must not outlive the request that failed
+                self.client.dec_lock_ref(m.last_device_node)
             return _table(m.device_pages, own.unwrap()), m.device_hit_len, m.last_device_node, 0, False
         started, done, own = self.client.step([  # a load id of -1 (nothing loaded) waits for nothing
             Call(Method.INIT_LOAD_BACK, LoadBackParams(m.best_match_node, m.host_hit_len, lock=True)),
@@ -366,30 +358,46 @@ class Scheduler:
         unlocked.unwrap()
         return _table(m.device_pages, more.unwrap(), own), m.device_hit_len, m.last_device_node, 0, True
 
-    def _prefix(self, key: RadixKey, m, total: int, arrival: _Arrival | None, marks: list[float]) -> _Prefix:
-        """L3 prefetch, then load-back + lock + alloc: the reused prefix in L1 and pages for the rest.
-        Appends the end time of each of the two phases to ``marks``.
-
-        A request that ``arrive``d had its one L3 query then, as in SGLang: its prefetch (if any) is
-        waited for, and L3 is asked again only if the L1+L2 match has since shrunk below what that query
+    def _begin_params(self, key: RadixKey, total: int, arrival: _Arrival | None) -> BeginParams:
+        """The request's first head call. With L3: L3 is asked when the whole pages past the L1+L2 match
+        hold >= ``l3_min_tokens``; for a request that ``arrive``d, its prefetch (if any) is checked first,
+        and L3 is asked again only if the L1+L2 match has since shrunk below what the arrival's query
         covered (evicted meanwhile: L3 may hold it). Pages written to L3 past the covered length since
-        the arrival came from requests served in between with the same prefix, which L1/L2 hold then.
-        A request that did not arrive asks L3 here (a repeated miss is answered by the head's negative
+        the arrival came from requests served in between with the same prefix, which L1/L2 hold then. A
+        request that did not arrive asks L3 here (a repeated miss is answered by the head's negative
         cache, no storage query)."""
-        fetched = 0
-        if self.storage:
-            ask = True
-            if arrival is not None:
-                if arrival.prefetch is not None:
-                    m, fetched = self._prefetch(key, m, arrival.prefetch)
-                ask = m.device_hit_len + m.host_hit_len < arrival.covered
-            if ask:
-                m, more = self._prefetch(key, m)
-                fetched += more
+        if not self.storage:
+            return BeginParams(key, total, self.hold_writes)
+        req_id = f"req-{next(self._req_ids)}"
+        if arrival is None:
+            return BeginParams(key, total, self.hold_writes, None, req_id, self.l3_min_tokens)
+        return BeginParams(key, total, self.hold_writes, arrival.prefetch, req_id, self.l3_min_tokens, arrival.covered)
+
+    def _prefix(self, key: RadixKey, total: int, arrival: _Arrival | None, t0: float) -> tuple[_Prefix, list[float]]:
+        """Everything before the prefill: one head call (``begin_request``: the write hold, the arrival's
+        prefetch check, the match, the L3 query, and, when nothing is to be loaded or waited for, the
+        lock and the alloc); then, if a prefetch started, its wait and a fresh match, and, if the match
+        has an L2 part, the load-back + lock + alloc (``_reuse``). Returns the prefix and the phase marks
+        (``_Begun.marks`` from ``t0``, the start, up to the end of the load-back phase): the head's own
+        seconds in the L3 query and the lock + alloc count in those phases, the rest of its call in the
+        match."""
+        r = self.client.begin_request(self._begin_params(key, total, arrival))
+        t1 = time.perf_counter()
+        marks = [t0, t1 - r.l3_s - r.alloc_s]
+        m, fetched = r.match, r.fetched
+        if r.prefetch is not None:  # started: waited for as the stop policy allows, then matched again
+            m, more = self._check_prefetch(key, r.prefetch.req_id)
+            fetched += more
+        marks.append(time.perf_counter() - r.alloc_s)
+        if r.pages is not None:  # locked and allocated in the call
+            hit = m.device_hit_len
+            table = _table(m.device_pages, r.pages) if hit else r.pages
+            p = _Prefix(table, hit, m.last_device_node)
+        else:
+            table, hit, node, loaded, failed = self._reuse(m, total)
+            p = _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
         marks.append(time.perf_counter())
-        table, hit, node, loaded, failed = self._reuse(m, total)
-        marks.append(time.perf_counter())
-        return _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
+        return p, marks
 
     def _begin(self, req: ServeRequest, *, resume: bool = True) -> _Begun:
         """Everything up to the first token: match, L3, load-back + alloc, (chunked) prefill. With
@@ -397,17 +405,12 @@ class Scheduler:
         after a successful prefill (the caller resumes once it has handed out the first token); a
         failure resumes them whatever ``resume`` says."""
         t0 = time.perf_counter()
-        key = self._key(req)
+        prompt, key = self._key(req)
         arrival = self._arrived.pop(id(req), None)
-        prompt = np.asarray(req.prompt, dtype=np.int32)
         ns = (req.extra_key, req.cache_salt)
-        if self.hold_writes:
-            self.client.pause_storage_writes()
         done = False
         try:
-            m = self.client.match_prefix(key)
-            marks = [t0, time.perf_counter()]  # start, then the end of each phase
-            p = self._prefix(key, m, prompt.size + req.max_new_tokens, arrival, marks)
+            p, marks = self._prefix(key, prompt.size + req.max_new_tokens, arrival, t0)
             table, prefix_len, node, start = p.table, p.hit, p.node, p.hit
             budget = self.prefill_budget
             while budget and prompt.size - start > budget:

@@ -221,7 +221,7 @@ def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_
 
 
 class RecordingTransport(EmbeddedTransport):
-    """The embedded transport, recording the methods of every call (single or in a step)."""
+    """The embedded transport, recording the methods of every call (single or in a step): the round trips."""
 
     def __init__(self, head) -> None:
         super().__init__(head)
@@ -236,6 +236,83 @@ class RecordingTransport(EmbeddedTransport):
         return super().step(calls)
 
 
+class HeadRecorder:
+    """What the head did, in order, whichever client call carried it (a request's start is one
+    ``begin_request``): the tree's matches ("match_prefix") and request locks ("lock"), the controller's
+    prefetch checks ("check_prefetch_progress"), the storage tier's L3 queries ("prefetch_from_storage").
+    Each is the real method, called through a recording wrapper on that instance."""
+
+    def __init__(self, head) -> None:
+        self.methods: list[str] = []
+        ctl = head.controller
+        for obj, name, label in ((head.tree, "match_prefix", "match_prefix"), (head.tree, "lock_path", "lock"),
+                                 (ctl, "check_prefetch_progress", "check_prefetch_progress"),
+                                 (ctl.storage, "prefetch", "prefetch_from_storage"),
+                                 (ctl.storage, "prefetch_matched", "prefetch_from_storage")):
+            setattr(obj, name, self._recording(getattr(obj, name), label))
+
+    def _recording(self, fn, label):
+        def run(*args, **kwargs):
+            self.methods.append(label)
+            return fn(*args, **kwargs)
+        return run
+
+
+def test_a_request_that_reuses_nothing_starts_with_one_head_call_and_l3_is_still_asked(tmp_path, runner):
+    """Full stack, a new cache_salt per request: up to its first token the client sends one call
+    (``begin_request``: the write hold, the match, the L3 query, the lock and the alloc); L3 is asked
+    every time (another replica may have written the prefix); outputs stay exact."""
+    from hicache.embedded import StackOptions, build_stack
+
+    stack = build_stack(StackOptions(MODEL, FWD, l1_pages=24, l2_slots=32, l3_url=f"file://{tmp_path}/l3",
+                                     prefetch_min_tokens=16), runner)
+    transport = RecordingTransport(stack.head)
+    stack.scheduler.client = CacheClient(transport, FWD.page_size)
+    head = HeadRecorder(stack.head)
+    rng = np.random.default_rng(4)
+    for i in range(3):
+        prompt = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
+        transport.methods.clear()
+        head.methods.clear()
+        first: list[list[str]] = []
+        res = stack.scheduler.serve(ServeRequest(prompt, 3, cache_salt=f"s{i}"),
+                                    lambda: first.append(list(transport.methods)))
+        assert first[0] == ["begin_request"], first
+        assert head.methods[:3] == ["match_prefix", "prefetch_from_storage", "lock"], head.methods
+        ref = runner.generate_no_cache(prompt, 3)
+        assert res.output == ref.tokens and res.computed_tokens == len(prompt)
+        np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+    stack.client.flush_write_through_acks()
+    stack.head.detach_storage_backend()
+
+
+def test_a_start_that_cannot_get_its_pages_keeps_no_lock_and_no_write_hold(tmp_path, runner):
+    """A request longer than L1: ``begin_request`` raises ``CacheCapacityError`` after it held writes,
+    matched and locked: the lock is released (the namespace root's count, the prefix's path) and the
+    hold ended; the next request is served exact."""
+    from hicache.cluster.tree import CacheCapacityError
+    from hicache.embedded import StackOptions, build_stack
+
+    stack = build_stack(StackOptions(MODEL, FWD, l1_pages=8, l2_slots=32, l3_url=f"file://{tmp_path}/l3",
+                                     prefetch_min_tokens=16), runner)
+    tier = stack.head._hicache().storage
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
+    stack.scheduler.serve(ServeRequest(prompt, 2))  # its 5 pages in L1, unlocked
+    stack.client.flush_write_through_acks()
+    for salt, tokens in ((None, np.r_[prompt, rng.integers(0, MODEL.vocab_size, 40, dtype=np.int32)]),
+                         ("other", rng.integers(0, MODEL.vocab_size, 81, dtype=np.int32))):
+        with pytest.raises(CacheCapacityError):
+            stack.scheduler.serve(ServeRequest(tokens, 2, cache_salt=salt))
+        assert stack.client.stats().protected_tokens == 0
+        assert all(root.lock_ref == 1 for root in stack.head.tree.roots().values())
+        assert not tier.writes_paused
+    res = stack.scheduler.serve(ServeRequest(prompt, 2))
+    assert res.output == runner.generate_no_cache(prompt, 2).tokens and res.device_hit_tokens == 40
+    stack.client.flush_write_through_acks()
+    stack.head.detach_storage_backend()
+
+
 def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, runner):
     """The scheduler does not send a prefetch the head would skip (below prefetch_min_tokens)."""
     from hicache.embedded import StackOptions, build_stack
@@ -243,8 +320,7 @@ def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, ru
     stack = build_stack(StackOptions(MODEL, FWD, l1_pages=24, l2_slots=32, l3_url=f"file://{tmp_path}/l3",
                                      prefetch_min_tokens=24), runner)
     assert stack.scheduler.l3_min_tokens == 24
-    transport = RecordingTransport(stack.head)
-    stack.scheduler.client = CacheClient(transport, FWD.page_size)
+    transport = HeadRecorder(stack.head)
     rng = np.random.default_rng(3)
     asked = []
     for n in (17, 25, 33):  # whole pages of prompt[:-1]: 16, 24, 32 tokens, nothing cached
@@ -276,8 +352,7 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
     warm.head.detach_storage_backend()
 
     cold = build_stack(opts, runner)  # empty L1/L2, same L3
-    transport = RecordingTransport(cold.head)
-    cold.scheduler.client = CacheClient(transport, FWD.page_size)
+    transport = HeadRecorder(cold.head)
     reqs = [ServeRequest(p, max_new_tokens=2) for p in prompts]
     miss = ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), max_new_tokens=2)
     assert [cold.scheduler.arrive(r) for r in reqs + [miss]] == [True, True, True, False]
@@ -312,8 +387,7 @@ def test_serve_asks_l3_again_when_the_match_shrank_since_arrival(tmp_path, runne
 
     opts = StackOptions(MODEL, FWD, l1_pages=12, l2_slots=12, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     stack = build_stack(opts, runner)
-    transport = RecordingTransport(stack.head)
-    stack.scheduler.client = CacheClient(transport, FWD.page_size)
+    transport = HeadRecorder(stack.head)
     rng = np.random.default_rng(11)
     first = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
     out = stack.scheduler.serve(ServeRequest(first, max_new_tokens=2)).output
@@ -612,8 +686,7 @@ def test_a_failed_prefetch_is_followed_by_a_fresh_match_and_a_recompute(tmp_path
         p.write_bytes(bytes(raw))
 
     cold = build_stack(opts, runner)
-    transport = RecordingTransport(cold.head)
-    cold.scheduler.client = CacheClient(transport, FWD.page_size)
+    transport = HeadRecorder(cold.head)
     res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
     ref = runner.generate_no_cache(prompt, 2)
     assert res.output == ref.tokens
@@ -623,6 +696,6 @@ def test_a_failed_prefetch_is_followed_by_a_fresh_match_and_a_recompute(tmp_path
     assert methods.count("prefetch_from_storage") == 1 and methods.count("check_prefetch_progress") == 1
     check = methods.index("check_prefetch_progress")
     after = methods[check:]
-    assert "match_prefix" in after and after.index("match_prefix") < after.index("inc_lock_ref"), after
+    assert "match_prefix" in after and after.index("match_prefix") < after.index("lock"), after
     assert cold.head.cache_stats()["storage"]["prefetch_failures"] >= 1
     cold.head.detach_storage_backend()

@@ -13,6 +13,7 @@ import pytest
 
 from hicache.cluster import Call, CacheHead, CallResult, HeadConfig, Method
 from hicache.cluster import wire
+from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.client import ResultRef, run_with_refs
 from hicache.cluster.key_history import DEFAULT_CAP_TOKENS, KeyHistories, KeyHistory, SentKeys
 from hicache.cluster.tree import FinishResult, MatchPrefixParams, MatchResult, RadixKey, RequestState, TreeConfig
@@ -39,7 +40,12 @@ def assert_same(a: CallResult, b: CallResult) -> None:
         return
     va, vb = a.value, b.value
     assert type(va) is type(vb)
-    if isinstance(va, np.ndarray):
+    if isinstance(va, BeginResult):  # (l3_s, alloc_s: the head's own timings)
+        assert_same(CallResult(True, va.match), CallResult(True, vb.match))
+        assert (va.fetched, va.prefetch, va.pages is None) == (vb.fetched, vb.prefetch, vb.pages is None)
+        if va.pages is not None:
+            assert_same(CallResult(True, va.pages), CallResult(True, vb.pages))
+    elif isinstance(va, np.ndarray):
         np.testing.assert_array_equal(va, vb)
         assert va.dtype == vb.dtype
     elif isinstance(va, (MatchResult, RequestState)):
@@ -219,6 +225,33 @@ def test_a_finish_sends_its_output_and_the_next_turn_its_new_tokens():
     header, _, _ = wire.encode_calls([Call(Method.MATCH_PREFIX, RadixKey(prompt2))], pair.sent)
     assert header[0][2:6] == (1, 144, 0, 180 - 144)  # entry 1 (seq1): 144 tokens; 36 sent
     assert pair.step([Call(Method.MATCH_PREFIX, RadixKey(prompt2))])[0].value.device_hit_len == 148  # whole pages of seq1
+
+
+def test_a_request_start_travels_compact_with_its_key_history_and_gives_the_heads_answers():
+    """``begin_request`` over the wire: the key as a match key (a later turn sends its new tokens), the
+    match and the pages back compact; its lock + alloc and a capacity error (its lock released) equal
+    the head's own."""
+    pair = Pair(capacity_pages=40)
+    prompt1 = np.arange(1000, 1041, dtype=np.int32)
+    (r1,) = pair.step([Call(Method.BEGIN_REQUEST, BeginParams(RadixKey(prompt1), 50))])
+    r1 = r1.value
+    assert r1.pages.size == 13 and r1.match.device_hit_len == 0 and r1.prefetch is None
+    seq1 = np.r_[prompt1, np.arange(9, dtype=np.int32)]
+    pair.step([Call(Method.CACHE_FINISHED_REQ, RequestState(RadixKey(seq1), r1.pages, 0, r1.match.last_device_node))])
+    prompt2 = np.r_[seq1, np.arange(7000, 7010, dtype=np.int32)]
+    begin2 = Call(Method.BEGIN_REQUEST, BeginParams(RadixKey(prompt2), 64))
+    header, _, keys = wire.encode_calls([begin2], pair.sent)
+    assert header[0][0] == wire._BEGIN and header[0][5] == 60 - header[0][3] < 60 and len(keys) == 1
+    (r2,) = pair.step([begin2])
+    assert r2.value.match.device_hit_len == 48 and r2.value.pages.size == 4
+    reply = wire.encode_results([r2.value], [None], [begin2.arg])
+    assert reply[0][0][0] == wire._R_BEGIN  # not a pickled dataclass
+    node = r2.value.match.last_device_node
+    locks = pair.remote.tree.node(node).lock_ref
+    (r3,) = pair.step([Call(Method.BEGIN_REQUEST, BeginParams(RadixKey(prompt2), 48 + 8 * 40))])  # > L1
+    assert not r3.ok and "needs" in str(r3.error)
+    assert pair.remote.tree.node(node).lock_ref == locks == pair.direct.tree.node(node).lock_ref
+    assert pair.direct.tree.stats() == pair.remote.tree.stats()
 
 
 def test_find_looks_near_the_end_first_and_then_further_back():
