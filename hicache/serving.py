@@ -132,6 +132,16 @@ class WorkerEngine(RemoteModelEngine):
         fn: Callable = lambda model: getattr(model, method)(*args)  # noqa: E731
         return self.worker.run_model(fn)
 
+    def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
+               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation:
+        """As ``RemoteModelEngine.decode``, the request checked once (``ModelRunner.decoder``: no pool
+        touched), not at every step; each step one model call, the hook between them."""
+        if between_steps is None:
+            return self.call("decode", tokens, last_logits, page_table, max_new_tokens)
+        step = self.worker.model.decoder(tokens, page_table, max_new_tokens)
+        return greedy_decode(lambda seq: self.worker.run_model(lambda _: step(seq)), tokens, last_logits,
+                             max_new_tokens, between_steps=between_steps)
+
     def decode_steps(self, seqs: Sequence[np.ndarray], tables: Sequence[np.ndarray]) -> list[np.ndarray]:
         """One model call, one dispatch (``hicache.engine.batched.decode_steps``), bit-identical."""
         return self.worker.run_model(lambda model: batched.decode_steps(model, seqs, tables))
