@@ -171,12 +171,15 @@ class StorageConfig:
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
     max_inflight_bytes: int = 256 * MiB  # batch_set gathers from the pool in groups this large
     # file:// on a local filesystem: a batch_set of at most this many payload bytes is written on
-    # the calling thread (``_write_inline``); None: always the I/O threads. Off by default: on a
-    # busy 2-CPU host it cut the write CPU of a serving request (8 objects of 32 KiB, ext4) by
-    # 20-30%, but the serving thread's TTFT during those writes was no better (in the no-reuse
-    # benchmark mostly a few points worse): the cost it feels is the filesystem's file creation,
-    # not the hand-offs. For CPU-bound hosts that care less about TTFT, e.g. 4 MiB.
-    local_inline_write_bytes: int | None = None
+    # the calling thread (``_write_inline``); None: always the I/O threads. The stack's caller is a
+    # host worker's storage thread (``hicache.workers.storage_exec``), a background thread that
+    # waits for the I/O threads anyway, and L2->L3 writes wait past the first token (write hold):
+    # handing a request's few objects to the I/O threads costs wake-ups and context switches and
+    # overlaps nothing worth it. No-reuse pair (benchmarks/multiturn.py, 2 busy CPUs): L3 write CPU
+    # per request 1.59 -> 1.02 ms (I/O + storage threads), drain CPU 2.69 -> 1.87 ms. (Before the
+    # write hold, writes overlapped prefills, and inline writes then cost the serving thread a few
+    # points of TTFT.) Larger batches (bulk copies) still go to the I/O threads.
+    local_inline_write_bytes: int | None = 4 * MiB
     delete_corrupt: bool = True  # remove objects that fail verification so they can be rewritten
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 

@@ -1,7 +1,7 @@
 """file:// write path on a local filesystem: with ``local_inline_write_bytes`` set, batches up to
-that size are written on the calling thread (no I/O-thread hand-off), with one pool read per
-transfer and the same write-once / skip / deadline / error semantics as the pooled path (the
-default); manifest entries are written inline either way."""
+that size (default 4 MiB) are written on the calling thread (no I/O-thread hand-off), with one
+pool read per transfer and the same write-once / skip / deadline / error semantics as the pooled
+path (larger batches, or ``None``); manifest entries are written inline either way."""
 
 from __future__ import annotations
 
@@ -64,12 +64,18 @@ def test_small_batch_is_written_on_the_calling_thread(make_store, fp, handoffs, 
     assert st.batch_get(keys, S(40, 54)) == [True] * 14 and same_bytes(pool.buf[40:54], pool.buf[20:34])
 
 
-def test_default_large_batch_or_remote_root_uses_the_io_threads(make_store, fp, handoffs):
-    st0 = make_store("file")  # the default: always the I/O threads
+def test_large_batch_or_remote_root_uses_the_io_threads(make_store, fp, handoffs):
+    st0 = make_store("file", local_inline_write_bytes=None)  # always the I/O threads
     keys = _keys(fp, 8)
     st0.pool.fill_random(S(0, 8), 6)
     spy0 = handoffs(st0)
     assert st0.batch_set(keys, S(0, 8)) == [True] * 8 and spy0.calls == 1
+    if st0._io.inline_io:  # the default: a request's few objects on the calling thread
+        dflt = make_store("file")
+        assert dflt.config.local_inline_write_bytes == 4 << 20
+        dflt.pool.buf[:] = st0.pool.buf
+        spy_d = handoffs(dflt)
+        assert dflt.batch_set(keys, S(0, 8)) == [True] * 8 and spy_d.calls == 0
     st = make_store("file", local_inline_write_bytes=3 * 8 * 128)  # below one 4-page object (4 KiB)
     st.pool.fill_random(S(0, 8), 6)
     spy = handoffs(st)

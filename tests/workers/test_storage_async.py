@@ -220,7 +220,7 @@ def test_backup_to_storage_writes_from_pool_memory_and_reads_back_exact(worker, 
         data = _pages(worker, 6, 5)
         pool.write_slots(src, data)
         assert ex(TransferOp(1, OpKind.BACKUP_H2S, np.empty(0, np.int32), src, tuple(keys)), pool) == 6 * pool.slot_bytes
-        assert reads == ([] if pool.kind.value == "numpy_slab" else [4, 2])
+        assert sum(reads) == (0 if pool.kind.value == "numpy_slab" else 6)
         dst = np.array([1, 4, 5, 6, 8, 10], np.int32)
         moved, commit = ex(TransferOp(2, OpKind.PREFETCH_S2H, np.empty(0, np.int32), dst, tuple(keys)), pool)
         commit()
