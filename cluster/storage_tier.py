@@ -125,13 +125,17 @@ class PrefetchState(str, Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PrefetchProgress:
     req_id: str
     state: PrefetchState
     tokens: int  # tokens fetched (DONE) or being fetched (RUNNING)
     may_proceed: bool  # the stop policy lets the request go on now
     reason: str = ""
+
+    def __init__(self, req_id: str, state: PrefetchState, tokens: int, may_proceed: bool, reason: str = "") -> None:
+        # one per L3 query: fields in one dict update (as the tree's per-request results)
+        self.__dict__.update(req_id=req_id, state=state, tokens=tokens, may_proceed=may_proceed, reason=reason)
 
 
 @dataclass
@@ -415,7 +419,8 @@ class StorageTier:
             self.counters.prefetch_negative_hits += 1
             return skip(req_id, "not enough pages in L3 (recent miss)")
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
-        keys = keys[: max(0, room)]
+        if room < len(keys):
+            keys = keys[: max(0, room)]
         if len(keys) < self._exists_min_pages:  # not L3's answer: no miss to remember
             return skip(req_id, "prefetch pages in flight at max_inflight_prefetch_pages")
         if known:

@@ -193,7 +193,7 @@ class ServeResult:
     logits: np.ndarray | None = None  # f32[len(output), vocab]: row i gave output[i] (row 0 = last_logits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class _Prefix:
     """Where a request's prefill starts: its page table, the reused prefix and its locked node."""
 
@@ -203,6 +203,10 @@ class _Prefix:
     loaded: int = 0  # of hit, loaded back from L2 (including what L3 prefetched)
     fetched: int = 0  # of loaded, fetched from L3 for this request
     failed: bool = False
+
+    def __init__(self, table: np.ndarray, hit: int, node: int, loaded: int = 0, fetched: int = 0,
+                 failed: bool = False) -> None:  # one per request: fields in one dict update
+        self.__dict__.update(table=table, hit=hit, node=node, loaded=loaded, fetched=fetched, failed=failed)
 
 
 def _table(*parts: np.ndarray) -> np.ndarray:
@@ -219,7 +223,7 @@ class _Arrival:
     covered: int  # prompt tokens L1+L2 matched then, plus those its prefetch fetches: L3 held nothing past them
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class _Begun:
     """A request past its first token: what decoding and ``cache_finished_req`` need."""
 
@@ -232,6 +236,11 @@ class _Begun:
     logits: np.ndarray  # f32[vocab]: of the last prompt token
     prefix: _Prefix
     marks: tuple[float, ...]  # perf_counter at the start and at the end of match, l3, load_back, prefill
+
+    def __init__(self, req: ServeRequest, prompt: np.ndarray, ns: tuple[str | None, str | None], table: np.ndarray,
+                 prefix_len: int, node: int, logits: np.ndarray, prefix: _Prefix, marks: tuple[float, ...]) -> None:
+        self.__dict__.update(req=req, prompt=prompt, ns=ns, table=table, prefix_len=prefix_len, node=node,
+                             logits=logits, prefix=prefix, marks=marks)  # one per request: one dict update
 
 
 class _AfterFirstToken:
