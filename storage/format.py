@@ -18,16 +18,19 @@ Layout (little-endian)::
     112     8  payload_len (u64)
     120    16  XXH3-128(payload), canonical (big-endian) digest
     136 4*ndim per-page shape (u32 each)
-      . 32*num_links  link keys: chain key of page first_page + k*S - 1, k = 1..num_links
+      . 32*num_links  link keys: chain key of page first_page + c - 1, c in link_counts(...)
       .     8  XXH3-64(header bytes before this field), u64
 
 The payload is ``num_pages`` pages, each ``prod(shape) * itemsize`` bytes, C order.
 
-Links (v3). A file:// object of more than S pages is also reachable under the chain key of every
-S-th page inside it (hard links, ``fsspec_store``), so a query that ends or diverges inside the
-object still reads its leading pages. The header lists those keys, so a reader that opened a link
-checks that its name is bound to this object at that position (``decode(..., longer_ok=True)``)
-exactly as a reader of the object's own name checks ``key``.
+Links (v3, v4). A file:// object of more than S pages is also reachable under the chain key of
+every S-th page inside it (hard links, ``fsspec_store``), so a query that ends or diverges inside
+the object still reads its leading pages. The header lists those keys, so a reader that opened a
+link checks that its name is bound to this object at that position (``decode(..., longer_ok=True)``)
+exactly as a reader of the object's own name checks ``key``. v4 (``link_counts``): an object that
+starts the chain (first_page 0) of more than 2 pages is also named at the chain's page 1, so every
+stored chain of >= 2 pages is named there: a prefix query that needs >= 2 pages answers a miss with
+one existence check (v3: one per object size below S, three for 2-page prefetch minimums).
 
 Checksum: XXH3 (``xxhash``), not CRC32C. Version 1 used CRC32C; on this kind of host the
 hardware CRC32C runs at ~15 GB/s on cached data and XXH3 at ~25-35 GB/s, and a local read from
@@ -58,12 +61,25 @@ import numpy as np
 import xxhash
 
 MAGIC = b"HICKV\x00\r\n"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 _FIXED = struct.Struct("<8sHHBBH32s32sQII16sQ16s")  # up to and including the payload digest
 assert _FIXED.size == 136
 _HEADER_SUM = struct.Struct("<Q")  # XXH3-64 of the header bytes before it
 MAX_NDIM = 16
 MAX_LINKS = (0xFFFF - _FIXED.size - 4 * MAX_NDIM - _HEADER_SUM.size) // 32  # header_len is a u16
+
+
+def link_counts(first_page: int, num_pages: int, every: int) -> tuple[int, ...]:
+    """Leading page counts ``c`` of an object's link names, ascending: the object of ``num_pages``
+    pages from ``first_page`` is also named at the chain key of page ``first_page + c - 1`` (a link
+    covers the object's first ``c`` pages). ``every`` = S: every S-th page inside it; an object that
+    starts the chain also at its page 1 (v4). ``every`` 0: no links."""
+    if not every:
+        return ()
+    counts = range(every, num_pages, every)
+    if first_page == 0 and every > 2 and num_pages > 2:
+        return (2, *counts)
+    return tuple(counts)
 
 
 class ObjectKind(enum.IntEnum):
@@ -163,14 +179,14 @@ class HeaderEncoder:
         """Header for ``payload`` (checksummed here; the payload itself is not copied): one buffer,
         or a list of contiguous buffers that make the payload in order (runs of pool slots, written
         as they lie in pool memory).
-        ``link_keys``: keys of pages ``first_page + k*link_every - 1``, k = 1.. (inside the object)."""
+        ``link_keys``: keys of pages ``first_page + c - 1``, c in ``link_counts`` (all of them)."""
         if len(key) != 32:
             raise ValueError(f"key must be 32 bytes, got {len(key)}")
         if first_page < 0 or not (0 <= num_pages < 2**32):
             raise ValueError(f"bad first_page/num_pages {first_page}/{num_pages}")
         n = len(link_keys)
-        if n and (not self.link_every or n * self.link_every >= num_pages or any(len(k) != 32 for k in link_keys)):
-            raise ValueError(f"{n} link keys do not fit {num_pages} pages linked every {self.link_every}")
+        if n and (n != len(link_counts(first_page, num_pages, self.link_every)) or any(len(k) != 32 for k in link_keys)):
+            raise ValueError(f"{n} link keys do not fit {num_pages} pages from page {first_page} linked every {self.link_every}")
         if isinstance(payload, (list, tuple)):  # parts, concatenated in order (no copy)
             h = xxhash.xxh3_128()
             size = 0
@@ -236,9 +252,9 @@ def _check_header(
         raise CorruptObjectError(CorruptReason.BAD_FINGERPRINT, f"fingerprint {fp.hex()[:16]}… differs")
     exact = key == expect.key and first_page == expect.first_page and num_pages == expect.num_pages
     if not exact and longer_ok and first_page == expect.first_page and num_pages > expect.num_pages and every:
-        k = expect.num_pages // every  # expect.key must be link k of this object
-        if expect.num_pages % every == 0 and 1 <= k <= nlinks:
-            at = _FIXED.size + 4 * ndim + 32 * (k - 1)
+        counts = link_counts(first_page, num_pages, every)  # expect.key must be the link of its count
+        if nlinks == len(counts) and expect.num_pages in counts:
+            at = _FIXED.size + 4 * ndim + 32 * counts.index(expect.num_pages)
             exact = bytes(mv[at : at + 32]) == expect.key
     if not exact:
         raise CorruptObjectError(

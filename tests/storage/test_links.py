@@ -1,6 +1,7 @@
 """file:// link names (``StorageConfig.link_every_pages``): an object of C pages is also reachable
 under the chain key of every S-th page inside it, so a query that ends or diverges inside it still
-reads its leading pages (it loses < S pages, not < C), from one object per chunk. Reads through a
+reads its leading pages (it loses < S pages, not < C), from one object per chunk; an object that
+starts the chain also under its page 1 (format v4: a miss of a 2-page minimum is one stat). Reads through a
 link verify the header's binding of that name and the whole payload; corrupt -> a wiped miss.
 The byte cap counts an object once and evicts all of its names together."""
 
@@ -44,18 +45,18 @@ def test_one_object_per_chunk_with_link_names(store16, fp):
     assert st.batch_set(keys, S(0, 16)) == [True] * 16
     assert st.stats().objects_written == 1
     ino = os.stat(st.object_path(keys[15])).st_ino
-    assert [os.stat(st.object_path(keys[p])).st_ino for p in (3, 7, 11)] == [ino] * 3
+    assert [os.stat(st.object_path(keys[p])).st_ino for p in (1, 3, 7, 11)] == [ino] * 4
     assert not os.path.exists(st.object_path(keys[5]))
     assert st.batch_get(keys, S(16, 32)) == [True] * 16 and same_bytes(st.pool.buf[16:32], st.pool.buf[0:16])
 
 
-@pytest.mark.parametrize("end", [4, 6, 11, 15])
+@pytest.mark.parametrize("end", [1, 3, 4, 6, 11, 15])
 def test_a_query_ending_inside_the_object_reads_up_to_its_last_link(store16, fp, end):
     st = store16
     keys = page_keys(Namespace(fp), _tokens(fp, 16, 0))
     st.pool.fill_random(S(0, 16), 2)
     st.batch_set(keys, S(0, 16))
-    want = end // 4 * 4  # pages up to the last link at or before the query's end
+    want = end // 4 * 4 or end // 2 * 2  # pages up to the last link at or before the query's end
     assert st.batch_exists(keys[:end]) == want
     st.pool.buf[16:32] = 0
     assert st.batch_get(keys[:end], S(16, 16 + end)) == [True] * want + [False] * (end - want)
@@ -95,23 +96,25 @@ def test_a_corrupt_object_read_through_a_link_is_a_wiped_miss(store16, fp):
 
 def test_byte_cap_counts_an_object_once_and_evicts_all_its_names(make_store, fp):
     probe = make_store("file", pages_per_object=16, link_every_pages=4)
-    obj = probe._pools[next(iter(probe._pools))].object_bytes(16)
+    obj = probe._pools[next(iter(probe._pools))].object_bytes(0, 16)
     st = make_store("file", pages_per_object=16, link_every_pages=4, max_bytes=3 * obj, evict_low_watermark=0.7)
     chains = [page_keys(Namespace(fp, cache_salt=str(c)), _tokens(fp, 16, c)) for c in range(4)]
     st.pool.fill_random(S(0, 16), 5)
     for keys in chains[:3]:
         st.batch_set(keys, S(0, 16))
-    assert st.used_bytes() == 3 * obj and st.stats().evicted_objects == 0  # 3 objects, 12 names: at the cap
+    assert st.used_bytes() == 3 * obj and st.stats().evicted_objects == 0  # 3 objects, 15 names: at the cap
     st.batch_set(chains[3], S(0, 16))  # over the cap: evict the oldest down to 0.7 x cap
     assert st.used_bytes() == 2 * obj
     s = st.stats()
     assert (s.evicted_objects, s.evicted_bytes) == (2, 2 * obj)
     left = [f for d, _, fs in os.walk(st._root) for f in fs if "/manifest" not in d]
-    assert len(left) == 2 * 4  # no orphaned link names
+    assert len(left) == 2 * 5  # no orphaned link names
     assert [st.batch_exists(keys) for keys in chains] == [0, 0, 16, 16]
 
 
 def test_a_miss_probes_the_first_link_position_then_only_shorter_candidates(make_store, fp):
+    """A chain's first chunk is asked at page 1 first (every stored chain of >= 2 pages is named
+    there); a hit then climbs the link positions up to the first missing one."""
     st = make_store("file", pages_per_object=16, link_every_pages=4)
     if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
@@ -121,19 +124,20 @@ def test_a_miss_probes_the_first_link_position_then_only_shorter_candidates(make
     keys = page_keys(Namespace(fp), _tokens(fp, 16, 0))
     lazy = ChainKeys(Namespace(fp), _tokens(fp, 16, 0))
     assert st.batch_exists(lazy) == 0
-    # the first link position (page 3: every object of >= 4 pages is named there), then pages 2, 1, 0
-    assert asked == [st.object_path(keys[p]) for p in (3, 2, 1, 0)]
-    assert lazy.hashed == 4  # a miss hashes the pages it asked about, not the whole chain
+    # the first link position (page 1: every object of >= 2 pages is named there), then page 0
+    assert asked == [st.object_path(keys[p]) for p in (1, 0)]
+    assert lazy.hashed == 2  # a miss hashes the pages it asked about, not the whole chain
     st.pool.fill_random(S(0, 16), 6)
-    st.batch_set(keys[:10], S(0, 10))  # one object of 10 pages, linked at pages 3 and 7
+    st.batch_set(keys[:10], S(0, 10))  # one object of 10 pages, linked at pages 1, 3 and 7
     asked.clear()
     assert st.batch_exists(keys) == 10
-    # page 3 (stored), the natural object (page 15, missing), the longer candidates down to page 9
-    assert asked == [st.object_path(keys[p]) for p in (3, 15, 14, 13, 12, 11, 10, 9)]
+    # page 1 (stored), the natural object (page 15, missing), the link positions 3, 7 (stored) and
+    # 11 (missing), then the sizes below it down to the stored one (pages 10, 9)
+    assert asked == [st.object_path(keys[p]) for p in (1, 15, 3, 7, 11, 10, 9)]
     asked.clear()
-    st.batch_set(keys, S(0, 16))  # the whole chunk: page 3 and the natural object
+    st.batch_set(keys, S(0, 16))  # the whole chunk: page 1 and the natural object
     assert st.batch_exists(ChainKeys(Namespace(fp), _tokens(fp, 16, 0))) == 16
-    assert asked == [st.object_path(keys[p]) for p in (3, 15)]
+    assert asked == [st.object_path(keys[p]) for p in (1, 15)]
 
 
 @pytest.mark.parametrize("ppo, every, links", [(4, 0, 0), (5, 4, 1), (16, 4, 3), (32, 4, 7), (64, 8, 7), (512, 64, 7)])
@@ -141,7 +145,8 @@ def test_link_spacing_grows_with_the_object(make_store, ppo, every, links):
     """At most 7 link names per object: beyond 32 pages the spacing grows with the chunk."""
     st = make_store("file", pages_per_object=ppo, link_every_pages=4)
     reg = st._pools[next(iter(st._pools))]
-    assert (reg.link_every, reg.num_links(ppo)) == (every, links)
+    assert (reg.link_every, reg.num_links(ppo, ppo)) == (every, links)
+    assert reg.num_links(0, ppo) == links + (every > 2)  # a chain's first object: also page 1
     assert reg.prefix.endswith(f"/c{ppo}" + (f"l{every}" if every else ""))
     off = make_store("file", pages_per_object=ppo, link_every_pages=None)
     assert off._pools[next(iter(off._pools))].link_every == 0
@@ -160,7 +165,7 @@ def test_min_pages_leaves_out_only_the_shorter_candidates(make_store, make_url, 
     st._io.exists_one = lambda path, deadline: asked.append(path) or inner(path, deadline)
     tokens = _tokens(fp, 16, 0)
     keys = page_keys(Namespace(fp), tokens)
-    for least, pages in ((1, (3, 2, 1, 0)), (2, (3, 2, 1)), (3, (3, 2)), (4, (3,)), (5, (3,)), (9, (7,)), (16, (15,))):
+    for least, pages in ((1, (1, 0)), (2, (1,)), (3, (1,)), (4, (3,)), (5, (3,)), (9, (7,)), (16, (15,))):
         asked.clear()
         lazy = ChainKeys(Namespace(fp), tokens)
         assert st.batch_exists(lazy, min_pages=least) == 0
