@@ -66,18 +66,23 @@ def greedy_decode(step: Callable[[list[int]], np.ndarray], tokens: Sequence[int]
                   between_steps: Callable[[], None] | None = None) -> Generation:
     """The greedy loop: ``step(seq)`` computes the last position of ``seq`` and returns its logits
     ``f32[vocab]``. ``between_steps()``, if given, runs before each step (after each token but the
-    last): a serving loop takes in arrivals there, as SGLang's event loop does between decode steps."""
-    seq = [int(t) for t in tokens]
+    last): a serving loop takes in arrivals there, as SGLang's event loop does between decode steps.
+    The first token is out (its ``between_steps()`` called) before the decode's own setup: ``seq`` is
+    built after it (and ``ModelRunner.decoder`` checks its request at its first step)."""
     out_tokens: list[int] = []
     out_logits = [np.asarray(last_logits, np.float32)]
+    seq: list[int] | None = None
     while True:
         nxt = int(np.argmax(out_logits[-1]))
         out_tokens.append(nxt)
-        seq.append(nxt)
         if len(out_tokens) == max_new_tokens or nxt == stop_token:
             break
         if between_steps is not None:
             between_steps()
+        if seq is None:
+            seq = np.asarray(tokens, np.int64).tolist() + out_tokens
+        else:
+            seq.append(nxt)
         out_logits.append(step(seq))
     return Generation(tuple(out_tokens), np.stack(out_logits))
 
@@ -221,20 +226,26 @@ class ModelRunner:
 
     def decoder(self, tokens: Sequence[int], page_table: Sequence[int],
                 max_new_tokens: int) -> Callable[[Sequence[int]], np.ndarray]:
-        """One request's decode steps, checked once: the prompt ``tokens`` and the pages of its final
-        length ``len(tokens) + max_new_tokens - 1`` (``ValueError`` before any forward). Returns
-        ``step(seq)``: ``seq`` is ``tokens`` plus the tokens generated so far; it forwards the last
-        position of ``seq`` (earlier ones in the pages) and returns its logits ``f32[vocab]``, as
-        ``decode_step(seq, page_table)`` would, checking only that one position (inside the checked
-        length) and its token (inside the vocabulary). The steps of ``decode``; a caller that lends
-        the pool out between steps (``WorkerEngine``) calls ``step`` with the pool lent back."""
+        """One request's decode steps, checked once: ``max_new_tokens`` and the table's length now, the
+        prompt ``tokens`` and the pages of its final length ``len(tokens) + max_new_tokens - 1`` at the
+        first step, before its forward (``ValueError``; after the first token is out, as
+        ``greedy_decode`` hands it out before the decode's setup). Returns ``step(seq)``: ``seq`` is
+        ``tokens`` plus the tokens generated so far; it forwards the last position of ``seq`` (earlier
+        ones in the pages) and returns its logits ``f32[vocab]``, as ``decode_step(seq, page_table)``
+        would, checking only that one position (inside the checked length) and its token (inside the
+        vocabulary). The steps of ``decode``; a caller that lends the pool out between steps
+        (``WorkerEngine``) calls ``step`` with the pool lent back."""
         self._check_decode(tokens, page_table, max_new_tokens)
-        first = int(self._check_tokens(tokens).size)  # the first position a step computes
-        end = first + max_new_tokens - 1  # positions [first, end) have pages
-        table = self._check_table(page_table, end)
         c, vocab = self.fwd.chunk_size, self.model.vocab_size
+        first = end = 0  # positions [first, end) have checked pages; set by the first step
+        table: np.ndarray | None = None
 
         def step(seq: Sequence[int]) -> np.ndarray:
+            nonlocal first, end, table
+            if table is None:
+                first = int(self._check_tokens(tokens).size)  # the first position a step computes
+                end = first + max_new_tokens - 1
+                table = self._check_table(page_table, end)
             pos = len(seq) - 1
             if not first <= pos < end:
                 raise ValueError(f"decode step at position {pos}: the request was checked for positions "

@@ -85,10 +85,12 @@ def test_decode_with_a_hook_is_checked_once_and_lends_the_pool_back_between_step
     np.testing.assert_array_equal(kv_layout.read_positions(worker.device_pool.kv, table, 22)[0],
                                   kv_layout.read_positions(ref.pool, own, 22)[0])
 
-    # The pages of the final length are checked before the first step: nothing forwarded, no hook run.
+    # The pages of the final length are checked before the first decode forward: a table too short
+    # before anything (no hook), a bad page once the first token is out (its hook ran), not a step later.
     before, calls = worker.model.forwards, []
     with pytest.raises(ValueError, match=r"page_table has 2 pages, 3 needed for 17 tokens \+ 6 new tokens"):
         engine.decode(prompt, logits, table[:2], 6, between_steps=lambda: calls.append(1))
+    assert not calls
     with pytest.raises(ValueError, match=r"page id 16 at index 2 is outside the pool"):
         engine.decode(prompt, logits, np.array([7, 3, 16], np.int32), 6, between_steps=lambda: calls.append(1))
-    assert worker.model.forwards == before and not calls
+    assert worker.model.forwards == before and calls == [1]
