@@ -988,7 +988,7 @@ def _slot_runs(pool: HostPool, slots: np.ndarray) -> list[memoryview] | None:
     n = len(slots)
     if fn is None or n == 0:
         return None
-    ids = slots.tolist()
+    ids = slots.tolist()  # (plain ints: a handful of slots, numpy calls would cost more)
     lo = min(ids)
     span = _view_of(pool, fn, lo, max(ids) - lo + 1)
     if span is None:
@@ -996,13 +996,13 @@ def _slot_runs(pool: HostPool, slots: np.ndarray) -> list[memoryview] | None:
     flat = memoryview(span.reshape(-1).view(np.uint8))
     sb = len(flat) // len(span)
     out = []
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and ids[j] == ids[j - 1] + 1:
-            j += 1
-        out.append(flat[(ids[i] - lo) * sb : (ids[j - 1] + 1 - lo) * sb])
-        i = j
+    a = prev = ids[0]
+    for s in ids[1:]:
+        if s != prev + 1:  # a run ends at prev
+            out.append(flat[(a - lo) * sb : (prev + 1 - lo) * sb])
+            a = s
+        prev = s
+    out.append(flat[(a - lo) * sb : (prev + 1 - lo) * sb])
     return out
 
 
@@ -1638,9 +1638,8 @@ class FsspecStorage(HiCacheStorage):
             return results
 
         def mark(o: _Obj) -> None:
-            _, keys, _, first = queries[o.t]
-            for p in range(o.start, o.start + o.m):
-                results[o.t][p - first] = True
+            first = queries[o.t][3]
+            results[o.t][o.start - first : o.start - first + o.m] = [True] * o.m
 
         # file://: no separate existence round; each write task checks its object itself
         flags = [False] * len(objs) if self._local else self._exists_flags(objs, deadline)
