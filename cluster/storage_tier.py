@@ -211,6 +211,11 @@ class StorageTier:
         self._paused_at: float | None = None  # monotonic start of the current pause (None: not paused)
         self._writes_open = threading.Event()  # clear while a pause is on: the manifest thread waits on it
         self._writes_open.set()
+        # A pause clears the event only while a manifest write is submitted and not done (nothing else waits
+        # on it, and none starts during a pause but a flush's, which opens it): an idle pause takes no lock.
+        self._manifest_jobs: list[None] = []  # one entry per manifest write submitted and not done (append
+        # on the head thread, pop by the job as it ends: both atomic)
+        self._gate_closed = False  # this tier cleared ``_writes_open`` (the resume sets it again)
         workers.attach_storage(params.attachment())
         self.pages_per_object = workers.storage_pages_per_object()
         tree.storage_only.cap_tokens = params.warm_restart_max_tokens if not tree.extra_components else 0
@@ -327,13 +332,17 @@ class StorageTier:
         the bound). Idempotent; a pause in progress keeps its start time."""
         if self._paused_at is None and self.params.write_hold_max_s > 0:
             self._paused_at = time.monotonic()
-            self._writes_open.clear()
+            if self._manifest_jobs:
+                self._gate_closed = True
+                self._writes_open.clear()
 
     def resume_writes(self) -> int:
         """Ends the pause: held writes are queued in their order (the caller's controller sends them
         with its next plan). Returns how many were held."""
         self._paused_at = None
-        self._writes_open.set()
+        if self._gate_closed:
+            self._gate_closed = False
+            self._writes_open.set()
         held, self._held = self._held, []
         for op in held:
             self._queue_op(op, [])
@@ -509,16 +518,25 @@ class StorageTier:
             counters, hold_left, writes_open = self.counters, self._hold_left_s, self._writes_open
 
             def write() -> None:
-                for ns, tokens in entries:
-                    left = hold_left()
-                    if left:  # a prefill runs: this entry waits for its first token (bounded by the hold)
-                        counters.manifest_hold_waits += 1
-                        writes_open.wait(left)
-                    record(ns, tokens)
-                    counters.manifest_records += 1
+                try:
+                    for ns, tokens in entries:
+                        left = hold_left()
+                        if left:  # a prefill runs: this entry waits for its first token (bounded by the hold)
+                            counters.manifest_hold_waits += 1
+                            writes_open.wait(left)
+                        record(ns, tokens)
+                        counters.manifest_records += 1
+                finally:
+                    jobs.pop()
 
+            jobs = self._manifest_jobs
+            jobs.append(None)
+            if self._paused_at is not None and not self._gate_closed:  # (a flush opens it again below)
+                self._gate_closed = True
+                self._writes_open.clear()
             self._manifest_job = self._manifest_thread.submit(write)
         if wait and self._manifest_job is not None:
+            self._gate_closed = False
             self._writes_open.set()  # a flush writes now, pause or not (the next pause holds again)
             try:
                 self._manifest_job.result(timeout=max(1.0, self.params.storage.timeout_s * (len(entries) + 1)))
@@ -627,7 +645,7 @@ class StorageTier:
         return len(self._backups) - len(self._held) + len(self._prefetches)
 
     def detach(self) -> None:
-        self._paused_at = None
+        self._paused_at = None  # (the flush below opens the gate)
         for op in self._held:  # never sent: unpin, nothing stored (later queries miss them)
             b = self._backups.pop(op.op_id)
             self._inflight_backup_pages -= b.num_pages

@@ -271,6 +271,9 @@ class RadixTree:
         self._queried_tokens += end
         namespace = (key.extra_key, key.cache_salt)
         root = self._roots.get(namespace) or self._root_for(namespace)
+        if not root.children and not self.extra_components:  # nothing cached in it (a new cache_salt)
+            self._tick += 1
+            return MatchResult(_EMPTY_PAGES, 0, 0, root.id, root.id, root.id)
         path, partial = self._walk(root, tokens.tobytes(), 0, end)
         if partial:
             path[-1] = self._split(path[-1], partial)

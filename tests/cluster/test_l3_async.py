@@ -307,6 +307,24 @@ def test_a_running_manifest_write_stops_between_entries_while_paused(tmp_path):
     assert _listed(env) == sorted([tuple(a.tolist()), tuple(b.tolist())])  # nothing lost
 
 
+def test_a_pause_closes_the_manifest_gate_only_while_a_manifest_write_is_in_flight(tmp_path):
+    """The manifest thread is the only waiter: with no write in flight a pause leaves the gate open (no
+    lock taken on the serving thread), with one in flight it closes it until the resume."""
+    env, tier, _, release = _manifest_job_with_two_entries(tmp_path, hold_s=300.0)
+    tier.pause_writes()
+    assert not tier._writes_open.is_set()
+    tier.resume_writes()
+    release.set()
+    tier._manifest_job.result(timeout=10.0)
+    deadline = time.monotonic() + 10.0
+    while tier._manifest_jobs and time.monotonic() < deadline:  # the job's own exit, just after its result
+        time.sleep(0.005)
+    tier.pause_writes()
+    assert tier.writes_paused and tier._writes_open.is_set()
+    tier.resume_writes()
+    assert tier.counters.manifest_records == 2
+
+
 def test_a_paused_manifest_write_goes_on_after_the_hold_bound_without_a_resume(tmp_path):
     env, tier, (a, b), release = _manifest_job_with_two_entries(tmp_path, hold_s=0.2)
     tier.pause_writes()  # never resumed: the job waits at most what is left of the 0.2 s bound
