@@ -424,7 +424,7 @@ class StorageTier:
         known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps if anchor.children else 0
         if known * ps < self.params.prefetch_min_tokens:
             known = 0
-        if not known and self._recent_miss(first_key):
+        if not known and first_key in self._misses and self._recent_miss(first_key):
             self.counters.prefetch_negative_hits += 1
             return skip(req_id, "not enough pages in L3 (recent miss)")
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages

@@ -96,15 +96,20 @@ class LocalWorkerGroup:
 
     def _executors(self) -> list[StorageExecutor]:
         execs = [w.storage_executor for w in self.workers]
-        if not all(isinstance(e, StorageExecutor) for e in execs):
-            raise RuntimeError("no storage backend attached")
+        for e in execs:  # (a loop, no generator: on the L3 miss query of every request)
+            if not isinstance(e, StorageExecutor):
+                raise RuntimeError("no storage backend attached")
         return execs  # type: ignore[return-value]
 
     def storage_pages_per_object(self) -> int:
         return self._executors()[0].storage.pages_per_object()
 
     def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int:
-        return min(e.storage.batch_exists(keys, first_page=first_page, min_pages=min_pages) for e in self._executors())
+        execs = self._executors()
+        found = execs[0].storage.batch_exists(keys, first_page=first_page, min_pages=min_pages)
+        for e in execs[1:]:  # MIN over hosts
+            found = min(found, e.storage.batch_exists(keys, first_page=first_page, min_pages=min_pages))
+        return found
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:
         self._executors()[0].storage.record_prefix(namespace, tokens)
