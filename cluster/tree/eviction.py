@@ -109,8 +109,13 @@ class EvictionQueue:
         return None
 
     def maybe_compact(self, live_nodes: Iterable[TreeNode], num_live: int) -> None:
-        if len(self._heap) > 4 * num_live + 4096:
+        if self.needs_compact(num_live):
             self.rebuild(live_nodes)
+
+    def needs_compact(self, num_live: int) -> bool:
+        """Whether stale entries outgrew the live nodes (``maybe_compact`` would rebuild): a caller on a
+        hot path tests this before it makes the live-node iterable."""
+        return len(self._heap) > 4 * num_live + 4096
 
     def rebuild(self, live_nodes: Iterable[TreeNode]) -> None:
         self.clear()

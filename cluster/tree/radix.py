@@ -590,7 +590,8 @@ class RadixTree:
                 dropped.reverse()
                 full.allocator.release(dropped[0] if len(dropped) == 1 else np.concatenate(dropped))
         self._evicted_tokens += freed
-        queue.maybe_compact(self.iter_nodes(), len(self._nodes))
+        if queue.needs_compact(len(self._nodes)):  # (no node generator per eviction)
+            queue.rebuild(self.iter_nodes())
         return freed
 
     def _merge_host_only(self, node: TreeNode) -> None:
