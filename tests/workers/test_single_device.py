@@ -663,3 +663,39 @@ def test_a_forward_output_in_the_lent_buffer_needs_no_layout_query(worker, monke
     assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
     assert len(queries) == layout_queries
     np.testing.assert_array_equal(_bits(dp.read_pages([1, 9])), _bits(new))
+
+
+class _CountingModel(_ForwardingModel):
+    """A forwarding model that counts the arrays it is handed."""
+
+    def __init__(self, kv: jax.Array) -> None:
+        super().__init__(kv)
+        self.handed: list[jax.Array] = []
+
+    def set_pool(self, kv: jax.Array) -> None:
+        self.handed.append(kv)
+        super().set_pool(kv)
+
+
+def test_run_model_hands_over_and_checks_only_an_array_that_changed(worker):
+    """The model is handed the L1 array only when it does not hold it already (a transfer or
+    ``set_kv`` replaced it since its last call); its forward's output becomes the pool, and an output
+    whose sharding is not the pool's is still refused after outputs that were accepted."""
+    dp = worker.device_pool
+    model = worker.attach_model(_CountingModel)
+    page = _random_pages(worker, 1, seed=60)[0].astype(dp.storage_dtype)
+    for _ in range(2):
+        worker.run_model(lambda m: m.forward(page, slow=False))
+        assert dp.kv is model.pool
+    assert model.handed == []  # it held the array it was built over, then its own outputs
+    fresh = jax.device_put(np.zeros(dp.shape, dp.storage_dtype), dp.sharding)
+    dp.set_kv(fresh)
+    assert worker.run_model(lambda m: m.pool) is fresh and model.handed == [fresh]
+    worker.run_model(lambda m: m.forward(page, slow=False))
+    np.testing.assert_array_equal(_bits(dp.read_pages([7])), _bits(page[None]))  # written into ``fresh``'s pool
+    elsewhere = jax.device_put(np.zeros(dp.shape, dp.storage_dtype), jax.devices()[1])
+    with pytest.raises(ValueError, match="set_kv: sharding .* differs from the pool's"):
+        worker.run_model(lambda m: m.set_pool(elsewhere))
+    with pytest.raises(ValueError, match="set_kv: sharding .* differs from the pool's"):
+        dp.set_kv(elsewhere)
+    assert dp.kv is not elsewhere
