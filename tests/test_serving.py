@@ -313,6 +313,20 @@ def test_a_start_that_cannot_get_its_pages_keeps_no_lock_and_no_write_hold(tmp_p
     stack.head.detach_storage_backend()
 
 
+def test_a_bad_request_raises_before_any_head_call(runner):
+    """A prompt or max_new_tokens the engine would refuse is refused before the request's head call:
+    nothing matched, locked or allocated."""
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=8, capacity_pages=96)))
+    sched = Scheduler(client, runner)
+    before = client.stats()
+    for req, text in ((ServeRequest(np.arange(9, dtype=np.int32), np.int64(2)), "max_new_tokens must be an int >= 1, got np.int64"),
+                      (ServeRequest(np.arange(9, dtype=np.int32), 0), "got 0"),
+                      (ServeRequest(np.zeros((2, 2), np.int32), 2), "1-D")):
+        with pytest.raises(ValueError, match=text):
+            sched.serve(req)
+    assert client.stats() == before
+
+
 def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, runner):
     """The scheduler does not send a prefetch the head would skip (below prefetch_min_tokens)."""
     from hicache.embedded import StackOptions, build_stack
