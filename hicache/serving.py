@@ -335,7 +335,8 @@ class Scheduler:
         prompt = np.asarray(req.prompt, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ValueError(f"prompt must be a non-empty 1-D token array, got shape {prompt.shape}")
-        if type(req.max_new_tokens) is not int or req.max_new_tokens < 1:  # (the engine's rule, checked before any head call)
+        n = req.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:  # (the engine's rule, before any head call)
             raise ValueError(f"max_new_tokens must be an int >= 1, got {req.max_new_tokens!r}")
         return prompt, RadixKey(prompt[:-1], req.extra_key, req.cache_salt)
 
