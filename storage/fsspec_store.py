@@ -191,7 +191,7 @@ class StorageConfig:
     # the serving thread, a stat right after a forward costs tens of microseconds). Every store
     # on a root must keep it on (a store without it marks nothing: the others would miss its
     # objects). None: off.
-    name_filter_bytes: int | None = 16 * MiB
+    name_filter_bytes: int | None = 4 * MiB
     delete_corrupt: bool = True  # remove objects that fail verification so they can be rewritten
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
