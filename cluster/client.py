@@ -176,7 +176,8 @@ class CacheClient:
         self._transport = transport
         self.page_size = page_size
         # A head in this process: each call is its ``dispatch`` (no ``Call`` object, no transport hop).
-        self._call = transport.head.dispatch if type(transport) is EmbeddedTransport else self._send
+        self.in_process = type(transport) is EmbeddedTransport  # (else calls that go together go as one step)
+        self._call = transport.head.dispatch if self.in_process else self._send
 
     def _send(self, method: Method, arg: Any = None) -> Any:
         return self._transport.call(Call(method, arg))

@@ -452,9 +452,16 @@ class Scheduler:
         sends held backups, applies acks, off the next request's critical path) and sums up its times."""
         t = time.perf_counter()
         seq = np.concatenate([b.prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
-        self.client.cache_finished_req(RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node))
-        if self.hicache:
-            self.client.check_hicache_events()
+        state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node)
+        if self.hicache and not self.client.in_process:  # one round trip (the check runs even if the finish fails)
+            finished, checked = self.client.step([Call(Method.CACHE_FINISHED_REQ, state),
+                                                  Call(Method.CHECK_HICACHE_EVENTS)])
+            finished.unwrap()
+            checked.unwrap()
+        else:
+            self.client.cache_finished_req(state)
+            if self.hicache:
+                self.client.check_hicache_events()
         end = time.perf_counter()
         mk, p, n = b.marks, b.prefix, int(b.prompt.size)
         phases = ServePhases(*(y - x for x, y in zip(mk, mk[1:])), decode=decode_s, finish=end - t)

@@ -221,18 +221,22 @@ def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_
 
 
 class RecordingTransport(EmbeddedTransport):
-    """The embedded transport, recording the methods of every call (single or in a step): the round trips."""
+    """The embedded transport, recording the methods of every call (single or in a step) and the round
+    trips (a client over it sends as a remote one does: ``in_process`` is False)."""
 
     def __init__(self, head) -> None:
         super().__init__(head)
         self.methods: list[str] = []
+        self.round_trips: list[list[str]] = []
 
     def call(self, call):
         self.methods.append(call.method.value)
+        self.round_trips.append([call.method.value])
         return super().call(call)
 
     def step(self, calls):
         self.methods.extend(c.method.value for c in calls)
+        self.round_trips.append([c.method.value for c in calls])
         return super().step(calls)
 
 
@@ -282,6 +286,12 @@ def test_a_request_that_reuses_nothing_starts_with_one_head_call_and_l3_is_still
         ref = runner.generate_no_cache(prompt, 3)
         assert res.output == ref.tokens and res.computed_tokens == len(prompt)
         np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+    # Without the write hold (a remote client's default): two round trips per request, its start and its finish
+    sched = Scheduler(stack.scheduler.client, stack.scheduler.engine, hicache=True, storage=True, l3_min_tokens=16)
+    transport.round_trips.clear()
+    prompt = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
+    assert sched.serve(ServeRequest(prompt, 3, cache_salt="t")).output == runner.generate_no_cache(prompt, 3).tokens
+    assert transport.round_trips == [["begin_request"], ["cache_finished_req", "check_hicache_events"]]
     stack.client.flush_write_through_acks()
     stack.head.detach_storage_backend()
 
