@@ -661,7 +661,7 @@ def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c)
     head, transport = get_head("c"), client_c._transport
     client_c.stats()
     assert transport._channel is not None
-    busy = _busy(head, 10_000)
+    busy = _busy(head)  # long enough to outlast the channel's closing on a loaded host (10_000 raced at load 10)
     waiting = client_c.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
     ray.get(head.set_step_channel.remote(False), timeout=10)  # closes the channel and its connections
     with pytest.raises(HiCacheUnavailableError, match="step channel lost"):
