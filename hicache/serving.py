@@ -40,6 +40,7 @@ forwards over the replica's L1 pool, wherever that pool lives:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -58,6 +59,8 @@ from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
 from hicache.engine import batched
 from hicache.engine.runner import Generation, ModelRunner, greedy_decode
+
+log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -429,23 +432,41 @@ class Scheduler:
         arrival = self._arrived.pop(id(req), None)
         ns = (req.extra_key, req.cache_salt)
         done = False
+        held = None  # (table, prefix_len, node) once the prefix is locked and pages allocated
         try:
             p, marks = self._prefix(key, prompt.size + req.max_new_tokens, arrival, t0)
-            table, prefix_len, node, start = p.table, p.hit, p.node, p.hit
+            table, prefix_len, node = held = p.table, p.hit, p.node
+            start = p.hit
             budget = self.prefill_budget
             while budget and prompt.size - start > budget:
                 end = start + budget
                 self.engine.prefill(prompt[:end], table, start)
                 state = self.client.cache_unfinished_req(RequestState(RadixKey(prompt[:end], *ns), table, prefix_len, node))
                 table, prefix_len, node = state.device_pages, state.prefix_len, state.last_node
+                held = table, prefix_len, node
                 start = end
             logits = self.engine.prefill(prompt, table, start)  # the last row only: one wait, no copies
             marks.append(time.perf_counter())
             done = True
+        except BaseException:  # a failed forward (or chunk insert) keeps neither its lock nor its pages
+            if held is not None:
+                self._abandon(*held)
+            raise
         finally:  # also when the match, load-back or a forward fails
             if self.hold_writes and (resume or not done):
                 self.client.resume_storage_writes()
         return _Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks))
+
+    def _abandon(self, table: np.ndarray, prefix_len: int, node: int) -> None:
+        """A request that failed after its lock and alloc (a forward or its decode raised): unlocks its
+        prefix and frees its own pages (those past ``prefix_len``), inserting nothing, in one step. Best
+        effort: the caller raises the request's own error; a release that fails too is logged."""
+        own = np.asarray(table[prefix_len // self.client.page_size:], dtype=np.int32)
+        try:
+            for r in self.client.step([Call(Method.DEC_LOCK_REF, node), Call(Method.FREE, own)]):
+                r.unwrap()
+        except Exception as e:  # (the cache is unreachable too: its state is the head's to recover)
+            log.warning("could not release a failed request's lock (node %s) and %d pages: %s", node, own.size, e)
 
     def _end(self, b: _Begun, gen: Generation, decode_s: float) -> ServeResult:
         """Caches the finished request (``cache_finished_req``; with a host tier, ``check_hicache_events``:
@@ -493,6 +514,9 @@ class Scheduler:
         try:
             gen = (self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens) if step is None else
                    self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step))
+        except BaseException:  # nothing of a failed decode is cached: its lock and pages go back
+            self._abandon(b.table, b.prefix_len, b.node)
+            raise
         finally:  # a one-token answer never calls between_steps; a failed decode must not keep the hold
             if isinstance(step, _AfterFirstToken):
                 step.resume()

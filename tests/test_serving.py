@@ -523,6 +523,53 @@ def test_failed_load_back_falls_back_to_the_l1_prefix_exact_and_leaks_nothing(ru
     assert st.request_pages == 0 and st.protected_tokens == 0
 
 
+class _FailingCall:
+    """The runner as an engine; once ``arm``ed, its ``method`` raises at its ``nth`` call (0: the next), once."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.method, self.left = runner, None, 0
+
+    def arm(self, method: str, nth: int) -> None:
+        self.method, self.left = method, nth
+
+    def __getattr__(self, name):
+        attr = getattr(self.runner, name)
+        if name != self.method:
+            return attr
+
+        def call(*args, **kwargs):
+            self.left -= 1
+            if self.left == -1:
+                raise RuntimeError(f"{name} failed")
+            return attr(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("method,nth", [("prefill", 0), ("prefill", 1), ("decode", 0)])
+def test_a_request_whose_forward_fails_keeps_no_lock_and_no_page(runner, method, nth):
+    """A forward that raises (the prefill, its second chunked piece after the first was cached, or the
+    decode) fails its request, and the request keeps nothing: its reused prefix is unlocked and its own
+    pages are free again. The same request served afterwards is exact and reuses the shared prefix."""
+    client = embedded(HeadConfig(tree=TreeConfig(page_size=8, capacity_pages=96)))
+    engine = _FailingCall(runner)
+    sched = Scheduler(client, engine, prefill_budget=16)
+    rng = np.random.default_rng(23)
+    shared = rng.integers(0, MODEL.vocab_size, 24, dtype=np.int32)
+    sched.serve(ServeRequest(shared, max_new_tokens=2))
+    free = client.stats().free_pages
+    prompt = np.concatenate([shared, rng.integers(0, MODEL.vocab_size, 30, dtype=np.int32)])
+    engine.arm(method, nth)
+    with pytest.raises(RuntimeError, match=f"{method} failed"):
+        sched.serve(ServeRequest(prompt, max_new_tokens=3))
+    st = client.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0
+    assert st.free_pages + st.evictable_tokens // 8 >= free  # its pages are back (a cached piece is evictable)
+    res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
+    ref = runner.generate_no_cache(prompt, 3)
+    assert res.output == ref.tokens and res.device_hit_tokens >= 16
+    np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+
+
 # --- the iteration-level loop ---------------------------------------------------------------------
 
 
