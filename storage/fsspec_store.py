@@ -145,7 +145,6 @@ from hicache.storage.format import (
 )
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.mounts import stats_are_local
-from hicache.storage.name_filter import NameFilter
 
 MiB = 1 << 20
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
@@ -186,12 +185,6 @@ class StorageConfig:
     # write hold, writes overlapped prefills, and inline writes then cost the serving thread a few
     # points of TTFT.) Larger batches (bulk copies) still go to the I/O threads.
     local_inline_write_bytes: int | None = 4 * MiB
-    # file:// on a local filesystem: bytes of the shared map of names written (``name_filter``; a
-    # power of two). An existence check of a name never written answers from memory, no stat (on
-    # the serving thread, a stat right after a forward costs tens of microseconds). Every store
-    # on a root must keep it on (a store without it marks nothing: the others would miss its
-    # objects). None: off.
-    name_filter_bytes: int | None = 4 * MiB
     delete_corrupt: bool = True  # remove objects that fail verification so they can be rewritten
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -201,13 +194,10 @@ class StorageConfig:
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads!r}")
         for name in ("target_object_bytes", "pages_per_object", "max_bytes", "local_write_threads", "local_inline_write_bytes",
-                     "link_every_pages", "name_filter_bytes"):
+                     "link_every_pages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-        v = self.name_filter_bytes
-        if v is not None and (v < 4096 or v & (v - 1)):
-            raise ValueError(f"name_filter_bytes must be a power of two >= 4096 or None, got {v!r}")
         if not 0.0 < self.evict_low_watermark <= 1.0:
             raise ValueError(f"evict_low_watermark must be in (0, 1], got {self.evict_low_watermark!r}")
 
@@ -1118,14 +1108,9 @@ class FsspecStorage(HiCacheStorage):
         self._io = _make_backend(fs, config.io_threads, config.max_pending_ops)
         self._local = isinstance(self._io, _LocalBackend)
         self._write_threads = config.local_write_threads or min(config.io_threads, _usable_cpus())
-        self._names: NameFilter | None = None  # file:// on a local filesystem: names written (name_filter)
         if isinstance(self._io, _LocalBackend):
             self._io.attach_root(self._root)
             _make_fanout(self._manifest_parent())
-            if self._io.local_fs and config.name_filter_bytes:
-                self._names = NameFilter(f"{self._base}.names", config.name_filter_bytes)
-                if self._names.created:  # objects written before the map existed
-                    self._names.add([self._rel(p) for p in self._object_names()])
         self._target = config.target_object_bytes or DEFAULT_TARGET_OBJECT_BYTES.get(scheme, _FALLBACK_TARGET_OBJECT_BYTES)
         self._pools: dict[PoolKind, _PoolReg] = {}
         self._manifest_header = HeaderEncoder(ObjectKind.MANIFEST, self._fp, "int64", ())
@@ -1138,24 +1123,6 @@ class FsspecStorage(HiCacheStorage):
         self._closed = False
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _rel(self, path: str) -> str:
-        """An object name relative to the store's base (the same in every process: roots may be
-        spelled differently)."""
-        return path[len(self._base) + 1 :]
-
-    def _object_names(self) -> list[str]:
-        """Paths of every page object name under the base (file://; not the manifest, not temp files)."""
-        out = []
-        for d, _, files in os.walk(self._base):
-            if "/manifest" not in d[len(self._base):]:
-                out += [f"{d}/{f}" for f in files if not f.startswith(_TMP_PREFIX)]
-        return out
-
-    def _mark_written(self, paths: Sequence[str]) -> None:
-        """Marks names in the shared name map before their objects or links are created."""
-        if self._names is not None:
-            self._names.add([self._rel(p) for p in paths])
-
     def _count(self, **kw: int) -> None:
         with self._lock:
             for k, v in kw.items():
@@ -1327,13 +1294,10 @@ class FsspecStorage(HiCacheStorage):
         the answer: a miss costs the objects up to it, not one stat per candidate of the whole
         query (each stat gives the GIL away; on a busy host getting it back costs more than the
         stat). Only the object found is built (``_Obj``): a miss builds nothing but path strings."""
-        exists_one, prefix, names = self._io.exists_one, reg.prefix, self._names  # type: ignore[attr-defined]
-        rel = len(self._base) + 1
+        exists_one, prefix = self._io.exists_one, reg.prefix  # type: ignore[attr-defined]
         for m in sizes:
             k = keys[start + m - 1 - first]
             path = f"{prefix}/{k[0]}/{k}"
-            if names is not None and not names.may_contain(path[rel:]):
-                continue  # never written by any store on this root: a miss without a stat
             r = exists_one(path, deadline)
             if r is True:
                 return _Obj(t, start, m, k, path)
@@ -1760,7 +1724,6 @@ class FsspecStorage(HiCacheStorage):
                     wrote = self._io._write_once(path, *_with_header(meta, src()))
                     return _LocalBackend.WROTE if wrote else _LocalBackend.RACED
                 io: _LocalBackend = self._io  # type: ignore[assignment]
-                self._mark_written((path, *links))
                 if isinstance(src, list):
                     with guard:  # pool memory is read until the write is done
                         return io.write_once_local(path, *_with_header(meta, src), mtime_ns, links)
@@ -1837,9 +1800,7 @@ class FsspecStorage(HiCacheStorage):
                     try:
                         header = reg.header.encode(bytes.fromhex(o.key), o.start, o.m, payload,
                                                    self._link_keys(reg, keys, first, o))
-                        links = self._link_paths(reg, keys, first, o)
-                        self._mark_written((o.path, *links))
-                        r = io.write_once_local(o.path, header, payload, mtimes[i], links)
+                        r = io.write_once_local(o.path, header, payload, mtimes[i], self._link_paths(reg, keys, first, o))
                     except OSError as e:
                         r = e
                 i += 1
@@ -1856,7 +1817,7 @@ class FsspecStorage(HiCacheStorage):
         top = f"{self._root}/v{FORMAT_VERSION}"
         now = time.time()
         for d, _, files in os.walk(top):
-            if "/manifest" in d[len(top):] or d == top:  # (top: the stores' name maps, name_filter)
+            if "/manifest" in d[len(top):]:
                 continue
             for f in files:
                 p = os.path.join(d, f)
@@ -2011,8 +1972,6 @@ class FsspecStorage(HiCacheStorage):
     # ---- admin ---------------------------------------------------------------------------------
     def clear(self) -> None:
         self._io.delete_tree(self._base)
-        if self._names is not None:
-            self._names.clear()
         with self._lock:
             if self._local and self._index is not None:
                 self._scan()
@@ -2028,8 +1987,6 @@ class FsspecStorage(HiCacheStorage):
         if not self._closed:
             self._closed = True
             self._io.close()
-            if self._names is not None:
-                self._names.close()
 
     def __repr__(self) -> str:
         pools = {k.value: r.ppo for k, r in self._pools.items()}

@@ -107,16 +107,15 @@ def test_byte_cap_counts_an_object_once_and_evicts_all_its_names(make_store, fp)
     assert st.used_bytes() == 2 * obj
     s = st.stats()
     assert (s.evicted_objects, s.evicted_bytes) == (2, 2 * obj)
-    left = [f for d, _, fs in os.walk(st._root) for f in fs if "/manifest" not in d and not f.endswith(".names")]
+    left = [f for d, _, fs in os.walk(st._root) for f in fs if "/manifest" not in d]
     assert len(left) == 2 * 5  # no orphaned link names
     assert [st.batch_exists(keys) for keys in chains] == [0, 0, 16, 16]
 
 
 def test_a_miss_probes_the_first_link_position_then_only_shorter_candidates(make_store, fp):
     """A chain's first chunk is asked at page 1 first (every stored chain of >= 2 pages is named
-    there); a hit then climbs the link positions up to the first missing one. (What the filesystem
-    is asked: without the name map, which answers most misses without asking.)"""
-    st = make_store("file", pages_per_object=16, link_every_pages=4, name_filter_bytes=None)
+    there); a hit then climbs the link positions up to the first missing one."""
+    st = make_store("file", pages_per_object=16, link_every_pages=4)
     if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
     asked = []
@@ -158,8 +157,7 @@ def test_min_pages_leaves_out_only_the_shorter_candidates(make_store, make_url, 
     about (a miss costs fewer stats); a hit of >= k pages is found as without it, also when another
     store instance wrote it after this one answered a miss."""
     url = make_url("file")
-    cfg = dict(pages_per_object=16, link_every_pages=4, name_filter_bytes=None)  # what the filesystem is asked
-    st, writer = make_store("file", url=url, **cfg), make_store("file", url=url, **cfg)
+    st, writer = make_store("file", url=url, pages_per_object=16, link_every_pages=4), make_store("file", url=url, pages_per_object=16, link_every_pages=4)
     if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
     asked = []

@@ -140,7 +140,7 @@ def test_corrupt_object_without_views_never_reaches_the_pool(make_store, fp, var
 
 
 def test_no_existence_round_for_reads(make_store, fp):
-    st = make_store("file", name_filter_bytes=None)  # what the filesystem is asked
+    st = make_store("file")
     keys = _keys(fp, 12)  # 3 objects
     st.pool.fill_random(S(0, 12), 5)
     st.batch_set(keys, S(0, 12))
@@ -194,7 +194,7 @@ def test_existence_checks_run_on_the_calling_thread_until_a_batch_is_slow(make_s
 def test_local_existence_stops_at_the_first_missing_object(make_store, fp):
     """A local query stats its objects in chain order and stops at the first missing one: a miss
     costs its first object and that chunk's shorter partial candidates, not one stat per chunk."""
-    st = make_store("file", name_filter_bytes=None)  # what the filesystem is asked
+    st = make_store("file")
     if not st._io.inline_io:
         pytest.skip("the test's tmp dir is not on a local filesystem (stats go to the pool there)")
     keys = _keys(fp, 16)  # 4 chunks of 4 pages
