@@ -370,13 +370,10 @@ class StorageTier:
 
     # -- L3 -> L2 prefetch ---------------------------------------------------------------------------
     def prefetch(self, params: PrefetchParams) -> PrefetchProgress:
-        self._expire_pause()  # its writes go with this call's plan
         if not isinstance(params, PrefetchParams):
             raise TypeError(f"prefetch_from_storage expects PrefetchParams, got {type(params).__name__}")
         if not isinstance(params.key, RadixKey):
             raise TypeError(f"PrefetchParams.key must be a RadixKey, got {type(params.key).__name__}")
-        if params.req_id in self._by_req:
-            raise ValueError(f"request {params.req_id!r} already has a prefetch")
         anchor = self.tree.node(params.node_id)
         if not self.tree.in_namespace(anchor, params.key.namespace):
             raise ValueError(f"node {params.node_id} is not in the key's namespace")
@@ -391,9 +388,6 @@ class StorageTier:
         """``prefetch`` below ``anchor``, the deepest node of the tree's own match of ``key`` (``depth``
         tokens: its L1+L2 hit), taken in the same head call: in the key's namespace and a prefix of its
         tokens by construction, so not checked again."""
-        self._expire_pause()
-        if req_id in self._by_req:
-            raise ValueError(f"request {req_id!r} already has a prefetch")
         return self._prefetch(req_id, key, anchor, depth)
 
     @staticmethod
@@ -402,7 +396,11 @@ class StorageTier:
 
     def _prefetch(self, req_id: str, key: RadixKey, anchor: TreeNode, depth: int) -> PrefetchProgress:
         """The pages of ``key`` past ``anchor`` (``depth`` tokens deep, a checked prefix) that L3 holds,
-        fetched into L2 below it (see the module docstring)."""
+        fetched into L2 below it (see the module docstring). Both entries (``prefetch``,
+        ``prefetch_matched``) come through here: the request's one prefetch, an expired write hold ended."""
+        if req_id in self._by_req:
+            raise ValueError(f"request {req_id!r} already has a prefetch")
+        self._expire_pause()  # its writes go with this call's plan
         ps = self.tree.page_size
         tokens = key.token_ids
         whole = len(tokens) - len(tokens) % ps

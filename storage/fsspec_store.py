@@ -1294,10 +1294,10 @@ class FsspecStorage(HiCacheStorage):
         the answer: a miss costs the objects up to it, not one stat per candidate of the whole
         query (each stat gives the GIL away; on a busy host getting it back costs more than the
         stat). Only the object found is built (``_Obj``): a miss builds nothing but path strings."""
-        exists_one, prefix = self._io.exists_one, reg.prefix  # type: ignore[attr-defined]
+        exists_one = self._io.exists_one  # type: ignore[attr-defined]
         for m in sizes:
             k = keys[start + m - 1 - first]
-            path = f"{prefix}/{k[0]}/{k}"
+            path = self._path(reg, k)
             r = exists_one(path, deadline)
             if r is True:
                 return _Obj(t, start, m, k, path)
