@@ -351,7 +351,8 @@ def test_manifest_entry_is_named_by_one_hash_of_its_tokens_and_checked_against_i
     ns, toks, keys = _chain(fp, 8, salt="tagged")
     _fill(st, 0, 8)
     st.batch_set(keys, S(0, 8))
-    assert st.record_prefix(ns, toks[: 4 * fp.page_size]) and st.record_prefix(ns, toks)
+    other = make_store(scheme, url=url)  # another writer's prefix entry: kept beside the longer one
+    assert other.record_prefix(ns, toks[: 4 * fp.page_size]) and st.record_prefix(ns, toks)
     d, prefix = st._manifest_name(ns)
     tag = hashlib.sha256(ns.seed() + np.asarray(toks, "<i8").tobytes()).hexdigest()
     names = sorted(os.path.basename(p) for p in st._io.list_files(d) if os.path.basename(p).startswith(prefix))
