@@ -1,21 +1,16 @@
 """Batched decode: one dispatch advancing B requests by one token each, bit for bit what B
 ``ModelRunner.decode_step`` calls compute.
 
-Why not one [B*C]-row forward: on XLA:CPU a matmul row rounds differently with another number of
-rows (1 vs 16, 16 vs 64: measured), and a ``vmap`` of the [C] forward over B with shared weights
-lowers to exactly that ([B, C, D] @ [D, E] merged into B*C rows: 12 of 80 shapes differed here).
-An explicit batch dimension ([B, C, D] x [B, D, E]) and a ``lax.scan`` of the [C] program both gave
-bits equal to the unbatched program in 80 of 80 shapes; the whole forward is scanned here: each
-iteration of the scan is the same fixed-shape chunk program (``model.forward_chunk``), with the pool
-as the carry, so every request's K/V and logits are those of its own ``decode_step`` (the tests
-compare logits and pools bit for bit, B in 1..8). What it saves is the per-forward dispatch (measured
+The dispatch is ``scan.compiled_scan`` over the B requests' decode chunks (see ``hicache.engine.scan``
+for why a scan of the chunk program, not a [B*C]-row forward, and on which platforms its bits were
+checked: ``compile_batches`` and ``decode_steps`` refuse the others with ``ValueError``; there a decode
+iteration calls ``decode_step`` per request). What it saves is the per-forward dispatch (measured
 on a loaded 2-CPU host, best of 30: B=2 3.11 -> 2.39 ms, B=4 7.15 -> 5.06, B=8 8.72 -> 5.96); the
 chunks still run one after another.
 
-Backends: bit-identity is a property of the compiler, so it holds where it was checked: XLA:CPU (the
-tests). On XLA:GPU (an H200, JAX 0.11.2) the scan's logits differed from ``decode_step``'s (the tokens
-were equal), so ``compile_batches`` and ``decode_steps`` refuse any platform outside
-``BIT_EXACT_PLATFORMS`` (``ValueError``): there a decode iteration calls ``decode_step`` per request.
+Checks: each request's page table is checked as ``decode_step`` checks it, through the runner's memo
+of checked tables (``ModelRunner.checked_table``: a table seen before with the same contents is not
+checked again), so a request decoding for many steps costs its table's check once.
 
 Buffers: as ``ModelRunner``: the runner owns the pool between forwards; ``decode_steps`` donates it
 to the scan and rebinds the runner to the result (``set_pool``), on the runner's thread. B is padded
@@ -26,46 +21,24 @@ every batch size.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import jax
 import numpy as np
 
-from hicache.engine.config import ModelConfig
-from hicache.engine.model import forward_chunk, step_input
+from hicache.engine.model import step_input
 from hicache.engine.runner import ModelRunner
+from hicache.engine import scan
+from hicache.engine.scan import compiled_scan, supported
 
-
-BIT_EXACT_PLATFORMS = frozenset({"cpu"})  # where the scan's bits were checked equal to decode_step's
-
-
-def supported(platform: str) -> bool:
-    """Whether batched decode is bit-identical to ``decode_step`` on this JAX platform."""
-    return platform in BIT_EXACT_PLATFORMS
+__all__ = ["check_platform", "compile_batches", "decode_steps", "padded_batch", "supported"]
 
 
 def check_platform(runner: ModelRunner) -> None:
-    """``ValueError`` unless the runner's pool lives on a platform in ``BIT_EXACT_PLATFORMS``."""
+    """``ValueError`` unless the runner's pool lives on a platform in ``scan.BIT_EXACT_PLATFORMS``."""
     platforms = {d.platform for d in runner.pool.devices()}
     if not all(supported(p) for p in platforms):
         raise ValueError(f"batched decode is not bit-identical to decode_step on {sorted(platforms)} "
-                         f"(checked: {sorted(BIT_EXACT_PLATFORMS)}): decode one request per step there")
-
-
-@functools.cache
-def compiled_decode_batch(cfg: ModelConfig, chunk_size: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """``fn(params, kv_pool, steps i32[B, 3 + C + max_pages]) -> (logits f32[B, C, vocab], kv_pool)``:
-    ``forward_chunk`` over the B steps in order (``lax.scan``, the pool as the carry), donating the pool."""
-
-    def run(params, kv_pool, steps):
-        def body(kv, step):
-            logits, kv = forward_chunk(params, kv, step, cfg=cfg, chunk_size=chunk_size)
-            return kv, logits
-
-        kv_pool, logits = jax.lax.scan(body, kv_pool, steps)
-        return logits, kv_pool
-
-    return jax.jit(run, donate_argnums=1)
+                         f"(checked: {sorted(scan.BIT_EXACT_PLATFORMS)}): decode one request per step there")
 
 
 def padded_batch(n: int) -> int:
@@ -76,9 +49,15 @@ def padded_batch(n: int) -> int:
 
 
 def _empty_step(runner: ModelRunner) -> np.ndarray:
-    """A chunk with no valid row: it writes nothing and returns zero logits."""
-    c = runner.fwd.chunk_size
-    return step_input(np.zeros(0, np.int32), np.zeros(runner.fwd.max_pages, np.int32), 0, 0, 0, c)
+    """A chunk with no valid row: it writes nothing and returns zero logits (read-only)."""
+    return _empty_step_of(runner.fwd.chunk_size, runner.fwd.max_pages)
+
+
+@functools.cache
+def _empty_step_of(chunk_size: int, max_pages: int) -> np.ndarray:
+    step = step_input(np.zeros(0, np.int32), np.zeros(max_pages, np.int32), 0, 0, 0, chunk_size)
+    step.flags.writeable = False
+    return step
 
 
 def compile_batches(runner: ModelRunner, max_batch: int) -> list[int]:
@@ -86,7 +65,7 @@ def compile_batches(runner: ModelRunner, max_batch: int) -> list[int]:
     nothing is written), so that no request waits for a compile. Returns the sizes."""
     check_platform(runner)
     sizes = [1 << k for k in range(padded_batch(max_batch).bit_length())]
-    fn = compiled_decode_batch(runner.model, runner.fwd.chunk_size)
+    fn = compiled_scan(runner.model, runner.fwd.chunk_size)
     for b in sizes:
         logits, kv = fn(runner.params, runner.pool, runner.put_inputs(np.stack([_empty_step(runner)] * b)))
         runner.set_pool(kv)
@@ -112,7 +91,7 @@ def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
     if len(set(written)) != len(written):
         raise ValueError(f"two requests write the same page: {written}")
     steps += [_empty_step(runner)] * (padded_batch(len(seqs)) - len(seqs))
-    fn = compiled_decode_batch(runner.model, runner.fwd.chunk_size)
+    fn = compiled_scan(runner.model, runner.fwd.chunk_size)
     logits, kv = fn(runner.params, runner.pool, runner.put_inputs(np.stack(steps)))
     runner.set_pool(kv)
     runner.forwards += len(seqs)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from hicache.engine import kv_layout
+from hicache.engine import kv_layout, scan
 from hicache.engine.config import ForwardConfig, ModelConfig
 from hicache.engine.model import Params, chunk_rows, compiled_forward, init_params, step_input
 
@@ -50,15 +50,21 @@ class PendingLogits:
     returns ``f32[n, vocab]``; ``last()`` only the last row's, from the last forward. Lets a caller
     overlap other work (a cache query) with a prefill."""
 
-    def __init__(self, parts: list[tuple[jax.Array, int, int]]) -> None:
-        self._parts = parts  # (logits f32[C, vocab] of one forward, first row, end row)
+    def __init__(self, parts: list[tuple[jax.Array, int, int, int]]) -> None:
+        # (logits f32[C, vocab] of one forward or f32[B, C, vocab] of a scan, chunk index in it, first row, end row)
+        self._parts = parts
+
+    @staticmethod
+    def _rows(logits: jax.Array, chunk: int) -> np.ndarray:
+        host = np.asarray(logits)
+        return host[chunk] if host.ndim == 3 else host
 
     def result(self) -> np.ndarray:
-        return np.concatenate([np.asarray(logits)[lo:hi] for logits, lo, hi in self._parts])
+        return np.concatenate([self._rows(logits, i)[lo:hi] for logits, i, lo, hi in self._parts])
 
     def last(self) -> np.ndarray:
-        logits, _, hi = self._parts[-1]
-        return np.asarray(logits)[hi - 1]
+        logits, i, _, hi = self._parts[-1]
+        return self._rows(logits, i)[hi - 1]
 
 
 def greedy_decode(step: Callable[[list[int]], np.ndarray], tokens: Sequence[int], last_logits: np.ndarray,
@@ -101,6 +107,10 @@ def prefill_start(hit_len: int, num_tokens: int, page_size: int) -> int:
     return usable - usable % page_size
 
 
+MAX_SCAN_CHUNKS = 32  # default ``ModelRunner(scan_chunks=...)``: the batched decode's programs go up to 32 too
+TABLE_MEMO = 256  # page tables a runner remembers as checked (``_check_table``)
+
+
 class ModelRunner:
     """Runs the reference model over an L1 pool. One thread at a time (it owns the pool)."""
 
@@ -113,13 +123,19 @@ class ModelRunner:
         device: jax.Device | None = None,
         params: Params | None = None,
         pool: jax.Array | None = None,
+        scan_chunks: int = MAX_SCAN_CHUNKS,
     ) -> None:
         """Without ``pool``, a zeroed pool of ``num_pages`` pages is made on ``device`` (default: the
         first device). With ``pool`` (e.g. the HostWorker's L1 array, possibly sharded on the KV-head
         axis over a mesh), ``num_pages`` and ``device`` are ignored: params and per-step inputs are
-        replicated over the pool's devices (``kv_layout.replicated_like``)."""
+        replicated over the pool's devices (``kv_layout.replicated_like``). ``scan_chunks`` (a power of
+        two): the most consecutive chunks of one request dispatched as one scan (``_run``); 1, or a pool
+        off one device of a platform in ``scan.BIT_EXACT_PLATFORMS``: one dispatch per chunk."""
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if (not isinstance(scan_chunks, int) or isinstance(scan_chunks, bool) or scan_chunks <= 0
+                or scan_chunks & (scan_chunks - 1)):
+            raise ValueError(f"scan_chunks must be a positive power of two, got {scan_chunks!r}")
         self.model = model
         self.fwd = fwd
         if pool is None:
@@ -135,6 +151,10 @@ class ModelRunner:
                                       else (lambda x: jax.device_put(x, self.placement)))
         self.params = params if params is not None else init_params(model, self.placement)
         self._forward = compiled_forward(model, fwd.chunk_size)
+        self._scan_fn = scan.compiled_scan(model, fwd.chunk_size)
+        self._scan_request = scan_chunks
+        self.scan_chunks = 1  # set by set_pool: ``scan_chunks`` where the scan is bit-identical, else 1
+        self._tables: dict[bytes, np.ndarray] = {}  # checked page tables (``_check_table``), by content
         self._pool_signature: tuple | None = None
         self.set_pool(pool)
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
@@ -167,6 +187,11 @@ class ModelRunner:
                 f"pool page_size={geo.page_size} != ForwardConfig.page_size={self.fwd.page_size}")
         self._kv = kv_pool
         self.num_pages = geo.num_pages
+        self._tables.clear()  # checked against the old pool's page count
+        devices = kv_pool.sharding.device_set
+        one_device = len(devices) == 1 and jax.process_count() == 1
+        self.scan_chunks = (self._scan_request if one_device and scan.supported(next(iter(devices)).platform)
+                            else 1)
         self._pool_signature = signature
 
     # --- forwards ------------------------------------------------------------------------------
@@ -301,19 +326,22 @@ class ModelRunner:
         return toks, self._check_table(page_table, n)
 
     def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        """``tokens`` as i32[n]: a non-empty 1-D sequence of ids inside the vocabulary."""
+        """``tokens`` as i32[n]: a non-empty 1-D sequence of ids inside the vocabulary (an i32 array is
+        returned as it is, not copied: callers only read it)."""
         toks = np.asarray(tokens)
         if toks.ndim != 1 or toks.size == 0 or not np.issubdtype(toks.dtype, np.integer):
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ints, got {tokens!r:.80}")
-        bad = np.flatnonzero((toks < 0) | (toks >= self.model.vocab_size))
-        if bad.size:
+        if toks.min() < 0 or toks.max() >= self.model.vocab_size:
+            bad = np.flatnonzero((toks < 0) | (toks >= self.model.vocab_size))
             raise ValueError(f"token id {int(toks[bad[0]])} at index {int(bad[0])} is outside the "
                              f"vocabulary [0, {self.model.vocab_size})")
-        return toks.astype(np.int32)
+        return toks.astype(np.int32, copy=False)
 
     def _check_table(self, page_table: Sequence[int], n: int) -> np.ndarray:
         """The padded ``page_table i32[max_pages]`` of a request of ``n`` positions: its first pages
-        (those ``n`` positions need) distinct and inside the pool."""
+        (those ``n`` positions need) distinct and inside the pool. Read-only, and remembered by the
+        contents of those first pages (up to ``TABLE_MEMO`` of them, forgotten when the pool's
+        geometry changes): a request's decode steps check its table once per page it grows into."""
         ps, max_pages = self.fwd.page_size, self.fwd.max_pages
         if n > self.fwd.max_context:
             raise ValueError(f"{n} tokens exceed max_context={self.fwd.max_context} "
@@ -326,27 +354,56 @@ class ModelRunner:
             raise ValueError(f"page_table has {table.size} pages, {need} needed for {n} tokens "
                              f"at page_size={ps}")
         used = table[:need]
-        bad = np.flatnonzero((used < 0) | (used >= self.num_pages))
-        if bad.size:
+        key = used.astype(np.int64, copy=False).tobytes()
+        padded = self._tables.get(key)
+        if padded is not None:
+            return padded
+        if used.min() < 0 or used.max() >= self.num_pages:
+            bad = np.flatnonzero((used < 0) | (used >= self.num_pages))
             raise ValueError(f"page id {int(used[bad[0]])} at index {int(bad[0])} is outside the "
                              f"pool [0, {self.num_pages})")
-        if np.unique(used).size != need:
+        seen = np.zeros(self.num_pages, np.bool_)
+        seen[used] = True
+        if np.count_nonzero(seen) != need:
             raise ValueError(f"page_table repeats a page among its first {need}: {used.tolist()}")
         padded = np.zeros(max_pages, np.int32)
         padded[:need] = used
+        padded.flags.writeable = False
+        if len(self._tables) >= TABLE_MEMO:
+            del self._tables[next(iter(self._tables))]  # the oldest
+        self._tables[key] = padded
         return padded
 
     def _dispatch(self, chunk_tokens: np.ndarray, table: np.ndarray, base: int, lo: int,
-                  hi: int) -> tuple[jax.Array, int, int]:
+                  hi: int) -> tuple[jax.Array, int, int, int]:
         """Dispatch one forward (positions ``[lo, hi)`` of the chunk at ``base``) and rebind the pool to
-        its output (the old one is donated). Returns (logits f32[C, vocab] to come, first row, end row)."""
+        its output (the old one is donated). Returns (logits f32[C, vocab] to come, 0, first row, end row)."""
         step = self._put_inputs(step_input(chunk_tokens, table, base, lo, hi, self.fwd.chunk_size))
         logits, self._kv = self._forward(self.params, self._kv, step)
         self.forwards += 1
-        return logits, lo - base, hi - base
+        return logits, 0, lo - base, hi - base
 
     def _run(self, toks: np.ndarray, table: np.ndarray, start: int) -> PendingLogits:
         """Dispatch the aligned chunks of positions ``[start, len(toks))``. Returns logits
-        f32[len(toks) - start, vocab] to come."""
-        return PendingLogits([self._dispatch(toks[lo:hi], table, base, lo, hi)
-                              for base, lo, hi in chunk_rows(start, int(toks.size), self.fwd.chunk_size)])
+        f32[len(toks) - start, vocab] to come. Where the scanned chunk program is bit-identical
+        (``scan_chunks`` > 1), consecutive chunks go in scans of power-of-two lengths up to
+        ``scan_chunks`` (largest first; a single chunk left goes alone): one dispatch for 2, 4, 8, ...
+        chunks instead of one each (``hicache.engine.scan``)."""
+        c = self.fwd.chunk_size
+        rows = chunk_rows(start, int(toks.size), c)
+        if len(rows) == 1 or self.scan_chunks == 1:
+            return PendingLogits([self._dispatch(toks[lo:hi], table, base, lo, hi) for base, lo, hi in rows])
+        parts: list[tuple[jax.Array, int, int, int]] = []
+        i = 0
+        while i < len(rows):
+            size = min(1 << ((len(rows) - i).bit_length() - 1), self.scan_chunks)
+            if size == 1:
+                parts.append(self._dispatch(toks[rows[i][1]:rows[i][2]], table, *rows[i]))
+            else:
+                group = rows[i:i + size]
+                steps = np.stack([step_input(toks[lo:hi], table, base, lo, hi, c) for base, lo, hi in group])
+                logits, self._kv = self._scan_fn(self.params, self._kv, self._put_inputs(steps))
+                self.forwards += size
+                parts += [(logits, j, lo - base, hi - base) for j, (base, lo, hi) in enumerate(group)]
+            i += size
+        return PendingLogits(parts)

@@ -60,13 +60,13 @@ def test_batched_decode_rejects_bad_requests_and_runs_nothing():
 def test_batched_decode_runs_only_where_its_bits_were_checked(monkeypatch):
     """Bit-identity is the compiler's: off the checked platforms (an H200's XLA:GPU gave other logits)
     both entry points refuse before anything runs, and the pool stays the runner's."""
-    from hicache.engine import batched
+    from hicache.engine import batched, scan
 
     assert batched.supported("cpu") and not batched.supported("gpu") and not batched.supported("tpu")
     fwd = ForwardConfig(chunk_size=16, page_size=8, max_pages=16)
     r = ModelRunner(MODEL, fwd, num_pages=32)
     pool, forwards = r.pool, r.forwards
-    monkeypatch.setattr(batched, "BIT_EXACT_PLATFORMS", frozenset({"tpu"}))
+    monkeypatch.setattr(scan, "BIT_EXACT_PLATFORMS", frozenset({"tpu"}))
     with pytest.raises(ValueError, match=r"not bit-identical .*\['cpu'\]"):
         batched.compile_batches(r, 4)
     with pytest.raises(ValueError, match="not bit-identical"):
