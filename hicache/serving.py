@@ -590,16 +590,27 @@ class _Running:
 
     def __init__(self, ticket: int, begun: _Begun, pages: int) -> None:
         self.ticket, self.begun, self.pages = ticket, begun, pages  # pages: counted against the L1 capacity
-        self.seq = [int(t) for t in begun.prompt]
+        prompt = begun.prompt
+        # the sequence so far (prompt + tokens taken) in one buffer filled up to ``_n``: a decode step reads a
+        # view of its first ``_n`` ids (positions below ``_n`` are never written again), no per-step copy
+        self._buf = np.empty(prompt.size + begun.req.max_new_tokens, np.int32)
+        self._buf[: prompt.size] = prompt
+        self._n = prompt.size
         self.tokens: list[int] = []
         self.logits = [begun.logits]
         self.decode_s = 0.0
+
+    @property
+    def seq(self) -> np.ndarray:
+        """i32[prompt + tokens taken] (a view: read it, don't keep it past the next ``take``'s use)."""
+        return self._buf[: self._n]
 
     def take(self) -> bool:
         """Takes the argmax of the last logits as the next token; True when the request is done."""
         nxt = int(np.argmax(self.logits[-1]))
         self.tokens.append(nxt)
-        self.seq.append(nxt)
+        self._buf[self._n] = nxt
+        self._n += 1
         return len(self.tokens) == self.begun.req.max_new_tokens
 
     def generation(self) -> Generation:
@@ -689,7 +700,7 @@ class ServingLoop:
         n = self.options.decode_batch or len(self.running)
         batch = [self.running.popleft() for _ in range(min(n, len(self.running)))]
         t = time.perf_counter()
-        logits = self._decode([np.asarray(r.seq, np.int32) for r in batch], [r.begun.table for r in batch])
+        logits = self._decode([r.seq for r in batch], [r.begun.table for r in batch])
         share = (time.perf_counter() - t) / len(batch)
         done = []
         for r, row in zip(batch, logits):
