@@ -108,6 +108,7 @@ import itertools
 import math
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -186,6 +187,13 @@ class StorageConfig:
     # write hold, writes overlapped prefills, and inline writes then cost the serving thread a few
     # points of TTFT.) Larger batches (bulk copies) still go to the I/O threads.
     local_inline_write_bytes: int | None = 4 * MiB
+    # file:// on a local filesystem: a batch_get of at most this many payload bytes reads its objects
+    # on the calling thread (None: always the I/O threads). The stack's caller is the worker's
+    # storage thread, a background thread: handing a prefetch's one or two objects to the I/O
+    # threads cost a wake-up per thread and the caller's, more CPU than the reads (on 2 busy CPUs
+    # every extra runnable thread also delays the serving thread). Larger batches still read in
+    # parallel on the I/O threads.
+    local_inline_read_bytes: int | None = 4 * MiB
     delete_corrupt: bool = True  # remove objects that fail verification so they can be rewritten
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -195,7 +203,7 @@ class StorageConfig:
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads!r}")
         for name in ("target_object_bytes", "pages_per_object", "max_bytes", "local_write_threads", "local_inline_write_bytes",
-                     "link_every_pages"):
+                     "local_inline_read_bytes", "link_every_pages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
@@ -331,9 +339,11 @@ def _drop_if_stale(path: str, st: os.stat_result | None = None) -> None:
 
 def _open_published_fd(path: str) -> tuple[int, int]:
     """``(fd, size)`` of the published object at ``path``; ``FileNotFoundError`` if there is none
-    (missing, or still being written: a miss, never a torn object)."""
+    (missing, or still being written: a miss, never a torn object). Opened non-blocking (no effect
+    on a regular file): anything else at that name (a FIFO, a device) is a miss at once, never a
+    blocked ``open`` (reads of a local filesystem run on the calling thread)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except PermissionError:  # unpublished, and we are not root
         _drop_if_stale(path)
         raise FileNotFoundError(path) from None
@@ -342,6 +352,9 @@ def _open_published_fd(path: str) -> tuple[int, int]:
     except BaseException:
         os.close(fd)
         raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise FileNotFoundError(path)
     if not _is_published(st):
         os.close(fd)
         _drop_if_stale(path, st)
@@ -603,6 +616,20 @@ class _LocalBackend(_Backend):
 
     def map(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
         return self.map_pull(fn, items, deadline)
+
+    @staticmethod
+    def map_inline(fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
+        """``map`` on the calling thread, in item order (a local filesystem's small batches): the
+        deadline is checked before each item (items not started by then report ``TimeoutError``)."""
+        for i, it in enumerate(items):
+            if time.monotonic() >= deadline.end:
+                yield i, TimeoutError(f"storage operation {i} did not start by the deadline")
+                continue
+            try:
+                r = fn(*it)
+            except Exception as e:  # noqa: BLE001 - handed to the caller as a value
+                r = e
+            yield i, r
 
     def _exists(self, path: str) -> bool:
         return _published(path)
@@ -1618,7 +1645,12 @@ class FsspecStorage(HiCacheStorage):
             return r
 
         if self._local:
-            results = io.map(task, [(i, o.path) for i, o in enumerate(objs)], deadline)
+            items = [(i, o.path) for i, o in enumerate(objs)]
+            inline = self.config.local_inline_read_bytes
+            if io.inline_io and inline is not None and sum(o.m * queries[o.t][0].slot_bytes for o in objs) <= inline:
+                results = io.map_inline(task, items, deadline)
+            else:
+                results = io.map(task, items, deadline)
         else:
             results = self._io.read_many([o.path for o in objs], post, deadline)
         for i, r in results:

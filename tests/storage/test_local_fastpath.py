@@ -240,8 +240,37 @@ def test_reads_bump_lru_in_chain_order(make_store, fp):
 
 
 def test_hung_read_is_bounded_and_never_touches_the_pool_later(make_store, fp):
-    """A FIFO in place of an object: ``open`` blocks (a hung mount behaves alike)."""
-    st = make_store("file", timeout_s=20.0)
+    """An object read that blocks (a hung mount): on the I/O threads (``local_inline_read_bytes``
+    None) the call returns by its deadline and the blocked read never lands in the pool later."""
+    st = make_store("file", timeout_s=20.0, local_inline_read_bytes=None)
+    keys = _keys(fp, 8)
+    st.pool.fill_random(S(0, 8), 8)
+    st.batch_set(keys, S(0, 8))
+    blocked, release = st.object_path(keys[7]), threading.Event()
+    read_into = st._io.read_into
+
+    def hanging(path, *a, **kw):
+        if path == blocked:
+            release.wait(10)
+        return read_into(path, *a, **kw)
+
+    st._io.read_into = hanging
+    st.pool.buf[20:28] = 5.0
+    t0 = time.monotonic()
+    assert st.batch_get(keys, S(20, 28), timeout_s=0.5) == [True] * 4 + [False] * 4
+    assert time.monotonic() - t0 < 3.0
+    assert st.stats().timeouts >= 1
+    release.set()  # the blocked reader goes on, long after the call: it must not touch the pool
+    time.sleep(0.2)
+    assert (st.pool.buf[24:28] == 5.0).all()
+    assert threading.active_count() < 50
+
+
+@pytest.mark.parametrize("inline", [4 << 20, None])
+def test_a_special_file_in_place_of_an_object_is_a_miss_at_once(make_store, fp, inline):
+    """A FIFO where an object should be would block a plain ``open`` until a writer comes: it is
+    opened non-blocking and is a miss, on the calling thread (inline reads) and on the I/O threads."""
+    st = make_store("file", timeout_s=20.0, local_inline_read_bytes=inline)
     keys = _keys(fp, 8)
     st.pool.fill_random(S(0, 8), 8)
     st.batch_set(keys, S(0, 8))
@@ -250,15 +279,23 @@ def test_hung_read_is_bounded_and_never_touches_the_pool_later(make_store, fp):
     os.mkfifo(path)
     st.pool.buf[20:28] = 5.0
     t0 = time.monotonic()
-    assert st.batch_get(keys, S(20, 28), timeout_s=0.5) == [True] * 4 + [False] * 4
-    assert time.monotonic() - t0 < 3.0
-    assert st.stats().timeouts >= 1
-    # release the blocked reader: its object is empty (a counted miss), long after the call
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    os.close(fd)
-    time.sleep(0.2)
-    assert (st.pool.buf[24:28] == 5.0).all()
-    assert threading.active_count() < 50
+    assert st.batch_get(keys, S(20, 28), timeout_s=5.0) == [True] * 4 + [False] * 4
+    assert time.monotonic() - t0 < 2.0 and st.stats().timeouts == 0
+    assert (st.pool.buf[24:28] == 5.0).all() and same_bytes(st.pool.buf[20:24], st.pool.buf[0:4])
+
+
+@pytest.mark.parametrize("inline, handed_off", [(4 << 20, 0), (None, 1), (4 * 2 * 4 * 2 * 2 * 8 * 4, 1)])
+def test_small_reads_run_on_the_calling_thread(make_store, fp, handoffs, inline, handed_off):
+    """A batch_get of at most ``local_inline_read_bytes`` payload bytes reads its objects on the
+    calling thread (no hand-off to the I/O threads); larger batches, or None, use the threads.
+    Same pages either way."""
+    st = make_store("file", local_inline_read_bytes=inline)
+    keys = _keys(fp, 8)  # two objects of four pages: 2 * 4 * slot_bytes (1 KiB) payload bytes
+    st.pool.fill_random(S(0, 8), 11)
+    st.batch_set(keys, S(0, 8))
+    spy = handoffs(st)
+    assert st.batch_get(keys, S(20, 28)) == [True] * 8
+    assert spy.calls == handed_off and same_bytes(st.pool.buf[20:28], st.pool.buf[0:8])
 
 
 def test_writes_have_no_existence_round_and_skip_stored_objects(make_store, fp):

@@ -205,7 +205,8 @@ def test_storage_view_of_the_pool_passes_the_static_protocol_check(worker):
 def test_backup_to_storage_writes_from_pool_memory_and_reads_back_exact(worker, tmp_path):
     """An L2->L3 backup of scattered slots through the storage thread's view of the pool: with a
     one-slab pool (``slot_view``) the objects are written straight from the slab, no ``read_slots``
-    copy; either pool kind reads the same bytes back into other slots."""
+    copy, and read back straight into the prefetch's slots (no commit); pinned pages are read back
+    through the owner's commit (the pool untouched before it). Either way the same bytes."""
     from hicache.storage import ModelFingerprint, Namespace, page_keys
 
     fp = ModelFingerprint("async-test", SPEC.dtype, SPEC.page_size, SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim)
@@ -222,9 +223,15 @@ def test_backup_to_storage_writes_from_pool_memory_and_reads_back_exact(worker, 
         assert ex(TransferOp(1, OpKind.BACKUP_H2S, np.empty(0, np.int32), src, tuple(keys)), pool) == 6 * pool.slot_bytes
         assert sum(reads) == (0 if pool.kind.value == "numpy_slab" else 6)
         dst = np.array([1, 4, 5, 6, 8, 10], np.int32)
-        moved, commit = ex(TransferOp(2, OpKind.PREFETCH_S2H, np.empty(0, np.int32), dst, tuple(keys)), pool)
-        commit()
-        assert moved == 6 * pool.slot_bytes
+        before = pool.read_slots(dst)
+        got = ex(TransferOp(2, OpKind.PREFETCH_S2H, np.empty(0, np.int32), dst, tuple(keys)), pool)
+        if pool.kind.value == "numpy_slab":  # read straight into the reserved slots: nothing to commit
+            assert got == 6 * pool.slot_bytes
+        else:  # pinned pages: collected on the storage thread, written by the owner's commit
+            moved, commit = got
+            assert moved == 6 * pool.slot_bytes
+            assert np.array_equal(pool.read_slots(dst).view(np.uint32), before.view(np.uint32))
+            commit()
         assert np.array_equal(pool.read_slots(dst).view(np.uint32), data.view(np.uint32))
     finally:
         del pool.read_slots
