@@ -34,6 +34,9 @@ in the no-reuse benchmark, where 256 key-prefix directories and one manifest dir
 namespace took as many ``mkdir`` calls per request as object files). A namespace's manifest
 entries are the names with its prefix in one of the sixteen directories (one listing of that
 directory). An ext4 directory indexes ~10M names, so sixteen hold far more than a local cache.
+The parent of each set of sixteen is an ext4 top directory (``placement``): they are spread over
+the filesystem's block groups, where creating an object's inode costs far less than in the busy
+groups of the directory the root sits in (``/tmp``: 23-33 us vs 150-840 us per file here).
 
 Chunking rule (``C`` = pages per object, per pool; default ``target_object_bytes // slot_bytes``)
 ------------------------------------------------------------------------------------------------
@@ -147,6 +150,7 @@ from hicache.storage.format import (
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.mounts import stats_are_local
 from hicache.storage.manifest_lineage import OwnEntries
+from hicache.storage.placement import spread_subdirectories
 
 MiB = 1 << 20
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
@@ -409,7 +413,14 @@ FANOUT = "0123456789abcdef"  # object and manifest names are hex: one directory 
 
 def _make_fanout(parent: str) -> None:
     """The sixteen fan-out directories under ``parent`` (file://; best effort: a write still makes
-    a missing one)."""
+    a missing one). ``parent`` is marked a top directory first where the filesystem has the flag
+    (ext2/3/4, ``placement``): the sixteen are spread over block groups, away from the busy ones of
+    the directory the root sits in, where every object's inode would cost much more CPU."""
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError:
+        return
+    spread_subdirectories(parent)
     for digit in FANOUT:
         try:
             os.makedirs(f"{parent}/{digit}", exist_ok=True)
