@@ -28,12 +28,18 @@ def _stored(st, toks, ns) -> None:
     assert all(st.batch_set(keys, np.arange(len(keys), dtype=np.int32)))
 
 
-def test_a_growing_path_keeps_one_entry_file(make_store, make_url, fp):
+def _one_chain(make_store, make_url, fp, salt: str, pages: int):
+    """(url, a file:// store, namespace, tokens of ``pages`` pages stored in it)."""
     url = make_url("file")
     st = make_store("file", url=url)
-    ns = Namespace(fp, cache_salt="grow")
-    toks = np.arange(10 * P, dtype=np.int32) + 7
+    ns = Namespace(fp, cache_salt=salt)
+    toks = np.arange(pages * P, dtype=np.int32) + len(salt)
     _stored(st, toks, ns)
+    return url, st, ns, toks
+
+
+def test_a_growing_path_keeps_one_entry_file(make_store, make_url, fp):
+    url, st, ns, toks = _one_chain(make_store, make_url, fp, "grow", 10)
     assert st.record_prefix(ns, toks[: 3 * P])
     (first, ino), = _entries(st, ns).items()
     assert st.record_prefix(ns, toks[: 6 * P]) and st.record_prefix(ns, toks)
@@ -67,11 +73,7 @@ def test_branches_and_other_writers_entries_keep_their_files(make_store, make_ur
 
 
 def test_an_entry_deleted_behind_the_store_is_written_afresh(make_store, make_url, fp):
-    url = make_url("file")
-    st = make_store("file", url=url)
-    ns = Namespace(fp, cache_salt="vanished")
-    toks = np.arange(6 * P, dtype=np.int32) + 3
-    _stored(st, toks, ns)
+    url, st, ns, toks = _one_chain(make_store, make_url, fp, "vanished", 6)
     assert st.record_prefix(ns, toks[: 2 * P])
     d = st._manifest_name(ns)[0]
     for p in st._io.list_files(d):
