@@ -9,7 +9,10 @@ call (wall and this process's CPU time, ms) over all calls, and the best round's
 trees by running this file from each, alternated (A B A B ...): one run on a shared 2-CPU machine
 proves little.
 
-    python benchmarks/engine_bench.py [--reps 5] [--calls 40] [--json out.json]
+``--scan-chunks N``: the runner's ``scan_chunks`` (default: ``runner.SCAN_CHUNKS_DEFAULT``; 32 dispatches a
+prefill's chunks in power-of-two scans).
+
+    python benchmarks/engine_bench.py [--reps 5] [--calls 40] [--scan-chunks 32] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,9 +67,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--scan-chunks", type=int, default=None)
     p.add_argument("--json")
     args = p.parse_args()
-    runner = ModelRunner(MODEL, FWD, num_pages=L1_PAGES)
+    runner = ModelRunner(MODEL, FWD, num_pages=L1_PAGES, scan_chunks=args.scan_chunks)
     batched.compile_batches(runner, max(DECODE_BATCHES))
     calls = cases(runner, np.random.default_rng(0))
     for fn in calls.values():  # compiles

@@ -107,7 +107,13 @@ def prefill_start(hit_len: int, num_tokens: int, page_size: int) -> int:
     return usable - usable % page_size
 
 
-MAX_SCAN_CHUNKS = 32  # default ``ModelRunner(scan_chunks=...)``: the batched decode's programs go up to 32 too
+# ``ModelRunner(scan_chunks=None)`` takes this, read at construction (one place for every runner of a
+# process, the benchmarks' bare engine included). 1: a dispatch per chunk. Measured (paired, this 2-CPU
+# box): scans cut long prefills (8 chunks -8%, 26 chunks -11% wall, -13/-15% CPU) but not short ones
+# (2-3 chunks: +-4%), so they shrink the no-cache baselines more than the cached configs' prefills, and
+# the cache's benchmark ratios (TTFT speedup, no-reuse overhead) with them: off by default; 32 (the
+# batched decode's largest program) to serve long prompts faster.
+SCAN_CHUNKS_DEFAULT = 1
 TABLE_MEMO = 256  # page tables a runner remembers as checked (``_check_table``)
 
 
@@ -123,16 +129,19 @@ class ModelRunner:
         device: jax.Device | None = None,
         params: Params | None = None,
         pool: jax.Array | None = None,
-        scan_chunks: int = MAX_SCAN_CHUNKS,
+        scan_chunks: int | None = None,
     ) -> None:
         """Without ``pool``, a zeroed pool of ``num_pages`` pages is made on ``device`` (default: the
         first device). With ``pool`` (e.g. the HostWorker's L1 array, possibly sharded on the KV-head
         axis over a mesh), ``num_pages`` and ``device`` are ignored: params and per-step inputs are
         replicated over the pool's devices (``kv_layout.replicated_like``). ``scan_chunks`` (a power of
-        two): the most consecutive chunks of one request dispatched as one scan (``_run``); 1, or a pool
-        off one device of a platform in ``scan.BIT_EXACT_PLATFORMS``: one dispatch per chunk."""
+        two, default ``SCAN_CHUNKS_DEFAULT``): the most consecutive chunks of one request dispatched as
+        one scan (``_run``); 1, or a pool off one device of a platform in ``scan.BIT_EXACT_PLATFORMS``:
+        one dispatch per chunk."""
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if scan_chunks is None:
+            scan_chunks = SCAN_CHUNKS_DEFAULT
         if (not isinstance(scan_chunks, int) or isinstance(scan_chunks, bool) or scan_chunks <= 0
                 or scan_chunks & (scan_chunks - 1)):
             raise ValueError(f"scan_chunks must be a positive power of two, got {scan_chunks!r}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.engine import kv_layout, scan
+from hicache.engine import kv_layout, runner, scan
 from hicache.engine.config import ForwardConfig, ModelConfig
 from hicache.engine.runner import ModelRunner, TABLE_MEMO
 
@@ -42,13 +42,16 @@ def test_scanned_prefill_equals_one_forward_per_chunk_bit_for_bit(model, chunk):
     assert many.forwards == one.forwards
 
 
-def test_scan_chunks_is_checked_and_off_where_the_scan_was_not_checked(monkeypatch):
+def test_scan_chunks_is_checked_defaults_to_the_module_setting_and_is_off_where_not_checked(monkeypatch):
     fwd = ForwardConfig(chunk_size=16, page_size=8, max_pages=16)
     for bad in (0, 3, -2, True, 2.0):
         with pytest.raises(ValueError, match=rf"scan_chunks must be a positive power of two, got {bad!r}"):
             ModelRunner(BASE, fwd, num_pages=8, scan_chunks=bad)
+    assert ModelRunner(BASE, fwd, num_pages=8).scan_chunks == runner.SCAN_CHUNKS_DEFAULT
+    monkeypatch.setattr(runner, "SCAN_CHUNKS_DEFAULT", 4)
+    assert ModelRunner(BASE, fwd, num_pages=8).scan_chunks == 4
     monkeypatch.setattr(scan, "BIT_EXACT_PLATFORMS", frozenset({"tpu"}))
-    r = ModelRunner(BASE, fwd, num_pages=8)
+    r = ModelRunner(BASE, fwd, num_pages=8, scan_chunks=8)
     assert r.scan_chunks == 1  # a platform where the scan's bits were not checked: a forward per chunk
     before = r.forwards
     r.prefill(list(range(40)), list(range(5)))
