@@ -3,7 +3,7 @@ iteration (``hicache.engine.batched.decode_steps``), in the multiturn benchmark'
 shape (``benchmarks.common.MODEL`` / ``FWD``, an L1 of 118 pages).
 
 Cases: prefills after a cached prefix (1, 3 and 8 chunks of 16 tokens) and from position 0 (26
-chunks, a no-reuse request), and decode iterations of B = 1, 4, 8 requests of ~300 tokens. Each case
+chunks, a no-reuse request), and decode iterations of B = 1, 3, 4, 5, 7, 8 requests of ~300 tokens. Each case
 runs ``--reps`` rounds of ``--calls`` calls, the cases interleaved round by round; printed: the median
 call (wall and this process's CPU time, ms) over all calls, and the best round's median. Compare two
 trees by running this file from each, alternated (A B A B ...): one run on a shared 2-CPU machine
@@ -40,7 +40,7 @@ PREFILLS = {  # name: (prompt length, start position)
     "prefill_8chunks": (192, 64),
     "prefill_26chunks_no_prefix": (400, 0),
 }
-DECODE_BATCHES = (1, 4, 8)
+DECODE_BATCHES = (1, 3, 4, 5, 7, 8)
 
 
 def cases(runner: ModelRunner, rng: np.random.Generator) -> dict:

@@ -404,8 +404,7 @@ class ModelRunner:
             return PendingLogits([self._dispatch(toks[lo:hi], table, base, lo, hi) for base, lo, hi in rows])
         parts: list[tuple[jax.Array, int, int, int]] = []
         i = 0
-        while i < len(rows):
-            size = min(1 << ((len(rows) - i).bit_length() - 1), self.scan_chunks)
+        for size in scan.groups(len(rows), self.scan_chunks):
             if size == 1:
                 parts.append(self._dispatch(toks[rows[i][1]:rows[i][2]], table, *rows[i]))
             else:

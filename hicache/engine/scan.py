@@ -40,6 +40,18 @@ def supported(platform: str) -> bool:
     return platform in BIT_EXACT_PLATFORMS
 
 
+def groups(n: int, cap: int | None = None) -> list[int]:
+    """``n`` consecutive steps as scans of power-of-two lengths (up to ``cap``, a power of two, if
+    given), largest first: a few compiled programs, no padding (a padded step costs a whole forward)."""
+    out = []
+    while n:
+        size = 1 << (n.bit_length() - 1)
+        size = size if cap is None else min(size, cap)
+        out.append(size)
+        n -= size
+    return out
+
+
 @functools.cache
 def compiled_scan(cfg: ModelConfig, chunk_size: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """``fn(params, kv_pool, steps i32[B, 3 + C + max_pages]) -> (logits f32[B, C, vocab], kv_pool)``:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.engine.batched import decode_steps, padded_batch
+from hicache.engine.batched import batch_sizes, decode_steps, scan_lengths
+from hicache.engine.scan import groups
 from hicache.engine.config import ForwardConfig, ModelConfig
 from hicache.engine.runner import ModelRunner
 
@@ -15,7 +16,7 @@ MODEL = ModelConfig()
 @pytest.mark.parametrize("chunk", [8, 16])
 def test_batched_decode_equals_one_step_per_request_bit_for_bit(chunk):
     """Two runners, same params, same prefills; one decodes request by request, the other in batches
-    of 1..8 (padded to powers of two): every logit row and the whole pool are the same bits, over
+    of 1..8 (scans of power-of-two lengths: 3 = 2 + 1, 7 = 8 with an empty chunk): every logit row and the whole pool are the same bits, over
     three steps, positions in every row of the chunk."""
     fwd = ForwardConfig(chunk_size=chunk, page_size=8, max_pages=16)
     one = ModelRunner(MODEL, fwd, num_pages=160)
@@ -52,9 +53,13 @@ def test_batched_decode_rejects_bad_requests_and_runs_nothing():
     with pytest.raises(ValueError, match="vocabulary"):
         decode_steps(r, [[MODEL.vocab_size]], [table])
     assert r.pool is pool and r.forwards == forwards
-    assert [padded_batch(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
-    with pytest.raises(ValueError, match="at least one"):
-        padded_batch(0)
+    assert [batch_sizes(n) for n in (1, 2, 3, 8, 9)] == [[1], [1, 2], [1, 2], [1, 2, 4, 8], [1, 2, 4, 8]]
+    assert [groups(n) for n in (1, 3, 7, 8, 13)] == [[1], [2, 1], [4, 2, 1], [8], [8, 4, 1]]
+    assert groups(40, 8) == [8] * 5 and groups(0) == []
+    assert [scan_lengths(n) for n in range(1, 9)] == [[1], [2], [2, 1], [4], [4, 1], [4, 2], [8], [8]]
+    assert scan_lengths(15) == [16] and scan_lengths(11) == [8, 2, 1] and scan_lengths(32) == [32]
+    with pytest.raises(ValueError, match="at least one request, got 0"):
+        batch_sizes(0)
 
 
 def test_batched_decode_runs_only_where_its_bits_were_checked(monkeypatch):
