@@ -1,15 +1,16 @@
-"""Batched decode: one dispatch advancing B requests by one token each, bit for bit what B
+"""Batched decode: B requests advanced by one token each in a few dispatches, bit for bit what B
 ``ModelRunner.decode_step`` calls compute.
 
-The dispatch is ``scan.compiled_scan`` over the B requests' decode chunks (see ``hicache.engine.scan``
-for why a scan of the chunk program, not a [B*C]-row forward, and on which platforms its bits were
-checked: ``compile_batches`` and ``decode_steps`` refuse the others with ``ValueError``; there a decode
-iteration calls ``decode_step`` per request). What it saves is the per-forward dispatch (measured
-on a loaded 2-CPU host, best of 30: B=2 3.11 -> 2.39 ms, B=4 7.15 -> 5.06, B=8 8.72 -> 5.96); the
-chunks still run one after another.
+Each dispatch is ``scan.compiled_scan`` over some of the B requests' decode chunks (a lone chunk: the
+chunk program itself, ``ModelRunner._forward_steps``, as ``decode_step`` runs it; the scan of one is
+~8% slower, paired). See ``hicache.engine.scan`` for why a scan of the chunk program, not a [B*C]-row
+forward, and on which platforms its bits were checked: ``compile_batches`` and ``decode_steps`` refuse
+the others with ``ValueError``; there a decode iteration calls ``decode_step`` per request. What it
+saves is the per-forward dispatch (measured on a loaded 2-CPU host, best of 30: B=2 3.11 -> 2.39 ms,
+B=4 7.15 -> 5.06, B=8 8.72 -> 5.96); the chunks still run one after another.
 
 Checks: each request's page table is checked as ``decode_step`` checks it, through the runner's memo
-of checked tables (``ModelRunner.checked_table``: a table seen before with the same contents is not
+of checked tables (``ModelRunner._check_table``: a table seen before with the same contents is not
 checked again), so a request decoding for many steps costs its table's check once.
 
 Buffers: as ``ModelRunner``: the runner owns the pool between forwards; ``decode_steps`` donates it
@@ -28,15 +29,15 @@ import numpy as np
 from hicache.engine.model import step_input
 from hicache.engine.runner import ModelRunner
 from hicache.engine import scan
-from hicache.engine.scan import compiled_scan, supported
+from hicache.engine.scan import supported
 
 __all__ = ["batch_sizes", "check_platform", "compile_batches", "decode_steps", "scan_lengths", "supported"]
 
 
 def check_platform(runner: ModelRunner) -> None:
     """``ValueError`` unless the runner's pool lives on a platform in ``scan.BIT_EXACT_PLATFORMS``."""
-    platforms = {d.platform for d in runner.pool.devices()}
-    if not all(supported(p) for p in platforms):
+    if not runner.scan_supported:  # (set with the pool: a pool's platform does not change)
+        platforms = {d.platform for d in runner.pool.devices()}
         raise ValueError(f"batched decode is not bit-identical to decode_step on {sorted(platforms)} "
                          f"(checked: {sorted(scan.BIT_EXACT_PLATFORMS)}): decode one request per step there")
 
@@ -56,6 +57,8 @@ def scan_lengths(n: int) -> list[int]:
     ``m >= n`` that costs least, ``DISPATCH_COST_STEPS`` per scan plus one per step (``m - n`` of them
     empty chunks), the smallest ``m`` of equal cost: 5 -> [4, 1], 6 -> [4, 2], 7 -> [8] (measured,
     paired: 5 and 6 grouped 21% and 11% faster than padded to 8, 7 padded 7% faster than 4 + 2 + 1)."""
+    if n <= 2:
+        return [n]
     top = 1 << (n - 1).bit_length()
     m = min(range(n, top + 1), key=lambda m: (DISPATCH_COST_STEPS * m.bit_count() + m, m))
     return scan.groups(m)
@@ -68,16 +71,13 @@ def _empty_step(runner: ModelRunner) -> np.ndarray:
 
 
 def compile_batches(runner: ModelRunner, max_batch: int) -> list[int]:
-    """Compiles the program of every scan length up to ``max_batch`` requests (``batch_sizes``; run on
-    chunks with no valid row: nothing is written), so that no request waits for a compile. Returns the
-    sizes."""
+    """Compiles the program of every scan length up to ``max_batch`` requests (``batch_sizes``; 1: the
+    chunk program itself; run on chunks with no valid row: nothing is written), so that no request
+    waits for a compile. Returns the sizes."""
     check_platform(runner)
     sizes = batch_sizes(max_batch)
-    fn = compiled_scan(runner.model, runner.fwd.chunk_size)
     for b in sizes:
-        logits, kv = fn(runner.params, runner.pool, runner.put_inputs(np.stack([_empty_step(runner)] * b)))
-        runner.set_pool(kv)
-        np.asarray(logits)
+        np.asarray(runner._forward_steps([_empty_step(runner)] * b))
     return sizes
 
 
@@ -91,6 +91,8 @@ def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
     if len(seqs) != len(tables) or not seqs:
         raise ValueError(f"need as many page tables as sequences (>= 1), got {len(seqs)} and {len(tables)}")
     check_platform(runner)
+    if len(seqs) == 1:  # the unbatched call itself (its Python is ~50 us shorter: most iterations here)
+        return [runner.decode_step(seqs[0], tables[0])]
     steps, rows, written = [], [], []
     for seq, table in zip(seqs, tables):
         step, row, page = runner.decode_step_input(seq, table)
@@ -101,13 +103,10 @@ def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
         raise ValueError(f"two requests write the same page: {written}")
     lengths = scan_lengths(len(steps))
     steps += [_empty_step(runner)] * (sum(lengths) - len(steps))
-    fn = compiled_scan(runner.model, runner.fwd.chunk_size)
     outs, i = [], 0
-    for size in lengths:
-        logits, kv = fn(runner.params, runner.pool, runner.put_inputs(np.stack(steps[i:i + size])))
-        runner.set_pool(kv)
-        outs.append(logits)
+    for size in lengths:  # a lone step runs the chunk program itself (measured: its scan is ~8% slower)
+        outs.append(runner._forward_steps(steps[i:i + size]))
         i += size
     runner.forwards += len(seqs)
-    host = np.concatenate([np.asarray(x) for x in outs]) if len(outs) > 1 else np.asarray(outs[0])
+    host = np.concatenate([np.asarray(x).reshape(-1, *x.shape[-2:]) for x in outs])
     return [host[i, r] for i, r in enumerate(rows)]

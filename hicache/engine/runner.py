@@ -162,6 +162,7 @@ class ModelRunner:
         self._forward = compiled_forward(model, fwd.chunk_size)
         self._scan_fn = scan.compiled_scan(model, fwd.chunk_size)
         self._scan_request = scan_chunks
+        self.scan_supported = False  # set by set_pool, with the pool's platform
         self.scan_chunks = 1  # set by set_pool: ``scan_chunks`` where the scan is bit-identical, else 1
         self._tables: dict[bytes, np.ndarray] = {}  # checked page tables (``_check_table``), by content
         self._pool_signature: tuple | None = None
@@ -198,9 +199,10 @@ class ModelRunner:
         self.num_pages = geo.num_pages
         self._tables.clear()  # checked against the old pool's page count
         devices = kv_pool.sharding.device_set
+        # whether the scanned chunk program is bit-identical here (``hicache.engine.scan``)
+        self.scan_supported = all(scan.supported(d.platform) for d in devices)
         one_device = len(devices) == 1 and jax.process_count() == 1
-        self.scan_chunks = (self._scan_request if one_device and scan.supported(next(iter(devices)).platform)
-                            else 1)
+        self.scan_chunks = self._scan_request if one_device and self.scan_supported else 1
         self._pool_signature = signature
 
     # --- forwards ------------------------------------------------------------------------------
@@ -383,12 +385,23 @@ class ModelRunner:
         self._tables[key] = padded
         return padded
 
+    def _forward_steps(self, steps: list[np.ndarray]) -> jax.Array:
+        """Forward step inputs (each ``i32[3 + C + max_pages]``, ``step_input``; built from checked
+        requests: nothing is checked here) in order, in one dispatch, and rebind the pool to the output
+        (the old one is donated): one step runs the chunk program itself, several its scan (only where
+        ``scan.supported``: the caller's to decide). Returns logits ``f32[C, vocab]`` (one step) or
+        ``f32[B, C, vocab]`` to come. Counts nothing (``forwards`` is the caller's)."""
+        if len(steps) == 1:
+            logits, self._kv = self._forward(self.params, self._kv, self._put_inputs(steps[0]))
+        else:
+            logits, self._kv = self._scan_fn(self.params, self._kv, self._put_inputs(np.stack(steps)))
+        return logits
+
     def _dispatch(self, chunk_tokens: np.ndarray, table: np.ndarray, base: int, lo: int,
                   hi: int) -> tuple[jax.Array, int, int, int]:
-        """Dispatch one forward (positions ``[lo, hi)`` of the chunk at ``base``) and rebind the pool to
-        its output (the old one is donated). Returns (logits f32[C, vocab] to come, 0, first row, end row)."""
-        step = self._put_inputs(step_input(chunk_tokens, table, base, lo, hi, self.fwd.chunk_size))
-        logits, self._kv = self._forward(self.params, self._kv, step)
+        """Dispatch one forward (positions ``[lo, hi)`` of the chunk at ``base``). Returns (logits
+        f32[C, vocab] to come, 0, first row, end row)."""
+        logits = self._forward_steps([step_input(chunk_tokens, table, base, lo, hi, self.fwd.chunk_size)])
         self.forwards += 1
         return logits, 0, lo - base, hi - base
 
@@ -396,8 +409,8 @@ class ModelRunner:
         """Dispatch the aligned chunks of positions ``[start, len(toks))``. Returns logits
         f32[len(toks) - start, vocab] to come. Where the scanned chunk program is bit-identical
         (``scan_chunks`` > 1), consecutive chunks go in scans of power-of-two lengths up to
-        ``scan_chunks`` (largest first; a single chunk left goes alone): one dispatch for 2, 4, 8, ...
-        chunks instead of one each (``hicache.engine.scan``)."""
+        ``scan_chunks`` (``scan.groups``: largest first; a single chunk left goes alone): one dispatch
+        for 2, 4, 8, ... chunks instead of one each."""
         c = self.fwd.chunk_size
         rows = chunk_rows(start, int(toks.size), c)
         if len(rows) == 1 or self.scan_chunks == 1:
@@ -405,13 +418,9 @@ class ModelRunner:
         parts: list[tuple[jax.Array, int, int, int]] = []
         i = 0
         for size in scan.groups(len(rows), self.scan_chunks):
-            if size == 1:
-                parts.append(self._dispatch(toks[rows[i][1]:rows[i][2]], table, *rows[i]))
-            else:
-                group = rows[i:i + size]
-                steps = np.stack([step_input(toks[lo:hi], table, base, lo, hi, c) for base, lo, hi in group])
-                logits, self._kv = self._scan_fn(self.params, self._kv, self._put_inputs(steps))
-                self.forwards += size
-                parts += [(logits, j, lo - base, hi - base) for j, (base, lo, hi) in enumerate(group)]
+            group = rows[i:i + size]
+            logits = self._forward_steps([step_input(toks[lo:hi], table, base, lo, hi, c) for base, lo, hi in group])
+            parts += [(logits, j, lo - base, hi - base) for j, (base, lo, hi) in enumerate(group)]
             i += size
+        self.forwards += len(rows)
         return PendingLogits(parts)

@@ -69,9 +69,10 @@ def test_batched_decode_runs_only_where_its_bits_were_checked(monkeypatch):
 
     assert batched.supported("cpu") and not batched.supported("gpu") and not batched.supported("tpu")
     fwd = ForwardConfig(chunk_size=16, page_size=8, max_pages=16)
-    r = ModelRunner(MODEL, fwd, num_pages=32)
-    pool, forwards = r.pool, r.forwards
     monkeypatch.setattr(scan, "BIT_EXACT_PLATFORMS", frozenset({"tpu"}))
+    r = ModelRunner(MODEL, fwd, num_pages=32)  # (the runner reads the platform off its pool)
+    assert not r.scan_supported
+    pool, forwards = r.pool, r.forwards
     with pytest.raises(ValueError, match=r"not bit-identical .*\['cpu'\]"):
         batched.compile_batches(r, 4)
     with pytest.raises(ValueError, match="not bit-identical"):
