@@ -849,9 +849,9 @@ class _LocalBackend(_Backend):
         (listings take names that start with a namespace prefix: hex digits), rewritten there, then
         linked at ``path`` (``FileExistsError``: another writer published that entry already) and
         the hidden name dropped. A reader that opened ``old`` before the rename may read a mix:
-        it fails the entry's checksum or its name's tag, a skipped entry, never a wrong one.
-        Returns ``WROTE``, ``RACED`` or ``MOVED_AWAY`` (write ``path`` afresh then). Local
-        filesystem only (publish in place)."""
+        it fails the entry's checksum or its name's tag, a skipped entry, never a wrong one (a
+        crash in between leaves the hidden file, never listed). Returns ``WROTE``, ``RACED`` or
+        ``MOVED_AWAY`` (write ``path`` afresh then). Local filesystem only (publish in place)."""
         hidden = f"{old.rpartition('/')[0]}/.{secrets.token_hex(8)}"
         try:
             os.rename(old, hidden)
@@ -2009,8 +2009,9 @@ class FsspecStorage(HiCacheStorage):
                 except OSError as e:
                     self._count_exc(e)
                     return False
-                if moved != _LocalBackend.MOVED_AWAY:
+                if moved == _LocalBackend.WROTE:
                     own.add(name, arr, path)
+                if moved != _LocalBackend.MOVED_AWAY:  # (RACED: another writer's entry, not ours to move)
                     return True
         for _, r in self._io.write_many([(path, make)], self._timeout(None)):
             if isinstance(r, BaseException):

@@ -115,3 +115,17 @@ def test_own_entries_finds_the_longest_strict_prefix_and_stays_bounded():
             OwnEntries(bad)
         with pytest.raises(ValueError, match="capacity"):
             OwnEntries(2, bad)
+
+
+def test_a_longer_entry_another_writer_published_first_is_not_taken_over(make_store, make_url, fp):
+    url, st, ns, toks = _one_chain(make_store, make_url, fp, "raced", 9)
+    other = make_store("file", url=url)
+    assert st.record_prefix(ns, toks[: 3 * P])
+    assert other.record_prefix(ns, toks[: 6 * P])  # the longer entry, published by another writer first
+    theirs = _entries(other, ns)
+    assert len(theirs) == 2
+    assert st.record_prefix(ns, toks[: 6 * P])  # ours moves there, loses the race: its file goes
+    left = _entries(st, ns)
+    assert len(left) == 1 and set(left.values()) <= set(theirs.values())  # theirs stays, untouched
+    assert st.record_prefix(ns, toks)  # not ours to move: a file of its own
+    assert len(_entries(st, ns)) == 2 and set(left.items()) <= set(_entries(st, ns).items())
