@@ -70,7 +70,8 @@ def main() -> None:
     p.add_argument("--scan-chunks", type=int, default=None)
     p.add_argument("--json")
     args = p.parse_args()
-    runner = ModelRunner(MODEL, FWD, num_pages=L1_PAGES, scan_chunks=args.scan_chunks)
+    scan = {} if args.scan_chunks is None else {"scan_chunks": args.scan_chunks}  # (older runners: no such option)
+    runner = ModelRunner(MODEL, FWD, num_pages=L1_PAGES, **scan)
     batched.compile_batches(runner, max(DECODE_BATCHES))
     calls = cases(runner, np.random.default_rng(0))
     for fn in calls.values():  # compiles
