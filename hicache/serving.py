@@ -457,6 +457,26 @@ class Scheduler:
                 self.client.resume_storage_writes()
         return _Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks))
 
+    def _cache_prompt(self, b: _Begun) -> _Begun:
+        """Caches the whole pages of ``b``'s prompt right after its prefill (``cache_unfinished_req``, as
+        SGLang does after a prefill batch) and moves its lock to their end: a request that starts while
+        ``b`` decodes reuses them (a shared system prompt is computed once, whatever the schedule), and
+        their L1->L2 backup starts now. For ``ServingLoop``, where requests overlap; ``serve`` runs one
+        request at a time and caches at the finish only. Returns ``b`` with its new page table, prefix
+        and locked node (pages the tree already held in place of ours are freed and used instead: the
+        same bits). A failed insert releases the request's lock and pages and raises."""
+        whole = b.prompt.size - b.prompt.size % self.client.page_size
+        if whole <= b.prefix_len:
+            return b
+        try:
+            state = self.client.cache_unfinished_req(RequestState(RadixKey(b.prompt, *b.ns), b.table, b.prefix_len,
+                                                                  b.node))
+        except BaseException:
+            self._abandon(b.table, b.prefix_len, b.node)
+            raise
+        return _Begun(b.req, b.prompt, b.ns, state.device_pages, state.prefix_len, state.last_node, b.logits,
+                      b.prefix, b.marks)
+
     def _abandon(self, table: np.ndarray, prefix_len: int, node: int) -> None:
         """A request that failed after its lock and alloc (a forward or its decode raised): unlocks its
         prefix and frees its own pages (those past ``prefix_len``), inserting nothing, in one step. Best
@@ -622,7 +642,9 @@ class ServingLoop:
 
     ``submit`` puts a request in the waiting queue (``Scheduler.arrive``: its L3 prefetch starts now).
     Each ``step`` is one iteration: with ``PREFILL_FIRST``, the next waiting request's pre-first-token
-    work (match, L3 prefetch check, load-back, alloc, chunked prefill) if one waits and may start, else
+    work (match, L3 prefetch check, load-back, alloc, chunked prefill; then its prompt's whole pages go
+    into the tree, ``Scheduler._cache_prompt``, for the requests that start while it decodes) if one
+    waits and may start, else
     one decode step for each of up to ``decode_batch`` running requests (round-robin), then
     ``cache_finished_req`` for those done. A request may start when fewer than ``max_running`` run and
     the pages of the running ones plus its own (prompt + new tokens, counted whole, shared prefixes
@@ -693,6 +715,11 @@ class ServingLoop:
             self._running_pages += r.pages
             if r.take():
                 return LoopStep(StepKind.PREFILL, ticket, (self._finish(r),))
+            try:  # its prompt is reused by the requests that start while it decodes
+                r.begun = self.scheduler._cache_prompt(r.begun)
+            except BaseException:
+                self._running_pages -= r.pages
+                raise
             self.running.append(r)
             return LoopStep(StepKind.PREFILL, ticket)
         if not self.running:

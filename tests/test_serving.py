@@ -770,3 +770,27 @@ def test_a_failed_prefetch_is_followed_by_a_fresh_match_and_a_recompute(tmp_path
     assert "match_prefix" in after and after.index("match_prefix") < after.index("lock"), after
     assert cold.head.cache_stats()["storage"]["prefetch_failures"] >= 1
     cold.head.detach_storage_backend()
+
+
+def test_loop_caches_a_prompt_after_its_prefill_so_a_request_starting_mid_decode_reuses_it(runner):
+    """A (shared 40-token system prompt + its own question) prefills and decodes; B (same system prompt,
+    another question) arrives while A still decodes: B's match covers the system prompt's whole pages
+    from L1 (A's prompt was cached right after its prefill, not at its finish). Outputs exact; after
+    both finish, no request page or lock is left."""
+    rng = np.random.default_rng(31)
+    system = rng.integers(0, MODEL.vocab_size, 40, dtype=np.int32)
+    a = ServeRequest(np.concatenate([system, rng.integers(0, MODEL.vocab_size, 9, dtype=np.int32)]), 6)
+    b = ServeRequest(np.concatenate([system, rng.integers(0, MODEL.vocab_size, 13, dtype=np.int32)]), 3)
+    loop = _l1_loop(runner, max_running=4)
+    ta = loop.submit(a)
+    assert loop.step().first_token == ta
+    tb = loop.submit(b)
+    assert loop.step().first_token == tb and len(loop.running) == 2  # B started while A decodes
+    done = {}
+    while not loop.idle:
+        done.update(loop.step().finished)
+    assert done[tb].device_hit_tokens == 40  # the system prompt's 5 whole pages, from A's prefill
+    _assert_exact(runner, a, done[ta])
+    _assert_exact(runner, b, done[tb])
+    st = loop.scheduler.client.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0
