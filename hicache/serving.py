@@ -441,9 +441,7 @@ class Scheduler:
             while budget and prompt.size - start > budget:
                 end = start + budget
                 self.engine.prefill(prompt[:end], table, start)
-                state = self.client.cache_unfinished_req(RequestState(RadixKey(prompt[:end], *ns), table, prefix_len, node))
-                table, prefix_len, node = state.device_pages, state.prefix_len, state.last_node
-                held = table, prefix_len, node
+                table, prefix_len, node = held = self._cache_computed(prompt[:end], ns, table, prefix_len, node)
                 start = end
             logits = self.engine.prefill(prompt, table, start)  # the last row only: one wait, no copies
             marks.append(time.perf_counter())
@@ -469,13 +467,19 @@ class Scheduler:
         if whole <= b.prefix_len:
             return b
         try:
-            state = self.client.cache_unfinished_req(RequestState(RadixKey(b.prompt, *b.ns), b.table, b.prefix_len,
-                                                                  b.node))
+            table, prefix_len, node = self._cache_computed(b.prompt, b.ns, b.table, b.prefix_len, b.node)
         except BaseException:
             self._abandon(b.table, b.prefix_len, b.node)
             raise
-        return _Begun(b.req, b.prompt, b.ns, state.device_pages, state.prefix_len, state.last_node, b.logits,
-                      b.prefix, b.marks)
+        return _Begun(b.req, b.prompt, b.ns, table, prefix_len, node, b.logits, b.prefix, b.marks)
+
+    def _cache_computed(self, tokens: np.ndarray, ns: tuple[str | None, str | None], table: np.ndarray,
+                        prefix_len: int, node: int) -> tuple[np.ndarray, int, int]:
+        """``cache_unfinished_req`` of a running request's computed ``tokens`` (a chunked prefill's piece
+        or the whole prompt): their whole pages go into the tree and its lock moves to their end.
+        Returns the request's new (page table, tokens the tree owns, locked node)."""
+        state = self.client.cache_unfinished_req(RequestState(RadixKey(tokens, *ns), table, prefix_len, node))
+        return state.device_pages, state.prefix_len, state.last_node
 
     def _abandon(self, table: np.ndarray, prefix_len: int, node: int) -> None:
         """A request that failed after its lock and alloc (a forward or its decode raised): unlocks its

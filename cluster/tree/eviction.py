@@ -52,6 +52,11 @@ def parse_policy(policy: EvictionPolicy | str) -> EvictionPolicy:
         raise ValueError(f"unknown eviction policy {policy!r}; choose one of {choices}") from None
 
 
+def outgrew(heap_entries: int, num_live: int) -> bool:
+    """Whether a lazy-deletion heap's stale entries outgrew the live nodes (both queues rebuild then)."""
+    return heap_entries > 4 * num_live + 4096
+
+
 class EvictionQueue:
     """Min-heap of (priority, node id, version, node), at most one current entry per node.
 
@@ -115,7 +120,7 @@ class EvictionQueue:
     def needs_compact(self, num_live: int) -> bool:
         """Whether stale entries outgrew the live nodes (``maybe_compact`` would rebuild): a caller on a
         hot path tests this before it makes the live-node iterable."""
-        return len(self._heap) > 4 * num_live + 4096
+        return outgrew(len(self._heap), num_live)
 
     def rebuild(self, live_nodes: Iterable[TreeNode]) -> None:
         self.clear()
@@ -197,7 +202,7 @@ class ComponentQueue:
         return None
 
     def maybe_compact(self, tree: RadixTree) -> None:
-        if len(self._heap) > 4 * tree.num_nodes + 4096:
+        if outgrew(len(self._heap), tree.num_nodes):
             self.rebuild(tree)
 
     def rebuild(self, tree: RadixTree) -> None:
