@@ -46,9 +46,10 @@ PageLoop = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool], None
 def _copy_pages(pool: np.ndarray, slab: np.ndarray, pages: np.ndarray, slots: np.ndarray, into_pool: bool) -> None:
     """``pool[:, pages[i]] = slab[slots[i]]`` (H2D) if ``into_pool``, else the reverse (D2H).
 
-    The words of a run move in an explicit loop (LLVM vectorizes it), not as a slice assignment:
-    numba's slice store checks shapes and overlap and goes through a generic strided copy per run,
-    which cost 1.3-2.4x the time of this loop at every run size measured (see the module docstring)."""
+    The words of a run move in a plain loop (one LLVM can vectorize), not as a slice assignment:
+    numba lowers that one (``fancy_setslice``) to a shape check, a check whether source and
+    destination memory may overlap (a copy of the source if so) and a generic indexed loop, per run,
+    which took 1.3-2.4x this loop's time at every run size measured (see the module docstring)."""
     runs, words = pool.shape[0], pool.shape[2]
     for i in range(pages.shape[0]):
         page, slot = pages[i], slots[i]
