@@ -665,6 +665,33 @@ def test_a_forward_output_in_the_lent_buffer_needs_no_layout_query(worker, monke
     np.testing.assert_array_equal(_bits(dp.read_pages([1, 9])), _bits(new))
 
 
+def test_forwards_in_a_row_after_a_copying_forward_forget_the_lent_address(worker):
+    """The engine knows a forward's output by the address of the buffer lent to the model only while
+    the forwards alias it. After a forward that returned a new buffer, the buffer lent before may be
+    freed and its address handed to a later output (a fresh allocation, layout unchecked), so the next
+    hand-out forgets that address and the next load queries the layout. (The flaky form of this:
+    ``test_a_forward_output_in_the_lent_buffer_needs_no_layout_query[*-_CopyingModel-1]`` saw no query
+    whenever the allocator reused the address.) Donating forwards keep it."""
+    dp, hp = worker.device_pool, worker.host_pool
+    new = _random_pages(worker, 2, seed=52)
+    hp.write_slots([0, 1], new)
+    worker.submit(_plan(_op(1, "h2d", [1], [0])))  # the engine checks and holds the pool array
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    taken = dp.kv.unsafe_buffer_pointer()
+    page = _random_pages(worker, 1, seed=53)[0].astype(dp.storage_dtype)
+    worker.attach_model(_ForwardingModel)
+    worker.run_model(lambda m: m.forward(page, slow=False))  # donates: the output is the buffer lent
+    worker.run_model(lambda m: m.forward(page, slow=False))  # lent on: still that buffer
+    assert worker.engine._lent_address == taken == dp.kv.unsafe_buffer_pointer()
+    worker.run_model(lambda m: setattr(m, "pool", _plus_zero(m.pool)))  # a forward that copies
+    assert dp.kv.unsafe_buffer_pointer() != taken
+    worker.run_model(lambda m: m.forward(page, slow=False))  # the copy lent on: not the buffer lent before
+    assert worker.engine._lent_address is None
+    worker.submit(_plan(_op(2, "h2d", [9], [1])))
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True]
+    np.testing.assert_array_equal(_bits(dp.read_pages([1, 9])), _bits(new))
+
+
 class _CountingModel(_ForwardingModel):
     """A forwarding model that counts the arrays it is handed."""
 
