@@ -649,9 +649,10 @@ class ServingLoop:
     work (match, L3 prefetch check, load-back, alloc, chunked prefill; then its prompt's whole pages go
     into the tree, ``Scheduler._cache_prompt``, for the requests that start while it decodes) if one
     waits and may start, else one decode step for each of up to ``decode_batch`` running requests
-    (round-robin), then ``cache_finished_req`` for those done. A request may start when fewer than ``max_running`` run and
-    the pages of the running ones plus its own (prompt + new tokens, counted whole, shared prefixes
-    twice) fit the L1 capacity, or when nothing runs (its alloc may then evict all but itself).
+    (round-robin), then ``cache_finished_req`` for those done. A request may start when fewer than
+    ``max_running`` run and the pages of the running ones plus its own (prompt + new tokens, counted
+    whole, shared prefixes twice) fit the L1 capacity, or when nothing runs (its alloc may then evict
+    all but itself).
     ``FCFS_WHOLE_REQUEST`` starts a request only when nothing runs. Every forward is the engine's
     fixed-shape chunk program, so outputs do not depend on the interleaving.
 

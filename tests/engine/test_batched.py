@@ -16,8 +16,8 @@ MODEL = ModelConfig()
 @pytest.mark.parametrize("chunk", [8, 16])
 def test_batched_decode_equals_one_step_per_request_bit_for_bit(chunk):
     """Two runners, same params, same prefills; one decodes request by request, the other in batches
-    of 1..8 (scans of power-of-two lengths: 3 = 2 + 1, 7 = 8 with an empty chunk): every logit row and the whole pool are the same bits, over
-    three steps, positions in every row of the chunk."""
+    of 1..8 (scans of power-of-two lengths: 3 = 2 + 1, 7 = 8 with an empty chunk): every logit row
+    and the whole pool are the same bits, over three steps, positions in every row of the chunk."""
     fwd = ForwardConfig(chunk_size=chunk, page_size=8, max_pages=16)
     one = ModelRunner(MODEL, fwd, num_pages=160)
     many = ModelRunner(MODEL, fwd, num_pages=160, params=one.params)
