@@ -694,7 +694,7 @@ def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
     client.cache_finished_req(RequestState(RadixKey(a), client.alloc(16), 0, m.last_device_node))
     old = transport._channel.address
     head = get_head(replica_c)
-    _busy(head, 10_000)
+    _busy(head)  # killed while it runs; it must outlast the kill's arrival (10_000 calls ended first here once)
     waiting = client.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
     ray.kill(head, no_restart=False)
     t0 = time.monotonic()
