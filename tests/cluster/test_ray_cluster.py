@@ -520,10 +520,16 @@ def client_c(replica_c):
     return client
 
 
-def _busy(head, n: int = 40_000):
-    """A long step through the Ray path, returned once it runs: the head runs no other step meanwhile."""
+def _busy(head, seconds: float = 2.0):
+    """A step through the Ray path that keeps the head busy for about ``seconds``, returned once it
+    runs: the head runs no other step meanwhile. Sized by timing a short one first: a fixed count of
+    calls lasted long enough on one box and ended before the test's timeouts or kill on a faster one."""
+    call = Call(Method.MATCH_PREFIX, RadixKey(seq(0, 4096)))
+    t = time.monotonic()
+    ray.get(head.step.remote(None, [call] * 2_000), timeout=60)
+    n = min(2_000_000, max(40_000, int(2_000 * seconds / max(time.monotonic() - t, 1e-3))))
     calls = ray.get(head.health.remote(), timeout=10).calls
-    ref = head.step.remote(None, [Call(Method.MATCH_PREFIX, RadixKey(seq(0, 4096)))] * n)
+    ref = head.step.remote(None, [call] * n)
     end = time.monotonic() + 30
     while ray.get(head.health.remote(), timeout=10).calls == calls:  # health answers while a step runs
         assert time.monotonic() < end
@@ -661,7 +667,7 @@ def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c)
     head, transport = get_head("c"), client_c._transport
     client_c.stats()
     assert transport._channel is not None
-    busy = _busy(head)  # long enough to outlast the channel's closing on a loaded host (10_000 raced at load 10)
+    busy = _busy(head)  # outlasts the channel's closing (a fixed 10_000 calls raced it at load 10)
     waiting = client_c.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
     ray.get(head.set_step_channel.remote(False), timeout=10)  # closes the channel and its connections
     with pytest.raises(HiCacheUnavailableError, match="step channel lost"):
@@ -694,7 +700,7 @@ def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
     client.cache_finished_req(RequestState(RadixKey(a), client.alloc(16), 0, m.last_device_node))
     old = transport._channel.address
     head = get_head(replica_c)
-    _busy(head)  # killed while it runs; it must outlast the kill's arrival (10_000 calls ended first here once)
+    _busy(head)  # killed while it runs: it must outlast the kill's arrival
     waiting = client.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
     ray.kill(head, no_restart=False)
     t0 = time.monotonic()
