@@ -71,7 +71,6 @@ class WorkerGroupOptions:
     start_timeout_s: float = 120.0  # actors up + jax.distributed + pools
     call_timeout_s: float = 30.0  # bound on any single poll/ping answer; longer = host lost
     impl: str | None = None  # paged-copy implementation (None: per backend)
-    host_pool_kind: str | None = None  # None: per backend
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVCacheSpec):
@@ -136,7 +135,7 @@ class HostWorkerActor:
                 "local_devices": jax.local_device_count()}
 
     def begin_epoch(self, epoch: int, spec: KVCacheSpec, num_device_pages: int, host_slots: int,
-                    impl: str | None, host_pool_kind: str | None) -> dict[str, Any]:
+                    impl: str | None) -> dict[str, Any]:
         """Builds fresh pools over the global mesh (every host): empty L1/L2 shards, fresh seq state."""
         import jax
 
@@ -151,7 +150,7 @@ class HostWorkerActor:
                 f"{jax.process_count()} hosts (the mesh would leave hosts {set(range(jax.process_count())) - procs} idle)"
             )
         self._worker = HostWorker(spec, num_device_pages, host_slots, host_index=self.host_index, mesh=mesh,
-                                  impl=impl, host_pool_kind=host_pool_kind)
+                                  impl=impl)
         self._epoch = epoch
         pool = self._worker.device_pool
         return {"host": self.host_index, "head_range": pool.host_head_range, "mesh_devices": int(mesh.devices.size)}
@@ -317,7 +316,7 @@ class RayWorkerGroup:
             coordinator = ray.get(actors[0].coordinator_address.remote(opts.coordinator_host), timeout=left())
             ray.get([a.init_jax.remote(coordinator, opts.platform, left()) for a in actors], timeout=left())
             infos = ray.get([a.begin_epoch.remote(epoch, opts.spec, self.num_device_pages, self.host_slots,
-                                                  opts.impl, opts.host_pool_kind) for a in actors], timeout=left())
+                                                  opts.impl) for a in actors], timeout=left())
         except BaseException:
             for a in actors:
                 _kill(a)

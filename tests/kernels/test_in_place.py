@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hicache.kernels import paged_copy as pc
 from hicache.workers import HostWorker, KVCacheSpec
@@ -90,8 +91,7 @@ def test_kernels_compile_in_place_sharded():
 @pytest.mark.parametrize("devices", [1, 4])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_engine_transfers_compile_in_place(layout, devices):
-    worker = HostWorker(LAYOUTS[layout], NUM_PAGES, NUM_SLOTS, devices=jax.devices()[:devices],
-                        host_pool_kind="numpy_slab")
+    worker = HostWorker(LAYOUTS[layout], NUM_PAGES, NUM_SLOTS, devices=jax.devices()[:devices])
     try:
         engine, pool = worker.engine, worker.device_pool
         kv = pool.kv
