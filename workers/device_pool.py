@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -53,7 +54,7 @@ class HeadShard:
         return self.heads.stop - self.heads.start
 
 
-def storage_dtype(dtype: object, backend: str | None = None) -> np.dtype:
+def storage_dtype(dtype: npt.DTypeLike, backend: str | None = None) -> np.dtype:
     """dtype the L1 pool is *stored* in. On XLA:CPU, 16/8-bit floats are stored as their same-width
     unsigned bit pattern: XLA:CPU upcasts every bf16 dynamic_update_slice/scatter to f32 over the
     whole pool (O(pool) per transfer, see ``kernels/paged_copy/portable.py``). TPU/GPU store the
@@ -76,6 +77,7 @@ def local_head_shards(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[
     """Distinct head ranges of this host's addressable shards, sorted by head."""
     by_heads: dict[tuple[int, int], list[jax.Device]] = {}
     for dev, idx in sharding.addressable_devices_indices_map(shape).items():
+        assert idx is not None  # a NamedSharding maps every device to an index
         s = idx[HEAD_AXIS]
         start, stop, _ = s.indices(shape[HEAD_AXIS])
         by_heads.setdefault((start, stop), []).append(dev)
@@ -125,7 +127,8 @@ class DevicePool:
         self.head_shards = local_head_shards(self.sharding, self.shape)
         self.host_head_range = (self.head_shards[0].heads.start, self.head_shards[-1].heads.stop)
         self._kv = zeros_fn(self.shape, self.storage_dtype, self.sharding)()
-        self._accepted_sharding = self.sharding  # the last sharding set_kv found equivalent to it
+        # the last sharding set_kv found equivalent to the pool's
+        self._accepted_sharding: jax.sharding.Sharding = self.sharding
 
     @classmethod
     def from_memory_fraction(
@@ -221,6 +224,7 @@ class DevicePool:
         a = self.host_head_range[0]
         pieces = []
         for dev, idx in row_sharding.addressable_devices_indices_map(global_shape).items():
+            assert idx is not None  # a NamedSharding maps every device to an index
             h0, h1, _ = idx[HEAD_AXIS].indices(self.spec.num_kv_heads)
             pieces.append(jax.device_put(np.ascontiguousarray(arr[..., h0 - a : h1 - a, :]), dev))
         rows = jax.make_array_from_single_device_arrays(global_shape, row_sharding, pieces)

@@ -72,6 +72,7 @@ def size_host_pool(
     elif config.max_bytes is not None:
         slots = int(config.max_bytes) // slot_bytes
     else:
+        assert config.ratio_to_device is not None  # exactly one of the three is set
         slots = int(device_bytes_on_host * float(config.ratio_to_device)) // slot_bytes
     if slots <= 0:
         raise ValueError(f"host pool of {config} holds no slot of {slot_bytes} bytes")
@@ -252,7 +253,8 @@ class PendingBackup:
         self.pool, self.ids, self.moved = pool, ids, moved
 
     def is_ready(self) -> bool:
-        return all(a.is_ready() for arrays in self.moved for a in arrays)
+        # is_ready is on every concrete jax.Array, but not in its type stub
+        return all(a.is_ready() for arrays in self.moved for a in arrays)  # type: ignore[attr-defined]
 
     def block(self) -> None:
         """Blocks until ``is_ready``."""

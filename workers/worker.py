@@ -353,6 +353,7 @@ class HostWorker:
                     keep.append(p)
                     continue
                 self._finish(p)
+            assert p.ack is not None  # _finish always sets it
             out.append(p.ack)
         self._pending = keep
         return out
@@ -372,6 +373,7 @@ class HostWorker:
         while self._pending:
             p = self._blocker(wanted)
             if p is not None:
+                assert p.handle is not None  # _blocker returns only ops with a handle
                 left = deadline - time.perf_counter()
                 if left <= 0 or not p.handle.block_until_ready(left):
                     out += self.poll()

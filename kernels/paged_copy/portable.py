@@ -48,7 +48,7 @@ def _views(kv: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array, int]:
 
 def _page(kv: jax.Array, axis: int, page: jax.Array) -> jax.Array:
     """``kv[..., page:page+1, ...]`` along ``axis`` (a dynamic slice of one page)."""
-    start = [0] * kv.ndim
+    start: list[int | jax.Array] = [0] * kv.ndim
     start[axis] = page
     return lax.dynamic_slice(kv, start, kv.shape[:axis] + (1,) + kv.shape[axis + 1 :])
 
