@@ -16,7 +16,9 @@ import numpy as np
 TOKEN_DTYPE = np.int32
 _MAX_TOKEN_ID = int(np.iinfo(TOKEN_DTYPE).max)
 
-Namespace = tuple[str | None, str | None]
+# (extra_key, cache_salt): the tree keeps one root per value (not ``hicache.storage.Namespace``, which
+# also names the model).
+NamespaceKey = tuple[str | None, str | None]
 
 
 _TOKEN_DTYPE_OBJ = np.dtype(TOKEN_DTYPE)
@@ -73,7 +75,7 @@ class RadixKey:
         self.__dict__.update(token_ids=as_token_array(token_ids), extra_key=extra_key, cache_salt=cache_salt)
 
     @property
-    def namespace(self) -> Namespace:
+    def namespace(self) -> NamespaceKey:
         return (self.extra_key, self.cache_salt)
 
     def __len__(self) -> int:

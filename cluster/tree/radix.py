@@ -28,7 +28,7 @@ from hicache.cluster.tree.allocator import CacheCapacityError, PageOwner, as_ind
 from hicache.cluster.tree.component import NO_VALUES, ComponentHooks, TreeComponent
 from hicache.cluster.tree.eviction import EvictionPolicy, parse_policy
 from hicache.cluster.tree.full import FullComponent
-from hicache.cluster.tree.key import Namespace, RadixKey
+from hicache.cluster.tree.key import NamespaceKey, RadixKey
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.storage_only import StorageOnlyEntries
 from hicache.cluster.tree.params import (
@@ -98,8 +98,8 @@ class RadixTree:
         self._next_id = 0
         self._tick = 0
         self._nodes: dict[int, TreeNode] = {}
-        self._roots: dict[Namespace, TreeNode] = {}
-        self._root_namespace: dict[int, Namespace] = {}  # root node id -> its namespace (the reverse map)
+        self._roots: dict[NamespaceKey, TreeNode] = {}
+        self._root_namespace: dict[int, NamespaceKey] = {}  # root node id -> its namespace (the reverse map)
         self._match_calls = 0
         self._matched_tokens = 0
         self._queried_tokens = 0
@@ -116,7 +116,7 @@ class RadixTree:
         self._nodes[node.id] = node
         return node
 
-    def _root_for(self, namespace: Namespace) -> TreeNode:
+    def _root_for(self, namespace: NamespaceKey) -> TreeNode:
         """The namespace's root, created on first use (then, past ``_root_sweep_at`` roots, idle roots go:
         ``_drop_idle_roots``)."""
         root = self._roots.get(namespace)
@@ -150,11 +150,8 @@ class RadixTree:
             raise ValueError(f"unknown node id {node_id!r}")
         return node
 
-    def is_root(self, node: TreeNode) -> bool:
-        return node.parent is None
-
-    def roots(self) -> dict[Namespace, TreeNode]:
-        """Namespace -> root node (read-only view for checks and dumps)."""
+    def roots(self) -> dict[NamespaceKey, TreeNode]:
+        """NamespaceKey -> root node (read-only view for checks and dumps)."""
         return dict(self._roots)
 
     def component(self, name: str) -> TreeComponent:
@@ -674,7 +671,7 @@ class RadixTree:
         parent.children[ck] = leaf
         return leaf
 
-    def namespace_of(self, node: TreeNode) -> Namespace:
+    def namespace_of(self, node: TreeNode) -> NamespaceKey:
         """The namespace of ``node``'s root: O(depth), whatever the number of namespaces."""
         root = self._root_of(node)
         ns = self._root_namespace.get(root.id)
@@ -682,7 +679,7 @@ class RadixTree:
             raise ValueError(f"node {node.id} is not in this tree")
         return ns
 
-    def in_namespace(self, node: TreeNode, namespace: Namespace) -> bool:
+    def in_namespace(self, node: TreeNode, namespace: NamespaceKey) -> bool:
         """Whether ``node`` hangs below ``namespace``'s root (O(depth))."""
         return self._roots.get(namespace) is self._root_of(node)
 
