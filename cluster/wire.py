@@ -54,7 +54,6 @@ _FROM_PATH = -2  # (request states only) the path from the root to ``last_node``
 
 Header = list[tuple]
 _min_reduce = np.minimum.reduce
-_new_key = object.__new__
 
 
 def _checked_key(tokens: np.ndarray, extra_key: Any, cache_salt: Any, checked: bool) -> RadixKey:
@@ -63,9 +62,7 @@ def _checked_key(tokens: np.ndarray, extra_key: Any, cache_salt: Any, checked: b
     once), so they are not scanned again; the namespace is checked as ``RadixKey`` does."""
     if not checked or not (extra_key is None or type(extra_key) is str) or not (cache_salt is None or type(cache_salt) is str):
         return RadixKey(tokens, extra_key, cache_salt)  # validates; raises naming the bad value
-    key = _new_key(RadixKey)
-    key.__dict__.update(token_ids=tokens, extra_key=extra_key, cache_salt=cache_salt)
-    return key
+    return RadixKey.from_checked(tokens, extra_key, cache_salt)
 
 
 class _Packer:

@@ -4,9 +4,9 @@ Owned by the tree's owner (the head). Every page is in exactly one state: FREE (
 REQUEST (handed out by ``alloc``, held by a running request) or TREE (referenced by a tree node).
 The free list is a numpy stack, so alloc/free of n pages is O(n) numpy work, not Python loops. Page
 arrays are int32 everywhere; they are cast to ``intp`` once before fancy indexing (numpy's int32 index
-path costs 2-5x more per call than the cast plus an ``intp`` index). The stack itself holds ``intp`` ids
-and grows downwards (its top is its lowest used index): ``alloc`` indexes the owners with a slice of it
-and hands out one int32 copy (3 numpy calls, where a reversed int32 slice, its copy and the cast were 5).
+path is slower than the cast plus an ``intp`` index). The stack itself holds ``intp`` ids and grows
+downwards (its top is its lowest used index), so ``alloc`` indexes the owners with a slice of it and
+hands out one int32 copy, with no reversal.
 ``capacity=None`` means unbounded: the pool grows by doubling (benchmarks, tests of the tree alone).
 """
 
@@ -28,13 +28,9 @@ class PageOwner(IntEnum):
 _FREE, _REQUEST, _TREE = int(PageOwner.FREE), int(PageOwner.REQUEST), int(PageOwner.TREE)
 _OWNER_BYTE = {int(o): bytes([int(o)]) for o in PageOwner}
 _INTP = np.intp
-# The C function itself: np.concatenate's array-function dispatcher adds ~0.5 us per call (the HiCache paths
-# join a few small id arrays per backup, load-back and host-only merge).
-concat = getattr(np.concatenate, "_implementation", np.concatenate)
-try:  # the C function itself: np.count_nonzero adds a Python wrapper (~1 us per call)
-    from numpy._core.multiarray import count_nonzero as count_true  # numpy >= 2
-except ImportError:  # pragma: no cover - numpy 1.x
-    from numpy.core.multiarray import count_nonzero as count_true
+# Short names the tree and the HiCache tiers (host_tier, controller) join and count id arrays with.
+concat = np.concatenate
+count_true = np.count_nonzero
 
 
 def as_index(pages: np.ndarray) -> np.ndarray:
