@@ -12,6 +12,7 @@ hands out one int32 copy, with no reversal.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 import numpy as np
@@ -42,14 +43,18 @@ class CacheCapacityError(RuntimeError):
     """Not enough free plus evictable pages for an allocation; nothing was changed."""
 
 
-def as_page_array(pages: np.ndarray | list[int] | tuple[int, ...], what: str = "pages") -> np.ndarray:
+# Page ids as callers may pass them; ``as_page_array`` makes them one int32 array.
+PageIds = np.ndarray | Sequence[int]
+
+
+def as_page_array(pages: PageIds, what: str = "pages") -> np.ndarray:
     """Returns page ids as a 1-D int32 array or raises TypeError naming the value."""
     if isinstance(pages, np.ndarray):
         arr = pages
-    elif isinstance(pages, (list, tuple)):
+    elif isinstance(pages, (list, tuple)) or (isinstance(pages, Sequence) and not isinstance(pages, (str, bytes))):
         arr = np.asarray(pages, dtype=np.int64) if len(pages) else np.empty(0, dtype=PAGE_DTYPE)
     else:
-        raise TypeError(f"{what} must be a numpy integer array or a list of ints, got {type(pages).__name__}")
+        raise TypeError(f"{what} must be a numpy integer array or a sequence of ints, got {type(pages).__name__}")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
@@ -137,16 +142,16 @@ class PageAllocator:
 
     def check(
         self, pages: np.ndarray, expected: PageOwner, what: str = "pages", index: np.ndarray | None = None
-    ) -> np.ndarray | None:
+    ) -> np.ndarray:
         """Raises ValueError unless every page is in range, unique and owned by ``expected``.
 
-        Returns the pages as an ``intp`` index (for the caller's next fancy indexing), None if empty.
+        Returns the pages as an ``intp`` index (for the caller's next fancy indexing).
         ``index``: that index when the caller already has it (``as_index(pages)``).
         """
         n = pages.shape[0]
-        if n == 0:
-            return None
         idx = as_index(pages) if index is None else index
+        if n == 0:
+            return idx
         self.check_owner(pages, idx, expected, what)
         if n > 1:
             # Scatter each page's position, gather back: a duplicate page reads another position.

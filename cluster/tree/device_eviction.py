@@ -8,11 +8,9 @@ of victims first (``before_device_evict``: write_back backs them up there). Runs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from hicache.cluster.tree.allocator import CacheCapacityError, PageOwner, as_page_array
+from hicache.cluster.tree.allocator import CacheCapacityError, PageIds, PageOwner, as_page_array
 from hicache.cluster.tree.host_merge import HostMerge
 from hicache.cluster.tree.params import EvictResult
 
@@ -122,6 +120,6 @@ class DeviceEviction(HostMerge):
         if alloc.num_free < num_pages:  # evictable tokens were locked behind children; report honestly
             raise CacheCapacityError(f"alloc({num_tokens}) needs {num_pages} pages, only {alloc.num_free} free")
 
-    def free(self, pages: np.ndarray | Sequence[int]) -> None:
+    def free(self, pages: PageIds) -> None:
         """Returns request-held pages to the free list (never pages the tree owns)."""
         self.full.allocator.free(as_page_array(pages), PageOwner.REQUEST)

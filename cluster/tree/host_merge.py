@@ -52,7 +52,7 @@ class HostMerge(TreeStructure):
         applies acks, as it may on one that evicts."""
         parent = node.parent
         if (
-            parent.parent is None or len(parent.children) != 1 or parent.lock_ref != node.lock_ref
+            parent is None or parent.parent is None or len(parent.children) != 1 or parent.lock_ref != node.lock_ref
             or parent.device_pages is None or parent.host_slots is None or parent.pending is not None
             or parent.loading or parent.host_pin or node.host_pin or parent.priority != node.priority
             or parent.stored != node.stored or self.extra_components
@@ -67,11 +67,14 @@ class HostMerge(TreeStructure):
         token counts (the caller checked equal locks). The child's access time and hit count become the
         larger of the two (eviction keys only grow, as the queues assume)."""
         node = child.parent
+        assert node is not None and node.parent is not None, f"{child} has no parent to absorb"
         parent = node.parent
         kb = node.key_bytes
         child.set_key(kb + child.key_bytes)
+        assert node.host_slots is not None and child.host_slots is not None, "both must be in L2"
         child.host_slots = concat((node.host_slots, child.host_slots))
         if child.device_pages is not None:
+            assert node.device_pages is not None, f"{node} not in L1 above {child}"
             child.device_pages = concat((node.device_pages, child.device_pages))
         child.parent = parent
         parent.children[kb[: self._ck]] = child
@@ -102,11 +105,11 @@ class HostMerge(TreeStructure):
 
     def remove_host_only(self, node: TreeNode) -> None:
         """Deletes a host-only leaf (host eviction); its slots must already be released by the caller."""
-        assert node.device_pages is None and node.parent is not None
+        parent = node.parent
+        assert node.device_pages is None and parent is not None
         if node.children and self.storage_only.keep(node):  # stays as its storage-only children's ancestor
             return
         assert not node.children
-        parent = node.parent
         self._remove_leaf(node)
         if parent.parent is not None:
             self.full.maybe_push(parent)

@@ -18,7 +18,7 @@ from hicache.cluster.tree.component import NO_VALUES
 from hicache.cluster.tree.key import RadixKey
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams, InsertResult, MatchResult
-from hicache.cluster.tree.structure import EMPTY_PAGES, TreeStructure
+from hicache.cluster.tree.structure import EMPTY_PAGES, TreeStructure, l1_pages
 
 
 class MatchInsert(TreeStructure):
@@ -57,11 +57,7 @@ class MatchInsert(TreeStructure):
         if device_path:
             last_device = device_path[-1]
             self.full.maybe_push(last_device)
-            pages = (
-                device_path[0].device_pages
-                if len(device_path) == 1
-                else np.concatenate([n.device_pages for n in device_path])
-            )
+            pages = l1_pages(device_path)
         else:
             last_device, pages = root, EMPTY_PAGES
         device_len = pages.shape[0] * ps
@@ -109,10 +105,10 @@ class MatchInsert(TreeStructure):
         if not hooks.match_value:
             return device_path, path, NO_VALUES
         values = {}
-        for match_value in hooks.match_value:
+        for name, match_value in hooks.match_value:
             value = match_value(device_path, branch_len)
             if value is not None:
-                values[match_value.__self__.name] = value
+                values[name] = value
         return device_path, path, values
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -144,7 +140,6 @@ class MatchInsert(TreeStructure):
         already checked to be REQUEST pages (the pages the tree may take all lie there).
         Returns (tokens already cached in L1, the node ending at ``end`` or the root).
         """
-        extra = self.extra_components
         ps = self.page_size
         tb = key.token_ids.tobytes()
         below, partial = self._walk(start, tb, start_pos, end)
@@ -168,7 +163,7 @@ class MatchInsert(TreeStructure):
         if checked is None or (new_ranges and new_ranges[0][0] < base):
             full.check_new_pages(pages, new_ranges)
             checked = None
-        params = InsertParams(key, pages, priority) if extra else None
+        params = InsertParams(key, pages, priority)  # what the components' insert hooks read
         hooks = self.hooks
         for validate_insert in hooks.validate_insert:
             validate_insert(params, new_ranges)

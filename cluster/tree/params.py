@@ -2,8 +2,8 @@
 
 Nodes are referred to by integer id because these cross process boundaries (the head is a Ray actor,
 serving code holds a client). Page arrays are int32 numpy arrays. Options and rare results are frozen
-dataclasses; the ones made for every request (``MatchResult``, ``RequestState``, ``FinishResult``) are
-``@dataclass(slots=True)`` without ``frozen``, because a frozen dataclass's ``__init__`` stores each field
+dataclasses; the ones made for every request (``MatchResult``, ``InsertParams``, ``RequestState``,
+``FinishResult``) are ``@dataclass(slots=True)`` without ``frozen``, because a frozen dataclass's ``__init__`` stores each field
 through ``object.__setattr__``: treat them as read-only all the same.
 """
 
@@ -73,7 +73,7 @@ class MatchResult:
     storage_hit_len: int = 0
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(slots=True, eq=False)
 class InsertParams:
     key: RadixKey
     device_pages: np.ndarray  # i32[>= len(key) // page_size]: L1 pages holding the key's KV, in order

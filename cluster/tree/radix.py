@@ -57,7 +57,7 @@ class RadixTree(RequestFlows, DeviceEviction):
         self.config = config
         self.page_size = config.page_size
         self._ck = 4 * config.page_size  # bytes of a child key (the node's first page)
-        self.full = FullComponent(config.capacity_pages, config.eviction_policy)
+        self.full = FullComponent(config.capacity_pages, parse_policy(config.eviction_policy))  # (parsed: typed)
         self.extra_components = list(components)
         for comp in [self.full, *self.extra_components]:
             comp.attach(self)
@@ -110,6 +110,7 @@ class RadixTree(RequestFlows, DeviceEviction):
         ps = self.page_size
         for node in self.iter_nodes():
             parent = node.parent
+            assert parent is not None
             assert node.num_tokens > 0 and node.num_tokens % ps == 0, f"{node} not page aligned"
             assert parent.children.get(node.key_bytes[: self._ck]) is node, f"{node} not linked"
             assert node.key.tobytes() == node.key_bytes and node.num_tokens == len(node.key)

@@ -116,10 +116,10 @@ class RequestFlows(MatchInsert):
         if not self.hooks.begin_request:
             return NO_VALUES
         values = {}
-        for begin_request in self.hooks.begin_request:
+        for name, begin_request in self.hooks.begin_request:
             value = begin_request(match)
             if value is not None:
-                values[begin_request.__self__.name] = value
+                values[name] = value
         return values
 
     def trim_request(self, state: RequestState) -> int:
@@ -175,7 +175,7 @@ class RequestFlows(MatchInsert):
                 on_unlock(last)
         else:
             self.unlock_path(last)
-        for on_request_cached in hooks.on_request_cached:
+        for _, on_request_cached in hooks.on_request_cached:
             on_request_cached(state, end, True)
         return FinishResult(new_prefix, d - k + pages.shape[0] - whole)
 
@@ -211,9 +211,9 @@ class RequestFlows(MatchInsert):
         self.unlock_path(last)
         prefix = self._path_pages(end)
         values = {}
-        for on_request_cached in hooks.on_request_cached:
+        for name, on_request_cached in hooks.on_request_cached:
             value = on_request_cached(state, end, False)
             if value is not None:
-                values[on_request_cached.__self__.name] = value
+                values[name] = value
         new_pages = np.concatenate([prefix, pages[prefix.shape[0] :]])
         return RequestState(state.key, new_pages, prefix.shape[0] * self.page_size, end.id, state.priority, values)

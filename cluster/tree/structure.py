@@ -12,7 +12,7 @@ in place (``bytes.startswith`` at an offset), so it neither copies nor calls num
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -29,6 +29,18 @@ EMPTY_PAGES = np.empty(0, dtype=np.int32)
 # Namespace roots are kept until there are this many; then roots that nothing hangs below or holds are
 # dropped, and the next sweep waits for twice the roots kept (``_drop_idle_roots``).
 ROOT_SWEEP_MIN = 1024
+
+
+def l1_pages(nodes: Sequence[TreeNode]) -> np.ndarray:
+    """The L1 pages of ``nodes`` (consecutive, each in L1), in order; AssertionError naming one that is not."""
+    parts = []
+    for node in nodes:
+        pages = node.device_pages
+        assert pages is not None, f"{node} is not in L1"
+        parts.append(pages)
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else EMPTY_PAGES
 
 
 class TierListener(Protocol):
@@ -200,13 +212,8 @@ class TreeStructure:
         return total
 
     def _path_pages(self, node: TreeNode) -> np.ndarray:
-        parts = []
-        while node.parent is not None:
-            parts.append(node.device_pages)
-            node = node.parent
-        if not parts:
-            return EMPTY_PAGES
-        return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
+        """The L1 pages of root..node (every node of the path in L1), in order."""
+        return l1_pages(self._ancestors(node))
 
     def _split(self, node: TreeNode, split_len: int) -> TreeNode:
         """Splits ``node`` after ``split_len`` tokens; returns the new prefix node (parent of ``node``)."""
