@@ -52,7 +52,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.cluster.tree.allocator import PAGE_DTYPE, CacheCapacityError, PageAllocator, PageOwner, as_index, count_true
+from hicache.cluster.tree.allocator import (
+    PAGE_DTYPE,
+    CacheCapacityError,
+    PageAllocator,
+    PageOwner,
+    as_index,
+    count_true,
+)
 from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
 from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode

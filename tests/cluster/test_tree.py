@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.tree_model import snapshot
 
 from hicache.cluster.tree import (
     CacheCapacityError,
-    PageAllocator,
-    PageOwner,
     EvictionPolicy,
     InsertParams,
+    PageAllocator,
+    PageOwner,
     RadixKey,
     RadixTree,
     RequestState,
     TreeConfig,
 )
-from support.tree_model import snapshot
 
 
 def make_tree(page_size=1, capacity=None, policy="lru") -> RadixTree:
