@@ -144,7 +144,9 @@ class SWAPagePool(PageAllocator):
     def count(self, owner: PageOwner) -> int:
         return int(np.count_nonzero(self._derived_owners() == owner))
 
-    def check(self, pages, expected, what="pages", index=None):  # type: ignore[override]
+    def check(
+        self, pages: np.ndarray, expected: PageOwner, what: str = "pages", index: np.ndarray | None = None
+    ) -> np.ndarray:
         raise TypeError("SWA pages are checked through their full pages (MappedPageAllocator.check)")
 
     def free_pages(self) -> np.ndarray:
