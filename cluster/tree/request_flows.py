@@ -4,7 +4,7 @@ A request matches, locks the matched node (``inc_lock_ref``/``lock_path``), gets
 (``begin_request``; Mamba: a working state slot), trims them between steps (``trim_request``; SWA: pages
 outside the window) and is cached when it finishes (``cache_finished_req``: insert, free duplicates and
 the tail, unlock) or at a chunk boundary (``cache_unfinished_req``: insert and move the lock to the new
-end). Every call validates the whole ``RequestState`` before it mutates anything. Runs on the head.
+end). Both validate the whole ``RequestState`` before they mutate anything. Runs on the head.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ class MappedPageAllocator(PageAllocator):
         full pages are being freed, their entries may stay); returns how many SWA pages were freed."""
         sp = self.swa_of[idx]
         live = sp >= 0
-        c = count_true(live)  # one count answers all-live, none-live and live-tail at once
+        c = count_true(live)  # one count tells none, some and all live apart
         if c:  # tombstoned pages map nothing: no SWA work at all
             self.swa.allocator.release(sp if c == sp.shape[0] else sp[live])
             if not keep_stale:
