@@ -34,9 +34,6 @@ in the no-reuse benchmark, where 256 key-prefix directories and one manifest dir
 namespace took as many ``mkdir`` calls per request as object files). A namespace's manifest
 entries are the names with its prefix in one of the sixteen directories (one listing of that
 directory). An ext4 directory indexes ~10M names, so sixteen hold far more than a local cache.
-The parent of each set of sixteen is an ext4 top directory (``placement``): they are spread over
-the filesystem's block groups, where creating an object's inode costs far less than in the busy
-groups of the directory the root sits in (``/tmp``: 23-33 us vs 150-840 us per file here).
 
 Chunking rule (``C`` = pages per object, per pool; default ``target_object_bytes // slot_bytes``)
 ------------------------------------------------------------------------------------------------
@@ -103,7 +100,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -150,7 +146,6 @@ from hicache.storage.format import (
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.mounts import stats_are_local
 from hicache.storage.manifest_lineage import OwnEntries
-from hicache.storage.placement import spread_subdirectories
 
 MiB = 1 << 20
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
@@ -296,41 +291,6 @@ def _published(path: str) -> bool:
         return False
 
 
-def _statx_holding_gil() -> Callable[..., int] | None:
-    """libc ``statx`` called through ``ctypes.PyDLL``, which keeps the GIL (Linux, glibc >= 2.28);
-    None elsewhere. ``os.stat`` gives the GIL away for the syscall, and on a busy host the calling
-    thread then waits for another Python thread (an L3 writer) to give it back: measured on the
-    serving thread's L3 query, mean 0.9-3.3 ms with ``os.stat`` vs 0.25-0.28 ms with this."""
-    try:
-        fn = ctypes.PyDLL(None).statx
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_STATX = _statx_holding_gil()
-_AT_FDCWD, _STATX_MODE, _STATX_BUF, _STX_MODE_AT = -100, 0x2, 256, 28  # struct statx: u16 stx_mode at 28
-_STATX_OUT = threading.local()  # per thread: (struct statx buffer, its stx_mode field); owned by that thread
-
-
-def _published_here(path: str) -> bool:
-    """``_published`` for the calling thread on a local filesystem (a stat cannot hang there): the
-    stat keeps the GIL (``_statx_holding_gil``) where the platform allows. The result buffer is the
-    calling thread's own (made once per thread; another thread may stat meanwhile)."""
-    if _STATX is None:
-        return _published(path)
-    try:
-        buf, mode = _STATX_OUT.v
-    except AttributeError:  # this thread's first stat
-        buf = ctypes.create_string_buffer(_STATX_BUF)
-        buf, mode = _STATX_OUT.v = (buf, ctypes.c_uint16.from_buffer(buf, _STX_MODE_AT))
-    if _STATX(_AT_FDCWD, os.fsencode(path), 0, _STATX_MODE, buf) != 0:
-        return False  # missing (or unreadable): a miss, as with os.stat
-    return mode.value & 0o777 != 0
-
-
 def _drop_if_stale(path: str, st: os.stat_result | None = None) -> None:
     """Removes the unpublished object at ``path`` if its writer is long gone (best effort)."""
     try:
@@ -413,14 +373,7 @@ FANOUT = "0123456789abcdef"  # object and manifest names are hex: one directory 
 
 def _make_fanout(parent: str) -> None:
     """The sixteen fan-out directories under ``parent`` (file://; best effort: a write still makes
-    a missing one). ``parent`` is marked a top directory first where the filesystem has the flag
-    (ext2/3/4, ``placement``): the sixteen are spread over block groups, away from the busy ones of
-    the directory the root sits in, where every object's inode would cost much more CPU."""
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError:
-        return
-    spread_subdirectories(parent)
+    a missing one)."""
     for digit in FANOUT:
         try:
             os.makedirs(f"{parent}/{digit}", exist_ok=True)
@@ -685,7 +638,7 @@ class _LocalBackend(_Backend):
         t0 = time.monotonic()
         if t0 >= deadline.end:
             return TimeoutError(f"existence check of {path} did not start by the deadline")
-        r = _published_here(path)
+        r = _published(path)
         if time.monotonic() - t0 > self.INLINE_STAT_LIMIT_S:
             self.inline_io = False
         return r
