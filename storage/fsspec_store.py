@@ -145,7 +145,6 @@ from hicache.storage.format import (
 )
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.mounts import stats_are_local
-from hicache.storage.manifest_lineage import OwnEntries
 
 MiB = 1 << 20
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
@@ -794,40 +793,6 @@ class _LocalBackend(_Backend):
     def _write_once(self, path: str, header: bytes, payload: Payload) -> bool:
         return self.write_once_local(path, header, payload) == self.WROTE
 
-    MOVED_AWAY = -2  # ``supersede_local``: the old entry is gone (deleted, cleared): nothing written
-
-    def supersede_local(self, old: str, path: str, header: bytes, payload: Payload) -> int:
-        """A manifest entry written into the file of ``old`` (an entry of this store, now redundant),
-        no new inode (``manifest_lineage``): ``old`` is renamed to a hidden name in its directory
-        (listings take names that start with a namespace prefix: hex digits), rewritten there, then
-        linked at ``path`` (``FileExistsError``: another writer published that entry already) and
-        the hidden name dropped. A reader that opened ``old`` before the rename may read a mix:
-        it fails the entry's checksum or its name's tag, a skipped entry, never a wrong one (a
-        crash in between leaves the hidden file, never listed). Returns ``WROTE``, ``RACED`` or
-        ``MOVED_AWAY`` (write ``path`` afresh then). Local filesystem only (publish in place)."""
-        hidden = f"{old.rpartition('/')[0]}/.{secrets.token_hex(8)}"
-        try:
-            os.rename(old, hidden)
-        except OSError:
-            return self.MOVED_AWAY
-        try:
-            fd = os.open(hidden, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                _writev_all(fd, header, payload)
-                os.ftruncate(fd, len(header) + sum(len(b) for b in _payload_bufs(payload)))
-            finally:
-                os.close(fd)
-            try:
-                os.link(hidden, path)
-            except FileExistsError:
-                return self.RACED
-            return self.WROTE
-        finally:
-            try:
-                os.unlink(hidden)
-            except OSError:
-                pass
-
     def write_many(self, items: Sequence[tuple[str, Callable[[], tuple[bytes, np.ndarray]]]], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
         """On a local filesystem on the calling thread (manifest entries: a few hundred bytes
         each, far cheaper than a hand-off), the deadline checked between items."""
@@ -1140,10 +1105,6 @@ class FsspecStorage(HiCacheStorage):
         self._target = config.target_object_bytes or DEFAULT_TARGET_OBJECT_BYTES.get(scheme, _FALLBACK_TARGET_OBJECT_BYTES)
         self._pools: dict[PoolKind, _PoolReg] = {}
         self._manifest_header = HeaderEncoder(ObjectKind.MANIFEST, self._fp, "int64", ())
-        # manifest entries this store wrote (file:// on a local filesystem: a longer entry takes over the
-        # file of the one it extends, ``manifest_lineage``); None elsewhere
-        local_fs = isinstance(self._io, _LocalBackend) and self._io.local_fs
-        self._own_entries = OwnEntries(fingerprint.page_size) if local_fs else None
         self._lock = threading.Lock()
         self._counters: dict[str, int] = {f.name: 0 for f in dataclasses.fields(StorageStats) if f.name not in ("corrupt_by_reason", "used_bytes")}
         self._corrupt: dict[str, int] = {}
@@ -1953,25 +1914,10 @@ class FsspecStorage(HiCacheStorage):
         d, name = self._manifest_name(ns)
         path = f"{d}/{name}{_manifest_tag(seed, arr)}"
         make = lambda: (self._manifest_header.encode(seed, 0, len(arr), arr.view(np.uint8)), arr)  # noqa: E731
-        own = self._own_entries
-        if own is not None:  # a local filesystem: the longest own entry it extends gives its file
-            old = own.take_ancestor(name, arr)
-            if old is not None:
-                try:
-                    moved = self._io.supersede_local(old, path, *make())  # type: ignore[attr-defined]
-                except OSError as e:
-                    self._count_exc(e)
-                    return False
-                if moved == _LocalBackend.WROTE:
-                    own.add(name, arr, path)
-                if moved != _LocalBackend.MOVED_AWAY:  # (RACED: another writer's entry, not ours to move)
-                    return True
         for _, r in self._io.write_many([(path, make)], self._timeout(None)):
             if isinstance(r, BaseException):
                 self._count_exc(r)
                 return False
-            if r is True and own is not None:
-                own.add(name, arr, path)
         return True
 
     def list_prefixes(self, namespace: Namespace, *, pool: PoolKind = PoolKind.KV, verify: bool = True) -> list[StoredPrefix]:
@@ -2022,8 +1968,6 @@ class FsspecStorage(HiCacheStorage):
     # ---- admin ---------------------------------------------------------------------------------
     def clear(self) -> None:
         self._io.delete_tree(self._base)
-        if self._own_entries is not None:
-            self._own_entries.clear()
         with self._lock:
             if self._local and self._index is not None:
                 self._scan()
