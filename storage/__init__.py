@@ -15,8 +15,18 @@ from hicache.storage.base import (
     StoredPrefix,
 )
 from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, CorruptReason
-from hicache.storage.fsspec_store import DEFAULT_TARGET_OBJECT_BYTES, FsspecStorage, StorageConfig
-from hicache.storage.keys import ChainKeys, ModelFingerprint, Namespace, ShardCoord, page_keys
+from hicache.storage.fsspec_store import (
+    DEFAULT_TARGET_OBJECT_BYTES,
+    FsspecStorage,
+    StorageConfig,
+)
+from hicache.storage.keys import (
+    ChainKeys,
+    ModelFingerprint,
+    Namespace,
+    ShardCoord,
+    page_keys,
+)
 
 __all__ = [
     "ChainKeys",

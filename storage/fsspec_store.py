@@ -6,15 +6,10 @@ Schemes
   with ``O_EXCL`` and no permission bits, written, then published with ``fchmod`` (readers take
   published objects only); on a network/FUSE mount a temp file + ``os.link``. Either way
   concurrent writers (threads or processes) leave exactly one complete object and readers never
-  see a torn one. fsspec's own
-  ``LocalFileSystem.pipe_file(mode="create")`` is exists-then-write, which is neither, hence the
-  local fast path (plain ``os`` calls, no fsspec listing cache involved). Reads have no separate
-  existence round: each object is opened directly (a failed ``open`` is the miss) and read with
-  one ``preadv``, header into a small buffer and payload straight into the pool's slots
-  (``slot_view``), then verified; a failure wipes those slots before the page is reported
-  ``False``. Optional byte cap (``StorageConfig.max_bytes``) with LRU eviction; reads and writes
-  set mtimes (on the open descriptor, chain order: shallow pages newest). No fsync: a cache; a
-  crash can lose objects, and anything damaged fails its checksum and is a miss.
+  see a torn one (fsspec's own ``LocalFileSystem.pipe_file(mode="create")`` is
+  exists-then-write, which is neither). Optional byte cap (``StorageConfig.max_bytes``) with LRU
+  eviction. No fsync: a cache; a crash can lose objects, and anything damaged fails its checksum
+  and is a miss.
 - ``memory://NAME`` — tests. ``pipe_file(mode="create")`` (per process).
 - ``gs://BUCKET/PREFIX`` — gcsfs. ``pipe_file(mode="create")`` → ``ifGenerationMatch=0``
   (412 → ``FileExistsError``). Async batched I/O on gcsfs' loop; the instance and listings caches
@@ -22,18 +17,17 @@ Schemes
   are seen.
   Any other fsspec URL works through the generic sync (threads) or async path.
 
+Every scheme resolves, reads and writes the same objects by the same rules, so the same writes give
+the same hits on every scheme.
+
 Object names (topology-free, content-addressed)::
 
-    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}[l{S}]/{key[0]}/{key}
+    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}/{key[0]}/{key}
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tokens_tag}
 
-Sixteen directories per pool and sixteen for the manifest (the first hex digit of the name), made
-when a file:// store is opened (``_make_fanout``), so that no write creates a directory: on ext4 a
-``mkdir`` costs more CPU than the object's own file (a new inode plus a directory block; measured
-in the no-reuse benchmark, where 256 key-prefix directories and one manifest directory per new
-namespace took as many ``mkdir`` calls per request as object files). A namespace's manifest
-entries are the names with its prefix in one of the sixteen directories (one listing of that
-directory). An ext4 directory indexes ~10M names, so sixteen hold far more than a local cache.
+Sixteen directories per pool and sixteen for the manifest (the first hex digit of the name). A
+namespace's manifest entries are the names with its prefix in one of the sixteen directories (one
+listing of that directory).
 
 Chunking rule (``C`` = pages per object, per pool; default ``target_object_bytes // slot_bytes``)
 ------------------------------------------------------------------------------------------------
@@ -45,8 +39,7 @@ different chunk sizes never misread each other.
 
 - Write (``batch_set``): ``first_page`` must be a multiple of ``C``. Every full chunk is written;
   the tail of a sequence that ends mid-chunk is written as a partial object of ``m < C`` pages
-  (``write_partial_chunks``). Objects already present are skipped (one batched existence check;
-  file://: each write task checks its own object right before writing it).
+  (``write_partial_chunks``). Objects already present are skipped (one batched existence check).
 - Read (``batch_exists`` / ``batch_get``), prefix-ordered: for each chunk in order the natural
   candidate is the object ending at ``min(chunk end, query end)``. At the first chunk whose natural
   candidate is missing, the shorter partial objects of that chunk that lie inside the query are
@@ -56,17 +49,6 @@ different chunk sizes never misread each other.
   full object cannot name that object (its name is the key of a page beyond the query) and loses
   at most ``C-1`` pages; (c) the later longer sequence writes the full chunk, the partial object
   stays until evicted (bounded duplication, ``<= C-1`` pages per sequence).
-- Links (file://, ``link_every_pages`` = S < C; ``l{S}`` in the path): an object is also hard-linked
-  under the key of every S-th page inside it (pages ``jC+S-1, jC+2S-1, ...``), and its header lists
-  those keys. A natural or probed name may therefore open a longer object of the same chunk; the
-  reader checks the header binds that name to that page, verifies the whole payload and lands the
-  pages it asked for. So (b) loses ``< S`` pages, not ``< C``: one object per chunk of C pages
-  costs one file creation plus ``C/S - 1`` links (a directory entry each) instead of ``C/S``
-  objects. The byte cap counts an object once and evicts all of its names together. Format v4: an
-  object of chunk 0 (more than 2 pages) is also linked at page 1 (``format.link_counts``), so every
-  stored chain of >= 2 pages is named at its page 1, and a query from page 0 that needs >= 2 pages
-  (``min_pages``) answers a miss with that one stat (v3: one per object size below S). It costs one
-  link per stored chain (~20 us of ext4 CPU), not per object.
 
 gs:// capacity: bucket lifecycle rules (not enforced by this code)
 ------------------------------------------------------------------
@@ -83,17 +65,12 @@ request recomputes and rewrites). Recommended bucket configuration for ``gs://BU
   billable noncurrent bytes); new buckets ramp to ~1000 writes/s, hence multi-MiB objects.
 
 Threads. Calls may come from several threads. Backend I/O runs on this object's thread pool (or
-on gcsfs' event loop; file:// runs one loop per I/O thread that pulls objects in chain order, not
-one task per object, and writes at most ``write_threads`` objects at once). file:// existence
-checks, manifest writes and, if configured, small ``batch_set`` writes
-(``local_inline_write_bytes``) run on the calling thread only when the root is on a local
-filesystem (``mounts.py``, decided once at construction); on a network or FUSE mount they go to
-the pool like any other I/O. The host pool is touched on the calling thread, or, for pools that
-declare ``concurrent_slot_io``, by the I/O threads on disjoint slots and only until the call
-returns (``_CallGuard``). Every call has a deadline (``StorageConfig.timeout_s`` or
-``timeout_s=``): operations not finished by then are abandoned (counted in ``timeouts``) and their
-pages report ``False``. A hung sync backend keeps its worker threads until it returns; later calls
-still return by their deadline.
+on gcsfs' event loop). The host pool is touched on the calling thread, or, for pools that
+declare ``concurrent_slot_io`` / ``concurrent_slot_reads``, by the I/O threads on disjoint slots
+and only until the call returns (``_CallGuard``). Every call has a deadline
+(``StorageConfig.timeout_s`` or ``timeout_s=``): operations not finished by then are abandoned
+(counted in ``timeouts``) and their pages report ``False``. A hung sync backend keeps its worker
+threads until it returns; later calls still return by their deadline.
 """
 
 from __future__ import annotations
@@ -117,7 +94,6 @@ import fsspec
 import numpy as np
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
-
 from hicache.storage.base import (
     HiCacheStorage,
     HostPool,
@@ -134,16 +110,19 @@ from hicache.storage.base import (
 from hicache.storage.format import (
     FORMAT_VERSION,
     CorruptObjectError,
-    CorruptReason,
     HeaderEncoder,
-    decode_header,
     ObjectKind,
     ObjectMeta,
     decode,
-    link_counts,
-    payload_hasher,
 )
-from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
+from hicache.storage.keys import (
+    ModelFingerprint,
+    Namespace,
+    ShardCoord,
+    _as_tokens,
+    check_key,
+    page_keys,
+)
 from hicache.storage.mounts import stats_are_local
 
 MiB = 1 << 20
@@ -158,40 +137,13 @@ _TMP_SEQ = itertools.count()  # next() is atomic under the GIL
 class StorageConfig:
     timeout_s: float = 30.0  # default deadline of one call (exists/get/set)
     io_threads: int = 8  # sync backends: worker threads; async: max concurrent requests / 4
-    # file:// concurrent object writes (None: min(io_threads, usable CPUs)). A buffered write is
-    # CPU work (kernel copy into the page cache + checksum); more writers than CPUs only contend
-    # on kernel locks (measured on 2 CPUs: 4 writers cost ~10% more CPU than 2 and were slower).
-    local_write_threads: int | None = None
     max_pending_ops: int | None = None  # sync backends: cap on abandoned, still-running ops (8 * io_threads)
     target_object_bytes: int | None = None  # None → DEFAULT_TARGET_OBJECT_BYTES[scheme]
     pages_per_object: int | None = None  # overrides target_object_bytes for every pool
     write_partial_chunks: bool = True  # store the tail of a sequence that ends mid-chunk
-    # file:// only: an object of more pages than this is also hard-linked under the chain key of
-    # every this-many-th page inside it, so a query that ends or diverges inside the object still
-    # reads its leading pages (it loses < this many pages, not < pages_per_object). A link costs a
-    # directory entry, far less than an object (inode, header, checksum, publish); at most
-    # MAX_LINKS_PER_OBJECT of them (the spacing grows with larger objects). None: off.
-    link_every_pages: int | None = 4
     max_bytes: int | None = None  # file:// only: byte cap over the whole root, LRU eviction
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
     max_inflight_bytes: int = 256 * MiB  # batch_set gathers from the pool in groups this large
-    # file:// on a local filesystem: a batch_set of at most this many payload bytes is written on
-    # the calling thread (``_write_inline``); None: always the I/O threads. The stack's caller is a
-    # host worker's storage thread (``hicache.workers.storage_exec``), a background thread that
-    # waits for the I/O threads anyway, and L2->L3 writes wait past the first token (write hold):
-    # handing a request's few objects to the I/O threads costs wake-ups and context switches and
-    # overlaps nothing worth it. No-reuse pair (benchmarks/multiturn.py, 2 busy CPUs): L3 write CPU
-    # per request 1.59 -> 1.02 ms (I/O + storage threads), drain CPU 2.69 -> 1.87 ms. (Before the
-    # write hold, writes overlapped prefills, and inline writes then cost the serving thread a few
-    # points of TTFT.) Larger batches (bulk copies) still go to the I/O threads.
-    local_inline_write_bytes: int | None = 4 * MiB
-    # file:// on a local filesystem: a batch_get of at most this many payload bytes reads its objects
-    # on the calling thread (None: always the I/O threads). The stack's caller is the worker's
-    # storage thread, a background thread: handing a prefetch's one or two objects to the I/O
-    # threads cost a wake-up per thread and the caller's, more CPU than the reads (on 2 busy CPUs
-    # every extra runnable thread also delays the serving thread). Larger batches still read in
-    # parallel on the I/O threads.
-    local_inline_read_bytes: int | None = 4 * MiB
     delete_corrupt: bool = True  # remove objects that fail verification so they can be rewritten
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -200,8 +152,7 @@ class StorageConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads!r}")
-        for name in ("target_object_bytes", "pages_per_object", "max_bytes", "local_write_threads", "local_inline_write_bytes",
-                     "local_inline_read_bytes", "link_every_pages"):
+        for name in ("target_object_bytes", "pages_per_object", "max_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
@@ -214,16 +165,6 @@ class StorageConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-_READ_CHUNK = 1 * MiB  # file:// reads: payload bytes per preadv, hashed while cache-hot
-
-
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
     """``bufs`` without their first ``n`` bytes (after a partial ``readv``/``writev``)."""
     while bufs and n >= len(bufs[0]):
@@ -232,19 +173,6 @@ def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
     if bufs and n:
         bufs = [bufs[0][n:], *bufs[1:]]
     return bufs
-
-
-def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
-    """Fill ``bufs`` from ``offset`` (short only at end of file); returns the bytes read."""
-    got = 0
-    bufs = [b for b in bufs if len(b)]
-    while bufs:
-        n = os.preadv(fd, bufs, offset + got)
-        if not n:
-            break
-        got += n
-        bufs = _advance(bufs, n)
-    return got
 
 
 def _set_mtime(fd: int, mtime_ns: int | None) -> None:
@@ -267,7 +195,6 @@ def _set_mtime(fd: int, mtime_ns: int | None) -> None:
 # caches do not promise that a reader who sees the mode also sees the bytes).
 PUBLISHED_MODE = 0o644
 STALE_UNPUBLISHED_S = 600.0
-MAX_LINKS_PER_OBJECT = 7  # file:// link names per object (``StorageConfig.link_every_pages``)
 
 
 def _manifest_tag(seed: bytes, tokens: np.ndarray) -> str:
@@ -285,9 +212,13 @@ def _is_published(st: os.stat_result) -> bool:
 def _published(path: str) -> bool:
     """Whether a published object (or any other file with permission bits) exists at ``path``."""
     try:
-        return _is_published(os.stat(path))
+        st = os.stat(path)
     except (OSError, ValueError):
         return False
+    if _is_published(st):
+        return True
+    _drop_if_stale(path, st)
+    return False
 
 
 def _drop_if_stale(path: str, st: os.stat_result | None = None) -> None:
@@ -346,25 +277,6 @@ def _writev_all(fd: int, header: bytes, payload: Payload) -> None:
         bufs = _advance(bufs, n)
         while bufs:
             bufs = _advance(bufs, os.writev(fd, bufs))
-
-
-def _add_links(path: str, links: Sequence[str]) -> None:
-    """Hard links ``links`` -> the published object ``path`` (best effort: a name that exists
-    already names an object holding the same pages; a filesystem without hard links gets none,
-    and queries ending inside the object then read less of it)."""
-    for link in links:
-        try:
-            os.link(path, link)
-        except FileExistsError:
-            continue
-        except FileNotFoundError:  # first name in that directory
-            try:
-                os.makedirs(link.rpartition("/")[0], exist_ok=True)
-                os.link(path, link)
-            except OSError:
-                return
-        except OSError:
-            return
 
 
 FANOUT = "0123456789abcdef"  # object and manifest names are hex: one directory per first digit
@@ -465,63 +377,6 @@ class _Backend:
                 f.add_done_callback(self._release)
                 yield i, TimeoutError(f"storage operation {i} did not finish by the deadline")
 
-    def map_pull(
-        self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline, threads: int | None = None
-    ) -> Iterator[tuple[int, Any]]:
-        """``map`` with one task per worker instead of one per item: up to ``threads`` loops pull
-        the next item index (items start in order) until none is left. A thread handoff costs
-        tens of microseconds on a busy host, per item that is as much as a small local I/O.
-        Results are handed over once, when all are in or at the deadline (in completion order);
-        at the deadline the loops stop taking items, results that come later are dropped (their
-        items report ``TimeoutError``) and loops still busy count as abandoned."""
-        n = len(items)
-        if not n:
-            return
-        with self._plock:
-            saturated = self._abandoned >= self._max_abandoned
-        if saturated:
-            for i in range(n):
-                yield i, BlockingIOError("storage backend saturated: too many abandoned operations")
-            return
-        nxt = itertools.count()
-        stop, done, lock = threading.Event(), threading.Event(), threading.Lock()
-        results: list[tuple[int, Any]] = []
-
-        def loop() -> None:
-            while not stop.is_set():
-                i = next(nxt)  # atomic under the GIL
-                if i >= n:
-                    return
-                try:
-                    r = fn(*items[i])
-                except BaseException as e:  # noqa: BLE001 - handed to the caller as a value
-                    r = e
-                with lock:
-                    if stop.is_set():  # the call is over: this item already counts as timed out
-                        return
-                    results.append((i, r))
-                    if len(results) == n:
-                        done.set()
-
-        futs = [self._ex.submit(loop) for _ in range(min(n, self._threads, threads or self._threads))]
-        # One wake-up of the calling thread per call, not one per item (each costs a context
-        # switch: on a busy 2-CPU host as much CPU as a small local I/O).
-        done.wait(deadline.left())
-        with lock:
-            stop.set()
-            got = list(results)
-        for f in futs:
-            if not f.done():  # still busy with an item: runs (harmlessly) in the background
-                with self._plock:
-                    self._abandoned += 1
-                f.add_done_callback(self._release)
-        yield from got
-        if len(got) < n:
-            seen = {i for i, _ in got}
-            for i in range(n):
-                if i not in seen:
-                    yield i, TimeoutError(f"storage operation {i} did not finish by the deadline")
-
     def _release(self, _: cf.Future) -> None:
         with self._plock:
             self._abandoned -= 1
@@ -567,32 +422,13 @@ class _LocalBackend(_Backend):
 
     def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
         super().__init__(fs, threads, max_pending)
-        self.inline_io = False  # until ``attach_root`` finds the root on a local filesystem
         self.local_fs = False  # the root is on a local filesystem (decided once; publish in place)
 
     def attach_root(self, root: str) -> None:
-        """Create ``root`` and decide, once, where existence checks run: inline only on a local
-        filesystem (a stat cannot hang there); on a network/FUSE mount or an unknown one, on the
-        pool, bounded by each call's deadline."""
+        """Create ``root`` and decide, once, how objects are published (module comment at
+        ``PUBLISHED_MODE``)."""
         os.makedirs(root, exist_ok=True)
-        self.local_fs = self.inline_io = stats_are_local(root)
-
-    def map(self, fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
-        return self.map_pull(fn, items, deadline)
-
-    @staticmethod
-    def map_inline(fn: Callable[..., Any], items: Sequence[tuple], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
-        """``map`` on the calling thread, in item order (a local filesystem's small batches): the
-        deadline is checked before each item (items not started by then report ``TimeoutError``)."""
-        for i, it in enumerate(items):
-            if time.monotonic() >= deadline.end:
-                yield i, TimeoutError(f"storage operation {i} did not start by the deadline")
-                continue
-            try:
-                r = fn(*it)
-            except Exception as e:  # noqa: BLE001 - handed to the caller as a value
-                r = e
-            yield i, r
+        self.local_fs = stats_are_local(root)
 
     def _exists(self, path: str) -> bool:
         return _published(path)
@@ -609,94 +445,6 @@ class _LocalBackend(_Backend):
                     break
                 got += n
         return mv[:got]
-
-    # A batch of stats slower than this on the calling thread means a slow (network) mount: later
-    # existence queries go to the pool thread again, where the deadline bounds them. Well above a
-    # preemption on a busy host (tens of ms), which must not switch a local disk back.
-    INLINE_STAT_LIMIT_S = 0.5
-
-    def exists_many(self, paths: Sequence[str], deadline: _Deadline) -> list[Any]:
-        # A local stat is microseconds; handing the batch to a pool thread and waking the caller
-        # costs 0.3-3 ms on a busy 2-CPU host (it was most of an L3 query). So on a local
-        # filesystem (``attach_root``) the stats run on the calling thread, the deadline checked
-        # between them (paths past it: TimeoutError). If one batch still takes over
-        # INLINE_STAT_LIMIT_S (an overloaded disk), this backend stops stating inline. Otherwise
-        # (network/FUSE mounts, where a stat can hang) a batch runs as one pool task, bounded by
-        # the deadline.
-        if not paths:
-            return []
-        paths = list(paths)
-        if self.inline_io:
-            return [self.exists_one(p, deadline) for p in paths]
-        (r,) = dict(self.map(lambda: [_published(p) for p in paths], [()], deadline)).values()
-        return r if isinstance(r, list) else [r] * len(paths)
-
-    def exists_one(self, path: str, deadline: _Deadline) -> bool | TimeoutError:
-        """One existence check on the calling thread (``inline_io`` only): ``TimeoutError`` past
-        the deadline. A stat slower than ``INLINE_STAT_LIMIT_S`` turns ``inline_io`` off."""
-        t0 = time.monotonic()
-        if t0 >= deadline.end:
-            return TimeoutError(f"existence check of {path} did not start by the deadline")
-        r = _published(path)
-        if time.monotonic() - t0 > self.INLINE_STAT_LIMIT_S:
-            self.inline_io = False
-        return r
-
-    def read_into(
-        self,
-        path: str,
-        meta: ObjectMeta,
-        payload_len: int,
-        dest: np.ndarray,
-        guard: _CallGuard,
-        mtime_ns: int | None = None,
-        longer_ok: bool = False,
-    ) -> int:
-        """Read one object straight into ``dest`` (pool memory) and verify it: the header (into a
-        small buffer) and the payload's first chunk with one ``preadv``, the header checked, then
-        the payload chunk by chunk (``_READ_CHUNK``), each chunk hashed right after it lands,
-        while it is still in the CPU cache (hashing the whole object after one big read re-reads
-        it from memory: measured ~6% more CPU per read). On any failure ``dest`` is zeroed before
-        raising, so unverified bytes never stay in the pool. A missing object raises
-        ``FileNotFoundError`` from the ``open`` (no separate existence round). ``mtime_ns``: LRU
-        bump, set on the open descriptor after verification. ``longer_ok``: a larger object (a link
-        to a longer one, maybe) raises ``_LongerObject`` before the pool is touched. Returns the
-        object's size."""
-        u8 = dest.reshape(-1).view(np.uint8)
-        hl = meta.header_len
-        fd, total = _open_published_fd(path)
-        try:
-            if total != hl + payload_len:  # wrong size: classify from the header, never touch the pool
-                if longer_ok and total > hl + payload_len:
-                    raise _LongerObject(path)
-                head = os.pread(fd, min(total, hl), 0)
-                decode_header(head, meta, payload_len=payload_len, total_len=total)  # raises
-                raise CorruptObjectError(CorruptReason.SHORT, f"{total} bytes, expected {hl + payload_len}")  # pragma: no cover
-            head = bytearray(hl)
-            mv = memoryview(u8)
-            step = _READ_CHUNK
-            with guard:  # never touch the pool after the call returned
-                try:
-                    got = _preadv_full(fd, [memoryview(head), mv[:step]], 0)
-                    if got != hl + min(step, payload_len):
-                        raise CorruptObjectError(CorruptReason.SHORT, f"read {got} of {total} bytes")
-                    digest = decode_header(head, meta, payload_len=payload_len, total_len=total)
-                    h = payload_hasher()
-                    h.update(mv[:step])
-                    for off in range(step, payload_len, step):
-                        chunk = mv[off : off + step]
-                        if _preadv_full(fd, [chunk], hl + off) != len(chunk):
-                            raise CorruptObjectError(CorruptReason.SHORT, f"object shrank while read: {path}")
-                        h.update(chunk)
-                    if h.digest() != digest:
-                        raise CorruptObjectError(CorruptReason.BAD_CHECKSUM, "payload checksum mismatch")
-                except BaseException:
-                    u8[:] = 0  # corrupt or unverified bytes never stay in the pool
-                    raise
-            _set_mtime(fd, mtime_ns)
-        finally:
-            os.close(fd)
-        return total
 
     # write-once outcomes of ``write_once_local``
     WROTE, EXISTED, RACED = 1, 0, -1
@@ -721,20 +469,14 @@ class _LocalBackend(_Backend):
                 continue
         raise FileExistsError(f"no free temp file name in {d}")
 
-    def write_once_local(
-        self, path: str, header: bytes, payload: Payload, mtime_ns: int | None = None, links: Sequence[str] = ()
-    ) -> int:
+    def write_once_local(self, path: str, header: bytes, payload: Payload, mtime_ns: int | None = None) -> int:
         """Write-once of one object. Returns ``WROTE``, ``EXISTED`` (stored, or being written by
         another writer: nothing written) or ``RACED`` (lost a race at the publish step). On a
         local filesystem: exclusive create of the final name, one ``writev``, mtime (LRU),
         ``fchmod`` to publish (module comment at ``PUBLISHED_MODE``); elsewhere temp file +
-        ``os.link``. This is the only existence check of a file:// ``batch_set``. A written
-        object then gets its ``links`` (hard links: other names of the same, published object)."""
+        ``os.link``."""
         if not self.local_fs:
-            r = self._write_once_linked(path, header, payload, mtime_ns)
-            if r == self.WROTE:
-                _add_links(path, links)
-            return r
+            return self._write_once_linked(path, header, payload, mtime_ns)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(path, flags, 0)
@@ -758,7 +500,6 @@ class _LocalBackend(_Backend):
             raise
         finally:
             os.close(fd)
-        _add_links(path, links)
         return self.WROTE
 
     def _write_once_linked(self, path: str, header: bytes, payload: Payload, mtime_ns: int | None = None) -> int:
@@ -792,22 +533,6 @@ class _LocalBackend(_Backend):
 
     def _write_once(self, path: str, header: bytes, payload: Payload) -> bool:
         return self.write_once_local(path, header, payload) == self.WROTE
-
-    def write_many(self, items: Sequence[tuple[str, Callable[[], tuple[bytes, np.ndarray]]]], deadline: _Deadline) -> Iterator[tuple[int, Any]]:
-        """On a local filesystem on the calling thread (manifest entries: a few hundred bytes
-        each, far cheaper than a hand-off), the deadline checked between items."""
-        if not self.inline_io:
-            return super().write_many(items, deadline)
-        out: list[tuple[int, Any]] = []
-        for i, (path, make) in enumerate(items):
-            if time.monotonic() >= deadline.end:
-                out.append((i, TimeoutError(f"write of {path} did not start by the deadline")))
-                continue
-            try:
-                out.append((i, self._write_once(path, *make())))
-            except Exception as e:  # noqa: BLE001 - handed to the caller as a value
-                out.append((i, e))
-        return iter(out)
 
     def _delete(self, path: str) -> None:
         os.unlink(path)
@@ -942,63 +667,7 @@ def _concurrent_reads(pool: HostPool) -> bool:
     return _concurrent_io(pool) or bool(getattr(pool, "concurrent_slot_reads", False))
 
 
-def _view_of(pool: HostPool, fn: Callable[[int, int], Any], start: int, n: int) -> np.ndarray | None:
-    """``fn(start, n)`` (the pool's ``slot_view``) if it is a C-contiguous ``[n, *slot_shape]``
-    array of the pool's dtype, else None."""
-    v = fn(start, n)
-    if (
-        not isinstance(v, np.ndarray)
-        or v.shape != (n, *pool.slot_shape)
-        or v.dtype != np.dtype(pool.dtype)
-        or not v.flags.c_contiguous
-    ):
-        return None
-    return v
-
-
-def _slot_view(pool: HostPool, slots: np.ndarray) -> np.ndarray | None:
-    """Zero-copy view of consecutive slots if the pool offers ``slot_view(start, n)``."""
-    fn = getattr(pool, "slot_view", None)
-    n = len(slots)
-    if fn is None or n == 0:
-        return None
-    ids = slots.tolist()  # (plain ints: far cheaper than numpy ops on a handful of slots)
-    s0 = ids[0]
-    if ids[-1] - s0 != n - 1 or (n > 2 and ids != list(range(s0, s0 + n))):
-        return None
-    return _view_of(pool, fn, s0, n)
-
-
-def _slot_runs(pool: HostPool, slots: np.ndarray) -> list[memoryview] | None:
-    """The bytes of ``slots`` in their order, zero-copy, one buffer per run of consecutive ids, if
-    the pool offers ``slot_view(start, n)`` (else None): a payload written straight from pool
-    memory, the slots as they lie (a backup's slots come from a free list, often not consecutive).
-    One ``slot_view`` of the span of ``slots``, then byte slices of it (a view per slot would cost
-    more Python than the gathered copy it saves)."""
-    fn = getattr(pool, "slot_view", None)
-    n = len(slots)
-    if fn is None or n == 0:
-        return None
-    ids = slots.tolist()  # (plain ints: a handful of slots, numpy calls would cost more)
-    lo = min(ids)
-    span = _view_of(pool, fn, lo, max(ids) - lo + 1)
-    if span is None:
-        return None
-    flat = memoryview(span.reshape(-1).view(np.uint8))
-    sb = len(flat) // len(span)
-    out = []
-    a = prev = ids[0]
-    for s in ids[1:]:
-        if s != prev + 1:  # a run ends at prev
-            out.append(flat[(a - lo) * sb : (prev + 1 - lo) * sb])
-            a = s
-        prev = s
-    out.append(flat[(a - lo) * sb : (prev + 1 - lo) * sb])
-    return out
-
-
 _NO_SLOTS = np.zeros(0, np.int32)  # batch_exists' queries carry no slots (read-only, shared)
-_SKIPPED = object()  # a read not started because an earlier object of its chain is missing
 
 
 class _Candidates(Sequence):
@@ -1019,14 +688,11 @@ class _Candidates(Sequence):
         return map(self._make, self._ms)
 
 
-class _LongerObject(Exception):
-    """``read_into``: the object is larger than expected (possibly a link to a longer object)."""
-
-
-def _with_header(header: Callable[[Any], bytes], data: Payload) -> tuple[bytes, Payload]:
-    """``(header(payload), data)``; ``header``: an object's ``HeaderEncoder.encode`` with its key
-    and position bound (it takes one array or a list of parts)."""
-    return header(data if isinstance(data, list) else data.reshape(-1).view(np.uint8)), data
+def _with_header(header: Callable[[Any], bytes], gather: Callable[[], np.ndarray]) -> tuple[bytes, np.ndarray]:
+    """``(header(payload), payload)`` of the pages ``gather()`` returns; ``header``: an object's
+    ``HeaderEncoder.encode`` with its key and position bound."""
+    data = gather()
+    return header(data.reshape(-1).view(np.uint8)), data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1040,13 +706,9 @@ class _PoolReg:
     header: HeaderEncoder  # this pool's object headers
     shape: tuple[int, ...]  # per-page shape (the pool's ``slot_shape``)
     slot_bytes: int  # bytes per page
-    link_every: int = 0  # S: link names every S pages inside an object (format.link_counts; 0: none)
 
-    def num_links(self, start: int, m: int) -> int:
-        return len(link_counts(start, m, self.link_every))
-
-    def object_bytes(self, start: int, m: int) -> int:
-        return self.header.header_len + 32 * self.num_links(start, m) + m * self.slot_bytes
+    def object_bytes(self, m: int) -> int:
+        return self.header.header_len + m * self.slot_bytes
 
 
 class _Obj(NamedTuple):
@@ -1098,7 +760,6 @@ class FsspecStorage(HiCacheStorage):
         self._base = f"{self._root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
         self._io = _make_backend(fs, config.io_threads, config.max_pending_ops)
         self._local = isinstance(self._io, _LocalBackend)
-        self._write_threads = config.local_write_threads or min(config.io_threads, _usable_cpus())
         if isinstance(self._io, _LocalBackend):
             self._io.attach_root(self._root)
             _make_fanout(self._manifest_parent())
@@ -1140,19 +801,7 @@ class FsspecStorage(HiCacheStorage):
         return f"{reg.prefix}/{key[0]}/{key}"
 
     def _meta(self, reg: _PoolReg, start: int, m: int, key: str) -> ObjectMeta:
-        return ObjectMeta(ObjectKind.PAGES, self._fp, bytes.fromhex(key), start, m, reg.dtype_name, reg.shape, reg.num_links(start, m))
-
-    @staticmethod
-    def _link_pages(reg: _PoolReg, o: _Obj) -> list[int]:
-        """Pages of ``o`` (absolute) whose chain keys name it too (``format.link_counts``): every
-        ``link_every``-th inside it, and page 1 of an object that starts the chain."""
-        return [o.start + c - 1 for c in link_counts(o.start, o.m, reg.link_every)]
-
-    def _link_keys(self, reg: _PoolReg, keys: list[str], first: int, o: _Obj) -> tuple[bytes, ...]:
-        return tuple(bytes.fromhex(keys[p - first]) for p in self._link_pages(reg, o))
-
-    def _link_paths(self, reg: _PoolReg, keys: list[str], first: int, o: _Obj) -> tuple[str, ...]:
-        return tuple(self._path(reg, keys[p - first]) for p in self._link_pages(reg, o))
+        return ObjectMeta(ObjectKind.PAGES, self._fp, bytes.fromhex(key), start, m, reg.dtype_name, reg.shape)
 
     def _check_transfers(self, transfers: object, *, for_set: bool) -> list[tuple[_PoolReg, list[str], np.ndarray, int]]:
         if not isinstance(transfers, Sequence):
@@ -1202,11 +851,9 @@ class FsspecStorage(HiCacheStorage):
         if kind in self._pools:
             raise ValueError(f"a host pool is already registered for {kind.value!r}")
         ppo = pages_per_object or self.config.pages_per_object or max(1, self._target // int(pool.slot_bytes))
-        every = max(self.config.link_every_pages or 0, -(-ppo // (MAX_LINKS_PER_OBJECT + 1)))
-        every = every if self._local and self.config.link_every_pages and every < ppo else 0
-        prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}" + (f"l{every}" if every else "")
-        header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape, every)
-        self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header, shape, int(pool.slot_bytes), every)
+        prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}"
+        header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape)
+        self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header, shape, int(pool.slot_bytes))
         if self._local:
             _make_fanout(prefix)
 
@@ -1216,11 +863,6 @@ class FsspecStorage(HiCacheStorage):
     def object_path(self, key: str, *, pool: PoolKind = PoolKind.KV) -> str:
         """Backend path of the object named ``key`` (admin, debugging, tests)."""
         return self._path(self._reg(pool), check_key(key))
-
-    @property
-    def write_threads(self) -> int:
-        """file://: how many objects one ``batch_set`` writes at once."""
-        return self._write_threads
 
     @property
     def fs(self) -> Any:
@@ -1277,88 +919,12 @@ class FsspecStorage(HiCacheStorage):
         elif not isinstance(e, FileNotFoundError):
             self._count(errors=1)
 
-    def _stored_here(self, t: int, reg: _PoolReg, keys: Sequence[str], first: int, start: int, sizes: Iterator[int] | range,
-                     deadline: _Deadline) -> _Obj | None:
-        """Local filesystem, calling thread: the first stored of the objects of ``sizes`` pages that
-        start at page ``start`` (one stat each, in the given order, up to the first one stored; an
-        error or the deadline is a counted miss), or None. Callers ask in chain order and stop at
-        the answer: a miss costs the objects up to it, not one stat per candidate of the whole
-        query (each stat gives the GIL away; on a busy host getting it back costs more than the
-        stat). Only the object found is built (``_Obj``): a miss builds nothing but path strings."""
-        exists_one = self._io.exists_one  # type: ignore[attr-defined]
-        for m in sizes:
-            k = keys[start + m - 1 - first]
-            path = self._path(reg, k)
-            r = exists_one(path, deadline)
-            if r is True:
-                return _Obj(t, start, m, k, path)
-            if r is not False:
-                self._count_exc(r)
-        return None
-
-    def _probe_here(self, t: int, reg: _PoolReg, keys: Sequence[str], first: int, start: int, lo: int, hi: int,
-                    deadline: _Deadline, known: _Obj | None = None) -> _Obj | None:
-        """The longest stored object of the chunk at ``start`` of ``lo`` to ``hi`` pages (else
-        ``known``, a shorter one known stored, or None), local, calling thread. With links, every
-        object of the chunk with >= c pages is named at the chunk's page c - 1, for each of its link
-        counts c (``format.link_counts``): those names are asked first, ascending, up to the first
-        missing one, then only the sizes below it (a miss costs the sizes below the chunk's first
-        link count, not one stat per size)."""
-        for c in link_counts(start, hi + 1, reg.link_every):
-            if c < lo:
-                continue
-            o = self._stored_here(t, reg, keys, first, start, (c,), deadline)
-            if o is None:
-                return self._stored_here(t, reg, keys, first, start, range(c - 1, lo - 1, -1), deadline) or known
-            known, lo = o, c + 1
-        return self._stored_here(t, reg, keys, first, start, range(hi, lo - 1, -1), deadline) or known
-
-    def _resolve_here(self, t: int, reg: _PoolReg, keys: Sequence[str], first: int, least: int,
-                      deadline: _Deadline) -> list[_Obj]:
-        """``_resolve`` of one query on a local filesystem, on the calling thread: stats in chain
-        order up to the first missing object, then that chunk's shorter candidates (``_probe_here``).
-        With links, the chain's first chunk is gated (``_resolve``)."""
-        objs: list[_Obj] = []
-        for start, m in self._spans(reg, len(keys), first):
-            shortest = max(1, first + least - start)  # the shortest object of this chunk of any use
-            gate = None
-            counts = link_counts(start, m, reg.link_every) if not objs and shortest < m else ()  # the query's first chunk
-            if counts:  # is it stored at all? Every object of >= g pages is named at page g - 1
-                g = max((c for c in counts if c <= shortest), default=counts[0])
-                if first - start < g:  # (the gate's page is inside the query)
-                    gate = self._stored_here(t, reg, keys, first, start, (g,), deadline)
-                    if gate is None:
-                        part = self._stored_here(t, reg, keys, first, start, range(g - 1, shortest - 1, -1), deadline)
-                        if part is not None:  # an object of < g pages
-                            objs.append(part)
-                        return objs
-            o = self._stored_here(t, reg, keys, first, start, (m,), deadline)  # the natural candidate
-            if o is None:
-                lo = shortest if gate is None else gate.m + 1
-                part = self._probe_here(t, reg, keys, first, start, lo, m - 1, deadline, known=gate)
-                if part is not None:
-                    objs.append(part)
-                return objs
-            objs.append(o)
-        return objs
-
     def _resolve(self, queries: list[tuple[_PoolReg, list[str], np.ndarray, int]], deadline: _Deadline,
                  min_pages: int = 1) -> list[list[_Obj]]:
-        """Objects that cover the longest stored prefix of each query (≤ 2 batched rounds; on a
-        local filesystem, stats in chain order up to the first missing object). ``min_pages``
-        (``batch_exists``): shorter partial objects that would end a hit before the query's page
-        ``min_pages - 1`` are not asked about (the answer is then short of ``min_pages`` anyway).
-        Local, with links:
-        a query's first chunk is gated: asked first at its page g-1, where every object of >= g
-        pages is named (g one of the chunk's link counts, ``format.link_counts``: the largest up to
-        the shortest useful object, else the smallest). If that is missing, only the chunk's
-        objects of < g pages remain, so a miss costs one stat per useful size below g and reads only
-        the first g keys (lazy ``ChainKeys`` hash no more); a hit costs one stat more than without
-        that question. A chain's first chunk has the count 2 (its page 1 names every stored chain
-        of >= 2 pages): a query from page 0 that needs >= 2 pages answers a miss with one stat,
-        hashing two keys."""
-        if self._local and self._io.inline_io:  # type: ignore[attr-defined]
-            return [self._resolve_here(t, reg, keys, first, min_pages, deadline) for t, (reg, keys, _, first) in enumerate(queries)]
+        """Objects that cover the longest stored prefix of each query (≤ 2 batched rounds).
+        ``min_pages`` (``batch_exists``): shorter partial objects that would end a hit before the
+        query's page ``min_pages - 1`` are not asked about (the answer is then short of
+        ``min_pages`` anyway)."""
         nats = [self._naturals(t, reg, keys, first) for t, (reg, keys, _, first) in enumerate(queries)]
         flat = [o for ns in nats for o in ns]
         flags = iter(self._exists_flags(flat, deadline))
@@ -1422,12 +988,9 @@ class FsspecStorage(HiCacheStorage):
         results = [[False] * len(keys) for _, keys, _, _ in queries]
         guard = _CallGuard()
         try:
-            if self._local:
-                self._get_local(queries, results, guard, deadline)
-            else:
-                objs = [o for os_ in self._resolve(queries, deadline) for o in os_]
-                for o, r in zip(objs, self._read_objs(queries, objs, guard, deadline)):
-                    self._apply_read(queries, results, o, r, deadline)
+            objs = [o for os_ in self._resolve(queries, deadline) for o in os_]
+            for o, r in zip(objs, self._read_objs(queries, objs, guard, deadline)):
+                self._apply_read(queries, results, o, r, deadline)
         finally:
             guard.close()  # from here on no I/O thread touches the pool for this call
         for r in results:  # only the contiguous prefix counts
@@ -1438,151 +1001,36 @@ class FsspecStorage(HiCacheStorage):
         self._count(hit_pages=hits, miss_pages=sum(len(r) for r in results) - hits)
         return results
 
-    def _get_local(self, queries, results, guard, deadline) -> None:  # type: ignore[no-untyped-def]
-        """file://: no existence round. Every natural object of the query is opened and read
-        straight away (a failed ``open`` is the miss); reads of a transfer's objects behind its
-        first missing one are skipped if not yet started, and never count (contiguous prefix).
-        Only when a natural object is missing are that chunk's shorter partial objects probed
-        (one batched existence round) and the longest one read."""
-        nats = [self._naturals(t, reg, keys, first) for t, (reg, keys, _, first) in enumerate(queries)]
-        objs = [o for ns in nats for o in ns]
-        pos = [(t, j) for t, ns in enumerate(nats) for j in range(len(ns))]
-        stop = [len(ns) for ns in nats]  # per transfer: index of the first missing natural object
-        lock = threading.Lock()
-
-        def skip(i: int) -> bool:
-            t, j = pos[i]
-            return j > stop[t]
-
-        def on_missing(i: int) -> None:
-            t, j = pos[i]
-            with lock:
-                stop[t] = min(stop[t], j)
-
-        now = time.time_ns()  # LRU: chain order, shallow pages newest
-        mtimes = [now - i * 1000 for i in range(len(objs))]
-        ok = [False] * len(objs)
-
-        def apply(i: int, r: Any) -> None:  # on this thread, as results are handed over
-            ok[i] = self._apply_read(queries, results, objs[i], r, deadline)
-
-        res = self._read_objs(queries, objs, guard, deadline, mtimes=mtimes, skip=skip, on_missing=on_missing, on_result=apply)
-        probes: list[tuple[int, list[_Obj], int]] = []
-        base = 0
-        for t, ns in enumerate(nats):
-            miss = [j for j in range(len(ns)) if isinstance(res[base + j], FileNotFoundError)]
-            if miss and all(ok[base : base + miss[0]]):
-                reg, keys, _, first = queries[t]
-                parts = self._partials(t, reg, keys, first, ns[miss[0]].start, ns[miss[0]].m)
-                if parts:
-                    probes.append((t, parts, base + miss[0]))
-            base += len(ns)
-        if not probes:
-            return
-        found: list[tuple[_Obj, int]] = []
-        if self._io.inline_io:  # type: ignore[attr-defined]
-            for t, ps, rank in probes:
-                reg, keys, _, first = queries[t]
-                part = self._probe_here(t, reg, keys, first, ps[0].start, ps[-1].m, ps[0].m, deadline)
-                if part is not None:
-                    found.append((part, mtimes[rank]))
-        else:
-            flags = iter(self._exists_flags([o for _, ps, _ in probes for o in ps], deadline))
-            for _, ps, rank in probes:
-                fl = [next(flags) for _ in ps]
-                if True in fl:
-                    found.append((ps[fl.index(True)], mtimes[rank]))
-        if found:
-            objs2 = [o for o, _ in found]
-            res2 = self._read_objs(queries, objs2, guard, deadline, mtimes=[m for _, m in found])
-            for o, r in zip(objs2, res2):
-                self._apply_read(queries, results, o, r, deadline)
-
-    def _read_objs(  # type: ignore[no-untyped-def]
-        self,
-        queries,
-        objs: list[_Obj],
-        guard: _CallGuard,
-        deadline: _Deadline,
-        *,
-        mtimes: list[int] | None = None,
-        skip: Callable[[int], bool] | None = None,
-        on_missing: Callable[[int], None] | None = None,
-        on_result: Callable[[int, Any], None] | None = None,
-    ) -> list[Any]:
+    def _read_objs(self, queries, objs: list[_Obj], guard: _CallGuard, deadline: _Deadline) -> list[Any]:  # type: ignore[no-untyped-def]
         """Read and verify ``objs`` concurrently. Per object: the object's size (its pages are in
-        the pool), a verified payload view (to scatter on the calling thread: pools without
-        concurrent slot I/O), ``_SKIPPED`` or an exception (``FileNotFoundError``: missing).
-        ``on_result(i, r)`` runs on the calling thread for each result as the backend hands it
-        over. Per-object setup (expected header, pool view) runs on the I/O threads."""
+        the pool: pools with concurrent slot I/O are written on the I/O threads), a verified
+        payload view (to scatter on the calling thread) or an exception (``FileNotFoundError``:
+        missing)."""
         out: list[Any] = [None] * len(objs)
-        if not objs:
-            return out
-
-        def expect(i: int) -> tuple[ObjectMeta, int]:
-            o = objs[i]
-            reg = queries[o.t][0]
-            return self._meta(reg, o.start, o.m, o.key), o.m * int(reg.pool.slot_bytes)
 
         def post(i: int, raw: Any) -> Any:
-            meta, plen = expect(i)
             o = objs[i]
-            # a name may be a link to a longer object of the same chunk: its leading pages count
-            payload = decode(raw, meta, payload_len=plen, longer_ok=bool(queries[o.t][0].link_every))[:plen]
-            if not _concurrent_io(queries[o.t][0].pool):
+            reg = queries[o.t][0]
+            payload = decode(raw, self._meta(reg, o.start, o.m, o.key), payload_len=o.m * reg.slot_bytes)
+            if not _concurrent_io(reg.pool):
                 return payload  # scattered on the calling thread
             with guard:  # never touch the pool after the call returned
                 self._scatter(queries, o, payload)
             return len(raw)
 
-        def view(i: int) -> np.ndarray | None:
-            """The object's slots in pool memory, if it lies inside its query and the pool offers
-            zero-copy views to I/O threads (touched only in ``read_into``, under the guard)."""
-            o = objs[i]
-            reg, keys, slots, first = queries[o.t]
-            if o.start >= first and o.start + o.m <= first + len(keys) and _concurrent_io(reg.pool):
-                return _slot_view(reg.pool, slots[o.start - first : o.start - first + o.m])
-            return None
-
-        io: _LocalBackend = self._io  # type: ignore[assignment]
-
-        def task(i: int, path: str) -> Any:
-            if skip is not None and skip(i):
-                return _SKIPPED
-            mt = None if mtimes is None else mtimes[i]
-            try:
-                v = view(i)
-                if v is not None:
-                    try:
-                        return io.read_into(path, *expect(i), v, guard, mt, longer_ok=bool(queries[objs[i].t][0].link_every))
-                    except _LongerObject:  # reached through a link: read whole, land the leading pages
-                        pass
-                r = post(i, io._read(path))
-            except FileNotFoundError:
-                if on_missing is not None:
-                    on_missing(i)
-                raise
-            if mt is not None:
-                try:
-                    os.utime(path, ns=(mt, mt))
-                except OSError:
-                    pass
-            return r
-
-        if self._local:
-            items = [(i, o.path) for i, o in enumerate(objs)]
-            inline = self.config.local_inline_read_bytes
-            if io.inline_io and inline is not None and sum(o.m * queries[o.t][0].slot_bytes for o in objs) <= inline:
-                results = io.map_inline(task, items, deadline)
-            else:
-                results = io.map(task, items, deadline)
-        else:
-            results = self._io.read_many([o.path for o in objs], post, deadline)
-        for i, r in results:
+        for i, r in self._io.read_many([o.path for o in objs], post, deadline):
             out[i] = r
-            if on_result is not None:
-                on_result(i, r)
+        if self._local and self.config.max_bytes is not None:
+            self._touch([o.path for o, r in zip(objs, out) if not isinstance(r, BaseException)])
         return out
+
+    def _touch(self, paths: list[str]) -> None:
+        """file:// LRU recency of objects read, in chain order: shallow pages newest."""
+        for p, mt in zip(paths, self._write_mtimes(len(paths))):
+            try:
+                os.utime(p, ns=(mt, mt))
+            except OSError:
+                pass
 
     def _scatter(self, queries, o: _Obj, payload: memoryview) -> None:  # type: ignore[no-untyped-def]
         reg, keys, slots, first = queries[o.t]
@@ -1592,8 +1040,6 @@ class FsspecStorage(HiCacheStorage):
 
     def _apply_read(self, queries, results, o: _Obj, r: Any, deadline: _Deadline) -> bool:  # type: ignore[no-untyped-def]
         """Account one read result; mark its pages loaded. True if the object was loaded."""
-        if r is _SKIPPED:
-            return False
         if isinstance(r, CorruptObjectError):
             self._on_corrupt(o.path, r, deadline)
             return False
@@ -1605,7 +1051,7 @@ class FsspecStorage(HiCacheStorage):
         reg, keys, _, first = queries[o.t]
         for p in range(max(o.start, first), min(o.start + o.m, first + len(keys))):
             results[o.t][p - first] = True
-        self._count(objects_read=1, bytes_read=reg.object_bytes(o.start, o.m))
+        self._count(objects_read=1, bytes_read=reg.object_bytes(o.m))
         return True
 
     def _on_corrupt(self, path: str, err: CorruptObjectError, deadline: _Deadline) -> None:
@@ -1637,8 +1083,7 @@ class FsspecStorage(HiCacheStorage):
             first = queries[o.t][3]
             results[o.t][o.start - first : o.start - first + o.m] = [True] * o.m
 
-        # file://: no separate existence round; each write task checks its object itself
-        flags = [False] * len(objs) if self._local else self._exists_flags(objs, deadline)
+        flags = self._exists_flags(objs, deadline)
         todo = []
         for o, f in zip(objs, flags):
             if f:
@@ -1647,20 +1092,11 @@ class FsspecStorage(HiCacheStorage):
             else:
                 todo.append(o)
         written: list[tuple[int, int, str, int]] = []  # (transfer, start, path, size)
-        inline = self.config.local_inline_write_bytes
-        if (
-            self._local
-            and self._io.inline_io  # type: ignore[attr-defined]
-            and inline is not None
-            and sum(o.m * queries[o.t][0].slot_bytes for o in todo) <= inline
-        ):
-            self._write_inline(queries, todo, deadline, mark, written)
-        else:
-            guard = _CallGuard()
-            try:
-                self._write_groups(queries, todo, guard, deadline, mark, written)
-            finally:
-                guard.close()
+        guard = _CallGuard()
+        try:
+            self._write_groups(queries, todo, guard, deadline, mark, written)
+        finally:
+            guard.close()
         self._count(set_pages=sum(sum(r) for r in results))
         if self._local and self.config.max_bytes is not None:
             written.sort()
@@ -1683,11 +1119,9 @@ class FsspecStorage(HiCacheStorage):
         return np.ascontiguousarray(data)
 
     def _write_groups(self, queries, todo, guard, deadline, mark, written) -> None:  # type: ignore[no-untyped-def]
-        # Gather from the pool in groups bounded by max_inflight_bytes, write each group concurrently.
-        # file://: each object's mtime (LRU) is set before it is published: chain order (not
-        # completion order), shallow pages newest.
-        mtimes = self._write_mtimes(len(todo))
-        rank = {id(o): i for i, o in enumerate(todo)}
+        """Gather from the pool in groups bounded by ``max_inflight_bytes``, write each group
+        concurrently (write-once: an object another writer published first counts as raced, and
+        its pages as stored)."""
         gi = 0
         while gi < len(todo) and deadline.left() > 0:
             group, nbytes = [], 0
@@ -1701,114 +1135,47 @@ class FsspecStorage(HiCacheStorage):
                 gi += 1
             items = []
             for o in group:
-                reg, keys, slots, first = queries[o.t]
-                meta = functools.partial(reg.header.encode, bytes.fromhex(o.key), o.start, o.m,
-                                         link_keys=self._link_keys(reg, keys, first, o))
-                v = _slot_runs(reg.pool, slots[o.start - first : o.start - first + o.m]) if self._local and _concurrent_reads(reg.pool) else None
-                if v is not None:  # zero-copy: checksum and write straight from pool memory
-                    items.append((o.path, meta, v))
-                    continue
-                gather = (lambda reg=reg, sl=slots[o.start - first : o.start - first + o.m]: self._gather(reg, sl, guard))
-                if not _concurrent_io(reg.pool):
-                    data = gather()  # on the calling thread
-                    gather = (lambda data=data: data)
-                items.append((o.path, meta, gather))
-
-            def task(path: str, meta: Callable[[np.ndarray], bytes], src: Any, mtime_ns: int | None = None,
-                     links: tuple[str, ...] = ()) -> int:
-                if not self._local:
-                    wrote = self._io._write_once(path, *_with_header(meta, src()))
-                    return _LocalBackend.WROTE if wrote else _LocalBackend.RACED
-                io: _LocalBackend = self._io  # type: ignore[assignment]
-                if isinstance(src, list):
-                    with guard:  # pool memory is read until the write is done
-                        return io.write_once_local(path, *_with_header(meta, src), mtime_ns, links)
-                return io.write_once_local(path, *_with_header(meta, src()), mtime_ns, links)
-
-            if isinstance(self._io, _AsyncBackend):
-                writes = self._io.write_many([(p, (lambda m=m, g=g: _with_header(m, g()))) for p, m, g in items], deadline)
-            elif self._local:
-                ranked = [(*it, mtimes[rank[id(o)]], self._link_paths(*queries[o.t][0:2], queries[o.t][3], o))
-                          for it, o in zip(items, group)]
-                writes = self._io.map_pull(task, ranked, deadline, threads=self._write_threads)
-            else:
-                writes = self._io.map(task, items, deadline)
+                reg, _, slots, first = queries[o.t]
+                sl = slots[o.start - first : o.start - first + o.m]
+                header = functools.partial(reg.header.encode, bytes.fromhex(o.key), o.start, o.m)
+                if _concurrent_reads(reg.pool):  # gathered on an I/O thread, bounded by the call
+                    gather = functools.partial(self._gather, reg, sl, guard)
+                else:  # gathered here, on the calling thread
+                    gather = functools.partial(lambda data: data, self._gather(reg, sl, None))
+                items.append((o.path, functools.partial(_with_header, header, gather)))
             tally: dict[str, int] = {}
-            for i, r in writes:
+            for i, r in self._io.write_many(items, deadline):
                 self._record_write(queries, group[i], r, mark, written, tally)
             self._count(**tally)
         for o in todo[gi:]:
             self._count(timeouts=1)
 
-    _OUTCOME = {1: "objects_written", 0: "objects_skipped_existing", -1: "objects_raced"}  # by _LocalBackend code
-
     def _record_write(self, queries, o: _Obj, r: Any, mark, written, tally: dict[str, int]) -> None:  # type: ignore[no-untyped-def]
         """Account one object's write outcome in ``tally`` (counter deltas, applied by the caller
-        in one ``_count``): a ``WROTE``/``EXISTED``/``RACED`` code, an async backend's bool, or an
+        in one ``_count``): True (written), False (another writer published it first) or an
         exception (the object's pages stay unmarked)."""
         if isinstance(r, BaseException):
             self._count_exc(r)
             return
         mark(o)
-        if isinstance(r, bool):  # async ``write_many``: wrote / lost the race
-            r = _LocalBackend.WROTE if r else _LocalBackend.RACED
-        name = self._OUTCOME[r]
+        name = "objects_written" if r else "objects_raced"
         tally[name] = tally.get(name, 0) + 1
-        if r == _LocalBackend.WROTE:
-            size = queries[o.t][0].object_bytes(o.start, o.m)
+        if r:
+            size = queries[o.t][0].object_bytes(o.m)
             tally["bytes_written"] = tally.get("bytes_written", 0) + size
             written.append((o.t, o.start, o.path, size))
 
     @staticmethod
     def _write_mtimes(n: int) -> list[int]:
-        """file:// LRU timestamps of ``n`` objects written in chain order: shallow pages newest
-        (set even without a byte cap here: another process sharing the directory may have one).
-        File timestamps come from a coarse kernel clock, so write order alone would tie."""
+        """file:// LRU timestamps of ``n`` objects in chain order: shallow pages newest (file
+        timestamps come from a coarse kernel clock, so write order alone would tie)."""
         now = time.time_ns()
         return [now - i * 1000 for i in range(n)]
 
-    def _write_inline(self, queries, todo: list[_Obj], deadline: _Deadline, mark, written) -> None:  # type: ignore[no-untyped-def]
-        """file:// on a local filesystem, batches up to ``local_inline_write_bytes``: the objects
-        are written here, on the calling thread, in chain order, the deadline checked between
-        them (objects not started by then count as timeouts). For small batches the hand-off to
-        the I/O threads (a wake-up per thread, then the caller's) cost more CPU than the writes,
-        and every extra thread that takes the GIL delays the serving thread. The pages of a
-        transfer are written straight from pool memory (``_slot_runs``) or come from ONE ``read_slots``
-        (not one per object)."""
-        io: _LocalBackend = self._io  # type: ignore[assignment]
-        mtimes = self._write_mtimes(len(todo))
-        tally: dict[str, int] = {}
-        i = 0
-        for t, group in itertools.groupby(todo, key=lambda o: o.t):
-            objs = list(group)  # consecutive pages of one transfer
-            reg, keys, slots, first = queries[t]
-            lo = objs[0].start
-            sl = slots[lo - first : objs[-1].start + objs[-1].m - first]
-            views = [_slot_runs(reg.pool, sl[o.start - lo : o.start - lo + o.m]) for o in objs]
-            u8 = None
-            if None in views:  # no zero-copy access: ONE gather for the transfer
-                u8 = self._gather(reg, sl, None).reshape(len(sl), -1).view(np.uint8)  # [pages, slot_bytes]
-            for o, v in zip(objs, views):
-                if time.monotonic() >= deadline.end:
-                    r: Any = TimeoutError(f"write of {o.path} did not start by the deadline")
-                else:
-                    payload: Payload = v if u8 is None else u8[o.start - lo : o.start - lo + o.m]
-                    try:
-                        header = reg.header.encode(bytes.fromhex(o.key), o.start, o.m, payload,
-                                                   self._link_keys(reg, keys, first, o))
-                        r = io.write_once_local(o.path, header, payload, mtimes[i], self._link_paths(reg, keys, first, o))
-                    except OSError as e:
-                        r = e
-                i += 1
-                self._record_write(queries, o, r, mark, written, tally)
-        self._count(**tally)
-
     # ---- file:// capacity ------------------------------------------------------------------------
     def _scan(self) -> None:
-        """Index of every published object name: path -> (bytes, mtime_ns, inode). An object's
-        link names share its inode: its bytes count once, on the first name seen."""
-        idx: dict[str, tuple[int, int, int]] = {}
-        seen: set[int] = set()
+        """Index of every published object: path -> (bytes, mtime_ns)."""
+        idx: dict[str, tuple[int, int]] = {}
         used = 0
         top = f"{self._root}/v{FORMAT_VERSION}"
         now = time.time()
@@ -1831,15 +1198,16 @@ class FsspecStorage(HiCacheStorage):
                 if not _is_published(st):  # being written (its writer accounts it), or a crashed one's
                     _drop_if_stale(p, st)
                     continue
-                size = 0 if st.st_ino in seen else st.st_size
-                seen.add(st.st_ino)
-                idx[p] = (size, st.st_mtime_ns, st.st_ino)
-                used += size
+                idx[p] = (st.st_size, st.st_mtime_ns)
+                used += st.st_size
         self._index, self._used = idx, used
 
     def _account(self, written: list[tuple[str, int]]) -> None:
+        """Adds objects just written (in chain order) to the index, then evicts least recently
+        used objects down to ``evict_low_watermark`` if the root is over ``max_bytes``."""
         cap = self.config.max_bytes
         assert cap is not None
+        self._touch([p for p, _ in written])
         with self._lock:
             if self._index is None:
                 self._scan()
@@ -1848,34 +1216,27 @@ class FsspecStorage(HiCacheStorage):
                 for p, s in written:
                     if p not in self._index:
                         self._used += s
-                    self._index[p] = (s, now, -1)  # inode: read at the next scan (before any eviction)
+                    self._index[p] = (s, now)
             if self._used <= cap:
                 return
             self._scan()  # include other processes' writes, fresh mtimes (read bumps)
             if self._used <= cap:
                 return
             goal = int(cap * self.config.evict_low_watermark)
-            names: dict[int, list[str]] = {}
-            for p, (_, _, ino) in self._index.items():
-                names.setdefault(ino, []).append(p)
-            for p, (_, _, ino) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
+            for p, (size, _) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
                 if self._used <= goal:
                     break
-                if p not in self._index:  # gone with another name of its object
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    self._counters["errors"] += 1
                     continue
-                freed = 0
-                for q in names[ino]:  # every name of the object: its bytes are freed with the last
-                    try:
-                        os.unlink(q)
-                    except FileNotFoundError:
-                        pass
-                    except OSError:
-                        self._counters["errors"] += 1
-                        continue
-                    freed += self._index.pop(q, (0,))[0]
-                self._used -= freed
+                del self._index[p]
+                self._used -= size
                 self._counters["evicted_objects"] += 1
-                self._counters["evicted_bytes"] += freed
+                self._counters["evicted_bytes"] += size
 
     def used_bytes(self) -> int:
         """Bytes of page objects under the root (file:// only; rescans the directory)."""

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
 KEY_HEX_LEN = 64
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _NS_TAG = b"hicache/ns/v1"

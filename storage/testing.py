@@ -40,10 +40,6 @@ class NumpyHostPool:
         r = self._as_range(slots)
         return self.buf[r].copy() if r is not None else self.buf[slots]  # always a copy
 
-    def slot_view(self, start: int, n: int) -> np.ndarray:  # -> [n, *slot_shape], a view (no copy)
-        """Optional zero-copy access to consecutive slots (see ``HostPool``)."""
-        return self.buf[start : start + n]
-
     def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:  # data: [n, *slot_shape]
         slots = np.asarray(slots)
         r = self._as_range(slots)

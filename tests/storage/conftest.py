@@ -8,11 +8,9 @@ import uuid
 
 import numpy as np
 import pytest
-
-from support.net import free_loopback_port
-
 from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
 from hicache.storage.testing import NumpyHostPool
+from support.net import free_loopback_port
 
 FP = ModelFingerprint("tiny-test", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 SLOT_SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, page, heads, head_dim]
@@ -94,22 +92,3 @@ def scheme(request) -> str:
 @pytest.fixture
 def fp() -> ModelFingerprint:
     return FP
-
-
-class Handoffs:
-    """Counts the batches a file:// store hands to its I/O threads (every pooled path of the local
-    backend goes through ``map_pull``); ``calls`` may be reset."""
-
-    def __init__(self, st) -> None:
-        self.calls, self._inner = 0, st._io.map_pull
-        st._io.map_pull = self
-
-    def __call__(self, *a, **kw):
-        self.calls += 1
-        return self._inner(*a, **kw)
-
-
-@pytest.fixture
-def handoffs():
-    """``handoffs(store)`` → a ``Handoffs`` counter installed on that store."""
-    return Handoffs

@@ -12,8 +12,14 @@ import time
 import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
-
-from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
+from hicache.storage import (
+    FsspecStorage,
+    ModelFingerprint,
+    Namespace,
+    ShardCoord,
+    StorageConfig,
+    page_keys,
+)
 from hicache.storage.testing import NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
 
@@ -31,8 +37,11 @@ class FaultyMemoryFS(MemoryFileSystem):
         super().__init__(*a, **kw)
         self.mode = "ok"
         self.release = threading.Event()
+        self.hang_paths: set[str] = set()  # reads of these hang until ``release`` (any mode)
 
-    def _fault(self):
+    def _fault(self, path=None):
+        if path in self.hang_paths:
+            self.release.wait(60)
         if self.mode == "raise":
             raise ConnectionError("backend down")
         if self.mode == "hang":
@@ -43,7 +52,7 @@ class FaultyMemoryFS(MemoryFileSystem):
         return super().exists(path, **kw)
 
     def cat_file(self, path, *a, **kw):
-        self._fault()
+        self._fault(path)
         return super().cat_file(path, *a, **kw)
 
     def pipe_file(self, path, value, *a, **kw):
@@ -91,6 +100,23 @@ def test_outage_is_bounded_and_per_key_false(faulty, mode):
     assert st.batch_exists(keys) == 8
     assert st.batch_get(keys[:8], S(20, 28)) == [True] * 8
     assert same_bytes(pool.buf[20:28], pool.buf[0:8])
+
+
+def test_a_read_that_ends_after_the_deadline_never_reaches_the_pool(faulty):
+    """The pool takes pages from I/O threads (``concurrent_slot_io``): an object read that hangs
+    past the call's deadline is a timed-out miss, and when it finally returns, after the call, its
+    pages are not written into the slots (they may belong to someone else by then)."""
+    st, fs, pool = faulty
+    keys = page_keys(Namespace(FP), np.arange(32))  # 2 objects
+    pool.fill_random(S(0, 8), 8)
+    assert st.batch_set(keys, S(0, 8)) == [True] * 8
+    fs.hang_paths.add(st.object_path(keys[7]))
+    pool.buf[20:28] = 5.0
+    assert st.batch_get(keys, S(20, 28), timeout_s=0.5) == [True] * 4 + [False] * 4
+    assert st.stats().timeouts == 1
+    fs.release.set()
+    st._io._ex.shutdown(wait=True)  # the hung read has returned and its task has ended
+    assert (pool.buf[24:28] == 5.0).all() and same_bytes(pool.buf[20:24], pool.buf[0:4])
 
 
 def test_hung_backend_does_not_queue_without_bound(faulty):

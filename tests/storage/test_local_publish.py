@@ -11,9 +11,7 @@ import time
 
 import numpy as np
 import pytest
-
-from hicache.storage import Namespace, page_keys
-from hicache.storage import fsspec_store
+from hicache.storage import Namespace, fsspec_store, page_keys
 from hicache.storage.testing import same_bytes
 from hicache.storage.testing import slot_range as S
 

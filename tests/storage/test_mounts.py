@@ -3,12 +3,8 @@ mount table), on the bounded pool path for network/FUSE/unknown mounts."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-
-from hicache.storage import Namespace, page_keys
 from hicache.storage.mounts import is_local_fs_type, mount_fs_type, stats_are_local
-from hicache.storage.testing import slot_range as S
 
 TABLE = """\
 /dev/vda / ext4 rw,relatime 0 0
@@ -67,16 +63,3 @@ def test_stats_are_local_reads_the_given_table(tmp_path):
     table.write_text(f"/dev/vda / nfs rw 0 0\ntmpfs {real} tmpfs rw 0 0\n")
     assert stats_are_local(str(d), str(table))
     assert not stats_are_local(str(d), str(tmp_path / "no-such-table"))  # unreadable: not local
-
-
-def test_store_decides_at_attach_and_answers_the_same_on_both_paths(make_store, fp, handoffs):
-    st = make_store("file")
-    assert st._io.inline_io == stats_are_local(st._root)
-    keys = page_keys(Namespace(fp, cache_salt="mounts"), np.arange(12 * fp.page_size))
-    st.pool.fill_random(S(0, 12), 3)
-    st.batch_set(keys[:8], S(0, 8))
-    spy = handoffs(st)
-    st._io.inline_io = False  # what a root on an NFS/FUSE mount gets
-    assert st.batch_exists(keys) == 8 and st.batch_exists(keys[:5]) == 4
-    assert st.batch_exists(keys[8:], first_page=8) == 0
-    assert spy.calls >= 3  # every existence round went through the pool (deadline-bounded)
