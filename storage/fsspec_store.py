@@ -2,12 +2,11 @@
 
 Schemes
 -------
-- ``file://DIR`` — embedded default. Write-once on a local filesystem: the final name is created
-  with ``O_EXCL`` and no permission bits, written, then published with ``fchmod`` (readers take
-  published objects only); on a network/FUSE mount a temp file + ``os.link``. Either way
-  concurrent writers (threads or processes) leave exactly one complete object and readers never
-  see a torn one (fsspec's own ``LocalFileSystem.pipe_file(mode="create")`` is
-  exists-then-write, which is neither). Optional byte cap (``StorageConfig.max_bytes``) with LRU
+- ``file://DIR`` — embedded default. Write-once: the object is written to a unique temp name in
+  its directory, then published with ``os.link`` (fails if the name exists), so concurrent
+  writers (threads or processes) leave exactly one complete object and readers never see a torn
+  one (fsspec's own ``LocalFileSystem.pipe_file(mode="create")`` is exists-then-write, which is
+  neither). Optional byte cap (``StorageConfig.max_bytes``) with LRU
   eviction. No fsync: a cache; a crash can lose objects, and anything damaged fails its checksum
   and is a miss.
 - ``memory://NAME`` — tests. ``pipe_file(mode="create")`` (per process).
@@ -84,7 +83,6 @@ import itertools
 import math
 import os
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -123,7 +121,6 @@ from hicache.storage.keys import (
     check_key,
     page_keys,
 )
-from hicache.storage.mounts import stats_are_local
 
 MiB = 1 << 20
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
@@ -165,38 +162,6 @@ class StorageConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    """``bufs`` without their first ``n`` bytes (after a partial ``readv``/``writev``)."""
-    while bufs and n >= len(bufs[0]):
-        n -= len(bufs[0])
-        bufs = bufs[1:]
-    if bufs and n:
-        bufs = [bufs[0][n:], *bufs[1:]]
-    return bufs
-
-
-def _set_mtime(fd: int, mtime_ns: int | None) -> None:
-    """Best-effort LRU timestamp on an open file (``None``: leave it)."""
-    if mtime_ns is None:
-        return
-    try:
-        os.utime(fd, ns=(mtime_ns, mtime_ns))
-    except OSError:
-        pass
-
-
-# file:// on a local filesystem publishes an object in place: its final name is created exclusively
-# (``O_EXCL``: one writer wins) with no permission bits (in progress), written, then given
-# ``PUBLISHED_MODE`` (``fchmod``). One directory entry per object instead of a temp file + link +
-# unlink (the filesystem's file creation is most of a small object's write cost). Readers and
-# existence checks take published objects only: an unpublished one is a miss, never data (a writer
-# is on it, or one died: older than ``STALE_UNPUBLISHED_S`` a reader removes it so the key can be
-# written again). Network/FUSE mounts keep temp file + ``os.link`` (their attribute and data
-# caches do not promise that a reader who sees the mode also sees the bytes).
-PUBLISHED_MODE = 0o644
-STALE_UNPUBLISHED_S = 600.0
-
-
 def _manifest_tag(seed: bytes, tokens: np.ndarray) -> str:
     """A manifest entry's name tag: SHA-256 of the namespace seed and the entry's tokens (int64 LE),
     hex. One hash over the tokens, not the chain's page by page (the name only has to be a pure
@@ -205,97 +170,17 @@ def _manifest_tag(seed: bytes, tokens: np.ndarray) -> str:
     return hashlib.sha256(seed + tokens.astype("<i8", copy=False).tobytes()).hexdigest()
 
 
-def _is_published(st: os.stat_result) -> bool:
-    return st.st_mode & 0o777 != 0
+def _write_all(fd: int, header: bytes, payload: np.ndarray) -> None:
+    """Header then payload into the open file ``fd`` (closed here)."""
+    with os.fdopen(fd, "wb") as f:
+        f.write(header)
+        f.write(memoryview(payload.reshape(-1).view(np.uint8)))
 
 
-def _published(path: str) -> bool:
-    """Whether a published object (or any other file with permission bits) exists at ``path``."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return False
-    if _is_published(st):
-        return True
-    _drop_if_stale(path, st)
-    return False
-
-
-def _drop_if_stale(path: str, st: os.stat_result | None = None) -> None:
-    """Removes the unpublished object at ``path`` if its writer is long gone (best effort)."""
-    try:
-        st = os.stat(path) if st is None else st
-        if not _is_published(st) and time.time() - st.st_mtime > STALE_UNPUBLISHED_S:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
-def _open_published_fd(path: str) -> tuple[int, int]:
-    """``(fd, size)`` of the published object at ``path``; ``FileNotFoundError`` if there is none
-    (missing, or still being written: a miss, never a torn object). Opened non-blocking (no effect
-    on a regular file): anything else at that name (a FIFO, a device) is a miss at once, never a
-    blocked ``open`` (reads of a local filesystem run on the calling thread)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-    except PermissionError:  # unpublished, and we are not root
-        _drop_if_stale(path)
-        raise FileNotFoundError(path) from None
-    try:
-        st = os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise FileNotFoundError(path)
-    if not _is_published(st):
-        os.close(fd)
-        _drop_if_stale(path, st)
-        raise FileNotFoundError(path)
-    return fd, st.st_size
-
-
-def _open_published(path: str):  # -> a binary, unbuffered file object
-    return os.fdopen(_open_published_fd(path)[0], "rb", buffering=0)
-
-
-Payload = np.ndarray | list[memoryview]  # an object's pages: one array, or byte runs in order (of pool slots)
-
-
-def _payload_bufs(payload: Payload) -> list[memoryview]:
-    """The payload's bytes as buffers in order (no copy)."""
-    return payload if isinstance(payload, list) else [memoryview(payload.reshape(-1).view(np.uint8))]
-
-
-def _writev_all(fd: int, header: bytes, payload: Payload) -> None:
-    """Header and payload (its parts: ``iovec`` entries) with one ``writev`` (more only after a
-    short write)."""
-    bufs = [memoryview(header).cast("B"), *_payload_bufs(payload)]
-    n, total = os.writev(fd, bufs), sum(len(b) for b in bufs)
-    if n < total:  # a short write (rare): finish it
-        bufs = _advance(bufs, n)
-        while bufs:
-            bufs = _advance(bufs, os.writev(fd, bufs))
-
-
-FANOUT = "0123456789abcdef"  # object and manifest names are hex: one directory per first digit
-
-
-def _make_fanout(parent: str) -> None:
-    """The sixteen fan-out directories under ``parent`` (file://; best effort: a write still makes
-    a missing one)."""
-    for digit in FANOUT:
-        try:
-            os.makedirs(f"{parent}/{digit}", exist_ok=True)
-        except OSError:
-            return
-
-
-def _object_bytes(header: bytes, payload: Payload) -> bytes:
+def _object_bytes(header: bytes, payload: np.ndarray) -> bytes:
     """Header + payload as one ``bytes`` for backends that take a whole object: one copy of the
     payload (``header + payload.tobytes()`` would copy it twice)."""
-    return b"".join((header, *_payload_bufs(payload)))
+    return b"".join((header, memoryview(payload.reshape(-1).view(np.uint8))))
 
 
 class _Deadline:
@@ -327,7 +212,7 @@ class _Backend:
     def _read(self, path: str) -> bytes | bytearray | memoryview:
         return self.fs.cat_file(path)
 
-    def _write_once(self, path: str, header: bytes, payload: Payload) -> bool:
+    def _write_once(self, path: str, header: bytes, payload: np.ndarray) -> bool:
         try:
             self.fs.pipe_file(path, _object_bytes(header, payload), mode="create")
         except FileExistsError:
@@ -417,43 +302,14 @@ class _Backend:
 
 
 class _LocalBackend(_Backend):
-    """Local directory via ``os``: atomic write-once, zero-copy header+payload writes, existence
-    checks on the calling thread."""
-
-    def __init__(self, fs: Any, threads: int, max_pending: int | None = None) -> None:
-        super().__init__(fs, threads, max_pending)
-        self.local_fs = False  # the root is on a local filesystem (decided once; publish in place)
-
-    def attach_root(self, root: str) -> None:
-        """Create ``root`` and decide, once, how objects are published (module comment at
-        ``PUBLISHED_MODE``)."""
-        os.makedirs(root, exist_ok=True)
-        self.local_fs = stats_are_local(root)
-
-    def _exists(self, path: str) -> bool:
-        return _published(path)
-
-    def _read(self, path: str) -> memoryview:
-        with _open_published(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            buf = np.empty(size, dtype=np.uint8)
-            mv = memoryview(buf)
-            got = 0
-            while got < size:
-                n = f.readinto(mv[got:])
-                if not n:
-                    break
-                got += n
-        return mv[:got]
-
-    # write-once outcomes of ``write_once_local``
-    WROTE, EXISTED, RACED = 1, 0, -1
+    """Local directory: write-once through a temp file published with ``os.link`` (fsspec's
+    ``LocalFileSystem.pipe_file(mode="create")`` is exists-then-write: two writers could both
+    write, and a reader could see a partial object)."""
 
     @staticmethod
     def _create_tmp(d: str) -> tuple[int, str]:
-        """A new, exclusively created temp file in directory ``d`` (created if missing). The name
-        is unique per process (pid, a random token, a counter; ``O_EXCL`` settles the rest): far
-        cheaper than ``tempfile.mkstemp``, whose random names cost tens of microseconds."""
+        """A new, exclusively created temp file in directory ``d`` (created if missing), named
+        unique per process (pid, a random token, a counter; ``O_EXCL`` settles the rest)."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         made = False
         for _ in range(100):
@@ -469,70 +325,29 @@ class _LocalBackend(_Backend):
                 continue
         raise FileExistsError(f"no free temp file name in {d}")
 
-    def write_once_local(self, path: str, header: bytes, payload: Payload, mtime_ns: int | None = None) -> int:
-        """Write-once of one object. Returns ``WROTE``, ``EXISTED`` (stored, or being written by
-        another writer: nothing written) or ``RACED`` (lost a race at the publish step). On a
-        local filesystem: exclusive create of the final name, one ``writev``, mtime (LRU),
-        ``fchmod`` to publish (module comment at ``PUBLISHED_MODE``); elsewhere temp file +
-        ``os.link``."""
-        if not self.local_fs:
-            return self._write_once_linked(path, header, payload, mtime_ns)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags, 0)
-        except FileNotFoundError:  # first object of this directory (or the tree was cleared)
-            os.makedirs(path.rpartition("/")[0], exist_ok=True)
-            try:
-                fd = os.open(path, flags, 0)
-            except FileExistsError:
-                return self.EXISTED
-        except FileExistsError:
-            return self.EXISTED
-        try:
-            _writev_all(fd, header, payload)
-            _set_mtime(fd, mtime_ns)
-            os.fchmod(fd, PUBLISHED_MODE)
-        except BaseException:
-            try:  # ours (created exclusively) and never published: nobody reads it
-                os.unlink(path)
-            except OSError:
-                pass
-            raise
-        finally:
-            os.close(fd)
-        return self.WROTE
-
-    def _write_once_linked(self, path: str, header: bytes, payload: Payload, mtime_ns: int | None = None) -> int:
-        """Temp file in the object's directory (one ``writev``), its mtime set (LRU), then
-        ``os.link`` to the final name, which fails if another writer won."""
-        if os.path.exists(path):
-            return self.EXISTED
+    def _write_once(self, path: str, header: bytes, payload: np.ndarray) -> bool:
+        """The object written to a temp file in its directory, then linked to its name: the link
+        fails if another writer published first (False), and a reader sees the whole object or
+        none."""
         fd, tmp = self._create_tmp(path.rpartition("/")[0])
         try:
-            try:
-                _writev_all(fd, header, payload)
-                _set_mtime(fd, mtime_ns)
-            finally:
-                os.close(fd)
+            _write_all(fd, header, payload)
             try:
                 os.link(tmp, path)  # atomic; FileExistsError if another writer won
             except FileExistsError:
-                return self.RACED
-            except OSError:  # no hard links on this filesystem: best effort (content is deterministic)
+                return False
+            except OSError:  # no hard links on this filesystem: an atomic rename, unless stored
                 if os.path.exists(path):
-                    return self.RACED
+                    return False
                 os.replace(tmp, path)
                 tmp = ""
-            return self.WROTE
+            return True
         finally:
             if tmp:
                 try:
                     os.unlink(tmp)
                 except FileNotFoundError:
                     pass
-
-    def _write_once(self, path: str, header: bytes, payload: Payload) -> bool:
-        return self.write_once_local(path, header, payload) == self.WROTE
 
     def _delete(self, path: str) -> None:
         os.unlink(path)
@@ -761,8 +576,7 @@ class FsspecStorage(HiCacheStorage):
         self._io = _make_backend(fs, config.io_threads, config.max_pending_ops)
         self._local = isinstance(self._io, _LocalBackend)
         if isinstance(self._io, _LocalBackend):
-            self._io.attach_root(self._root)
-            _make_fanout(self._manifest_parent())
+            os.makedirs(self._root, exist_ok=True)
         self._target = config.target_object_bytes or DEFAULT_TARGET_OBJECT_BYTES.get(scheme, _FALLBACK_TARGET_OBJECT_BYTES)
         self._pools: dict[PoolKind, _PoolReg] = {}
         self._manifest_header = HeaderEncoder(ObjectKind.MANIFEST, self._fp, "int64", ())
@@ -854,8 +668,6 @@ class FsspecStorage(HiCacheStorage):
         prefix = f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}"
         header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape)
         self._pools[kind] = _PoolReg(pool, shard, kind, ppo, dtype.name, prefix, header, shape, int(pool.slot_bytes))
-        if self._local:
-            _make_fanout(prefix)
 
     def pages_per_object(self, kind: PoolKind = PoolKind.KV) -> int:
         return self._reg(kind).ppo
@@ -1194,9 +1006,6 @@ class FsspecStorage(HiCacheStorage):
                             os.unlink(p)
                         except OSError:
                             pass
-                    continue
-                if not _is_published(st):  # being written (its writer accounts it), or a crashed one's
-                    _drop_if_stale(p, st)
                     continue
                 idx[p] = (st.st_size, st.st_mtime_ns)
                 used += st.st_size

@@ -252,3 +252,29 @@ def test_local_write_once_race_threads(tmp_path):
     assert data == b"H%d" % winners[0] + payloads[winners[0]].tobytes()
     assert os.listdir(f"{tmp_path}/l3/x") == ["obj"]
     st.close()
+
+
+def test_a_failed_local_write_leaves_no_object_and_no_temp_file(tmp_path, monkeypatch):
+    """file:// write-once: a write that fails half-way (disk full) publishes nothing and leaves no
+    temp file; the key is written normally afterwards."""
+    from hicache.storage import fsspec_store
+
+    st = FsspecStorage(f"file://{tmp_path}/l3", FP, StorageConfig(pages_per_object=4))
+    pool = NumpyHostPool(16, SLOT)
+    st.register_host_pool(pool, shard=ShardCoord.full(FP))
+    keys = page_keys(Namespace(FP), np.arange(16))
+    pool.fill_random(S(0, 4), 5)
+
+    def disk_full(fd, header, payload):
+        os.write(fd, b"partial")
+        os.close(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fsspec_store, "_write_all", disk_full)
+    assert st.batch_set(keys, S(0, 4)) == [False] * 4
+    d = os.path.dirname(st.object_path(keys[3]))
+    assert os.listdir(d) == [] and st.stats().errors == 1
+    monkeypatch.undo()
+    assert st.batch_set(keys, S(0, 4)) == [True] * 4 and st.batch_exists(keys) == 4
+    assert os.listdir(d) == [os.path.basename(st.object_path(keys[3]))]
+    st.close()
