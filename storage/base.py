@@ -6,11 +6,12 @@ heads). A page is named by its chain key (``hicache.storage.keys.page_keys``) an
 its absolute index in its chain (``first_page + i``). Storage groups consecutive pages of a chain
 into objects (``pages_per_object``); callers only ever see pages.
 
-Buffer ownership. The host pool (``HostPool``, implemented by the worker's host pool) owns its
+Buffer ownership. The host pool (``HostSlots``, implemented by the worker's host pool) owns its
 slots. Storage calls ``read_slots`` / ``write_slots`` only during a ``batch_get`` /
 ``batch_set`` call, from the calling thread (or from its I/O threads, on disjoint slots, if the
-pool declares ``concurrent_slot_io = True``), never after the call returned; ``read_slots``
-returns a fresh array that storage owns and drops when the call returns; ``write_slots`` copies out of a buffer storage owns.
+pool declares ``concurrent_slot_io`` / ``concurrent_slot_reads``: ``slot_access``), never after
+the call returned; ``read_slots`` returns a fresh array that storage owns and drops when the call
+returns; ``write_slots`` copies out of a buffer storage owns.
 The caller must keep the slots of an in-flight call pinned (not freed, not reused) until it
 returns. Storage never keeps a reference to pool memory between calls.
 
@@ -51,8 +52,9 @@ class PoolKind(str, enum.Enum):
 
 
 @runtime_checkable
-class HostPool(Protocol):
-    """What storage needs from a host (L2) pool. One slot = one page of this host's shard."""
+class HostSlots(Protocol):
+    """What storage needs from a host (L2) pool: its slots. One slot = one page of this host's
+    shard."""
 
     slot_shape: tuple[int, ...]
     dtype: np.dtype
@@ -128,7 +130,7 @@ class HiCacheStorage(abc.ABC):
     @abc.abstractmethod
     def register_host_pool(
         self,
-        pool: HostPool,
+        pool: HostSlots,
         *,
         shard: ShardCoord,
         kind: PoolKind = PoolKind.KV,

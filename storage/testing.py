@@ -1,4 +1,4 @@
-"""A plain numpy host pool satisfying ``HostPool``, for tests, benchmarks and examples.
+"""A plain numpy host pool satisfying ``HostSlots``, for tests, benchmarks and examples.
 
 It is a real buffer (one ``[num_slots, *slot_shape]`` array that this object owns), not a mock;
 the production host pool lives in ``hicache.workers``. ``read_slots`` returns a fresh copy owned by

@@ -227,37 +227,10 @@ def test_concurrent_writers_memory_threads():
     st.close()
 
 
-def test_local_write_once_race_threads(tmp_path):
-    """The publish step itself: many racing writers of one name → exactly one wins, the
-    object is one writer's complete bytes, no temp files remain."""
-    st = FsspecStorage(f"file://{tmp_path}/l3", FP, StorageConfig(pages_per_object=4))
-    path = f"{tmp_path}/l3/x/obj"
-    n = 8
-    barrier = threading.Barrier(n)
-    payloads = [np.full(1 << 18, i, np.uint8) for i in range(n)]
-    won = []
-
-    def writer(i):
-        barrier.wait()
-        won.append((i, st._io._write_once(path, b"H%d" % i, payloads[i])))
-
-    ts = [threading.Thread(target=writer, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    winners = [i for i, w in won if w]
-    assert len(winners) == 1
-    data = open(path, "rb").read()
-    assert data == b"H%d" % winners[0] + payloads[winners[0]].tobytes()
-    assert os.listdir(f"{tmp_path}/l3/x") == ["obj"]
-    st.close()
-
-
 def test_a_failed_local_write_leaves_no_object_and_no_temp_file(tmp_path, monkeypatch):
     """file:// write-once: a write that fails half-way (disk full) publishes nothing and leaves no
     temp file; the key is written normally afterwards."""
-    from hicache.storage import fsspec_store
+    from hicache.storage import object_store
 
     st = FsspecStorage(f"file://{tmp_path}/l3", FP, StorageConfig(pages_per_object=4))
     pool = NumpyHostPool(16, SLOT)
@@ -270,7 +243,7 @@ def test_a_failed_local_write_leaves_no_object_and_no_temp_file(tmp_path, monkey
         os.close(fd)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fsspec_store, "_write_all", disk_full)
+    monkeypatch.setattr(object_store, "write_all", disk_full)
     assert st.batch_set(keys, S(0, 4)) == [False] * 4
     d = os.path.dirname(st.object_path(keys[3]))
     assert os.listdir(d) == [] and st.stats().errors == 1

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import os
 import struct
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -379,15 +380,53 @@ def test_manifest_entry_is_named_by_one_hash_of_its_tokens_and_checked_against_i
     st.batch_set(keys, S(0, 8))
     other = make_store(scheme, url=url)  # another writer's prefix entry: kept beside the longer one
     assert other.record_prefix(ns, toks[: 4 * fp.page_size]) and st.record_prefix(ns, toks)
-    d, prefix = st._manifest_name(ns)
+    d, prefix = st._manifest.location(ns)
     tag = hashlib.sha256(ns.seed() + np.asarray(toks, "<i8").tobytes()).hexdigest()
-    names = sorted(os.path.basename(p) for p in st._io.list_files(d) if os.path.basename(p).startswith(prefix))
+    names = sorted(os.path.basename(p) for p in st._io.list(d) if os.path.basename(p).startswith(prefix))
     assert f"{prefix}{tag}" in names and len(names) == 2
     short = next(n for n in names if n != f"{prefix}{tag}")
     st.fs.rm_file(f"{d}/{short}")  # the 4-page entry's bytes, re-listed under a name of 8 pages' worth
     st.fs.pipe_file(f"{d}/{prefix}{'0' * 64}", st.fs.cat_file(f"{d}/{prefix}{tag}"))
     st2 = make_store(scheme, url=url)
     assert [p.num_pages for p in st2.list_prefixes(ns)] == [8]  # the renamed copy is not an entry
+
+
+def test_write_once_under_concurrent_writers_publishes_one_complete_object(scheme, make_store):
+    """The object store's write-once (file://: temp file + link; memory://, gs://:
+    ``mode="create"``): writers of one name released together → exactly one publishes, the others
+    get ``FileExistsError``, the object is the winner's complete bytes, and nothing else is left."""
+    if scheme == "gs":
+        pytest.skip("gcp-storage-emulator ignores ifGenerationMatch=0, the precondition gcsfs sends for mode='create'")
+    st = make_store(scheme)
+    store = st._io.store
+    d = f"{st._root}/race"
+    path = f"{d}/obj"
+    n = 4
+    barrier = threading.Barrier(n)
+    payloads = [np.full(1 << 16, i, np.uint8) for i in range(n)]
+    outcome: dict[int, object] = {}
+
+    def writer(i):
+        barrier.wait()
+        try:
+            store.write_once(path, b"H%d" % i, payloads[i])
+            outcome[i] = "won"
+        except FileExistsError:
+            outcome[i] = "exists"
+
+    ts = [threading.Thread(target=writer, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    winners = [i for i, r in outcome.items() if r == "won"]
+    assert len(winners) == 1 and sorted(outcome) == list(range(n)), outcome
+    assert bytes(store.read(path)) == b"H%d" % winners[0] + payloads[winners[0]].tobytes()
+    assert [os.path.basename(p) for p in store.list(d)] == ["obj"]
+    with pytest.raises(FileExistsError):
+        store.write_once(path, b"again", payloads[0])
+    with pytest.raises(FileNotFoundError):
+        store.read(f"{d}/missing")
 
 
 def test_clear(scheme, make_store, fp):
