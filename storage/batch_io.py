@@ -131,7 +131,13 @@ class ThreadBatchIO(BatchIO):
         self._abandoned = 0  # items abandoned at a deadline and still running
         self._plock = threading.Lock()
 
-    def _map(self, fn, afn, items, deadline):  # type: ignore[no-untyped-def]
+    def _map(
+        self,
+        fn: Callable[..., Any],
+        afn: Callable[..., Coroutine[Any, Any, Any]],
+        items: Sequence[tuple],
+        deadline: Deadline,
+    ) -> list[Any]:
         with self._plock:
             saturated = self._abandoned >= self._max_abandoned
         if saturated:
@@ -162,9 +168,16 @@ class ThreadBatchIO(BatchIO):
 class LoopBatchIO(BatchIO):
     def __init__(self, store: AsyncFsspecObjectStore, limit: int) -> None:
         super().__init__(store)
+        self._astore = store
         self._limit = limit  # concurrent requests; pending ones are cancelled at the deadline
 
-    def _map(self, fn, afn, items, deadline):  # type: ignore[no-untyped-def]
+    def _map(
+        self,
+        fn: Callable[..., Any],
+        afn: Callable[..., Coroutine[Any, Any, Any]],
+        items: Sequence[tuple],
+        deadline: Deadline,
+    ) -> list[Any]:
         if not items:
             return []
         limit = self._limit
@@ -189,9 +202,8 @@ class LoopBatchIO(BatchIO):
                     out.append(TimeoutError("storage operation did not finish by the deadline"))
             return out
 
-        store: AsyncFsspecObjectStore = self.store  # type: ignore[assignment]
         try:
-            return fsspec.asyn.sync(store.loop, run, timeout=deadline.left() + 5.0)
+            return fsspec.asyn.sync(self._astore.loop, run, timeout=deadline.left() + 5.0)
         except Exception as e:  # loop stuck or gone: every item fails
             return [e] * len(items)
 

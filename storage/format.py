@@ -90,7 +90,7 @@ class CorruptObjectError(ValueError):
 
 def payload_digest(buf: bytes | bytearray | memoryview | np.ndarray) -> bytes:
     """16-byte XXH3-128 digest of any contiguous buffer, without copying it."""
-    return xxhash.xxh3_128_digest(np.frombuffer(buf, dtype=np.uint8))
+    return xxhash.xxh3_128_digest(np.frombuffer(buf, dtype=np.uint8).data)
 
 
 def _header_sum(buf: bytes | memoryview) -> int:

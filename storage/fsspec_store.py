@@ -441,7 +441,8 @@ class FsspecStorage(HiCacheStorage):
         its pages as stored)."""
         gi = 0
         while gi < len(todo) and deadline.left() > 0:
-            group, nbytes = [], 0
+            group: list[ObjectRef] = []
+            nbytes = 0
             while gi < len(todo):
                 o = todo[gi]
                 ob = o.m * queries[o.t].reg.slot_bytes

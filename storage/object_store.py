@@ -45,7 +45,7 @@ _TMP_SEQ = itertools.count()  # next() is atomic under the GIL
 def object_bytes(header: bytes, payload: np.ndarray) -> bytes:
     """Header + payload as one ``bytes`` for backends that take a whole object: one copy of the
     payload (``header + payload.tobytes()`` would copy it twice)."""
-    return b"".join((header, memoryview(payload.reshape(-1).view(np.uint8))))
+    return b"".join((header, payload.reshape(-1).view(np.uint8).data))
 
 
 class ObjectStore(abc.ABC):
@@ -131,7 +131,7 @@ def write_all(fd: int, header: bytes, payload: np.ndarray) -> None:
     """Header then payload into the open file ``fd`` (closed here)."""
     with os.fdopen(fd, "wb") as f:
         f.write(header)
-        f.write(memoryview(payload.reshape(-1).view(np.uint8)))
+        f.write(payload.reshape(-1).view(np.uint8).data)
 
 
 class LocalObjectStore(FsspecObjectStore):

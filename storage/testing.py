@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import numpy.typing as npt
 
 
 class NumpyHostPool:
     concurrent_slot_io = True  # disjoint-slot copies from several threads are safe on one ndarray
 
-    def __init__(self, num_slots: int, slot_shape: tuple[int, ...], dtype: np.dtype | str = np.float32) -> None:
+    def __init__(self, num_slots: int, slot_shape: tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.slot_shape = tuple(int(d) for d in slot_shape)
