@@ -59,14 +59,8 @@ import uuid
 
 import fsspec
 import numpy as np
-from hicache.storage import (
-    FsspecStorage,
-    ModelFingerprint,
-    Namespace,
-    ShardCoord,
-    StorageConfig,
-    page_keys,
-)
+
+from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
 from hicache.storage.format import ObjectKind, ObjectMeta
 from hicache.storage.testing import NumpyHostPool
 

@@ -30,9 +30,12 @@ from typing import Any
 
 import fsspec.asyn
 import numpy as np
+
 from hicache.storage.object_store import AsyncFsspecObjectStore, ObjectStore
 
 MakeObject = Callable[[], tuple[bytes, np.ndarray]]  # -> (header, payload), run where the write runs
+SyncCall = Callable[..., Any]  # one item's work on a sync backend
+AsyncCall = Callable[..., Coroutine[Any, Any, Any]]  # the same on an async backend
 
 
 class Deadline:
@@ -54,13 +57,7 @@ class BatchIO(abc.ABC):
         self.store = store
 
     @abc.abstractmethod
-    def _map(
-        self,
-        fn: Callable[..., Any],
-        afn: Callable[..., Coroutine[Any, Any, Any]],
-        items: Sequence[tuple],
-        deadline: Deadline,
-    ) -> list[Any]:
+    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
         """``fn(*item)`` (sync backends) or ``await afn(*item)`` (async) for every item: results
         or exceptions, in item order."""
 
@@ -131,13 +128,7 @@ class ThreadBatchIO(BatchIO):
         self._abandoned = 0  # items abandoned at a deadline and still running
         self._plock = threading.Lock()
 
-    def _map(
-        self,
-        fn: Callable[..., Any],
-        afn: Callable[..., Coroutine[Any, Any, Any]],
-        items: Sequence[tuple],
-        deadline: Deadline,
-    ) -> list[Any]:
+    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
         with self._plock:
             saturated = self._abandoned >= self._max_abandoned
         if saturated:
@@ -171,13 +162,7 @@ class LoopBatchIO(BatchIO):
         self._astore = store
         self._limit = limit  # concurrent requests; pending ones are cancelled at the deadline
 
-    def _map(
-        self,
-        fn: Callable[..., Any],
-        afn: Callable[..., Coroutine[Any, Any, Any]],
-        items: Sequence[tuple],
-        deadline: Deadline,
-    ) -> list[Any]:
+    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
         if not items:
             return []
         limit = self._limit

@@ -69,6 +69,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
 from hicache.storage import slot_access
 from hicache.storage.base import (
     HiCacheStorage,
@@ -86,22 +87,8 @@ from hicache.storage.base import (
 from hicache.storage.batch_io import Deadline, make_batch_io
 from hicache.storage.chunking import Chunking, ObjectRef, resolve
 from hicache.storage.config import StorageConfig
-from hicache.storage.format import (
-    FORMAT_VERSION,
-    CorruptObjectError,
-    HeaderEncoder,
-    ObjectKind,
-    ObjectMeta,
-    decode,
-)
-from hicache.storage.keys import (
-    ModelFingerprint,
-    Namespace,
-    ShardCoord,
-    _as_tokens,
-    check_key,
-    page_keys,
-)
+from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, HeaderEncoder, ObjectKind, ObjectMeta, decode
+from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.lru import ByteCapLRU, scan
 from hicache.storage.manifest import Manifest, longest_first
 from hicache.storage.object_store import LocalObjectStore, open_object_store

@@ -24,6 +24,7 @@ import os
 from typing import Any, NamedTuple
 
 import numpy as np
+
 from hicache.storage.base import StoredPrefix
 from hicache.storage.batch_io import BatchIO, Deadline
 from hicache.storage.format import HeaderEncoder, ObjectKind, ObjectMeta, decode

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
 from hicache.storage.base import HostSlots
 
 

@@ -8,9 +8,10 @@ import uuid
 
 import numpy as np
 import pytest
+from support.net import free_loopback_port
+
 from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
 from hicache.storage.testing import NumpyHostPool
-from support.net import free_loopback_port
 
 FP = ModelFingerprint("tiny-test", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 SLOT_SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, page, heads, head_dim]

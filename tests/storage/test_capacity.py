@@ -6,14 +6,8 @@ import os
 
 import numpy as np
 import pytest
-from hicache.storage import (
-    FsspecStorage,
-    ModelFingerprint,
-    Namespace,
-    ShardCoord,
-    StorageConfig,
-    page_keys,
-)
+
+from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
 from hicache.storage.format import ObjectKind, ObjectMeta
 from hicache.storage.testing import NumpyHostPool
 from hicache.storage.testing import slot_range as S

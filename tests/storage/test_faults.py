@@ -12,14 +12,8 @@ import time
 import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
-from hicache.storage import (
-    FsspecStorage,
-    ModelFingerprint,
-    Namespace,
-    ShardCoord,
-    StorageConfig,
-    page_keys,
-)
+
+from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
 from hicache.storage.testing import NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
 

@@ -12,6 +12,9 @@ import sys
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hicache.storage import (
     ChainKeys,
     CorruptObjectError,
@@ -22,16 +25,7 @@ from hicache.storage import (
     page_keys,
 )
 from hicache.storage.base import check_keys
-from hicache.storage.format import (
-    FORMAT_VERSION,
-    HeaderEncoder,
-    ObjectKind,
-    ObjectMeta,
-    decode,
-    encode_header,
-)
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hicache.storage.format import FORMAT_VERSION, HeaderEncoder, ObjectKind, ObjectMeta, decode, encode_header
 
 FP = ModelFingerprint("m", "bfloat16", page_size=4, num_layers=2, num_kv_heads=8, head_dim=16)
 

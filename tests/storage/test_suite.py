@@ -11,6 +11,7 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+
 from hicache.storage import (
     CorruptReason,
     FsspecStorage,
