@@ -40,7 +40,8 @@ Buffers: ``encode_header`` (and ``HeaderEncoder.encode``, its per-pool form) ret
 two buffers). ``decode`` returns a zero-copy
 ``memoryview`` of the payload inside the caller's buffer; the caller keeps that buffer alive
 while it uses the view. Any mismatch raises ``CorruptObjectError`` with a ``CorruptReason``;
-callers turn it into a counted miss and never hand the bytes on.
+callers turn it into a counted miss and never hand the bytes on. Pure functions and immutable
+encoders: called wherever a write or read runs (calling thread, I/O threads, gcsfs' loop).
 """
 
 from __future__ import annotations
