@@ -115,7 +115,10 @@ def test_l3_writes_wait_for_the_next_first_token_and_land_exact(tmp_path, runner
     back exact. A bad flag is a TypeError."""
     from hicache.embedded import StackOptions, build_stack
 
-    opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
+    # 4-page objects: the cold query (the prompt less its last token: 4 pages) ends inside the 5-page
+    # stored sequence; it cannot name a 16-page chunk's object that holds more pages than it asks for
+    opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8,
+                        pages_per_object=4)
     stack = build_stack(opts, runner)
     tier = stack.head._hicache().storage
     tier.params = dataclasses.replace(tier.params, write_hold_max_s=60.0)  # no expiry on a slow CI box

@@ -11,10 +11,10 @@ import fsspec
 import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
 from hicache.cluster.tree import InsertParams, RadixKey, RequestState
-from support.hicache_env import HiCacheEnv
 
 
 def seq(start, n):
@@ -73,22 +73,21 @@ def test_write_through_to_l3_and_restart_from_l3(tmp_path):
     assert r["prefetched"] == 28 and r["loaded"] == 28
 
 
-def test_cold_head_reads_a_divergent_prefix_through_link_names_bit_identical(tmp_path):
-    """Objects of 8 pages linked every 4 (StorageConfig default): another head whose request diverges
-    from a stored sequence inside an object reads its leading pages up to the last link before the
-    divergence (without links it would get none of that object); serve() checks the bytes exactly."""
+def test_cold_head_reads_a_divergent_prefix_bit_identical(tmp_path):
+    """Another head whose request diverges from a stored sequence inside its second object reads
+    the whole objects before the divergence; serve() checks the bytes exactly."""
     url = f"file://{tmp_path}/l3"
-    a = seq(0, 48)  # 12 pages: one object of 8 pages (linked at page 3), the tail of 4
-    warm = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 8})
+    a = seq(0, 48)  # 12 pages: three objects of 4 pages
+    warm = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 4})
     warm.serve(a)
     warm.head.flush_write_through_acks()
-    cold = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 8})
-    q = np.r_[a[:26], seq(900, 14)].astype(np.int32)  # shares 6 whole pages of the first object
+    cold = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 4})
+    q = np.r_[a[:26], seq(900, 14)].astype(np.int32)  # shares 6 whole pages: the second object's first 2
     r = cold.serve(q)
-    assert r["prefetched"] == 16 and r["loaded"] == 16  # pages 0..3, through the link at page 3
+    assert r["prefetched"] == 16 and r["loaded"] == 16  # pages 0..3: the first object
     assert cold.head.cache_stats()["storage"]["prefetch_failures"] == 0
     cold.head.flush_write_through_acks()  # (fetched pages hang below a prefix with an L2 copy)
-    r = cold.serve(a)  # the rest: pages 6, 7 of the object by its own name, then the tail
+    r = cold.serve(a)  # the rest: pages 6, 7 of the second object, then the third
     assert r["device_hit"] == 24 and r["prefetched"] == 24 and r["loaded"] == 24
     check(cold)
 
