@@ -1,6 +1,6 @@
 """Shared pieces of the end-to-end benchmarks (``multiturn.py``, ``long_doc_qa.py``).
 
-Everything runs in one process on the embedded default (``hicache.embedded``): each config is a fresh
+Everything runs in one process on the embedded default (``hicache.reference.stack``): each config is a fresh
 stack (head + HostWorker + reference engine, L3 in a local directory) that reuses one set of compiled
 params. Requests are served one at a time, in a fixed order that every config shares, so the configs
 see the same request stream (the reference run decides it; see ``Stream``).
@@ -50,9 +50,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from hicache.engine.config import ForwardConfig, ModelConfig  # noqa: E402
-from hicache.engine.runner import ModelRunner, pages_needed  # noqa: E402
-from hicache.serving import ServePhases, ServeRequest, ServeResult  # noqa: E402
+from hicache.reference.engine.config import ForwardConfig, ModelConfig  # noqa: E402
+from hicache.reference.engine.runner import ModelRunner, pages_needed  # noqa: E402
+from hicache.reference.serving import ServePhases, ServeRequest, ServeResult  # noqa: E402
 
 MODEL = ModelConfig()
 FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=64)  # max context 512 tokens
@@ -561,7 +561,7 @@ def working_set(items: Sequence[Item], outputs: Sequence[Sequence[int]]) -> tupl
 
 
 def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = None):
-    from hicache.embedded import StackOptions
+    from hicache.reference.stack import StackOptions
 
     url = None if l3_dir is None else f"file://{Path(l3_dir).resolve()}"
     return StackOptions(MODEL, FWD, l1_pages=l1_pages, l2_slots=l2_slots, l3_url=url,
@@ -574,7 +574,7 @@ def run_stack(name: str, options, runner: ModelRunner, items: Sequence[Item],
     """Fresh stack for ``options``; serves ``items`` one at a time; flushes transfers (L2/L3 writes land)
     outside the timings; spot-checks exactness. Returns (served, spot checks run, cache stats, stack or
     None)."""
-    from hicache.embedded import build_stack
+    from hicache.reference.stack import build_stack
 
     stack = build_stack(options, runner)
     t0 = time.perf_counter()
@@ -675,7 +675,7 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
     (``PairMode.INTERLEAVED``, another fresh stack; the summary's ``interleaved``), so that both
     protocols meet the same machine state. Returns (bare served, no_cache served: best-of-N wall
     timings of the segments; no_cache stats and spot checks of rep 0; summary)."""
-    from hicache.embedded import build_stack
+    from hicache.reference.stack import build_stack
 
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")

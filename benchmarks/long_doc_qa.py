@@ -45,8 +45,8 @@ from benchmarks.common import (  # noqa: E402
     CLOCKS, log, make_record, no_reuse_targets, poisson_ticks, serve_interleaved, serve_items, spot_check,
     stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
 )
-from hicache.engine.runner import ModelRunner  # noqa: E402
-from hicache.serving import ServeRequest  # noqa: E402
+from hicache.reference.engine.runner import ModelRunner  # noqa: E402
+from hicache.reference.serving import ServeRequest  # noqa: E402
 
 CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
 
@@ -125,7 +125,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     ps = FWD.page_size
     full = lambda d: stack_options(l1_pages, l2_slots, tmp / d)  # noqa: E731
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
-    from hicache.embedded import build_stack
+    from hicache.reference.stack import build_stack
 
     opts = {"l1_only": stack_options(l1_pages), "l1_l2": stack_options(l1_pages, l2_slots), "l1_l2_l3": full("l3")}
     first = [it for it in items if it.round == 0]

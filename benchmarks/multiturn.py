@@ -91,9 +91,9 @@ from benchmarks.common import (  # noqa: E402
     in_virtual_time, jsonable, log, make_record, no_reuse_targets, one_at_a_time, poisson_ticks, serve_segments,
     stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
 )
-from hicache.engine import batched  # noqa: E402
-from hicache.engine.runner import ModelRunner  # noqa: E402
-from hicache.serving import LoopOptions, SchedulePolicy, ServeRequest, ServingLoop  # noqa: E402
+from hicache.reference.engine import batched  # noqa: E402
+from hicache.reference.engine.runner import ModelRunner  # noqa: E402
+from hicache.reference.serving import LoopOptions, SchedulePolicy, ServeRequest, ServingLoop  # noqa: E402
 
 CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--decode-batch", type=int, default=0,
                    help="running requests one decode iteration advances, round-robin (0: all; LoopOptions)")
     p.add_argument("--batched-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="a decode iteration in one dispatch (hicache.engine.batched: a scan of the [C] program, "
+                   help="a decode iteration in one dispatch (hicache.reference.engine.batched: a scan of the [C] program, "
                         "bit-identical where checked), as SGLang's decode batch runs one forward; default: on "
                         "where batched.supported (XLA:CPU), else one decode_step per request")
     p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
@@ -223,7 +223,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     ps = FWD.page_size
     full = lambda d: stack_options(l1_pages, l2_slots, tmp / d)  # noqa: E731
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
-    from hicache.embedded import build_stack
+    from hicache.reference.stack import build_stack
 
     rate = _rate(args, served["bare_engine"])  # the no-reuse pair's bare engine, best of its reps
     ref_latency = [s.result.latency_s for s in served["bare_engine"]]  # in item order

@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from hicache.embedded import StackOptions, build_stack, warm_up
-from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.serving import ServeRequest, ServeResult
+from hicache.reference.stack import StackOptions, build_stack, warm_up
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.serving import ServeRequest, ServeResult
 from hicache.workloads import MultiTurnSpec, multi_turn
 
 

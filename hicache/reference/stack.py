@@ -21,10 +21,10 @@ from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchPolicy, StorageParams
 from hicache.cluster.transfers import LocalWorkerGroup
 from hicache.cluster.tree import TreeConfig
-from hicache.engine.config import ForwardConfig, ModelConfig, numerics_key
-from hicache.engine.kv_layout import LAYOUT_VERSION
-from hicache.engine.runner import ModelRunner
-from hicache.serving import Scheduler, ServeRequest, WorkerEngine
+from hicache.reference.engine.config import ForwardConfig, ModelConfig, numerics_key
+from hicache.reference.engine.kv_layout import LAYOUT_VERSION
+from hicache.reference.engine.runner import ModelRunner
+from hicache.reference.serving import Scheduler, ServeRequest, WorkerEngine
 from hicache.storage import ModelFingerprint
 
 

@@ -1,7 +1,7 @@
 """``ModelRunner``: params + the L1 KV pool + the chunk loop, for one process that owns a device.
 
 Ownership: the runner owns ``params`` and, between forwards, the L1 pool ``kv_pool`` (layout in
-``hicache.engine.kv_layout``, the same array the data plane's paged-copy kernels move). Each forward
+``hicache.reference.engine.kv_layout``, the same array the data plane's paged-copy kernels move). Each forward
 donates the pool and the runner rebinds to the returned array, so nobody else may keep a reference
 across a forward. The data plane reads or writes L1 between forwards on the same thread: take
 ``runner.pool``, transfer (donating it), hand the result back with ``runner.set_pool(kv)``. On a
@@ -20,7 +20,7 @@ Typical scheduler use (``hit`` = cached prefix length from the cache, page-align
     gen = runner.decode(prompt, logits, page_table, max_new_tokens=8)
     # or step by step, interleaving requests: runner.decode_step(seq, page_table) -> logits
 
-Every forward is one fixed-shape chunk (see ``hicache.engine.model`` for why this makes cached and
+Every forward is one fixed-shape chunk (see ``hicache.reference.engine.model`` for why this makes cached and
 recomputed KV bit-identical).
 """
 
@@ -32,9 +32,15 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from hicache.engine import kv_layout, scan
-from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.engine.model import Params, chunk_rows, compiled_forward, init_params, step_input
+from hicache.reference.engine import kv_layout, scan
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.engine.model import (
+    Params,
+    chunk_rows,
+    compiled_forward,
+    init_params,
+    step_input,
+)
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,7 @@ class ModelRunner:
         self.num_pages = geo.num_pages
         self._tables.clear()  # checked against the old pool's page count
         devices = kv_pool.sharding.device_set
-        # whether the scanned chunk program is bit-identical here (``hicache.engine.scan``)
+        # whether the scanned chunk program is bit-identical here (``hicache.reference.engine.scan``)
         self.scan_supported = all(scan.supported(d.platform) for d in devices)
         one_device = len(devices) == 1 and jax.process_count() == 1
         self.scan_chunks = self._scan_request if one_device and self.scan_supported else 1

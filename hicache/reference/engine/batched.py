@@ -3,7 +3,7 @@
 
 Each dispatch is ``scan.compiled_scan`` over some of the B requests' decode chunks (a lone chunk: the
 chunk program itself, ``ModelRunner._forward_steps``, as ``decode_step`` runs it; the scan of one is
-~8% slower, paired). See ``hicache.engine.scan`` for why a scan of the chunk program, not a [B*C]-row
+~8% slower, paired). See ``hicache.reference.engine.scan`` for why a scan of the chunk program, not a [B*C]-row
 forward, and on which platforms its bits were checked: ``compile_batches`` and ``decode_steps`` refuse
 the others with ``ValueError``; there a decode iteration calls ``decode_step`` per request. What it
 saves is the per-forward dispatch (measured on a loaded 2-CPU host, best of 30: B=2 3.11 -> 2.39 ms,
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hicache.engine.model import step_input
-from hicache.engine.runner import ModelRunner
-from hicache.engine import scan
-from hicache.engine.scan import supported
+from hicache.reference.engine import scan
+from hicache.reference.engine.model import step_input
+from hicache.reference.engine.runner import ModelRunner
+from hicache.reference.engine.scan import supported
 
 __all__ = ["batch_sizes", "check_platform", "compile_batches", "decode_steps", "scan_lengths", "supported"]
 

@@ -33,7 +33,7 @@ forwards over the replica's L1 pool, wherever that pool lives:
 * ``WorkerEngine`` (embedded HiCache): the model sits inside the ``HostWorker``, which owns the L1
   array and lends it to the model for each call (``HostWorker.run_model``), on this one thread; any
   transfer a cache call dispatches therefore reads or writes the array the last forward produced.
-* ``hicache.ray_engine.RayEngine`` (a Ray replica): the model sits inside every host's
+* ``hicache.reference.ray_engine.RayEngine`` (a Ray replica): the model sits inside every host's
   ``HostWorkerActor`` and runs SPMD over the replica's sharded L1 pool; each call goes to every host.
 """
 
@@ -43,8 +43,8 @@ import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -53,12 +53,12 @@ import numpy as np
 
 from hicache.cluster.begin import BeginParams
 from hicache.cluster.client import CacheClient, ResultRef
-from hicache.cluster.head import Call, Method
 from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.head import Call, Method
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
-from hicache.engine import batched
-from hicache.engine.runner import Generation, ModelRunner, greedy_decode
+from hicache.reference.engine import batched
+from hicache.reference.engine.runner import Generation, ModelRunner, greedy_decode
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class WorkerEngine(RemoteModelEngine):
                              max_new_tokens, between_steps=between_steps)
 
     def decode_steps(self, seqs: Sequence[np.ndarray], tables: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """One model call, one dispatch (``hicache.engine.batched.decode_steps``), bit-identical."""
+        """One model call, one dispatch (``hicache.reference.engine.batched.decode_steps``), bit-identical."""
         return self.worker.run_model(lambda model: batched.decode_steps(model, seqs, tables))
 
     def compile_decode_batches(self, max_batch: int) -> None:
@@ -568,7 +568,7 @@ class LoopOptions:
     """``ServingLoop`` options. ``max_running``: requests decoding at once (hard bound); ``max_waiting``:
     queued requests (``submit`` refuses more); ``decode_batch``: running requests one decode iteration
     advances by one step each, round-robin (0: all of them, as SGLang's decode batch);
-    ``batched_decode``: those steps in one dispatch (``hicache.engine.batched``: bit-identical on the
+    ``batched_decode``: those steps in one dispatch (``hicache.reference.engine.batched``: bit-identical on the
     platforms it was checked on, ``ValueError`` elsewhere; only where the model runs in this process:
     ``ModelRunner``, ``WorkerEngine``; a remote engine still calls once per request)."""
 
