@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 
 from hicache.reference.engine.config import ForwardConfig, ModelConfig  # noqa: E402
 from hicache.reference.engine.runner import ModelRunner, pages_needed  # noqa: E402
-from hicache.reference.serving import ServePhases, ServeRequest, ServeResult  # noqa: E402
+from hicache.reference.serve_types import ServePhases, ServeRequest, ServeResult  # noqa: E402
 
 MODEL = ModelConfig()
 FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=64)  # max context 512 tokens

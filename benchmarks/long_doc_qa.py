@@ -46,7 +46,7 @@ from benchmarks.common import (  # noqa: E402
     stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
 )
 from hicache.reference.engine.runner import ModelRunner  # noqa: E402
-from hicache.reference.serving import ServeRequest  # noqa: E402
+from hicache.reference.serve_types import ServeRequest  # noqa: E402
 
 CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
 

@@ -93,7 +93,8 @@ from benchmarks.common import (  # noqa: E402
 )
 from hicache.reference.engine import batched  # noqa: E402
 from hicache.reference.engine.runner import ModelRunner  # noqa: E402
-from hicache.reference.serving import LoopOptions, SchedulePolicy, ServeRequest, ServingLoop  # noqa: E402
+from hicache.reference.serve_types import ServeRequest  # noqa: E402
+from hicache.reference.serving_loop import LoopOptions, SchedulePolicy, ServingLoop  # noqa: E402
 
 CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
 

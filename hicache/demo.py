@@ -24,7 +24,7 @@ from rich.table import Table
 
 from hicache.reference.stack import StackOptions, build_stack, warm_up
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
-from hicache.reference.serving import ServeRequest, ServeResult
+from hicache.reference.serve_types import ServeRequest, ServeResult
 from hicache.workloads import MultiTurnSpec, multi_turn
 
 

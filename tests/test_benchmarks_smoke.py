@@ -77,7 +77,7 @@ def test_clock_views_of_a_served_request():
     import numpy as np
 
     from benchmarks.common import Item, Served, on_cpu_clock, on_wall_clock
-    from hicache.reference.serving import ServePhases, ServeResult
+    from hicache.reference.serve_types import ServePhases, ServeResult
 
     phases = ServePhases(match=0.001, l3=0.002, load_back=0.003, prefill=0.004, decode=0.005, finish=0.006)
 
@@ -102,7 +102,7 @@ def _paired(ttfts: dict[str, list[list[float]]], **kw) -> tuple[float, float]:
     import numpy as np
 
     from benchmarks.common import Item, Served, paired_overhead
-    from hicache.reference.serving import ServeResult
+    from hicache.reference.serve_types import ServeResult
 
     def served(ms: list[float]) -> list[Served]:
         return [Served(Item(i, None, 0, np.arange(3, dtype=np.int32), 1),
@@ -175,7 +175,7 @@ class _RecordingScheduler:
     def serve(self, req):
         import numpy as np
 
-        from hicache.reference.serving import ServeResult
+        from hicache.reference.serve_types import ServeResult
 
         return ServeResult((1,), np.zeros(1, np.float32), 0.5, 1.0, len(req.prompt), 0, 0, len(req.prompt))
 
@@ -188,7 +188,7 @@ def _virtual_run(policy: str, ticks, reference=None, **clock):
     from benchmarks.common import FWD, MODEL, Item, VirtualTimeRun, stack_options
     from hicache.reference.stack import build_stack
     from hicache.reference.engine.runner import ModelRunner
-    from hicache.reference.serving import LoopOptions, ServingLoop
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop
 
     runner = ModelRunner(MODEL, FWD, num_pages=64)
     rng = np.random.default_rng(31)

@@ -14,7 +14,8 @@ from hicache.cluster.client import CacheClient, EmbeddedTransport
 from hicache.cluster.tree import RadixKey, TreeConfig
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
-from hicache.reference.serving import Scheduler, ServeRequest
+from hicache.reference.scheduler import Scheduler
+from hicache.reference.serve_types import ServeRequest
 
 MODEL = ModelConfig()
 FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=32)
@@ -49,7 +50,7 @@ def test_multi_turn_with_l1_cache_equals_no_cache(runner):
 def test_prefill_asks_the_engine_for_the_last_row_only_and_stays_exact(runner):
     """A prefill (each chunked piece too) is one ``prefill`` call: the engine hands back the last logits
     row, not every row of every forward (which would wait on each forward and copy its logits)."""
-    from hicache.reference.serving import RemoteModelEngine
+    from hicache.reference.engine_adapters import RemoteModelEngine
 
     class Recording(RemoteModelEngine):
         page_size = FWD.page_size
@@ -489,7 +490,7 @@ def test_failed_load_back_falls_back_to_the_l1_prefix_exact_and_leaks_nothing(ru
     from hicache.cluster import CacheHead
     from hicache.cluster.policy import HiCacheConfig
     from hicache.cluster.transfers import LocalWorkerGroup
-    from hicache.reference.serving import WorkerEngine
+    from hicache.reference.engine_adapters import WorkerEngine
     from hicache.workers import HostWorker, KVCacheSpec, OpKind
     from support.hicache_env import FaultyWorkers
 
@@ -588,7 +589,7 @@ def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no
     equal ``generate_no_cache`` (decode steps one call each, or one dispatch per iteration inside the
     host worker); nothing stays locked or held afterwards."""
     from hicache.reference.stack import StackOptions, build_stack
-    from hicache.reference.serving import LoopOptions, ServingLoop, StepKind
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop, StepKind
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     rng = np.random.default_rng(19)
@@ -646,7 +647,7 @@ def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no
 
 
 def _l1_loop(runner, l1_pages=96, **options):
-    from hicache.reference.serving import LoopOptions, ServingLoop
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop
 
     client = embedded(HeadConfig(tree=TreeConfig(page_size=8, capacity_pages=l1_pages)))
     return ServingLoop(Scheduler(client, runner), LoopOptions(**options))
@@ -656,7 +657,7 @@ def test_prefill_first_gives_a_request_arriving_mid_decode_its_first_token_befor
     """A arrives and decodes; B arrives during A's decode: with prefill_first the next iteration is B's
     prefill (B's first token comes while A still runs); with fcfs_whole_request A decodes to the end
     first. Both orders give the no-cache outputs."""
-    from hicache.reference.serving import StepKind
+    from hicache.reference.serving_loop import StepKind
 
     rng = np.random.default_rng(23)
     a = ServeRequest(rng.integers(0, MODEL.vocab_size, 30, dtype=np.int32), 6)
@@ -688,7 +689,7 @@ def test_prefill_first_gives_a_request_arriving_mid_decode_its_first_token_befor
 def test_loop_starts_a_request_only_when_l1_holds_the_running_ones_and_it(runner):
     """L1 of 12 pages, requests of 5 pages: at most two run at once (no alloc fails); decode_batch=1
     advances one running request per decode iteration, round-robin; ``run`` returns results in order."""
-    from hicache.reference.serving import StepKind
+    from hicache.reference.serving_loop import StepKind
 
     loop = _l1_loop(runner, l1_pages=12, decode_batch=1)
     rng = np.random.default_rng(29)
@@ -710,7 +711,7 @@ def test_loop_starts_a_request_only_when_l1_holds_the_running_ones_and_it(runner
 
 
 def test_loop_options_and_submit_reject_bad_values_and_change_nothing(runner):
-    from hicache.reference.serving import LoopOptions, SchedulePolicy, ServingLoop
+    from hicache.reference.serving_loop import LoopOptions, SchedulePolicy, ServingLoop
 
     assert LoopOptions().policy is SchedulePolicy.PREFILL_FIRST
     assert LoopOptions(policy="fcfs_whole_request").policy is SchedulePolicy.FCFS_WHOLE_REQUEST

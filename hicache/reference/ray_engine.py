@@ -33,7 +33,7 @@ from hicache.cluster.errors import HiCacheTimeoutError, HiCacheUnavailableError
 from hicache.cluster.ray_head import worker_handles
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
-from hicache.reference.serving import RemoteModelEngine
+from hicache.reference.engine_adapters import RemoteModelEngine
 from hicache.storage import ModelFingerprint
 
 

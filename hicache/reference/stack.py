@@ -24,7 +24,9 @@ from hicache.cluster.tree import TreeConfig
 from hicache.reference.engine.config import ForwardConfig, ModelConfig, numerics_key
 from hicache.reference.engine.kv_layout import LAYOUT_VERSION
 from hicache.reference.engine.runner import ModelRunner
-from hicache.reference.serving import Scheduler, ServeRequest, WorkerEngine
+from hicache.reference.engine_adapters import WorkerEngine
+from hicache.reference.scheduler import Scheduler
+from hicache.reference.serve_types import ServeRequest
 from hicache.storage import ModelFingerprint
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hicache.reference.engine import ForwardConfig, ModelConfig, ModelRunner, kv_layout
-from hicache.reference.serving import WorkerEngine
+from hicache.reference.engine_adapters import WorkerEngine
 from hicache.workers import HostWorker, KVCacheSpec
 from hicache.workers.plan import OpKind, TransferOp, TransferPlan
 
