@@ -55,9 +55,8 @@ x the bare engine's rate measured in the same segment, whatever the machine's lo
 stats give the speeds, the rate measured there and the load it means unscaled. What is measured
 (``--clock``): by default this process's CPU time, every thread (``time.process_time``), the bare
 engine's segment too: the work each iteration did, whatever the other processes on a shared 2-CPU
-machine take (measured in wall time, the bare engine's speed swung 0.15-1.26 between segments of one
-run, and the configs' queues with it; in CPU time 0.6-1.2, and each config's utilization agreed
-across reps within a few %). A config's background threads (copies, L3 writes) then count as if they
+machine take (in wall time the bare engine's speed swings far more between segments of one run, and
+the configs' queues with it: docs/performance.md). A config's background threads (copies, L3 writes) then count as if they
 ran on the serving path, which can only slow the cache configs. ``--clock wall``: wall time.
 Each config's CPU per request by thread group (serving, native = XLA's threads,
 storage, L3 writers; ``clocks.thread_cpu_s``) is in its ``cache_stats``. Every config's outputs must equal the reference outputs, and a few requests

@@ -201,8 +201,7 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
     each segment's last request goes to its drain (the stack's latency) rather than into the next
     request. The stack keeps that work out of TTFT windows itself (its L3 writes wait past the next
     request's first token, ``Scheduler`` ``hold_storage_writes``; L1->L2 backups go in batches at a
-    finish), and the drain figures bound what is left (here segments of 1, 4 and 16 measured the
-    same overhead within their noise).
+    finish), and the drain figures bound what is left.
 
     Every request is timed on both clocks (``by_clock``): wall time (``ServePhases``) and this
     process's CPU time, every thread (``on_cpu_clock``: what the work took, whatever other processes
@@ -210,10 +209,9 @@ def overhead_pair(bare: BareEngine, runner: ModelRunner, options: Callable[[str]
     which one the top-level figures (the target) use. Robust to a noisy machine (``paired_overhead``):
     the overhead is a ratio of mean TTFTs over blocks of ``PAIR_BLOCK`` requests, each block's ratio
     the median over ``reps`` (fresh stack per rep) of the two configs' summed TTFTs on it, served
-    within seconds of each other. On this 2-CPU machine the CPU time of the same work swings by
-    tens of % with the other processes' load, on the scale of seconds, so short segments (default
-    1) pair the configs closely in time; a block holds several of them (the spread of the figure
-    over runs here: a few tenths of a point in segments of 1, points in segments of 4 or 16).
+    within seconds of each other. On a shared machine the CPU time of the same work swings with the
+    other processes' load, on the scale of seconds, so short segments (default 1) pair the configs
+    closely in time; a block holds several of them.
     Beside it: the ratio of the mean best-of-N TTFTs (each request's best of ``reps``,
     ``best_of_reps``; noisier: a request's minimum comes from whichever rep met a quiet moment) and
     the median of the per-request best-of-N ratios. Each rep also serves the pair interleaved request by request with nothing drained

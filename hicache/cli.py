@@ -9,6 +9,7 @@ its logs, ``down`` stops a replica. Errors print one line and exit 1.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ def _connect_ray(address: str | None) -> None:
     if target != "auto" and "://" not in target:
         _probe(target)
     try:
-        ray.init(address=target, namespace="hicache", logging_level="ERROR", log_to_driver=False)
+        ray.init(address=target, namespace="hicache", logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError) as exc:
         raise CliError(f"no Ray cluster at {target!r} ({str(exc).splitlines()[0]}); "
                        "start one with `ray start --head` or `ray up ray_configs/...`") from None

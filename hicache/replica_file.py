@@ -70,7 +70,7 @@ def load_replica_file(path: str | Path):  # -> ReplicaConfig
 def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> ReplicaConfig
     from hicache.cluster.ray_head import ReplicaConfig
     from hicache.cluster.ray_workers import WorkerGroupOptions
-    from hicache.cluster.tpu import cpu_placement, tpu_slice_placement
+    from hicache.cluster.tpu import tpu_slice_placement
     from hicache.workers import KVCacheSpec
 
     _check_keys(where, raw, _TOP)
@@ -94,7 +94,7 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
             spec = KVCacheSpec(int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]),
                                page_size, str(model.get("dtype", "bfloat16")))
             platform = w.get("platform", "cpu")
-            extra = {"start_timeout_s": float(w["start_timeout_s"])} if "start_timeout_s" in w else {}
+            extra: dict[str, Any] = {"start_timeout_s": float(w["start_timeout_s"])} if "start_timeout_s" in w else {}
             if platform == "cpu":
                 workers = WorkerGroupOptions.fake_cpu_hosts(spec, int(w.get("num_hosts", 1)),
                                                             int(w.get("devices_per_host", 1)), **extra)

@@ -588,8 +588,8 @@ def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no
     back) and L3 (a warm stack's, fetched while queued); every request's tokens and every logit row
     equal ``generate_no_cache`` (decode steps one call each, or one dispatch per iteration inside the
     host worker); nothing stays locked or held afterwards."""
-    from hicache.reference.stack import StackOptions, build_stack
     from hicache.reference.serving_loop import LoopOptions, ServingLoop, StepKind
+    from hicache.reference.stack import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     rng = np.random.default_rng(19)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hicache.reference.engine import batched
-from hicache.reference.engine.runner import Generation, greedy_decode
+from hicache.reference.engine.runner import Generation, TokenIds, greedy_decode
 
 
 class Engine(Protocol):
@@ -29,16 +29,16 @@ class Engine(Protocol):
     @property
     def page_size(self) -> int: ...
 
-    def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray: ...
+    def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray: ...
 
-    def prefill(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray: ...
+    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray: ...
 
-    def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
+    def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation: ...
 
-    def decode_step(self, tokens: np.ndarray, page_table: np.ndarray) -> np.ndarray: ...
+    def decode_step(self, tokens: TokenIds, page_table: TokenIds) -> np.ndarray: ...
 
-    def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation: ...
+    def generate_no_cache(self, tokens: TokenIds, max_new_tokens: int) -> Generation: ...
 
 
 class RemoteModelEngine(ABC):
@@ -50,13 +50,13 @@ class RemoteModelEngine(ABC):
     def call(self, method: str, *args: Any) -> Any:
         """``model.<method>(*args)`` where the model lives, over the L1 array; returns its result."""
 
-    def extend(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray:
+    def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray:
         return self.call("extend", tokens, page_table, start_pos)
 
-    def prefill(self, tokens: np.ndarray, page_table: np.ndarray, start_pos: int) -> np.ndarray:
+    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray:
         return self.call("prefill", tokens, page_table, start_pos)
 
-    def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
+    def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation:
         """One call for the whole decode; with ``between_steps``, one call per step and the hook between
         them, here (it may call the cache, which may transfer over L1: never inside a model call)."""
@@ -65,10 +65,10 @@ class RemoteModelEngine(ABC):
         return greedy_decode(lambda seq: self.decode_step(seq, page_table), tokens, last_logits,
                              max_new_tokens, between_steps=between_steps)
 
-    def decode_step(self, tokens: np.ndarray, page_table: np.ndarray) -> np.ndarray:
+    def decode_step(self, tokens: TokenIds, page_table: TokenIds) -> np.ndarray:
         return self.call("decode_step", tokens, page_table)
 
-    def decode_steps(self, seqs: Sequence[np.ndarray], tables: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def decode_steps(self, seqs: Sequence[TokenIds], tables: Sequence[TokenIds]) -> list[np.ndarray]:
         """``decode_step`` for each request (one call each; an engine whose model runs in this process
         does it in one dispatch)."""
         return [self.decode_step(s, t) for s, t in zip(seqs, tables)]
@@ -76,7 +76,7 @@ class RemoteModelEngine(ABC):
     def compile_decode_batches(self, max_batch: int) -> None:
         """Compiles what ``decode_steps`` runs for up to ``max_batch`` requests (nothing here)."""
 
-    def generate_no_cache(self, tokens: np.ndarray, max_new_tokens: int) -> Generation:
+    def generate_no_cache(self, tokens: TokenIds, max_new_tokens: int) -> Generation:
         """The reference: the same model, same pool shape and sharding, nothing reused."""
         return self.call("generate_no_cache", tokens, max_new_tokens)
 
@@ -95,7 +95,7 @@ class WorkerEngine(RemoteModelEngine):
         fn: Callable = lambda model: getattr(model, method)(*args)  # noqa: E731
         return self.worker.run_model(fn)
 
-    def decode(self, tokens: np.ndarray, last_logits: np.ndarray, page_table: np.ndarray,
+    def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation:
         """As ``RemoteModelEngine.decode``, the request checked once (``ModelRunner.decoder``: no pool
         touched), not at every step; each step one model call, the hook between them."""
@@ -105,7 +105,7 @@ class WorkerEngine(RemoteModelEngine):
         return greedy_decode(lambda seq: self.worker.run_model(lambda _: step(seq)), tokens, last_logits,
                              max_new_tokens, between_steps=between_steps)
 
-    def decode_steps(self, seqs: Sequence[np.ndarray], tables: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def decode_steps(self, seqs: Sequence[TokenIds], tables: Sequence[TokenIds]) -> list[np.ndarray]:
         """One model call, one dispatch (``hicache.reference.engine.batched.decode_steps``), bit-identical."""
         return self.worker.run_model(lambda model: batched.decode_steps(model, seqs, tables))
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from hicache.reference.engine.batched import batch_sizes, decode_steps, scan_lengths
-from hicache.reference.engine.scan import groups
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
+from hicache.reference.engine.scan import groups
 
 MODEL = ModelConfig()
 

@@ -8,7 +8,7 @@ import pytest
 
 from hicache.reference.engine import kv_layout, runner, scan
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
-from hicache.reference.engine.runner import ModelRunner, TABLE_MEMO
+from hicache.reference.engine.runner import TABLE_MEMO, ModelRunner
 
 BASE = ModelConfig()
 SWA = ModelConfig(num_layers=3, sliding_window=12)
