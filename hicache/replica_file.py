@@ -114,6 +114,18 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
         raise ValueError(f"{where}: {exc}") from None
 
 
+GCS_SCHEMES = ("gs", "gcs")  # fsspec's names for gcsfs
+
+
+def _require_backend(url: str) -> None:
+    """gs:// needs gcsfs, an extra (``hicache[gcs]``, in ``[tpu]`` too): say so when the file is read,
+    not when the head first touches L3."""
+    import importlib.util
+
+    if url.split("://", 1)[0] in GCS_SCHEMES and importlib.util.find_spec("gcsfs") is None:
+        raise ValueError(f"L3 url {url!r} needs gcsfs: install the gcs extra (pip install 'hicache[gcs]')")
+
+
 def _storage_params(l3: Any, model: Any, page_size: int, where: str) -> StorageParams:
     """``l3`` (url, model_id, StorageParams fields, ``storage``: StorageConfig fields) -> ``StorageParams``."""
     if not isinstance(l3, Mapping):
@@ -126,6 +138,7 @@ def _storage_params(l3: Any, model: Any, page_size: int, where: str) -> StorageP
     if not isinstance(config, Mapping):
         raise ValueError(f"l3.storage must be a mapping, got {config!r}")
     _check_keys(f"{where}: l3.storage", config, {f.name for f in dataclasses.fields(StorageConfig)})
+    _require_backend(str(l3["url"]))
     fingerprint = ModelFingerprint(str(l3["model_id"]), str(model.get("dtype", "bfloat16")), page_size,
                                    int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]))
     return StorageParams(str(l3["url"]), fingerprint, storage=StorageConfig(**config),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _run(args: list[str], cwd: str) -> subprocess.CompletedProcess:
@@ -110,8 +111,17 @@ def test_the_core_imports_and_the_demo_names_its_extra_without_the_optional_deps
         "find = importlib.util.find_spec\n"
         "importlib.util.find_spec = lambda name, *a: None if name in OPTIONAL else find(name, *a)\n"
         "import hicache, hicache.cli, hicache.cluster, hicache.workers, hicache.storage\n"
+        "for name in hicache.__all__: getattr(hicache, name)\n"
+        "try:\n"
+        f"    hicache.load_replica_file({REPLICA_FILE!r})\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
         "sys.exit(hicache.cli.main(['demo']))\n"
     )
     res = _run([sys.executable, "-c", code], str(tmp_path))
     assert res.returncode == 1, (res.stdout, res.stderr[-2000:])
     assert 'pip install -e ".[demo]"' in res.stderr and "rich, matplotlib" in res.stderr
+    assert "gs://my-kv-bucket/hicache' needs gcsfs" in res.stdout and "hicache[gcs]" in res.stdout
+
+
+REPLICA_FILE = str(Path(__file__).parents[1] / "ray_configs" / "replicas" / "v6e-16.yaml")  # L3 on gs://
