@@ -1,6 +1,6 @@
 """Engine adapters: the model as the ``Scheduler`` sees it, wherever it runs (DESIGN.md §1).
 
-Where the model runs (DESIGN.md §1): the ``Scheduler`` drives an ``Engine``; every engine call
+The ``Scheduler`` drives an ``Engine``; every engine call
 forwards over the replica's L1 pool, wherever that pool lives:
 
 * ``ModelRunner`` itself (L1 only, embedded): the runner owns its pool; nothing else touches it.

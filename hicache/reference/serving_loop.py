@@ -1,11 +1,10 @@
 """The iteration-level serving loop (``ServingLoop``, SGLang's event loop) over a ``Scheduler``.
 
-Iteration-level serving (``ServingLoop``, SGLang's event loop): a waiting queue and a running set;
-each iteration either runs the next waiting request's work up to its first token (``prefill_first``,
+A waiting queue and a running set; each iteration either runs the next waiting request's work up to its first token (``prefill_first``,
 the default) or one decode step of the running requests (``engine.decode_step``), then
 ``cache_finished_req`` for those done; ``fcfs_whole_request`` serves one request start to finish like
-``serve``. Every forward is the engine's fixed-shape chunk program, so outputs and logits do not
-depend on the interleaving. ``Scheduler.serve`` / ``serve_all`` serve one request at a time.
+``Scheduler.serve``. Every forward is the engine's fixed-shape chunk program, so outputs and logits
+do not depend on the interleaving. One thread: the loop, its scheduler and the engine's model calls.
 """
 
 from __future__ import annotations
