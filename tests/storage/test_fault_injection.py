@@ -339,3 +339,37 @@ def test_streamed_writes_pass_through_unchanged(tmp_path):
         f.write(PAYLOAD[100:])
     assert open(f"{path}/s", "rb").read() == PAYLOAD
     assert w.injected()[FaultKind.BANDWIDTH] == 1
+
+
+def test_other_calls_go_through_the_plan(target, tmp_path):
+    fs, root, _ = target
+    fs.pipe_file(f"{root}/obj", PAYLOAD)
+    local = str(tmp_path / "local")
+    w = FaultyFileSystem(fs, FaultPlan())
+    calls = {
+        Op.READ: [lambda: w.get_file(f"{root}/obj", local), lambda: w.open(f"{root}/obj", "rb").close()],
+        Op.WRITE: [
+            lambda: w.cp_file(f"{root}/obj", f"{root}/copy"),
+            lambda: w.put_file(local, f"{root}/put"),
+            lambda: w.touch(f"{root}/touched"),
+            lambda: w.pipe({f"{root}/piped": b"p"}),
+        ],
+        Op.METADATA: [lambda: w.size(f"{root}/obj"), lambda: w.modified(f"{root}/obj")],
+        Op.LIST: [lambda: w.ls(root), lambda: w.glob(f"{root}/*")],
+        Op.DELETE: [lambda: w.rm(f"{root}/copy")],
+    }
+    for op, fns in calls.items():
+        w.set_plan(FaultPlan(**{_field(op): OpFaults(error_p=1.0)}))
+        for fn in fns:
+            with pytest.raises(OSError, match="503"):
+                fn()
+    assert w.injected()[FaultKind.ERROR] == sum(map(len, calls.values()))
+    assert not fs.exists(f"{root}/copy") and not fs.exists(f"{root}/touched")
+    w.set_plan(FaultPlan())
+    for fns in calls.values():
+        for fn in fns:
+            fn()
+    assert open(local, "rb").read() == PAYLOAD and _stored(fs, f"{root}/put") == PAYLOAD
+    assert not fs.exists(f"{root}/copy")  # copied, then removed
+    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in w.glob(f"{root}/*")}
+    assert names == {"obj", "put", "touched", "piped"}
