@@ -9,6 +9,7 @@ import errno
 import threading
 import time
 import uuid
+from collections import Counter
 
 import fsspec
 import fsspec.asyn
@@ -373,3 +374,29 @@ def test_other_calls_go_through_the_plan(target, tmp_path):
     assert not fs.exists(f"{root}/copy")  # copied, then removed
     names = {p.rstrip("/").rsplit("/", 1)[-1] for p in w.glob(f"{root}/*")}
     assert names == {"obj", "put", "touched", "piped"}
+
+
+def test_concurrent_callers_draw_the_seeded_sequence_between_them():
+    fs = fsspec.filesystem("memory")
+    path = f"/conc-{uuid.uuid4().hex[:8]}/obj"
+    fs.pipe_file(path, PAYLOAD)
+    plan = FaultPlan(read=OpFaults(error_p=0.3, corrupt_p=0.3, truncate_p=0.3), seed=11)
+    threads, per_thread = 4, 50
+    expected = _outcomes(FaultyFileSystem(fs, plan), path, threads * per_thread)
+    w = FaultyFileSystem(fs, plan)
+    results: list[list] = [[] for _ in range(threads)]
+    start = threading.Barrier(threads)
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = _outcomes(w, path, per_thread)
+
+    pool = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(JOIN_S)
+    assert not any(t.is_alive() for t in pool)
+    # each call takes the next draws under the lock: together the threads saw the sequential run
+    assert Counter(o for r in results for o in r) == Counter(expected)
+    assert w.injected()[FaultKind.ERROR] == expected.count("OSError")
