@@ -43,9 +43,6 @@ from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
 _MAX_EVENTS = 100_000
 _MAX_GHOSTS = 65_536
-# check_events sends held backups anyway once they waited this many calls or this long (bounded hold).
-_BACKUP_HOLD_CALLS = 4
-_BACKUP_HOLD_S = 0.05
 # Event codes by the tier's name (what the tree's listener calls pass); events are packed ints (events.py).
 _STORED_CODE = {t.value: EVENT_CODES[EventKind.STORED, t] for t in Tier}
 _REMOVED_CODE = {t.value: EVENT_CODES[EventKind.REMOVED, t] for t in Tier}
@@ -177,8 +174,8 @@ class HiCacheController:
         # Pages of the last L1 alloc (``note_alloc``): held backups lock their nodes, so ``check_events`` sends
         # them once L1's free + evictable pages fall below it (a next alloc like it would wait for them).
         self._last_alloc_pages = 0
+        self._backup_hold_calls = config.backup_hold_calls
         self._backup_held_calls = 0  # check_events calls since the oldest queued backup was queued
-        self._backup_queued_at = 0.0
         self._deferred: dict[int, TreeNode] = {}  # backups waiting for an ancestor's backup ack
         self._seq = itertools.count()
         self._op_ids = itertools.count()
@@ -309,7 +306,6 @@ class HiCacheController:
         batch = self._open_backups
         if not batch.num_pages:
             self._backup_held_calls = 0
-            self._backup_queued_at = time.monotonic()
         if batch.add(chain, pages, slots) >= self._backup_batch_pages:
             self.send_due = True
         return True
@@ -565,18 +561,17 @@ class HiCacheController:
     def check_events(self) -> int:
         """Sends what is queued and applies every ack that arrived; returns transfers completed.
 
-        Loads go at once; backups keep batching up to ``backup_batch_pages``, but never wait longer than
-        ``_BACKUP_HOLD_CALLS`` calls or ``_BACKUP_HOLD_S`` (their nodes stay locked meanwhile), nor once L1's
-        free + evictable pages are fewer than the last alloc took (``note_alloc``): a next request like it
-        would wait for them in its alloc, on its critical path; sent now, they are acked by then. L2->L3 backups queued by
-        the acks applied here are sent before returning.
+        Loads go at once; backups keep batching up to ``backup_batch_pages``, but never for more than
+        ``backup_hold_calls`` calls (their nodes stay locked meanwhile), nor once L1's free + evictable pages
+        are fewer than the last alloc took (``note_alloc``): a next request like it would wait for them in
+        its alloc, on its critical path; sent now, they are acked by then. L2->L3 backups queued by the acks
+        applied here are sent before returning.
         """
         if self._open_loads.chains or self._open_backups.chains or self._queued_storage:
             force = False
             if self._open_backups.num_pages:
                 self._backup_held_calls += 1
-                force = (self._backup_held_calls >= _BACKUP_HOLD_CALLS
-                         or time.monotonic() - self._backup_queued_at >= _BACKUP_HOLD_S
+                force = (self._backup_held_calls >= self._backup_hold_calls
                          or self._l1_room() < self._last_alloc_pages)
             self.submit(force=force)
         if not self._pending:

@@ -337,9 +337,7 @@ def test_acked_transfers_are_freed_at_once_not_left_to_the_garbage_collector():
     assert alive == []
 
 
-def test_a_steps_load_backs_travel_as_one_op_and_are_exact(monkeypatch):
-    # Held backups also go after a wall-clock hold (50 ms): longer here, so a slow machine cannot send them.
-    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
+def test_a_steps_load_backs_travel_as_one_op_and_are_exact():
     env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
     prefixes = _host_only_prefixes(env, 4)
     rec = RecordingWorkers(env.head.controller.workers)
@@ -362,10 +360,9 @@ def test_a_steps_load_backs_travel_as_one_op_and_are_exact(monkeypatch):
     check(env)
 
 
-def test_a_node_split_while_its_backup_is_held_commits_both_halves_in_order(monkeypatch):
+def test_a_node_split_while_its_backup_is_held_commits_both_halves_in_order():
     """The tree splits a node whose backup waits in the open batch: the new prefix node joins that copy's
     chain in front of the rest, both halves get their slots of the one op, and loading them back is exact."""
-    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
     env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
     a = seq(0, 16)
     env.serve(a)  # a's backup (4 pages) is held in the open batch
@@ -423,7 +420,8 @@ def test_packed_events_round_trip_and_reject_out_of_range():
 
 def test_config_validation():
     for bad in (dict(host_slots=0), dict(host_slots=4, write_policy="sometimes"), dict(host_slots=4, load_back_threshold=-1),
-                dict(host_slots=4, ack_timeout_s=0)):
+                dict(host_slots=4, ack_timeout_s=0), dict(host_slots=4, backup_hold_calls=0),
+                dict(host_slots=4, backup_hold_calls=1.5)):
         with pytest.raises(ValueError):
             HiCacheConfig(**bad)
 
@@ -562,12 +560,11 @@ class GatedWorkers(RecordingWorkers):
         return self.held and self.poll() or self.inner.wait(timeout_s, op_ids)
 
 
-def test_held_backups_go_before_they_would_make_an_alloc_wait_and_a_short_alloc_takes_acks_that_came(monkeypatch):
+def test_held_backups_go_before_they_would_make_an_alloc_wait_and_a_short_alloc_takes_acks_that_came():
     """Held L1->L2 backups lock their nodes: ``check_events`` sends them once L1's free + evictable pages are
     fewer than the last alloc took (a next request like it would wait for them on its critical path). An
     alloc short of pages first applies the acks that already came and retries, before it sends held backups
     and waits for them."""
-    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
     env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
     ctl = env.head.controller
     gate = GatedWorkers(ctl.workers)
@@ -619,6 +616,25 @@ def test_the_head_sends_after_a_call_only_what_is_due():
     assert ctl.in_flight == 0 and ctl.submit() == 0
     head.tree.check_invariants()
     ctl.check_invariants()
+
+
+@pytest.mark.parametrize("hold_calls", [1, 3])
+def test_held_backups_go_after_backup_hold_calls_check_events_calls(hold_calls):
+    # The hold is a count of check_hicache_events calls (no clock): the batch below backup_batch_pages
+    # stays queued for hold_calls - 1 calls and goes, as one op, in the hold_calls-th.
+    rec = RecordingWorkers(LocalWorkerGroup([HostWorker(make_spec(4), 32, 64)]))
+    config = HeadConfig(tree=TreeConfig(page_size=4, capacity_pages=32),
+                        hicache=HiCacheConfig(host_slots=64, backup_hold_calls=hold_calls, ack_timeout_s=10.0))
+    head = CacheHead(config, rec)
+    head.insert(InsertParams(RadixKey(seq(0, 8)), head.alloc(8)))
+    for _ in range(hold_calls - 1):
+        head.check_hicache_events()
+    assert rec.plans == []
+    head.check_hicache_events()
+    assert [[(op.kind, op.num_pages) for op in p.ops] for p in rec.plans] == [[(OpKind.BACKUP_D2H, 2)]]
+    head.flush_write_through_acks()
+    assert head.cache_stats()["backed_up_tokens"] == 8
+    head.controller.check_invariants()
 
 
 def test_head_built_copy_op_is_the_checked_op_and_the_worker_still_checks_it():

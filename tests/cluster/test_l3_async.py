@@ -104,7 +104,7 @@ def _hanging_l3_write(env, tokens, release_after_s: float):
         env.serve(tokens)  # its L1->L2 backup, then its L2->L3 write (which hangs)
         deadline = time.monotonic() + 30
         while not env.head.controller.storage.in_flight and time.monotonic() < deadline:
-            time.sleep(0.06)  # past the backup hold
+            time.sleep(0.01)  # a poll: the backup goes after backup_hold_calls calls, its ack starts the write
             env.head.check_hicache_events()
         assert env.head.controller.storage.in_flight, "the L3 write never started"
         yield release
