@@ -20,7 +20,7 @@ import numpy as np
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
-from hicache.cluster.head import CALL_ERRORS, Call, CacheHead, CallResult, HeadConfig, Method
+from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, HeadConfig, Method
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
 from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (

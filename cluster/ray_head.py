@@ -60,11 +60,11 @@ import ray
 
 from hicache.cluster import ray_storage_record, wire
 from hicache.cluster.errors import HiCacheUnavailableError
-from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig
+from hicache.cluster.head import CacheHead, Call, CallResult, HeadConfig
 from hicache.cluster.key_history import KeyHistories
 from hicache.cluster.metrics import HeadMetrics
-from hicache.cluster.step_channel import ChannelAddress, StepChannelServer
 from hicache.cluster.ray_workers import NAMESPACE, RayWorkerGroup, WorkerGroupOptions
+from hicache.cluster.step_channel import ChannelAddress, StepChannelServer
 from hicache.cluster.storage_tier import StorageParams
 from hicache.cluster.tpu import HEAD_RESOURCE
 

@@ -85,8 +85,11 @@ def cpu_placement(num_hosts: int, cpus_per_host: float = 1.0, host_resource: str
 def tpu_slice_placement(topology: str, accelerator_version: str, *, timeout_s: float = 100.0) -> WorkerPlacement:
     """One bundle per host of a ``topology`` slice of ``accelerator_version`` chips (``"4x4"``, ``"v6e"``,
     ``ray.util.tpu`` naming). Pure: the slice is reserved later, by ``resolved()``."""
-    from ray._private.accelerators.tpu import get_chips_per_host, get_num_chips_from_topology, \
-        infer_tpu_pod_type_from_topology
+    from ray._private.accelerators.tpu import (
+        get_chips_per_host,
+        get_num_chips_from_topology,
+        infer_tpu_pod_type_from_topology,
+    )
 
     try:
         pod_type = infer_tpu_pod_type_from_topology(topology, f"TPU-{accelerator_version.upper()}")

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from support.hicache_env import HiCacheEnv, make_spec
 
 from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.controller import LoadBackParams
@@ -18,7 +19,6 @@ from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.transfers import LocalWorkerGroup, PendingTransfer
 from hicache.cluster.tree import InsertParams, RadixKey, TreeConfig
 from hicache.workers import HostWorker, OpKind, TransferOp, TransferPlan
-from support.hicache_env import HiCacheEnv, make_spec
 
 
 def seq(start, n):
@@ -499,9 +499,10 @@ class _HeldHost:
 def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
     """Backups of several requests travel as one D2H op. Host 0's ack alone changes nothing; host 1's ack
     commits every chain at once (ok) or rolls every chain back (failed): slots freed, nodes device-only."""
+    from support.hicache_env import make_spec
+
     from hicache.cluster import CacheHead, HeadConfig
     from hicache.cluster.tree import RequestState, TreeConfig
-    from support.hicache_env import make_spec
 
     ps = 4
     workers = _HeldHost(make_spec(ps), 32, 16)

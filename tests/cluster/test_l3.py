@@ -11,10 +11,10 @@ import fsspec
 import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
 from hicache.cluster.tree import InsertParams, RadixKey, RequestState
-from support.hicache_env import HiCacheEnv
 
 
 def seq(start, n):

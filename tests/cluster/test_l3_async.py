@@ -7,11 +7,11 @@ import threading
 import time
 
 import numpy as np
+from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey
 from hicache.storage import Namespace, page_keys
-from support.hicache_env import HiCacheEnv
 
 
 def seq(start, n):

@@ -20,6 +20,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
+from support.kv_pattern import page_rows  # noqa: E402
 
 import hicache  # noqa: E402
 from hicache.cluster import HeadConfig, embedded, ray_storage_record  # noqa: E402
@@ -40,7 +41,6 @@ from hicache.cluster.tree import InsertParams, RadixKey, RequestState, TreeConfi
 from hicache.storage import ModelFingerprint  # noqa: E402
 from hicache.workers import KVCacheSpec  # noqa: E402
 from hicache.workloads import MultiTurnSpec, multi_turn  # noqa: E402
-from support.kv_pattern import page_rows  # noqa: E402
 
 PS = 4
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=4, page_size=PS, dtype="float32")

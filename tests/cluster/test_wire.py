@@ -11,8 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from hicache.cluster import Call, CacheHead, CallResult, HeadConfig, Method
-from hicache.cluster import wire
+from hicache.cluster import CacheHead, Call, CallResult, HeadConfig, Method, wire
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.client import ResultRef, run_with_refs
 from hicache.cluster.key_history import DEFAULT_CAP_TOKENS, KeyHistories, KeyHistory, SentKeys
