@@ -57,12 +57,11 @@ _NO_PAGES.setflags(write=False)
 _T = TypeVar("_T")
 
 
-# LoadBackParams and LoadBackResult (one of each per load-back) write their fields into the instance dict in
-# one call: the generated __init__ of a frozen dataclass stores each field through object.__setattr__ (about
-# three times the cost; RadixKey hand-writes its __init__ for the same reason). Still frozen after __init__.
+# One LoadBackParams and one LoadBackResult per load-back: slotted, not frozen (a frozen dataclass's
+# __init__ stores each field through object.__setattr__, about three times the cost).
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(slots=True)
 class LoadBackParams:
     """``lock=True``: the result's ``last_node`` comes locked for the caller, exactly as after
     ``inc_lock_ref(last_node)`` (also when nothing is loaded), and a started load holds that same lock
@@ -75,11 +74,8 @@ class LoadBackParams:
     mem_quota: int | None = None  # max L1 tokens this load may take; None = no limit
     lock: bool = False
 
-    def __init__(self, node_id: int, host_hit_len: int, mem_quota: int | None = None, lock: bool = False) -> None:
-        self.__dict__.update(node_id=node_id, host_hit_len=host_hit_len, mem_quota=mem_quota, lock=lock)
 
-
-@dataclass(frozen=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class LoadBackResult:
     """Pages of the whole cached prefix after the load; the caller locks ``last_node`` as after a match.
 
@@ -93,11 +89,6 @@ class LoadBackResult:
     loaded_tokens: int
     load_id: int
     miss_reason: MissReason | None = None
-
-    def __init__(self, device_pages: np.ndarray, device_hit_len: int, last_node: int, loaded_tokens: int,
-                 load_id: int, miss_reason: MissReason | None = None) -> None:
-        self.__dict__.update(device_pages=device_pages, device_hit_len=device_hit_len, last_node=last_node,
-                             loaded_tokens=loaded_tokens, load_id=load_id, miss_reason=miss_reason)
 
 
 class _CopyBatch(PendingTransfer):
@@ -661,9 +652,9 @@ class HiCacheController:
                 continue  # an ack for a transfer already given up on
             if ack.host not in p.acked_hosts:
                 kind = p.kind
-                self.counters.bytes_moved[kind._value_] += ack.bytes_moved
+                self.counters.bytes_moved[kind.value] += ack.bytes_moved
                 if self.on_transfer is not None:
-                    self.on_transfer(kind._value_, ack.duration_s, ack.host)
+                    self.on_transfer(kind.value, ack.duration_s, ack.host)
                 p.record(ack)
             if len(p.acked_hosts) == p.num_hosts:
                 del pending[ack.op_id]

@@ -89,32 +89,27 @@ NO_ARG_METHODS = frozenset({  # called without an argument
 CALL_ERRORS = (ValueError, TypeError, RuntimeError)  # what fails one call of a step, not the step
 
 
-# Call and CallResult (one per call) write their fields into the instance dict in one call, as the tree's
-# per-request params do (a frozen dataclass's generated __init__ stores each field through object.__setattr__).
+# One Call and one CallResult per call of a step: slotted, not frozen (see ``LoadBackParams``).
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(slots=True)
 class Call:
-    method: Method | str
+    method: Method
     arg: Any = None
 
-    def __init__(self, method: Method | str, arg: Any = None) -> None:
-        if type(method) is not Method:  # the usual case is a Method; Method(...) alone costs ~1 us
+    def __post_init__(self) -> None:
+        if type(self.method) is not Method:  # the usual case is a Method already
             try:
-                method = Method(method)
+                self.method = Method(self.method)
             except ValueError:
-                raise ValueError(f"unknown method {method!r}; choose one of {[m.value for m in Method]}") from None
-        self.__dict__.update(method=method, arg=arg)
+                raise ValueError(f"unknown method {self.method!r}; choose one of {[m.value for m in Method]}") from None
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(slots=True)
 class CallResult:
     ok: bool
     value: Any = None
     error: BaseException | None = None
-
-    def __init__(self, ok: bool, value: Any = None, error: BaseException | None = None) -> None:
-        self.__dict__.update(ok=ok, value=value, error=error)
 
     def unwrap(self) -> Any:
         if not self.ok:
@@ -348,7 +343,7 @@ class CacheHead:
 
     def dispatch(self, method: Method, arg: Any = None) -> Any:
         """Runs one call given as its ``Method`` and argument (``call`` without building a ``Call``)."""
-        fn = getattr(self, method._value_)  # not ``.value``: Enum's property costs ~0.4 us per call
+        fn = getattr(self, method.value)
         return fn() if method in NO_ARG_METHODS else fn(arg)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:

@@ -46,7 +46,6 @@ class KeyHistory:
         self.session = session
         self.cap_tokens = cap_tokens
         self.steps = 0  # steps committed
-        self.checked = True  # (head) every entry came from a buffer of valid token ids (``wire.run_step``)
         self.tokens = 0
         self._entries: OrderedDict[int, np.ndarray] = OrderedDict()
         self._next = 0

@@ -41,6 +41,7 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import threading
 import time
@@ -125,17 +126,15 @@ class PrefetchState(str, Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(slots=True)
 class PrefetchProgress:
+    """One per L3 query: slotted, not frozen (a frozen dataclass's __init__ costs about three times)."""
+
     req_id: str
     state: PrefetchState
     tokens: int  # tokens fetched (DONE) or being fetched (RUNNING)
     may_proceed: bool  # the stop policy lets the request go on now
     reason: str = ""
-
-    def __init__(self, req_id: str, state: PrefetchState, tokens: int, may_proceed: bool, reason: str = "") -> None:
-        # one per L3 query: fields in one dict update (as the tree's per-request results)
-        self.__dict__.update(req_id=req_id, state=state, tokens=tokens, may_proceed=may_proceed, reason=reason)
 
 
 @dataclass
@@ -182,7 +181,7 @@ class StorageCounters:
     backup_held_dropped_pages: int = 0  # held writes dropped on detach (never sent: later misses)
 
     def snapshot(self) -> dict:
-        return dict(self.__dict__)
+        return dataclasses.asdict(self)
 
 
 class StorageTier:
