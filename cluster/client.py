@@ -22,7 +22,6 @@ from hicache.cluster.controller import LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
 from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, HeadConfig, Method
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
-from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
     EvictResult,
     FinishResult,
@@ -34,6 +33,7 @@ from hicache.cluster.tree import (
     RequestState,
     TreeStats,
 )
+from hicache.cluster.worker_group import WorkerGroup
 
 
 @dataclass(frozen=True)

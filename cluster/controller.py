@@ -34,11 +34,12 @@ from hicache.cluster.events import (
     unpack_event,
 )
 from hicache.cluster.host_tier import HostTier
+from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
-from hicache.cluster.transfers import PendingTransfer, WorkerGroup
 from hicache.cluster.tree import CacheCapacityError, MatchResult, PageOwner, RadixKey, RadixTree, TreeNode
 from hicache.cluster.tree.allocator import concat
+from hicache.cluster.worker_group import WorkerGroup
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 
 _MAX_EVENTS = 100_000

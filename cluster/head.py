@@ -21,7 +21,6 @@ from hicache.cluster.events import KVEvent
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, PrefetchState, StorageParams
-from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
     CacheCapacityError,
     EvictResult,
@@ -36,6 +35,7 @@ from hicache.cluster.tree import (
     TreeConfig,
     TreeStats,
 )
+from hicache.cluster.worker_group import WorkerGroup
 
 
 @dataclass(frozen=True)

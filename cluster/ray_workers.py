@@ -232,7 +232,7 @@ class HostWorkerActor:
         return self._storage().list_prefixes(namespace)
 
     def storage_errors(self) -> dict[str, int]:
-        from hicache.cluster.transfers import storage_error_counts
+        from hicache.cluster.worker_group import storage_error_counts
 
         return storage_error_counts(self._storage().stats())
 

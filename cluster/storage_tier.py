@@ -53,8 +53,9 @@ from enum import Enum
 import numpy as np
 
 from hicache.cluster.host_tier import HostTier
-from hicache.cluster.transfers import PendingTransfer, WorkerGroup
+from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
+from hicache.cluster.worker_group import WorkerGroup
 from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfig, page_keys
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment

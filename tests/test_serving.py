@@ -488,7 +488,7 @@ def test_failed_load_back_falls_back_to_the_l1_prefix_exact_and_leaks_nothing(ru
 
     from hicache.cluster import CacheHead
     from hicache.cluster.policy import HiCacheConfig
-    from hicache.cluster.transfers import LocalWorkerGroup
+    from hicache.cluster.worker_group import LocalWorkerGroup
     from hicache.serving import WorkerEngine
     from hicache.workers import HostWorker, KVCacheSpec, OpKind
     from support.hicache_env import FaultyWorkers

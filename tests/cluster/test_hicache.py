@@ -15,9 +15,10 @@ from support.hicache_env import HiCacheEnv, make_spec
 from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.events import EventKind, KVEvent, MissReason, Tier, pack_event, unpack_event
+from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.policy import HiCacheConfig
-from hicache.cluster.transfers import LocalWorkerGroup, PendingTransfer
 from hicache.cluster.tree import InsertParams, RadixKey, TreeConfig
+from hicache.cluster.worker_group import LocalWorkerGroup
 from hicache.workers import HostWorker, OpKind, TransferOp, TransferPlan
 
 
@@ -464,7 +465,7 @@ class _HeldHost:
     """Two real host workers; host 1's acks are held back (or failed) until ``release``."""
 
     def __init__(self, spec, device_pages: int, host_slots: int) -> None:
-        from hicache.cluster.transfers import LocalWorkerGroup
+        from hicache.cluster.worker_group import LocalWorkerGroup
         from hicache.workers import HostWorker
 
         self.inner = LocalWorkerGroup([HostWorker(spec, device_pages, host_slots, host_index=i) for i in (0, 1)])

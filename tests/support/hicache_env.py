@@ -20,8 +20,8 @@ from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
 from hicache.storage import ModelFingerprint
-from hicache.cluster.transfers import LocalWorkerGroup
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
+from hicache.cluster.worker_group import LocalWorkerGroup
 from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferAck, TransferPlan
 from support.kv_pattern import page_rows
 
