@@ -330,7 +330,7 @@ def test_acked_transfers_are_freed_at_once_not_left_to_the_garbage_collector():
         ctl = env.head.controller
         assert ctl.in_flight == 0
         # The controller keeps one open (empty, unsent) batch per copy kind; nothing else may be left.
-        open_batches = (ctl._open_loads, ctl._open_backups)
+        open_batches = (ctl.outbox.open_loads, ctl.outbox.open_backups)
         assert all(not b.chains and b.op is None for b in open_batches)
         alive = [o for o in gc.get_objects() if isinstance(o, PendingTransfer) and o not in open_batches]
     finally:
@@ -368,10 +368,10 @@ def test_a_node_split_while_its_backup_is_held_commits_both_halves_in_order():
     a = seq(0, 16)
     env.serve(a)  # a's backup (4 pages) is held in the open batch
     ctl = env.head.controller
-    (chain,) = ctl._open_backups.chains
+    (chain,) = ctl.outbox.open_backups.chains
     assert [n.num_tokens for n in chain] == [16]
     env.serve(np.concatenate([a[:8], seq(900, 8)]))  # splits a's node after 8 tokens
-    assert [n.num_tokens for n in chain] == [8, 8] and all(n.pending is ctl._open_backups for n in chain)
+    assert [n.num_tokens for n in chain] == [8, 8] and all(n.pending is ctl.outbox.open_backups for n in chain)
     check(env)
     env.head.flush_write_through_acks()
     assert env.head.cache_stats()["host_tokens"] == 24  # a's two halves, then the deferred new leaf
@@ -514,7 +514,7 @@ def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
         head.inc_lock_ref(m.last_device_node)
         head.cache_finished_req(RequestState(key, head.alloc(8), 0, m.last_device_node))
     ctl = head.controller
-    assert ctl.submit(force=True) == 3 and len(ctl._pending) == 1  # three chains, one op
+    assert ctl.submit(force=True) == 3 and len(ctl.outbox.pending) == 1  # three chains, one op
     head.flush_write_through_acks()  # host 0 acks; host 1 holds: nothing may change (bounded wait)
     assert head.cache_stats()["host_tokens"] == 0 and ctl.in_flight == 3
     assert head.stats().protected_tokens == 24 and ctl.host.num_free == 10  # locked, slots reserved
@@ -579,13 +579,13 @@ def test_held_backups_go_before_they_would_make_an_alloc_wait_and_a_short_alloc_
     env.head.check_hicache_events()  # 12 free, none evictable < 18 (a's alloc, the last): c + a go now
     assert [[(op.kind, op.num_pages) for op in p.ops] for p in gate.plans] == [[(OpKind.BACKUP_D2H, 20)]]
     env.serve(b)  # b's backup: held (no check_events)
-    assert [n.num_tokens for n in ctl._open_backups.chains[0]] == [8]
+    assert [n.num_tokens for n in ctl.outbox.open_backups.chains[0]] == [8]
     gate.collect(gate.plans[0].ops[0].op_id)
     gate.is_open = True
     st = env.head.stats()
     assert st.free_pages == 10 and st.evictable_tokens == 0  # a, b, c locked by their backups
     pages = env.head.alloc(24 * 4)  # c's and a's ack (already there) make them evictable: no send, no wait
-    assert len(pages) == 24 and gate.waits == 0 and len(gate.plans) == 1 and ctl._open_backups.chains
+    assert len(pages) == 24 and gate.waits == 0 and len(gate.plans) == 1 and ctl.outbox.open_backups.chains
     env.head.free(pages)
     check(env)
     env.head.flush_write_through_acks()

@@ -140,7 +140,7 @@ def test_alloc_short_of_pages_waits_for_l1_backups_not_l3_writes(tmp_path):
     env.head.flush_write_through_acks()
     with _hanging_l3_write(env, b, release_after_s=8.0) as release:
         env.serve(c)  # evicts a (in L2); c's backup is held, c locked by it
-        assert env.head.controller._open_backups.chains, "c's backup should be held"
+        assert env.head.controller.outbox.open_backups.chains, "c's backup should be held"
         pages = env.head.alloc(48)  # 12 pages: b's 8 + c's 8 are all there is; c's need its backup acked
         assert len(pages) == 12
         assert not release.is_set()
