@@ -11,6 +11,8 @@ Threads (Ray concurrency groups):
 * "health" (2 threads): ``health``, ``workers``, ``config``, ``step_channel``, ``set_step_channel``,
   ``shutdown``; read a few attributes, never the tree, so they never queue behind a transfer wait.
 * a monitor thread pings the host workers; a builder thread starts (and restarts) the gang.
+* test hooks (``ReplicaConfig.test_hooks``, off in production): ``hold_control_for_test`` occupies the
+  control thread and the state lock until ``release_control_for_test`` (a step in flight on demand).
 ``_lock`` is held for a whole step by the thread that runs it (control or channel: only one step touches
 the tree, the allocators and the HiCache controller at a time) and by the others only to swap state.
 ``_channel_lock`` guards the channel server (start, stop) and nothing else.
@@ -96,6 +98,9 @@ class ReplicaConfig:
     rebuild_backoff_s: float = 1.0  # between failed gang starts
     storage: StorageParams | None = None  # L3 attached when the replica starts (and after every restart)
     step_channel: bool = True  # clients on the head's node send steps over a loopback socket (Ray: the fallback)
+    # TEST ONLY: enables the head's ``*_for_test`` methods (hold the control thread until released), so
+    # tests have a step in flight for exactly as long as they need, whatever the box's speed.
+    test_hooks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.head, HeadConfig):
@@ -199,6 +204,8 @@ class CacheHeadActor:
         self._channel: StepChannelServer | None = None
         self._channel_enabled = config.step_channel
         self._channel_lock = threading.Lock()
+        self._test_held = threading.Event()  # (test hooks) the control thread is held
+        self._test_release = threading.Event()  # (test hooks) lets it go
         with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
             warnings.simplefilter("ignore", DeprecationWarning)
             self._reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -417,6 +424,36 @@ class CacheHeadActor:
             self._channel_enabled = enabled
             if not enabled:
                 self._close_channel()
+
+    # -- test hooks (``ReplicaConfig.test_hooks``; refused otherwise) ----------------------------------------
+    def _require_test_hooks(self) -> None:
+        if not self.config.test_hooks:
+            raise RuntimeError(f"replica {self.config.replica!r} was started without ReplicaConfig.test_hooks")
+
+    @ray.method(concurrency_group="control")
+    def hold_control_for_test(self, timeout_s: float) -> bool:
+        """TEST ONLY: occupies the control thread with the state lock held, as a long step does (Ray
+        steps queue behind it, channel steps wait for the lock), until ``release_control_for_test`` or
+        ``timeout_s``; returns True if released. ``wait_control_held_for_test`` says when it holds."""
+        self._require_test_hooks()
+        with self._lock:
+            self._test_held.set()
+            released = self._test_release.wait(timeout_s)
+            self._test_held.clear()
+        self._test_release.clear()
+        return released
+
+    @ray.method(concurrency_group="health")
+    def wait_control_held_for_test(self, timeout_s: float) -> bool:
+        """TEST ONLY: True once ``hold_control_for_test`` holds the control thread (False: ``timeout_s``)."""
+        self._require_test_hooks()
+        return self._test_held.wait(timeout_s)
+
+    @ray.method(concurrency_group="health")
+    def release_control_for_test(self) -> None:
+        """TEST ONLY: lets ``hold_control_for_test`` return (also if it has not started yet)."""
+        self._require_test_hooks()
+        self._test_release.set()
 
     def _close_channel(self) -> None:
         """(``_channel_lock`` held)"""

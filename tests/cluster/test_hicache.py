@@ -545,9 +545,9 @@ class GatedWorkers(RecordingWorkers):
         """Takes acks from the worker (kept from the head) until op ``op_id``'s came."""
         deadline = time.monotonic() + timeout_s
         while all(a.op_id != op_id for a in self.held):
-            assert time.monotonic() < deadline, f"op {op_id} never acked"
-            self.held += self.inner.poll()
-            time.sleep(0.001)
+            left = deadline - time.monotonic()
+            assert left > 0, f"op {op_id} never acked"
+            self.held += self.inner.wait(left, [op_id])  # blocks until the worker acks (or the time is up)
 
     def poll(self):
         acks = self.inner.poll()
