@@ -152,6 +152,7 @@ class HiCacheController:
     def _backup_chain(self, node: TreeNode) -> bool:
         """Backs up ``node`` and every ancestor without an L2 copy, in one op. False if not started."""
         parent = node.parent
+        assert parent is not None  # the root is never backed up
         pages = node.device_pages
         if (
             (parent.host_slots is not None or parent.parent is None) and pages is not None and not node.loading
@@ -160,6 +161,7 @@ class HiCacheController:
             # The common chain (a new leaf below a backed-up node or the root): the node alone, as
             # ``FullComponent.backup_chain`` would find it, without the walk.
             chain = [node]
+            parts = [pages]
         else:
             chain, blocker = self.tree.full.backup_chain(node)
             if blocker is not None:
@@ -168,13 +170,18 @@ class HiCacheController:
                 return False
             if not chain:
                 return False
+            parts = []
+            for c in chain:  # every node of the chain has L1 pages (``backup_chain``'s rule)
+                assert c.device_pages is not None
+                parts.append(c.device_pages)
             # Node page arrays are never written in place (splits and evictions replace them), so a single
             # node's array is used as is; TransferOp copies it when the op is built.
-            pages = chain[0].device_pages if len(chain) == 1 else concat([c.device_pages for c in chain])
+            pages = parts[0] if len(parts) == 1 else concat(parts)
         k = len(pages)
         slots = self.host.take(k)
         if slots is None:  # host eviction first: it must not drop the copy of the node the chain hangs below
             anchor = chain[0].parent
+            assert anchor is not None
             anchor.host_pin += 1
             try:
                 slots = self.host.reserve(k)
@@ -186,8 +193,8 @@ class HiCacheController:
             node.staged_slots = slots
         else:
             start = 0
-            for c in chain:
-                k = len(c.device_pages)
+            for c, part in zip(chain, parts):
+                k = len(part)
                 c.staged_slots = slots[start : start + k]
                 start += k
         self.tree.full.lock(chain[-1])
@@ -256,11 +263,11 @@ class HiCacheController:
         # One lock on the whole path: last_device's pages must survive the eviction alloc() may do, and the
         # chain stays locked until the load is acked (host-only nodes take the lock without L1 accounting;
         # their pages count as protected once attached). With ``caller_lock`` it is the caller's lock, taken
-        # in every component as ``inc_lock_ref`` takes it (``tree.lock_path``, inline: one call less).
-        full.lock(leaf)
+        # in every component as ``inc_lock_ref`` takes it (``tree.lock_path``).
         if caller_lock:
-            for on_lock in tree.hooks.on_lock:
-                on_lock(leaf)
+            tree.lock_path(leaf)
+        else:
+            full.lock(leaf)
         for c in chain:
             c.host_pin += 1  # write_back: the eviction below may back up and evict host leaves
         # The chain's pages go straight to the tree (it takes them below): no request-held state in between.
@@ -297,9 +304,10 @@ class HiCacheController:
     def _prefix_result(self, last: TreeNode, last_device: TreeNode, loaded_pages: np.ndarray | None, loaded: int,
                        load_id: int, reason: MissReason | None) -> LoadBackResult:
         """The prefix ending at ``last``: the L1 path down to ``last_device``, then the pages being loaded."""
-        parts = []
+        parts: list[np.ndarray] = []
         n = last_device
         while n.parent is not None:
+            assert n.device_pages is not None  # last_device and its ancestors are in L1
             parts.append(n.device_pages)
             n = n.parent
         parts.reverse()

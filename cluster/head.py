@@ -198,7 +198,7 @@ class CacheHead:
         if ctl is not None and ctl.in_flight:
             raise RuntimeError(f"cannot reset with {ctl.in_flight} transfers in flight")
         storage = None if ctl is None or ctl.storage is None else ctl.storage.params
-        if storage is not None:
+        if ctl is not None and storage is not None:
             ctl.detach_storage_backend()  # nothing in flight: writes the queued manifest, closes the clients
         self.tree.reset()
         if ctl is not None:
@@ -301,14 +301,15 @@ class CacheHead:
             raise TypeError(f"begin_request expects BeginParams, got {type(params).__name__}")
         ctl = self.controller
         l3 = params.check_prefetch is not None or params.prefetch_id is not None
-        if (params.hold_writes or l3) and ctl is None:
-            self._hicache()  # raises: no host tier
-        if l3 and ctl.storage is None:
-            raise RuntimeError("no storage backend attached")
-        if params.hold_writes:
-            ctl.pause_storage_writes()
+        if params.hold_writes or l3:
+            ctl = self._hicache()  # raises without a host tier
+            if l3 and ctl.storage is None:
+                raise RuntimeError("no storage backend attached")
+            if params.hold_writes:
+                ctl.pause_storage_writes()
         fetched = 0
         if params.check_prefetch is not None:
+            assert ctl is not None  # checked above
             checked = ctl.check_prefetch_progress(params.check_prefetch)
             if checked.state is PrefetchState.DONE:
                 fetched = checked.tokens
@@ -319,6 +320,7 @@ class CacheHead:
             hit, n = m.device_hit_len + m.host_hit_len, key.token_ids.shape[0]
             if hit < params.l3_below and n - n % self.tree.page_size - hit >= params.l3_min_tokens:
                 t = time.perf_counter()
+                assert ctl is not None  # checked above
                 started = ctl.prefetch_matched(params.prefetch_id, key, m)
                 l3_s = time.perf_counter() - t
                 if started.state is not PrefetchState.NOT_STARTED:

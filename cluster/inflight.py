@@ -24,16 +24,23 @@ class PendingTransfer:
     every transfer the op carries (the controller's copy batches carry many: ``num_transfers``). A plain
     slotted class: the head makes one per L3 op and per batch of L1<->L2 copies."""
 
-    __slots__ = ("op", "seq", "nodes", "num_hosts", "acked_hosts", "errors")
+    __slots__ = ("op", "kind", "seq", "nodes", "num_hosts", "acked_hosts", "errors")
     num_transfers = 1  # transfers this op carries (the requests' view: a copy batch counts its copies)
 
-    def __init__(self, op: TransferOp | None, seq: int, nodes: list[TreeNode], num_hosts: int) -> None:
+    def __init__(self, op: TransferOp | None, seq: int, nodes: list[TreeNode], num_hosts: int,
+                 kind: OpKind | None = None) -> None:
+        """``op``: the op, or None until it is built (then ``kind`` says what it will be)."""
+        if op is not None:
+            kind = op.kind
+        if kind is None:
+            raise ValueError("a pending transfer needs its op or its kind")
         self.op = op
+        self.kind: OpKind = kind
         self.seq = seq
         self.nodes = nodes
         self.num_hosts = num_hosts
-        self.acked_hosts: set[int] = NOT_SENT  # replaced by ``sent``
-        self.errors: list[str] = NO_ERRORS  # type: ignore[assignment]  # replaced by ``sent``
+        self.acked_hosts: set[int] | frozenset[int] = NOT_SENT  # replaced by ``sent``
+        self.errors: list[str] = NO_ERRORS  # type: ignore[assignment]  # a shared placeholder until ``sent``
 
     def sent(self, seq: int) -> None:
         """The op left in plan ``seq``: from now on hosts ack it."""
@@ -43,10 +50,6 @@ class PendingTransfer:
         """Gives up on the transfer (sent or not): it completes as failed on every host."""
         self.errors = [*self.errors, reason]  # a new list: an unsent op holds the shared placeholder
         self.acked_hosts = set(range(self.num_hosts))
-
-    @property
-    def kind(self) -> OpKind:
-        return self.op.kind
 
     @property
     def done(self) -> bool:
@@ -62,8 +65,11 @@ class PendingTransfer:
 
     def record(self, ack: TransferAck) -> None:
         """Records one host's ack (once per host; for every transfer sharing this record)."""
-        if ack.host in self.acked_hosts:
+        acked = self.acked_hosts
+        if ack.host in acked:
             return  # a duplicate ack changes nothing
-        self.acked_hosts.add(ack.host)
+        if isinstance(acked, frozenset):
+            raise RuntimeError(f"an ack for op {ack.op_id}, which was not sent")
+        acked.add(ack.host)
         if not ack.ok:
             self.errors.append(f"host {ack.host}: {ack.error}")

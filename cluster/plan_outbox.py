@@ -39,21 +39,16 @@ class CopyBatch(PendingTransfer):
     lock, ``LoadBackParams.lock``, released by the caller, not by the ack). ``op`` is the merged op once
     sent, None before."""
 
-    __slots__ = ("copy_kind", "chains", "pages", "slots", "num_pages", "load_ids", "caller_locks")
+    __slots__ = ("chains", "pages", "slots", "num_pages", "load_ids", "caller_locks")
 
     def __init__(self, kind: OpKind, num_hosts: int) -> None:
-        super().__init__(None, -1, [], num_hosts)
-        self.copy_kind = kind
+        super().__init__(None, -1, [], num_hosts, kind)
         self.chains: list[list[TreeNode]] = []
         self.pages: list[np.ndarray] = []
         self.slots: list[np.ndarray] = []
         self.num_pages = 0
         self.load_ids: list[int] = []
         self.caller_locks: list[bool] = []
-
-    @property
-    def kind(self) -> OpKind:
-        return self.copy_kind
 
     @property
     def num_transfers(self) -> int:  # type: ignore[override]  # a class constant in PendingTransfer
@@ -74,8 +69,8 @@ class CopyBatch(PendingTransfer):
         own (allocators, nodes; never written in place): the op takes them as they are (``copy_op``)."""
         pages, slots = self.pages, self.slots
         if len(pages) == 1:
-            return TransferOp.copy_op(op_id, self.copy_kind, pages[0], slots[0])
-        return TransferOp.copy_op(op_id, self.copy_kind, concat(pages), concat(slots))
+            return TransferOp.copy_op(op_id, self.kind, pages[0], slots[0])
+        return TransferOp.copy_op(op_id, self.kind, concat(pages), concat(slots))
 
     def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
         for chain in self.chains:
@@ -167,15 +162,13 @@ class PlanOutbox:
         """
         if not (self.send_due or force):
             return 0  # nothing queued, or only backups still batching: the common case
-        loads, storage = self.open_loads, self.queued_storage
-        backups: CopyBatch | None = self.open_backups
-        if backups.chains and (force or backups.num_pages >= self._batch_pages):
+        loads, storage, backups = self.open_loads, self.queued_storage, self.open_backups
+        # Loads / storage ops go now; held backups keep batching unless full or forced: a D2H dispatch
+        # never rides on the plan of a request's load-back or L3 prefetch (its TTFT).
+        send_backups = bool(backups.chains) and (force or backups.num_pages >= self._batch_pages)
+        if send_backups:
             self.open_backups = CopyBatch(_D2H, self.num_hosts)
-        elif loads.chains or storage:
-            # Loads / storage ops go now; held backups keep batching: a D2H dispatch never rides
-            # on the plan of a request's load-back or L3 prefetch (its TTFT).
-            backups = None
-        else:
+        elif not (loads.chains or storage):
             return 0  # forced with nothing queued
         # What stays queued now is a backup batch below its size: nothing is due until more is queued.
         self.send_due = False
@@ -187,7 +180,7 @@ class PlanOutbox:
             self.open_loads = CopyBatch(_H2D, self.num_hosts)
             loads.op = loads.merged_op(next(self.op_ids))
             sent = [*sent, loads]
-        if backups is not None:
+        if send_backups:
             backups.op = backups.merged_op(next(self.op_ids))
             sent = [*sent, backups]
         pending = self.pending

@@ -220,7 +220,8 @@ class RayTransport:
                 return False
             if reply.status == "ok":
                 try:
-                    entry.results = wire.decode_results(*reply.results, entry.calls)
+                    header, buf = reply.results
+                    entry.results = wire.decode_results(header, buf, entry.calls)
                 except Exception as e:  # a reply this client cannot read: that step fails, not the transport
                     entry.error = HiCacheError(f"replica {self.replica!r}: unreadable step reply: {e!r}")
                     return False

@@ -184,7 +184,7 @@ class _RecordingHead(CacheHead):
         self.storage_changed = True
 
 
-@ray.remote(concurrency_groups={"control": 1, "health": 2})
+@ray.remote(concurrency_groups={"control": 1, "health": 2})  # type: ignore[call-overload]  # Ray's stubs lack it
 class CacheHeadActor:
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
@@ -295,8 +295,10 @@ class CacheHeadActor:
         assert cfg.workers is not None
         if old is not None:
             old.kill()
+        capacity = cfg.head.tree.capacity_pages
+        assert capacity is not None  # ReplicaConfig requires it with workers
         while not self._stop.is_set():
-            group = RayWorkerGroup(cfg.replica, cfg.workers, cfg.head.tree.capacity_pages,
+            group = RayWorkerGroup(cfg.replica, cfg.workers, capacity,
                                    cfg.head.hicache.host_slots if cfg.head.hicache else 1, detached=cfg.detached)
             try:
                 group.start(_new_epoch())
@@ -351,15 +353,16 @@ class CacheHeadActor:
             if group is not None and group.lost is not None:
                 self._fail(group.lost)
                 return Reply("unavailable", None, reason=self._reason)
-            epoch = self._epoch
+            epoch, head = self._epoch, self._head
+            assert head is not None  # READY: a state is installed
             try:
-                results = execute(self._head)
+                results = execute(head)
             except Exception as e:  # not a per-call error the head knows: report it for every call
                 results = [CallResult(False, error=e)] * num_calls
             self._track_storage()
             if self._last_call - self._last_publish >= _METRICS_INTERVAL_S:
                 self._last_publish = self._last_call
-                self._head.publish_metrics()  # type: ignore[union-attr]
+                head.publish_metrics()
             if group is not None and group.lost is not None:
                 reason = group.lost
                 self._fail(reason)
@@ -477,10 +480,10 @@ class CacheHeadActor:
     @ray.method(concurrency_group="health")
     def workers(self) -> tuple[int, list[Any], list[tuple[int, int]]]:
         """(epoch, host worker handles in host order, KV-head range of each) of the current state."""
-        group = self._group
-        if self._state is not HeadState.READY or group is None:
+        group, epoch = self._group, self._epoch
+        if self._state is not HeadState.READY or group is None or epoch is None:
             raise HiCacheUnavailableError(f"replica {self.config.replica!r} has no host workers now ({self._state.value})")
-        return self._epoch, list(group.actors), list(group.head_ranges)
+        return epoch, list(group.actors), list(group.head_ranges)
 
     @ray.method(concurrency_group="health")
     def shutdown(self) -> None:
@@ -493,8 +496,8 @@ class CacheHeadActor:
             group, self._group, self._head = self._group, None, None
         if group is not None:
             group.kill()
-        if self.config.workers is not None:
-            cfg = self.config
+        cfg = self.config
+        if cfg.workers is not None:
             RayWorkerGroup(cfg.replica, cfg.workers, 1, 1, detached=cfg.detached).remove_placement_group()
         try:
             ray_storage_record.forget(self.config.replica)  # a later replica of this name starts from its config
@@ -536,7 +539,7 @@ def start_replica(config: ReplicaConfig, *, timeout_s: float = 180.0, address: s
         raise TypeError(f"expected a ReplicaConfig, got {type(config).__name__}")
     if not ray.is_initialized():
         ray.init(address=address or "auto", namespace=NAMESPACE)
-    head = CacheHeadActor.options(
+    head = CacheHeadActor.options(  # type: ignore[attr-defined]  # a Ray actor class
         name=head_name(config.replica), namespace=NAMESPACE, get_if_exists=True,
         lifetime="detached" if config.detached else None, max_restarts=config.max_restarts, max_task_retries=0,
         num_cpus=0, resources=dict(config.head_resources),

@@ -18,6 +18,9 @@ from typing import Any
 
 HOST_RESOURCE = "hicache_host"  # per-host custom resource (ray_configs/)
 HEAD_RESOURCE = "hicache_head"  # on the node that runs the head actors
+# The node label Ray puts on every host of a TPU slice (its default label; ``ray.util.tpu`` reads it as
+# ``ray._raylet.RAY_NODE_TPU_SLICE_NAME_KEY``, which has no public name).
+TPU_SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,7 @@ class WorkerPlacement:
         if self.tpu_slice is None:
             return self
         slice_name, head_pg = self.tpu_slice.reserve()
-        from ray._raylet import RAY_NODE_TPU_SLICE_NAME_KEY
-
-        selector = tuple({RAY_NODE_TPU_SLICE_NAME_KEY: slice_name} for _ in self.bundles)
+        selector = tuple({TPU_SLICE_NAME_LABEL: slice_name} for _ in self.bundles)
         return replace(self, bundle_label_selector=selector, slice_reservation=head_pg, tpu_slice=None)
 
 

@@ -42,7 +42,7 @@ class TransferCommitter:
             self.complete_storage(p)
         elif p.errors:
             self.fail_copies(p)
-        elif p.copy_kind is _D2H:
+        elif p.kind is _D2H:
             self.commit_backups(p)
         else:
             self.commit_loads(p)
@@ -107,7 +107,7 @@ class TransferCommitter:
         state before the copy and what the copy reserved is freed."""
         self.counters.transfer_failures += len(batch.chains)
         full = self.tree.full
-        if batch.copy_kind is _D2H:
+        if batch.kind is _D2H:
             unreserve = self.host.unreserve
             for nodes in batch.chains:
                 for n in nodes:

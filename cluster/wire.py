@@ -89,7 +89,7 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
     entry that is not a ``Call``."""
     packer = _Packer()
     header: Header = []
-    keys: list[np.ndarray] = []
+    keys: list[bytes | np.ndarray] = []
     find = sent.find if sent is not None else None
     for i, call in enumerate(calls):
         if type(call) is not Call and not isinstance(call, Call):
@@ -111,7 +111,8 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
             else:
                 ref_id, ref_len = -1, 0
                 keys.append(tokens)
-            entry = (_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt)
+            entry: tuple[Any, ...] = (_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key,
+                                      k.cache_salt)
             if kind is BeginParams:  # the key as a match's, then the scalars
                 entry = (_BEGIN, *entry[1:], arg.total_tokens, arg.hold_writes, arg.check_prefetch, arg.prefetch_id,
                          arg.l3_min_tokens, arg.l3_below)
@@ -224,10 +225,11 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
                 arg = resolve(index, field, scale, offset)
             elif kind == _INT or kind == _GENERIC:
                 arg = entry[2]
-            elif kind == _KEY:
-                arg = RadixKey(key_tokens, entry[6], entry[7])  # match_prefix takes the key as its params
-            elif kind == _BEGIN:
-                arg = BeginParams(RadixKey(key_tokens, entry[6], entry[7]), *entry[8:])
+            elif kind == _KEY or kind == _BEGIN:
+                if key_tokens is None:  # (a key entry that names the tree path: only request states may)
+                    raise ValueError(f"wire entry {entry[:4]!r} has no key tokens")
+                key = RadixKey(key_tokens, entry[6], entry[7])
+                arg = key if kind == _KEY else BeginParams(key, *entry[8:])  # match_prefix takes the key itself
             else:
                 arg = _decode_state(entry, buf, tree, key_tokens)
         except CALL_ERRORS as e:

@@ -35,7 +35,7 @@ class WorkerGroup(Protocol):
 
     def storage_pages_per_object(self) -> int: ...
 
-    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int: ...  # MIN over hosts
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int: ...  # MIN over hosts
     # min_pages: exact at or above it, below it any smaller count (FsspecStorage.batch_exists)
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
@@ -98,7 +98,7 @@ class LocalWorkerGroup:
     def storage_pages_per_object(self) -> int:
         return self._executors()[0].storage.pages_per_object()
 
-    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int:
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
         execs = self._executors()
         found = execs[0].storage.batch_exists(keys, first_page=first_page, min_pages=min_pages)
         for e in execs[1:]:  # MIN over hosts
