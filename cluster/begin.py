@@ -52,7 +52,8 @@ class BeginParams:
             if type(v) is not int or v < 0:
                 raise ValueError(f"BeginParams.{name} must be an int >= 0, got {v!r}")
         if self.total_tokens < key.token_ids.shape[0]:
-            raise ValueError(f"BeginParams.total_tokens {self.total_tokens} < the key's {key.token_ids.shape[0]} tokens")
+            raise ValueError(
+                f"BeginParams.total_tokens {self.total_tokens} < the key's {key.token_ids.shape[0]} tokens")
         if type(self.hold_writes) is not bool:
             raise TypeError(f"BeginParams.hold_writes must be a bool, got {self.hold_writes!r}")
         for name in ("check_prefetch", "prefetch_id"):

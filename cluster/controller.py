@@ -44,7 +44,7 @@ _T = TypeVar("_T")
 
 
 # One LoadBackParams and one LoadBackResult per load-back: slotted, not frozen (a frozen dataclass's
-# __init__ stores each field through object.__setattr__, about three times the cost).
+# __init__ stores each field through object.__setattr__, which costs more).
 
 
 @dataclass(slots=True)

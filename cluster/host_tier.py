@@ -24,7 +24,7 @@ from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
 
 _HOST = Tier.HOST.value
 _HOST_STORED = EVENT_CODES[EventKind.STORED, Tier.HOST]
-_BLOCK_SLOTS = 1024  # slots reserved per refill of the backups' block (~40 backups of this benchmark)
+_BLOCK_SLOTS = 1024  # slots reserved per refill of the backups' block (one reservation for many backups)
 _NO_SLOTS = np.empty(0, np.int32)
 _NO_SLOTS.setflags(write=False)
 
@@ -44,7 +44,7 @@ class HostTier:
         self.queue = EvictionQueue(policy, self.is_evictable, version_attr="host_heap_version")
         self._queue_live = False
         # maybe_push(node): offers ``node`` to the queue once it is live; until then ``id``, a builtin that
-        # takes one argument and does nothing here (no Python frame on the ~2 calls per request).
+        # takes one argument and does nothing here (no Python frame on the calls of every request).
         self.maybe_push: Callable[[TreeNode], object] = id
         self.host_tokens = 0  # tokens with a committed L2 copy
         self.evicted_tokens = 0

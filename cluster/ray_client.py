@@ -18,8 +18,8 @@ or ``result`` returns; a step that failed (timeout, head lost) fails alone, the 
 collected at once (each ran, failed, or is sent again), so nothing submitted later overtakes them.
 
 Step channel (``hicache.cluster.step_channel``): a client on the head's node sends its steps over a
-loopback socket the head hands out through a Ray call, not as Ray actor calls (a Ray call costs ~2 ms
-of CPU on each side, the socket ~0.1 ms); same request and reply bytes, same head code, same order
+loopback socket the head hands out through a Ray call, not as Ray actor calls (a Ray call costs far
+more CPU on each side than the socket); same request and reply bytes, same head code, same order
 (one connection, replies in order). A channel that times out stays in use (the late reply is read
 and dropped); one that breaks fails its steps in flight (``HiCacheUnavailableError``: they may have
 run) and the next step asks the head for a channel again (a restarted head has a new one); while

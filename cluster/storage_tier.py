@@ -129,7 +129,7 @@ class PrefetchState(str, Enum):
 
 @dataclass(slots=True)
 class PrefetchProgress:
-    """One per L3 query: slotted, not frozen (a frozen dataclass's __init__ costs about three times)."""
+    """One per L3 query: slotted, not frozen (a frozen dataclass's __init__ costs more)."""
 
     req_id: str
     state: PrefetchState

@@ -162,8 +162,8 @@ def _history_keys(header: Header, buf: np.ndarray,
     """(tokens, keys): the token ids of every key of a step that does not come from the tree (references
     resolved), per header entry (None for the others), and the same keys in call order (what the step
     commits to the key history). None if one refers to an entry ``history`` does not hold (the client
-    must resync). Each key is its own new array (one step-wide array would be mmapped fresh every step:
-    ~3K page faults per benchmark run here, slower than the per-key copies it saves)."""
+    must resync). Each key is its own new array (one step-wide array would be mmapped fresh every step,
+    and its page faults cost more than the per-key copies it saves)."""
     tokens: list[np.ndarray | None] = []
     keys: list[np.ndarray] = []
     get = history.get if history is not None else None
