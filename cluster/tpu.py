@@ -86,20 +86,11 @@ def cpu_placement(num_hosts: int, cpus_per_host: float = 1.0, host_resource: str
 def tpu_slice_placement(topology: str, accelerator_version: str, *, timeout_s: float = 100.0) -> WorkerPlacement:
     """One bundle per host of a ``topology`` slice of ``accelerator_version`` chips (``"4x4"``, ``"v6e"``,
     ``ray.util.tpu`` naming). Pure: the slice is reserved later, by ``resolved()``."""
-    from ray._private.accelerators.tpu import (
-        get_chips_per_host,
-        get_num_chips_from_topology,
-        infer_tpu_pod_type_from_topology,
-    )
+    from ray.util import tpu
 
     try:
-        pod_type = infer_tpu_pod_type_from_topology(topology, f"TPU-{accelerator_version.upper()}")
-        chips_per_host = get_chips_per_host(topology, accelerator_version)
-        num_chips = get_num_chips_from_topology(topology)
+        num_hosts, per_host = tpu.get_tpu_worker_resources(topology, f"TPU-{accelerator_version.upper()}")
     except (ValueError, KeyError, AttributeError) as exc:
         raise ValueError(f"unknown TPU topology {topology!r} / accelerator {accelerator_version!r}: {exc}") from None
-    if pod_type is None:
-        raise ValueError(f"no multi-host TPU pod type for topology {topology!r} / {accelerator_version!r}")
-    num_hosts = max(1, num_chips // chips_per_host)
-    bundles = tuple({"TPU": chips_per_host, HOST_RESOURCE: 1} for _ in range(num_hosts))
+    bundles = tuple({"TPU": per_host["TPU"], HOST_RESOURCE: 1} for _ in range(num_hosts))
     return WorkerPlacement(bundles, "STRICT_SPREAD", tpu_slice=TpuSliceRequest(topology, accelerator_version, timeout_s))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.cluster.tpu import TPU_SLICE_NAME_LABEL, cpu_placement
+from hicache.cluster.tpu import HOST_RESOURCE, TPU_SLICE_NAME_LABEL, cpu_placement, tpu_slice_placement
 
 ray = pytest.importorskip("ray")
 
@@ -20,3 +20,18 @@ def test_a_cpu_placement_has_nothing_to_reserve():
     assert placement.num_hosts == 2 and placement.resolved() is placement
     with pytest.raises(ValueError, match="num_hosts"):
         cpu_placement(0)
+
+
+@pytest.mark.parametrize("topology, accelerator, hosts, chips", [
+    ("4x4", "v6e", 4, 4), ("2x4", "v6e", 1, 8), ("2x2x2", "v5p", 2, 4), ("8x8", "v5litepod", 16, 4)])
+def test_a_slice_placement_has_one_bundle_per_host_with_its_chips(topology, accelerator, hosts, chips):
+    placement = tpu_slice_placement(topology, accelerator)  # pure: nothing reserved yet
+    assert placement.num_hosts == hosts and placement.strategy == "STRICT_SPREAD"
+    assert all(dict(b) == {"TPU": chips, HOST_RESOURCE: 1} for b in placement.bundles)
+    assert placement.tpu_slice is not None and placement.tpu_slice.topology == topology
+
+
+@pytest.mark.parametrize("topology, accelerator", [("4x4", "bogus"), ("9x9", "v6e")])
+def test_an_unknown_slice_is_a_value_error_naming_it(topology, accelerator):
+    with pytest.raises(ValueError, match=topology):
+        tpu_slice_placement(topology, accelerator)
