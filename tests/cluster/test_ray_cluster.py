@@ -660,7 +660,9 @@ def test_step_channel_timeout_is_a_hicache_error_and_the_late_replies_are_droppe
     assert transport._channel is channel and channel.in_flight == 0
 
 
-def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c):
+def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(replica_c):
+    client_c = hicache.connect(replica_c, channel_retry_s=0.0)  # asks the head for a channel at every step
+    client_c.reset()
     head, transport = get_head("c"), client_c._transport
     client_c.stats()
     assert transport._channel is not None
@@ -683,10 +685,17 @@ def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c)
     elsewhere._transport._node_id = "another-node"  # a scheduler on another node cannot reach 127.0.0.1 here
     assert elsewhere.match_prefix(RadixKey(a)).device_hit_len == 16
     assert (elsewhere._transport.channel_steps, elsewhere._transport.ray_steps) == (0, 1)
-    transport._channel_retry_at = 0.0  # (instead of waiting CHANNEL_RETRY_S)
     channel_steps = transport.channel_steps
     assert client_c.match_prefix(RadixKey(a)).device_hit_len == 16
     assert transport.channel_steps == channel_steps + 1 and transport._channel is not None
+
+
+def test_transport_options_are_checked_before_anything_is_sent():
+    from hicache.cluster.ray_client import RayTransport
+
+    for bad in (dict(timeout_s=0), dict(max_in_flight=0), dict(channel_retry_s=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RayTransport(None, "nowhere", **bad)
 
 
 def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
