@@ -19,8 +19,8 @@ from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.client import CacheClient, EmbeddedTransport
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchPolicy, StorageParams
-from hicache.cluster.transfers import LocalWorkerGroup
 from hicache.cluster.tree import TreeConfig
+from hicache.cluster.worker_group import LocalWorkerGroup
 from hicache.reference.engine.config import ForwardConfig, ModelConfig, numerics_key
 from hicache.reference.engine.kv_layout import LAYOUT_VERSION
 from hicache.reference.engine.runner import ModelRunner
