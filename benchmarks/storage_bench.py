@@ -2,8 +2,8 @@
 
     python benchmarks/storage_bench.py [--scheme file|memory|gs] [--object-mib 4 [16 ...]] [--quick] [--json PATH]
 
-Small objects, one serving request's L3 write per call (the per-object cost is mostly the
-filesystem's file creation, see ``per_object_overhead_us`` and ``cpu_ratio``)::
+Small objects, one serving request's L3 write per call (see ``per_object_overhead_us`` and
+``cpu_ratio``)::
 
     python benchmarks/storage_bench.py --scheme file --page-kib 16 --pages-per-object 4 --batch-pages 32 --total-mib 8
 
@@ -32,8 +32,7 @@ one repeat, not a whole side). Two other estimators come along to judge the nois
 phase starts after ``os.sync()``: no side pays for writing back (or being throttled by) the
 other's dirty pages; all objects are in the page cache for the reads; both destinations are
 pre-faulted. Raw I/O is sequential (what fsspec does for local files); ours uses ``--threads``
-I/O threads (default: ``StorageConfig``'s), file:// writes at most ``write_threads`` of them
-(the usable CPUs unless ``local_write_threads`` says otherwise).
+I/O threads (default: ``StorageConfig``'s).
 
 Records (``--json``), one per direction, scheme and object size (``--object-mib``, repeatable):
 direction, scheme, gbps, raw_gbps, ratio, ratio_pair_median, ratio_best_total, raw_cat_gbps /
@@ -122,7 +121,6 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
         st = FsspecStorage(url, fp, cfg)
         st.register_host_pool(pool, shard=ShardCoord.full(fp))
         ppo = st.pages_per_object()
-        st_write_threads = st.write_threads if local else None
         ns = Namespace(fp, cache_salt=tag)
         keys = page_keys(ns, np.arange(n_pages * tokens_per_page) % 32000)
         # raw objects: same count and sizes as ours (header included), bytes prepared up front
@@ -132,7 +130,7 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
         raw_fs, raw_root = fsspec.core.url_to_fs(raw_url, **({"skip_instance_cache": True, "use_listings_cache": False, **opts} if scheme == "gs" else opts))
         raw_paths = [f"{raw_root}/{k[:2]}/{k}" for k in (keys[min(n_pages, (i + 1) * ppo) - 1] for i in range(n_obj))]
         if local:  # both sides' fan-out directories exist (steady state of a long-lived cache)
-            our_paths = [st.object_path(k) for k in keys]  # objects and their link names (file://)
+            our_paths = [st.object_path(k) for k in keys]
             for d in {os.path.dirname(p) for p in raw_paths + our_paths}:
                 os.makedirs(d, exist_ok=True)
             if raw_dst is None:  # raw read destination: distinct, pre-faulted, page-aligned per object
@@ -233,7 +231,6 @@ def run_scheme(scheme: str, args: argparse.Namespace, base: str, object_mib: int
                 header_bytes_per_object=hdr,
                 per_object_overhead_us=(t - tr) / info["n_obj"] * 1e6,
                 threads=args.threads,
-                write_threads=st_write_threads,
                 repeat=args.repeat,
                 samples_per_batch=len(times[d]),
                 batches=len(times[d][0]),
@@ -277,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.total_mib, a.repeat, a.get_passes = min(a.total_mib, 16), 1, 1
                 srv, base = _emulator()
             else:
-                srv, base = None, (f"file://{tmp}" if scheme == "file" else f"memory://hicache-bench")
+                srv, base = None, (f"file://{tmp}" if scheme == "file" else "memory://hicache-bench")
             try:
                 recs = [r for mib in a.object_mib for r in run_scheme(scheme, a, base, mib)]
             finally:

@@ -1,22 +1,35 @@
 """hicache.storage: L3 (object storage) for the KV cache — ``HiCacheStorage`` ABC, the fsspec
-backend (file://, memory://, gs://), the key scheme and the object format (DESIGN.md §5).
+implementation (file://, memory://, gs://), the key scheme and the object format (DESIGN.md §5).
 
-Storage knows neither the radix tree nor the device/host pools' internals: the host pool is
-reached through the small ``HostPool`` protocol; keys are computed by ``page_keys`` (or lazily,
+Storage knows neither the radix tree nor the device/host pools' internals: a host pool is reached
+through the small ``HostSlots`` protocol; keys are computed by ``page_keys`` (or lazily,
 ``ChainKeys``).
+
+Modules: ``base`` (interface, stats, argument checks), ``keys`` (key scheme), ``format`` (object
+header), ``config`` (``StorageConfig``), ``object_store`` (per-scheme primitives), ``batch_io``
+(batches under a deadline), ``chunking`` (pages <-> objects), ``slot_access`` (host slot copies),
+``lru`` (file:// byte cap), ``manifest`` (warm restart), ``fsspec_store`` (``FsspecStorage``),
+``testing`` (a numpy host pool for tests).
 """
 
 from hicache.storage.base import (
     HiCacheStorage,
-    HostPool,
+    HostSlots,
     PoolKind,
     PoolTransfer,
     StorageStats,
     StoredPrefix,
 )
+from hicache.storage.config import DEFAULT_TARGET_OBJECT_BYTES, StorageConfig
 from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, CorruptReason
-from hicache.storage.fsspec_store import DEFAULT_TARGET_OBJECT_BYTES, FsspecStorage, StorageConfig
-from hicache.storage.keys import ChainKeys, ModelFingerprint, Namespace, ShardCoord, page_keys
+from hicache.storage.fsspec_store import FsspecStorage
+from hicache.storage.keys import (
+    ChainKeys,
+    ModelFingerprint,
+    Namespace,
+    ShardCoord,
+    page_keys,
+)
 
 __all__ = [
     "ChainKeys",
@@ -26,7 +39,7 @@ __all__ = [
     "CorruptReason",
     "FsspecStorage",
     "HiCacheStorage",
-    "HostPool",
+    "HostSlots",
     "ModelFingerprint",
     "Namespace",
     "PoolKind",

@@ -6,11 +6,12 @@ heads). A page is named by its chain key (``hicache.storage.keys.page_keys``) an
 its absolute index in its chain (``first_page + i``). Storage groups consecutive pages of a chain
 into objects (``pages_per_object``); callers only ever see pages.
 
-Buffer ownership. The host pool (``HostPool``, implemented by the worker's host pool) owns its
+Buffer ownership. The host pool (``HostSlots``, implemented by the worker's host pool) owns its
 slots. Storage calls ``read_slots`` / ``write_slots`` only during a ``batch_get`` /
 ``batch_set`` call, from the calling thread (or from its I/O threads, on disjoint slots, if the
-pool declares ``concurrent_slot_io = True``), never after the call returned; ``read_slots``
-returns a fresh array that storage owns and drops when the call returns; ``write_slots`` copies out of a buffer storage owns.
+pool declares ``concurrent_slot_io`` / ``concurrent_slot_reads``: ``slot_access``), never after
+the call returned; ``read_slots`` returns a fresh array that storage owns and drops when the call
+returns; ``write_slots`` copies out of a buffer storage owns.
 The caller must keep the slots of an in-flight call pinned (not freed, not reused) until it
 returns. Storage never keeps a reference to pool memory between calls.
 
@@ -34,7 +35,13 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from hicache.storage.keys import ChainKeys, ModelFingerprint, Namespace, ShardCoord, check_key
+from hicache.storage.keys import (
+    ChainKeys,
+    ModelFingerprint,
+    Namespace,
+    ShardCoord,
+    check_key,
+)
 
 
 class PoolKind(str, enum.Enum):
@@ -46,23 +53,18 @@ class PoolKind(str, enum.Enum):
 
 
 @runtime_checkable
-class HostPool(Protocol):
-    """What storage needs from a host (L2) pool. One slot = one page of this host's shard."""
+class HostSlots(Protocol):
+    """What storage needs from a host (L2) pool: its slots. One slot = one page of this host's
+    shard."""
 
     slot_shape: tuple[int, ...]
     dtype: np.dtype
     slot_bytes: int
     # Optional (not part of the structural check): a pool that sets ``concurrent_slot_io = True``
-    # allows storage's I/O threads to call read_slots/write_slots concurrently on *disjoint*
-    # slots during a call (faster: copies and checksums run in parallel). Storage guarantees no
-    # such access after the call returns, also when the call times out. Such a pool may also
-    # offer ``slot_view(start, n) -> ndarray [n, *slot_shape]``: a C-contiguous view of
-    # consecutive slots; file:// then reads/writes objects straight from/to pool memory (one copy
-    # less). A payload that fails verification after landing in a view is zeroed, so corrupt
-    # bytes never stay in the pool. A pool written only on the calling thread may still set
-    # ``concurrent_slot_reads = True``: I/O threads then read its slots (``batch_set``: objects
-    # written straight from ``slot_view`` views, one per run of consecutive slots) but never
-    # write them.
+    # allows storage's I/O threads to call read_slots/write_slots concurrently on *disjoint* slots
+    # during a call (copies and checksums then run in parallel); ``concurrent_slot_reads = True``
+    # allows only read_slots there (a pool written on the calling thread only). Storage
+    # guarantees no such access after the call returns, also when the call times out.
 
     def read_slots(self, slots: np.ndarray) -> np.ndarray:  # slots: i32[n] -> [n, *slot_shape]
         """Copy of the slots' contents (owned by the caller)."""
@@ -129,7 +131,7 @@ class HiCacheStorage(abc.ABC):
     @abc.abstractmethod
     def register_host_pool(
         self,
-        pool: HostPool,
+        pool: HostSlots,
         *,
         shard: ShardCoord,
         kind: PoolKind = PoolKind.KV,
@@ -166,11 +168,9 @@ class HiCacheStorage(abc.ABC):
         """Load the longest stored prefix of each transfer into its host slots.
 
         Per transfer, per page: loaded or not. Only a contiguous prefix is usable by the tree, so
-        every page after the first missing/corrupt/failed one reports ``False`` (pages after the
-        first *missing* object are not loaded; a backend that reads objects concurrently without
-        an existence round, file://, may already have started some of them). Slots of ``False``
-        pages may have been overwritten and must be treated as garbage; bytes that failed
-        verification never stay in them as data (they are wiped).
+        every page after the first missing/corrupt/failed one reports ``False`` (objects after the
+        first missing one are not read). Slots of ``False`` pages may have been overwritten and
+        must be treated as garbage; bytes that failed verification never reach them.
         """
 
     @abc.abstractmethod
@@ -203,8 +203,7 @@ class HiCacheStorage(abc.ABC):
 
     @abc.abstractmethod
     def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:
-        """Whether an object named ``key`` is stored: one ending at page ``page_index``, or (file://
-        link names) a longer one of the same chunk whose leading pages end there."""
+        """Whether an object named ``key`` (ending at page ``page_index``) is stored."""
 
     # ---- warm restart --------------------------------------------------------------------
     @abc.abstractmethod
@@ -240,7 +239,7 @@ class HiCacheStorage(abc.ABC):
 
 def _all_keys_valid(keys: list[str]) -> bool:
     """Whether every key is 64 lowercase hex chars, checked over the whole batch at once (C
-    loops over one joined string; a per-key regex costs ~1 us per key)."""
+    loops over one joined string, not a regex per key)."""
     try:
         b = ",".join(keys).encode("ascii")
     except (TypeError, UnicodeEncodeError):

@@ -25,34 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
 import re
 import struct
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
-
-
-def _small_input_sha256() -> Callable[[bytes], Any]:
-    """SHA-256 for the key chain's short inputs (32-byte link + one page of tokens): CPython's own
-    implementation (``_sha2`` from 3.12, ``_sha256`` before) where the build has it, else
-    ``hashlib.sha256``. Same digests; what differs is the cost of the first call after other work
-    evicted the CPU caches, which is the case of every L3 query on the serving thread (it comes
-    right after a forward): measured on this host, one hash after a 32 MiB numpy pass, median of 300,
-    OpenSSL 30-34 us vs builtin 11 us (warm: 0.65-1.2 us vs 0.65 us). OpenSSL's generic EVP layer
-    (context alloc, provider dispatch) is much more code to fetch for 100 bytes."""
-    for module in ("_sha2", "_sha256"):
-        try:
-            fn = getattr(importlib.import_module(module), "sha256")
-        except (ImportError, AttributeError):
-            continue
-        if fn(b"hicache").digest() == hashlib.sha256(b"hicache").digest():
-            return fn
-    return hashlib.sha256
-
-
-_sha256 = _small_input_sha256()
 
 KEY_HEX_LEN = 64
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -169,7 +146,7 @@ class Namespace:
 
 @functools.lru_cache(maxsize=4096)
 def _seed(fingerprint_digest: bytes, extra_key: str | None, cache_salt: str | None) -> bytes:
-    return _sha256(_seed_head(fingerprint_digest, extra_key) + _frame(cache_salt)).digest()
+    return hashlib.sha256(_seed_head(fingerprint_digest, extra_key) + _frame(cache_salt)).digest()
 
 
 @functools.lru_cache(maxsize=256)
@@ -239,7 +216,7 @@ def page_keys(
     stride = p * 8
     out: list[str] = []
     for i in range(len(arr) // p):
-        prev = _sha256(prev + raw[i * stride : (i + 1) * stride]).digest()
+        prev = hashlib.sha256(prev + raw[i * stride : (i + 1) * stride]).digest()
         out.append(prev.hex())
     return out
 
@@ -280,7 +257,7 @@ class ChainKeys(Sequence):
         done, stride, raw = self._done, self._page_bytes, self._raw
         prev = bytes.fromhex(done[-1]) if done else self._prev
         for i in range(len(done), n):
-            prev = _sha256(prev + raw[i * stride : (i + 1) * stride]).digest()
+            prev = hashlib.sha256(prev + raw[i * stride : (i + 1) * stride]).digest()
             done.append(prev.hex())
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]

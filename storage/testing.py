@@ -1,4 +1,4 @@
-"""A plain numpy host pool satisfying ``HostPool``, for tests, benchmarks and examples.
+"""A plain numpy host pool satisfying ``HostSlots``, for tests, benchmarks and examples.
 
 It is a real buffer (one ``[num_slots, *slot_shape]`` array that this object owns), not a mock;
 the production host pool lives in ``hicache.workers``. ``read_slots`` returns a fresh copy owned by
@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import numpy.typing as npt
 
 
 class NumpyHostPool:
     concurrent_slot_io = True  # disjoint-slot copies from several threads are safe on one ndarray
 
-    def __init__(self, num_slots: int, slot_shape: tuple[int, ...], dtype: np.dtype | str = np.float32) -> None:
+    def __init__(self, num_slots: int, slot_shape: tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.slot_shape = tuple(int(d) for d in slot_shape)
@@ -39,10 +40,6 @@ class NumpyHostPool:
         slots = np.asarray(slots)
         r = self._as_range(slots)
         return self.buf[r].copy() if r is not None else self.buf[slots]  # always a copy
-
-    def slot_view(self, start: int, n: int) -> np.ndarray:  # -> [n, *slot_shape], a view (no copy)
-        """Optional zero-copy access to consecutive slots (see ``HostPool``)."""
-        return self.buf[start : start + n]
 
     def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:  # data: [n, *slot_shape]
         slots = np.asarray(slots)

@@ -5,6 +5,7 @@ from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, Host
 from hicache.cluster.tree.eviction import EvictionPolicy
 from hicache.cluster.tree.full import FullComponent
 from hicache.cluster.tree.key import RadixKey, as_token_array
+from hicache.cluster.tree.mamba import MambaComponent, MambaMatch, MambaRequest
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import (
     EvictResult,
@@ -17,8 +18,7 @@ from hicache.cluster.tree.params import (
     TreeStats,
 )
 from hicache.cluster.tree.radix import RadixTree, TreeConfig
-from hicache.cluster.tree.swa import SWAComponent  # noqa: E402  (imports the tree types above)
-from hicache.cluster.tree.mamba import MambaComponent, MambaMatch, MambaRequest  # noqa: E402
+from hicache.cluster.tree.swa import SWAComponent
 
 __all__ = [
     "CacheCapacityError",

@@ -4,14 +4,15 @@ Owned by the tree's owner (the head). Every page is in exactly one state: FREE (
 REQUEST (handed out by ``alloc``, held by a running request) or TREE (referenced by a tree node).
 The free list is a numpy stack, so alloc/free of n pages is O(n) numpy work, not Python loops. Page
 arrays are int32 everywhere; they are cast to ``intp`` once before fancy indexing (numpy's int32 index
-path costs 2-5x more per call than the cast plus an ``intp`` index). The stack itself holds ``intp`` ids
-and grows downwards (its top is its lowest used index): ``alloc`` indexes the owners with a slice of it
-and hands out one int32 copy (3 numpy calls, where a reversed int32 slice, its copy and the cast were 5).
+path is slower than the cast plus an ``intp`` index). The stack itself holds ``intp`` ids and grows
+downwards (its top is its lowest used index), so ``alloc`` indexes the owners with a slice of it and
+hands out one int32 copy, with no reversal.
 ``capacity=None`` means unbounded: the pool grows by doubling (benchmarks, tests of the tree alone).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 import numpy as np
@@ -28,13 +29,9 @@ class PageOwner(IntEnum):
 _FREE, _REQUEST, _TREE = int(PageOwner.FREE), int(PageOwner.REQUEST), int(PageOwner.TREE)
 _OWNER_BYTE = {int(o): bytes([int(o)]) for o in PageOwner}
 _INTP = np.intp
-# The C function itself: np.concatenate's array-function dispatcher adds ~0.5 us per call (the HiCache paths
-# join a few small id arrays per backup, load-back and host-only merge).
-concat = getattr(np.concatenate, "_implementation", np.concatenate)
-try:  # the C function itself: np.count_nonzero adds a Python wrapper (~1 us per call)
-    from numpy._core.multiarray import count_nonzero as count_true  # numpy >= 2
-except ImportError:  # pragma: no cover - numpy 1.x
-    from numpy.core.multiarray import count_nonzero as count_true
+# Short names the tree and the HiCache tiers (host_tier, controller) join and count id arrays with.
+concat = np.concatenate
+count_true = np.count_nonzero
 
 
 def as_index(pages: np.ndarray) -> np.ndarray:
@@ -46,14 +43,18 @@ class CacheCapacityError(RuntimeError):
     """Not enough free plus evictable pages for an allocation; nothing was changed."""
 
 
-def as_page_array(pages: np.ndarray | list[int] | tuple[int, ...], what: str = "pages") -> np.ndarray:
+# Page ids as callers may pass them; ``as_page_array`` makes them one int32 array.
+PageIds = np.ndarray | Sequence[int]
+
+
+def as_page_array(pages: PageIds, what: str = "pages") -> np.ndarray:
     """Returns page ids as a 1-D int32 array or raises TypeError naming the value."""
     if isinstance(pages, np.ndarray):
         arr = pages
-    elif isinstance(pages, (list, tuple)):
+    elif isinstance(pages, (list, tuple)) or (isinstance(pages, Sequence) and not isinstance(pages, (str, bytes))):
         arr = np.asarray(pages, dtype=np.int64) if len(pages) else np.empty(0, dtype=PAGE_DTYPE)
     else:
-        raise TypeError(f"{what} must be a numpy integer array or a list of ints, got {type(pages).__name__}")
+        raise TypeError(f"{what} must be a numpy integer array or a sequence of ints, got {type(pages).__name__}")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
@@ -141,16 +142,16 @@ class PageAllocator:
 
     def check(
         self, pages: np.ndarray, expected: PageOwner, what: str = "pages", index: np.ndarray | None = None
-    ) -> np.ndarray | None:
+    ) -> np.ndarray:
         """Raises ValueError unless every page is in range, unique and owned by ``expected``.
 
-        Returns the pages as an ``intp`` index (for the caller's next fancy indexing), None if empty.
+        Returns the pages as an ``intp`` index (for the caller's next fancy indexing).
         ``index``: that index when the caller already has it (``as_index(pages)``).
         """
         n = pages.shape[0]
-        if n == 0:
-            return None
         idx = as_index(pages) if index is None else index
+        if n == 0:
+            return idx
         self.check_owner(pages, idx, expected, what)
         if n > 1:
             # Scatter each page's position, gather back: a duplicate page reads another position.

@@ -29,7 +29,7 @@ HiCache hooks (L1 <-> L2 per component; the controller owns the host pools and t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -216,6 +216,7 @@ class ComponentHooks:
     Built once per tree. Optional hooks (``TreeComponent`` defaults: no-ops, or "all" for the limits)
     list only the components that override them, so the tree's per-request loops skip the rest; the
     structure hooks every component must define (``on_create``, ``on_split``, ``on_remove``) list all.
+    The hooks whose results the tree files by component (``NAMED``) list ``(component name, method)``.
     """
 
     OPTIONAL = (
@@ -224,11 +225,35 @@ class ComponentHooks:
         "validate_request", "begin_request", "trim_request", "on_request_cached",
     )
     REQUIRED = ("on_create", "on_split", "on_remove")
+    NAMED = ("match_value", "begin_request", "on_request_cached")
     __slots__ = OPTIONAL + REQUIRED
+
+    validate_insert: tuple[Callable[[InsertParams, list[tuple[int, int]]], None], ...]
+    on_revive: tuple[Callable[[TreeNode, InsertParams, int, int], None], ...]
+    insert_boundaries: tuple[Callable[[InsertParams, int, int, np.ndarray], Sequence[int]], ...]
+    on_insert_existing: tuple[Callable[[InsertParams, Sequence[tuple[TreeNode, int, int]]], None], ...]
+    on_device_drop: tuple[Callable[[TreeNode], None], ...]
+    after_device_evict: tuple[Callable[[TreeNode], int], ...]
+    on_lock: tuple[Callable[[TreeNode], None], ...]
+    on_unlock: tuple[Callable[[TreeNode], None], ...]
+    limit_match: tuple[Callable[[list[TreeNode]], int], ...]
+    limit_host_match: tuple[Callable[[list[TreeNode], list[TreeNode]], int], ...]
+    match_value: tuple[tuple[str, Callable[[list[TreeNode], int], Any]], ...]
+    validate_request: tuple[Callable[[RequestState], None], ...]
+    begin_request: tuple[tuple[str, Callable[[MatchResult], Any]], ...]
+    trim_request: tuple[Callable[[RequestState], int], ...]
+    on_request_cached: tuple[tuple[str, Callable[[RequestState, TreeNode, bool], Any]], ...]
+    on_create: tuple[Callable[[TreeNode, InsertParams, int, int], None], ...]
+    on_split: tuple[Callable[[TreeNode, TreeNode], None], ...]
+    on_remove: tuple[Callable[[TreeNode], None], ...]
 
     def __init__(self, components: Sequence[TreeComponent]) -> None:
         for hook in self.OPTIONAL:
             default = getattr(TreeComponent, hook)
-            setattr(self, hook, tuple(getattr(c, hook) for c in components if getattr(type(c), hook) is not default))
+            defining = [c for c in components if getattr(type(c), hook) is not default]
+            if hook in self.NAMED:
+                setattr(self, hook, tuple((c.name, getattr(c, hook)) for c in defining))
+            else:
+                setattr(self, hook, tuple(getattr(c, hook) for c in defining))
         for hook in self.REQUIRED:
             setattr(self, hook, tuple(getattr(c, hook) for c in components))

@@ -163,11 +163,12 @@ class ComponentQueue:
     is rebuilt from the tree when they dominate.
     """
 
+    tree: RadixTree  # set by the owning component's attach, before any push or pop
+
     def __init__(self, name: str, is_candidate: Callable[[TreeNode], bool]) -> None:
         self.name = name  # the component whose node values carry the bookkeeping
         self._is_candidate = is_candidate
         self._heap: list[tuple[int, int, int]] = []
-        self.tree: RadixTree | None = None  # set by the component's attach
         self._limit = 64
 
     def push(self, node: TreeNode) -> None:

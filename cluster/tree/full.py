@@ -100,6 +100,7 @@ class FullComponent(TreeComponent):
             node.device_pages = pages
             node.loading = True
             slots = node.host_slots
+            assert slots is not None, f"{node} has no L2 copy to load"
         else:
             start = 0
             parts = []
@@ -107,6 +108,7 @@ class FullComponent(TreeComponent):
                 end = start + node.num_tokens // ps
                 node.device_pages = pages[start:end]
                 node.loading = True
+                assert node.host_slots is not None, f"{node} has no L2 copy to load"
                 parts.append(node.host_slots)
                 start = end
             assert start == len(pages), f"{len(pages)} pages for a chain of {start}"
@@ -133,6 +135,7 @@ class FullComponent(TreeComponent):
     def drop_device(self, node: TreeNode) -> int:
         """Frees the node's L1 pages; returns the tokens freed. The node itself stays (caller decides)."""
         n = node.num_tokens
+        assert node.device_pages is not None, f"{node} is not in L1"
         self.allocator.release(node.device_pages)
         node.device_pages = None
         if node.lock_ref:
@@ -273,20 +276,21 @@ class FullComponent(TreeComponent):
         if not ok or phase is HiCachePhase.LOAD_BACK:
             return
         for t in transfers:
+            assert t.dst is not None  # checked above
+            dst = np.asarray(t.dst, dtype=np.int32)
             # Walk up by pages, not by the build-time chain: a split in between leaves the same pages.
-            chain, pages, n = [], 0, node
-            while n.parent is not None and n.host_slots is None and pages < t.dst.shape[0]:
+            chain: list[tuple[TreeNode, int]] = []  # (node, its page count), deepest first
+            pages, n = 0, node
+            while n.parent is not None and n.host_slots is None and pages < dst.shape[0]:
                 if n.device_pages is None:
                     break
-                chain.append(n)
+                chain.append((n, n.device_pages.shape[0]))
                 pages += n.device_pages.shape[0]
                 n = n.parent
-            if pages != t.dst.shape[0]:
-                raise ValueError(f"full backup of node {node.id}: {t.dst.shape[0]} host ids for a chain of {pages} pages")
-            dst = np.asarray(t.dst, dtype=np.int32)
+            if pages != dst.shape[0]:
+                raise ValueError(f"full backup of node {node.id}: {dst.shape[0]} host ids for a chain of {pages} pages")
             end = pages
-            for c in chain:  # deepest first
-                k = c.device_pages.shape[0]
+            for c, k in chain:
                 c.host_slots = dst[end - k : end].copy()
                 end -= k
 
@@ -310,6 +314,7 @@ class FullComponent(TreeComponent):
             _, _, node = heapq.heappop(heap)
             if node.parent is None or not self.is_host_leaf(node) or tracker.pinned(node.id):
                 continue
+            assert node.host_slots is not None  # is_host_leaf
             tracker.release(self.name, node.id, node.host_slots, node.num_tokens)
             node.host_slots = None
             freed += node.num_tokens

@@ -16,11 +16,14 @@ import numpy as np
 TOKEN_DTYPE = np.int32
 _MAX_TOKEN_ID = int(np.iinfo(TOKEN_DTYPE).max)
 
-Namespace = tuple[str | None, str | None]
+# (extra_key, cache_salt): the tree keeps one root per value (not ``hicache.storage.Namespace``, which
+# also names the model).
+NamespaceKey = tuple[str | None, str | None]
 
 
 _TOKEN_DTYPE_OBJ = np.dtype(TOKEN_DTYPE)
-_min_reduce = np.minimum.reduce  # the ufunc directly: ndarray.min adds ~1 us of Python wrapping per call
+_min_reduce = np.minimum.reduce  # the ufunc itself: ndarray.min wraps it in Python code on every call
+_new_object = object.__new__
 
 
 def as_token_array(token_ids: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -54,26 +57,40 @@ def as_token_array(token_ids: np.ndarray | Sequence[int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
 
 
-@dataclass(frozen=True, eq=False, init=False)
+@dataclass(slots=True, eq=False, init=False)
 class RadixKey:
-    """Token ids of a sequence and its namespace (``extra_key`` for LoRA/tenant, ``cache_salt``)."""
+    """Token ids of a sequence and its namespace (``extra_key`` for LoRA/tenant, ``cache_salt``).
+
+    Read-only by convention: not ``frozen``, because one is built per request and a frozen dataclass
+    stores each field through ``object.__setattr__``.
+    """
 
     token_ids: np.ndarray  # i32[n]
-    extra_key: str | None = None
-    cache_salt: str | None = None
+    extra_key: str | None
+    cache_salt: str | None
 
     def __init__(self, token_ids: np.ndarray | Sequence[int], extra_key: str | None = None,
                  cache_salt: str | None = None) -> None:
-        # Hand-written, fields written in one dict update (a frozen dataclass's generated __init__ plus
-        # __post_init__ costs ~1 us per key; object.__setattr__ per field costs about three times the update).
         if extra_key is not None and not isinstance(extra_key, str):
             raise TypeError(f"extra_key must be a str or None, got {extra_key!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
-        self.__dict__.update(token_ids=as_token_array(token_ids), extra_key=extra_key, cache_salt=cache_salt)
+        self.token_ids = as_token_array(token_ids)
+        self.extra_key = extra_key
+        self.cache_salt = cache_salt
+
+    @classmethod
+    def from_checked(cls, token_ids: np.ndarray, extra_key: str | None, cache_salt: str | None) -> RadixKey:
+        """A key from ids the caller already validated (contiguous int32, all >= 0) and a namespace of
+        ``str``/``None``: nothing is scanned or checked again."""
+        key = _new_object(cls)
+        key.token_ids = token_ids
+        key.extra_key = extra_key
+        key.cache_salt = cache_salt
+        return key
 
     @property
-    def namespace(self) -> Namespace:
+    def namespace(self) -> NamespaceKey:
         return (self.extra_key, self.cache_salt)
 
     def __len__(self) -> int:
@@ -81,6 +98,4 @@ class RadixKey:
 
     def prefix(self, num_tokens: int) -> RadixKey:
         """The first ``num_tokens`` tokens, same namespace (no re-validation)."""
-        key = object.__new__(RadixKey)
-        key.__dict__.update(token_ids=self.token_ids[:num_tokens], extra_key=self.extra_key, cache_salt=self.cache_salt)
-        return key
+        return RadixKey.from_checked(self.token_ids[:num_tokens], self.extra_key, self.cache_salt)

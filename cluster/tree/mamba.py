@@ -242,22 +242,22 @@ class MambaComponent(TreeComponent):
         value: MambaRequest = state.components[self.name]
         slot = int(value.slot)
         st = end.component_data["mamba"] if end.parent is not None else None
+        # The end node's state the request's slot can become (None: it keeps no state from this request).
         adoptable = (
-            st is not None
-            and st.slot < 0
-            and end.device_pages is not None
-            and len(state.key) % self.page_size == 0
+            st
+            if st is not None and st.slot < 0 and end.device_pages is not None and len(state.key) % self.page_size == 0
+            else None
         )
         if finished:
-            if adoptable:
-                self._adopt(end, st, slot)
+            if adoptable is not None:
+                self._adopt(end, adoptable, slot)
             else:
                 self.allocator.release_one(slot)
             return None
-        if adoptable:
+        if adoptable is not None:
             fresh = self._alloc_slot(required=False)
             if fresh >= 0:
-                self._adopt(end, st, slot)
+                self._adopt(end, adoptable, slot)
                 return MambaRequest(fresh, ((slot, fresh),), value.branching_seqlen)
         return MambaRequest(slot, (), value.branching_seqlen)
 
@@ -319,13 +319,16 @@ class MambaComponent(TreeComponent):
         for t in transfers:
             n = self.tree.node(t.node_id)
             st = self._state(n)
+            dst = t.dst
+            if dst is None:  # a failed backup the host tier gave no slot: nothing to record or free
+                continue
             if phase is HiCachePhase.BACKUP:
                 if ok:
-                    st.host_slot = int(t.dst[0])
+                    st.host_slot = int(dst[0])
             elif ok and n.device_pages is not None and st.slot < 0:
-                self._adopt(n, st, int(t.dst[0]))
+                self._adopt(n, st, int(dst[0]))
             else:
-                self.allocator.free(np.asarray(t.dst, dtype=np.int32), PageOwner.REQUEST)
+                self.allocator.free(np.asarray(dst, dtype=np.int32), PageOwner.REQUEST)
 
     def drive_host_eviction(self, num_tokens: int, tracker: HostEvictionTracker) -> int:
         if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:

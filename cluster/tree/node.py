@@ -9,9 +9,12 @@ per-node values in ``component_data``. Nodes cross process boundaries only as th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from hicache.cluster.tree.params import NO_VALUES
 
 
 class TreeNode:
@@ -63,7 +66,9 @@ class TreeNode:
         self.priority = priority
         self.heap_version = 0  # bumped on every push into the L1 eviction queue; older entries are stale
         self.host_heap_version = 0  # the same for the L2 (host) eviction queue
-        self.component_data: dict[str, Any] | None = None
+        # Component name -> its value (the tree gives every node of a tree with SWA/Mamba a dict of fresh
+        # values); the shared empty mapping otherwise, so a Full-only tree allocates nothing per node.
+        self.component_data: Mapping[str, Any] = NO_VALUES
         self.pending: Any = None  # the in-flight transfer this node waits on (HiCache), if any
         self.staged_slots: np.ndarray | None = None  # L2 slots reserved for an in-flight D->H backup
         self.loading = False  # device_pages are allocated but the H->D load is not acked yet

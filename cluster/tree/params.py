@@ -1,10 +1,10 @@
 """Parameter and result types of the tree's control API (DESIGN.md §3).
 
-Small frozen dataclasses; nodes are referred to by integer id because these cross process boundaries
-(the head is a Ray actor, serving code holds a client). Page arrays are int32 numpy arrays. The ones made
-per request (``MatchResult``, ``RequestState``, ``FinishResult``) write their fields into the instance dict
-in one call: a frozen dataclass's generated ``__init__`` stores each field through ``object.__setattr__``
-(about three times the cost). They are still frozen after ``__init__``.
+Nodes are referred to by integer id because these cross process boundaries (the head is a Ray actor,
+serving code holds a client). Page arrays are int32 numpy arrays. Options and rare results are frozen
+dataclasses; the ones made for every request (``MatchResult``, ``InsertParams``, ``RequestState``,
+``FinishResult``) are ``@dataclass(slots=True)`` without ``frozen``, because a frozen dataclass's ``__init__`` stores each field
+through ``object.__setattr__``: treat them as read-only all the same.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class MatchPrefixParams:
     key: RadixKey
 
 
-@dataclass(frozen=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class MatchResult:
     """Longest cached prefix of a key, in whole pages.
 
@@ -72,15 +72,8 @@ class MatchResult:
     components: Mapping[str, Any] = _NO_VALUES
     storage_hit_len: int = 0
 
-    def __init__(self, device_pages: np.ndarray, device_hit_len: int, host_hit_len: int, last_device_node: int,
-                 last_host_node: int, best_match_node: int, components: Mapping[str, Any] = _NO_VALUES,
-                 storage_hit_len: int = 0) -> None:
-        self.__dict__.update(device_pages=device_pages, device_hit_len=device_hit_len, host_hit_len=host_hit_len,
-                             last_device_node=last_device_node, last_host_node=last_host_node,
-                             best_match_node=best_match_node, components=components, storage_hit_len=storage_hit_len)
 
-
-@dataclass(frozen=True, eq=False)
+@dataclass(slots=True, eq=False)
 class InsertParams:
     key: RadixKey
     device_pages: np.ndarray  # i32[>= len(key) // page_size]: L1 pages holding the key's KV, in order
@@ -92,7 +85,7 @@ class InsertResult:
     prefix_len: int  # tokens of the key that were already cached in L1 (their pages were not taken)
 
 
-@dataclass(frozen=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class RequestState:
     """What the tree needs to know about a running request to cache it.
 
@@ -110,19 +103,11 @@ class RequestState:
     priority: int = 0
     components: Mapping[str, Any] = _NO_VALUES
 
-    def __init__(self, key: RadixKey, device_pages: np.ndarray, prefix_len: int, last_node: int, priority: int = 0,
-                 components: Mapping[str, Any] = _NO_VALUES) -> None:
-        self.__dict__.update(key=key, device_pages=device_pages, prefix_len=prefix_len, last_node=last_node,
-                             priority=priority, components=components)
 
-
-@dataclass(frozen=True, init=False)
+@dataclass(slots=True)
 class FinishResult:
     new_prefix_len: int  # tokens that were already cached when the request was inserted
     freed_pages: int  # duplicate pages and the partial tail returned to the free list
-
-    def __init__(self, new_prefix_len: int, freed_pages: int) -> None:
-        self.__dict__.update(new_prefix_len=new_prefix_len, freed_pages=freed_pages)
 
 
 @dataclass(frozen=True)

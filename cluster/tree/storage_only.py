@@ -173,7 +173,7 @@ class StorageOnlyEntries:
 
     def drop_all(self) -> int:
         """Removes every storage-only node (L3 detached); returns tokens dropped."""
-        tops = [n for n in self.tree.iter_nodes() if is_storage_only(n) and not is_storage_only(n.parent)]
+        tops = [n for n in self.tree.iter_nodes() if is_storage_only(n) and not (n.parent is not None and is_storage_only(n.parent))]
         dropped = sum(self._remove_subtree(n) for n in tops)
         self.dropped_tokens += dropped
         return dropped

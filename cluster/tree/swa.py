@@ -52,7 +52,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.cluster.tree.allocator import PAGE_DTYPE, CacheCapacityError, PageAllocator, PageOwner, as_index, count_true
+from hicache.cluster.tree.allocator import (
+    PAGE_DTYPE,
+    CacheCapacityError,
+    PageAllocator,
+    PageOwner,
+    as_index,
+    count_true,
+)
 from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, HostEvictionTracker, TreeComponent
 from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode
@@ -137,7 +144,9 @@ class SWAPagePool(PageAllocator):
     def count(self, owner: PageOwner) -> int:
         return int(np.count_nonzero(self._derived_owners() == owner))
 
-    def check(self, pages, expected, what="pages", index=None):  # type: ignore[override]
+    def check(
+        self, pages: np.ndarray, expected: PageOwner, what: str = "pages", index: np.ndarray | None = None
+    ) -> np.ndarray:
         raise TypeError("SWA pages are checked through their full pages (MappedPageAllocator.check)")
 
     def free_pages(self) -> np.ndarray:
@@ -207,7 +216,7 @@ class MappedPageAllocator(PageAllocator):
         full pages are being freed, their entries may stay); returns how many SWA pages were freed."""
         sp = self.swa_of[idx]
         live = sp >= 0
-        c = count_true(live)  # count_nonzero: ~10x cheaper per call than .all()/.any() (ufunc reduce)
+        c = count_true(live)  # one count tells none, some and all live apart
         if c:  # tombstoned pages map nothing: no SWA work at all
             self.swa.allocator.release(sp if c == sp.shape[0] else sp[live])
             if not keep_stale:
@@ -267,12 +276,13 @@ class SWAComponent(TreeComponent):
     def _live_tail(self, node: TreeNode) -> int:
         """Tokens at the end of an L1 node whose SWA KV is present (0 for a tombstone)."""
         pages = node.device_pages
+        assert pages is not None, f"{node} is not in L1"
         swa_of = self.mapped.swa_of
         if swa_of.item(pages.item(0)) >= 0:
             return node.num_tokens
         if swa_of.item(pages.item(-1)) < 0:
             return 0
-        return count_true(swa_of[pages] >= 0) * self.page_size
+        return int(count_true(swa_of[pages] >= 0)) * self.page_size
 
     def is_evictable(self, node: TreeNode) -> bool:
         if node.parent is None or node.loading or not self.has_live(node):
@@ -298,7 +308,9 @@ class SWAComponent(TreeComponent):
 
     def _tombstone(self, node: TreeNode) -> int:
         """Frees the node's SWA pages (full KV stays); returns SWA pages freed."""
-        return self.mapped.unmap(node.device_pages.astype(np.intp))
+        pages = node.device_pages
+        assert pages is not None, f"{node} is not in L1"
+        return self.mapped.unmap(pages.astype(np.intp))
 
     # -- structure hooks -------------------------------------------------------------------------------
     def insert_boundaries(
@@ -312,12 +324,16 @@ class SWAComponent(TreeComponent):
         return (np.flatnonzero(live[:-1] & ~live[1:]) + 1 + page_start).tolist()  # cut after each live run
 
     def on_create(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        if self.mapped.swa_of.item(node.device_pages.item(-1)) >= 0:  # a live tail: an SWA candidate
+        pages = node.device_pages
+        assert pages is not None  # the tree attached the new node's pages first
+        if self.mapped.swa_of.item(pages.item(-1)) >= 0:  # a live tail: an SWA candidate
             self.queue.push(node)
 
     def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
-        c = count_true(self.mapped.swa_of[node.device_pages.astype(np.intp)] >= 0)
-        if c == node.device_pages.shape[0]:
+        pages = node.device_pages
+        assert pages is not None  # the tree attached the revived node's pages first
+        c = count_true(self.mapped.swa_of[pages.astype(np.intp)] >= 0)
+        if c == pages.shape[0]:
             self.queue.push(node)
         elif c:
             self._tombstone(node)
@@ -326,6 +342,7 @@ class SWAComponent(TreeComponent):
         swa_of = self.mapped.swa_of
         for node, page_start, page_end in nodes:
             pages = node.device_pages
+            assert pages is not None  # the tree passes nodes in L1 only
             if node.loading or swa_of.item(pages.item(-1)) >= 0:
                 continue  # only a wholly tombstoned node can adopt (a live tail keeps its own SWA pages)
             theirs = params.device_pages[page_start:page_end]
@@ -339,7 +356,7 @@ class SWAComponent(TreeComponent):
         idx = theirs.astype(np.intp)
         sp = swa_of[idx]
         n = sp.shape[0]
-        if count_true(sp >= 0) != n or np.array_equal(theirs, node.device_pages):
+        if count_true(sp >= 0) != n or node.device_pages is None or np.array_equal(theirs, node.device_pages):
             return
         if count_true(self.mapped.owners(theirs) == PageOwner.REQUEST) != n:
             return
@@ -354,6 +371,7 @@ class SWAComponent(TreeComponent):
         pst = self._state(prefix)
         pst.lock = st.lock
         if st.bounds:
+            assert prefix.parent is not None  # the tree linked the prefix in before this hook
             split_at = self.tree.depth(prefix.parent) + prefix.num_tokens
             inside = {q: c for q, c in st.bounds.items() if q < split_at}
             rest = {q: c for q, c in st.bounds.items() if q >= split_at}
@@ -437,7 +455,9 @@ class SWAComponent(TreeComponent):
             run, i = 0, j
             while True:
                 node = path[i]
-                if swa_of.item(node.device_pages.item(0)) < 0:  # not wholly live: its live tail ends the run
+                pages = node.device_pages
+                assert pages is not None  # a matched L1 path
+                if swa_of.item(pages.item(0)) < 0:  # not wholly live: its live tail ends the run
                     if run + self._live_tail(node) >= w:
                         return j + 1
                     break
@@ -453,7 +473,9 @@ class SWAComponent(TreeComponent):
         swa_of = self.mapped.swa_of
         run, from_root = 0, True
         for node in device_path:
-            if swa_of.item(node.device_pages.item(0)) >= 0:
+            pages = node.device_pages
+            assert pages is not None  # a matched L1 path
+            if swa_of.item(pages.item(0)) >= 0:
                 run += node.num_tokens
             else:
                 run, from_root = self._live_tail(node), False
@@ -549,7 +571,9 @@ class SWAComponent(TreeComponent):
             tree.full.maybe_push(node)  # it may have become a leaf (nothing dropped: nothing changed for Full)
         return freed
 
-    after_device_evict = _drop_dead_leaves  # a child of ``parent`` left L1: ``parent`` may be a dead leaf now
+    def after_device_evict(self, parent: TreeNode) -> int:
+        """A child of ``parent`` left L1: ``parent`` may be a dead leaf now."""
+        return self._drop_dead_leaves(parent)
 
     # -- HiCache ---------------------------------------------------------------------------------------
     def _loading_chain(self, node: TreeNode) -> list[TreeNode]:
@@ -591,9 +615,11 @@ class SWAComponent(TreeComponent):
         if phase is HiCachePhase.BACKUP:
             for t in transfers:
                 n = self.tree.node(t.node_id)
-                if n.device_pages is None or t.dst.shape[0] != n.device_pages.shape[0]:
-                    raise ValueError(f"swa backup of node {t.node_id}: {t.dst.shape[0]} host ids for {n}")
-                self._state(n).host_slots = np.asarray(t.dst, dtype=np.int32).copy()
+                dst = t.dst
+                assert dst is not None  # checked above
+                if n.device_pages is None or dst.shape[0] != n.device_pages.shape[0]:
+                    raise ValueError(f"swa backup of node {t.node_id}: {dst.shape[0]} host ids for {n}")
+                self._state(n).host_slots = np.asarray(dst, dtype=np.int32).copy()
             return
         # Contract: called before the controller clears ``loading`` on the chain.
         restored = {t.node_id for t in transfers}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.hybrid_model import RecordingHost, RecordingTracker
+from support.tree_model import snapshot
 
 from hicache.cluster.builder import (
     ChunkCache,
@@ -27,8 +29,6 @@ from hicache.cluster.tree import (
     SWAComponent,
     TreeConfig,
 )
-from support.hybrid_model import RecordingHost, RecordingTracker
-from support.tree_model import snapshot
 
 
 def swa_tree(window=4, page_size=1, capacity=None, swa_tokens=None) -> RadixTree:

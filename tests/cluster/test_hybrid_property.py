@@ -20,6 +20,8 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support.hybrid_model import node_pages, node_prefix, path_ends, root_ns, window_live
+from support.tree_model import model_hit, snapshot, tree_prefixes
 
 from hicache.cluster.builder import KVCacheConfig, MambaConfig, SWAConfig, build_kv_cache
 from hicache.cluster.tree import (
@@ -30,8 +32,6 @@ from hicache.cluster.tree import (
     RequestState,
     TreeConfig,
 )
-from support.hybrid_model import node_pages, node_prefix, path_ends, root_ns, window_live
-from support.tree_model import model_hit, snapshot, tree_prefixes
 
 NAMESPACES = [(None, None), ("lora", None)]
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=16)

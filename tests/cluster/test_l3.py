@@ -5,16 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 
 import fsspec
 import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
 from hicache.cluster.tree import InsertParams, RadixKey, RequestState
-from support.hicache_env import HiCacheEnv
 
 
 def seq(start, n):
@@ -73,22 +73,21 @@ def test_write_through_to_l3_and_restart_from_l3(tmp_path):
     assert r["prefetched"] == 28 and r["loaded"] == 28
 
 
-def test_cold_head_reads_a_divergent_prefix_through_link_names_bit_identical(tmp_path):
-    """Objects of 8 pages linked every 4 (StorageConfig default): another head whose request diverges
-    from a stored sequence inside an object reads its leading pages up to the last link before the
-    divergence (without links it would get none of that object); serve() checks the bytes exactly."""
+def test_cold_head_reads_a_divergent_prefix_bit_identical(tmp_path):
+    """Another head whose request diverges from a stored sequence inside its second object reads
+    the whole objects before the divergence; serve() checks the bytes exactly."""
     url = f"file://{tmp_path}/l3"
-    a = seq(0, 48)  # 12 pages: one object of 8 pages (linked at page 3), the tail of 4
-    warm = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 8})
+    a = seq(0, 48)  # 12 pages: three objects of 4 pages
+    warm = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 4})
     warm.serve(a)
     warm.head.flush_write_through_acks()
-    cold = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 8})
-    q = np.r_[a[:26], seq(900, 14)].astype(np.int32)  # shares 6 whole pages of the first object
+    cold = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 4})
+    q = np.r_[a[:26], seq(900, 14)].astype(np.int32)  # shares 6 whole pages: the second object's first 2
     r = cold.serve(q)
-    assert r["prefetched"] == 16 and r["loaded"] == 16  # pages 0..3, through the link at page 3
+    assert r["prefetched"] == 16 and r["loaded"] == 16  # pages 0..3: the first object
     assert cold.head.cache_stats()["storage"]["prefetch_failures"] == 0
     cold.head.flush_write_through_acks()  # (fetched pages hang below a prefix with an L2 copy)
-    r = cold.serve(a)  # the rest: pages 6, 7 of the object by its own name, then the tail
+    r = cold.serve(a)  # the rest: pages 6, 7 of the second object, then the third
     assert r["device_hit"] == 24 and r["prefetched"] == 24 and r["loaded"] == 24
     check(cold)
 
@@ -109,12 +108,17 @@ def test_isolation_by_salt_extra_key_and_fingerprint(tmp_path):
     assert HiCacheEnv(storage_url=url).serve(a)["prefetched"] == 32  # same namespace: found
 
 
+_HANGING_LOCK = threading.Lock()
+
+
 class FlakyFS(MemoryFileSystem):
     """An in-memory filesystem whose reads can be made to hang or fail (a storage outage)."""
 
     protocol = "flaky"
     mode = "ok"
     root_marker = ""
+    release = threading.Event()  # "hang": a call waits for this (the test sets it), not for a time
+    hanging = 0  # calls waiting on ``release`` now
 
     def cat_file(self, path, start=None, end=None, **kw):
         self._maybe_fail()
@@ -138,7 +142,14 @@ class FlakyFS(MemoryFileSystem):
     @staticmethod
     def _maybe_fail():
         if FlakyFS.mode == "hang":
-            time.sleep(3)
+            release = FlakyFS.release
+            with _HANGING_LOCK:
+                FlakyFS.hanging += 1
+            try:
+                release.wait(120)
+            finally:
+                with _HANGING_LOCK:
+                    FlakyFS.hanging -= 1
         if FlakyFS.mode == "raise":
             raise OSError("storage down")
 
@@ -148,8 +159,10 @@ def flaky():
     fsspec.register_implementation("flaky", FlakyFS, clobber=True)
     FlakyFS.store.clear()
     FlakyFS.mode = "ok"
+    FlakyFS.release = threading.Event()
     yield FlakyFS
     FlakyFS.mode = "ok"
+    FlakyFS.release.set()  # hung calls return (to storage clients that gave up on them)
     FlakyFS.store.clear()
 
 
@@ -165,9 +178,11 @@ def test_storage_outage_degrades_to_recompute(flaky, mode):
     assert writer.head.cache_stats()["storage"]["backup_pages"] == 6
     flaky.mode = mode
     reader = HiCacheEnv(storage_url="flaky://l3", storage_kwargs=kwargs)
-    t0 = time.monotonic()
     r = reader.serve(a)  # the prefetch fails or times out: recompute, exact (serve() checks)
-    assert time.monotonic() - t0 < 8
+    if mode == "hang":
+        assert flaky.hanging > 0  # the request did not wait for the hung storage calls
+        flaky.release.set()
+        flaky.release = threading.Event()  # calls from now on hang until the test ends
     assert r["prefetched"] == 0 and r["loaded"] == 0 and r["device_hit"] == 0
     st = reader.head.cache_stats()
     assert st["device_tokens"] == 24

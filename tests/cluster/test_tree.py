@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.tree_model import snapshot
 
 from hicache.cluster.tree import (
     CacheCapacityError,
-    PageAllocator,
-    PageOwner,
     EvictionPolicy,
     InsertParams,
+    PageAllocator,
+    PageOwner,
     RadixKey,
     RadixTree,
     RequestState,
     TreeConfig,
 )
-from support.tree_model import snapshot
 
 
 def make_tree(page_size=1, capacity=None, policy="lru") -> RadixTree:
@@ -342,7 +342,7 @@ def test_namespace_roots_stay_bounded_with_a_new_cache_salt_per_request():
     """A new cache_salt per request (every namespace used once) keeps at most about twice the live roots,
     not one root per request: roots nothing hangs below or holds are dropped at a sweep. The tree still
     caches and evicts as before, and its invariants hold."""
-    from hicache.cluster.tree.radix import ROOT_SWEEP_MIN
+    from hicache.cluster.tree.structure import ROOT_SWEEP_MIN
 
     tree = make_tree(page_size=1, capacity=256)
     requests = 3 * ROOT_SWEEP_MIN + 7
@@ -360,7 +360,7 @@ def test_a_root_held_by_a_request_or_a_pin_survives_the_sweep_and_an_idle_one_go
     """A request that matched nothing holds its namespace root (its lock, taken on the root): a sweep keeps
     it, and the request's finish inserts below it. A pinned root (an L3 prefetch anchored there) is kept
     too. A root that nothing holds is dropped: its id is then unknown, as an evicted node's."""
-    from hicache.cluster.tree.radix import ROOT_SWEEP_MIN
+    from hicache.cluster.tree.structure import ROOT_SWEEP_MIN
 
     tree = make_tree(page_size=1, capacity=64)
     held_key = RadixKey(np.arange(8, dtype=np.int32), cache_salt="held")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from hicache.cluster.tree import ComponentTransfer, HiCachePhase, RadixKey, RadixTree, RequestState, TreeConfig
 from support.hybrid_model import RecordingHost, RecordingTracker
 from support.tree_model import snapshot
+
+from hicache.cluster.tree import ComponentTransfer, HiCachePhase, RadixKey, RadixTree, RequestState, TreeConfig
 
 
 def chain_tree(page_size=2):

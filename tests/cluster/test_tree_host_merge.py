@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from hicache.cluster.tree import HiCachePhase, RadixKey, RadixTree, RequestState, TreeConfig
 from support.hicache_env import HiCacheEnv
 from support.hybrid_model import RecordingHost
+
+from hicache.cluster.tree import HiCachePhase, RadixKey, RadixTree, RequestState, TreeConfig
 
 
 def put(tree: RadixTree, tokens, priority: int = 0) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support.tree_model import model_hit, snapshot, tree_prefixes
 
 from hicache.cluster.tree import (
     CacheCapacityError,
@@ -23,7 +24,6 @@ from hicache.cluster.tree import (
     RequestState,
     TreeConfig,
 )
-from support.tree_model import model_hit, snapshot, tree_prefixes
 
 NAMESPACES = [(None, None), ("lora", None), (None, "salt")]
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=14)

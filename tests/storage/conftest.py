@@ -8,7 +8,6 @@ import uuid
 
 import numpy as np
 import pytest
-
 from support.net import free_loopback_port
 
 from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
@@ -94,22 +93,3 @@ def scheme(request) -> str:
 @pytest.fixture
 def fp() -> ModelFingerprint:
     return FP
-
-
-class Handoffs:
-    """Counts the batches a file:// store hands to its I/O threads (every pooled path of the local
-    backend goes through ``map_pull``); ``calls`` may be reset."""
-
-    def __init__(self, st) -> None:
-        self.calls, self._inner = 0, st._io.map_pull
-        st._io.map_pull = self
-
-    def __call__(self, *a, **kw):
-        self.calls += 1
-        return self._inner(*a, **kw)
-
-
-@pytest.fixture
-def handoffs():
-    """``handoffs(store)`` → a ``Handoffs`` counter installed on that store."""
-    return Handoffs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -64,3 +66,18 @@ def test_cap_counts_other_processes_writes(tmp_path):
 def test_cap_rejected_for_other_schemes():
     with pytest.raises(ValueError, match="file://"):
         FsspecStorage("memory://x", FP, StorageConfig(max_bytes=1000))
+
+
+def test_writes_and_reads_set_lru_recency_in_chain_order(tmp_path):
+    """Objects written or read together get recency in chain order, shallow pages newest (so
+    eviction takes a chain's deep end first), and a read makes them newer than any write before."""
+    st = _store(f"file://{tmp_path}/l3", cap=1 << 30)
+    keys = _chain(0, pages=12)
+    assert st.batch_set(keys, S(0, 12)) == [True] * 12
+    paths = [st.object_path(keys[i]) for i in (3, 7, 11)]
+    written = [os.stat(p).st_mtime_ns for p in paths]
+    assert written[0] > written[1] > written[2]
+    assert st.batch_get(keys, S(4, 16)) == [True] * 12
+    read = [os.stat(p).st_mtime_ns for p in paths]
+    assert read[0] > read[1] > read[2] > max(written)
+    st.close()

@@ -1,0 +1,119 @@
+"""The head's view of one replica's host workers: ``WorkerGroup``, and ``LocalWorkerGroup`` in process.
+
+The head (on its one thread) sends every ``TransferPlan`` to every host worker of the replica through
+its ``WorkerGroup`` and collects their acks; it also asks them about L3 (each host keeps its own storage
+client over its shard of each page). ``LocalWorkerGroup`` holds in-process ``HostWorker`` objects
+(embedded mode, tests); ``hicache.cluster.ray_workers.RayWorkerGroup`` holds Ray actor handles.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from hicache.storage import Namespace
+from hicache.workers.plan import TransferAck, TransferPlan
+from hicache.workers.storage_exec import StorageAttachment, StorageExecutor
+
+
+class WorkerGroup(Protocol):
+    @property
+    def num_hosts(self) -> int: ...
+
+    def submit(self, plan: TransferPlan) -> None: ...
+
+    def poll(self) -> list[TransferAck]: ...
+
+    def wait(self, timeout_s: float, op_ids: Collection[int] | None = None) -> list[TransferAck]: ...
+    # op_ids: wait only for these ops (and the device ops before them), as HostWorker.wait
+
+    # L3: every host keeps its own storage client over its shard of each page.
+    def attach_storage(self, attachment: StorageAttachment | None) -> None: ...
+
+    def storage_pages_per_object(self) -> int: ...
+
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int: ...  # MIN over hosts
+    # min_pages: exact at or above it, below it any smaller count (FsspecStorage.batch_exists)
+
+    def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
+
+    def storage_list_prefixes(self, namespace: Namespace) -> list: ...  # list[StoredPrefix], from host 0
+
+    def storage_errors(self) -> dict[str, int]: ...  # corrupt / error / timeout counts, summed over hosts
+
+
+def storage_error_counts(stats) -> dict[str, int]:  # (hicache.storage.StorageStats) -> counts
+    return {"corrupt": stats.corrupt_objects, "error": stats.errors, "timeout": stats.timeouts}
+
+
+class LocalWorkerGroup:
+    """Workers living in this process (embedded mode; tests)."""
+
+    def __init__(self, workers: Sequence) -> None:  # Sequence[HostWorker]
+        if not workers:
+            raise ValueError("a worker group needs at least one worker")
+        self.workers = list(workers)
+        self._next_seq = 0  # as RayWorkerGroup's wire seq: outlives a head reset's new controller
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.workers)
+
+    def submit(self, plan: TransferPlan) -> None:
+        """Sends ``plan`` under this group's own increasing ``seq``: a head ``reset`` starts a controller
+        whose seqs restart at 0, while the workers' seq state lives as long as they do (until a reset
+        both count alike and the plan goes as it is)."""
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        wire = plan if plan.seq == seq else TransferPlan(seq, plan.ops)
+        for worker in self.workers:
+            worker.submit(wire)
+
+    def poll(self) -> list[TransferAck]:
+        return [ack for worker in self.workers for ack in worker.poll()]
+
+    def wait(self, timeout_s: float, op_ids: Collection[int] | None = None) -> list[TransferAck]:
+        deadline = time.monotonic() + timeout_s
+        acks = []
+        for worker in self.workers:
+            acks += worker.wait(max(0.0, deadline - time.monotonic()), op_ids)
+        return acks
+
+    def attach_storage(self, attachment: StorageAttachment | None) -> None:
+        for worker in self.workers:
+            if isinstance(worker.storage_executor, StorageExecutor):
+                worker.storage_executor.close()
+            worker.storage_executor = None if attachment is None else StorageExecutor(attachment, worker.host_pool)
+
+    def _executors(self) -> list[StorageExecutor]:
+        execs = [w.storage_executor for w in self.workers]
+        for e in execs:  # (a loop, no generator: on the L3 miss query of every request)
+            if not isinstance(e, StorageExecutor):
+                raise RuntimeError("no storage backend attached")
+        return execs  # type: ignore[return-value]
+
+    def storage_pages_per_object(self) -> int:
+        return self._executors()[0].storage.pages_per_object()
+
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
+        execs = self._executors()
+        found = execs[0].storage.batch_exists(keys, first_page=first_page, min_pages=min_pages)
+        for e in execs[1:]:  # MIN over hosts
+            found = min(found, e.storage.batch_exists(keys, first_page=first_page, min_pages=min_pages))
+        return found
+
+    def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:
+        self._executors()[0].storage.record_prefix(namespace, tokens)
+
+    def storage_list_prefixes(self, namespace: Namespace) -> list:
+        return self._executors()[0].storage.list_prefixes(namespace)
+
+    def storage_errors(self) -> dict[str, int]:
+        total = {"corrupt": 0, "error": 0, "timeout": 0}
+        for e in self._executors():
+            for k, v in storage_error_counts(e.storage.stats()).items():
+                total[k] += v
+        return total

@@ -1,0 +1,396 @@
+"""The reference ``Scheduler``: one request at a time over the cache and an engine, in the order
+SGLang's scheduler uses its tree.
+
+Per request: match (all prompt tokens but the last, whose logits start decoding) -> with L3, when
+the whole pages past the L1+L2 match hold >= ``l3_min_tokens``, an L3 prefetch into L2 (waited for as
+the stop policy allows) -> load-back of the L2 hit (waited for, bounded; it locks the reused prefix)
+or the lock alone, and the alloc of pages for the rest -> chunked prefill (each chunk but
+the last cached with ``cache_unfinished_req``) -> greedy decode -> ``cache_finished_req`` -> with a host
+tier, ``check_hicache_events`` (sends held backups, applies acks, sends the L2->L3 writes they queue).
+A request's start is one head call (``begin_request``: the write hold, match, L3 query, lock and
+alloc, as far as nothing is to be waited for; a started prefetch and an L2 load-back add one step
+each). Nothing but the request's own match, load-back, L3 query and alloc runs between the start of its
+service and its first token: L1->L2 backups and their acks are handled after the decode, L2->L3 writes
+run on the workers' storage threads. ``ServeResult.phases`` says where each request's time went.
+
+L3 prefetch at arrival (as SGLang starts it when a request enters the waiting queue): a driver that
+knows a request is queued calls ``arrive(req)``; its match and L3 existence query run then, and the
+fetch into L2 runs on the worker's storage thread while earlier requests are served. ``serve(req)``
+then checks that prefetch (bounded wait per the stop policy); it asks L3 again only if the L1+L2
+match shrank since the arrival (one storage query per request, as SGLang). A request served without
+``arrive`` starts its prefetch itself.
+
+``ServingLoop`` (``hicache.reference.serving_loop``) interleaves requests with the same steps
+(``begin``, ``cache_prompt``, ``finish``). One thread: the scheduler, its ``CacheClient`` and the
+engine's model calls all run on the serving thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from hicache.cluster.begin import BeginParams
+from hicache.cluster.client import CacheClient, ResultRef
+from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.head import Call, Method
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
+from hicache.cluster.tree import RadixKey, RequestState
+from hicache.reference.engine.runner import Generation
+from hicache.reference.engine_adapters import Engine
+from hicache.reference.serve_types import ServePhases, ServeRequest, ServeResult
+
+log = logging.getLogger(__name__)
+
+
+class _Prefix(NamedTuple):
+    """Where a request's prefill starts: its page table, the reused prefix and its locked node (one
+    per request: a NamedTuple builds in one step)."""
+
+    table: np.ndarray  # i32[pages]: every page of the request, prefix pages first
+    hit: int  # tokens reused (L1 + loaded), page-aligned; the tree owns the pages of [0, hit)
+    node: int  # last node of the reused prefix, locked
+    loaded: int = 0  # of hit, loaded back from L2 (including what L3 prefetched)
+    fetched: int = 0  # of loaded, fetched from L3 for this request
+    failed: bool = False
+
+
+def _table(*parts: np.ndarray) -> np.ndarray:
+    """A request's page table: its prefix pages, then its own (i32)."""
+    return np.concatenate(parts).astype(np.int32, copy=False)
+
+
+class _Arrival(NamedTuple):
+    """What ``arrive`` learned about a queued request."""
+
+    req: ServeRequest
+    prefetch: str | None  # id of the L3 prefetch it started, or None
+    covered: int  # prompt tokens L1+L2 matched then, plus those its prefetch fetches: L3 held nothing past them
+
+
+class Begun(NamedTuple):
+    """A request past its first token: what decoding and ``cache_finished_req`` need (one per request:
+    a NamedTuple builds in one step; ``Scheduler.cache_prompt`` returns a new one)."""
+
+    req: ServeRequest
+    prompt: np.ndarray  # i32[n]
+    ns: tuple[str | None, str | None]  # (extra_key, cache_salt)
+    table: np.ndarray  # i32[pages]: every page of the request
+    prefix_len: int  # tokens the tree owns (reused + chunks cached by cache_unfinished_req)
+    node: int  # locked node at the end of prefix_len
+    logits: np.ndarray  # f32[vocab]: of the last prompt token
+    prefix: _Prefix
+    marks: tuple[float, ...]  # perf_counter at the start and at the end of match, l3, load_back, prefill
+
+
+class _AfterFirstToken:
+    """A ``between_steps`` hook that runs the driver's ``hook`` and then, on its first call only,
+    ``resume`` (held L2->L3 writes are sent once the first token is out, after the driver saw it).
+    ``resume()`` is idempotent: the serving code calls it again when the decode ends."""
+
+    def __init__(self, hook: Callable[[], None], resume: Callable[[], object]) -> None:
+        self._hook, self._resume = hook, resume
+        self._pending = True
+
+    def __call__(self) -> None:
+        self._hook()
+        self.resume()
+
+    def resume(self) -> None:
+        if self._pending:
+            self._pending = False
+            self._resume()
+
+
+class Scheduler:
+    def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
+                 prefill_budget: int = 0, l3_min_tokens: int = 0, hold_storage_writes: bool = False) -> None:
+        """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
+        caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does.
+
+        ``hold_storage_writes`` (with ``storage``): L2->L3 writes wait on the head while a request is
+        between its start and its first token (``serve`` also holds those its finish queues until the
+        next first token), so their CPU stays out of prefills. It costs two head calls per request:
+        worth it where the client is in-process (the embedded stack turns it on), not over Ray.
+
+        ``l3_min_tokens`` (with ``storage``): L3 is asked only when the whole pages of the prompt past
+        the L1+L2 match hold at least that many tokens (pass the head's ``prefetch_min_tokens``: the
+        head would skip a shorter prefetch anyway; asking costs a round trip to the head)."""
+        ps = client.page_size
+        if ps != engine.page_size:
+            raise ValueError(f"cache page_size {ps} != engine page_size {engine.page_size}")
+        if prefill_budget < 0 or prefill_budget % ps:
+            raise ValueError(f"prefill_budget must be a multiple of page_size {ps}, got {prefill_budget}")
+        if not isinstance(l3_min_tokens, int) or l3_min_tokens < 0:
+            raise ValueError(f"l3_min_tokens must be an int >= 0, got {l3_min_tokens!r}")
+        self.client = client
+        self.engine = engine
+        self.hicache = hicache
+        self.storage = storage
+        if not isinstance(hold_storage_writes, bool):
+            raise TypeError(f"hold_storage_writes must be a bool, got {hold_storage_writes!r}")
+        self.hold_writes = storage and hold_storage_writes
+        self.prefill_budget = prefill_budget
+        self.l3_min_tokens = max(l3_min_tokens, ps)
+        self._req_ids = itertools.count()
+        self._arrived: dict[int, _Arrival] = {}  # arrive()d requests not served yet, by id(request)
+
+    def _l3_may_extend(self, key: RadixKey, m) -> bool:
+        """Whether L3 is worth asking: the whole pages past the L1+L2 match hold >= ``l3_min_tokens``."""
+        whole = len(key) - len(key) % self.client.page_size
+        return self.storage and whole - m.device_hit_len - m.host_hit_len >= self.l3_min_tokens
+
+    def _start_prefetch(self, key: RadixKey, m) -> tuple[str | None, int]:
+        """Asks L3 for what L1+L2 lack (``m``: the match now): (the id of the started prefetch or None,
+        the tokens it fetches)."""
+        if not self._l3_may_extend(key, m):
+            return None, 0
+        req_id = f"req-{next(self._req_ids)}"
+        started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
+        return (None, 0) if started.state is PrefetchState.NOT_STARTED else (req_id, started.tokens)
+
+    def arrive(self, req: ServeRequest) -> bool:
+        """``req`` entered the queue: starts its L3 prefetch now, so that the fetch overlaps the wait;
+        ``serve(req)`` (the same object) picks it up. True if a prefetch started. At most
+        ``MAX_ARRIVED`` requests wait between ``arrive`` and ``serve``; beyond, ``arrive`` raises
+        ``ValueError`` and nothing changes. Without L3 it only registers the request."""
+        if id(req) in self._arrived:
+            raise ValueError(f"request {req!r:.80} already arrived")
+        if len(self._arrived) >= self.MAX_ARRIVED:
+            raise ValueError(f"{len(self._arrived)} requests arrived and not served (MAX_ARRIVED): serve some first")
+        key = self._key(req)[1]
+        if not self.storage:
+            self._arrived[id(req)] = _Arrival(req, None, 0)
+            return False
+        m = self.client.match_prefix(key)
+        req_id, tokens = self._start_prefetch(key, m)
+        self._arrived[id(req)] = _Arrival(req, req_id, m.device_hit_len + m.host_hit_len + tokens)
+        return req_id is not None
+
+    MAX_ARRIVED = 4096
+
+    @staticmethod
+    def _key(req: ServeRequest) -> tuple[np.ndarray, RadixKey]:
+        """(the prompt as i32, the key a request matches: every prompt token but the last)."""
+        prompt = np.asarray(req.prompt, dtype=np.int32)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError(f"prompt must be a non-empty 1-D token array, got shape {prompt.shape}")
+        n = req.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:  # (the engine's rule, before any head call)
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {req.max_new_tokens!r}")
+        return prompt, RadixKey(prompt[:-1], req.extra_key, req.cache_salt)
+
+    def _check_prefetch(self, key: RadixKey, req_id: str):  # -> (MatchResult, tokens from L3)
+        """Waits for prefetch ``req_id`` as the stop policy allows and matches again."""
+        # Matched again in the same round trip, whatever the progress: the check applies acks, and an
+        # acked L1->L2 backup may merge unlocked nodes of the earlier match (``RadixTree.merge_backed_up``),
+        # whose ids must not be used after it.
+        checked, matched = self.client.step([Call(Method.CHECK_PREFETCH_PROGRESS, req_id),
+                                             Call(Method.MATCH_PREFIX, key)])
+        progress = checked.unwrap()
+        return matched.unwrap(), progress.tokens if progress.state is PrefetchState.DONE else 0
+
+    def _reuse(self, m, total: int) -> tuple[np.ndarray, int, int, int, bool]:
+        """Loads the L2 part of ``m`` back (it locks the prefix it returns: ``LoadBackParams.lock``), waits
+        for it (bounded) and allocates pages for the rest of ``total`` tokens, in one step; without an L2
+        part (no host tier), the lock and the alloc. Returns (page table, reused tokens, locked node,
+        loaded tokens, load failed). A failed load falls back to the L1 prefix (the load's lock covers
+        it): its part gets pages of its own and the lock moves to the L1 prefix."""
+        if not (self.hicache and m.host_hit_len > 0):
+            locked, own = self.client.step([Call(Method.INC_LOCK_REF, m.last_device_node),
+                                            Call(Method.ALLOC, total - m.device_hit_len)])
+            locked.unwrap()
+            if not own.ok:  # the lock must not outlive the request that failed
+                self.client.dec_lock_ref(m.last_device_node)
+            return _table(m.device_pages, own.unwrap()), m.device_hit_len, m.last_device_node, 0, False
+        started, done, own = self.client.step([  # a load id of -1 (nothing loaded) waits for nothing
+            Call(Method.INIT_LOAD_BACK, LoadBackParams(m.best_match_node, m.host_hit_len, lock=True)),
+            Call(Method.WAIT_LOAD_BACK, ResultRef(0, "load_id")),
+            Call(Method.ALLOC, ResultRef(0, "device_hit_len", scale=-1, offset=total))])
+        r = started.unwrap()
+        if done.unwrap():
+            return _table(r.device_pages, own.unwrap()), r.device_hit_len, r.last_node, r.loaded_tokens, False
+        own = own.unwrap()  # the L2 copy could not be loaded: recompute its part from the L1 prefix
+        locked, unlocked, more = self.client.step([
+            Call(Method.INC_LOCK_REF, m.last_device_node), Call(Method.DEC_LOCK_REF, r.last_node),
+            Call(Method.ALLOC, r.device_hit_len - m.device_hit_len)])
+        locked.unwrap()
+        unlocked.unwrap()
+        return _table(m.device_pages, more.unwrap(), own), m.device_hit_len, m.last_device_node, 0, True
+
+    def _begin_params(self, key: RadixKey, total: int, arrival: _Arrival | None) -> BeginParams:
+        """The request's first head call. With L3: L3 is asked when the whole pages past the L1+L2 match
+        hold >= ``l3_min_tokens``; for a request that ``arrive``d, its prefetch (if any) is checked first,
+        and L3 is asked again only if the L1+L2 match has since shrunk below what the arrival's query
+        covered (evicted meanwhile: L3 may hold it). Pages written to L3 past the covered length since
+        the arrival came from requests served in between with the same prefix, which L1/L2 hold then. A
+        request that did not arrive asks L3 here (a repeated miss is answered by the head's negative
+        cache, no storage query)."""
+        if not self.storage:
+            return BeginParams(key, total, self.hold_writes)
+        req_id = f"req-{next(self._req_ids)}"
+        if arrival is None:
+            return BeginParams(key, total, self.hold_writes, None, req_id, self.l3_min_tokens)
+        return BeginParams(key, total, self.hold_writes, arrival.prefetch, req_id, self.l3_min_tokens, arrival.covered)
+
+    def _prefix(self, key: RadixKey, total: int, arrival: _Arrival | None, t0: float) -> tuple[_Prefix, list[float]]:
+        """Everything before the prefill: one head call (``begin_request``: the write hold, the arrival's
+        prefetch check, the match, the L3 query, and, when nothing is to be loaded or waited for, the
+        lock and the alloc); then, if a prefetch started, its wait and a fresh match, and, if the match
+        has an L2 part, the load-back + lock + alloc (``_reuse``). Returns the prefix and the phase marks
+        (``Begun.marks`` from ``t0``, the start, up to the end of the load-back phase): the head's own
+        seconds in the L3 query and the lock + alloc count in those phases, the rest of its call in the
+        match."""
+        r = self.client.begin_request(self._begin_params(key, total, arrival))
+        t1 = time.perf_counter()
+        marks = [t0, t1 - r.l3_s - r.alloc_s]
+        m, fetched = r.match, r.fetched
+        if r.prefetch is not None:  # started: waited for as the stop policy allows, then matched again
+            m, more = self._check_prefetch(key, r.prefetch.req_id)
+            fetched += more
+        marks.append(time.perf_counter() - r.alloc_s)
+        if r.pages is not None:  # locked and allocated in the call
+            hit = m.device_hit_len
+            table = _table(m.device_pages, r.pages) if hit else r.pages
+            p = _Prefix(table, hit, m.last_device_node)
+        else:
+            table, hit, node, loaded, failed = self._reuse(m, total)
+            p = _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
+        marks.append(time.perf_counter())
+        return p, marks
+
+    def begin(self, req: ServeRequest, *, resume: bool = True) -> Begun:
+        """Everything up to the first token: match, L3, load-back + alloc, (chunked) prefill. With
+        ``hold_storage_writes``, L2->L3 writes are held from here; ``resume=False`` leaves them held
+        after a successful prefill (the caller resumes once it has handed out the first token); a
+        failure resumes them whatever ``resume`` says."""
+        t0 = time.perf_counter()
+        prompt, key = self._key(req)
+        arrival = self._arrived.pop(id(req), None)
+        ns = (req.extra_key, req.cache_salt)
+        done = False
+        held = None  # (table, prefix_len, node) once the prefix is locked and pages allocated
+        try:
+            p, marks = self._prefix(key, prompt.size + req.max_new_tokens, arrival, t0)
+            table, prefix_len, node = held = p.table, p.hit, p.node
+            start = p.hit
+            budget = self.prefill_budget
+            while budget and prompt.size - start > budget:
+                end = start + budget
+                self.engine.prefill(prompt[:end], table, start)
+                table, prefix_len, node = held = self._cache_computed(prompt[:end], ns, table, prefix_len, node)
+                start = end
+            logits = self.engine.prefill(prompt, table, start)  # the last row only: one wait, no copies
+            marks.append(time.perf_counter())
+            done = True
+        except BaseException:  # a failed forward (or chunk insert) keeps neither its lock nor its pages
+            if held is not None:
+                self._abandon(*held)
+            raise
+        finally:  # also when the match, load-back or a forward fails
+            if self.hold_writes and (resume or not done):
+                self.client.resume_storage_writes()
+        return Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks))
+
+    def cache_prompt(self, b: Begun) -> Begun:
+        """Caches the whole pages of ``b``'s prompt right after its prefill (``cache_unfinished_req``, as
+        SGLang does after a prefill batch) and moves its lock to their end: a request that starts while
+        ``b`` decodes reuses them (a shared system prompt is computed once, whatever the schedule), and
+        their L1->L2 backup starts now. For ``ServingLoop``, where requests overlap; ``serve`` runs one
+        request at a time and caches at the finish only. Returns ``b`` with its new page table, prefix
+        and locked node (pages the tree already held in place of ours are freed and used instead: the
+        same bits). A failed insert releases the request's lock and pages and raises."""
+        whole = b.prompt.size - b.prompt.size % self.client.page_size
+        if whole <= b.prefix_len:
+            return b
+        try:
+            table, prefix_len, node = self._cache_computed(b.prompt, b.ns, b.table, b.prefix_len, b.node)
+        except BaseException:
+            self._abandon(b.table, b.prefix_len, b.node)
+            raise
+        return b._replace(table=table, prefix_len=prefix_len, node=node)
+
+    def _cache_computed(self, tokens: np.ndarray, ns: tuple[str | None, str | None], table: np.ndarray,
+                        prefix_len: int, node: int) -> tuple[np.ndarray, int, int]:
+        """``cache_unfinished_req`` of a running request's computed ``tokens`` (a chunked prefill's piece
+        or the whole prompt): their whole pages go into the tree and its lock moves to their end.
+        Returns the request's new (page table, tokens the tree owns, locked node)."""
+        state = self.client.cache_unfinished_req(RequestState(RadixKey(tokens, *ns), table, prefix_len, node))
+        return state.device_pages, state.prefix_len, state.last_node
+
+    def _abandon(self, table: np.ndarray, prefix_len: int, node: int) -> None:
+        """A request that failed after its lock and alloc (a forward or its decode raised): unlocks its
+        prefix and frees its own pages (those past ``prefix_len``), inserting nothing, in one step. Best
+        effort: the caller raises the request's own error; a release that fails too is logged."""
+        own = np.asarray(table[prefix_len // self.client.page_size:], dtype=np.int32)
+        try:
+            for r in self.client.step([Call(Method.DEC_LOCK_REF, node), Call(Method.FREE, own)]):
+                r.unwrap()
+        except Exception as e:  # (the cache is unreachable too: its state is the head's to recover)
+            log.warning("could not release a failed request's lock (node %s) and %d pages: %s", node, own.size, e)
+
+    def finish(self, b: Begun, gen: Generation, decode_s: float) -> ServeResult:
+        """Caches the finished request (``cache_finished_req``; with a host tier, ``check_hicache_events``:
+        sends held backups, applies acks, off the next request's critical path) and sums up its times."""
+        t = time.perf_counter()
+        seq = np.concatenate([b.prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
+        state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node)
+        if self.hicache and not self.client.in_process:  # one round trip (the check runs even if the finish fails)
+            finished, checked = self.client.step([Call(Method.CACHE_FINISHED_REQ, state),
+                                                  Call(Method.CHECK_HICACHE_EVENTS)])
+            finished.unwrap()
+            checked.unwrap()
+        else:
+            self.client.cache_finished_req(state)
+            if self.hicache:
+                self.client.check_hicache_events()
+        end = time.perf_counter()
+        mk, p, n = b.marks, b.prefix, int(b.prompt.size)
+        match, l3, load_back, prefill = (y - x for x, y in zip(mk, mk[1:]))
+        phases = ServePhases(match, l3, load_back, prefill, decode_s, end - t)
+        return ServeResult(gen.tokens, b.logits, mk[-1] - mk[0], end - mk[0], n, p.hit - p.loaded, p.loaded,
+                           n - p.hit, p.fetched, p.failed, phases, gen.logits)
+
+    def serve(self, req: ServeRequest, between_steps: Callable[[], None] | None = None) -> ServeResult:
+        """Serves ``req`` now, start to finish (its TTFT counts from here); picks up its prefetch if it
+        ``arrive``d. (``ServingLoop`` interleaves requests instead.)
+
+        ``between_steps()`` runs between its decode steps (outside any model call): a driver takes in
+        the requests that arrived meanwhile there (``arrive``), as SGLang's event loop does every
+        iteration, so their L3 fetches overlap this decode. Its time counts in this request's decode.
+
+        With ``hold_storage_writes``, the L2->L3 writes this request's finish queues are held on the head
+        (``pause_storage_writes``) until the next request's first token, so their CPU lands in that
+        decode rather than in its prefill (each prefill holds writes too). With ``between_steps`` the
+        resume runs in its first call, after the driver's hook (the first token is out: a server
+        emits it, then does bookkeeping), or when the decode ends, whichever comes first. They are sent by the next
+        ``serve``, ``resume_storage_writes()``, ``flush_write_through_acks()``, or the first cache call
+        after ``StorageParams.write_hold_max_s``: a server that goes idle calls one of those."""
+        if between_steps is None or not self.hold_writes:
+            b = self.begin(req)  # (no hook: writes resume once the first token's logits are in)
+            step = between_steps
+        else:  # writes resume right after the first token is handed out: in the first between_steps()
+            b = self.begin(req, resume=False)
+            step = _AfterFirstToken(between_steps, self.client.resume_storage_writes)
+        t = time.perf_counter()
+        try:
+            gen = (self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens) if step is None else
+                   self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step))
+        except BaseException:  # nothing of a failed decode is cached: its lock and pages go back
+            self._abandon(b.table, b.prefix_len, b.node)
+            raise
+        finally:  # a one-token answer never calls between_steps; a failed decode must not keep the hold
+            if isinstance(step, _AfterFirstToken):
+                step.resume()
+        decode_s = time.perf_counter() - t
+        if self.hold_writes:  # the next request's prefill may follow at once: its writes wait for that first token
+            self.client.pause_storage_writes()
+        return self.finish(b, gen, decode_s)
+
+    def serve_all(self, requests: Sequence[ServeRequest]) -> list[ServeResult]:
+        return [self.serve(r) for r in requests]

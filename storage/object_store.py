@@ -1,0 +1,206 @@
+"""The per-scheme object store: whole objects by path, fsspec's vocabulary.
+
+``ObjectStore`` is all that the rest of storage asks of a backend: ``exists``, ``read``,
+``write_once``, ``delete``, ``list`` (and ``delete_tree`` for ``clear``), with builtin exceptions:
+``FileNotFoundError`` for a missing object, ``FileExistsError`` when ``write_once`` finds the name
+taken (another writer published first; the object stored is that writer's). Objects are
+immutable: a name, once published, always holds the same complete bytes until deleted.
+
+Backends:
+
+- ``FsspecObjectStore``: any fsspec filesystem. ``write_once`` is ``pipe_file(mode="create")``:
+  ``ifGenerationMatch=0`` on gcsfs (412 → ``FileExistsError``), exists-then-write on memory://.
+- ``LocalObjectStore`` (file://): fsspec's local ``pipe_file(mode="create")`` is
+  exists-then-write (two writers could both write, a reader could see a partial file), so
+  ``write_once`` writes a unique temp name in the object's directory and publishes it with
+  ``os.link``, which fails if the name exists. Temp names start with ``TMP_PREFIX`` and are never
+  listed; a crashed writer's leftovers are removed by the byte-capped LRU's scan (``lru``).
+- ``AsyncFsspecObjectStore`` (async filesystems: gcsfs): the same primitives as coroutines
+  (``aexists`` ...) for ``batch_io.LoopBatchIO``, which runs them on the filesystem's event loop.
+
+Threads. The sync primitives run on ``batch_io``'s I/O threads (any number at once, on different
+or equal paths); the coroutines on the filesystem's loop. No state of its own besides the fsspec
+filesystem.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import os
+import secrets
+import shutil
+from typing import Any
+
+import fsspec
+import numpy as np
+from fsspec.asyn import AsyncFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+TMP_PREFIX = ".tmp-"
+_TMP_TOKEN = secrets.token_hex(4)  # temp file names: unique across hosts sharing a directory
+_TMP_SEQ = itertools.count()  # next() is atomic under the GIL
+
+
+def object_bytes(header: bytes, payload: np.ndarray) -> bytes:
+    """Header + payload as one ``bytes`` for backends that take a whole object: one copy of the
+    payload (``header + payload.tobytes()`` would copy it twice)."""
+    return b"".join((header, payload.reshape(-1).view(np.uint8).data))
+
+
+class ObjectStore(abc.ABC):
+    """Whole objects by path (paths as the fsspec filesystem names them: no protocol)."""
+
+    fs: Any  # the fsspec filesystem
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def read(self, path: str) -> bytes | bytearray | memoryview:
+        """The object's bytes; ``FileNotFoundError`` if there is none."""
+
+    @abc.abstractmethod
+    def write_once(self, path: str, header: bytes, payload: np.ndarray) -> None:
+        """Publish ``header + payload`` at ``path`` unless the name is taken (``FileExistsError``);
+        readers see the whole object or none."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove the object; ``FileNotFoundError`` if there is none."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Paths of the objects under directory ``prefix`` (recursive; [] if there is none)."""
+
+    @abc.abstractmethod
+    def delete_tree(self, prefix: str) -> None:
+        """Remove everything under ``prefix`` (nothing there: no error)."""
+
+
+class FsspecObjectStore(ObjectStore):
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def read(self, path: str) -> bytes | bytearray | memoryview:
+        return self.fs.cat_file(path)
+
+    def write_once(self, path: str, header: bytes, payload: np.ndarray) -> None:
+        self.fs.pipe_file(path, object_bytes(header, payload), mode="create")
+
+    def delete(self, path: str) -> None:
+        self.fs.rm_file(path)
+
+    def list(self, prefix: str) -> list[str]:
+        try:
+            return [p for p in self.fs.find(prefix) if not os.path.basename(p).startswith(TMP_PREFIX)]
+        except FileNotFoundError:
+            return []
+
+    def delete_tree(self, prefix: str) -> None:
+        try:
+            if self.fs.exists(prefix):
+                self.fs.rm(prefix, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def _create_tmp(d: str) -> tuple[int, str]:
+    """A new, exclusively created temp file in directory ``d`` (created if missing), named unique
+    per process (pid, a random token, a counter; ``O_EXCL`` settles the rest)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    made = False
+    for _ in range(100):
+        tmp = f"{d}/{TMP_PREFIX}{os.getpid()}-{_TMP_TOKEN}-{next(_TMP_SEQ)}"
+        try:
+            return os.open(tmp, flags, 0o644), tmp
+        except FileNotFoundError:  # first object of this directory (or the tree was cleared)
+            if made:
+                raise
+            os.makedirs(d, exist_ok=True)
+            made = True
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temp file name in {d}")
+
+
+def write_all(fd: int, header: bytes, payload: np.ndarray) -> None:
+    """Header then payload into the open file ``fd`` (closed here)."""
+    with os.fdopen(fd, "wb") as f:
+        f.write(header)
+        f.write(payload.reshape(-1).view(np.uint8).data)
+
+
+class LocalObjectStore(FsspecObjectStore):
+    """file://: write-once by temp file + ``os.link`` (module docstring)."""
+
+    def write_once(self, path: str, header: bytes, payload: np.ndarray) -> None:
+        fd, tmp = _create_tmp(path.rpartition("/")[0])
+        try:
+            write_all(fd, header, payload)
+            try:
+                os.link(tmp, path)  # atomic; FileExistsError if another writer published first
+            except FileExistsError:
+                raise
+            except OSError:  # a filesystem without hard links: an atomic rename unless stored
+                if os.path.exists(path):
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+                tmp = ""
+        finally:
+            if tmp:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+
+    def delete(self, path: str) -> None:
+        os.unlink(path)
+
+    def list(self, prefix: str) -> list[str]:
+        out: list[str] = []
+        for d, _, files in os.walk(prefix):
+            out += [os.path.join(d, f) for f in files if not f.startswith(TMP_PREFIX)]
+        return out
+
+    def delete_tree(self, prefix: str) -> None:
+        shutil.rmtree(prefix, ignore_errors=True)
+
+
+class AsyncFsspecObjectStore(FsspecObjectStore):
+    """An async fsspec filesystem (gcsfs): the primitives also as coroutines, for its loop."""
+
+    @property
+    def loop(self) -> Any:
+        return self.fs.loop
+
+    async def aexists(self, path: str) -> bool:
+        return bool(await self.fs._exists(path))
+
+    async def aread(self, path: str) -> bytes:
+        return await self.fs._cat_file(path)
+
+    async def awrite_once(self, path: str, header: bytes, payload: np.ndarray) -> None:
+        await self.fs._pipe_file(path, object_bytes(header, payload), mode="create")
+
+    async def adelete(self, path: str) -> None:
+        await self.fs._rm_file(path)
+
+
+def open_object_store(url: str, storage_options: dict[str, Any], fs: Any = None) -> tuple[ObjectStore, str]:
+    """The object store for ``url`` and its root path (no protocol, no trailing slash). ``fs``: an
+    fsspec filesystem to use instead of the one the URL names (tests)."""
+    if fs is None:
+        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    else:
+        root = fs._strip_protocol(url)
+    root = root.rstrip("/")
+    if isinstance(fs, LocalFileSystem):
+        os.makedirs(root, exist_ok=True)
+        return LocalObjectStore(fs), root
+    if isinstance(fs, AsyncFileSystem):
+        return AsyncFsspecObjectStore(fs), root
+    return FsspecObjectStore(fs), root
