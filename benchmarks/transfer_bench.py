@@ -29,8 +29,8 @@ Method (this VM is noisy: the same run varies up to 2x, so every comparison is p
 * ``seconds`` is the best of the rounds (``median_seconds`` is kept too); ``gbps`` is from
   ``seconds``. The pool-growth verdict uses the median over rounds of the paired ratio (largest
   pool / smallest pool, same round): on a shared box per-configuration bests scatter far more than
-  paired medians do (docs/performance.md). Baselines: ``memcpy_gbps`` copies the same bytes between random offsets of two
-  buffers far larger than the last-level cache (the pools are too: a transfer reads and writes
+  paired medians do (docs/performance.md). Baselines: ``memcpy_gbps`` copies the same bytes between
+  random offsets of two buffers far larger than the last-level cache (the pools are too: a transfer reads and writes
   DRAM); ``memcpy_hot_gbps`` copies between fixed cache-resident buffers (an upper bound no pool
   transfer can reach for batches that fit in cache). ``pct_of_memcpy`` uses the former,
   ``pct_of_memcpy_hot`` the latter.

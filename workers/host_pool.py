@@ -226,7 +226,8 @@ class HostPool:
                 pad = [self._device_zero_row(k, dev)] * (rows - len(pages))  # no bytes moved for padding
                 pieces.append(_stack_rows(rows)(*on_dev, *pad))
         global_shape = (rows, *pool.spec.page_shape)
-        arr = jax.make_array_from_single_device_arrays(global_shape, NamedSharding(pool.mesh, pool.partition_spec), pieces)
+        sharding = NamedSharding(pool.mesh, pool.partition_spec)
+        arr = jax.make_array_from_single_device_arrays(global_shape, sharding, pieces)
         return arr, _noop
 
     def _zero_host_page(self, k: int) -> jax.Array:

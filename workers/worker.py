@@ -39,11 +39,12 @@ Engine placement (DESIGN.md §1): the process that owns the devices runs the mod
 puts the engine's per-host model runner (any ``PoolModel``, e.g. the reference engine's
 ``ModelRunner``) into the worker, built over this worker's L1 array; ``run_model(fn)`` lends it the
 current L1 array for ``fn`` (forwards donate it) and takes the result back before any transfer runs
-again. Transfers and forwards are ordered by the JAX runtime alone (donation waits for pending
-work on the buffer), so the worker needs no hand-over protocol beyond that. Both run on the KV-owning thread, so forwards and plans are ordered by that thread alone. A
-forward may contain cross-host collectives: every host must run the same model calls in the same
-order (the serving loop sends each call to every host); transfers contain none, so plans may
-interleave with forwards differently on each host.
+again. Both run on the KV-owning thread, so forwards and plans are dispatched in that thread's
+order, and the JAX runtime orders their device work (a donation waits for pending work on the
+buffer): the worker needs no hand-over protocol beyond that. A forward may contain cross-host
+collectives: every host must run the same model calls in the same order (the serving loop sends
+each call to every host); transfers contain none, so plans may interleave with forwards
+differently on each host.
 """
 
 from __future__ import annotations

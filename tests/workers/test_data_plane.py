@@ -90,7 +90,8 @@ def test_every_kernel_impl_round_trips_exactly_on_the_sharded_mesh(impl):
     data = _random_pages(w, 5, seed=11)
     w.device_pool.write_pages([17, 3, 9, 22, 0], data)
     before = _bits(w.device_pool.read_pages(np.arange(NUM_PAGES))).copy()
-    w.submit(_plan(_op(1, "d2h", [17, 3, 9, 22, 0], [11, 2, 7, 15, 4]), _op(2, "h2d", [5, 20, 1, 12, 8], [4, 15, 7, 2, 11])))
+    w.submit(_plan(_op(1, "d2h", [17, 3, 9, 22, 0], [11, 2, 7, 15, 4]),
+                   _op(2, "h2d", [5, 20, 1, 12, 8], [4, 15, 7, 2, 11])))
     assert [a.ok for a in w.wait(timeout_s=120)] == [True, True]
     np.testing.assert_array_equal(_bits(w.host_pool.read_slots([11, 2, 7, 15, 4])), _bits(data))
     after = _bits(w.device_pool.read_pages(np.arange(NUM_PAGES)))

@@ -317,7 +317,8 @@ def test_a_worker_on_another_device_round_trips_exactly():
     assert w.engine.single_device and w.device_pool.kv.devices() == {jax.devices()[1]}
     data = _random_pages(w, 5, seed=10)
     w.device_pool.write_pages([9, 1, 30, 4, 12], data)
-    w.submit(_plan(_op(1, "d2h", [9, 1, 30, 4, 12], [2, 7, 0, 31, 5]), _op(2, "h2d", [0, 3, 8, 39, 20], [2, 7, 0, 31, 5])))
+    w.submit(_plan(_op(1, "d2h", [9, 1, 30, 4, 12], [2, 7, 0, 31, 5]),
+                   _op(2, "h2d", [0, 3, 8, 39, 20], [2, 7, 0, 31, 5])))
     assert all(a.ok for a in w.wait(timeout_s=60))
     np.testing.assert_array_equal(_bits(w.host_pool.read_slots([2, 7, 0, 31, 5])), _bits(data))
     np.testing.assert_array_equal(_bits(w.device_pool.read_pages([0, 3, 8, 39, 20])), _bits(data))
