@@ -93,7 +93,7 @@ class LocalWorkerGroup:
         for e in execs:  # (a loop, no generator: on the L3 miss query of every request)
             if not isinstance(e, StorageExecutor):
                 raise RuntimeError("no storage backend attached")
-        return execs  # type: ignore[return-value]
+        return execs
 
     def storage_pages_per_object(self) -> int:
         return self._executors()[0].storage.pages_per_object()
