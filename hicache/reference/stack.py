@@ -40,8 +40,9 @@ class StackOptions:
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.WAIT_COMPLETE
     prefetch_min_tokens: int = 32
-    # pages per L3 object: fewer, larger objects than one per page (L3 round trips are per object)
-    pages_per_object: int = 16
+    # Pages per L3 object: fewer objects than one per page (L3 round trips are per object), but a
+    # query that ends inside an object cannot name it, so small objects keep those misses short.
+    pages_per_object: int = 4
     prefill_budget: int = 0
 
     def __post_init__(self) -> None:
