@@ -54,9 +54,32 @@ from hicache.workers.plan import OpKind
 _SPIN_S = 300e-6
 
 
+# Pages per compiled transfer program: a larger batch runs as several programs of at most this many
+# rows. The host pool's programs take or return one array per row, and their compile time grows with
+# the row count, so an unbounded bucket would compile for seconds in the middle of serving.
+MAX_BATCH_PAGES = 16
+
+
 def bucket(n: int) -> int:
     """Rows of the compiled staging shape for a batch of ``n`` pages (next power of two)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def chunks(n: int, max_pages: int) -> list[slice]:
+    """``[0, n)`` cut into consecutive slices of at most ``max_pages``."""
+    return [slice(i, min(i + max_pages, n)) for i in range(0, n, max_pages)]
+
+
+def _all_ready(parts: list[Callable[[], bool]]) -> Callable[[], bool]:
+    return parts[0] if len(parts) == 1 else lambda: all(ready() for ready in parts)
+
+
+def _each(parts: list[Callable[[], object]]) -> Callable[[], None]:
+    def run() -> None:
+        for part in parts:
+            part()
+
+    return run
 
 
 def _noop() -> None:
@@ -139,10 +162,15 @@ class TransferHandle:
 
 
 class TransferEngine:
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, impl: CopyImpl | str | None = None) -> None:
-        """``impl``: the kernel implementation (default: ``select_impl()`` for this backend)."""
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, impl: CopyImpl | str | None = None,
+                 max_batch_pages: int = MAX_BATCH_PAGES) -> None:
+        """``impl``: the kernel implementation (default: ``select_impl()`` for this backend);
+        ``max_batch_pages``: pages per compiled program (a power of two; larger batches are cut)."""
         if host_pool.device_pool is not device_pool:
             raise ValueError("host_pool was built for another device pool")
+        if type(max_batch_pages) is not int or max_batch_pages < 1 or bucket(max_batch_pages) != max_batch_pages:
+            raise ValueError(f"max_batch_pages must be a power of two >= 1, got {max_batch_pages!r}")
+        self.max_batch_pages = max_batch_pages
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.impl = CopyImpl(impl) if impl is not None else select_impl()
@@ -196,6 +224,13 @@ class TransferEngine:
     def backup_checked(self, pages: np.ndarray, slots: np.ndarray) -> TransferHandle:
         """``backup`` for ids already validated by ``check`` (int32, in range, unique, same size)."""
         n = pages.size
+        if n <= self.max_batch_pages:
+            return self._backup_batch(pages, slots)
+        parts = [self._backup_batch(pages[c], slots[c]) for c in chunks(n, self.max_batch_pages)]
+        return _joined(OpKind.BACKUP_D2H, parts)
+
+    def _backup_batch(self, pages: np.ndarray, slots: np.ndarray) -> TransferHandle:
+        n = pages.size
         rows = bucket(n)
         staging = self._take_staging(rows)
         staged = self._gather(self.device_pool.kv, self._packed_ids(rows, pages), staging)
@@ -221,6 +256,13 @@ class TransferEngine:
     def load_checked(self, slots: np.ndarray, pages: np.ndarray) -> TransferHandle:
         """``load`` for ids already validated by ``check``."""
         n = pages.size
+        if n <= self.max_batch_pages:
+            return self._load_batch(slots, pages)
+        parts = [self._load_batch(slots[c], pages[c]) for c in chunks(n, self.max_batch_pages)]
+        return _joined(OpKind.LOAD_H2D, parts)
+
+    def _load_batch(self, slots: np.ndarray, pages: np.ndarray) -> TransferHandle:
+        n = pages.size
         rows = bucket(n)
         staged, release = self.host_pool.stage_load(slots, rows)
         try:
@@ -231,6 +273,17 @@ class TransferEngine:
         self.device_pool.adopt_kv(new_kv)
         return TransferHandle(OpKind.LOAD_H2D, n, n * self._slot_bytes, token.is_ready, token.block_until_ready,
                               _noop, release)
+
+
+def _joined(kind: OpKind, parts: list[TransferHandle]) -> TransferHandle:
+    """One handle over the batches of a cut transfer: ready when all are, committed together (a
+    failure before the commit changes nothing, as for one batch)."""
+    handle = TransferHandle(kind, sum(p.num_pages for p in parts), sum(p.bytes_moved for p in parts),
+                            _all_ready([p.is_ready for p in parts]),
+                            _each([functools.partial(p.block_until_ready, None) for p in parts]),
+                            _each([p.finish for p in parts]), _each([p.abort for p in parts]))
+    handle.started = parts[0].started
+    return handle
 
 
 def _with_token(new_kv: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:

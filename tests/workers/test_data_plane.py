@@ -301,3 +301,33 @@ def test_device_pool_rejects_indivisible_mesh():
 
     with pytest.raises(ValueError, match="num_kv_heads=6 is not divisible by mesh axis 'kv' of size 4"):
         DevicePool(KVCacheSpec(1, 6, 64, 16), 4, mesh=Mesh(np.array(jax.devices()), ("kv",)))
+
+
+def test_a_batch_over_max_batch_pages_runs_in_pieces_and_round_trips_exactly():
+    """5 pages with 2 pages per program: 3 backups and 3 loads behind one handle each, bit-exact."""
+    from hicache.workers.transfer import TransferEngine
+
+    worker = HostWorker(SPEC, NUM_PAGES, NUM_SLOTS)
+    engine = TransferEngine(worker.device_pool, worker.host_pool, max_batch_pages=2)
+    dp, hp = worker.device_pool, worker.host_pool
+    pages, slots = np.array([17, 3, 9, 22, 0], np.int32), np.array([11, 2, 7, 15, 4], np.int32)
+    data = _random_pages(worker, pages.size, seed=5)
+    dp.write_pages(pages, data)
+    handle = engine.backup(pages, slots)
+    assert handle.num_pages == 5 and handle.bytes_moved == 5 * SPEC.page_bytes
+    handle.finish()
+    np.testing.assert_array_equal(_bits(hp.read_slots(slots)), _bits(data))
+    dp.write_pages(np.arange(NUM_PAGES), _random_pages(worker, NUM_PAGES, seed=6))
+    dst = np.array([5, 20, 1, 12, 8], np.int32)
+    handle = engine.load(slots, dst)
+    assert handle.block_until_ready(60) and handle.finish() == 5 * SPEC.page_bytes
+    np.testing.assert_array_equal(_bits(dp.read_pages(dst)), _bits(data))
+
+
+@pytest.mark.parametrize("bad", [0, 3, -4, 2.0])
+def test_max_batch_pages_must_be_a_power_of_two(bad):
+    from hicache.workers.transfer import TransferEngine
+
+    worker = HostWorker(SPEC, NUM_PAGES, NUM_SLOTS)
+    with pytest.raises(ValueError, match="max_batch_pages"):
+        TransferEngine(worker.device_pool, worker.host_pool, max_batch_pages=bad)
