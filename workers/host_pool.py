@@ -207,9 +207,9 @@ class HostPool:
         by_device = {s.device: s.data for s in staged.addressable_shards}
         moved = []
         for k, shard in enumerate(self.head_shards):
-            # device-side slices of every staged row (one program per row bucket, not per count)
-            rows = _split_rows(staged.shape[0])(by_device[shard.devices[0]])
-            moved.append(jax.device_put(list(rows[:count]), [self._host_sharding[k]] * count))  # batched D2H
+            # one program splits the batch into rows and writes them to host memory (its outputs)
+            rows = _rows_to_host(staged.shape[0], self._host_sharding[k])(by_device[shard.devices[0]])
+            moved.append(list(rows[:count]))
         return PendingBackup(self, ids, moved)
 
     def stage_load(self, ids: np.ndarray, rows: int) -> tuple[jax.Array, Callable[[], None]]:
@@ -222,9 +222,12 @@ class HostPool:
             table = self._pages[k]
             pages = [p if p is not None else self._zero_host_page(k) for p in (table[s] for s in slots)]
             for dev in shard.devices:
-                on_dev = jax.device_put(pages, [SingleDeviceSharding(dev)] * len(pages))  # batched H2D
                 pad = [self._device_zero_row(k, dev)] * (rows - len(pages))  # no bytes moved for padding
-                pieces.append(_stack_rows(rows)(*on_dev, *pad))
+                if dev == shard.devices[0]:  # the pages' own device: one program moves and stacks them
+                    pieces.append(_rows_to_device(rows, SingleDeviceSharding(dev))(*pages, *pad))
+                else:  # another replica of these heads: copy the pages over first
+                    on_dev = jax.device_put(pages, [SingleDeviceSharding(dev)] * len(pages))
+                    pieces.append(_stack_rows(rows)(*on_dev, *pad))
         global_shape = (rows, *pool.spec.page_shape)
         sharding = NamedSharding(pool.mesh, pool.partition_spec)
         arr = jax.make_array_from_single_device_arrays(global_shape, sharding, pieces)
@@ -274,11 +277,20 @@ def _noop() -> None:
     pass
 
 
-# Both are keyed by the transfer's row bucket (a power of two), never by its page count: a program
-# per distinct count would compile on every new batch size.
-@functools.lru_cache(maxsize=64)
-def _split_rows(rows: int):
-    return jax.jit(lambda x: tuple(x[i] for i in range(rows)))
+# Programs are keyed by the transfer's row bucket (a power of two), never by its page count: a
+# program per distinct count would compile on every new batch size. The moves between memory kinds
+# are inside the programs (output shardings in host memory; ``device_put`` to device memory in the
+# program), so a batch is one dispatch, not one ``device_put`` per page.
+@functools.lru_cache(maxsize=256)
+def _rows_to_host(rows: int, host: SingleDeviceSharding):
+    """``staged [rows, ...]`` on a device -> its ``rows`` rows, each an array in ``host``'s memory."""
+    return jax.jit(lambda x: tuple(x[i] for i in range(rows)), out_shardings=(host,) * rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_to_device(rows: int, device: SingleDeviceSharding):
+    """``rows`` page arrays (host memory of ``device``, or on it) -> one ``[rows, ...]`` array on it."""
+    return jax.jit(lambda *pages: jnp.stack([jax.device_put(p, device) for p in pages]), out_shardings=device)
 
 
 @functools.lru_cache(maxsize=64)

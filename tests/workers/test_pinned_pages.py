@@ -33,8 +33,8 @@ def test_batches_of_one_bucket_share_one_program_and_round_trip_exactly():
         shape = (64, *worker.device_pool.host_row_shape)
         data = rng.standard_normal(shape, dtype=np.float32).astype(worker.device_pool.dtype)
         worker.device_pool.write_pages(np.arange(64), data)
-        split0 = host_pool._split_rows.cache_info().currsize
-        stack0 = host_pool._stack_rows.cache_info().currsize
+        split0 = host_pool._rows_to_host.cache_info().currsize
+        stack0 = host_pool._rows_to_device.cache_info().currsize
         for n in (5, 6, 7, 8):  # all in the 8-row bucket
             src, slots, dst = rng.choice(64, n, replace=False), rng.choice(64, n, replace=False), None
             _run(worker, "d2h", src, slots)
@@ -42,8 +42,8 @@ def test_batches_of_one_bucket_share_one_program_and_round_trip_exactly():
             _run(worker, "h2d", dst, slots)
             np.testing.assert_array_equal(_bits(worker.device_pool.read_pages(dst)), _bits(data[src]))
             data[dst] = data[src]
-        assert host_pool._split_rows.cache_info().currsize - split0 <= 1
-        assert host_pool._stack_rows.cache_info().currsize - stack0 <= 1
+        assert host_pool._rows_to_host.cache_info().currsize - split0 <= 1
+        assert host_pool._rows_to_device.cache_info().currsize - stack0 <= 1
         # the rest of L1 is untouched by the padded rows of the bucket
         np.testing.assert_array_equal(_bits(worker.device_pool.read_pages(np.arange(64))), _bits(data))
     finally:
