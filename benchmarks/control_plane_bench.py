@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from hicache.cluster import Call, CacheClient, HeadConfig, Method, embedded
+from hicache.cluster import CacheClient, Call, HeadConfig, Method, embedded
 from hicache.cluster.client import PendingStep, ResultRef
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
 from hicache.workloads import MultiTurnSpec, Turn, multi_turn
@@ -222,7 +222,7 @@ def main() -> None:
         paired_calls: list[float] = []
         # CPU seconds per run (least of the repeats): this process, and the head actor's process (Ray's
         # ``__ray_call__`` runs a function on the actor). Less sensitive to other load than wall time.
-        head_cpu = lambda: ray.get(handle.__ray_call__.remote(lambda _: time.process_time()), timeout=60)  # noqa: E731
+        head_cpu = lambda h=handle: ray.get(h.__ray_call__.remote(lambda _: time.process_time()), timeout=60)  # noqa: E731
         emb_cpu = client_cpu = ray_head_cpu = calls_client_cpu = calls_head_cpu = float("inf")
         for _ in range(args.repeat):
             c0 = time.process_time()

@@ -1,6 +1,6 @@
 """Engine micro-benchmark: the per-request cost of ``ModelRunner.prefill`` and of a batched decode
-iteration (``hicache.engine.batched.decode_steps``), in the multiturn benchmark's model and forward
-shape (``benchmarks.common.MODEL`` / ``FWD``, an L1 of 118 pages).
+iteration (``hicache.reference.engine.batched.decode_steps``), in the multiturn benchmark's model and forward
+shape (``benchmarks.workload.MODEL`` / ``FWD``, an L1 of 118 pages).
 
 Cases: prefills after a cached prefix (1, 3 and 8 chunks of 16 tokens) and from position 0 (26
 chunks, a no-reuse request), and decode iterations of B = 1, 3, 4, 5, 7, 8 requests of ~300 tokens. Each case
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import FWD, MODEL  # noqa: E402
-from hicache.engine import batched  # noqa: E402
-from hicache.engine.runner import ModelRunner  # noqa: E402
+from benchmarks.workload import FWD, MODEL  # noqa: E402
+from hicache.reference.engine import batched  # noqa: E402
+from hicache.reference.engine.runner import ModelRunner  # noqa: E402
 
 L1_PAGES = 118
 PREFILLS = {  # name: (prompt length, start position)

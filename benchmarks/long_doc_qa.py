@@ -6,7 +6,7 @@ document, documents in a seeded random order; requests are independent (no clien
 and arrive as a Poisson process at ``--request-rate`` (default ``--load`` x the service rate of the
 engine without cache). L1 = ``--l1-fraction`` (25%) of the working set (documents + question/answer
 pages), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap. Queueing and offline-optimal
-models: ``benchmarks/common.py``.
+models: ``benchmarks/workload.py`` and ``benchmarks/oracle.py``.
 
 Configs (same request stream, fresh stack each, one compiled engine):
   bare_engine      the engine alone: never caches
@@ -19,7 +19,7 @@ Configs (same request stream, fresh stack each, one compiled engine):
                    hit rate (same requests; the warm replica has L1, L2 and L3 from round 0).
 
 Reference pass, warm-up pass, the no-reuse pair (bare_engine vs no_cache in segments of ``--pair-segment``
-requests, ``common.overhead_pair``, its target on ``--clock``, both clocks reported) and exactness
+requests, ``pairing.overhead_pair``, its target on ``--clock``, both clocks reported) and exactness
 checks as in ``multiturn.py``.
 
     python benchmarks/long_doc_qa.py [--quick] [--json out.json] [--png out.png]
@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (  # noqa: E402
-    BareEngine, ConfigRecord, FWD, Item, MODEL, accesses, belady_hit_tokens, finish_stack, in_scratch_dir,
-    CLOCKS, log, make_record, no_reuse_targets, poisson_ticks, serve_interleaved, serve_items, spot_check,
-    stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
-)
-from hicache.engine.runner import ModelRunner  # noqa: E402
-from hicache.serving import ServeRequest  # noqa: E402
+from benchmarks.clocks import CLOCKS  # noqa: E402
+from benchmarks.oracle import accesses, belady_hit_tokens, serve_items, working_set  # noqa: E402
+from benchmarks.pairing import no_reuse_targets, serve_interleaved, warm_up_and_baselines  # noqa: E402
+from benchmarks.report import ConfigRecord, make_record, report  # noqa: E402
+from benchmarks.stacks import BareEngine, finish_stack, in_scratch_dir, stack_options  # noqa: E402
+from benchmarks.workload import FWD, MODEL, Item, log, poisson_ticks, tier_sizes  # noqa: E402
+from hicache.reference.engine.runner import ModelRunner  # noqa: E402
 
 CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--l2-fraction", type=float, default=0.5)
     p.add_argument("--overhead-reps", type=int, default=3,
                    help="bare_engine/no_cache repeats (in segments, and interleaved; median over the reps per block "
-                        "of requests, common.paired_overhead)")
+                        "of requests, pairing.paired_overhead)")
     p.add_argument("--pair-segment", "--segment", dest="pair_segment", type=int, default=1,
                    help="no-reuse pair: requests a config serves in a row (no_cache then drained) before the other "
                         "serves them; short, so that the two configs meet the same machine load")
@@ -125,7 +125,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     ps = FWD.page_size
     full = lambda d: stack_options(l1_pages, l2_slots, tmp / d)  # noqa: E731
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
-    from hicache.embedded import build_stack
+    from hicache.reference.stack import build_stack
 
     opts = {"l1_only": stack_options(l1_pages), "l1_l2": stack_options(l1_pages, l2_slots), "l1_l2_l3": full("l3")}
     first = [it for it in items if it.round == 0]
@@ -173,7 +173,6 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
         records.append(make_record(name, s, ticks, rate, l1_tokens=l1 * ps, l2_tokens=l2 * ps, l3=l3,
                                    optimal_hits=optimal[name][0], optimal_capacity=optimal[name][1],
                                    exact_checked=len(s), spot=spots[name], notes=notes))
-    by = {r.config: r for r in records}
 
     def round_hit(name: str, rd: int) -> float:
         rs = [x.result for x in served[name] if x.item.round == rd]

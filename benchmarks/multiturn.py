@@ -8,12 +8,12 @@ rate of the engine without cache), a client's next turn waits for its previous a
 configs are served by their stack's ``ServingLoop`` (``--policy``, default prefill_first: SGLang's
 iteration-level scheduler, a waiting request's prefill before the running requests' next decode step;
 a decode iteration advances every running request, in one dispatch unless ``--no-batched-decode``)
-on a virtual clock (``common.VirtualTimeRun``): each iteration advances it by its measured time,
+on a virtual clock (``stacks.VirtualTimeRun``): each iteration advances it by its measured time,
 a request enters the loop's queue (``Scheduler.arrive`` starts its L3 prefetch then, as SGLang does on
 entry to the waiting queue) when the clock passes its send time, and the execution order, hence the
 cache state, is the one that clock gives. Its TTFT = queue wait (send -> start of its prefill
 iteration) + service TTFT (that iteration). The bare engine and the no-reuse pair are served one at a
-time under the FCFS whole-request model (``common.simulate_arrivals``; the record's
+time under the FCFS whole-request model (``workload.simulate_arrivals``; the record's
 ``notes.queue_model`` says which). Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full
 KV pages the stream writes), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap.
 
@@ -27,15 +27,15 @@ Configs (same request stream, fresh stack each, one compiled engine):
 
 Before the timed configs: a reference pass (no cache, decides the stream and the expected outputs)
 and a warm-up pass of the full stack in its own namespace (compiles every transfer bucket), so compile
-stalls stay out of the timings. Then the no-reuse pair (``common.overhead_pair``: bare_engine vs
+stalls stay out of the timings. Then the no-reuse pair (``pairing.overhead_pair``: bare_engine vs
 no_cache in segments of ``--pair-segment`` requests, no_cache's transfers drained after each of its
 segments, the drain reported per request; ``--overhead-reps`` reps, the overhead a ratio of mean TTFTs
-over blocks of 16 requests, each block's ratio its median over the reps (``common.paired_overhead``:
+over blocks of 16 requests, each block's ratio its median over the reps (``pairing.paired_overhead``:
 the load of the other processes on a shared machine swings the same work's time by tens of % within
 seconds); TTFT on ``--clock``, the other clock's figures beside it: the overhead target; no_cache's
 record: best of the reps per request, wall time; the same pair interleaved per request is in
 ``overhead_vs_bare.interleaved``, for comparison). Then the TTFT phase
-(``common.serve_segments``): bare_engine, l1_only, l1_l2 and l1_l2_l3, each on a fresh stack, serve
+(``pairing.serve_segments``): bare_engine, l1_only, l1_l2 and l1_l2_l3, each on a fresh stack, serve
 the stream ``--segment`` (16) requests at a time: one config serves a segment, waits for its own
 in-flight transfers (L1->L2 copies, L3 writes; the wait is charged to its latency), then the next
 config serves the same requests, the first config rotating (a loop's later requests sent meanwhile
@@ -55,12 +55,11 @@ x the bare engine's rate measured in the same segment, whatever the machine's lo
 stats give the speeds, the rate measured there and the load it means unscaled. What is measured
 (``--clock``): by default this process's CPU time, every thread (``time.process_time``), the bare
 engine's segment too: the work each iteration did, whatever the other processes on a shared 2-CPU
-machine take (measured in wall time, the bare engine's speed swung 0.15-1.26 between segments of one
-run, and the configs' queues with it; in CPU time 0.6-1.2, and each config's utilization agreed
-across reps within a few %). A config's background threads (copies, L3 writes) then count as if they
+machine take (in wall time the bare engine's speed swings far more between segments of one run, and
+the configs' queues with it: docs/performance.md). A config's background threads (copies, L3 writes) then count as if they
 ran on the serving path, which can only slow the cache configs. ``--clock wall``: wall time.
 Each config's CPU per request by thread group (serving, native = XLA's threads,
-storage, L3 writers; ``common.thread_cpu_s``) is in its ``cache_stats``. Every config's outputs must equal the reference outputs, and a few requests
+storage, L3 writers; ``clocks.thread_cpu_s``) is in its ``cache_stats``. Every config's outputs must equal the reference outputs, and a few requests
 per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits with
 ``ModelRunner.generate_no_cache``; a mismatch raises.
 
@@ -85,15 +84,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (  # noqa: E402
-    BareEngine, CLOCKS, ConfigRecord, FWD, Item, MODEL, Stream, VirtualTimeRun, accesses,
-    belady_hit_tokens, best_of_reps, close_stack, cpu_ms_per_request, drain_charged, finish_stack, in_scratch_dir,
-    in_virtual_time, jsonable, log, make_record, no_reuse_targets, one_at_a_time, poisson_ticks, serve_segments,
-    stack_options, warm_up_and_baselines, report, tier_sizes, working_set,
+from benchmarks.clocks import CLOCKS  # noqa: E402
+from benchmarks.oracle import accesses, belady_hit_tokens, working_set  # noqa: E402
+from benchmarks.pairing import (  # noqa: E402
+    best_of_reps,
+    cpu_ms_per_request,
+    drain_charged,
+    in_virtual_time,
+    no_reuse_targets,
+    one_at_a_time,
+    serve_segments,
+    warm_up_and_baselines,
 )
-from hicache.engine import batched  # noqa: E402
-from hicache.engine.runner import ModelRunner  # noqa: E402
-from hicache.serving import LoopOptions, SchedulePolicy, ServeRequest, ServingLoop  # noqa: E402
+from benchmarks.report import ConfigRecord, jsonable, make_record, report  # noqa: E402
+from benchmarks.stacks import (  # noqa: E402
+    BareEngine,
+    VirtualTimeRun,
+    close_stack,
+    finish_stack,
+    in_scratch_dir,
+    stack_options,
+)
+from benchmarks.workload import FWD, MODEL, Item, Stream, log, poisson_ticks, tier_sizes  # noqa: E402
+from hicache.reference.engine import batched  # noqa: E402
+from hicache.reference.engine.runner import ModelRunner  # noqa: E402
+from hicache.reference.serve_types import ServeRequest  # noqa: E402
+from hicache.reference.serving_loop import LoopOptions, SchedulePolicy, ServingLoop  # noqa: E402
 
 CONFIGS = ("bare_engine", "no_cache", "l1_only", "l1_l2", "l1_l2_l3", "l3_prepopulated")
 
@@ -163,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--l2-fraction", type=float, default=0.5)
     p.add_argument("--overhead-reps", type=int, default=3,
                    help="bare_engine/no_cache repeats (in segments, and interleaved; median over the reps per block "
-                        "of requests, common.paired_overhead)")
+                        "of requests, pairing.paired_overhead)")
     p.add_argument("--ttft-reps", type=int, default=3,
                    help="bare_engine/l1_only/l1_l2/l1_l2_l3 repeats (fresh stacks, one config at a time; "
                         "best-of-N TTFT per request)")
@@ -177,7 +193,7 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--decode-batch", type=int, default=0,
                    help="running requests one decode iteration advances, round-robin (0: all; LoopOptions)")
     p.add_argument("--batched-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="a decode iteration in one dispatch (hicache.engine.batched: a scan of the [C] program, "
+                   help="a decode iteration in one dispatch (hicache.reference.engine.batched: a scan of the [C] program, "
                         "bit-identical where checked), as SGLang's decode batch runs one forward; default: on "
                         "where batched.supported (XLA:CPU), else one decode_step per request")
     p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
@@ -223,7 +239,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     ps = FWD.page_size
     full = lambda d: stack_options(l1_pages, l2_slots, tmp / d)  # noqa: E731
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
-    from hicache.embedded import build_stack
+    from hicache.reference.stack import build_stack
 
     rate = _rate(args, served["bare_engine"])  # the no-reuse pair's bare engine, best of its reps
     ref_latency = [s.result.latency_s for s in served["bare_engine"]]  # in item order

@@ -23,7 +23,7 @@ Which calls run on every host vs once:
   ``write_pages``/``read_pages``. The group sends each plan to all hosts in ``seq`` order; plans
   contain no cross-host collectives (head-sharded pages never cross devices), so hosts need not
   interleave plans and other callers' calls identically. Forwards do (attention heads are split over
-  hosts): their caller (``hicache.ray_engine``) sends every model call to every host in one order.
+  hosts): their caller (``hicache.reference.ray_engine``) sends every model call to every host in one order.
 * once (worker 0): ``coordinator_address``. Per host, local: ``poll``, ``wait``, ``ping``.
 
 Failure model: a replica's hosts fail together. A host that dies takes its L1 *and* L2 shards with

@@ -9,6 +9,7 @@ its logs, ``down`` stops a replica. Errors print one line and exit 1.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ def _connect_ray(address: str | None) -> None:
     if target != "auto" and "://" not in target:
         _probe(target)
     try:
-        ray.init(address=target, namespace="hicache", logging_level="ERROR", log_to_driver=False)
+        ray.init(address=target, namespace="hicache", logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError) as exc:
         raise CliError(f"no Ray cluster at {target!r} ({str(exc).splitlines()[0]}); "
                        "start one with `ray start --head` or `ray up ray_configs/...`") from None
@@ -86,8 +87,6 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     import ray
-    from rich.console import Console
-    from rich.table import Table
 
     from hicache.cluster.ray_client import connect
     from hicache.cluster.ray_head import get_head
@@ -96,15 +95,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     names = [args.replica] if args.replica else _replicas()
     if args.replica and args.replica not in _replicas():
         raise CliError(f"unknown replica {args.replica!r}; running: {_replicas() or 'none'}")
-    table = Table(title="hicache replicas")
-    for col in ("replica", "state", "hosts", "L1 used", "L2 used", "hit L1", "hit L2", "hit L3", "in flight"):
-        table.add_column(col, justify="right")
+    rows: list[tuple[str, ...]] = []
     for name in names:
         health = ray.get(get_head(name).health.remote(), timeout=args.timeout)
         try:
             st = connect(name, timeout_s=args.timeout).cache_stats()
         except Exception as exc:  # noqa: BLE001 - a replica that cannot answer still gets its row
-            table.add_row(name, health.state.value, str(health.num_hosts), "-", "-", "-", "-", "-", str(exc)[:30])
+            rows.append((name, health.state.value, str(health.num_hosts), "-", "-", "-", "-", "-", str(exc)[:30]))
             continue
         q = max(st.get("queried_tokens", 0), 1)
         l3 = st.get("storage", {}).get("prefetch_pages", 0) * st["page_size"]
@@ -113,13 +110,23 @@ def cmd_status(args: argparse.Namespace) -> int:
             cap = st.get(f"{tier}_capacity_tokens")
             return f"{st[f'{tier}_tokens']:,}/{cap:,}" if cap else "-"
 
-        table.add_row(name, health.state.value, str(health.num_hosts), used("device"),
-                      used("host") if "host_tokens" in st else "-",
-                      f"{st.get('device_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
-                      f"{st.get('host_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
-                      f"{l3 / q:.0%}" if "queried_tokens" in st else "-", str(st.get("in_flight", 0)))
-    Console(width=max(120, Console().width)).print(table)
+        rows.append((name, health.state.value, str(health.num_hosts), used("device"),
+                     used("host") if "host_tokens" in st else "-",
+                     f"{st.get('device_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
+                     f"{st.get('host_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
+                     f"{l3 / q:.0%}" if "queried_tokens" in st else "-", str(st.get("in_flight", 0))))
+    print("hicache replicas")
+    print(format_table(STATUS_COLUMNS, rows))
     return 0
+
+
+STATUS_COLUMNS = ("replica", "state", "hosts", "L1 used", "L2 used", "hit L1", "hit L2", "hit L3", "in flight")
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain right-aligned columns (the core needs no table library: ``rich`` is the demo's extra)."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in (header, *rows))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -158,6 +165,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         time.sleep(1.0)
     print(f"job {job}: {status.value}")
     return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+DEMO_MODULES = ("rich", "matplotlib")  # the [demo] extra (pyproject.toml)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,6 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.bench_args = passthrough
     handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "bench": cmd_bench}
     if args.command == "demo":
+        import importlib.util
+
+        missing = [m for m in DEMO_MODULES if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"hicache demo: error: {', '.join(missing)} missing: install the demo extra "
+                  "(pip install -e \".[demo]\")", file=sys.stderr)
+            return 1
         from hicache.demo import run_demo
 
         return run_demo(args)

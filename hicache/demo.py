@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from hicache.embedded import StackOptions, build_stack, warm_up
-from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.serving import ServeRequest, ServeResult
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.serve_types import ServeRequest, ServeResult
+from hicache.reference.stack import StackOptions, build_stack, warm_up
 from hicache.workloads import MultiTurnSpec, multi_turn
 
 
@@ -77,7 +77,7 @@ def run_demo(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     stack = build_stack(opts)
     # Compile outside the measured rounds: the forward and the L2->L1 load of every transfer shape
-    # (without this, the first load-backs of rounds 1-2 compile inside their TTFT: p90 ~1 s).
+    # (without this, the first load-backs of rounds 1-2 compile inside their TTFT).
     warm_up(stack)
     stack.client.flush_write_through_acks()
     moved_before = dict(stack.head.cache_stats()["bytes_moved"])

@@ -70,7 +70,7 @@ def load_replica_file(path: str | Path):  # -> ReplicaConfig
 def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> ReplicaConfig
     from hicache.cluster.ray_head import ReplicaConfig
     from hicache.cluster.ray_workers import WorkerGroupOptions
-    from hicache.cluster.tpu import cpu_placement, tpu_slice_placement
+    from hicache.cluster.tpu import tpu_slice_placement
     from hicache.workers import KVCacheSpec
 
     _check_keys(where, raw, _TOP)
@@ -94,7 +94,7 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
             spec = KVCacheSpec(int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]),
                                page_size, str(model.get("dtype", "bfloat16")))
             platform = w.get("platform", "cpu")
-            extra = {"start_timeout_s": float(w["start_timeout_s"])} if "start_timeout_s" in w else {}
+            extra: dict[str, Any] = {"start_timeout_s": float(w["start_timeout_s"])} if "start_timeout_s" in w else {}
             if platform == "cpu":
                 workers = WorkerGroupOptions.fake_cpu_hosts(spec, int(w.get("num_hosts", 1)),
                                                             int(w.get("devices_per_host", 1)), **extra)
@@ -114,6 +114,18 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
         raise ValueError(f"{where}: {exc}") from None
 
 
+GCS_SCHEMES = ("gs", "gcs")  # fsspec's names for gcsfs
+
+
+def _require_backend(url: str) -> None:
+    """gs:// needs gcsfs, an extra (``hicache[gcs]``, in ``[tpu]`` too): say so when the file is read,
+    not when the head first touches L3."""
+    import importlib.util
+
+    if url.split("://", 1)[0] in GCS_SCHEMES and importlib.util.find_spec("gcsfs") is None:
+        raise ValueError(f"L3 url {url!r} needs gcsfs: install the gcs extra (pip install 'hicache[gcs]')")
+
+
 def _storage_params(l3: Any, model: Any, page_size: int, where: str) -> StorageParams:
     """``l3`` (url, model_id, StorageParams fields, ``storage``: StorageConfig fields) -> ``StorageParams``."""
     if not isinstance(l3, Mapping):
@@ -126,6 +138,7 @@ def _storage_params(l3: Any, model: Any, page_size: int, where: str) -> StorageP
     if not isinstance(config, Mapping):
         raise ValueError(f"l3.storage must be a mapping, got {config!r}")
     _check_keys(f"{where}: l3.storage", config, {f.name for f in dataclasses.fields(StorageConfig)})
+    _require_backend(str(l3["url"]))
     fingerprint = ModelFingerprint(str(l3["model_id"]), str(model.get("dtype", "bfloat16")), page_size,
                                    int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]))
     return StorageParams(str(l3["url"]), fingerprint, storage=StorageConfig(**config),

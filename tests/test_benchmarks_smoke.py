@@ -76,8 +76,9 @@ def test_clock_views_of_a_served_request():
     phases, each drain added to the last request of its segment."""
     import numpy as np
 
-    from benchmarks.common import Item, Served, on_cpu_clock, on_wall_clock
-    from hicache.serving import ServePhases, ServeResult
+    from benchmarks.clocks import on_cpu_clock, on_wall_clock
+    from benchmarks.workload import Item, Served
+    from hicache.reference.serve_types import ServePhases, ServeResult
 
     phases = ServePhases(match=0.001, l3=0.002, load_back=0.003, prefill=0.004, decode=0.005, finish=0.006)
 
@@ -101,8 +102,9 @@ def _paired(ttfts: dict[str, list[list[float]]], **kw) -> tuple[float, float]:
     """paired_overhead over reps whose TTFTs per config are ``ttfts[config][rep]`` (ms), stream order."""
     import numpy as np
 
-    from benchmarks.common import Item, Served, paired_overhead
-    from hicache.serving import ServeResult
+    from benchmarks.pairing import paired_overhead
+    from benchmarks.workload import Item, Served
+    from hicache.reference.serve_types import ServeResult
 
     def served(ms: list[float]) -> list[Served]:
         return [Served(Item(i, None, 0, np.arange(3, dtype=np.int32), 1),
@@ -136,7 +138,7 @@ def test_paired_overhead_rejects_bad_blocks_and_mismatched_reps():
             _paired({"bare_engine": bare, "no_cache": stack}, block=bad)
     with pytest.raises(ValueError, match="same items in the same order"):
         _paired({"bare_engine": bare, "no_cache": [[11, 11]]})
-    from benchmarks.common import paired_overhead
+    from benchmarks.pairing import paired_overhead
 
     with pytest.raises(ValueError, match="at least one rep"):
         paired_overhead([])
@@ -175,7 +177,7 @@ class _RecordingScheduler:
     def serve(self, req):
         import numpy as np
 
-        from hicache.serving import ServeResult
+        from hicache.reference.serve_types import ServeResult
 
         return ServeResult((1,), np.zeros(1, np.float32), 0.5, 1.0, len(req.prompt), 0, 0, len(req.prompt))
 
@@ -185,10 +187,11 @@ def _virtual_run(policy: str, ticks, reference=None, **clock):
     client 0's next turn (its history + the answer + 5 tokens) at ticks[2] or when its first finished."""
     import numpy as np
 
-    from benchmarks.common import FWD, MODEL, Item, VirtualTimeRun, stack_options
-    from hicache.embedded import build_stack
-    from hicache.engine.runner import ModelRunner
-    from hicache.serving import LoopOptions, ServingLoop
+    from benchmarks.stacks import VirtualTimeRun, stack_options
+    from benchmarks.workload import FWD, MODEL, Item
+    from hicache.reference.engine.runner import ModelRunner
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop
+    from hicache.reference.stack import build_stack
 
     runner = ModelRunner(MODEL, FWD, num_pages=64)
     rng = np.random.default_rng(31)
@@ -243,7 +246,7 @@ def test_virtual_time_run_advances_by_the_measured_time_times_speed():
 
 
 def test_virtual_time_run_checks_outputs_and_inputs():
-    from benchmarks.common import ExactnessError
+    from benchmarks.oracle import ExactnessError
 
     with pytest.raises(ExactnessError, match=r"\[prefill_first\] request 0"):
         _virtual_run("prefill_first", [0.0, 0.0, 0.0], reference=[(1,), (1,), (1,)])[1].serve_until(1)
@@ -257,7 +260,7 @@ def test_thread_cpu_accounting_names_the_thread_that_burned_it():
     import threading
     import time
 
-    from benchmarks.common import cpu_by_group, thread_cpu_s
+    from benchmarks.clocks import cpu_by_group, thread_cpu_s
 
     done = threading.Event()
     before = thread_cpu_s()
@@ -291,7 +294,9 @@ def test_serve_segments_keeps_each_config_apart_and_charges_its_drain():
 
     import numpy as np
 
-    from benchmarks.common import ExactnessError, Item, one_at_a_time, serve_segments
+    from benchmarks.oracle import ExactnessError
+    from benchmarks.pairing import one_at_a_time, serve_segments
+    from benchmarks.workload import Item
 
     items = [Item(i, None, 0, np.arange(3 + i, dtype=np.int32), 1) for i in range(3)]
     log: list[str] = []

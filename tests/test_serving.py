@@ -12,9 +12,10 @@ import pytest
 from hicache.cluster import HeadConfig, embedded
 from hicache.cluster.client import CacheClient, EmbeddedTransport
 from hicache.cluster.tree import RadixKey, TreeConfig
-from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.engine.runner import ModelRunner
-from hicache.serving import Scheduler, ServeRequest
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.engine.runner import ModelRunner
+from hicache.reference.scheduler import Scheduler
+from hicache.reference.serve_types import ServeRequest
 
 MODEL = ModelConfig()
 FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=32)
@@ -49,7 +50,7 @@ def test_multi_turn_with_l1_cache_equals_no_cache(runner):
 def test_prefill_asks_the_engine_for_the_last_row_only_and_stays_exact(runner):
     """A prefill (each chunked piece too) is one ``prefill`` call: the engine hands back the last logits
     row, not every row of every forward (which would wait on each forward and copy its logits)."""
-    from hicache.serving import RemoteModelEngine
+    from hicache.reference.engine_adapters import RemoteModelEngine
 
     class Recording(RemoteModelEngine):
         page_size = FWD.page_size
@@ -74,7 +75,7 @@ def test_prefill_asks_the_engine_for_the_last_row_only_and_stays_exact(runner):
 
 def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
     """Tiny L1 forces L2 load-backs; a second stack (cold L1/L2) gets L3 hits; outputs stay exact."""
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=12, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     stack = build_stack(opts, runner)
@@ -113,7 +114,7 @@ def test_l3_writes_wait_for_the_next_first_token_and_land_exact(tmp_path, runner
     """The embedded stack holds L2->L3 writes between a request's finish and the next first token
     (``hold_storage_writes``): held after ``serve``, sent by the flush, then a cold stack reads them
     back exact. A bad flag is a TypeError."""
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     # 4-page objects: the cold query (the prompt less its last token: 4 pages) ends inside the 5-page
     # stored sequence; it cannot name a 16-page chunk's object that holds more pages than it asks for
@@ -144,7 +145,7 @@ def test_l3_writes_wait_for_the_next_first_token_and_land_exact(tmp_path, runner
 def _stack_with_held_writes(tmp_path, runner):
     """An embedded L1+L2+L3 stack (no hold expiry) that served one request whose L2->L3 writes are
     now held on the head; returns (stack, tier, ids of the held ops)."""
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     stack = build_stack(opts, runner)
@@ -207,7 +208,7 @@ def test_held_l3_writes_are_sent_without_a_second_step_or_when_the_decode_fails(
 
 
 def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_path, runner):
-    from hicache.embedded import StackOptions, build_stack, warm_up
+    from hicache.reference.stack import StackOptions, build_stack, warm_up
 
     stack = build_stack(StackOptions(MODEL, FWD, l1_pages=12, l2_slots=32, l3_url=f"file://{tmp_path}/l3"), runner)
     assert warm_up(stack, max_pages=6) == [1, 2, 4, 6]  # each bucket's request came back from L2
@@ -269,7 +270,7 @@ def test_a_request_that_reuses_nothing_starts_with_one_head_call_and_l3_is_still
     """Full stack, a new cache_salt per request: up to its first token the client sends one call
     (``begin_request``: the write hold, the match, the L3 query, the lock and the alloc); L3 is asked
     every time (another replica may have written the prefix); outputs stay exact."""
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     stack = build_stack(StackOptions(MODEL, FWD, l1_pages=24, l2_slots=32, l3_url=f"file://{tmp_path}/l3",
                                      prefetch_min_tokens=16), runner)
@@ -304,7 +305,7 @@ def test_a_start_that_cannot_get_its_pages_keeps_no_lock_and_no_write_hold(tmp_p
     matched and locked: the lock is released (the namespace root's count, the prefix's path) and the
     hold ended; the next request is served exact."""
     from hicache.cluster.tree import CacheCapacityError
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     stack = build_stack(StackOptions(MODEL, FWD, l1_pages=8, l2_slots=32, l3_url=f"file://{tmp_path}/l3",
                                      prefetch_min_tokens=16), runner)
@@ -342,7 +343,7 @@ def test_a_bad_request_raises_before_any_head_call(runner):
 
 def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, runner):
     """The scheduler does not send a prefetch the head would skip (below prefetch_min_tokens)."""
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     stack = build_stack(StackOptions(MODEL, FWD, l1_pages=24, l2_slots=32, l3_url=f"file://{tmp_path}/l3",
                                      prefetch_min_tokens=24), runner)
@@ -367,7 +368,7 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
     """``arrive`` runs the L3 query and starts the fetch while the request waits; ``serve`` checks it and
     does not ask L3 again while the match kept what the arrival query covered; outputs stay exact; bad
     arrivals raise and change nothing."""
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     warm = build_stack(opts, runner)
@@ -410,7 +411,7 @@ def test_serve_asks_l3_again_when_the_match_shrank_since_arrival(tmp_path, runne
     """A request arrives while its prefix is in L1 (nothing to ask L3 then); the prefix is evicted from
     L1 and L2 before it is served: ``serve`` asks L3 again and gets it from there, exact. A request whose
     match kept what its arrival covered is not asked again."""
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=12, l2_slots=12, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     stack = build_stack(opts, runner)
@@ -448,7 +449,7 @@ def test_hook_between_decode_steps_may_call_the_cache_and_outputs_stay_exact(tmp
     there a driver takes in an arrival (its match, L3 query and fetch start over the worker's L1/L2
     while the served request holds its pages). Both requests' outputs equal the no-cache ones; the L1
     only stack (the runner itself as the engine) runs the hook the same way."""
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     rng = np.random.default_rng(13)
@@ -492,7 +493,7 @@ def test_failed_load_back_falls_back_to_the_l1_prefix_exact_and_leaks_nothing(ru
     from hicache.cluster import CacheHead
     from hicache.cluster.policy import HiCacheConfig
     from hicache.cluster.transfers import LocalWorkerGroup
-    from hicache.serving import WorkerEngine
+    from hicache.reference.engine_adapters import WorkerEngine
     from hicache.workers import HostWorker, KVCacheSpec, OpKind
     from support.hicache_env import FaultyWorkers
 
@@ -590,8 +591,8 @@ def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no
     back) and L3 (a warm stack's, fetched while queued); every request's tokens and every logit row
     equal ``generate_no_cache`` (decode steps one call each, or one dispatch per iteration inside the
     host worker); nothing stays locked or held afterwards."""
-    from hicache.embedded import StackOptions, build_stack
-    from hicache.serving import LoopOptions, ServingLoop, StepKind
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop, StepKind
+    from hicache.reference.stack import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     rng = np.random.default_rng(19)
@@ -649,7 +650,7 @@ def test_loop_interleaves_requests_with_l1_l2_l3_hits_and_every_output_equals_no
 
 
 def _l1_loop(runner, l1_pages=96, **options):
-    from hicache.serving import LoopOptions, ServingLoop
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop
 
     client = embedded(HeadConfig(tree=TreeConfig(page_size=8, capacity_pages=l1_pages)))
     return ServingLoop(Scheduler(client, runner), LoopOptions(**options))
@@ -659,7 +660,7 @@ def test_prefill_first_gives_a_request_arriving_mid_decode_its_first_token_befor
     """A arrives and decodes; B arrives during A's decode: with prefill_first the next iteration is B's
     prefill (B's first token comes while A still runs); with fcfs_whole_request A decodes to the end
     first. Both orders give the no-cache outputs."""
-    from hicache.serving import StepKind
+    from hicache.reference.serving_loop import StepKind
 
     rng = np.random.default_rng(23)
     a = ServeRequest(rng.integers(0, MODEL.vocab_size, 30, dtype=np.int32), 6)
@@ -691,7 +692,7 @@ def test_prefill_first_gives_a_request_arriving_mid_decode_its_first_token_befor
 def test_loop_starts_a_request_only_when_l1_holds_the_running_ones_and_it(runner):
     """L1 of 12 pages, requests of 5 pages: at most two run at once (no alloc fails); decode_batch=1
     advances one running request per decode iteration, round-robin; ``run`` returns results in order."""
-    from hicache.serving import StepKind
+    from hicache.reference.serving_loop import StepKind
 
     loop = _l1_loop(runner, l1_pages=12, decode_batch=1)
     rng = np.random.default_rng(29)
@@ -713,7 +714,7 @@ def test_loop_starts_a_request_only_when_l1_holds_the_running_ones_and_it(runner
 
 
 def test_loop_options_and_submit_reject_bad_values_and_change_nothing(runner):
-    from hicache.serving import LoopOptions, SchedulePolicy, ServingLoop
+    from hicache.reference.serving_loop import LoopOptions, SchedulePolicy, ServingLoop
 
     assert LoopOptions().policy is SchedulePolicy.PREFILL_FIRST
     assert LoopOptions(policy="fcfs_whole_request").policy is SchedulePolicy.FCFS_WHOLE_REQUEST
@@ -744,7 +745,7 @@ def test_a_failed_prefetch_is_followed_by_a_fresh_match_and_a_recompute(tmp_path
     acks, and an acked backup may merge unlocked nodes of an earlier match (``merge_backed_up``)."""
     from pathlib import Path
 
-    from hicache.embedded import StackOptions, build_stack
+    from hicache.reference.stack import StackOptions, build_stack
 
     opts = StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"file://{tmp_path}/l3", prefetch_min_tokens=8)
     prompt = np.random.default_rng(5).integers(0, MODEL.vocab_size, 41, dtype=np.int32)

@@ -423,9 +423,10 @@ def test_engine_in_the_host_workers_is_exact_with_l1_l2_l3_hits(replica_x, env_x
     DESIGN.md §1), driven by the scheduler loop through the Ray client: with prefix hits from L1, L2
     and L3 its generated tokens and logits equal, bit for bit, the no-cache run on the same mesh."""
     from hicache.cluster.storage_tier import StorageParams
-    from hicache.engine import ForwardConfig, ModelConfig
-    from hicache.ray_engine import RayEngine
-    from hicache.serving import Scheduler, ServeRequest
+    from hicache.reference.engine import ForwardConfig, ModelConfig
+    from hicache.reference.ray_engine import RayEngine
+    from hicache.reference.scheduler import Scheduler
+    from hicache.reference.serve_types import ServeRequest
 
     model = ModelConfig(vocab_size=256, num_layers=SPEC.num_layers, num_q_heads=8, num_kv_heads=SPEC.num_kv_heads,
                         head_dim=SPEC.head_dim, hidden=32, mlp_hidden=64)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.engine.batched import batch_sizes, decode_steps, scan_lengths
-from hicache.engine.scan import groups
-from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.engine.runner import ModelRunner
+from hicache.reference.engine.batched import batch_sizes, decode_steps, scan_lengths
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.engine.runner import ModelRunner
+from hicache.reference.engine.scan import groups
 
 MODEL = ModelConfig()
 
@@ -65,7 +65,7 @@ def test_batched_decode_rejects_bad_requests_and_runs_nothing():
 def test_batched_decode_runs_only_where_its_bits_were_checked(monkeypatch):
     """Bit-identity is the compiler's: off the checked platforms (an H200's XLA:GPU gave other logits)
     both entry points refuse before anything runs, and the pool stays the runner's."""
-    from hicache.engine import batched, scan
+    from hicache.reference.engine import batched, scan
 
     assert batched.supported("cpu") and not batched.supported("gpu") and not batched.supported("tpu")
     fwd = ForwardConfig(chunk_size=16, page_size=8, max_pages=16)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.engine import (
+from hicache.reference.engine import (
     ForwardConfig,
     ModelConfig,
     ModelRunner,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.engine import kv_layout, runner, scan
-from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.engine.runner import ModelRunner, TABLE_MEMO
+from hicache.reference.engine import kv_layout, runner, scan
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.engine.runner import TABLE_MEMO, ModelRunner
 
 BASE = ModelConfig()
 SWA = ModelConfig(num_layers=3, sliding_window=12)

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from hicache.engine import ForwardConfig, ModelConfig, ModelRunner, kv_layout
-from hicache.serving import WorkerEngine
+from hicache.reference.engine import ForwardConfig, ModelConfig, ModelRunner, kv_layout
+from hicache.reference.engine_adapters import WorkerEngine
 from hicache.workers import HostWorker, KVCacheSpec
 from hicache.workers.plan import OpKind, TransferOp, TransferPlan
 

@@ -3,7 +3,7 @@
 
 Both are frozen, hashable dataclasses: ``ModelConfig`` is a static argument of the jitted forward, and
 both feed the numerics signature (``numerics_key``) that a KV fingerprint must carry, because the bits
-of the KV cache depend on the forward shape as well as on the model (see ``hicache.engine.model``).
+of the KV cache depend on the forward shape as well as on the model (see ``hicache.reference.engine.model``).
 """
 
 from __future__ import annotations

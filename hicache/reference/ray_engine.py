@@ -31,9 +31,9 @@ import ray
 
 from hicache.cluster.errors import HiCacheTimeoutError, HiCacheUnavailableError
 from hicache.cluster.ray_head import worker_handles
-from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.engine.runner import ModelRunner
-from hicache.serving import RemoteModelEngine
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.engine.runner import ModelRunner
+from hicache.reference.engine_adapters import RemoteModelEngine
 from hicache.storage import ModelFingerprint
 
 
@@ -76,7 +76,7 @@ class RayEngine(RemoteModelEngine):
 
     def fingerprint(self) -> ModelFingerprint:
         """L3 identity of this replica's KV (the workers' mesh and backend are part of the numerics)."""
-        from hicache.embedded import fingerprint_for
+        from hicache.reference.stack import fingerprint_for
 
         return fingerprint_for(self.model, self.forward, self.mesh_shape, self.backend)
 

@@ -21,10 +21,12 @@ from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchPolicy, StorageParams
 from hicache.cluster.transfers import LocalWorkerGroup
 from hicache.cluster.tree import TreeConfig
-from hicache.engine.config import ForwardConfig, ModelConfig, numerics_key
-from hicache.engine.kv_layout import LAYOUT_VERSION
-from hicache.engine.runner import ModelRunner
-from hicache.serving import Scheduler, ServeRequest, WorkerEngine
+from hicache.reference.engine.config import ForwardConfig, ModelConfig, numerics_key
+from hicache.reference.engine.kv_layout import LAYOUT_VERSION
+from hicache.reference.engine.runner import ModelRunner
+from hicache.reference.engine_adapters import WorkerEngine
+from hicache.reference.scheduler import Scheduler
+from hicache.reference.serve_types import ServeRequest
 from hicache.storage import ModelFingerprint
 
 
@@ -38,8 +40,7 @@ class StackOptions:
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.WAIT_COMPLETE
     prefetch_min_tokens: int = 32
-    # L3 object = 16 pages, hard-linked every 4 pages (StorageConfig.link_every_pages): a prefix query
-    # finds all but < 4 pages of it, with a quarter of the objects (files) that 4-page objects take
+    # pages per L3 object: fewer, larger objects than one per page (L3 round trips are per object)
     pages_per_object: int = 16
     prefill_budget: int = 0
 
@@ -90,7 +91,8 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
     head = CacheHead(HeadConfig(tree=tree, hicache=hicache), LocalWorkerGroup([worker]))
     params = None if runner is None else runner.params
-    runner = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params))
+    attached = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params))
+    assert isinstance(attached, ModelRunner)
     if options.l3_url is not None:
         mesh_shape = tuple(worker.device_pool.mesh.devices.shape)
         head.attach_storage_backend(StorageParams(
@@ -100,7 +102,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
                       l3_min_tokens=options.prefetch_min_tokens, hold_storage_writes=True)
-    return EmbeddedStack(options, head, client, runner, sched, worker)
+    return EmbeddedStack(options, head, client, attached, sched, worker)
 
 
 WARM_UP_SALT = "hicache-warm-up"

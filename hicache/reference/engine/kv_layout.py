@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache.engine.config import ModelConfig
+from hicache.reference.engine.config import ModelConfig
 
 LAYOUT_VERSION = 2
 K, V = 0, 1  # index of the K / V half on axis 1

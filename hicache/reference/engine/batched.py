@@ -2,12 +2,12 @@
 ``ModelRunner.decode_step`` calls compute.
 
 Each dispatch is ``scan.compiled_scan`` over some of the B requests' decode chunks (a lone chunk: the
-chunk program itself, ``ModelRunner._forward_steps``, as ``decode_step`` runs it; the scan of one is
-~8% slower, paired). See ``hicache.engine.scan`` for why a scan of the chunk program, not a [B*C]-row
+chunk program itself, ``ModelRunner._forward_steps``, as ``decode_step`` runs it: cheaper than a scan
+of one). See ``hicache.reference.engine.scan`` for why a scan of the chunk program, not a [B*C]-row
 forward, and on which platforms its bits were checked: ``compile_batches`` and ``decode_steps`` refuse
 the others with ``ValueError``; there a decode iteration calls ``decode_step`` per request. What it
-saves is the per-forward dispatch (measured on a loaded 2-CPU host, best of 30: B=2 3.11 -> 2.39 ms,
-B=4 7.15 -> 5.06, B=8 8.72 -> 5.96); the chunks still run one after another.
+saves is the per-forward dispatch (timings: docs/performance.md); the chunks still run one after
+another.
 
 Checks: each request's page table is checked as ``decode_step`` checks it, through the runner's memo
 of checked tables (``ModelRunner._check_table``: a table seen before with the same contents is not
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hicache.engine.model import step_input
-from hicache.engine.runner import ModelRunner
-from hicache.engine import scan
-from hicache.engine.scan import supported
+from hicache.reference.engine import scan
+from hicache.reference.engine.model import step_input
+from hicache.reference.engine.runner import ModelRunner, TokenIds
+from hicache.reference.engine.scan import supported
 
 __all__ = ["batch_sizes", "check_platform", "compile_batches", "decode_steps", "scan_lengths", "supported"]
 
@@ -55,8 +55,8 @@ DISPATCH_COST_STEPS = 1.0  # a scan dispatch's own cost, in chunk forwards (fit 
 def scan_lengths(n: int) -> list[int]:
     """The scans ``decode_steps`` runs ``n`` requests in: the powers of two (largest first) of the
     ``m >= n`` that costs least, ``DISPATCH_COST_STEPS`` per scan plus one per step (``m - n`` of them
-    empty chunks), the smallest ``m`` of equal cost: 5 -> [4, 1], 6 -> [4, 2], 7 -> [8] (measured,
-    paired: 5 and 6 grouped 21% and 11% faster than padded to 8, 7 padded 7% faster than 4 + 2 + 1)."""
+    empty chunks), the smallest ``m`` of equal cost: 5 -> [4, 1], 6 -> [4, 2], 7 -> [8] (the paired
+    timings that set ``DISPATCH_COST_STEPS``: docs/performance.md)."""
     if n <= 2:
         return [n]
     top = 1 << (n - 1).bit_length()
@@ -81,8 +81,8 @@ def compile_batches(runner: ModelRunner, max_batch: int) -> list[int]:
     return sizes
 
 
-def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
-                 tables: Sequence[Sequence[int]]) -> list[np.ndarray]:
+def decode_steps(runner: ModelRunner, seqs: Sequence[TokenIds],
+                 tables: Sequence[TokenIds]) -> list[np.ndarray]:
     """For each request, ``runner.decode_step(seqs[i], tables[i])``, in a few dispatches (scans of
     power-of-two lengths, ``scan_lengths``: 5 requests = 4 + 1, 7 = 8 with one empty chunk):
     computes the last position of each sequence (all earlier ones are in its pages) and returns its
@@ -91,7 +91,7 @@ def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
     if len(seqs) != len(tables) or not seqs:
         raise ValueError(f"need as many page tables as sequences (>= 1), got {len(seqs)} and {len(tables)}")
     check_platform(runner)
-    if len(seqs) == 1:  # the unbatched call itself (its Python is ~50 us shorter: most iterations here)
+    if len(seqs) == 1:  # the unbatched call itself (a shorter Python path, and the most frequent case)
         return [runner.decode_step(seqs[0], tables[0])]
     steps, rows, written = [], [], []
     for seq, table in zip(seqs, tables):
@@ -104,7 +104,7 @@ def decode_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]],
     lengths = scan_lengths(len(steps))
     steps += [_empty_step(runner)] * (sum(lengths) - len(steps))
     outs, i = [], 0
-    for size in lengths:  # a lone step runs the chunk program itself (measured: its scan is ~8% slower)
+    for size in lengths:  # a lone step runs the chunk program itself (cheaper than a scan of one)
         outs.append(runner._forward_steps(steps[i:i + size]))
         i += size
     runner.forwards += len(seqs)

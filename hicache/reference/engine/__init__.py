@@ -5,11 +5,23 @@
 ``kv_layout`` (the one place that knows the L1 pool layout). The scheduler loop that drives the runner with the cache lives elsewhere.
 """
 
-from hicache.engine import kv_layout
-from hicache.engine.config import ForwardConfig, ModelConfig, numerics_key
-from hicache.engine.model import (
-    chunk_rows, compiled_forward, forward_chunk, init_params, reference_forward, step_input)
-from hicache.engine.runner import Generation, ModelRunner, PendingLogits, pages_needed, prefill_start
+from hicache.reference.engine import kv_layout
+from hicache.reference.engine.config import ForwardConfig, ModelConfig, numerics_key
+from hicache.reference.engine.model import (
+    chunk_rows,
+    compiled_forward,
+    forward_chunk,
+    init_params,
+    reference_forward,
+    step_input,
+)
+from hicache.reference.engine.runner import (
+    Generation,
+    ModelRunner,
+    PendingLogits,
+    pages_needed,
+    prefill_start,
+)
 
 __all__ = [
     "ForwardConfig",

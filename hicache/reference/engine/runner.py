@@ -1,7 +1,7 @@
 """``ModelRunner``: params + the L1 KV pool + the chunk loop, for one process that owns a device.
 
 Ownership: the runner owns ``params`` and, between forwards, the L1 pool ``kv_pool`` (layout in
-``hicache.engine.kv_layout``, the same array the data plane's paged-copy kernels move). Each forward
+``hicache.reference.engine.kv_layout``, the same array the data plane's paged-copy kernels move). Each forward
 donates the pool and the runner rebinds to the returned array, so nobody else may keep a reference
 across a forward. The data plane reads or writes L1 between forwards on the same thread: take
 ``runner.pool``, transfer (donating it), hand the result back with ``runner.set_pool(kv)``. On a
@@ -20,7 +20,7 @@ Typical scheduler use (``hit`` = cached prefix length from the cache, page-align
     gen = runner.decode(prompt, logits, page_table, max_new_tokens=8)
     # or step by step, interleaving requests: runner.decode_step(seq, page_table) -> logits
 
-Every forward is one fixed-shape chunk (see ``hicache.engine.model`` for why this makes cached and
+Every forward is one fixed-shape chunk (see ``hicache.reference.engine.model`` for why this makes cached and
 recomputed KV bit-identical).
 """
 
@@ -32,9 +32,18 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from hicache.engine import kv_layout, scan
-from hicache.engine.config import ForwardConfig, ModelConfig
-from hicache.engine.model import Params, chunk_rows, compiled_forward, init_params, step_input
+from hicache.reference.engine import kv_layout, scan
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.engine.model import (
+    Params,
+    chunk_rows,
+    compiled_forward,
+    init_params,
+    step_input,
+)
+
+# Token ids or page ids: a list or an int array (serving code passes numpy arrays, the greedy loop lists).
+TokenIds = Sequence[int] | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ class PendingLogits:
         return self._rows(logits, i)[hi - 1]
 
 
-def greedy_decode(step: Callable[[list[int]], np.ndarray], tokens: Sequence[int], last_logits: np.ndarray,
+def greedy_decode(step: Callable[[list[int]], np.ndarray], tokens: TokenIds, last_logits: np.ndarray,
                   max_new_tokens: int, stop_token: int | None = None,
                   between_steps: Callable[[], None] | None = None) -> Generation:
     """The greedy loop: ``step(seq)`` computes the last position of ``seq`` and returns its logits
@@ -108,11 +117,10 @@ def prefill_start(hit_len: int, num_tokens: int, page_size: int) -> int:
 
 
 # ``ModelRunner(scan_chunks=None)`` takes this, read at construction (one place for every runner of a
-# process, the benchmarks' bare engine included). 1: a dispatch per chunk. Measured (paired, this 2-CPU
-# box): scans cut long prefills (8 chunks -8%, 26 chunks -11% wall, -13/-15% CPU) but not short ones
-# (2-3 chunks: +-4%), so they shrink the no-cache baselines more than the cached configs' prefills, and
-# the cache's benchmark ratios (TTFT speedup, no-reuse overhead) with them: off by default; 32 (the
-# batched decode's largest program) to serve long prompts faster.
+# process, the benchmarks' bare engine included). 1: a dispatch per chunk. Scans cut long prefills but
+# not short ones (docs/performance.md), so they shrink the no-cache baselines more than the cached
+# configs' prefills, and the cache's benchmark ratios (TTFT speedup, no-reuse overhead) with them: off
+# by default; 32 (the batched decode's largest program) to serve long prompts faster.
 SCAN_CHUNKS_DEFAULT = 1
 TABLE_MEMO = 256  # page tables a runner remembers as checked (``_check_table``)
 
@@ -153,9 +161,9 @@ class ModelRunner:
         self.placement = kv_layout.replicated_like(pool)  # where params and step inputs live
         # A forward's step input (one i32 array of a few hundred bytes, ``step_input``) goes to the
         # jitted forward as a numpy array in one process: jit places it itself, replicated like
-        # ``placement``, on its C++ path (measured: a chunk's forward 2.02 -> 1.19 ms, best of 300
-        # alternating, vs a ``jax.device_put`` per input). Several processes (a multi-host replica)
-        # keep the explicit global placement.
+        # ``placement``, on its C++ path (faster than a ``jax.device_put`` per input:
+        # docs/performance.md). Several processes (a multi-host replica) keep the explicit global
+        # placement.
         self._put_inputs: Callable = ((lambda x: x) if jax.process_count() == 1
                                       else (lambda x: jax.device_put(x, self.placement)))
         self.params = params if params is not None else init_params(model, self.placement)
@@ -199,15 +207,16 @@ class ModelRunner:
         self.num_pages = geo.num_pages
         self._tables.clear()  # checked against the old pool's page count
         devices = kv_pool.sharding.device_set
-        # whether the scanned chunk program is bit-identical here (``hicache.engine.scan``)
-        self.scan_supported = all(scan.supported(d.platform) for d in devices)
+        # whether the scanned chunk program is bit-identical here (``hicache.reference.engine.scan``)
+        # (jax's Device stub lacks ``platform``, a runtime attribute of every device)
+        self.scan_supported = all(scan.supported(d.platform) for d in devices)  # type: ignore[attr-defined]
         one_device = len(devices) == 1 and jax.process_count() == 1
         self.scan_chunks = self._scan_request if one_device and self.scan_supported else 1
         self._pool_signature = signature
 
     # --- forwards ------------------------------------------------------------------------------
 
-    def extend(self, tokens: Sequence[int], page_table: Sequence[int], start_pos: int) -> np.ndarray:
+    def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray:
         """Compute positions ``[start_pos, len(tokens))`` of a sequence whose positions
         ``< start_pos`` are already in its pages; writes their K/V. ``tokens`` is the whole sequence.
 
@@ -215,13 +224,13 @@ class ModelRunner:
         """
         return self.start_extend(tokens, page_table, start_pos).result()
 
-    def start_extend(self, tokens: Sequence[int], page_table: Sequence[int], start_pos: int) -> PendingLogits:
+    def start_extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> PendingLogits:
         """``extend`` without waiting: dispatches the forwards (the pool is rebound to their output at
         once, so later transfers and forwards are ordered after them) and returns their logits to come."""
         toks, table = self._check(tokens, page_table, start_pos)
         return self._run(toks, table, start_pos)
 
-    def prefill(self, tokens: Sequence[int], page_table: Sequence[int], start_pos: int = 0) -> np.ndarray:
+    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int = 0) -> np.ndarray:
         """Prefill a prompt after a cached prefix of ``start_pos`` tokens (a multiple of the page size,
         its K/V already in the first pages of ``page_table``). Returns the last logits ``f32[vocab]``."""
         if not isinstance(start_pos, (int, np.integer)) or start_pos % self.fwd.page_size:
@@ -229,12 +238,12 @@ class ModelRunner:
                 f"start_pos={start_pos!r} must be a multiple of page_size={self.fwd.page_size}")
         return self.start_extend(tokens, page_table, int(start_pos)).last()
 
-    def decode_step(self, tokens: Sequence[int], page_table: Sequence[int]) -> np.ndarray:
+    def decode_step(self, tokens: TokenIds, page_table: TokenIds) -> np.ndarray:
         """One decode step: computes the last position of ``tokens`` (all earlier ones are in the
         pages) and returns its logits ``f32[vocab]``."""
         return self.start_extend(tokens, page_table, len(tokens) - 1).last()
 
-    def decode_step_input(self, tokens: Sequence[int], page_table: Sequence[int]) -> tuple[np.ndarray, int, int]:
+    def decode_step_input(self, tokens: TokenIds, page_table: TokenIds) -> tuple[np.ndarray, int, int]:
         """What ``decode_step`` forwards, checked as it checks it: (the step input
         ``i32[3 + C + max_pages]`` of the chunk holding the last position, that position's row in the
         chunk, the page it writes). For callers that batch several requests' steps (``engine.batched``)."""
@@ -247,7 +256,7 @@ class ModelRunner:
         in one process, one global array across hosts."""
         return self._put_inputs(steps)
 
-    def decode(self, tokens: Sequence[int], last_logits: np.ndarray, page_table: Sequence[int],
+    def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, stop_token: int | None = None,
                between_steps: Callable[[], None] | None = None) -> Generation:
         """Greedy decoding after a prefill of ``tokens`` whose last logits are ``last_logits``.
@@ -260,8 +269,8 @@ class ModelRunner:
         return greedy_decode(self.decoder(tokens, page_table, max_new_tokens), tokens, last_logits,
                              max_new_tokens, stop_token, between_steps)
 
-    def decoder(self, tokens: Sequence[int], page_table: Sequence[int],
-                max_new_tokens: int) -> Callable[[Sequence[int]], np.ndarray]:
+    def decoder(self, tokens: TokenIds, page_table: TokenIds,
+                max_new_tokens: int) -> Callable[[TokenIds], np.ndarray]:
         """One request's decode steps, checked once: ``max_new_tokens`` and the table's length now, the
         prompt ``tokens`` and the pages of its final length ``len(tokens) + max_new_tokens - 1`` at the
         first step, before its forward (``ValueError``; after the first token is out, as
@@ -276,7 +285,7 @@ class ModelRunner:
         first = end = 0  # positions [first, end) have checked pages; set by the first step
         table: np.ndarray | None = None
 
-        def step(seq: Sequence[int]) -> np.ndarray:
+        def step(seq: TokenIds) -> np.ndarray:
             nonlocal first, end, table
             if table is None:
                 first = int(self._check_tokens(tokens).size)  # the first position a step computes
@@ -294,14 +303,14 @@ class ModelRunner:
 
         return step
 
-    def generate(self, tokens: Sequence[int], page_table: Sequence[int], max_new_tokens: int,
+    def generate(self, tokens: TokenIds, page_table: TokenIds, max_new_tokens: int,
                  start_pos: int = 0, stop_token: int | None = None) -> Generation:
         """``prefill`` from ``start_pos`` then greedy ``decode``, in the runner's pool."""
         self._check_decode(tokens, page_table, max_new_tokens)
         logits = self.prefill(tokens, page_table, start_pos)
         return self.decode(tokens, logits, page_table, max_new_tokens, stop_token)
 
-    def generate_no_cache(self, tokens: Sequence[int], max_new_tokens: int,
+    def generate_no_cache(self, tokens: TokenIds, max_new_tokens: int,
                           stop_token: int | None = None) -> Generation:
         """Reference path: the same greedy generation in a fresh zeroed pool (same shape as L1, so
         the same compiled forward), nothing reused and the runner's L1 pool untouched. Allocates
@@ -318,7 +327,7 @@ class ModelRunner:
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _check_decode(self, tokens: Sequence[int], page_table: Sequence[int],
+    def _check_decode(self, tokens: TokenIds, page_table: TokenIds,
                       max_new_tokens: int) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -327,7 +336,7 @@ class ModelRunner:
             raise ValueError(f"page_table has {len(page_table)} pages, {need} needed for "
                              f"{len(tokens)} tokens + {max_new_tokens} new tokens")
 
-    def _check(self, tokens: Sequence[int], page_table: Sequence[int],
+    def _check(self, tokens: TokenIds, page_table: TokenIds,
                start_pos: int) -> tuple[np.ndarray, np.ndarray]:
         """Validate one request; returns ``tokens i32[n]`` and the padded ``page_table i32[max_pages]``."""
         toks = self._check_tokens(tokens)
@@ -336,7 +345,7 @@ class ModelRunner:
             raise ValueError(f"start_pos={start_pos!r} must be in [0, {n}) for {n} tokens")
         return toks, self._check_table(page_table, n)
 
-    def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
+    def _check_tokens(self, tokens: TokenIds) -> np.ndarray:
         """``tokens`` as i32[n]: a non-empty 1-D sequence of ids inside the vocabulary (an i32 array is
         returned as it is, not copied: callers only read it)."""
         toks = np.asarray(tokens)
@@ -348,7 +357,7 @@ class ModelRunner:
                              f"vocabulary [0, {self.model.vocab_size})")
         return toks.astype(np.int32, copy=False)
 
-    def _check_table(self, page_table: Sequence[int], n: int) -> np.ndarray:
+    def _check_table(self, page_table: TokenIds, n: int) -> np.ndarray:
         """The padded ``page_table i32[max_pages]`` of a request of ``n`` positions: its first pages
         (those ``n`` positions need) distinct and inside the pool. Read-only, and remembered by the
         contents of those first pages (up to ``TABLE_MEMO`` of them, forgotten when the pool's

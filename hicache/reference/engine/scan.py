@@ -3,7 +3,7 @@
 ``compiled_scan`` runs ``model.forward_chunk`` once per step of a ``[B, 3 + C + max_pages]`` step
 array, in order (``lax.scan``, the pool as the carry): each iteration is the same fixed-shape chunk
 program, so each step's K/V and logits are those of its own ``compiled_forward`` call, and a later
-step reads what an earlier one wrote (the carry). Users: ``hicache.engine.batched`` (B requests' decode
+step reads what an earlier one wrote (the carry). Users: ``hicache.reference.engine.batched`` (B requests' decode
 steps) and ``ModelRunner.prefill`` (one request's consecutive chunks).
 
 Why not one [B*C]-row forward: on XLA:CPU a matmul row rounds differently with another number of
@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import jax
 
-from hicache.engine.config import ModelConfig
-from hicache.engine.model import forward_chunk
+from hicache.reference.engine.config import ModelConfig
+from hicache.reference.engine.model import forward_chunk
 
 BIT_EXACT_PLATFORMS = frozenset({"cpu"})  # where the scan's bits were checked equal to the chunk program's
 

@@ -4,7 +4,7 @@ RMSNorm -> GQA attention (RoPE, causal, optional sliding window per layer) -> RM
 untied LM head. Weights are a pure function of ``ModelConfig.seed`` (threefry PRNG).
 
 Buffers: ``params`` are owned by the caller (a ``ModelRunner``) and never donated. ``kv_pool``
-(layout in ``hicache.engine.kv_layout``) belongs to the L1 owner; ``forward_chunk`` *donates* it and
+(layout in ``hicache.reference.engine.kv_layout``) belongs to the L1 owner; ``forward_chunk`` *donates* it and
 returns the updated pool, so the caller must drop its old reference and use the returned one. Any
 other reader or writer of L1 (the transfer engine) runs between forwards, on the thread that owns
 the pool.
@@ -72,8 +72,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache.engine import kv_layout
-from hicache.engine.config import ModelConfig
+from hicache.reference.engine import kv_layout
+from hicache.reference.engine.config import ModelConfig
 
 Params = dict[str, Any]
 
