@@ -216,7 +216,7 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
 
     async def adelete(self, path: str, generation: str | None = None) -> None:
         fs = self.fs
-        if generation is not None and hasattr(fs, "split_path") and hasattr(fs, "_call"):  # gcsfs
+        if generation is not None and _is_gcsfs(fs):  # ifGenerationMatch: a rewrite in between survives
             bucket, key, _ = fs.split_path(path)
             await fs._call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=generation)
         else:
@@ -236,12 +236,18 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
 def own_retries(fs: Any) -> None:
     """Turn off gcsfs' internal retries on this instance (its ``_request`` without the retrying
     decorator): connection errors and 5xx then reach ``batch_io``, whose retries stop at the
-    call's deadline. Other filesystems (and gcsfs versions without the undecorated function)
-    are left as they are; the deadline still cancels their retries."""
-    request = getattr(type(fs), "_request", None)
-    plain = getattr(request, "__wrapped__", None)
-    if type(fs).__name__ == "GCSFileSystem" and callable(plain):
-        fs._request = types.MethodType(plain, fs)
+    call's deadline. Also a wrapper's gcsfs target (``fs.fs``). Other filesystems (and gcsfs
+    versions without the undecorated function) are left as they are; the deadline still cancels
+    their retries."""
+    target = fs.__dict__.get("fs")  # a wrapping filesystem's target, as fsspec's wrappers name it
+    for f in (fs, target):
+        plain = getattr(getattr(type(f), "_request", None), "__wrapped__", None)
+        if _is_gcsfs(f) and callable(plain):
+            f._request = types.MethodType(plain, f)
+
+
+def _is_gcsfs(fs: Any) -> bool:
+    return any(c.__name__ == "GCSFileSystem" for c in type(fs).__mro__)
 
 
 def open_object_store(url: str, storage_options: dict[str, Any], fs: Any = None) -> tuple[ObjectStore, str]:
