@@ -244,13 +244,13 @@ class ThreadBatchIO(BatchIO):
             saturated = self._abandoned >= self._max_abandoned
         if saturated:
             return [BlockingIOError("storage backend saturated: too many abandoned operations")] * len(items)
-        try:
-            futs = [self._ex.submit(fn, *it) for it in items]
-        except RuntimeError:  # closed meanwhile
-            return [StorageUnavailableError("storage is closed")] * len(items)
-        with self._plock:
+        with self._plock:  # in flight before any item can run, so close() sees every one
+            try:
+                futs = [self._ex.submit(fn, *it) for it in items]
+            except RuntimeError:  # closed meanwhile
+                return [StorageUnavailableError("storage is closed")] * len(items)
             self._inflight.update(futs)
-        for f in futs:
+        for f in futs:  # (outside the lock: a finished future runs its callback right here)
             f.add_done_callback(self._finished)
         done, _ = cf.wait(futs, timeout=deadline.left())
         out: list[Any] = []
