@@ -27,8 +27,8 @@ reports its outcome (any answer, or only timeouts / connection errors).
 
 ``read_many``'s ``post(i, bytes)`` (verification, and landing pages in a pool that allows it) runs
 where the read finished: on an I/O thread, or on the loop. Everything else of a call runs on the
-calling thread, which waits at most until the deadline (plus ``LOOP_GRACE_S`` for a loop that is
-slow to hand back a finished batch).
+calling thread, which waits at most until the deadline (plus twice ``LOOP_GRACE_S`` on gcsfs' loop:
+cancelled items get one to unwind, the loop one to hand the batch back).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ MakeObject = Callable[[], tuple[bytes, np.ndarray]]  # -> (header, payload), run
 SyncCall = Callable[..., Any]  # one item's work on a sync backend
 AsyncCall = Callable[..., Coroutine[Any, Any, Any]]  # the same on an async backend
 Stat = tuple[int, "str | None"]  # (stored size, generation)
-LOOP_GRACE_S = 0.05  # the loop's time to hand back a batch whose items it cancelled at the deadline
+LOOP_GRACE_S = 0.05  # cancelled items' time to unwind; the loop's to hand back a batch
 
 
 class Deadline:
@@ -308,6 +308,8 @@ class LoopBatchIO(BatchIO):
                 for t in tasks:
                     if not t.done():
                         t.cancel()
+            if pending:  # let them unwind (close connections, leave waits), briefly
+                await asyncio.wait(pending, timeout=LOOP_GRACE_S)
             out: list[Any] = []
             for t in tasks:
                 if t in done:
@@ -324,7 +326,7 @@ class LoopBatchIO(BatchIO):
         with self._alock:
             self._active.add(fut)
         try:
-            return fut.result(timeout=deadline.left() + LOOP_GRACE_S)
+            return fut.result(timeout=deadline.left() + 2 * LOOP_GRACE_S)
         except cf.TimeoutError:  # the loop is stuck or slow: cancel the batch there, answer now
             fut.cancel()
             return [TimeoutError("storage event loop did not answer by the deadline")] * len(items)

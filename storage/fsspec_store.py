@@ -319,6 +319,23 @@ class FsspecStorage(HiCacheStorage):
         closed, or when the cooldown has passed and the next call would probe."""
         return self.breaker.state is not BreakerState.OPEN
 
+    def probe(self, *, timeout_s: float | None = None) -> bool:
+        """Whether the location answers now: one existence check of the root (gs://: of the
+        bucket) within ``timeout_s`` (or ``exists_timeout_s``), through the breaker: while it is
+        open and cooling down, False at once without I/O; after the cooldown this call is the
+        probe that closes or reopens it. For a caller that attaches or watches L3 in the
+        background (no request waits on it). A missing bucket is False (and counted)."""
+        bucket = self.scheme in ("gs", "gcs")
+        path = self._root.split("/", 1)[0] if bucket else self._root
+        r = self._io.exists_many([path], self._deadline(timeout_s, self._exists_timeout()))[0]
+        if isinstance(r, BaseException):
+            self._count_exc(r, on_root=True)
+            return False
+        if bucket and not r:
+            self._count(missing_bucket=1, errors=1)
+            return False
+        return True
+
     def _exists_timeout(self) -> float:
         return min(self.config.exists_timeout_s, self.config.timeout_s)
 

@@ -208,6 +208,29 @@ def test_breaker_opens_fails_fast_and_a_probe_closes_it(scheme, make, fault):
     assert st.batch_get(keys, S(20, 28), timeout_s=20.0) == [True] * PAGES
 
 
+def test_probe_watches_the_location_without_a_request(make):
+    """``probe``: True while the endpoint answers; False without I/O while the breaker is open;
+    after the cooldown it is the probe that closes the breaker."""
+    st = make("memory", breaker_threshold=2)
+    assert st.probe() is True
+    st.faulty.set_plan(FaultPlan.every(OpFaults(refuse_p=1.0)))
+    assert st.probe() is False and st.probe() is False
+    assert st.stats().breaker_state == "open"
+    seen = st.faulty.injected()["refused"]
+    assert st.probe() is False and st.faulty.injected()["refused"] == seen  # no I/O
+    st.faulty.set_plan(FaultPlan())
+    st.clock.advance(st.config.breaker_cooldown_s)
+    assert st.probe() is True and st.stats().breaker_state == "closed"
+
+
+def test_a_hung_gs_call_leaves_nothing_running(make):
+    """On gcsfs' loop the items a deadline cut are cancelled: none is still hanging after the call."""
+    st = make("gs", plan=FaultPlan(metadata=OpFaults(hang_p=1.0), hang_max_s=60.0), exists_timeout_s=0.3)
+    _, _, keys = _chains()[0]
+    assert st.batch_exists(keys) == 0
+    assert st.faulty.release_hangs() == 0  # (a thread pool's abandoned items would still hang here)
+
+
 def test_a_failed_probe_opens_the_breaker_for_another_cooldown(make):
     st = make("memory", plan=FaultPlan.every(OpFaults(refuse_p=1.0)), breaker_threshold=2)
     _, _, keys = _chains()[0]
@@ -302,8 +325,9 @@ def test_a_real_gs_bucket_deleted_mid_run(gcs_emulator):
         assert st.batch_exists(keys) == 0
         assert st.batch_set(keys, S(0, PAGES)) == [False] * PAGES
         assert st.list_prefixes(ns) == []
+        assert st.probe() is False
         s = st.stats()
-        assert s.missing_bucket >= 3 and s.breaker_state == "closed"
+        assert s.missing_bucket >= 4 and s.breaker_state == "closed"
     finally:
         st.close()
 
