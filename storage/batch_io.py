@@ -92,6 +92,8 @@ class BatchIO(abc.ABC):
             return []
         if self._closed:
             return [StorageUnavailableError("storage is closed")] * len(items)
+        if deadline.left() <= 0:  # an earlier round spent the call's time: not the backend's fault
+            return [TimeoutError("the call's deadline passed before this round")] * len(items)
         if not self.breaker.allow():
             return [StorageUnavailableError("storage location marked unavailable (breaker open)")] * len(items)
         out: list[Any] = []
