@@ -37,9 +37,9 @@ Object names (topology-free, content-addressed)::
 Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds).
 ``batch_get``: resolve, then read and verify the objects concurrently; objects that fail
 verification are re-read once (``corruption``: used if the re-read verifies, deleted only if proven
-corrupt at rest); a miss, a corrupt object or a failure ends the usable prefix. ``batch_set``: ``first_page`` on a chunk boundary; one batched
-existence round skips stored objects, the rest are gathered from the pool and written once
-(``max_inflight_bytes`` at a time).
+corrupt at rest); a miss, a corrupt object or a failure ends the usable prefix. ``batch_set``:
+``first_page`` on a chunk boundary; one batched existence round skips stored objects, the rest are
+gathered from the pool and written once (``max_inflight_bytes`` at a time).
 
 gs:// capacity: bucket lifecycle rules (not enforced by this code)
 ------------------------------------------------------------------
