@@ -271,7 +271,7 @@ def test_transient_errors_are_retried_within_the_deadline(make):
     assert st.stats().retries > 0 and st.stats().breaker_opens == 0
 
 
-def test_a_refused_gs_endpoint_is_refused_not_retried_until_the_deadline(make_url):
+def test_a_refused_gs_endpoint_is_refused_not_retried_until_the_deadline(gcs_emulator):
     """gcsfs' own retries (backoff of 1, 2, 4 ... s) are off: a refused connection surfaces as
     ``refused`` within the deadline instead of a timeout."""
     from support.net import free_loopback_port
