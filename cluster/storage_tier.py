@@ -41,19 +41,21 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 
 from hicache.cluster.host_tier import HostTier
-from hicache.cluster.transfers import PendingTransfer, WorkerGroup
+from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
+from hicache.cluster.worker_group import WorkerGroup
 from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfig, page_keys
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
@@ -125,17 +127,15 @@ class PrefetchState(str, Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(slots=True)
 class PrefetchProgress:
+    """One per L3 query: slotted, not frozen (a frozen dataclass's __init__ costs more)."""
+
     req_id: str
     state: PrefetchState
     tokens: int  # tokens fetched (DONE) or being fetched (RUNNING)
     may_proceed: bool  # the stop policy lets the request go on now
     reason: str = ""
-
-    def __init__(self, req_id: str, state: PrefetchState, tokens: int, may_proceed: bool, reason: str = "") -> None:
-        # one per L3 query: fields in one dict update (as the tree's per-request results)
-        self.__dict__.update(req_id=req_id, state=state, tokens=tokens, may_proceed=may_proceed, reason=reason)
 
 
 @dataclass
@@ -182,7 +182,7 @@ class StorageCounters:
     backup_held_dropped_pages: int = 0  # held writes dropped on detach (never sent: later misses)
 
     def snapshot(self) -> dict:
-        return dict(self.__dict__)
+        return dataclasses.asdict(self)
 
 
 class StorageTier:
@@ -475,7 +475,7 @@ class StorageTier:
         while len(self._misses) > cap:
             self._misses.popitem(last=False)
 
-    def _known_stored_pages(self, keys: list[str], first_page: int, known: int) -> int:
+    def _known_stored_pages(self, keys: Sequence[str], first_page: int, known: int) -> int:
         """Pages of ``keys`` to read on the word of storage-only entries (the read still verifies).
         Objects sit at fixed page positions and a stored path's tail object ends where that path ended,
         so only whole objects are certain: a tail inside an object (the request stops or diverges there)
@@ -587,6 +587,7 @@ class StorageTier:
 
     def complete(self, p: PendingTransfer) -> None:
         self._expire_pause()
+        assert p.op is not None  # L3 ops are built when queued
         op_id = p.op.op_id
         if p.kind is OpKind.BACKUP_H2S:
             b = self._backups.pop(op_id)
