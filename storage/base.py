@@ -21,8 +21,9 @@ Who calls. Storage is per host: each host's worker holds one instance over its o
 
 Errors. Bad arguments raise ``TypeError``/``ValueError`` naming the offending value, before any I/O
 and without changing state. Backend trouble (missing, corrupt, short, mismatched objects,
-exceptions, hangs beyond the call's timeout) never raises and never returns ``None``: it shows up
-as per-page ``False`` / a shorter hit count, plus a counter in ``stats()``.
+exceptions, hangs beyond the call's timeout, a missing bucket, an open breaker) never raises and
+never returns ``None``: it shows up as per-page ``False`` / a shorter hit count, plus a counter by
+kind in ``stats()`` (``StorageStats.error_counts``).
 """
 
 from __future__ import annotations
@@ -113,13 +114,37 @@ class StorageStats:
     objects_raced: int = 0  # write-once lost a race to a concurrent writer (still stored)
     bytes_read: int = 0
     bytes_written: int = 0
-    corrupt_objects: int = 0
-    corrupt_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    errors: int = 0  # backend exceptions (object-level)
-    timeouts: int = 0  # object operations abandoned at the call's deadline
+    corrupt_objects: int = 0  # reads that failed verification: corrupt_in_transit + corrupt_at_rest
+    corrupt_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)  # first failures by CorruptReason
+    corrupt_in_transit: int = 0  # failed verification, not proven bad at rest: a miss, never deleted
+    corrupt_at_rest: int = 0  # failed twice with the same stored bytes: deleted if delete_corrupt
+    corrupt_deleted: int = 0  # objects deleted as corrupt at rest
+    errors: int = 0  # backend errors other than timeouts (refused + missing_bucket + permission + other_errors)
+    timeouts: int = 0  # object operations not finished by the call's deadline (or refused by a hung backend)
+    refused: int = 0  # connection refused / reset / unreachable
+    missing_bucket: int = 0  # operations that found the bucket (root) gone
+    permission: int = 0  # 401 / 403 / EACCES
+    other_errors: int = 0  # anything else (5xx, EIO, ...)
+    unavailable: int = 0  # object operations failed fast by the open breaker (no network)
+    retries: int = 0  # transient errors retried within the deadline
+    breaker_opens: int = 0  # times the breaker opened
+    breaker_state: str = "closed"  # now: "closed", "open" or "half_open" (a call would probe)
     evicted_objects: int = 0
     evicted_bytes: int = 0
     used_bytes: int = -1  # -1: not tracked (only file:// with a byte cap tracks it)
+
+    def error_counts(self) -> dict[str, int]:
+        """Errors by kind (``errors.ErrorKind`` values), for metrics and ``hicache status``."""
+        return {
+            "timeout": self.timeouts,
+            "refused": self.refused,
+            "missing_bucket": self.missing_bucket,
+            "permission": self.permission,
+            "other": self.other_errors,
+            "corrupt_in_transit": self.corrupt_in_transit,
+            "corrupt_at_rest": self.corrupt_at_rest,
+            "unavailable": self.unavailable,
+        }
 
 
 class HiCacheStorage(abc.ABC):
@@ -212,20 +237,24 @@ class HiCacheStorage(abc.ABC):
 
     @abc.abstractmethod
     def list_prefixes(
-        self, namespace: Namespace, *, pool: PoolKind = PoolKind.KV, verify: bool = True
+        self, namespace: Namespace, *, pool: PoolKind = PoolKind.KV, verify: bool = True,
+        timeout_s: float | None = None,
     ) -> list[StoredPrefix]:
-        """Manifest entries of ``namespace``, trimmed to stored pages when ``verify``."""
+        """Manifest entries of ``namespace``, trimmed to stored pages when ``verify``; the whole
+        call within ``timeout_s`` (or the store's listing deadline)."""
 
     # ---- admin ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def clear(self) -> None:
+    def clear(self, *, timeout_s: float | None = None) -> None:
         """Delete every object and manifest entry of this store's fingerprint."""
 
     @abc.abstractmethod
     def stats(self) -> StorageStats: ...
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release threads/sessions. Idempotent."""
+    def close(self) -> bool:
+        """Release threads/sessions, waiting a bounded time for operations in flight. Idempotent.
+        True if nothing was left running."""
+        return True
 
     def __enter__(self) -> HiCacheStorage:
         return self

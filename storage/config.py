@@ -2,6 +2,20 @@
 
 Pure data: read by the store when it is built and on every call (deadline, chunk size), never
 changed after.
+
+Deadlines (each holds whatever the client library does: operations still running at the deadline
+are abandoned (threads) or cancelled (gcsfs' loop), retries and their backoff stop there):
+
+- ``timeout_s``: a data call the caller gives no ``timeout_s=``: ``batch_get``, ``batch_set``,
+  ``record_prefix``.
+- ``exists_timeout_s``: ``batch_exists`` / ``exists`` without ``timeout_s=``: the existence check
+  runs while a request waits, so it is short; ``min(exists_timeout_s, timeout_s)`` applies.
+- ``list_timeout_s``: ``list_prefixes`` (manifest listing, entry reads and their existence checks
+  together) and ``clear``.
+- ``close_timeout_s``: how long ``close`` waits for operations in flight before cancelling them.
+
+Breaker (``breaker``): ``breaker_threshold`` consecutive rounds that only timed out or could not
+connect open it; ``breaker_cooldown_s`` later one probe call goes through.
 """
 
 from __future__ import annotations
@@ -19,7 +33,14 @@ FALLBACK_TARGET_OBJECT_BYTES = 8 * MiB  # any other scheme
 
 @dataclasses.dataclass(frozen=True)
 class StorageConfig:
-    timeout_s: float = 30.0  # default deadline of one call (exists/get/set)
+    timeout_s: float = 30.0  # deadline of batch_get / batch_set / record_prefix (module docstring)
+    exists_timeout_s: float = 0.5  # deadline of batch_exists / exists (capped by timeout_s)
+    list_timeout_s: float = 10.0  # deadline of list_prefixes and clear
+    close_timeout_s: float = 5.0  # close waits this long for operations in flight, then cancels
+    retries: int = 2  # extra attempts of an operation after a transient error, within its deadline
+    retry_backoff_s: float = 0.05  # first backoff; doubles per attempt; never past the deadline
+    breaker_threshold: int = 3  # consecutive failed rounds (timeouts / connection errors) that open it
+    breaker_cooldown_s: float = 5.0  # open breaker: fail fast this long, then let one probe through
     io_threads: int = 8  # sync backends: worker threads; async: max concurrent requests / 4
     max_pending_ops: int | None = None  # sync backends: cap on abandoned, still-running ops (8 * io_threads)
     target_object_bytes: int | None = None  # None → DEFAULT_TARGET_OBJECT_BYTES[scheme]
@@ -28,14 +49,22 @@ class StorageConfig:
     max_bytes: int | None = None  # file:// only: byte cap over the whole root, LRU eviction
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
     max_inflight_bytes: int = 256 * MiB  # batch_set gathers from the pool in groups this large
-    delete_corrupt: bool = True  # remove objects that fail verification so they can be rewritten
+    delete_corrupt: bool = True  # remove objects proven corrupt at rest, so they can be rewritten
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads!r}")
+        for name in ("timeout_s", "exists_timeout_s", "list_timeout_s", "close_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        for name in ("retry_backoff_s", "breaker_cooldown_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be >= 0, got {v!r}")
+        for name, least in (("io_threads", 1), ("retries", 0), ("breaker_threshold", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {v!r}")
         for name in ("target_object_bytes", "pages_per_object", "max_bytes", "max_pending_ops"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -87,6 +87,15 @@ class CorruptObjectError(ValueError):
     def __init__(self, reason: CorruptReason, detail: str) -> None:
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
+        self.size: int | None = None  # length of the bytes that failed (``corruption.note_failure``)
+        self.digest: bytes | None = None  # their digest
+
+
+def declared_num_pages(buf: bytes | bytearray | memoryview) -> int:
+    """The ``num_pages`` field of an object's header as stored (0 if the bytes end before it): what
+    a reader that does not know the count expects, so that a cut object reads ``SHORT``."""
+    mv = memoryview(buf).cast("B")
+    return struct.unpack_from("<I", mv, 88)[0] if len(mv) >= 92 else 0
 
 
 def payload_digest(buf: bytes | bytearray | memoryview | np.ndarray) -> bytes:

@@ -4,7 +4,10 @@ It puts together (one module per concept):
 
 - ``object_store``: whole objects by path for the URL's scheme (exists / read / write-once /
   delete / list);
-- ``batch_io``: batches of those calls under the call's deadline (I/O threads, or gcsfs' loop);
+- ``batch_io``: batches of those calls under the call's deadline (I/O threads, or gcsfs' loop),
+  with our retry policy, behind the location's ``breaker``;
+- ``errors``: what went wrong, by kind (``StorageStats``);
+- ``corruption``: corrupt in transit (a miss) vs corrupt at rest (deleted);
 - ``chunking``: which objects hold which pages of a chain (the chunking rule, ``resolve``);
 - ``format``: the self-verifying object header;
 - ``slot_access``: copies between objects and the host pool's slots, and when I/O threads may
@@ -32,10 +35,11 @@ Object names (topology-free, content-addressed)::
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tag}
 
 Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds).
-``batch_get``: resolve, then read and verify the objects concurrently; a miss, a corrupt object or
-a failure ends the usable prefix. ``batch_set``: ``first_page`` on a chunk boundary; one batched
-existence round skips stored objects, the rest are gathered from the pool and written once
-(``max_inflight_bytes`` at a time).
+``batch_get``: resolve, then read and verify the objects concurrently; objects that fail
+verification are re-read once (``corruption``: used if the re-read verifies, deleted only if proven
+corrupt at rest); a miss, a corrupt object or a failure ends the usable prefix. ``batch_set``:
+``first_page`` on a chunk boundary; one batched existence round skips stored objects, the rest are
+gathered from the pool and written once (``max_inflight_bytes`` at a time).
 
 gs:// capacity: bucket lifecycle rules (not enforced by this code)
 ------------------------------------------------------------------
@@ -54,9 +58,15 @@ request recomputes and rewrites). Recommended bucket configuration for ``gs://BU
 Threads. Calls may come from several threads at once (counters under ``_lock``). Each call runs
 on its calling thread and hands its I/O to ``batch_io`` (I/O threads or gcsfs' loop); verification
 runs where a read finished. The host pool is touched on the calling thread, or by the I/O threads
-for pools that allow it, only until the call returns (``slot_access``). Every call has a deadline
-(``StorageConfig.timeout_s`` or ``timeout_s=``): operations not finished by then are abandoned
-(counted in ``timeouts``) and their pages report ``False``.
+for pools that allow it, only until the call returns (``slot_access``).
+
+Deadlines and the breaker. Every call has a deadline (``timeout_s=`` or the ``StorageConfig``
+default of its kind: ``exists_timeout_s`` for existence checks, ``list_timeout_s`` for listings,
+``timeout_s`` for reads and writes; ``close_timeout_s`` for ``close``): operations not finished by
+then are abandoned or cancelled (counted in ``timeouts``) and their pages report ``False``. After
+``breaker_threshold`` consecutive rounds of timeouts / connection errors the location's breaker
+opens (``available`` is False): calls answer at once as misses (``unavailable``), until a probe
+after ``breaker_cooldown_s`` gets an answer.
 """
 
 from __future__ import annotations
@@ -65,7 +75,8 @@ import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -84,9 +95,12 @@ from hicache.storage.base import (
     check_pool_kind,
     check_slots,
 )
-from hicache.storage.batch_io import Deadline, make_batch_io
+from hicache.storage.batch_io import Deadline, RetryPolicy, make_batch_io
+from hicache.storage.breaker import Breaker, BreakerState
 from hicache.storage.chunking import Chunking, ObjectRef, resolve
 from hicache.storage.config import StorageConfig
+from hicache.storage.corruption import Verdict, note_failure, recheck
+from hicache.storage.errors import ErrorKind, classify
 from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, HeaderEncoder, ObjectKind, ObjectMeta, decode
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.lru import ByteCapLRU, scan
@@ -94,6 +108,10 @@ from hicache.storage.manifest import Manifest, longest_first
 from hicache.storage.object_store import LocalObjectStore, open_object_store
 
 _NO_SLOTS = np.zeros(0, np.int32)  # batch_exists' queries carry no slots (read-only, shared)
+# StorageStats counter of each error kind (MISSING: a plain miss, no counter)
+_KIND_COUNTER = {ErrorKind.TIMEOUT: "timeouts", ErrorKind.REFUSED: "refused", ErrorKind.MISSING_BUCKET: "missing_bucket",
+                 ErrorKind.PERMISSION: "permission", ErrorKind.OTHER: "other_errors", ErrorKind.UNAVAILABLE: "unavailable"}
+_NOT_COUNTERS = ("corrupt_by_reason", "used_bytes", "breaker_state", "breaker_opens", "retries")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +159,10 @@ class FsspecStorage(HiCacheStorage):
         config: StorageConfig | None = None,
         *,
         fs: Any = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``fs``: an fsspec filesystem to use instead of the one ``url`` names; ``clock``: the
+        breaker's clock (tests move it instead of waiting out the cooldown)."""
         if not isinstance(url, str) or not url:
             raise ValueError(f"url must be a non-empty str, got {url!r}")
         if not isinstance(fingerprint, ModelFingerprint):
@@ -165,13 +186,15 @@ class FsspecStorage(HiCacheStorage):
         self._fp = fingerprint.digest()
         self._root = root
         self._base = f"{root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
-        self._io = make_batch_io(store, config.io_threads, config.max_pending_ops)
+        self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock or time.monotonic)
+        self._io = make_batch_io(store, self.breaker, RetryPolicy(config.retries, config.retry_backoff_s),
+                                 config.io_threads, config.max_pending_ops)
         self._manifest = Manifest(self._base, self._fp, fingerprint.page_size, self._io)
         self._lru = (ByteCapLRU(f"{root}/v{FORMAT_VERSION}", config.max_bytes, config.evict_low_watermark)
                      if config.max_bytes is not None else None)
         self._pools: dict[PoolKind, _PoolReg] = {}
         self._lock = threading.Lock()
-        self._counters: dict[str, int] = {f.name: 0 for f in dataclasses.fields(StorageStats) if f.name not in ("corrupt_by_reason", "used_bytes")}
+        self._counters: dict[str, int] = {f.name: 0 for f in dataclasses.fields(StorageStats) if f.name not in _NOT_COUNTERS}
         self._corrupt: dict[str, int] = {}
         self._closed = False
 
@@ -181,15 +204,20 @@ class FsspecStorage(HiCacheStorage):
             for k, v in kw.items():
                 self._counters[k] += v
 
-    def _count_exc(self, e: BaseException) -> None:
-        if isinstance(e, TimeoutError) or type(e).__name__ in ("FSTimeoutError",):
-            self._count(timeouts=1)
-        elif not isinstance(e, FileNotFoundError):
-            self._count(errors=1)
+    def _count_exc(self, e: BaseException, *, on_root: bool = False) -> None:
+        """Count a failed object operation by its kind (``on_root``: a write or a listing,
+        ``errors.classify``)."""
+        counter = _KIND_COUNTER.get(classify(e, on_root=on_root))
+        if counter is None:  # a missing object: a plain miss
+            return
+        with self._lock:
+            self._counters[counter] += 1
+            if counter not in ("timeouts", "unavailable"):
+                self._counters["errors"] += 1
 
-    def _deadline(self, timeout_s: float | None) -> Deadline:
+    def _deadline(self, timeout_s: float | None, default: float | None = None) -> Deadline:
         if timeout_s is None:
-            return Deadline(self.config.timeout_s)
+            return Deadline(self.config.timeout_s if default is None else default)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number or None, got {timeout_s!r}")
         return Deadline(float(timeout_s))
@@ -285,6 +313,32 @@ class FsspecStorage(HiCacheStorage):
         """The underlying fsspec filesystem."""
         return self._io.store.fs
 
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open (calls fail fast as misses, without I/O); True when
+        closed, or when the cooldown has passed and the next call would probe."""
+        return self.breaker.state is not BreakerState.OPEN
+
+    def probe(self, *, timeout_s: float | None = None) -> bool:
+        """Whether the location answers now: one existence check of the root (gs://: of the
+        bucket) within ``timeout_s`` (or ``exists_timeout_s``), through the breaker: while it is
+        open and cooling down, False at once without I/O; after the cooldown this call is the
+        probe that closes or reopens it. For a caller that attaches or watches L3 in the
+        background (no request waits on it). A missing bucket is False (and counted)."""
+        bucket = self.scheme in ("gs", "gcs")
+        path = self._root.split("/", 1)[0] if bucket else self._root
+        r = self._io.exists_many([path], self._deadline(timeout_s, self._exists_timeout()))[0]
+        if isinstance(r, BaseException):
+            self._count_exc(r, on_root=True)
+            return False
+        if bucket and not r:
+            self._count(missing_bucket=1, errors=1)
+            return False
+        return True
+
+    def _exists_timeout(self) -> float:
+        return min(self.config.exists_timeout_s, self.config.timeout_s)
+
     # ---- data path -----------------------------------------------------------------------------
     def batch_exists(
         self,
@@ -299,7 +353,7 @@ class FsspecStorage(HiCacheStorage):
         keys = check_keys(keys)
         first = check_first_page(first_page)
         least = check_min_pages(min_pages)
-        deadline = self._deadline(timeout_s)
+        deadline = self._deadline(timeout_s, self._exists_timeout())
         self._count(exists_calls=1)
         if len(keys) < least:  # no hit could reach min_pages (also: no keys)
             return 0
@@ -312,7 +366,7 @@ class FsspecStorage(HiCacheStorage):
         reg = self._reg(pool)
         check_key(key)
         check_first_page(page_index)
-        r = self._io.exists_many([reg.chunking.path(key)], self._deadline(None))[0]
+        r = self._io.exists_many([reg.chunking.path(key)], self._deadline(None, self._exists_timeout()))[0]
         if isinstance(r, BaseException):
             self._count_exc(r)
             return False
@@ -346,7 +400,7 @@ class FsspecStorage(HiCacheStorage):
         pool takes writes from I/O threads), a verified payload view (to scatter on the calling
         thread) or an exception (``FileNotFoundError``: missing)."""
 
-        def post(i: int, raw: Any) -> Any:  # where the read finished
+        def verify(i: int, raw: Any) -> Any:  # where the read finished
             o = objs[i]
             q = queries[o.t]
             payload = decode(raw, self._meta(q.reg, o), payload_len=o.m * q.reg.slot_bytes)
@@ -356,7 +410,22 @@ class FsspecStorage(HiCacheStorage):
                 self._scatter(q, o, payload)
             return True
 
-        return self._io.read_many([o.path for o in objs], post, deadline)
+        def post(i: int, raw: Any) -> Any:
+            try:
+                return verify(i, raw)
+            except CorruptObjectError as e:
+                raise note_failure(e, raw) from None
+
+        out = self._io.read_many([o.path for o in objs], post, deadline)
+        bad = [i for i, r in enumerate(out) if isinstance(r, CorruptObjectError)]
+        if bad:  # a miss now; re-read to tell transit from rest (module ``corruption``)
+            firsts = [out[i] for i in bad]
+            again = recheck(self._io, [objs[i].path for i in bad], firsts,
+                            lambda j, raw: verify(bad[j], raw), deadline)
+            for i, (r, verdict) in zip(bad, again):
+                self._on_corrupt(verdict, deadline)
+                out[i] = r
+        return out
 
     @staticmethod
     def _scatter(q: _Transfer, o: ObjectRef, payload: memoryview) -> None:
@@ -364,8 +433,7 @@ class FsspecStorage(HiCacheStorage):
 
     def _apply_read(self, queries: list[_Transfer], results: list[list[bool]], o: ObjectRef, r: Any, deadline: Deadline) -> bool:
         """Account one read result; mark its pages loaded. True if the object was loaded."""
-        if isinstance(r, CorruptObjectError):
-            self._on_corrupt(o.path, r, deadline)
+        if isinstance(r, CorruptObjectError):  # counted by _on_corrupt
             return False
         if isinstance(r, BaseException):
             self._count_exc(r)
@@ -378,14 +446,23 @@ class FsspecStorage(HiCacheStorage):
         self._count(objects_read=1, bytes_read=q.reg.object_bytes(o.m))
         return True
 
-    def _on_corrupt(self, path: str, err: CorruptObjectError, deadline: Deadline) -> None:
+    def _on_corrupt(self, v: Verdict, deadline: Deadline) -> None:
+        """Count a read that failed verification; delete the object if it is proven corrupt at
+        rest (conditionally on the generation seen, where the backend has generations)."""
+        reason = v.error.reason.value
         with self._lock:
             self._counters["corrupt_objects"] += 1
-            self._corrupt[err.reason.value] = self._corrupt.get(err.reason.value, 0) + 1
-        if self.config.delete_corrupt:
-            self._io.delete_many([path], deadline)
-            if self._lru is not None:
-                self._lru.forget(path)
+            self._counters["corrupt_at_rest" if v.at_rest else "corrupt_in_transit"] += 1
+            self._corrupt[reason] = self._corrupt.get(reason, 0) + 1
+        if not (v.at_rest and self.config.delete_corrupt):
+            return
+        r = self._io.delete_many([(v.path, v.generation)], deadline)[0]
+        if isinstance(r, BaseException):
+            self._count_exc(r)  # (a generation mismatch: rewritten meanwhile, and kept)
+            return
+        self._count(corrupt_deleted=1)
+        if self._lru is not None:
+            self._lru.forget(v.path)
 
     def batch_set_pools(self, transfers: Sequence[PoolTransfer], *, timeout_s: float | None = None) -> list[list[bool]]:
         queries = self._check_transfers(transfers, for_set=True)
@@ -450,7 +527,7 @@ class FsspecStorage(HiCacheStorage):
             tally: dict[str, int] = {}
             for o, r in zip(group, self._io.write_many(items, deadline)):
                 if isinstance(r, BaseException):
-                    self._count_exc(r)
+                    self._count_exc(r, on_root=True)
                     continue
                 mark(o)
                 name = "objects_written" if r else "objects_raced"
@@ -488,38 +565,45 @@ class FsspecStorage(HiCacheStorage):
             return False
         r = self._manifest.record(ns, arr, self._deadline(None))
         if isinstance(r, BaseException):
-            self._count_exc(r)
+            self._count_exc(r, on_root=True)
             return False
         return True
 
-    def list_prefixes(self, namespace: Namespace, *, pool: PoolKind = PoolKind.KV, verify: bool = True) -> list[StoredPrefix]:
+    def list_prefixes(self, namespace: Namespace, *, pool: PoolKind = PoolKind.KV, verify: bool = True,
+                      timeout_s: float | None = None) -> list[StoredPrefix]:
+        """Manifest entries of ``namespace`` (``HiCacheStorage.list_prefixes``), all within one
+        deadline (``timeout_s`` or ``list_timeout_s``): listing, entry reads and, with ``verify``,
+        the existence checks that trim them. An unreachable store lists nothing (counted)."""
         ns = self._check_ns(namespace)
         reg = self._reg(pool) if verify else None
-        deadline = self._deadline(None)
+        deadline = self._deadline(timeout_s, self.config.list_timeout_s)
         try:
             entries = self._manifest.read(ns, deadline)
         except Exception as e:  # backend outage: nothing listed
-            self._count_exc(e)
+            self._count_exc(e, on_root=True)
             return []
-        for path, err in entries.failed:
-            if isinstance(err, CorruptObjectError):
-                self._on_corrupt(path, err, deadline)
-            else:
-                self._count_exc(err)
+        for v in entries.corrupt:
+            self._on_corrupt(v, deadline)
+        for _, err in entries.failed:
+            self._count_exc(err)
         P = self.fingerprint.page_size
         out = []
         for toks in entries.tokens:
             keys = page_keys(ns, toks)
             n = len(keys)
             if reg is not None:
-                n = self.batch_exists(keys, pool=reg.kind, timeout_s=max(deadline.left(), 1e-3))
+                if deadline.left() <= 0:
+                    break
+                n = self.batch_exists(keys, pool=reg.kind, timeout_s=deadline.left())
             if n:
                 out.append(StoredPrefix(toks[: n * P], n, tuple(keys[:n])))
         return longest_first(out)
 
     # ---- admin ---------------------------------------------------------------------------------
-    def clear(self) -> None:
-        self._io.delete_tree(self._base)
+    def clear(self, *, timeout_s: float | None = None) -> None:
+        """Delete everything of this fingerprint, within ``timeout_s`` (or ``list_timeout_s``);
+        backend errors raise (an admin call: the caller must know it did not happen)."""
+        self._io.delete_tree(self._base, self._deadline(timeout_s, self.config.list_timeout_s))
         if self._lru is not None:
             self._lru.rescan()
 
@@ -528,12 +612,16 @@ class FsspecStorage(HiCacheStorage):
             c = dict(self._counters)
             corrupt = dict(self._corrupt)
         used = self._lru.tracked_bytes() if self._lru is not None else -1
-        return StorageStats(**c, corrupt_by_reason=corrupt, used_bytes=used)
+        return StorageStats(**c, corrupt_by_reason=corrupt, used_bytes=used, retries=self._io.retried,
+                            breaker_opens=self.breaker.opens, breaker_state=self.breaker.state.value)
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._io.close()
+    def close(self, *, timeout_s: float | None = None) -> bool:
+        """Stop; wait up to ``timeout_s`` (or ``close_timeout_s``) for operations in flight, then
+        abandon or cancel them. Idempotent; True if nothing was left running."""
+        if self._closed:
+            return True
+        self._closed = True
+        return self._io.close(self.config.close_timeout_s if timeout_s is None else timeout_s)
 
     def __repr__(self) -> str:
         pools = {k.value: r.ppo for k, r in self._pools.items()}

@@ -12,9 +12,12 @@ prefix is a new entry beside the shorter ones; ``longest_first`` drops entries t
 Sixteen fan-out directories by the namespace digest's first hex digit; a namespace's entries are
 one listing of its directory.
 
+An entry that fails verification is re-read before anyone calls it corrupt (``corruption``): an
+entry cut or flipped in transit is a skipped entry this time, never a deleted one.
+
 Threads: ``record`` and ``read`` are called on the calling thread of ``FsspecStorage``'s
-``record_prefix`` / ``list_prefixes``; their objects are written and read through ``BatchIO``
-(I/O threads or the filesystem's loop), listing on the calling thread.
+``record_prefix`` / ``list_prefixes``; their objects are listed, written and read through
+``BatchIO`` (I/O threads or the filesystem's loop) under the caller's deadline.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import numpy as np
 
 from hicache.storage.base import StoredPrefix
 from hicache.storage.batch_io import BatchIO, Deadline
-from hicache.storage.format import HeaderEncoder, ObjectKind, ObjectMeta, decode
+from hicache.storage.corruption import Verdict, note_failure, recheck
+from hicache.storage.format import CorruptObjectError, HeaderEncoder, ObjectKind, ObjectMeta, declared_num_pages, decode
 from hicache.storage.keys import Namespace
 
 
@@ -41,6 +45,7 @@ def entry_tag(seed: bytes, tokens: np.ndarray) -> str:
 class Entries(NamedTuple):
     tokens: list[np.ndarray]  # the valid entries' tokens
     failed: list[tuple[str, BaseException]]  # (path, error) of entries that could not be read
+    corrupt: list[Verdict]  # entries whose first read failed verification, and what the re-read found
 
 
 class Manifest:
@@ -70,23 +75,40 @@ class Manifest:
         return self._io.write_many([(path, make)], deadline)[0]
 
     def read(self, namespace: Namespace, deadline: Deadline) -> Entries:
-        """Every valid entry of ``namespace``. Listing errors raise; an entry that cannot be read,
-        or fails verification (``CorruptObjectError``), is in ``failed``; one whose content does
-        not match its name (copied, renamed) is skipped."""
+        """Every valid entry of ``namespace``. Listing errors raise; an entry that cannot be read
+        is in ``failed``; one that fails verification is re-read (``corrupt``, and its tokens are
+        used if the re-read verifies); one whose content does not match its name (copied,
+        renamed) is skipped."""
         d, name = self.location(namespace)
-        paths = sorted(p for p in self._io.list(d) if os.path.basename(p).startswith(name))
+        paths = sorted(p for p in self._io.list(d, deadline) if os.path.basename(p).startswith(name))
         seed = namespace.seed()
-        header_len = ObjectMeta(ObjectKind.MANIFEST, self._fp, seed, 0, 0, "int64", ()).header_len
 
-        def post(i: int, raw: Any) -> np.ndarray:
-            n = max((len(raw) - header_len) // 8, 0)
+        def verify(i: int, raw: Any) -> np.ndarray:
+            n = declared_num_pages(raw)  # a cut entry then reads SHORT, not a different entry
             meta = ObjectMeta(ObjectKind.MANIFEST, self._fp, seed, 0, n, "int64", ())
             return np.frombuffer(decode(raw, meta, payload_len=n * 8), dtype="<i8").copy()
 
-        out = Entries([], [])
+        def post(i: int, raw: Any) -> np.ndarray:
+            try:
+                return verify(i, raw)
+            except CorruptObjectError as e:
+                raise note_failure(e, raw) from None
+
+        out = Entries([], [], [])
+        read: list[tuple[str, Any]] = []
+        bad: list[tuple[str, CorruptObjectError]] = []
         for path, r in zip(paths, self._io.read_many(paths, post, deadline)):
+            if isinstance(r, CorruptObjectError):
+                bad.append((path, r))
+            else:
+                read.append((path, r))
+        for r, verdict in recheck(self._io, [p for p, _ in bad], [e for _, e in bad], verify, deadline):
+            out.corrupt.append(verdict)
+            read.append((verdict.path, r))
+        for path, r in read:
             if isinstance(r, BaseException):
-                out.failed.append((path, r))
+                if not isinstance(r, CorruptObjectError):
+                    out.failed.append((path, r))
             elif len(r) and len(r) % self._page_size == 0 and entry_tag(seed, r) == os.path.basename(path)[len(name):]:
                 out.tokens.append(r)
         return out

@@ -1,7 +1,8 @@
 """The per-scheme object store: whole objects by path, fsspec's vocabulary.
 
 ``ObjectStore`` is all that the rest of storage asks of a backend: ``exists``, ``read``,
-``write_once``, ``delete``, ``list`` (and ``delete_tree`` for ``clear``), with builtin exceptions:
+``write_once``, ``stat`` (stored size and generation), ``delete`` (conditional on a generation where
+the backend has one), ``list`` (and ``delete_tree`` for ``clear``), with builtin exceptions:
 ``FileNotFoundError`` for a missing object, ``FileExistsError`` when ``write_once`` finds the name
 taken (another writer published first; the object stored is that writer's). Objects are
 immutable: a name, once published, always holds the same complete bytes until deleted.
@@ -17,6 +18,9 @@ Backends:
   listed; a crashed writer's leftovers are removed by the byte-capped LRU's scan (``lru``).
 - ``AsyncFsspecObjectStore`` (async filesystems: gcsfs): the same primitives as coroutines
   (``aexists`` ...) for ``batch_io.LoopBatchIO``, which runs them on the filesystem's event loop.
+  gcsfs' own retries (up to 6 attempts with backoff of up to 32 s, "connection refused"
+  included) are turned off (``own_retries``): the retry policy is ``batch_io``'s, inside each
+  call's deadline.
 
 Threads. The sync primitives run on ``batch_io``'s I/O threads (any number at once, on different
 or equal paths); the coroutines on the filesystem's loop. No state of its own besides the fsspec
@@ -30,6 +34,7 @@ import itertools
 import os
 import secrets
 import shutil
+import types
 from typing import Any
 
 import fsspec
@@ -66,12 +71,20 @@ class ObjectStore(abc.ABC):
         readers see the whole object or none."""
 
     @abc.abstractmethod
-    def delete(self, path: str) -> None:
-        """Remove the object; ``FileNotFoundError`` if there is none."""
+    def delete(self, path: str, generation: str | None = None) -> None:
+        """Remove the object; ``FileNotFoundError`` if there is none. ``generation`` (from
+        ``stat``): only if the stored object is still that generation, where the backend can
+        tell (gs://); elsewhere a plain delete."""
+
+    def stat(self, path: str) -> tuple[int, str | None]:
+        """(stored size, generation or None where the backend reports none)."""
+        info = self.fs.info(path)
+        return int(info["size"]), _generation(info)
 
     @abc.abstractmethod
     def list(self, prefix: str) -> list[str]:
-        """Paths of the objects under directory ``prefix`` (recursive; [] if there is none)."""
+        """Paths of the objects under directory ``prefix`` (recursive; [] if there is none;
+        ``FileNotFoundError`` if the bucket is gone)."""
 
     @abc.abstractmethod
     def delete_tree(self, prefix: str) -> None:
@@ -91,14 +104,11 @@ class FsspecObjectStore(ObjectStore):
     def write_once(self, path: str, header: bytes, payload: np.ndarray) -> None:
         self.fs.pipe_file(path, object_bytes(header, payload), mode="create")
 
-    def delete(self, path: str) -> None:
+    def delete(self, path: str, generation: str | None = None) -> None:
         self.fs.rm_file(path)
 
     def list(self, prefix: str) -> list[str]:
-        try:
-            return [p for p in self.fs.find(prefix) if not os.path.basename(p).startswith(TMP_PREFIX)]
-        except FileNotFoundError:
-            return []
+        return _visible(self.fs.find(prefix))  # (FileNotFoundError: the bucket is gone)
 
     def delete_tree(self, prefix: str) -> None:
         try:
@@ -106,6 +116,17 @@ class FsspecObjectStore(ObjectStore):
                 self.fs.rm(prefix, recursive=True)
         except FileNotFoundError:
             pass
+
+
+def _visible(paths: list[str]) -> list[str]:
+    """``paths`` without temp files."""
+    return [p for p in paths if not os.path.basename(p).startswith(TMP_PREFIX)]
+
+
+def _generation(info: dict[str, Any]) -> str | None:
+    """The stored version an ``info()`` reports: gcsfs' ``generation``, else an ``etag``."""
+    g = info.get("generation") or info.get("etag")
+    return None if g is None else str(g)
 
 
 def _create_tmp(d: str) -> tuple[int, str]:
@@ -157,8 +178,11 @@ class LocalObjectStore(FsspecObjectStore):
                 except FileNotFoundError:
                     pass
 
-    def delete(self, path: str) -> None:
+    def delete(self, path: str, generation: str | None = None) -> None:
         os.unlink(path)
+
+    def stat(self, path: str) -> tuple[int, str | None]:
+        return os.stat(path).st_size, None
 
     def list(self, prefix: str) -> list[str]:
         out: list[str] = []
@@ -186,8 +210,44 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
     async def awrite_once(self, path: str, header: bytes, payload: np.ndarray) -> None:
         await self.fs._pipe_file(path, object_bytes(header, payload), mode="create")
 
-    async def adelete(self, path: str) -> None:
-        await self.fs._rm_file(path)
+    async def astat(self, path: str) -> tuple[int, str | None]:
+        info = await self.fs._info(path)
+        return int(info["size"]), _generation(info)
+
+    async def adelete(self, path: str, generation: str | None = None) -> None:
+        fs = self.fs
+        if generation is not None and _is_gcsfs(fs):  # ifGenerationMatch: a rewrite in between survives
+            bucket, key, _ = fs.split_path(path)
+            await fs._call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=generation)
+        else:
+            await fs._rm_file(path)
+
+    async def alist(self, prefix: str) -> list[str]:
+        return _visible(await self.fs._find(prefix))
+
+    async def adelete_tree(self, prefix: str) -> None:
+        try:
+            if await self.fs._exists(prefix):
+                await self.fs._rm(prefix, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def own_retries(fs: Any) -> None:
+    """Turn off gcsfs' internal retries on this instance (its ``_request`` without the retrying
+    decorator): connection errors and 5xx then reach ``batch_io``, whose retries stop at the
+    call's deadline. Also a wrapper's gcsfs target (``fs.fs``). Other filesystems (and gcsfs
+    versions without the undecorated function) are left as they are; the deadline still cancels
+    their retries."""
+    target = fs.__dict__.get("fs")  # a wrapping filesystem's target, as fsspec's wrappers name it
+    for f in (fs, target):
+        plain = getattr(getattr(type(f), "_request", None), "__wrapped__", None)
+        if _is_gcsfs(f) and callable(plain):
+            f._request = types.MethodType(plain, f)
+
+
+def _is_gcsfs(fs: Any) -> bool:
+    return any(c.__name__ == "GCSFileSystem" for c in type(fs).__mro__)
 
 
 def open_object_store(url: str, storage_options: dict[str, Any], fs: Any = None) -> tuple[ObjectStore, str]:
@@ -202,5 +262,6 @@ def open_object_store(url: str, storage_options: dict[str, Any], fs: Any = None)
         os.makedirs(root, exist_ok=True)
         return LocalObjectStore(fs), root
     if isinstance(fs, AsyncFileSystem):
+        own_retries(fs)
         return AsyncFsspecObjectStore(fs), root
     return FsspecObjectStore(fs), root

@@ -66,3 +66,19 @@ def same_bytes(x: np.ndarray, y: np.ndarray) -> bool:
     return x.shape == y.shape and x.dtype == y.dtype and np.array_equal(
         np.ascontiguousarray(x).view(np.uint8), np.ascontiguousarray(y).view(np.uint8)
     )
+
+
+class ManualClock:
+    """A monotonic clock that moves only when told (``advance``): pass it where a component takes
+    a ``clock`` (``FsspecStorage``'s breaker), so tests step past a cooldown instead of sleeping."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a monotonic clock cannot go back, got {seconds!r}")
+        self.now += seconds

@@ -73,6 +73,7 @@ def make_store(make_url):
     def make(scheme: str, url: str | None = None, fp: ModelFingerprint = FP, pool: NumpyHostPool | None = None, **cfg):
         cfg.setdefault("pages_per_object", PPO)
         cfg.setdefault("timeout_s", 20.0)
+        cfg.setdefault("exists_timeout_s", 20.0)  # the suite checks answers, not the short bound
         st = FsspecStorage(url or make_url(scheme), fp, StorageConfig(storage_options=storage_options(scheme), **cfg))
         pool = pool or NumpyHostPool(64, SLOT_SHAPE, np.dtype(fp.dtype))
         st.register_host_pool(pool, shard=ShardCoord.full(fp))

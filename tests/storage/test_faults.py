@@ -14,7 +14,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
-from hicache.storage.testing import NumpyHostPool, same_bytes
+from hicache.storage.testing import ManualClock, NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
 
 FP = ModelFingerprint("tiny-test", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
@@ -55,14 +55,31 @@ class FaultyMemoryFS(MemoryFileSystem):
 
 
 @pytest.fixture
-def faulty():
-    fs = FaultyMemoryFS(skip_instance_cache=True)
-    st = FsspecStorage(f"memory://faulty-{time.monotonic_ns()}", FP, StorageConfig(pages_per_object=4, timeout_s=0.5, io_threads=4), fs=fs)
-    pool = NumpyHostPool(64, SLOT)
-    st.register_host_pool(pool, shard=ShardCoord.full(FP))
-    yield st, fs, pool
-    fs.release.set()
-    st.close()
+def make_faulty():
+    """``make_faulty(**config)`` -> (store over a FaultyMemoryFS, the fs, its pool); the store's
+    breaker runs on ``store.clock`` (a ``ManualClock``)."""
+    made = []
+
+    def make(**cfg):
+        fs = FaultyMemoryFS(skip_instance_cache=True)
+        cfg = {"pages_per_object": 4, "timeout_s": 0.5, "exists_timeout_s": 0.5, "io_threads": 4, **cfg}
+        clock = ManualClock()
+        st = FsspecStorage(f"memory://faulty-{time.monotonic_ns()}", FP, StorageConfig(**cfg), fs=fs, clock=clock)
+        st.clock = clock
+        pool = NumpyHostPool(64, SLOT)
+        st.register_host_pool(pool, shard=ShardCoord.full(FP))
+        made.append((st, fs))
+        return st, fs, pool
+
+    yield make
+    for st, fs in made:
+        fs.release.set()
+        st.close()
+
+
+@pytest.fixture
+def faulty(make_faulty):
+    return make_faulty()
 
 
 @pytest.mark.parametrize("mode", ["raise", "hang"])
@@ -84,10 +101,13 @@ def test_outage_is_bounded_and_per_key_false(faulty, mode):
         assert time.monotonic() - t0 < 2.0  # timeout_s=0.5 plus slack
     assert same_bytes(pool.buf[:10], l2_before[:10])  # nothing lost from L2
     s = st.stats()
-    assert (s.timeouts if mode == "hang" else s.errors) > 0
-    # recovery: the backend comes back, earlier objects are still served
+    assert (s.timeouts if mode == "hang" else s.refused) > 0
+    assert s.breaker_state == "open" and s.unavailable > 0  # later calls failed fast
+    # recovery: the backend comes back; after the cooldown a probe closes the breaker and earlier
+    # objects are still served
     fs.mode = "ok"
     fs.release.set()
+    st.clock.advance(st.config.breaker_cooldown_s)
     deadline = time.monotonic() + 5
     while st.batch_exists(keys) < 8 and time.monotonic() < deadline:
         time.sleep(0.05)  # abandoned operations drain in the background
@@ -113,8 +133,9 @@ def test_a_read_that_ends_after_the_deadline_never_reaches_the_pool(faulty):
     assert (pool.buf[24:28] == 5.0).all() and same_bytes(pool.buf[20:24], pool.buf[0:4])
 
 
-def test_hung_backend_does_not_queue_without_bound(faulty):
-    st, fs, pool = faulty
+def test_hung_backend_does_not_queue_without_bound(make_faulty):
+    """Without the breaker (a threshold never reached), abandoned work on a hung backend is capped."""
+    st, fs, pool = make_faulty(breaker_threshold=1000)
     keys = page_keys(Namespace(FP), np.arange(240))  # 60 pages = 15 objects per call
     fs.mode = "hang"
     t0 = time.monotonic()
@@ -123,7 +144,7 @@ def test_hung_backend_does_not_queue_without_bound(faulty):
     assert time.monotonic() - t0 < 5
     # abandoned work is capped: the cap (4 threads * 8) plus at most one call's operations
     assert 0 < st._io._abandoned <= st._io._max_abandoned + 15
-    assert st.stats().errors > 0  # later operations were refused fast, not queued
+    assert st.stats().timeouts > 5 * 15 - st._io._max_abandoned - 15  # later ones refused fast, not queued
 
 
 # ---- two processes ---------------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""The breaker of one storage location: stop asking an endpoint that does not answer.
+
+States (``BreakerState``):
+
+- ``closed``: every call goes to the backend. A round of operations (one ``BatchIO`` batch) in
+  which no operation got an answer and at least one timed out or could not connect is a failure;
+  a round with any answer (data, "not found", a lost write race, a corrupt object: the endpoint
+  answered) resets the count. ``threshold`` consecutive failures open the breaker.
+- ``open``: calls fail fast (``StorageUnavailableError``, counted as ``unavailable``) without
+  touching the network, for ``cooldown_s``.
+- ``half_open``: after the cooldown, one call (the probe) goes through; the others keep failing
+  fast while it runs. Its answer closes the breaker; its failure opens it for another cooldown.
+
+One ``Breaker`` per ``FsspecStorage`` (one per URL root and process). Any thread may call it (one
+lock); ``clock`` is injectable so tests move time instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+
+class BreakerState(str, enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Breaker:
+    def __init__(self, threshold: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+            raise ValueError(f"threshold must be an int >= 1, got {threshold!r}")
+        if isinstance(cooldown_s, bool) or not isinstance(cooldown_s, (int, float)) or not cooldown_s >= 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s!r}")
+        self.threshold = threshold
+        self.cooldown_s = float(cooldown_s)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._state = BreakerState.CLOSED
+        self._failures = 0  # consecutive failed rounds while closed
+        self._opened_at = 0.0
+        self.opens = 0  # times the breaker opened (closed/half-open -> open)
+
+    @property
+    def state(self) -> BreakerState:
+        """The state now (an open breaker past its cooldown reads ``half_open``: a call would probe)."""
+        with self._lock:
+            if self._state is BreakerState.OPEN and self.clock() >= self._opened_at + self.cooldown_s:
+                return BreakerState.HALF_OPEN
+            return self._state
+
+    def allow(self) -> bool:
+        """Whether a call may go to the backend now; True for exactly one probe after a cooldown
+        (the caller must then ``record`` the round's outcome)."""
+        with self._lock:
+            if self._state is BreakerState.CLOSED:
+                return True
+            if self._state is BreakerState.OPEN and self.clock() >= self._opened_at + self.cooldown_s:
+                self._state = BreakerState.HALF_OPEN  # this caller is the probe
+                return True
+            return False
+
+    def record(self, *, answered: bool, tripped: bool) -> None:
+        """Outcome of a round that ``allow`` let through: ``answered`` if any operation got an
+        answer from the backend, ``tripped`` if any timed out or could not connect."""
+        with self._lock:
+            if answered:
+                self._state = BreakerState.CLOSED
+                self._failures = 0
+            elif self._state is BreakerState.HALF_OPEN:  # the probe got no answer
+                self._open_locked()
+            elif tripped and self._state is BreakerState.CLOSED:
+                self._failures += 1
+                if self._failures >= self.threshold:
+                    self._open_locked()
+            # OPEN: a round that started before the breaker opened changes nothing
+
+    def _open_locked(self) -> None:
+        self._state = BreakerState.OPEN
+        self._opened_at = self.clock()
+        self._failures = 0
+        self.opens += 1

@@ -1,0 +1,121 @@
+"""The breaker's state machine, the error kinds of what client libraries raise, and the new
+StorageConfig fields' validation."""
+
+from __future__ import annotations
+
+import errno
+
+import aiohttp
+import pytest
+from fsspec.exceptions import FSTimeoutError
+
+from hicache.storage import StorageConfig
+from hicache.storage.breaker import Breaker, BreakerState
+from hicache.storage.errors import ErrorKind, StorageUnavailableError, classify, is_transient
+from hicache.storage.testing import ManualClock
+
+
+def _open(b: Breaker) -> None:
+    for _ in range(b.threshold):
+        assert b.allow()
+        b.record(answered=False, tripped=True)
+
+
+def test_threshold_consecutive_failures_open_it_and_an_answer_resets_the_count():
+    b = Breaker(3, 5.0, ManualClock())
+    for _ in range(2):
+        b.record(answered=False, tripped=True)
+    b.record(answered=True, tripped=True)  # a round with any answer: the endpoint is alive
+    for _ in range(2):
+        b.record(answered=False, tripped=True)
+    assert b.state is BreakerState.CLOSED
+    b.record(answered=False, tripped=True)
+    assert (b.state, b.opens) == (BreakerState.OPEN, 1) and not b.allow()
+
+
+def test_half_open_lets_one_probe_through():
+    clock = ManualClock()
+    b = Breaker(2, 5.0, clock)
+    _open(b)
+    clock.advance(4.9)
+    assert not b.allow()
+    clock.advance(0.1)
+    assert b.state is BreakerState.HALF_OPEN
+    assert b.allow()  # the probe
+    assert not b.allow()  # others fail fast while it runs
+    b.record(answered=True, tripped=False)
+    assert b.state is BreakerState.CLOSED and b.allow()
+
+
+def test_a_failed_probe_reopens_and_late_failures_do_not_extend_the_cooldown():
+    clock = ManualClock()
+    b = Breaker(1, 5.0, clock)
+    _open(b)
+    clock.advance(5.0)
+    assert b.allow()
+    b.record(answered=False, tripped=False)  # a probe without an answer
+    assert (b.state, b.opens) == (BreakerState.OPEN, 2)
+    clock.advance(4.0)
+    b.record(answered=False, tripped=True)  # a round that began before it opened
+    clock.advance(1.0)
+    assert b.allow()
+
+
+@pytest.mark.parametrize("args", [(0, 1.0), (True, 1.0), (2, -1.0), (2, "1")])
+def test_breaker_bad_arguments(args):
+    with pytest.raises(ValueError, match="threshold|cooldown_s"):
+        Breaker(*args)
+
+
+@pytest.mark.parametrize(
+    "exc, on_root, kind, transient",
+    [
+        (TimeoutError(), False, ErrorKind.TIMEOUT, False),
+        (FSTimeoutError(), False, ErrorKind.TIMEOUT, False),
+        (aiohttp.ServerTimeoutError(), False, ErrorKind.TIMEOUT, False),
+        (BlockingIOError(), False, ErrorKind.TIMEOUT, False),
+        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), False, ErrorKind.REFUSED, True),
+        (aiohttp.ServerDisconnectedError(), False, ErrorKind.REFUSED, True),
+        (OSError(errno.ECONNRESET, "reset"), False, ErrorKind.REFUSED, True),
+        (PermissionError(errno.EACCES, "no"), False, ErrorKind.PERMISSION, False),
+        (FileNotFoundError("x"), False, ErrorKind.MISSING, False),
+        (FileNotFoundError("bucket"), True, ErrorKind.MISSING_BUCKET, False),
+        (OSError(errno.EIO, "503 Service Unavailable"), False, ErrorKind.OTHER, True),
+        (FileExistsError("taken"), False, ErrorKind.OTHER, False),
+        (ValueError("a bug"), False, ErrorKind.OTHER, False),
+        (StorageUnavailableError("open"), False, ErrorKind.UNAVAILABLE, False),
+    ],
+)
+def test_error_kinds(exc, on_root, kind, transient):
+    assert classify(exc, on_root=on_root) is kind
+    assert is_transient(exc) is transient
+
+
+@pytest.mark.parametrize(
+    "code, on_root, kind, transient",
+    [(403, False, ErrorKind.PERMISSION, False), (401, False, ErrorKind.PERMISSION, False),
+     (404, True, ErrorKind.MISSING_BUCKET, False), (503, False, ErrorKind.OTHER, True),
+     (429, False, ErrorKind.OTHER, True), (412, False, ErrorKind.OTHER, False)],
+)
+def test_error_kinds_of_gcsfs_http_errors(gcs_emulator, code, on_root, kind, transient):
+    from gcsfs.retry import HttpError  # (after the emulator fixture set gcsfs' import-time env)
+
+    e = HttpError({"code": code, "message": "m"})
+    assert classify(e, on_root=on_root) is kind
+    assert is_transient(e) is transient
+
+
+@pytest.mark.parametrize(
+    "field, bad",
+    [("exists_timeout_s", 0), ("list_timeout_s", -1.0), ("close_timeout_s", True), ("retries", -1),
+     ("retries", 1.5), ("retry_backoff_s", -0.1), ("breaker_threshold", 0), ("breaker_cooldown_s", "5")],
+)
+def test_config_rejects_bad_values_naming_them(field, bad):
+    with pytest.raises(ValueError, match=field):
+        StorageConfig(**{field: bad})
+
+
+def test_config_defaults_keep_request_waits_short():
+    c = StorageConfig()
+    assert c.exists_timeout_s < 1.0 <= c.timeout_s
+    assert (c.breaker_threshold, c.breaker_cooldown_s, c.retries) == (3, 5.0, 2)
