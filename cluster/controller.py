@@ -35,7 +35,7 @@ from hicache.cluster.events import (
 )
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
-from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
+from hicache.cluster.storage_tier import L3_UNAVAILABLE, PrefetchParams, PrefetchProgress, StorageParams, StorageTier
 from hicache.cluster.transfers import PendingTransfer, WorkerGroup
 from hicache.cluster.tree import CacheCapacityError, MatchResult, PageOwner, RadixKey, RadixTree, TreeNode
 from hicache.cluster.tree.allocator import concat
@@ -188,6 +188,7 @@ class HiCacheController:
         self._events: deque[int] = deque(maxlen=_MAX_EVENTS)
         self.host = HostTier(tree, config.host_slots, self._events)
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
+        self._last_miss: tuple[MissReason, int] | None = None  # the last match's missing tokens, by reason
         self._page_size = tree.page_size
         self._page_bytes = 4 * tree.page_size  # int32 tokens: the first page of a key, as bytes
         tree.listener = self
@@ -240,6 +241,18 @@ class HiCacheController:
                 page = key.token_ids[pos : pos + self._page_size].tobytes()
                 reason = self._ghosts.get((m.best_match_node, page), reason)
             c.miss_tokens[reason] += missing
+            self._last_miss = (reason, missing)
+        else:
+            self._last_miss = None
+
+    def _note_l3_skip(self, progress: PrefetchProgress) -> None:
+        """An L3 query skipped because L3 is down: the last match's missing tokens (which L3 was asked
+        for) move to the ``l3_unavailable`` miss reason."""
+        last, self._last_miss = self._last_miss, None
+        if last is not None and progress.reason == L3_UNAVAILABLE:
+            reason, missing = last
+            self.counters.miss_tokens[reason] -= missing
+            self.counters.miss_tokens[MissReason.L3_UNAVAILABLE] += missing
 
     # -- backups (L1 -> L2) -------------------------------------------------------------------------
     def _after_insert(self, path: list[TreeNode]) -> None:
@@ -495,6 +508,7 @@ class HiCacheController:
         if self.storage is None:
             raise RuntimeError("no storage backend attached")
         progress = self.storage.prefetch(params)
+        self._note_l3_skip(progress)
         self.submit()
         return progress
 
@@ -505,6 +519,7 @@ class HiCacheController:
             raise RuntimeError("no storage backend attached")
         progress = self.storage.prefetch_matched(req_id, key, self.tree.node(m.best_match_node),
                                                  m.device_hit_len + m.host_hit_len)
+        self._note_l3_skip(progress)
         self.submit()
         return progress
 
