@@ -15,6 +15,9 @@ import contextlib
 import dataclasses
 import os
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,11 +37,13 @@ def _free_loopback_port() -> int:
 
 
 @contextlib.contextmanager
-def gcs_emulator(bucket: str = BUCKET) -> Iterator[str]:
+def gcs_emulator(bucket: str = BUCKET, *, own_process: bool = False) -> Iterator[str]:
     """Starts gcp-storage-emulator in memory on 127.0.0.1 (``STORAGE_EMULATOR_HOST`` set meanwhile);
     yields ``gs://BUCKET``. Enter it before gcsfs is imported: gcsfs reads
-    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` (off here: the emulator speaks no gRPC) on import. Reuses one already named by ``STORAGE_EMULATOR_HOST`` (it creates
-    ``bucket`` there)."""
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` (off here: the emulator speaks no gRPC) on import.
+    ``own_process``: the emulator runs in a child process (timings: an in-process server's threads
+    take the serving thread's GIL). Reuses one already named by ``STORAGE_EMULATOR_HOST`` (it
+    creates ``bucket`` there)."""
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         import gcsfs
 
@@ -47,23 +52,54 @@ def gcs_emulator(bucket: str = BUCKET) -> Iterator[str]:
             fs.mkdir(bucket)
         yield f"gs://{bucket}"
         return
-    from gcp_storage_emulator.server import create_server
-
     port = _free_loopback_port()
     saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
     os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
-    server.start()
     try:
-        yield f"gs://{bucket}"
+        if own_process:
+            with _emulator_process(port, bucket):
+                yield f"gs://{bucket}"
+        else:
+            from gcp_storage_emulator.server import create_server
+
+            server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
+            server.start()
+            try:
+                yield f"gs://{bucket}"
+            finally:
+                server.stop()
     finally:
-        server.stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _emulator_process(port: int, bucket: str, start_timeout_s: float = 60.0) -> Iterator[None]:
+    cmd = [sys.executable, "-c", "import sys; from gcp_storage_emulator.__main__ import main; sys.exit(main())",
+           "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", bucket, "-q"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:  # setup, not synchronisation of the code under test: wait until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gcp-storage-emulator did not start on 127.0.0.1:{port}") from None
+                time.sleep(0.1)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def faulty_storage_config(plan: FaultPlan, **config: Any) -> StorageConfig:

@@ -21,6 +21,7 @@ everywhere; under hangs and refused connections max TTFT <= 2 s and mean TTFT <=
 
     python -m benchmarks.l3_faults --json out.json [--quick]
 
+The emulator runs in a child process (an in-process server would take the serving thread's GIL).
 Storage runs with ``StorageConfig``'s defaults (deadlines, breaker), the stack's defaults otherwise
 (prefetch wait_complete, bounded by ``StorageParams.prefetch_wait_max_s``).
 """
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     warm_up(warmed)
     _close(warmed)
     out = []
-    with gcs_emulator() as bucket:
+    with gcs_emulator(own_process=True) as bucket:
         for fault in (f for f in FAULTS if f.name in args.faults):
             log(f"fault {fault.name}")
             rec = run_fault(fault, runner, stream, options, bucket)

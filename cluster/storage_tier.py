@@ -97,7 +97,7 @@ class StorageParams:
     manifest_interval_s: float = 2.0  # write queued manifest entries at most this often (background)
     warm_restart_max_tokens: int = 1 << 20  # storage-only tree entries read from the manifest (0: off)
     write_hold_max_s: float = 0.5  # pause_writes() holds L2->L3 writes at most this long (0: never holds)
-    prefetch_wait_max_s: float = 1.0  # a request waits on its prefetch at most this long, under any policy
+    prefetch_wait_max_s: float = 0.5  # a request waits on its prefetch at most this long, under any policy
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
