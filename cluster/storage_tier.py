@@ -57,7 +57,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -576,7 +576,7 @@ class StorageTier:
         while len(self._misses) > cap:
             self._misses.popitem(last=False)
 
-    def _known_stored_pages(self, keys: list[str], first_page: int, known: int) -> int:
+    def _known_stored_pages(self, keys: Sequence[str], first_page: int, known: int) -> int:
         """Pages of ``keys`` to read on the word of storage-only entries (the read still verifies).
         Objects sit at fixed page positions and a stored path's tail object ends where that path ended,
         so only whole objects are certain: a tail inside an object (the request stops or diverges there)
@@ -694,6 +694,7 @@ class StorageTier:
     def complete(self, p: PendingTransfer) -> None:
         self._expire_pause()
         self._poll_background()
+        assert p.op is not None  # an L3 op (copy batches carry none) is what this tier owns
         op_id = p.op.op_id
         if p.kind is OpKind.BACKUP_H2S:
             b = self._backups.pop(op_id)

@@ -41,7 +41,7 @@ class WorkerGroup(Protocol):
 
     def storage_pages_per_object(self) -> int: ...
 
-    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int: ...  # MIN over hosts
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int: ...  # MIN over hosts
     # min_pages: exact at or above it, below it any smaller count (FsspecStorage.batch_exists)
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
@@ -129,7 +129,7 @@ class LocalWorkerGroup:
     def storage_pages_per_object(self) -> int:
         return self._executors()[0].storage.pages_per_object()
 
-    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int:
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
         execs = self._executors()
         found = execs[0].storage.batch_exists(keys, first_page=first_page, min_pages=min_pages)
         for e in execs[1:]:  # MIN over hosts
@@ -167,7 +167,7 @@ class PendingTransfer:
         self.seq = seq
         self.nodes = nodes
         self.num_hosts = num_hosts
-        self.acked_hosts: set[int] = NOT_SENT  # replaced by ``sent``
+        self.acked_hosts: set[int] = NOT_SENT  # type: ignore[assignment]  # replaced by ``sent`` (never added to)
         self.errors: list[str] = NO_ERRORS  # type: ignore[assignment]  # replaced by ``sent``
 
     def sent(self, seq: int) -> None:
@@ -181,7 +181,7 @@ class PendingTransfer:
 
     @property
     def kind(self) -> OpKind:
-        return self.op.kind
+        return self.op.kind  # type: ignore[union-attr]  # asked of L3 ops only (copy batches override it)
 
     @property
     def done(self) -> bool:
