@@ -183,3 +183,20 @@ def test_bucket_deleted_mid_run_is_counted_and_serving_goes_on(runner, l3_url):
     state, errors = l3_columns(st)
     assert "missing_bucket=" in errors
     stack.head.detach_storage_backend()
+
+
+def test_detach_with_l3_hanging_finishes_within_the_storage_deadlines(runner, l3_url):
+    """Flush and close while every L3 call hangs: the L2->L3 write in flight ends by its data deadline
+    (``timeout_s``), the manifest flush waits one such deadline at most, closing the clients
+    ``close_timeout_s`` at most; nothing waits for the endpoint (the bound is the behaviour under test)."""
+    stack, fs = _stack(runner, l3_url, FaultPlan.every(OpFaults(hang_p=1.0), hang_max_s=120.0), settle=False)
+    assert fs.wait_for_hangs(1, timeout=30.0)  # attach's probe hangs
+    _serve_exact(stack, runner, _prompts(6, 1)[0])  # computed; its L2->L3 write will hang
+    store = worker_storage(stack)
+    t = time.perf_counter()
+    stack.head.detach_storage_backend()  # flushes the write (it fails by its deadline), then closes
+    took = time.perf_counter() - t
+    assert took < STORAGE.timeout_s + STORAGE.close_timeout_s + 1.0, took
+    assert stack.head.controller.storage is None and stack.worker.storage_executor is None
+    assert store.stats().set_calls >= 1 and store.stats().set_pages == 0  # the write was sent, hung, and gave up
+    fs.release_hangs()
