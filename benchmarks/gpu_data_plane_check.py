@@ -5,7 +5,7 @@ For each page layout below, one ``HostWorker`` on the first device: random pages
 backed up to random L2 slots (D2H), L1 is overwritten with other data, and the slots are loaded back
 into other L1 pages (H2D); the loaded pages must equal what was written, bit for bit. Mixed plans
 (D2H and H2D in one plan) and a long chain of alternating plans check the seq-order rule. Prints the
-data path and host pool kind that were chosen, and exits non-zero on any mismatch.
+kernel implementation that was chosen, and exits non-zero on any mismatch.
 
     python benchmarks/gpu_data_plane_check.py [--json PATH]
 """
@@ -88,8 +88,7 @@ def check(name: str, spec: KVCacheSpec, seed: int) -> dict:
         nbytes = data.nbytes
         return {
             "layout": name, "backend": jax.default_backend(), "device": str(jax.devices()[0]),
-            "data_path": getattr(worker.engine, "data_path", None) and worker.engine.data_path.value,
-            "host_pool": type(worker.host_pool).__name__, "page_bytes": nbytes // n,
+            "impl": worker.engine.impl.value, "page_bytes": nbytes // n,
             "round_trip_bit_identical": round_trip, "mixed_plans_bit_identical": mixed,
             "d2h_ms_first": round(d2h_s * 1e3, 2), "h2d_ms_first": round(h2d_s * 1e3, 2),
         }

@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 from hicache.cluster import CacheHead, HeadConfig  # noqa: E402
 from hicache.cluster.controller import LoadBackParams  # noqa: E402
 from hicache.cluster.policy import HiCacheConfig  # noqa: E402
-from hicache.cluster.transfers import LocalWorkerGroup  # noqa: E402
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig  # noqa: E402
+from hicache.cluster.worker_group import LocalWorkerGroup  # noqa: E402
 from hicache.workers import HostWorker, KVCacheSpec  # noqa: E402
 from hicache.workloads import MultiTurnSpec, multi_turn  # noqa: E402
 

@@ -7,7 +7,8 @@ that reuses nothing; ``BeginParams`` carries what the serving code would decide 
 head decides in place and returns what the calls would have returned (``BeginResult``). It stops
 where the request must wait: an L3 prefetch started (the caller waits for it and matches again), or an
 L2 hit to load back (``init_load_back``). No state is kept between the calls; both types are plain
-values (they cross the Ray boundary; ``hicache.cluster.wire`` sends them compactly).
+slotted values, one of each per request (they cross the Ray boundary; ``hicache.cluster.wire`` sends
+them compactly).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hicache.cluster.tree import MatchResult, RadixKey
 NO_LIMIT = 1 << 62  # ``BeginParams.l3_below`` when any match length may ask L3
 
 
-@dataclass(frozen=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class BeginParams:
     """What ``begin_request`` does, in this order: ``hold_writes``: ``pause_storage_writes``;
     ``check_prefetch`` (an arrival's prefetch id): ``check_prefetch_progress`` of it (it applies acks,
@@ -41,26 +42,27 @@ class BeginParams:
     l3_min_tokens: int = 0
     l3_below: int = NO_LIMIT
 
-    def __init__(self, key: RadixKey, total_tokens: int, hold_writes: bool = False, check_prefetch: str | None = None,
-                 prefetch_id: str | None = None, l3_min_tokens: int = 0, l3_below: int = NO_LIMIT) -> None:
-        # checked here, before the head changes anything (fields in one dict update: one per request)
+    def __post_init__(self) -> None:
+        # checked here, before the head changes anything
+        key = self.key
         if type(key) is not RadixKey:
             raise TypeError(f"BeginParams.key must be a RadixKey, got {type(key).__name__}")
-        for name, v in (("total_tokens", total_tokens), ("l3_min_tokens", l3_min_tokens), ("l3_below", l3_below)):
+        for name in ("total_tokens", "l3_min_tokens", "l3_below"):
+            v = getattr(self, name)
             if type(v) is not int or v < 0:
                 raise ValueError(f"BeginParams.{name} must be an int >= 0, got {v!r}")
-        if total_tokens < key.token_ids.shape[0]:
-            raise ValueError(f"BeginParams.total_tokens {total_tokens} < the key's {key.token_ids.shape[0]} tokens")
-        if type(hold_writes) is not bool:
-            raise TypeError(f"BeginParams.hold_writes must be a bool, got {hold_writes!r}")
-        for name, v in (("check_prefetch", check_prefetch), ("prefetch_id", prefetch_id)):
+        if self.total_tokens < key.token_ids.shape[0]:
+            raise ValueError(
+                f"BeginParams.total_tokens {self.total_tokens} < the key's {key.token_ids.shape[0]} tokens")
+        if type(self.hold_writes) is not bool:
+            raise TypeError(f"BeginParams.hold_writes must be a bool, got {self.hold_writes!r}")
+        for name in ("check_prefetch", "prefetch_id"):
+            v = getattr(self, name)
             if v is not None and type(v) is not str:
                 raise TypeError(f"BeginParams.{name} must be a str or None, got {v!r}")
-        self.__dict__.update(key=key, total_tokens=total_tokens, hold_writes=hold_writes, check_prefetch=check_prefetch,
-                             prefetch_id=prefetch_id, l3_min_tokens=l3_min_tokens, l3_below=l3_below)
 
 
-@dataclass(frozen=True, eq=False, init=False)
+@dataclass(slots=True, eq=False)
 class BeginResult:
     """``match``: the match (taken after the prefetch check); ``fetched``: tokens the checked prefetch
     brought into L2 (DONE), else 0; ``prefetch``: the progress of the prefetch this call started (None:
@@ -74,7 +76,3 @@ class BeginResult:
     pages: np.ndarray | None  # i32[pages] or None
     l3_s: float = 0.0
     alloc_s: float = 0.0
-
-    def __init__(self, match: MatchResult, fetched: int, prefetch: PrefetchProgress | None, pages: np.ndarray | None,
-                 l3_s: float = 0.0, alloc_s: float = 0.0) -> None:
-        self.__dict__.update(match=match, fetched=fetched, prefetch=prefetch, pages=pages, l3_s=l3_s, alloc_s=alloc_s)

@@ -113,9 +113,12 @@ def build_components(config: KVCacheConfig) -> list[TreeComponent]:
     out: list[TreeComponent] = []
     for kind in config.components:
         if kind is ComponentKind.SWA:
-            out.append(SWAComponent(config.swa.window, config.swa.num_tokens))
+            swa = config.swa
+            assert swa is not None  # KVCacheConfig refuses the swa component without its config
+            out.append(SWAComponent(swa.window, swa.num_tokens))
         elif kind is ComponentKind.MAMBA:
             m = config.mamba
+            assert m is not None  # likewise for mamba
             out.append(MambaComponent(m.num_slots, m.state_shapes, m.dtype))
     return out
 

@@ -11,7 +11,7 @@ Embedded, the step has already run when ``submit_step`` returns.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,9 +20,8 @@ import numpy as np
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
-from hicache.cluster.head import CALL_ERRORS, Call, CacheHead, CallResult, HeadConfig, Method
+from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, HeadConfig, Method
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
-from hicache.cluster.transfers import WorkerGroup
 from hicache.cluster.tree import (
     EvictResult,
     FinishResult,
@@ -34,6 +33,7 @@ from hicache.cluster.tree import (
     RequestState,
     TreeStats,
 )
+from hicache.cluster.worker_group import WorkerGroup
 
 
 @dataclass(frozen=True)
@@ -175,9 +175,13 @@ class CacheClient:
     def __init__(self, transport: Transport, page_size: int) -> None:
         self._transport = transport
         self.page_size = page_size
-        # A head in this process: each call is its ``dispatch`` (no ``Call`` object, no transport hop).
-        self.in_process = type(transport) is EmbeddedTransport  # (else calls that go together go as one step)
-        self._call = transport.head.dispatch if self.in_process else self._send
+        # A head in this process: each call is its ``dispatch`` (no ``Call`` object, no transport hop);
+        # else calls that go together go as one step.
+        self.in_process = False
+        self._call: Callable[..., Any] = self._send  # (method, arg=None)
+        if type(transport) is EmbeddedTransport:
+            self.in_process = True
+            self._call = transport.head.dispatch
 
     def _send(self, method: Method, arg: Any = None) -> Any:
         return self._transport.call(Call(method, arg))

@@ -27,7 +27,7 @@ class HiCacheUnavailableError(HiCacheError, ConnectionError):
 
 
 class HiCacheReplicaResetError(HiCacheUnavailableError):
-    def __init__(self, replica: str, old_epoch: int | None, new_epoch: int, reason: str = "") -> None:
+    def __init__(self, replica: str, old_epoch: int | None, new_epoch: int | None, reason: str = "") -> None:
         self.replica, self.old_epoch, self.new_epoch, self.reason = replica, old_epoch, new_epoch, reason
         super().__init__(
             f"replica {replica!r} was reset (epoch {old_epoch} -> {new_epoch}{': ' + reason if reason else ''}); "

@@ -24,7 +24,7 @@ from hicache.cluster.tree.eviction import EvictionPolicy, EvictionQueue
 
 _HOST = Tier.HOST.value
 _HOST_STORED = EVENT_CODES[EventKind.STORED, Tier.HOST]
-_BLOCK_SLOTS = 1024  # slots reserved per refill of the backups' block (~40 backups of this benchmark)
+_BLOCK_SLOTS = 1024  # slots reserved per refill of the backups' block (one reservation for many backups)
 _NO_SLOTS = np.empty(0, np.int32)
 _NO_SLOTS.setflags(write=False)
 
@@ -44,7 +44,7 @@ class HostTier:
         self.queue = EvictionQueue(policy, self.is_evictable, version_attr="host_heap_version")
         self._queue_live = False
         # maybe_push(node): offers ``node`` to the queue once it is live; until then ``id``, a builtin that
-        # takes one argument and does nothing here (no Python frame on the ~2 calls per request).
+        # takes one argument and does nothing here (no Python frame on the calls of every request).
         self.maybe_push: Callable[[TreeNode], object] = id
         self.host_tokens = 0  # tokens with a committed L2 copy
         self.evicted_tokens = 0
@@ -117,7 +117,12 @@ class HostTier:
     def commit_many(self, nodes: list[TreeNode]) -> int:
         """``commit`` for the nodes of one acked backup chain (root to leaf, contiguous): one allocator
         update for all their slots; clears the nodes' ``pending``. Returns the tokens committed."""
-        slots = nodes[0].staged_slots if len(nodes) == 1 else concat([n.staged_slots for n in nodes])
+        staged: list[np.ndarray] = []
+        for n in nodes:
+            if n.staged_slots is None:
+                raise ValueError(f"{n} has no staged backup to commit")
+            staged.append(n.staged_slots)
+        slots = staged[0] if len(staged) == 1 else concat(staged)
         self.slots.transfer(slots, PageOwner.TREE)
         return self._committed([nodes])
 
@@ -148,6 +153,8 @@ class HostTier:
     def drop(self, node: TreeNode) -> int:
         """Releases the node's L2 copy; a host-only node leaves the tree. Returns tokens dropped."""
         n = node.num_tokens
+        if node.host_slots is None:
+            raise ValueError(f"{node} has no L2 copy to drop")
         self.slots.free(node.host_slots, PageOwner.TREE)
         node.host_slots = None
         self.host_tokens -= n
@@ -187,5 +194,6 @@ class HostTier:
             assert flat.size == self.slots.count(owner), f"{owner.name} slots disagree with the allocator"
         assert self.host_tokens == sum(c.size for c in committed) * self.tree.page_size
         for node in self.tree.iter_nodes():
-            if node.host_slots is not None and node.parent.parent is not None:
-                assert node.parent.host_slots is not None, f"{node}: L2 chain broken at its parent"
+            parent = node.parent
+            if node.host_slots is not None and parent is not None and parent.parent is not None:
+                assert parent.host_slots is not None, f"{node}: L2 chain broken at its parent"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -35,10 +36,13 @@ MAX_CAP_TOKENS = 4 << 20
 MAX_SESSIONS = 16  # per head
 _BLOCK_NBYTES = BLOCK * 4
 _BLOCK_BYTES = np.dtype((np.void, _BLOCK_NBYTES))  # one block of int32 tokens as one bytes object
+_Entry = TypeVar("_Entry")
+_SentEntry = tuple[bytes, bytes | None]  # (token bytes, its last whole block: the index key)
 
 
-class KeyHistory:
-    """The ordered, bounded entries of one session (identical on client and head)."""
+class _History(Generic[_Entry]):
+    """The ordered, bounded entries of one session (identical on client and head), each entry held as
+    ``_Entry`` (the head: an int32 array; the client: token bytes and their index key)."""
 
     def __init__(self, session: int, cap_tokens: int) -> None:
         if not 0 < cap_tokens <= MAX_CAP_TOKENS:
@@ -46,19 +50,11 @@ class KeyHistory:
         self.session = session
         self.cap_tokens = cap_tokens
         self.steps = 0  # steps committed
-        self.checked = True  # (head) every entry came from a buffer of valid token ids (``wire.run_step``)
         self.tokens = 0
-        self._entries: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
 
-    def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
-        """The first ``num_tokens`` tokens of entry ``entry_id``; None if it is gone or shorter."""
-        entry = self._entries.get(entry_id)
-        if entry is None or entry.shape[0] < num_tokens:
-            return None
-        return entry[:num_tokens]
-
-    def commit(self, keys: list[np.ndarray]) -> None:
+    def _append(self, keys: list[_Entry]) -> None:
         """Appends a step's keys (private copies) in order and counts the step."""
         entries, size = self._entries, self._size
         entry_id, tokens, cap = self._next, self.tokens, self.cap_tokens
@@ -74,16 +70,38 @@ class KeyHistory:
         self._next, self.tokens = entry_id, tokens
         self.steps += 1
 
-    _size = staticmethod(len)  # tokens of an entry (an int32 vector here)
+    @staticmethod
+    def _size(entry: _Entry) -> int:
+        """Tokens of an entry."""
+        raise NotImplementedError
 
-    def _added(self, entry_id: int, tokens: np.ndarray) -> None:
+    def _added(self, entry_id: int, entry: _Entry) -> None:
         pass
 
-    def _removed(self, entry_id: int, tokens: np.ndarray) -> None:
+    def _removed(self, entry_id: int, entry: _Entry) -> None:
         pass
 
 
-class SentKeys(KeyHistory):
+class KeyHistory(_History[np.ndarray]):
+    """The head's copy of one session: entries are int32 token vectors."""
+
+    def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
+        """The first ``num_tokens`` tokens of entry ``entry_id``; None if it is gone or shorter."""
+        entry = self._entries.get(entry_id)
+        if entry is None or entry.shape[0] < num_tokens:
+            return None
+        return entry[:num_tokens]
+
+    def commit(self, keys: list[np.ndarray]) -> None:
+        """Appends a step's keys (private copies) in order and counts the step."""
+        self._append(keys)
+
+    @staticmethod
+    def _size(entry: np.ndarray) -> int:
+        return len(entry)
+
+
+class SentKeys(_History[_SentEntry]):
     """The client's copy, indexed to find an entry that is a prefix of a new key. Entries are the keys'
     token bytes (``tokens.tobytes()``: the one private copy a key needs, made while encoding it, also
     used to verify a match; committing copies nothing) with their last whole block (the index key)."""
@@ -97,17 +115,18 @@ class SentKeys(KeyHistory):
         end = len(data) // _BLOCK_NBYTES * _BLOCK_NBYTES
         return data[end - _BLOCK_NBYTES : end] if end else None
 
-    def _added(self, entry_id: int, entry: tuple[bytes, bytes | None]) -> None:
+    def _added(self, entry_id: int, entry: _SentEntry) -> None:
         if entry[1] is not None:
             self._index[entry[1]] = entry_id
 
-    def _removed(self, entry_id: int, entry: tuple[bytes, bytes | None]) -> None:
+    def _removed(self, entry_id: int, entry: _SentEntry) -> None:
         last = entry[1]
         if last is not None and self._index.get(last) == entry_id:
             del self._index[last]
 
     def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
-        """As ``KeyHistory.get``: a read-only view of the entry's bytes."""
+        """The first ``num_tokens`` tokens of entry ``entry_id`` (a read-only view of its bytes); None if it
+        is gone or shorter."""
         entry = self._entries.get(entry_id)
         if entry is None or len(entry[0]) < 4 * num_tokens:
             return None
@@ -138,16 +157,16 @@ class SentKeys(KeyHistory):
         return -1, 0
 
     def commit(self, keys: list[bytes | np.ndarray]) -> None:
-        """``KeyHistory.commit`` of private copies: token bytes as they are (``encode_calls`` made them),
-        arrays (serving code may reuse them) as their int32 bytes."""
+        """Appends a step's keys in order and counts the step, as private copies: token bytes as they are
+        (``encode_calls`` made them), arrays (serving code may reuse them) as their int32 bytes."""
         last_block = self._last_block
         data = [k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys]
-        super().commit([(d, last_block(d)) for d in data])
+        self._append([(d, last_block(d)) for d in data])
 
     commit_copies = commit
 
     @staticmethod
-    def _size(entry: tuple[bytes, bytes | None]) -> int:
+    def _size(entry: _SentEntry) -> int:
         return len(entry[0]) >> 2
 
 

@@ -20,8 +20,11 @@ class HiCacheConfig:
     load_back_threshold: int = 0  # tokens: shorter host hits are recomputed instead of loaded
     ack_timeout_s: float = 30.0  # bound on every wait for worker acks
     # L1->L2 backups wait until this many pages are queued, then go as ONE op (a plan sent for loads leaves
-    # them queued; the controller sends them anyway after a bounded hold: a few check_events calls or 50 ms)
+    # them queued), or until ``backup_hold_calls`` below
     backup_batch_pages: int = 256
+    # ... but at most this many ``check_hicache_events`` calls since the first of them was queued: a count,
+    # not a time, so what a run sends does not depend on how fast the box schedules the head
+    backup_hold_calls: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_slots, int) or isinstance(self.host_slots, bool) or self.host_slots <= 0:
@@ -38,6 +41,8 @@ class HiCacheConfig:
             raise ValueError(f"load_back_threshold must be >= 0, got {self.load_back_threshold}")
         if self.backup_batch_pages < 1:
             raise ValueError(f"backup_batch_pages must be >= 1, got {self.backup_batch_pages}")
+        if not isinstance(self.backup_hold_calls, int) or self.backup_hold_calls < 1:
+            raise ValueError(f"backup_hold_calls must be an int >= 1, got {self.backup_hold_calls!r}")
         if not self.ack_timeout_s > 0:
             raise ValueError(f"ack_timeout_s must be > 0, got {self.ack_timeout_s}")
 

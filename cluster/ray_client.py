@@ -18,13 +18,13 @@ or ``result`` returns; a step that failed (timeout, head lost) fails alone, the 
 collected at once (each ran, failed, or is sent again), so nothing submitted later overtakes them.
 
 Step channel (``hicache.cluster.step_channel``): a client on the head's node sends its steps over a
-loopback socket the head hands out through a Ray call, not as Ray actor calls (a Ray call costs ~2 ms
-of CPU on each side, the socket ~0.1 ms); same request and reply bytes, same head code, same order
+loopback socket the head hands out through a Ray call, not as Ray actor calls (a Ray call costs far
+more CPU on each side than the socket); same request and reply bytes, same head code, same order
 (one connection, replies in order). A channel that times out stays in use (the late reply is read
 and dropped); one that breaks fails its steps in flight (``HiCacheUnavailableError``: they may have
 run) and the next step asks the head for a channel again (a restarted head has a new one); while
 there is none (another node, switched off, the head unreachable) steps go as Ray calls, and the
-client asks again after ``CHANNEL_RETRY_S``.
+client asks again after ``channel_retry_s`` (``connect``; default ``CHANNEL_RETRY_S``).
 
 Buffers: a submitted step keeps its ``Call`` list (results decode against it) and a private copy of
 its match keys (the key history); serving code may reuse its arrays once ``submit`` returned.
@@ -93,9 +93,11 @@ class RayStep:
 class RayTransport:
     def __init__(self, head: Any, replica: str, timeout_s: float = 30.0,
                  history_tokens: int = DEFAULT_CAP_TOKENS, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 step_channel: bool = True) -> None:
+                 step_channel: bool = True, channel_retry_s: float = CHANNEL_RETRY_S) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not channel_retry_s >= 0:
+            raise ValueError(f"channel_retry_s must be >= 0, got {channel_retry_s}")
         if type(max_in_flight) is not int or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.head = head
@@ -106,6 +108,7 @@ class RayTransport:
         self._sent = SentKeys(history_tokens)  # match keys the head holds (or will, once in-flight steps ran)
         self._in_flight: deque[_InFlight] = deque()
         self._use_channel = step_channel
+        self._channel_retry_s = float(channel_retry_s)
         self._channel: StepChannel | None = None
         self._channel_retry_at = 0.0  # time.monotonic() from which a channel may be asked for again
         self._node_id: str | None = None
@@ -115,7 +118,7 @@ class RayTransport:
     # -- step channel ------------------------------------------------------------------------------------
     def _usable_channel(self) -> StepChannel | None:
         """The open step channel; else a new one if the head has one for this node (asked at most every
-        ``CHANNEL_RETRY_S`` after a try that gave none); else None (the step goes as a Ray call)."""
+        ``channel_retry_s`` after a try that gave none); else None (the step goes as a Ray call)."""
         channel = self._channel
         if channel is not None and channel.usable():
             return channel
@@ -132,7 +135,7 @@ class RayTransport:
         except (ray.exceptions.RayError, ChannelClosedError) as e:  # the Ray call says the same, or falls back
             log.info("replica %s: no step channel (%s: %s); steps go as Ray calls", self.replica, type(e).__name__, e)
         if self._channel is None:
-            self._channel_retry_at = time.monotonic() + CHANNEL_RETRY_S
+            self._channel_retry_at = time.monotonic() + self._channel_retry_s
         return self._channel
 
     def close(self) -> None:
@@ -220,7 +223,8 @@ class RayTransport:
                 return False
             if reply.status == "ok":
                 try:
-                    entry.results = wire.decode_results(*reply.results, entry.calls)
+                    header, buf = reply.results
+                    entry.results = wire.decode_results(header, buf, entry.calls)
                 except Exception as e:  # a reply this client cannot read: that step fails, not the transport
                     entry.error = HiCacheError(f"replica {self.replica!r}: unreadable step reply: {e!r}")
                     return False
@@ -259,13 +263,15 @@ class RayTransport:
 
 
 def connect(replica: str = "default", address: str | None = None, *, timeout_s: float = 30.0,
-            max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, step_channel: bool = True) -> CacheClient:
+            max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, step_channel: bool = True,
+            channel_retry_s: float = CHANNEL_RETRY_S) -> CacheClient:
     """A client for the running replica ``replica`` (started with ``start_replica``).
 
     Joins the Ray cluster at ``address`` (default ``"auto"``) if this process is not connected yet.
     ``max_in_flight``: steps ``CacheClient.submit_step`` keeps in flight before it waits for the oldest.
     ``step_channel``: send steps over the head's loopback step channel when this process runs on the
-    head's node (False: always as Ray calls).
+    head's node (False: always as Ray calls); ``channel_retry_s``: after the head had no channel for
+    this process, steps go as Ray calls this long before it is asked again.
     """
     if not ray.is_initialized():
         ray.init(address=address or "auto", namespace=NAMESPACE)
@@ -276,5 +282,6 @@ def connect(replica: str = "default", address: str | None = None, *, timeout_s: 
         raise HiCacheTimeoutError(f"replica {replica!r}: no health answer within {timeout_s}s") from None
     except ray.exceptions.RayActorError as e:
         raise HiCacheUnavailableError(f"replica {replica!r}: head unreachable: {type(e).__name__}") from e
-    transport = RayTransport(head, replica, timeout_s, max_in_flight=max_in_flight, step_channel=step_channel)
+    transport = RayTransport(head, replica, timeout_s, max_in_flight=max_in_flight, step_channel=step_channel,
+                             channel_retry_s=channel_retry_s)
     return CacheClient(transport, health.page_size)

@@ -11,6 +11,8 @@ Threads (Ray concurrency groups):
 * "health" (2 threads): ``health``, ``workers``, ``config``, ``step_channel``, ``set_step_channel``,
   ``shutdown``; read a few attributes, never the tree, so they never queue behind a transfer wait.
 * a monitor thread pings the host workers; a builder thread starts (and restarts) the gang.
+* test hooks (``ReplicaConfig.test_hooks``, off in production): ``hold_control_for_test`` occupies the
+  control thread and the state lock until ``release_control_for_test`` (a step in flight on demand).
 ``_lock`` is held for a whole step by the thread that runs it (control or channel: only one step touches
 the tree, the allocators and the HiCache controller at a time) and by the others only to swap state.
 ``_channel_lock`` guards the channel server (start, stop) and nothing else.
@@ -60,11 +62,11 @@ import ray
 
 from hicache.cluster import ray_storage_record, wire
 from hicache.cluster.errors import HiCacheUnavailableError
-from hicache.cluster.head import Call, CacheHead, CallResult, HeadConfig
+from hicache.cluster.head import CacheHead, Call, CallResult, HeadConfig
 from hicache.cluster.key_history import KeyHistories
 from hicache.cluster.metrics import HeadMetrics
-from hicache.cluster.step_channel import ChannelAddress, StepChannelServer
 from hicache.cluster.ray_workers import NAMESPACE, RayWorkerGroup, WorkerGroupOptions
+from hicache.cluster.step_channel import ChannelAddress, StepChannelServer
 from hicache.cluster.storage_tier import StorageParams
 from hicache.cluster.tpu import HEAD_RESOURCE
 
@@ -96,6 +98,9 @@ class ReplicaConfig:
     rebuild_backoff_s: float = 1.0  # between failed gang starts
     storage: StorageParams | None = None  # L3 attached when the replica starts (and after every restart)
     step_channel: bool = True  # clients on the head's node send steps over a loopback socket (Ray: the fallback)
+    # TEST ONLY: enables the head's ``*_for_test`` methods (hold the control thread until released), so
+    # tests have a step in flight for exactly as long as they need, whatever the box's speed.
+    test_hooks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.head, HeadConfig):
@@ -179,7 +184,7 @@ class _RecordingHead(CacheHead):
         self.storage_changed = True
 
 
-@ray.remote(concurrency_groups={"control": 1, "health": 2})
+@ray.remote(concurrency_groups={"control": 1, "health": 2})  # type: ignore[call-overload]  # Ray's stubs lack it
 class CacheHeadActor:
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
@@ -199,6 +204,8 @@ class CacheHeadActor:
         self._channel: StepChannelServer | None = None
         self._channel_enabled = config.step_channel
         self._channel_lock = threading.Lock()
+        self._test_held = threading.Event()  # (test hooks) the control thread is held
+        self._test_release = threading.Event()  # (test hooks) lets it go
         with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
             warnings.simplefilter("ignore", DeprecationWarning)
             self._reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -288,8 +295,10 @@ class CacheHeadActor:
         assert cfg.workers is not None
         if old is not None:
             old.kill()
+        capacity = cfg.head.tree.capacity_pages
+        assert capacity is not None  # ReplicaConfig requires it with workers
         while not self._stop.is_set():
-            group = RayWorkerGroup(cfg.replica, cfg.workers, cfg.head.tree.capacity_pages,
+            group = RayWorkerGroup(cfg.replica, cfg.workers, capacity,
                                    cfg.head.hicache.host_slots if cfg.head.hicache else 1, detached=cfg.detached)
             try:
                 group.start(_new_epoch())
@@ -344,15 +353,16 @@ class CacheHeadActor:
             if group is not None and group.lost is not None:
                 self._fail(group.lost)
                 return Reply("unavailable", None, reason=self._reason)
-            epoch = self._epoch
+            epoch, head = self._epoch, self._head
+            assert head is not None  # READY: a state is installed
             try:
-                results = execute(self._head)
+                results = execute(head)
             except Exception as e:  # not a per-call error the head knows: report it for every call
                 results = [CallResult(False, error=e)] * num_calls
             self._track_storage()
             if self._last_call - self._last_publish >= _METRICS_INTERVAL_S:
                 self._last_publish = self._last_call
-                self._head.publish_metrics()  # type: ignore[union-attr]
+                head.publish_metrics()
             if group is not None and group.lost is not None:
                 reason = group.lost
                 self._fail(reason)
@@ -370,8 +380,7 @@ class CacheHeadActor:
     def step_wire(self, *chunks: bytes) -> bytes:
         """``step`` in the compact wire format (``hicache.cluster.wire``): ``_run_wire_step`` of the request
         cut into chunks below Ray's inline-argument size (100 KB), so it rides in the task message itself
-        (no object-store round trip; measured faster here than one numpy argument through the object
-        store for a 64-request step)."""
+        (no object-store round trip, which costs more than the chunking)."""
         return self._run_wire_step(b"".join(chunks))
 
     def _run_wire_step(self, request: bytes | bytearray) -> bytes:
@@ -418,6 +427,36 @@ class CacheHeadActor:
             if not enabled:
                 self._close_channel()
 
+    # -- test hooks (``ReplicaConfig.test_hooks``; refused otherwise) ----------------------------------------
+    def _require_test_hooks(self) -> None:
+        if not self.config.test_hooks:
+            raise RuntimeError(f"replica {self.config.replica!r} was started without ReplicaConfig.test_hooks")
+
+    @ray.method(concurrency_group="control")
+    def hold_control_for_test(self, timeout_s: float) -> bool:
+        """TEST ONLY: occupies the control thread with the state lock held, as a long step does (Ray
+        steps queue behind it, channel steps wait for the lock), until ``release_control_for_test`` or
+        ``timeout_s``; returns True if released. ``wait_control_held_for_test`` says when it holds."""
+        self._require_test_hooks()
+        with self._lock:
+            self._test_held.set()
+            released = self._test_release.wait(timeout_s)
+            self._test_held.clear()
+        self._test_release.clear()
+        return released
+
+    @ray.method(concurrency_group="health")
+    def wait_control_held_for_test(self, timeout_s: float) -> bool:
+        """TEST ONLY: True once ``hold_control_for_test`` holds the control thread (False: ``timeout_s``)."""
+        self._require_test_hooks()
+        return self._test_held.wait(timeout_s)
+
+    @ray.method(concurrency_group="health")
+    def release_control_for_test(self) -> None:
+        """TEST ONLY: lets ``hold_control_for_test`` return (also if it has not started yet)."""
+        self._require_test_hooks()
+        self._test_release.set()
+
     def _close_channel(self) -> None:
         """(``_channel_lock`` held)"""
         if self._channel is not None:
@@ -440,10 +479,10 @@ class CacheHeadActor:
     @ray.method(concurrency_group="health")
     def workers(self) -> tuple[int, list[Any], list[tuple[int, int]]]:
         """(epoch, host worker handles in host order, KV-head range of each) of the current state."""
-        group = self._group
-        if self._state is not HeadState.READY or group is None:
+        group, epoch = self._group, self._epoch
+        if self._state is not HeadState.READY or group is None or epoch is None:
             raise HiCacheUnavailableError(f"replica {self.config.replica!r} has no host workers now ({self._state.value})")
-        return self._epoch, list(group.actors), list(group.head_ranges)
+        return epoch, list(group.actors), list(group.head_ranges)
 
     @ray.method(concurrency_group="health")
     def shutdown(self) -> None:
@@ -456,8 +495,8 @@ class CacheHeadActor:
             group, self._group, self._head = self._group, None, None
         if group is not None:
             group.kill()
-        if self.config.workers is not None:
-            cfg = self.config
+        cfg = self.config
+        if cfg.workers is not None:
             RayWorkerGroup(cfg.replica, cfg.workers, 1, 1, detached=cfg.detached).remove_placement_group()
         try:
             ray_storage_record.forget(self.config.replica)  # a later replica of this name starts from its config
@@ -499,7 +538,7 @@ def start_replica(config: ReplicaConfig, *, timeout_s: float = 180.0, address: s
         raise TypeError(f"expected a ReplicaConfig, got {type(config).__name__}")
     if not ray.is_initialized():
         ray.init(address=address or "auto", namespace=NAMESPACE)
-    head = CacheHeadActor.options(
+    head = CacheHeadActor.options(  # type: ignore[attr-defined]  # a Ray actor class
         name=head_name(config.replica), namespace=NAMESPACE, get_if_exists=True,
         lifetime="detached" if config.detached else None, max_restarts=config.max_restarts, max_task_retries=0,
         num_cpus=0, resources=dict(config.head_resources),

@@ -39,9 +39,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -52,6 +52,9 @@ from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.tpu import WorkerPlacement, cpu_placement
 from hicache.workers.plan import TransferAck, TransferPlan
 from hicache.workers.spec import KVCacheSpec
+
+if TYPE_CHECKING:  # (imported where it is built: jax loads with it)
+    from hicache.workers import HostWorker
 
 log = logging.getLogger(__name__)
 _BREAKER_REFRESH_S = 0.5  # how stale the head's view of the hosts' L3 breakers may be
@@ -72,7 +75,6 @@ class WorkerGroupOptions:
     start_timeout_s: float = 120.0  # actors up + jax.distributed + pools
     call_timeout_s: float = 30.0  # bound on any single poll/ping answer; longer = host lost
     impl: str | None = None  # paged-copy implementation (None: per backend)
-    host_pool_kind: str | None = None  # None: per backend
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVCacheSpec):
@@ -99,13 +101,13 @@ class WorkerGroupOptions:
 
 
 # ------------------------------------------------------------------------------------------------
-@ray.remote(concurrency_groups={"health": 1})
+@ray.remote(concurrency_groups={"health": 1})  # type: ignore[call-overload]  # Ray's stubs lack the option
 class HostWorkerActor:
     """One host of a replica (see the module docstring for threads and ownership)."""
 
     def __init__(self, replica: str, host_index: int, num_hosts: int) -> None:
         self.replica, self.host_index, self.num_hosts = replica, host_index, num_hosts
-        self._worker = None  # HostWorker, built by begin_epoch
+        self._worker: HostWorker | None = None  # built by begin_epoch
         self._epoch: int | None = None
         self._jax_session: str | None = None
 
@@ -137,7 +139,7 @@ class HostWorkerActor:
                 "local_devices": jax.local_device_count()}
 
     def begin_epoch(self, epoch: int, spec: KVCacheSpec, num_device_pages: int, host_slots: int,
-                    impl: str | None, host_pool_kind: str | None) -> dict[str, Any]:
+                    impl: str | None) -> dict[str, Any]:
         """Builds fresh pools over the global mesh (every host): empty L1/L2 shards, fresh seq state."""
         import jax
 
@@ -151,13 +153,14 @@ class HostWorkerActor:
                 f"num_kv_heads={spec.num_kv_heads} cannot be sharded over the {jax.device_count()} devices of "
                 f"{jax.process_count()} hosts (the mesh would leave hosts {set(range(jax.process_count())) - procs} idle)"
             )
-        self._worker = HostWorker(spec, num_device_pages, host_slots, host_index=self.host_index, mesh=mesh,
-                                  impl=impl, host_pool_kind=host_pool_kind)
+        worker = HostWorker(spec, num_device_pages, host_slots, host_index=self.host_index, mesh=mesh,
+                            impl=impl)
+        self._worker = worker
         self._epoch = epoch
-        pool = self._worker.device_pool
+        pool = worker.device_pool
         return {"host": self.host_index, "head_range": pool.host_head_range, "mesh_devices": int(mesh.devices.size)}
 
-    def _w(self):
+    def _w(self) -> HostWorker:
         if self._worker is None:
             raise RuntimeError(f"host worker {self.host_index} of {self.replica!r} has no pools yet")
         return self._worker
@@ -215,15 +218,17 @@ class HostWorkerActor:
         w.storage_executor = None if attachment is None else StorageExecutor(attachment, w.host_pool)
 
     def _storage(self) -> Any:
+        from hicache.workers.storage_exec import StorageExecutor
+
         executor = self._w().storage_executor
-        if executor is None:
+        if not isinstance(executor, StorageExecutor):
             raise RuntimeError(f"host {self.host_index}: no storage backend attached")
         return executor.storage
 
     def storage_pages_per_object(self) -> int:
         return self._storage().pages_per_object()
 
-    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int:
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
         return self._storage().batch_exists(keys, first_page=first_page, min_pages=min_pages)
 
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
@@ -233,7 +238,7 @@ class HostWorkerActor:
         return self._storage().list_prefixes(namespace)
 
     def storage_errors(self) -> dict[str, int]:
-        from hicache.cluster.transfers import storage_error_counts
+        from hicache.cluster.worker_group import storage_error_counts
 
         return storage_error_counts(self._storage().stats())
 
@@ -316,7 +321,7 @@ class RayWorkerGroup:
         actors = []
         try:
             for i, bundle in enumerate(opts.placement.bundles):
-                actors.append(HostWorkerActor.options(
+                actors.append(HostWorkerActor.options(  # type: ignore[attr-defined]  # a Ray actor class
                     name=f"worker-{self.replica}-{epoch:x}-{i}", namespace=NAMESPACE,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                     runtime_env={"env_vars": dict(opts.env_vars)} if opts.env_vars else None,
@@ -326,7 +331,7 @@ class RayWorkerGroup:
             coordinator = ray.get(actors[0].coordinator_address.remote(opts.coordinator_host), timeout=left())
             ray.get([a.init_jax.remote(coordinator, opts.platform, left()) for a in actors], timeout=left())
             infos = ray.get([a.begin_epoch.remote(epoch, opts.spec, self.num_device_pages, self.host_slots,
-                                                  opts.impl, opts.host_pool_kind) for a in actors], timeout=left())
+                                                  opts.impl) for a in actors], timeout=left())
         except BaseException:
             for a in actors:
                 _kill(a)
@@ -421,7 +426,7 @@ class RayWorkerGroup:
     def storage_pages_per_object(self) -> int:
         return ray.get(self.actors[0].storage_pages_per_object.remote(), timeout=self.options.call_timeout_s)
 
-    def storage_exists(self, keys: list[str], first_page: int, min_pages: int = 1) -> int:
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
         """MIN over hosts of the stored prefix length; a host that cannot answer counts as 0 (a miss)."""
         try:
             found = ray.get([a.storage_exists.remote(keys, first_page, min_pages) for a in self.actors],
@@ -441,7 +446,7 @@ class RayWorkerGroup:
         return ray.get(self.actors[0].storage_list_prefixes.remote(namespace), timeout=self.options.call_timeout_s)
 
     def storage_errors(self) -> dict[str, int]:
-        from hicache.cluster.transfers import sum_error_counts
+        from hicache.cluster.worker_group import sum_error_counts
 
         try:
             per_host = ray.get([a.storage_errors.remote() for a in self.actors], timeout=self.options.call_timeout_s)
@@ -453,7 +458,7 @@ class RayWorkerGroup:
     def storage_breaker_state(self) -> str:
         """The worst breaker state over hosts, asked at most every ``_BREAKER_REFRESH_S`` (the head asks
         before every L3 query; one round trip per refresh, not per request). An unreachable host: open."""
-        from hicache.cluster.transfers import worst_breaker_state
+        from hicache.cluster.worker_group import worst_breaker_state
 
         now = time.monotonic()
         if now >= self._breaker_next:

@@ -1,7 +1,7 @@
 """A direct step channel: a client's wire-format steps to its head actor over one loopback TCP socket.
 
-A Ray actor call costs ~1.6-2 ms of CPU on each side (task spec, serialization, object refs,
-core-worker threads); a step buffer sent over a socket costs ~0.1 ms (measured here). Ray keeps the
+A Ray actor call costs far more CPU on each side (task spec, serialization, object refs, core-worker
+threads) than a step buffer sent over a socket (figures: docs/performance.md). Ray keeps the
 lifecycle, placement, health and the fallback: the head hands out the channel's address through a
 Ray call (``CacheHeadActor.step_channel``), the client connects to it if it runs on the head's node.
 
@@ -26,10 +26,10 @@ usable), the server's by ``POLL_S`` slices that check for ``close()``, the hands
 ``HANDSHAKE_TIMEOUT_S``, a reply write by ``SEND_TIMEOUT_S``. Frames are at most ``MAX_FRAME_BYTES``.
 A broken or closed connection raises ``ChannelClosedError`` and stays closed.
 
-Wake-ups: a step's request is ~170 KB here (64 requests). Both sides size their socket buffers for
-whole frames (``SOCKET_BUFFER_BYTES``, set before listen/connect) so the sender never waits for the
-reader's turn on a busy host, and a reader waiting for the rest of a frame sets ``SO_RCVLOWAT`` to
-what is missing, so it wakes once per frame instead of once per TCP segment.
+Wake-ups: the request of a full scheduler step spans many TCP segments. Both sides size their socket
+buffers for whole frames (``SOCKET_BUFFER_BYTES``, set before listen/connect) so the sender never
+waits for the reader's turn on a busy host, and a reader waiting for the rest of a frame sets
+``SO_RCVLOWAT`` to what is missing, so it wakes once per frame instead of once per TCP segment.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import threading
 import time
@@ -64,8 +65,9 @@ from enum import Enum
 import numpy as np
 
 from hicache.cluster.host_tier import HostTier
-from hicache.cluster.transfers import PendingTransfer, WorkerGroup
+from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
+from hicache.cluster.worker_group import WorkerGroup
 from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfig, page_keys
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
@@ -140,17 +142,15 @@ class PrefetchState(str, Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(slots=True)
 class PrefetchProgress:
+    """One per L3 query: slotted, not frozen (a frozen dataclass's __init__ costs more)."""
+
     req_id: str
     state: PrefetchState
     tokens: int  # tokens fetched (DONE) or being fetched (RUNNING)
     may_proceed: bool  # the stop policy lets the request go on now
     reason: str = ""
-
-    def __init__(self, req_id: str, state: PrefetchState, tokens: int, may_proceed: bool, reason: str = "") -> None:
-        # one per L3 query: fields in one dict update (as the tree's per-request results)
-        self.__dict__.update(req_id=req_id, state=state, tokens=tokens, may_proceed=may_proceed, reason=reason)
 
 
 @dataclass
@@ -200,7 +200,7 @@ class StorageCounters:
     probes: int = 0  # background probes of an unavailable L3 started
 
     def snapshot(self) -> dict:
-        return dict(self.__dict__)
+        return dataclasses.asdict(self)
 
 
 class StorageTier:
@@ -694,7 +694,7 @@ class StorageTier:
     def complete(self, p: PendingTransfer) -> None:
         self._expire_pause()
         self._poll_background()
-        assert p.op is not None  # an L3 op (copy batches carry none) is what this tier owns
+        assert p.op is not None  # L3 ops are built when queued
         op_id = p.op.op_id
         if p.kind is OpKind.BACKUP_H2S:
             b = self._backups.pop(op_id)

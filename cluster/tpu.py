@@ -18,6 +18,9 @@ from typing import Any
 
 HOST_RESOURCE = "hicache_host"  # per-host custom resource (ray_configs/)
 HEAD_RESOURCE = "hicache_head"  # on the node that runs the head actors
+# The node label Ray puts on every host of a TPU slice (its default label; ``ray.util.tpu`` reads it as
+# ``ray._raylet.RAY_NODE_TPU_SLICE_NAME_KEY``, which has no public name).
+TPU_SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,7 @@ class WorkerPlacement:
         if self.tpu_slice is None:
             return self
         slice_name, head_pg = self.tpu_slice.reserve()
-        from ray._raylet import RAY_NODE_TPU_SLICE_NAME_KEY
-
-        selector = tuple({RAY_NODE_TPU_SLICE_NAME_KEY: slice_name} for _ in self.bundles)
+        selector = tuple({TPU_SLICE_NAME_LABEL: slice_name} for _ in self.bundles)
         return replace(self, bundle_label_selector=selector, slice_reservation=head_pg, tpu_slice=None)
 
 
@@ -85,17 +86,11 @@ def cpu_placement(num_hosts: int, cpus_per_host: float = 1.0, host_resource: str
 def tpu_slice_placement(topology: str, accelerator_version: str, *, timeout_s: float = 100.0) -> WorkerPlacement:
     """One bundle per host of a ``topology`` slice of ``accelerator_version`` chips (``"4x4"``, ``"v6e"``,
     ``ray.util.tpu`` naming). Pure: the slice is reserved later, by ``resolved()``."""
-    from ray._private.accelerators.tpu import get_chips_per_host, get_num_chips_from_topology, \
-        infer_tpu_pod_type_from_topology
+    from ray.util import tpu
 
     try:
-        pod_type = infer_tpu_pod_type_from_topology(topology, f"TPU-{accelerator_version.upper()}")
-        chips_per_host = get_chips_per_host(topology, accelerator_version)
-        num_chips = get_num_chips_from_topology(topology)
+        num_hosts, per_host = tpu.get_tpu_worker_resources(topology, f"TPU-{accelerator_version.upper()}")
     except (ValueError, KeyError, AttributeError) as exc:
         raise ValueError(f"unknown TPU topology {topology!r} / accelerator {accelerator_version!r}: {exc}") from None
-    if pod_type is None:
-        raise ValueError(f"no multi-host TPU pod type for topology {topology!r} / {accelerator_version!r}")
-    num_hosts = max(1, num_chips // chips_per_host)
-    bundles = tuple({"TPU": chips_per_host, HOST_RESOURCE: 1} for _ in range(num_hosts))
+    bundles = tuple({"TPU": per_host["TPU"], HOST_RESOURCE: 1} for _ in range(num_hosts))
     return WorkerPlacement(bundles, "STRICT_SPREAD", tpu_slice=TpuSliceRequest(topology, accelerator_version, timeout_s))

@@ -16,8 +16,7 @@ the header, unchanged.
 
 The head runs the decoded calls as ``CacheHead.dispatch`` does (its methods looked up once per step; no
 ``Call`` per call), catching what ``CacheHead.step`` catches, so every answer is the one the head gives
-the same ``Call`` in process. The head scans a step's token buffer for invalid ids once, not every key
-it decodes (a session whose history ever held an unchecked key validates each key again).
+the same ``Call`` in process (every decoded key is built by ``RadixKey``, which checks its ids).
 
 Buffers: ``encode_*`` copy into a new buffer the caller owns and sends; decoded arrays are views of
 the received (unpickled, writable) buffer, which belongs to the decoding side alone, so result arrays
@@ -53,16 +52,6 @@ _R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE, _R_FINISH, _R_VALUE, _R_BEGIN = range(
 _FROM_PATH = -2  # (request states only) the path from the root to ``last_node``
 
 Header = list[tuple]
-_min_reduce = np.minimum.reduce
-
-
-def _checked_key(tokens: np.ndarray, extra_key: Any, cache_salt: Any, checked: bool) -> RadixKey:
-    """``RadixKey(tokens, extra_key, cache_salt)``; ``checked``: the tokens are already known to be valid
-    ids (contiguous int32, all >= 0: the step's buffer and the history they came from were checked
-    once), so they are not scanned again; the namespace is checked as ``RadixKey`` does."""
-    if not checked or not (extra_key is None or type(extra_key) is str) or not (cache_salt is None or type(cache_salt) is str):
-        return RadixKey(tokens, extra_key, cache_salt)  # validates; raises naming the bad value
-    return RadixKey.from_checked(tokens, extra_key, cache_salt)
 
 
 class _Packer:
@@ -100,7 +89,7 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
     entry that is not a ``Call``."""
     packer = _Packer()
     header: Header = []
-    keys: list[np.ndarray] = []
+    keys: list[bytes | np.ndarray] = []
     find = sent.find if sent is not None else None
     for i, call in enumerate(calls):
         if type(call) is not Call and not isinstance(call, Call):
@@ -122,7 +111,8 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
             else:
                 ref_id, ref_len = -1, 0
                 keys.append(tokens)
-            entry = (_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key, k.cache_salt)
+            entry: tuple[Any, ...] = (_KEY, code, ref_id, ref_len, *packer.add(tokens[ref_len:]), k.extra_key,
+                                      k.cache_salt)
             if kind is BeginParams:  # the key as a match's, then the scalars
                 entry = (_BEGIN, *entry[1:], arg.total_tokens, arg.hold_writes, arg.check_prefetch, arg.prefetch_id,
                          arg.l3_min_tokens, arg.l3_below)
@@ -172,8 +162,8 @@ def _history_keys(header: Header, buf: np.ndarray,
     """(tokens, keys): the token ids of every key of a step that does not come from the tree (references
     resolved), per header entry (None for the others), and the same keys in call order (what the step
     commits to the key history). None if one refers to an entry ``history`` does not hold (the client
-    must resync). Each key is its own new array (one step-wide array would be mmapped fresh every step:
-    ~3K page faults per benchmark run here, slower than the per-key copies it saves)."""
+    must resync). Each key is its own new array (one step-wide array would be mmapped fresh every step,
+    and its page faults cost more than the per-key copies it saves)."""
     tokens: list[np.ndarray | None] = []
     keys: list[np.ndarray] = []
     get = history.get if history is not None else None
@@ -196,18 +186,16 @@ def _history_keys(header: Header, buf: np.ndarray,
     return tokens, keys
 
 
-def _decode_state(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None,
-                  checked: bool) -> RequestState:
+def _decode_state(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None) -> RequestState:
     """The ``RequestState`` of a request-state entry, as the head runs it: ``tokens`` is the key's resolved
-    token ids (None: its prefix comes from ``tree``, read now), ``checked``: ``tokens`` and the buffer
-    hold valid token ids (``_checked_key``). ``ValueError``/``TypeError`` when the entry names nothing
-    valid."""
+    token ids (None: its prefix comes from ``tree``, read now). ``ValueError``/``TypeError`` when the
+    entry names nothing valid."""
     if entry[0] != _STATE:
         raise ValueError(f"unknown wire entry kind {entry[0]!r}")
     _, _, ref_id, ref_len, t_off, t_n, extra_key, cache_salt, p_off, p_n, prefix_len, last_node, priority = entry
     if tokens is None:
         tokens = np.concatenate([path_tokens(tree, last_node, ref_len), buf[t_off : t_off + t_n]])
-    key = _checked_key(tokens, extra_key, cache_salt, checked)  # tree paths hold checked keys
+    key = RadixKey(tokens, extra_key, cache_salt)
     return RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority)
 
 
@@ -221,18 +209,13 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
     if resolved is None:
         return None
     tokens, keys = resolved
-    # One scan of the whole buffer instead of one per key: every literal token (and page) is a valid id.
-    # A history that ever took a key from an unchecked buffer stays unchecked (its entries may be bad).
-    checked = buf.dtype == _I32 and buf.ndim == 1 and (buf.shape[0] == 0 or bool(_min_reduce(buf) >= 0))
     if history is not None:
-        history.checked = history.checked and checked
-        checked = history.checked
         history.commit(keys)
     args: list[Any] = []
     run = StepRun()
     values, errors = run.values, run.errors
     add_arg, add_value, add_error, resolve = args.append, values.append, errors.append, run.resolve
-    fns = [getattr(head, m._value_) for m in _METHODS]  # the head's bound methods, by method code
+    fns = [getattr(head, m.value) for m in _METHODS]  # the head's bound methods, by method code
     tree = head.tree
     for entry, key_tokens in zip(header, tokens):
         kind, code = entry[0], entry[1]
@@ -242,12 +225,13 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
                 arg = resolve(index, field, scale, offset)
             elif kind == _INT or kind == _GENERIC:
                 arg = entry[2]
-            elif kind == _KEY:
-                arg = _checked_key(key_tokens, entry[6], entry[7], checked)  # match_prefix takes the key as its params
-            elif kind == _BEGIN:
-                arg = BeginParams(_checked_key(key_tokens, entry[6], entry[7], checked), *entry[8:])
+            elif kind == _KEY or kind == _BEGIN:
+                if key_tokens is None:  # (a key entry that names the tree path: only request states may)
+                    raise ValueError(f"wire entry {entry[:4]!r} has no key tokens")
+                key = RadixKey(key_tokens, entry[6], entry[7])
+                arg = key if kind == _KEY else BeginParams(key, *entry[8:])  # match_prefix takes the key itself
             else:
-                arg = _decode_state(entry, buf, tree, key_tokens, checked)
+                arg = _decode_state(entry, buf, tree, key_tokens)
         except CALL_ERRORS as e:
             add_arg(None)
             add_value(None)

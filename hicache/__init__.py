@@ -31,7 +31,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                                      "StorageParams"),
     "hicache.storage": ("ModelFingerprint", "StorageConfig"),
     "hicache.workers": ("HostWorker", "KVCacheSpec"),
-    "hicache.cluster.transfers": ("LocalWorkerGroup",),
+    "hicache.cluster.worker_group": ("LocalWorkerGroup",),
     # requests and results
     "hicache.cluster.tree": ("CacheCapacityError", "EvictResult", "EvictionPolicy", "FinishResult", "InsertParams",
                              "InsertResult", "MatchPrefixParams", "MatchResult", "RadixKey", "RequestState",
@@ -79,7 +79,6 @@ if TYPE_CHECKING:
         PrefetchState,
         StorageParams,
     )
-    from hicache.cluster.transfers import LocalWorkerGroup
     from hicache.cluster.tree import (
         CacheCapacityError,
         EvictionPolicy,
@@ -94,6 +93,7 @@ if TYPE_CHECKING:
         TreeConfig,
         TreeStats,
     )
+    from hicache.cluster.worker_group import LocalWorkerGroup
     from hicache.replica_file import load_replica_file
     from hicache.storage import ModelFingerprint, StorageConfig
     from hicache.workers import HostWorker, KVCacheSpec

@@ -9,7 +9,9 @@ Modules: ``base`` (interface, stats, argument checks), ``keys`` (key scheme), ``
 header), ``config`` (``StorageConfig``), ``object_store`` (per-scheme primitives), ``batch_io``
 (batches under a deadline), ``chunking`` (pages <-> objects), ``slot_access`` (host slot copies),
 ``lru`` (file:// byte cap), ``manifest`` (warm restart), ``fsspec_store`` (``FsspecStorage``),
-``testing`` (a numpy host pool for tests).
+``errors`` (error kinds), ``breaker`` (per-location breaker), ``corruption`` (in transit vs at
+rest), ``fault_injection`` (a seeded fault-injecting fsspec wrapper), ``testing`` (a numpy host
+pool and a manual clock for tests).
 """
 
 from hicache.storage.base import (
@@ -20,7 +22,9 @@ from hicache.storage.base import (
     StorageStats,
     StoredPrefix,
 )
+from hicache.storage.breaker import BreakerState
 from hicache.storage.config import DEFAULT_TARGET_OBJECT_BYTES, StorageConfig
+from hicache.storage.errors import ErrorKind, StorageUnavailableError
 from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, CorruptReason
 from hicache.storage.fsspec_store import FsspecStorage
 from hicache.storage.keys import (
@@ -32,11 +36,13 @@ from hicache.storage.keys import (
 )
 
 __all__ = [
+    "BreakerState",
     "ChainKeys",
     "DEFAULT_TARGET_OBJECT_BYTES",
     "FORMAT_VERSION",
     "CorruptObjectError",
     "CorruptReason",
+    "ErrorKind",
     "FsspecStorage",
     "HiCacheStorage",
     "HostSlots",
@@ -47,6 +53,7 @@ __all__ = [
     "ShardCoord",
     "StorageConfig",
     "StorageStats",
+    "StorageUnavailableError",
     "StoredPrefix",
     "page_keys",
 ]

@@ -29,7 +29,7 @@ either field set is ``BAD_HEADER``.
 
 Checksum: XXH3 (``xxhash``), not CRC32C. Version 1 used CRC32C; on this kind of host the
 checksum was the largest cost of an L3 hit after the copy itself (figures:
-``docs/perf_notes_storage.md``). XXH3 detects accidental corruption
+``docs/performance.md``). XXH3 detects accidental corruption
 (torn writes, bit flips, truncation, misplaced objects); it is not a defence against a malicious
 writer, and neither was CRC32C. Other format versions (v1 included) are never decoded: the
 version is checked right after the magic and is part of every object path, so they are a clean

@@ -27,7 +27,8 @@ import functools
 import hashlib
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -260,7 +261,7 @@ class ChainKeys(Sequence):
             prev = hashlib.sha256(prev + raw[i * stride : (i + 1) * stride]).digest()
             done.append(prev.hex())
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+    def __getitem__(self, i: Any) -> Any:  # Sequence's two overloads (int -> str, slice -> keys) in one
         if type(i) is int and 0 <= i < len(self._done) and i < self._n:  # a key hashed already
             return self._done[i]
         if isinstance(i, slice):
@@ -279,7 +280,7 @@ class ChainKeys(Sequence):
             self._upto(j + 1)
         return self._done[j]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[str]:
         for j in range(self._n):
             yield self[j]
 

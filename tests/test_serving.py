@@ -489,13 +489,13 @@ def test_failed_load_back_falls_back_to_the_l1_prefix_exact_and_leaks_nothing(ru
     it recomputes the L2 part after its L1 prefix, in pages of its own, and its output equals the
     no-cache output; afterwards no page stays locked or held by a request."""
     import jax
+    from support.hicache_env import FaultyWorkers
 
     from hicache.cluster import CacheHead
     from hicache.cluster.policy import HiCacheConfig
-    from hicache.cluster.transfers import LocalWorkerGroup
+    from hicache.cluster.worker_group import LocalWorkerGroup
     from hicache.reference.engine_adapters import WorkerEngine
     from hicache.workers import HostWorker, KVCacheSpec, OpKind
-    from support.hicache_env import FaultyWorkers
 
     spec = KVCacheSpec(MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, FWD.page_size, MODEL.dtype)
     worker = HostWorker(spec, 12, 32, devices=jax.devices()[:1])

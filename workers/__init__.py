@@ -5,25 +5,14 @@ Workers execute plans and never decide (no imports of ``hicache.cluster``). Impo
 """
 
 from hicache.workers.device_pool import DevicePool, default_mesh
-from hicache.workers.host_pool import (
-    HostPool,
-    HostPoolConfig,
-    HostPoolKind,
-    NumpySlabHostPool,
-    PinnedPagesHostPool,
-    SlotAllocator,
-    make_host_pool,
-    select_host_pool_kind,
-    size_host_pool,
-)
+from hicache.workers.host_pool import HostPool, HostPoolConfig, SlotAllocator, size_host_pool
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.spec import KVCacheSpec
-from hicache.workers.transfer import DataPath, TransferEngine, TransferHandle
-from hicache.workers.worker import HostWorker, StorageExecutor
+from hicache.workers.transfer import TransferEngine, TransferHandle
+from hicache.workers.worker import HostWorker, StorageOpFn
 
 __all__ = [
-    "DataPath", "DevicePool", "HostPool", "HostPoolConfig", "HostPoolKind", "HostWorker", "KVCacheSpec",
-    "NumpySlabHostPool", "OpKind", "PinnedPagesHostPool", "SlotAllocator", "StorageExecutor",
-    "TransferAck", "TransferEngine", "TransferHandle", "TransferOp", "TransferPlan", "default_mesh",
-    "make_host_pool", "select_host_pool_kind", "size_host_pool",
+    "DevicePool", "HostPool", "HostPoolConfig", "HostWorker", "KVCacheSpec", "OpKind", "SlotAllocator",
+    "StorageOpFn", "TransferAck", "TransferEngine", "TransferHandle", "TransferOp", "TransferPlan",
+    "default_mesh", "size_host_pool",
 ]

@@ -9,17 +9,10 @@ all pages of its heads, so a page copy never crosses devices and a host's L2 slo
 heads of its addressable shards.
 
 Ownership: the ``HostWorker`` of each host owns one ``DevicePool`` object; the *array* is owned by
-whichever thread currently holds it. The model forward donates ``kv`` and hands the new array back
-with ``set_kv``; the transfer engine reads/writes it only between forwards, on that same thread
-(DESIGN §4 "donation safety"). A transfer engine that copies pages on a thread of its own (the CPU
-backend's copy thread) registers ``set_sync``: every access from outside the engine (``kv``,
-``set_kv``, ``read_pages``, ``write_pages``) first waits for those copies, so whoever gets the array
-may donate or write it; the engine itself reads ``kv_unsynced``.
-
-Memory (CPU backend): the pool's buffers are XLA-allocated host memory; at construction each
-local shard's buffer is moved into transparent huge pages (``hicache.workers.hugepages``), which
-cuts the TLB misses of random page copies. Transfers update the buffer in place (donation), so it
-keeps them; a forward that returns a *new* buffer loses them (nothing breaks, copies get slower).
+whichever call currently holds it, all on the worker's owner thread. A model forward donates ``kv``
+and hands the new array back with ``set_kv``; the transfer engine's jitted scatter donates it and
+hands the new one back with ``adopt_kv``, between forwards (DESIGN §4 "donation safety": the JAX
+runtime runs a donating call only after every computation already dispatched on the buffer).
 
 Multi-host: construction, ``read_pages``, ``write_pages`` and every transfer are SPMD programs --
 every host of the replica calls them in the same order with the same ids. ``read_pages`` returns
@@ -30,20 +23,20 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy.typing as npt
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hicache.kernels.paged_copy import (
     gather_pages_reference,
     scatter_pages_reference,
     validate_ids,
 )
-from hicache.workers.hugepages import advise_huge_pages
 from hicache.workers.spec import KVCacheSpec
 
 HEAD_AXIS = 4  # position of num_kv_heads in the pool shape
@@ -61,7 +54,7 @@ class HeadShard:
         return self.heads.stop - self.heads.start
 
 
-def storage_dtype(dtype: object, backend: str | None = None) -> np.dtype:
+def storage_dtype(dtype: npt.DTypeLike, backend: str | None = None) -> np.dtype:
     """dtype the L1 pool is *stored* in. On XLA:CPU, 16/8-bit floats are stored as their same-width
     unsigned bit pattern: XLA:CPU upcasts every bf16 dynamic_update_slice/scatter to f32 over the
     whole pool (O(pool) per transfer, see ``kernels/paged_copy/portable.py``). TPU/GPU store the
@@ -84,6 +77,7 @@ def local_head_shards(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[
     """Distinct head ranges of this host's addressable shards, sorted by head."""
     by_heads: dict[tuple[int, int], list[jax.Device]] = {}
     for dev, idx in sharding.addressable_devices_indices_map(shape).items():
+        assert idx is not None  # a NamedSharding maps every device to an index
         s = idx[HEAD_AXIS]
         start, stop, _ = s.indices(shape[HEAD_AXIS])
         by_heads.setdefault((start, stop), []).append(dev)
@@ -108,10 +102,7 @@ class DevicePool:
         *,
         mesh: Mesh | None = None,
         head_axis: str = "kv",
-        huge_pages: bool = True,
     ) -> None:
-        """``huge_pages``: on the CPU backend, move the pool's buffers into transparent huge pages
-        (see the module docstring); ignored on other backends."""
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages <= 0:
@@ -136,13 +127,8 @@ class DevicePool:
         self.head_shards = local_head_shards(self.sharding, self.shape)
         self.host_head_range = (self.head_shards[0].heads.start, self.head_shards[-1].heads.stop)
         self._kv = zeros_fn(self.shape, self.storage_dtype, self.sharding)()
-        self._accepted_sharding = self.sharding  # the last sharding set_kv found equivalent to it
-        self._sync: Callable[[], None] = _no_sync  # the engine's "wait for my copies" (set_sync)
-        self.huge_page_bytes = 0  # bytes of this host's shards advised into huge pages
-        if huge_pages and mesh.devices.flat[0].platform == "cpu":
-            self._kv.block_until_ready()
-            for shard in self._kv.addressable_shards:
-                self.huge_page_bytes += advise_huge_pages(shard.data.unsafe_buffer_pointer(), shard.data.nbytes)
+        # the last sharding set_kv found equivalent to the pool's
+        self._accepted_sharding: jax.sharding.Sharding = self.sharding
 
     @classmethod
     def from_memory_fraction(
@@ -163,19 +149,8 @@ class DevicePool:
     @property
     def kv(self) -> jax.Array:
         """``[L, 2, P, S, H, D]`` in ``storage_dtype``. After a forward that donated it, hand the
-        result to ``set_kv``; view gathered pages with ``to_logical``. No engine copy touches the
-        returned array's buffer until the next transfer is submitted."""
-        self._sync()
+        result to ``set_kv``; view gathered pages with ``to_logical``."""
         return self._kv
-
-    @property
-    def kv_unsynced(self) -> jax.Array:
-        """``kv`` without waiting for the engine's copies: for the transfer engine, which orders them."""
-        return self._kv
-
-    def set_sync(self, sync: Callable[[], None] | None) -> None:
-        """Registers the engine's wait for its in-flight copies of the pool buffer (``None``: none)."""
-        self._sync = _no_sync if sync is None else sync
 
     def to_logical(self, x: jax.Array) -> jax.Array:
         """Storage-dtype values (e.g. gathered pages) -> the model dtype (no-op off CPU)."""
@@ -187,7 +162,6 @@ class DevicePool:
         return x if x.dtype == self.storage_dtype else jax.lax.bitcast_convert_type(x, self.storage_dtype)
 
     def set_kv(self, new_kv: jax.Array) -> None:
-        self._sync()
         if not isinstance(new_kv, jax.Array):
             raise TypeError(f"set_kv expects a jax.Array, got {type(new_kv).__name__}")
         if tuple(new_kv.shape) != self.shape or new_kv.dtype != self.storage_dtype:
@@ -195,9 +169,8 @@ class DevicePool:
                 f"set_kv: expected {self.storage_dtype}{list(self.shape)}, got {new_kv.dtype}{list(new_kv.shape)}"
             )
         sharding = new_kv.sharding
-        # A sharding equal to one accepted before passes with ``==`` (~2 us); ``is_equivalent_to`` against
-        # the pool's NamedSharding converts both (~17 us, right after a forward: every model call's
-        # output, HostWorker.run_model).
+        # A sharding equal to one accepted before passes with a cheap ``==``; ``is_equivalent_to``
+        # converts both shardings, which is too slow to pay on every model call's output.
         if sharding != self._accepted_sharding:
             if not sharding.is_equivalent_to(self.sharding, new_kv.ndim):
                 raise ValueError(f"set_kv: sharding {sharding} differs from the pool's {self.sharding}")
@@ -206,7 +179,7 @@ class DevicePool:
 
     def adopt_kv(self, new_kv: jax.Array) -> None:
         """``set_kv`` without the checks, for the transfer engine: its jitted scatters return the
-        pool's shape, dtype and sharding by construction (the checks cost ~10 us per transfer)."""
+        pool's shape, dtype and sharding by construction, so the checks would only add latency."""
         self._kv = new_kv
 
     # -- sizes --------------------------------------------------------------------------------------
@@ -230,7 +203,6 @@ class DevicePool:
     def read_pages(self, pages: object) -> np.ndarray:
         """``[n, L, 2, S, H_host, D]`` copy of this host's heads of ``pages``. Runs on every host."""
         ids = validate_ids(pages, self.num_pages, name="pages")
-        self._sync()
         rows = _gather_jit(self.sharding)(self._kv, jnp.asarray(ids))
         out = np.empty((ids.size, *self.host_row_shape), self.dtype)
         a = self.host_head_range[0]
@@ -252,15 +224,11 @@ class DevicePool:
         a = self.host_head_range[0]
         pieces = []
         for dev, idx in row_sharding.addressable_devices_indices_map(global_shape).items():
+            assert idx is not None  # a NamedSharding maps every device to an index
             h0, h1, _ = idx[HEAD_AXIS].indices(self.spec.num_kv_heads)
             pieces.append(jax.device_put(np.ascontiguousarray(arr[..., h0 - a : h1 - a, :]), dev))
         rows = jax.make_array_from_single_device_arrays(global_shape, row_sharding, pieces)
-        self._sync()
         self._kv = _scatter_jit(self.sharding)(self._kv, jnp.asarray(ids), rows)
-
-
-def _no_sync() -> None:
-    pass
 
 
 def device_memory_bytes(device: jax.Device) -> int:

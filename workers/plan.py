@@ -41,7 +41,7 @@ def _as_id_array(value: object, name: str) -> np.ndarray:
     return arr
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class TransferOp:
     """One copy between tiers. Pairs are positional: ``device_pages[i] <-> host_slots[i]``
     (and ``host_slots[i] <-> storage_keys[i]`` for storage ops)."""
@@ -81,8 +81,9 @@ class TransferOp:
         batch, each a few hundred ids); whatever arrives from elsewhere (tests, callers of a worker, a plan
         off the wire) still goes through ``TransferOp(...)``, and the worker checks every id of a plan."""
         op = object.__new__(cls)
-        op.__dict__.update(op_id=op_id, kind=kind, device_pages=device_pages, host_slots=host_slots,
-                           storage_keys=(), first_page=0)
+        for name, value in (("op_id", op_id), ("kind", kind), ("device_pages", device_pages),
+                            ("host_slots", host_slots), ("storage_keys", ()), ("first_page", 0)):
+            object.__setattr__(op, name, value)  # the frozen class's own way to set a field
         return op
 
     @property

@@ -8,22 +8,12 @@ request recomputes), so no half-loaded slot is ever served.
 
 Runs on the worker's storage thread (``HostWorker`` submits each op there and acks it through
 ``poll``/``wait``); storage calls are bounded by the storage timeout, so a slow or hung backend
-fails the op within that bound instead of hanging. The storage reads slots of the real pool (H2S) on
-that thread. Writes (S2H) depend on the pool:
-
-* a pool of pinned device-side pages (TPU) is never written there: the storage is registered with a
-  ``_DeferredWrites`` view whose ``write_slots`` only collects the fetched pages, and an S2H returns
-  ``(bytes, commit)``; ``commit`` (one ``write_slots`` per collected range) runs on the owner thread
-  when the op is acked. A failed, partial or timed-out prefetch never touches that pool.
-* a pool that is one numpy slab (``slot_view``) is written in place: the storage reads each object
-  straight into the prefetch's slots (one ``preadv`` per object, verified as it lands; a failure
-  zeroes them), and the op is acked with nothing to commit. Those slots are the head's reservation
-  for this prefetch alone (no tree node holds them, nothing reads or writes them until the ack: the
-  worker acks an S2H before any later op that reads its slots, ``HostWorker._settle_writers``), the
-  storage stops touching the pool when its call returns, also on a timeout (``_CallGuard``), and the
-  slab's other rows are written by the owner thread only (disjoint memory). A failed prefetch's
-  slots are freed by the head unused. This saves the copy of every fetched page on the owner
-  thread, where the request waits for it (``check_prefetch_progress``).
+fails the op within that bound instead of hanging. The storage reads slots of the real pool (H2S)
+on that thread and its I/O threads (``read_slots`` only copies the slot arrays out; the head pins a
+backup's slots until it is acked). It never writes the pool there: the storage is registered with a
+``_DeferredWrites`` view whose ``write_slots`` collects the fetched pages, and an S2H returns
+``(bytes, commit)``; ``commit`` (one ``write_slots`` per collected range) runs on the owner thread
+when the op is acked. A failed, partial or timed-out prefetch never touches the pool.
 """
 
 from __future__ import annotations
@@ -56,28 +46,20 @@ def host_shard(pool: HostPool, fingerprint: ModelFingerprint) -> ShardCoord:
 
 
 class _DeferredWrites:
-    """The host pool as the storage sees it on the storage thread: reads go to the pool, writes are
-    collected (per thread) and applied later by the owner thread; over one numpy slab
-    (``concurrent_slot_io``) the storage writes a prefetch's reserved slots in place instead
-    (module docstring), else it scatters on the calling thread. ``concurrent_slot_reads``: its I/O threads may read
-    the slots of a backup during the call (they are pinned by the head until it is acked, and reads
-    of pool memory need no owner thread), so with the pool's ``slot_view`` an L2->L3 write goes
-    straight from the slab to the file (no gathered copy)."""
+    """The host pool as the storage sees it: reads go to the pool, writes made inside ``begin`` /
+    ``end`` (the storage thread's prefetch call) are collected per thread for the owner thread to
+    apply. ``concurrent_slot_reads``: the storage's I/O threads may call ``read_slots`` during a call
+    (it only copies slot arrays out, and the head pins a backup's slots until it is acked); they
+    never write."""
 
     concurrent_slot_reads = True
 
     def __init__(self, pool: HostPool) -> None:
         self._pool = pool
         self._local = threading.local()
-        # The storage's structural HostPool check reads these statically (Python >= 3.12 uses
+        # The storage's structural pool check reads these statically (Python >= 3.12 uses
         # inspect.getattr_static, which never reaches __getattr__), so they are real attributes.
         self.slot_shape, self.dtype, self.slot_bytes = pool.slot_shape, pool.dtype, pool.slot_bytes
-        # One numpy slab (``slot_view``): prefetches land in place (module docstring); else collected.
-        view = getattr(pool, "slot_view", None)
-        self.concurrent_slot_io = view is not None and view(0, 1) is not None
-
-    def __getattr__(self, name: str):
-        return getattr(self._pool, name)
 
     def begin(self) -> list[tuple[np.ndarray, np.ndarray]]:
         self._local.writes = []
@@ -97,9 +79,6 @@ class _DeferredWrites:
             writes.append((np.array(slots, np.int32), data))
 
 
-HostPool.register(_DeferredWrites)
-
-
 class StorageExecutor:
     def __init__(self, attachment: StorageAttachment, pool: HostPool) -> None:
         self.attachment = attachment
@@ -115,11 +94,9 @@ class StorageExecutor:
         keys = list(op.storage_keys)
         if pool is not self.pool:
             raise ValueError("storage executor was built for another host pool")
-        commit = None
+        commit: Callable[[], None] | None = None
         if op.kind is OpKind.BACKUP_H2S:
             done = self.storage.batch_set(keys, op.host_slots, first_page=op.first_page)
-        elif op.kind is OpKind.PREFETCH_S2H and self._view.concurrent_slot_io:  # into the slab, in place
-            done = self.storage.batch_get(keys, op.host_slots, first_page=op.first_page)
         elif op.kind is OpKind.PREFETCH_S2H:
             writes = self._view.begin()
             try:

@@ -14,8 +14,9 @@ Ordering (host side):
 
 * an op that reads slots (H2D, H2S) first commits earlier pending ops that write those slots (D2H,
   S2H); waiting on an S2H is bounded by the storage timeout;
-* an op that writes slots (D2H, S2H) first waits for earlier pending readers of those slots: H2S
-  ops still on the storage thread, and (S2H) in-place H2D loads;
+* a D2H first waits for earlier pending H2S ops that read its slots on the storage thread (its commit
+  replaces the slot arrays they read); an H2D needs no such wait (it takes the slots' arrays at
+  dispatch, and a later commit only replaces them);
 * storage ops run one at a time in submission order, so they are ordered among themselves.
 
 Waiting: ``wait(timeout_s)`` waits for everything submitted; ``wait(timeout_s, op_ids=...)`` only
@@ -38,10 +39,12 @@ Engine placement (DESIGN.md §1): the process that owns the devices runs the mod
 puts the engine's per-host model runner (any ``PoolModel``, e.g. the reference engine's
 ``ModelRunner``) into the worker, built over this worker's L1 array; ``run_model(fn)`` lends it the
 current L1 array for ``fn`` (forwards donate it) and takes the result back before any transfer runs
-again. Both run on the KV-owning thread, so forwards and plans are ordered by that thread alone. A
-forward may contain cross-host collectives: every host must run the same model calls in the same
-order (the serving loop sends each call to every host); transfers contain none, so plans may
-interleave with forwards differently on each host.
+again. Both run on the KV-owning thread, so forwards and plans are dispatched in that thread's
+order, and the JAX runtime orders their device work (a donation waits for pending work on the
+buffer): the worker needs no hand-over protocol beyond that. A forward may contain cross-host
+collectives: every host must run the same model calls in the same order (the serving loop sends
+each call to every host); transfers contain none, so plans may interleave with forwards
+differently on each host.
 """
 
 from __future__ import annotations
@@ -59,28 +62,24 @@ from jax.sharding import Mesh
 
 from hicache.kernels.paged_copy import CopyImpl
 from hicache.workers.device_pool import DevicePool, default_mesh
-from hicache.workers.host_pool import HostPool, HostPoolConfig, HostPoolKind, make_host_pool, size_host_pool
+from hicache.workers.host_pool import HostPool, HostPoolConfig, size_host_pool
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.spec import KVCacheSpec
-from hicache.workers.transfer import COPY_TIMEOUT_S, DataPath, TransferEngine, TransferHandle
+from hicache.workers.transfer import TransferEngine, TransferHandle
 
 # (op, host_pool) -> bytes moved, or (bytes moved, commit) where ``commit()`` does the op's pool
 # writes on the owner thread at ack time; raise to fail the op. Runs on the worker's storage thread:
 # it may read slots, and must not write the pool there (return a commit instead) unless the pool is
 # safe for that. Must leave the pool unchanged on failure.
-StorageExecutor = Callable[[TransferOp, HostPool], "int | tuple[int, Callable[[], None]]"]
+StorageOpFn = Callable[[TransferOp, HostPool], "int | tuple[int, Callable[[], None]]"]
 
 
 class PoolModel(Protocol):
     """A per-host model runner that forwards over the worker's L1 array (it donates it per forward).
 
-    Contract: every computation the model dispatches over the pool array donates it (a forward), so
-    the array it holds after its last forward has no pending user but that forward; a forward
-    returns the pool in the layout it was given (jit's default row-major one: the CPU engine then
-    knows a forward's output that kept the lent buffer by its pointer, with no layout query). The worker
-    relies on it: a load after ``run_model`` writes that array in place as soon as it is ready, with
-    no take-over. (A model that returns the array it was lent, no forward run, may leave reads of it
-    pending: that array is taken over by donation first, which waits for them.)"""
+    Contract: ``pool`` is the array after the model's last forward (the one it was given if it ran
+    none), in the pool's shape, dtype and sharding; ``set_pool`` hands it the worker's current array
+    (after a transfer replaced it)."""
 
     @property
     def pool(self) -> jax.Array: ...  # the L1 array after its last forward
@@ -174,11 +173,9 @@ class HostWorker:
         mesh: Mesh | None = None,
         devices: list[jax.Device] | None = None,
         impl: CopyImpl | str | None = None,
-        host_pool_kind: HostPoolKind | str | None = None,
-        storage_executor: StorageExecutor | None = None,
-        data_path: DataPath | str | None = None,
+        storage_executor: StorageOpFn | None = None,
     ) -> None:
-        """``data_path``: force the engine's data path (``select_data_path`` picks it by default)."""
+        """``impl``: the paged-copy kernel implementation (default: ``select_impl()`` per backend)."""
         if mesh is None:
             mesh = default_mesh(spec.num_kv_heads, devices)
         elif devices is not None:
@@ -189,11 +186,10 @@ class HostWorker:
             device_share = self.device_pool.num_pages * int(np.prod(self.device_pool.host_row_shape)) * self.device_pool.dtype.itemsize
             row_bytes = int(np.prod(self.device_pool.host_row_shape)) * self.device_pool.dtype.itemsize
             num_slots = size_host_pool(host_pool, row_bytes, device_share)
-            host_pool_kind = host_pool_kind or host_pool.kind
         else:
             num_slots = host_pool
-        self.host_pool = make_host_pool(self.device_pool, num_slots, host_pool_kind)
-        self.engine = TransferEngine(self.device_pool, self.host_pool, impl=impl, data_path=data_path)
+        self.host_pool = HostPool(self.device_pool, num_slots)
+        self.engine = TransferEngine(self.device_pool, self.host_pool, impl=impl)
         self.storage_executor = storage_executor
         self._last_seq: int | None = None
         self._pending: deque[_Pending] = deque()
@@ -204,7 +200,6 @@ class HostWorker:
     def attach_model(self, factory: Callable[[jax.Array], PoolModel]) -> PoolModel:
         """Builds the engine's per-host model runner over this worker's L1 array (``factory(kv)``)
         and keeps it; replaces any earlier one. Returns it."""
-        self.engine.release_pool()  # the model may dispatch work on the array it is given
         model = factory(self.device_pool.kv)
         for name in ("pool", "set_pool"):
             if not hasattr(model, name):
@@ -220,13 +215,11 @@ class HostWorker:
         """``fn(model)`` with the current L1 array lent to the model; the array the model holds
         afterwards (its last forward's output) becomes the worker's L1 again, also when ``fn`` raises.
         The model is handed the array only if it does not hold it already (its last call's output,
-        no transfer since), and the worker checks only an array that is not the one it lent: right
-        after a forward those checks cost ~30 and ~80 us (cold caches), per model call."""
+        no transfer since), and only an array other than the one lent is checked (``set_kv``)."""
         model = self._model
         if model is None:
             raise RuntimeError(f"host worker {self.host_index}: no model attached (attach_model first)")
         lent = self.device_pool.kv
-        self.engine.release_pool()
         if model.pool is not lent:  # a transfer replaced the array since the model last held it
             model.set_pool(lent)
         try:
@@ -235,7 +228,6 @@ class HostWorker:
             back = model.pool
             if back is not lent:  # forwards donated the lent array: ``back`` is the last one's output
                 self.device_pool.set_kv(back)
-                self.engine.adopt_forward_output(back)
 
     # -- plans ---------------------------------------------------------------------------------
     def validate(self, plan: TransferPlan) -> None:
@@ -289,17 +281,16 @@ class HostWorker:
                 self._finish(p)
 
     def _settle_readers(self, slots: np.ndarray, entry: _Pending) -> None:
-        """Waits for pending ops that read ``slots`` before they are written: storage-thread H2S
-        reads; for a storage-thread write (S2H), also in-place H2D loads."""
+        """Before a D2H: waits for pending H2S ops reading ``slots`` on the storage thread. (An H2D
+        took its slots' arrays at dispatch; an S2H runs after earlier H2S ops on the same thread and
+        writes the pool only at its ack.)"""
+        if entry.op.kind is not OpKind.BACKUP_D2H:
+            return
         wanted: set[int] | None = None
         for p in self._pending:
             if p is entry:
                 break
-            if p.ack is not None or p.handle is None or p.op.kind not in _READS_SLOTS:
-                continue
-            if (p.op.kind is OpKind.LOAD_H2D) == (entry.op.kind is OpKind.BACKUP_D2H):
-                # D2H after H2D: the host pool drains in-place readers before every slab write.
-                # S2H after H2S: both run on the storage thread, in order.
+            if p.ack is not None or p.handle is None or p.op.kind is not OpKind.BACKUP_H2S:
                 continue
             if wanted is None:
                 wanted = set(slots.tolist())
@@ -363,6 +354,7 @@ class HostWorker:
                     keep.append(p)
                     continue
                 self._finish(p)
+            assert p.ack is not None  # _finish always sets it
             out.append(p.ack)
         self._pending = keep
         return out
@@ -382,6 +374,7 @@ class HostWorker:
         while self._pending:
             p = self._blocker(wanted)
             if p is not None:
+                assert p.handle is not None  # _blocker returns only ops with a handle
                 left = deadline - time.perf_counter()
                 if left <= 0 or not p.handle.block_until_ready(left):
                     out += self.poll()
@@ -412,14 +405,13 @@ class HostWorker:
                 return p
         return None
 
-    def close(self, timeout_s: float = COPY_TIMEOUT_S) -> None:
-        """Stops the storage thread (after the op it is running, which ends by the storage timeout)
-        and the engine's copy thread after the copies it has queued (bounded by ``timeout_s``; their
-        acks still come by ``poll``/``wait``). Later D2H copies run on this thread."""
+    def close(self) -> None:
+        """Stops the storage thread (after the op it is running, which ends by the storage timeout;
+        queued ones are cancelled). Device transfers in flight still complete and are acked by
+        ``poll``/``wait``."""
         if self._storage_thread is not None:
             self._storage_thread.shutdown(wait=False, cancel_futures=True)
             self._storage_thread = None
-        self.engine.close(timeout_s)
 
     @property
     def num_pending(self) -> int:

@@ -19,8 +19,8 @@ from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.client import CacheClient, EmbeddedTransport
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchPolicy, StorageParams
-from hicache.cluster.transfers import LocalWorkerGroup
 from hicache.cluster.tree import TreeConfig
+from hicache.cluster.worker_group import LocalWorkerGroup
 from hicache.reference.engine.config import ForwardConfig, ModelConfig, numerics_key
 from hicache.reference.engine.kv_layout import LAYOUT_VERSION
 from hicache.reference.engine.runner import ModelRunner
@@ -40,8 +40,9 @@ class StackOptions:
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.WAIT_COMPLETE
     prefetch_min_tokens: int = 32
-    # pages per L3 object: fewer, larger objects than one per page (L3 round trips are per object)
-    pages_per_object: int = 16
+    # Pages per L3 object: fewer objects than one per page (L3 round trips are per object), but a
+    # query that ends inside an object cannot name it, so small objects keep those misses short.
+    pages_per_object: int = 4
     prefill_budget: int = 0
 
     def __post_init__(self) -> None:

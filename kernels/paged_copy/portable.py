@@ -7,17 +7,17 @@ Same semantics as ``reference.py`` but written for in-place, O(batch) execution:
 * the output of the gather is a *donated* staging buffer and the scatter updates the *donated*
   pool, so XLA writes in place and never allocates a pool-sized or batch-sized temporary;
 * dtype caveat (XLA:CPU): float normalization upcasts every bf16/f16 ``dynamic_slice``,
-  ``dynamic_update_slice`` and scatter to f32 *over the whole operand*, i.e. O(pool) per call
-  (measured: ~1 s for 16 pages of a 256 MiB pool), and a ``bitcast_convert_type`` to u16 is emitted
-  as a full copy too. So on the CPU backend the device pool *stores* 16-bit floats as their
-  same-width unsigned bit pattern (``hicache.workers.device_pool.storage_dtype``); these functions
-  are dtype-agnostic and then run in place (~0.25 ms for 16 x 64 KiB pages from DRAM);
+  ``dynamic_update_slice`` and scatter to f32 *over the whole operand*, i.e. O(pool) per call, and
+  a ``bitcast_convert_type`` to u16 is emitted as a full copy too. So on the CPU backend the device
+  pool *stores* 16-bit floats as their same-width unsigned bit pattern
+  (``hicache.workers.device_pool.storage_dtype``); these functions are dtype-agnostic and then run
+  in place;
 * the loops run on the flat views ``[L*2, P, S*H*D]`` / ``[m, L*2, S*H*D]`` when those reshapes are
   free (``_flat_is_free``: no size-1 axis), i.e. one page is ``L*2`` long contiguous runs; otherwise
   on the 6-D shapes (inner runs of ``D``). XLA:CPU turns a reshape *back* to a shape with a size-1
-  axis into a relayout copy of the whole result (measured: every H2D of a ``[1, 2, P, 16, 1, 8]``
-  pool copied pool and output twice, ~9 ms for 16 pages instead of ~0.02 ms), so degenerate
-  layouts keep the 6-D loop. ``tests/kernels/test_in_place.py`` checks the compiled programs.
+  axis into a relayout copy of the whole result (every H2D of a ``[1, 2, P, 16, 1, 8]`` pool copied
+  pool and output twice), so degenerate layouts keep the 6-D loop. ``tests/kernels/test_in_place.py``
+  checks the compiled programs.
 
 The caller validates ids (``validation.py``) and handles sharding (these act on one shard).
 """
@@ -38,9 +38,8 @@ def _flat_is_free(kv_shape: tuple[int, ...], rows_shape: tuple[int, ...]) -> boo
 
 def _views(kv: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array, int]:
     """``(kv view, rows view, page axis of the kv view)``: the flat ``[L*2, P, S*H*D]`` and
-    ``[m, L*2, S*H*D]`` views when free (long contiguous runs per page: measured on XLA:CPU,
-    16 x 64 KiB pages, ~3x faster in cache and ~1.5x from DRAM than the 6-D loop, whose inner runs
-    are only ``D`` long), else the arrays themselves (page axis 2)."""
+    ``[m, L*2, S*H*D]`` views when free (long contiguous runs per page: faster than the 6-D loop,
+    whose inner runs are only ``D`` long), else the arrays themselves (page axis 2)."""
     if not _flat_is_free(kv.shape, rows.shape):
         return kv, rows, 2
     L, two, P, S, H, D = kv.shape
@@ -49,7 +48,7 @@ def _views(kv: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array, int]:
 
 def _page(kv: jax.Array, axis: int, page: jax.Array) -> jax.Array:
     """``kv[..., page:page+1, ...]`` along ``axis`` (a dynamic slice of one page)."""
-    start = [0] * kv.ndim
+    start: list[int | jax.Array] = [0] * kv.ndim
     start[axis] = page
     return lax.dynamic_slice(kv, start, kv.shape[:axis] + (1,) + kv.shape[axis + 1 :])
 

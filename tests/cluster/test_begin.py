@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.cluster import Call, CacheHead, HeadConfig, Method
+from hicache.cluster import CacheHead, Call, HeadConfig, Method
 from hicache.cluster.begin import BeginParams
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.cluster import Call, CacheClient, CacheHead, EmbeddedTransport, HeadConfig, Method, embedded
+from hicache.cluster import CacheClient, CacheHead, Call, EmbeddedTransport, HeadConfig, Method, embedded
 from hicache.cluster.client import ResultRef
 from hicache.cluster.tree import CacheCapacityError, RadixKey, RequestState, TreeConfig
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.tree import RadixKey, RequestState
-from support.hicache_env import HiCacheEnv
 
 
 def seq(start, n):

@@ -10,15 +10,16 @@ import time
 
 import numpy as np
 import pytest
+from support.hicache_env import HiCacheEnv, make_spec
 
 from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.events import EventKind, KVEvent, MissReason, Tier, pack_event, unpack_event
+from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.policy import HiCacheConfig
-from hicache.cluster.transfers import LocalWorkerGroup, PendingTransfer
 from hicache.cluster.tree import InsertParams, RadixKey, TreeConfig
+from hicache.cluster.worker_group import LocalWorkerGroup
 from hicache.workers import HostWorker, OpKind, TransferOp, TransferPlan
-from support.hicache_env import HiCacheEnv, make_spec
 
 
 def seq(start, n):
@@ -329,7 +330,7 @@ def test_acked_transfers_are_freed_at_once_not_left_to_the_garbage_collector():
         ctl = env.head.controller
         assert ctl.in_flight == 0
         # The controller keeps one open (empty, unsent) batch per copy kind; nothing else may be left.
-        open_batches = (ctl._open_loads, ctl._open_backups)
+        open_batches = (ctl.outbox.open_loads, ctl.outbox.open_backups)
         assert all(not b.chains and b.op is None for b in open_batches)
         alive = [o for o in gc.get_objects() if isinstance(o, PendingTransfer) and o not in open_batches]
     finally:
@@ -337,9 +338,7 @@ def test_acked_transfers_are_freed_at_once_not_left_to_the_garbage_collector():
     assert alive == []
 
 
-def test_a_steps_load_backs_travel_as_one_op_and_are_exact(monkeypatch):
-    # Held backups also go after a wall-clock hold (50 ms): longer here, so a slow machine cannot send them.
-    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
+def test_a_steps_load_backs_travel_as_one_op_and_are_exact():
     env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
     prefixes = _host_only_prefixes(env, 4)
     rec = RecordingWorkers(env.head.controller.workers)
@@ -362,18 +361,17 @@ def test_a_steps_load_backs_travel_as_one_op_and_are_exact(monkeypatch):
     check(env)
 
 
-def test_a_node_split_while_its_backup_is_held_commits_both_halves_in_order(monkeypatch):
+def test_a_node_split_while_its_backup_is_held_commits_both_halves_in_order():
     """The tree splits a node whose backup waits in the open batch: the new prefix node joins that copy's
     chain in front of the rest, both halves get their slots of the one op, and loading them back is exact."""
-    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
     env = HiCacheEnv(page_size=4, device_pages=16, host_slots=32)
     a = seq(0, 16)
     env.serve(a)  # a's backup (4 pages) is held in the open batch
     ctl = env.head.controller
-    (chain,) = ctl._open_backups.chains
+    (chain,) = ctl.outbox.open_backups.chains
     assert [n.num_tokens for n in chain] == [16]
     env.serve(np.concatenate([a[:8], seq(900, 8)]))  # splits a's node after 8 tokens
-    assert [n.num_tokens for n in chain] == [8, 8] and all(n.pending is ctl._open_backups for n in chain)
+    assert [n.num_tokens for n in chain] == [8, 8] and all(n.pending is ctl.outbox.open_backups for n in chain)
     check(env)
     env.head.flush_write_through_acks()
     assert env.head.cache_stats()["host_tokens"] == 24  # a's two halves, then the deferred new leaf
@@ -423,7 +421,8 @@ def test_packed_events_round_trip_and_reject_out_of_range():
 
 def test_config_validation():
     for bad in (dict(host_slots=0), dict(host_slots=4, write_policy="sometimes"), dict(host_slots=4, load_back_threshold=-1),
-                dict(host_slots=4, ack_timeout_s=0)):
+                dict(host_slots=4, ack_timeout_s=0), dict(host_slots=4, backup_hold_calls=0),
+                dict(host_slots=4, backup_hold_calls=1.5)):
         with pytest.raises(ValueError):
             HiCacheConfig(**bad)
 
@@ -466,7 +465,7 @@ class _HeldHost:
     """Two real host workers; host 1's acks are held back (or failed) until ``release``."""
 
     def __init__(self, spec, device_pages: int, host_slots: int) -> None:
-        from hicache.cluster.transfers import LocalWorkerGroup
+        from hicache.cluster.worker_group import LocalWorkerGroup
         from hicache.workers import HostWorker
 
         self.inner = LocalWorkerGroup([HostWorker(spec, device_pages, host_slots, host_index=i) for i in (0, 1)])
@@ -501,9 +500,10 @@ class _HeldHost:
 def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
     """Backups of several requests travel as one D2H op. Host 0's ack alone changes nothing; host 1's ack
     commits every chain at once (ok) or rolls every chain back (failed): slots freed, nodes device-only."""
+    from support.hicache_env import make_spec
+
     from hicache.cluster import CacheHead, HeadConfig
     from hicache.cluster.tree import RequestState, TreeConfig
-    from support.hicache_env import make_spec
 
     ps = 4
     workers = _HeldHost(make_spec(ps), 32, 16)
@@ -514,7 +514,7 @@ def test_merged_backups_apply_only_when_every_host_acked(host1_ok):
         head.inc_lock_ref(m.last_device_node)
         head.cache_finished_req(RequestState(key, head.alloc(8), 0, m.last_device_node))
     ctl = head.controller
-    assert ctl.submit(force=True) == 3 and len(ctl._pending) == 1  # three chains, one op
+    assert ctl.submit(force=True) == 3 and len(ctl.outbox.pending) == 1  # three chains, one op
     head.flush_write_through_acks()  # host 0 acks; host 1 holds: nothing may change (bounded wait)
     assert head.cache_stats()["host_tokens"] == 0 and ctl.in_flight == 3
     assert head.stats().protected_tokens == 24 and ctl.host.num_free == 10  # locked, slots reserved
@@ -545,9 +545,9 @@ class GatedWorkers(RecordingWorkers):
         """Takes acks from the worker (kept from the head) until op ``op_id``'s came."""
         deadline = time.monotonic() + timeout_s
         while all(a.op_id != op_id for a in self.held):
-            assert time.monotonic() < deadline, f"op {op_id} never acked"
-            self.held += self.inner.poll()
-            time.sleep(0.001)
+            left = deadline - time.monotonic()
+            assert left > 0, f"op {op_id} never acked"
+            self.held += self.inner.wait(left, [op_id])  # blocks until the worker acks (or the time is up)
 
     def poll(self):
         acks = self.inner.poll()
@@ -562,12 +562,11 @@ class GatedWorkers(RecordingWorkers):
         return self.held and self.poll() or self.inner.wait(timeout_s, op_ids)
 
 
-def test_held_backups_go_before_they_would_make_an_alloc_wait_and_a_short_alloc_takes_acks_that_came(monkeypatch):
+def test_held_backups_go_before_they_would_make_an_alloc_wait_and_a_short_alloc_takes_acks_that_came():
     """Held L1->L2 backups lock their nodes: ``check_events`` sends them once L1's free + evictable pages are
     fewer than the last alloc took (a next request like it would wait for them on its critical path). An
     alloc short of pages first applies the acks that already came and retries, before it sends held backups
     and waits for them."""
-    monkeypatch.setattr("hicache.cluster.controller._BACKUP_HOLD_S", 3600.0)
     env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
     ctl = env.head.controller
     gate = GatedWorkers(ctl.workers)
@@ -580,13 +579,13 @@ def test_held_backups_go_before_they_would_make_an_alloc_wait_and_a_short_alloc_
     env.head.check_hicache_events()  # 12 free, none evictable < 18 (a's alloc, the last): c + a go now
     assert [[(op.kind, op.num_pages) for op in p.ops] for p in gate.plans] == [[(OpKind.BACKUP_D2H, 20)]]
     env.serve(b)  # b's backup: held (no check_events)
-    assert [n.num_tokens for n in ctl._open_backups.chains[0]] == [8]
+    assert [n.num_tokens for n in ctl.outbox.open_backups.chains[0]] == [8]
     gate.collect(gate.plans[0].ops[0].op_id)
     gate.is_open = True
     st = env.head.stats()
     assert st.free_pages == 10 and st.evictable_tokens == 0  # a, b, c locked by their backups
     pages = env.head.alloc(24 * 4)  # c's and a's ack (already there) make them evictable: no send, no wait
-    assert len(pages) == 24 and gate.waits == 0 and len(gate.plans) == 1 and ctl._open_backups.chains
+    assert len(pages) == 24 and gate.waits == 0 and len(gate.plans) == 1 and ctl.outbox.open_backups.chains
     env.head.free(pages)
     check(env)
     env.head.flush_write_through_acks()
@@ -619,6 +618,25 @@ def test_the_head_sends_after_a_call_only_what_is_due():
     assert ctl.in_flight == 0 and ctl.submit() == 0
     head.tree.check_invariants()
     ctl.check_invariants()
+
+
+@pytest.mark.parametrize("hold_calls", [1, 3])
+def test_held_backups_go_after_backup_hold_calls_check_events_calls(hold_calls):
+    # The hold is a count of check_hicache_events calls (no clock): the batch below backup_batch_pages
+    # stays queued for hold_calls - 1 calls and goes, as one op, in the hold_calls-th.
+    rec = RecordingWorkers(LocalWorkerGroup([HostWorker(make_spec(4), 32, 64)]))
+    config = HeadConfig(tree=TreeConfig(page_size=4, capacity_pages=32),
+                        hicache=HiCacheConfig(host_slots=64, backup_hold_calls=hold_calls, ack_timeout_s=10.0))
+    head = CacheHead(config, rec)
+    head.insert(InsertParams(RadixKey(seq(0, 8)), head.alloc(8)))
+    for _ in range(hold_calls - 1):
+        head.check_hicache_events()
+    assert rec.plans == []
+    head.check_hicache_events()
+    assert [[(op.kind, op.num_pages) for op in p.ops] for p in rec.plans] == [[(OpKind.BACKUP_D2H, 2)]]
+    head.flush_write_through_acks()
+    assert head.cache_stats()["backed_up_tokens"] == 8
+    head.controller.check_invariants()
 
 
 def test_head_built_copy_op_is_the_checked_op_and_the_worker_still_checks_it():

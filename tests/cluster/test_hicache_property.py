@@ -14,10 +14,10 @@ import random
 
 import numpy as np
 import pytest
+from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.tree import RadixKey
 from hicache.workers import OpKind
-from support.hicache_env import HiCacheEnv
 
 
 def _stream(rng: random.Random, n: int) -> list[np.ndarray]:

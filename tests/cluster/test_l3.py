@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 
 import fsspec
 import numpy as np
@@ -108,12 +108,17 @@ def test_isolation_by_salt_extra_key_and_fingerprint(tmp_path):
     assert HiCacheEnv(storage_url=url).serve(a)["prefetched"] == 32  # same namespace: found
 
 
+_HANGING_LOCK = threading.Lock()
+
+
 class FlakyFS(MemoryFileSystem):
     """An in-memory filesystem whose reads can be made to hang or fail (a storage outage)."""
 
     protocol = "flaky"
     mode = "ok"
     root_marker = ""
+    release = threading.Event()  # "hang": a call waits for this (the test sets it), not for a time
+    hanging = 0  # calls waiting on ``release`` now
 
     def cat_file(self, path, start=None, end=None, **kw):
         self._maybe_fail()
@@ -137,7 +142,14 @@ class FlakyFS(MemoryFileSystem):
     @staticmethod
     def _maybe_fail():
         if FlakyFS.mode == "hang":
-            time.sleep(3)
+            release = FlakyFS.release
+            with _HANGING_LOCK:
+                FlakyFS.hanging += 1
+            try:
+                release.wait(120)
+            finally:
+                with _HANGING_LOCK:
+                    FlakyFS.hanging -= 1
         if FlakyFS.mode == "raise":
             raise OSError("storage down")
 
@@ -147,8 +159,10 @@ def flaky():
     fsspec.register_implementation("flaky", FlakyFS, clobber=True)
     FlakyFS.store.clear()
     FlakyFS.mode = "ok"
+    FlakyFS.release = threading.Event()
     yield FlakyFS
     FlakyFS.mode = "ok"
+    FlakyFS.release.set()  # hung calls return (to storage clients that gave up on them)
     FlakyFS.store.clear()
 
 
@@ -164,9 +178,11 @@ def test_storage_outage_degrades_to_recompute(flaky, mode):
     assert writer.head.cache_stats()["storage"]["backup_pages"] == 6
     flaky.mode = mode
     reader = HiCacheEnv(storage_url="flaky://l3", storage_kwargs=kwargs)
-    t0 = time.monotonic()
     r = reader.serve(a)  # the prefetch fails or times out: recompute, exact (serve() checks)
-    assert time.monotonic() - t0 < 8
+    if mode == "hang":
+        assert flaky.hanging > 0  # the request did not wait for the hung storage calls
+        flaky.release.set()
+        flaky.release = threading.Event()  # calls from now on hang until the test ends
     assert r["prefetched"] == 0 and r["loaded"] == 0 and r["device_hit"] == 0
     st = reader.head.cache_stats()
     assert st["device_tokens"] == 24

@@ -7,11 +7,11 @@ import threading
 import time
 
 import numpy as np
+from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey
 from hicache.storage import Namespace, page_keys
-from support.hicache_env import HiCacheEnv
 
 
 def seq(start, n):
@@ -86,10 +86,10 @@ def test_manifest_lists_stored_prefixes_after_flush(tmp_path):
 
 
 @contextlib.contextmanager
-def _hanging_l3_write(env, tokens, release_after_s: float):
-    """Serves ``tokens`` and holds its L2->L3 write in storage (in flight) until the block ends or
-    ``release_after_s`` passes (a timer: a test that waited for the write would see it released).
-    Yields the release event; afterwards every transfer is flushed and the storage restored."""
+def _hanging_l3_write(env, tokens):
+    """Serves ``tokens`` and holds its L2->L3 write in storage (in flight) until the block ends (or 60 s:
+    a test that waited for the write would find it no longer in flight). Afterwards every transfer is
+    flushed and the storage restored."""
     release, storage = threading.Event(), env.worker.storage_executor.storage
     real_set = storage.batch_set
 
@@ -98,52 +98,48 @@ def _hanging_l3_write(env, tokens, release_after_s: float):
         return real_set(*args, **kwargs)
 
     storage.batch_set = slow_set
-    timer = threading.Timer(release_after_s, release.set)
-    timer.start()
     try:
         env.serve(tokens)  # its L1->L2 backup, then its L2->L3 write (which hangs)
         deadline = time.monotonic() + 30
         while not env.head.controller.storage.in_flight and time.monotonic() < deadline:
-            time.sleep(0.06)  # past the backup hold
+            time.sleep(0.01)  # a poll: the backup goes after backup_hold_calls calls, its ack starts the write
             env.head.check_hicache_events()
         assert env.head.controller.storage.in_flight, "the L3 write never started"
-        yield release
+        yield
     finally:
         release.set()
-        timer.cancel()
     env.head.flush_write_through_acks()
     del storage.batch_set
 
 
 def test_load_back_does_not_wait_for_l3_writes_in_flight(tmp_path):
     """A request's load-back waits for its L2->L1 load only: an L2->L3 write still running (slow storage)
-    is neither waited for nor blocks the load (if it were, the timer below would release it first)."""
+    is neither waited for nor blocks the load (it is still in flight when the load is done)."""
     env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3", faults={"delay_polls": 0})
     a, b = seq(0, 32), seq(5000, 32)
     env.serve(a)
     env.head.flush_write_through_acks()
     assert env.head.evict(32).evicted_tokens == 32  # a: host-only (in L2 and L3)
-    with _hanging_l3_write(env, b, release_after_s=10.0) as release:
+    with _hanging_l3_write(env, b):
         env.workers.delay_polls = 10**9  # polls hold the load's ack: the load-back has to wait for it
         r = env.serve(a)  # checks the loaded bytes
-        assert not release.is_set()
+        assert env.head.controller.storage.in_flight  # the L3 write is still running
         assert r["loaded"] == 32
 
 
 def test_alloc_short_of_pages_waits_for_l1_backups_not_l3_writes(tmp_path):
     """L1 full, one node locked only by its held L1->L2 backup, an L2->L3 write hanging: an alloc that needs
     that node's pages sends and waits for the backup (then evicts it), not for the L3 write, which frees no
-    L1 page (if it waited for it, the timer below would release the write first)."""
+    L1 page (it is still in flight when the alloc is done)."""
     env = HiCacheEnv(storage_url=f"file://{tmp_path}/l3", device_pages=16)
     a, b, c = seq(0, 32), seq(5000, 32), seq(9000, 32)
     env.serve(a)
     env.head.flush_write_through_acks()
-    with _hanging_l3_write(env, b, release_after_s=8.0) as release:
+    with _hanging_l3_write(env, b):
         env.serve(c)  # evicts a (in L2); c's backup is held, c locked by it
-        assert env.head.controller._open_backups.chains, "c's backup should be held"
+        assert env.head.controller.outbox.open_backups.chains, "c's backup should be held"
         pages = env.head.alloc(48)  # 12 pages: b's 8 + c's 8 are all there is; c's need its backup acked
         assert len(pages) == 12
-        assert not release.is_set()
         assert env.head.controller.storage.in_flight  # the L3 write is still running
         env.head.free(pages)
     assert env.serve(c)["loaded"] == 32  # c's backup landed intact (serve() checks the bytes)
@@ -298,7 +294,7 @@ def test_a_running_manifest_write_stops_between_entries_while_paused(tmp_path):
     deadline = time.monotonic() + 10.0
     while tier.counters.manifest_hold_waits == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
-    time.sleep(0.05)
+    # Counted before the job waits for the resume: the second entry cannot be recorded now.
     assert tier.counters.manifest_hold_waits == 1 and tier.counters.manifest_records == 1  # the second waits
     assert not tier._manifest_job.done()
     tier.resume_writes()  # the first token: the job goes on

@@ -20,6 +20,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
+from support.kv_pattern import page_rows  # noqa: E402
 
 import hicache  # noqa: E402
 from hicache.cluster import HeadConfig, embedded, ray_storage_record  # noqa: E402
@@ -40,7 +41,6 @@ from hicache.cluster.tree import InsertParams, RadixKey, RequestState, TreeConfi
 from hicache.storage import ModelFingerprint  # noqa: E402
 from hicache.workers import KVCacheSpec  # noqa: E402
 from hicache.workloads import MultiTurnSpec, multi_turn  # noqa: E402
-from support.kv_pattern import page_rows  # noqa: E402
 
 PS = 4
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=4, page_size=PS, dtype="float32")
@@ -213,7 +213,7 @@ def test_batched_step_is_one_round_trip_with_per_call_errors(env_x):
 
 
 def test_two_replicas_side_by_side(replica_x, env_x):
-    handle = hicache.start_replica(replica_config("y"))
+    handle = hicache.start_replica(replica_config("y"))  # noqa: F841  # a non-detached head lives as long as its handle
     try:
         env_y = RayEnv("y")
         assert env_y.pids().isdisjoint(env_x.pids()) and env_y.ranges == env_x.ranges
@@ -233,11 +233,17 @@ def test_two_replicas_side_by_side(replica_x, env_x):
         hicache.connect("y")
 
 
+def test_the_test_hooks_are_refused_unless_the_replica_enables_them(replica_x):
+    with pytest.raises(RuntimeError, match="test_hooks"):
+        ray.get(get_head(replica_x).hold_control_for_test.remote(1.0), timeout=30)
+
+
 def test_client_timeout_is_a_hicache_error_not_a_hang(cluster):
-    handle = hicache.start_replica(ReplicaConfig(HeadConfig("z", TreeConfig(PS, 64)), detached=False))
+    handle = hicache.start_replica(  # noqa: F841  # (kept: the head lives as long as its handle)
+        ReplicaConfig(HeadConfig("z", TreeConfig(PS, 64)), detached=False, test_hooks=True))
     try:
         fast = hicache.connect("z", timeout_s=0.05, step_channel=False)  # Ray calls (the channel: below)
-        _steps_behind_a_busy_head_time_out(fast, get_head("z"))
+        _steps_behind_a_held_head_time_out(fast, get_head("z"))
         assert fast._transport.ray_steps == 3
         assert hicache.connect("z", timeout_s=30).stats().num_nodes == 0
     finally:
@@ -508,7 +514,7 @@ C_CONFIG = HeadConfig("c", TreeConfig(PS, 1024))  # room for three tenants' work
 @pytest.fixture(scope="module")
 def replica_c(cluster):
     """A control-plane-only replica (no host workers): starts and restarts in a second or two."""
-    handle = hicache.start_replica(ReplicaConfig(C_CONFIG, detached=False))
+    handle = hicache.start_replica(ReplicaConfig(C_CONFIG, detached=False, test_hooks=True))
     yield "c"
     stop_replica("c")
     del handle
@@ -521,35 +527,26 @@ def client_c(replica_c):
     return client
 
 
-def _busy(head, seconds: float = 2.0):
-    """A step through the Ray path that keeps the head busy for about ``seconds``, returned once it
-    runs: the head runs no other step meanwhile. Sized by timing a short one first: a fixed count of
-    calls lasted long enough on one box and ended before the test's timeouts or kill on a faster one."""
-    call = Call(Method.MATCH_PREFIX, RadixKey(seq(0, 4096)))
-    t = time.monotonic()
-    ray.get(head.step.remote(None, [call] * 2_000), timeout=60)
-    n = min(2_000_000, max(40_000, int(2_000 * seconds / max(time.monotonic() - t, 1e-3))))
-    calls = ray.get(head.health.remote(), timeout=10).calls
-    ref = head.step.remote(None, [call] * n)
-    end = time.monotonic() + 30
-    while ray.get(head.health.remote(), timeout=10).calls == calls:  # health answers while a step runs
-        assert time.monotonic() < end
-        time.sleep(0.02)
-    return ref
+def _hold_control(head):
+    """Occupies the head's control thread (its state lock held) until ``release_control_for_test``, through
+    the head's test-only hook (``ReplicaConfig.test_hooks``): a step in flight for as long as the test
+    needs. Returns the hold's ref once it holds."""
+    held = head.hold_control_for_test.remote(300.0)
+    assert ray.get(head.wait_control_held_for_test.remote(60.0), timeout=90)
+    return held
 
 
-def _steps_behind_a_busy_head_time_out(client, head) -> None:
+def _steps_behind_a_held_head_time_out(client, head) -> None:
     """Steps behind a long one fail with ``HiCacheTimeoutError`` (no hang), two in flight each alone."""
-    busy = _busy(head)
-    t0 = time.monotonic()
+    held = _hold_control(head)
     with pytest.raises(HiCacheTimeoutError):
         client.stats()
     pending = [client.submit_step([Call(Method.STATS)]) for _ in range(2)]
     for p in pending:
         with pytest.raises(HiCacheTimeoutError):
             p.result()
-    assert time.monotonic() - t0 < 4.0
-    assert ray.get(busy, timeout=120).status == "ok"
+    ray.get(head.release_control_for_test.remote(), timeout=10)
+    assert ray.get(held, timeout=60) is True
 
 
 def _same(got, want) -> None:
@@ -657,23 +654,26 @@ def test_step_channel_timeout_is_a_hicache_error_and_the_late_replies_are_droppe
     channel = transport._channel
     assert channel is not None
     transport.timeout_s = 0.05
-    _steps_behind_a_busy_head_time_out(client_c, get_head("c"))
+    _steps_behind_a_held_head_time_out(client_c, get_head("c"))
     transport.timeout_s = 30.0
     pages = client_c.alloc(8)  # the three stats replies came late: read and dropped, not taken for this one
     assert isinstance(pages, np.ndarray) and pages.size == 2
     assert transport._channel is channel and channel.in_flight == 0
 
 
-def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c):
+def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(replica_c):
+    client_c = hicache.connect(replica_c, channel_retry_s=0.0)  # asks the head for a channel at every step
+    client_c.reset()
     head, transport = get_head("c"), client_c._transport
     client_c.stats()
     assert transport._channel is not None
-    busy = _busy(head)  # outlasts the channel's closing (a fixed 10_000 calls raced it at load 10)
-    waiting = client_c.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
+    held = _hold_control(head)  # held until the channel is closed
+    waiting = client_c.submit_step([Call(Method.STATS)])  # on the channel, behind the held step
     ray.get(head.set_step_channel.remote(False), timeout=10)  # closes the channel and its connections
     with pytest.raises(HiCacheUnavailableError, match="step channel lost"):
         waiting.result()
-    assert ray.get(busy, timeout=120).status == "ok"
+    ray.get(head.release_control_for_test.remote(), timeout=10)
+    assert ray.get(held, timeout=60) is True
     rays = transport.ray_steps
     a = seq(100, 16)
     m = client_c.match_prefix(RadixKey(a))  # as a Ray call: the head has no channel now
@@ -686,10 +686,17 @@ def test_a_dead_step_channel_fails_its_steps_then_ray_calls_carry_them(client_c)
     elsewhere._transport._node_id = "another-node"  # a scheduler on another node cannot reach 127.0.0.1 here
     assert elsewhere.match_prefix(RadixKey(a)).device_hit_len == 16
     assert (elsewhere._transport.channel_steps, elsewhere._transport.ray_steps) == (0, 1)
-    transport._channel_retry_at = 0.0  # (instead of waiting CHANNEL_RETRY_S)
     channel_steps = transport.channel_steps
     assert client_c.match_prefix(RadixKey(a)).device_hit_len == 16
     assert transport.channel_steps == channel_steps + 1 and transport._channel is not None
+
+
+def test_transport_options_are_checked_before_anything_is_sent():
+    from hicache.cluster.ray_client import RayTransport
+
+    for bad in (dict(timeout_s=0), dict(max_in_flight=0), dict(channel_retry_s=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RayTransport(None, "nowhere", **bad)
 
 
 def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
@@ -701,13 +708,11 @@ def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
     client.cache_finished_req(RequestState(RadixKey(a), client.alloc(16), 0, m.last_device_node))
     old = transport._channel.address
     head = get_head(replica_c)
-    _busy(head)  # killed while it runs: it must outlast the kill's arrival
-    waiting = client.submit_step([Call(Method.STATS)])  # on the channel, behind the busy step
+    _hold_control(head)  # never released: the head is killed while it holds
+    waiting = client.submit_step([Call(Method.STATS)])  # on the channel, behind the held step
     ray.kill(head, no_restart=False)
-    t0 = time.monotonic()
     with pytest.raises(HiCacheUnavailableError):  # its channel died with the head: an error, not a hang
         waiting.result()
-    assert time.monotonic() - t0 < 10
     end, errors = time.monotonic() + 60, set()
     while True:
         try:

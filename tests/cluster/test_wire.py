@@ -11,8 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from hicache.cluster import Call, CacheHead, CallResult, HeadConfig, Method
-from hicache.cluster import wire
+from hicache.cluster import CacheHead, Call, CallResult, HeadConfig, Method, wire
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.client import ResultRef, run_with_refs
 from hicache.cluster.key_history import DEFAULT_CAP_TOKENS, KeyHistories, KeyHistory, SentKeys
@@ -264,9 +263,9 @@ def test_find_looks_near_the_end_first_and_then_further_back():
     assert sent.find(np.r_[old[:50], np.arange(200, dtype=np.int32)]) == (-1, 0)
 
 
-def test_keys_are_checked_once_per_buffer_and_a_bad_token_taints_its_session():
-    """The head scans a step's buffer once instead of each key; a buffer with a bad id (a client bypassing
-    ``RadixKey``) fails that key's call as the head does, and keys that refer to it later fail too."""
+def test_a_bad_token_fails_its_call_and_every_key_that_refers_to_it():
+    """Every decoded key is a checked ``RadixKey``: a buffer with a bad id (a client bypassing ``RadixKey``)
+    fails that key's call as the head does, and keys that refer to it later fail too."""
     head = CacheHead(HeadConfig(tree=TreeConfig(PS, 64)))
     sent, history = SentKeys(), KeyHistory(0, DEFAULT_CAP_TOKENS)
     first = np.arange(1, 33, dtype=np.int32)
@@ -274,7 +273,6 @@ def test_keys_are_checked_once_per_buffer_and_a_bad_token_taints_its_session():
     buf[3] = -7  # as if the client had sent an id RadixKey refuses
     (entry,) = wire.decode_results(*wire.run_step(head, header, buf, history), [None])
     assert not entry.ok and isinstance(entry.error, ValueError) and "-7" in str(entry.error)
-    assert history.checked is False
     sent.commit_copies(keys)
     longer = np.arange(1, 49, dtype=np.int32)  # refers to the tainted entry, clean buffer of its own
     header, buf, _ = wire.encode_calls([Call(Method.MATCH_PREFIX, RadixKey(longer))], sent)
@@ -282,11 +280,11 @@ def test_keys_are_checked_once_per_buffer_and_a_bad_token_taints_its_session():
     (entry,) = wire.decode_results(*wire.run_step(head, header, buf, history), [None])
     assert not entry.ok and isinstance(entry.error, ValueError) and "-7" in str(entry.error)
     assert head.tree.stats() == CacheHead(HeadConfig(tree=TreeConfig(PS, 64))).tree.stats()  # nothing inserted
-    # A clean session checks its buffer once and answers exactly as the head does.
+    # A clean session answers exactly as the head does.
     clean = KeyHistory(1, DEFAULT_CAP_TOKENS)
     header, buf, _ = wire.encode_calls([Call(Method.MATCH_PREFIX, RadixKey(longer, "t"))], SentKeys())
     (entry,) = wire.decode_results(*wire.run_step(head, header, buf, clean), [None])
-    assert entry.ok and clean.checked and entry.value.device_hit_len == 0
+    assert entry.ok and entry.value.device_hit_len == 0
 
 
 def test_find_verifies_every_token_and_keeps_private_copies():

@@ -1,4 +1,4 @@
-"""The compiled transfer programs update the pool in place: no copy of a pool-, slab- or
+"""The compiled transfer programs update the pool in place: no copy of a pool-, L2- or
 pool-shard-sized array, whatever the layout (size-1 axes included: XLA:CPU turned the reshape back
 from the flat view into a relayout copy of the whole pool for those). Checked on the optimized HLO
 and XLA's buffer assignment, so it fails without timing. Kernels alone and the engine's jitted
@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hicache.kernels import paged_copy as pc
 from hicache.workers import HostWorker, KVCacheSpec
@@ -24,7 +25,7 @@ LAYOUTS = {
     "degenerate_f32": KVCacheSpec(num_layers=1, num_kv_heads=4, head_dim=8, page_size=1, dtype="float32"),
     "flat": KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=16, page_size=4, dtype="bfloat16"),
 }
-NUM_PAGES, NUM_SLOTS, ROWS = 256, 384, 8  # batch bucket << pool and slab
+NUM_PAGES, NUM_SLOTS, ROWS = 256, 384, 8  # batch bucket << pool and L2
 
 _BIG_OP = re.compile(r"=\s*\w+\[([\d,]*)\](?:\{[^}]*\})?\s+(copy|transpose)\(")
 
@@ -90,14 +91,13 @@ def test_kernels_compile_in_place_sharded():
 @pytest.mark.parametrize("devices", [1, 4])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_engine_transfers_compile_in_place(layout, devices):
-    worker = HostWorker(LAYOUTS[layout], NUM_PAGES, NUM_SLOTS, devices=jax.devices()[:devices],
-                        host_pool_kind="numpy_slab")
+    worker = HostWorker(LAYOUTS[layout], NUM_PAGES, NUM_SLOTS, devices=jax.devices()[:devices])
     try:
         engine, pool = worker.engine, worker.device_pool
         kv = pool.kv
         shard_elems = int(np.prod(kv.addressable_shards[0].data.shape))
-        slab_elems = int(np.prod(worker.host_pool.slot_shape)) * NUM_SLOTS // devices
-        big = min(shard_elems, slab_elems)
+        l2_elems = int(np.prod(worker.host_pool.slot_shape)) * NUM_SLOTS // devices
+        big = min(shard_elems, l2_elems)
         itemsize = np.dtype(pool.storage_dtype).itemsize
         if layout.startswith("degenerate") and devices == 4:
             assert 1 in kv.addressable_shards[0].data.shape  # the case that used to copy

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from support.net import free_loopback_port
-
 import os
 import subprocess
 import sys
@@ -11,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from ray.cluster_utils import Cluster
+from support.net import free_loopback_port
 
 REPO = Path(__file__).parents[2]
 

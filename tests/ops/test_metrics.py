@@ -10,13 +10,11 @@ import numpy as np
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
-
-from hicache.cluster.metrics import HeadMetrics
-from hicache.cluster.tree import RadixKey
 from support.hicache_env import HiCacheEnv
 from support.net import free_loopback_port
 
-
+from hicache.cluster.metrics import HeadMetrics
+from hicache.cluster.tree import RadixKey
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,8 @@ import types
 from pathlib import Path
 
 import pytest
-import yaml
-
 import ray
+import yaml
 from ray._private import ray_constants
 from ray._private.accelerators import tpu as ray_tpu
 from ray.autoscaler._private import util as autoscaler_util

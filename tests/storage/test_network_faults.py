@@ -139,6 +139,23 @@ def test_a_manifest_entry_cut_in_transit_reads_short_and_stays(make):
     assert len(make("memory", url=writer.url_).list_prefixes(ns)) == 1  # still there
 
 
+def test_a_manifest_entry_cut_at_rest_reads_short_and_is_removed(scheme, make):
+    writer = make(scheme)
+    _fill_store(writer)
+    ns = _chains()[0][0]
+    d, name = writer._manifest.location(ns)
+    (entry,) = [p for p in writer.faulty.fs.find(d) if p.rsplit("/", 1)[-1].startswith(name)]
+    blob = writer.faulty.fs.cat_file(entry)
+    writer.faulty.fs.rm_file(entry)
+    writer.faulty.fs.pipe_file(entry, blob[:-8])  # a torn write: the last token missing
+    st = make(scheme, url=writer.url_)
+    assert st.list_prefixes(ns) == []
+    s = st.stats()
+    assert dict(s.corrupt_by_reason) == {"short": 1}
+    assert (s.corrupt_at_rest, s.corrupt_deleted, s.corrupt_in_transit) == (1, 1, 0)
+    assert not writer.faulty.fs.exists(entry)
+
+
 def test_an_object_corrupt_at_rest_is_removed_under_flips_in_transit(scheme, make):
     """At-rest damage is still found and removed while 30% of reads are also flipped in transit
     (a read pair with a transit flip is not proof; a later clean pair is)."""
@@ -271,7 +288,7 @@ def test_transient_errors_are_retried_within_the_deadline(make):
     assert st.stats().retries > 0 and st.stats().breaker_opens == 0
 
 
-def test_a_refused_gs_endpoint_is_refused_not_retried_until_the_deadline(make_url):
+def test_a_refused_gs_endpoint_is_refused_not_retried_until_the_deadline(gcs_emulator):
     """gcsfs' own retries (backoff of 1, 2, 4 ... s) are off: a refused connection surfaces as
     ``refused`` within the deadline instead of a timeout."""
     from support.net import free_loopback_port

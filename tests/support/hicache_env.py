@@ -14,16 +14,16 @@ import random
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from support.kv_pattern import page_rows
 
 from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
-from hicache.storage import ModelFingerprint
-from hicache.cluster.transfers import LocalWorkerGroup
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
+from hicache.cluster.worker_group import LocalWorkerGroup
+from hicache.storage import ModelFingerprint
 from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferAck, TransferPlan
-from support.kv_pattern import page_rows
 
 
 def make_spec(page_size: int) -> KVCacheSpec:

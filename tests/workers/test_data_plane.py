@@ -1,4 +1,5 @@
-"""Data plane on a 4-device fake CPU mesh, heads sharded: exact round trips, validation, caps."""
+"""Data plane on a 4-device fake CPU mesh, heads sharded: exact round trips (XLA and interpreted
+Pallas kernels), validation, caps."""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ def _random_pages(worker: HostWorker, n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(worker.device_pool.dtype)
 
 
-@pytest.fixture(scope="module", params=["numpy_slab", "pinned_pages"])
-def worker(request) -> HostWorker:
+@pytest.fixture(scope="module")
+def worker() -> HostWorker:
     assert len(jax.devices()) == 4
-    return HostWorker(SPEC, NUM_PAGES, NUM_SLOTS, host_pool_kind=request.param)
+    return HostWorker(SPEC, NUM_PAGES, NUM_SLOTS)
 
 
 def _op(op_id, kind, pages, slots, keys=()):
@@ -74,6 +75,29 @@ def test_backup_overwrite_load_is_bit_identical(worker):
     acks = worker.wait(timeout_s=60)
     assert [a.ok for a in acks] == [True] and acks[0].op_id == 2 and acks[0].host == 0
     np.testing.assert_array_equal(_bits(dp.read_pages(dst_pages)), _bits(data))
+
+
+# Pallas interpret mode over 4 fake CPU devices hangs in its buffer-allocation callbacks once a
+# shard is larger than this layout's (seen with SPEC's 64-wide heads and 16-token pages on 2 cores).
+SMALL_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=16, page_size=4, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_every_kernel_impl_round_trips_exactly_on_the_sharded_mesh(impl):
+    """The TPU kernels (Pallas, interpreted) and the XLA ones run the same engine code, per shard."""
+    w = HostWorker(SMALL_SPEC, NUM_PAGES, NUM_SLOTS, impl=impl)
+    assert w.engine.impl.value == impl and len(w.device_pool.kv.addressable_shards) == 4
+    data = _random_pages(w, 5, seed=11)
+    w.device_pool.write_pages([17, 3, 9, 22, 0], data)
+    before = _bits(w.device_pool.read_pages(np.arange(NUM_PAGES))).copy()
+    w.submit(_plan(_op(1, "d2h", [17, 3, 9, 22, 0], [11, 2, 7, 15, 4]),
+                   _op(2, "h2d", [5, 20, 1, 12, 8], [4, 15, 7, 2, 11])))
+    assert [a.ok for a in w.wait(timeout_s=120)] == [True, True]
+    np.testing.assert_array_equal(_bits(w.host_pool.read_slots([11, 2, 7, 15, 4])), _bits(data))
+    after = _bits(w.device_pool.read_pages(np.arange(NUM_PAGES)))
+    np.testing.assert_array_equal(after[[5, 20, 1, 12, 8]], _bits(data[::-1]))
+    untouched = np.setdiff1d(np.arange(NUM_PAGES), [5, 20, 1, 12, 8])
+    np.testing.assert_array_equal(after[untouched], before[untouched])
 
 
 def test_plan_with_backup_then_load_of_same_slots_in_order(worker):
@@ -144,7 +168,6 @@ def test_failed_transfer_leaves_pools_unchanged_and_slots_reusable(worker, monke
     dp, hp = worker.device_pool, worker.host_pool
     before_l1 = _bits(dp.read_pages(np.arange(NUM_PAGES))).copy()
     before_l2 = _bits(hp.read_slots(np.arange(NUM_SLOTS))).copy()
-    pending_cls = type(hp.begin_backup.__self__)  # noqa: F841 (documentation)
 
     def broken_commit(*a, **k):
         raise RuntimeError("injected DMA failure")
@@ -225,16 +248,6 @@ def test_host_pool_never_exceeds_cap(worker):
         assert hp.used_bytes <= hp.capacity_bytes
     with pytest.raises(ValueError, match="out of range"):
         worker.submit(_plan(_op(1, "d2h", [0], [NUM_SLOTS])))
-
-
-def test_slab_memory_is_page_aligned_writable_and_sized():
-    from hicache.workers.host_pool import slab_empty
-
-    a = slab_empty((3, 5, 7), np.uint16)
-    assert a.shape == (3, 5, 7) and a.dtype == np.uint16 and a.flags.writeable and a.flags.c_contiguous
-    assert a.ctypes.data % 4096 == 0 and a.nbytes == 3 * 5 * 7 * 2
-    a[...] = np.arange(a.size, dtype=np.uint16).reshape(a.shape)
-    assert int(a[2, 4, 6]) == a.size - 1
 
 
 def test_size_host_pool_checks_available_memory():

@@ -1,8 +1,6 @@
-"""The ``PINNED_PAGES`` host pool (the TPU/GPU L2: one ``pinned_host`` array per slot), run on CPU.
-
-Its device-side split (D2H) and stack (H2D) programs are compiled per row bucket, never per page
-count: one program per distinct batch size compiled for 0.2-5 s on every new size (seen on an H200
-in the serving path), which the CPU-default tests never ran into."""
+"""The host pool (one ``pinned_host`` array per slot, as on TPU): its device-side split (D2H) and stack
+(H2D) programs are compiled per row bucket, never per page count (a program per distinct batch
+size would compile on every new size in the serving path); its capacity is a hard cap."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ import itertools
 import jax
 import numpy as np
 
-from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan
-from hicache.workers import host_pool
+from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferOp, TransferPlan, host_pool
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
 _ids = itertools.count(1)
@@ -29,9 +26,9 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def test_batches_of_one_bucket_share_one_program_and_round_trip_exactly():
-    worker = HostWorker(SPEC, 64, 64, devices=[jax.devices()[0]], host_pool_kind="pinned_pages")
+    worker = HostWorker(SPEC, 64, 64, devices=[jax.devices()[0]])
     try:
-        assert isinstance(worker.host_pool, host_pool.PinnedPagesHostPool)
+        assert all(m == "pinned_host" for m in {s.memory_kind for s in worker.host_pool._host_sharding})
         rng = np.random.default_rng(0)
         shape = (64, *worker.device_pool.host_row_shape)
         data = rng.standard_normal(shape, dtype=np.float32).astype(worker.device_pool.dtype)
@@ -51,3 +48,16 @@ def test_batches_of_one_bucket_share_one_program_and_round_trip_exactly():
         np.testing.assert_array_equal(_bits(worker.device_pool.read_pages(np.arange(64))), _bits(data))
     finally:
         worker.close()
+
+
+def test_used_bytes_counts_held_slots_up_to_the_cap():
+    worker = HostWorker(SPEC, 8, 6, devices=[jax.devices()[0]])
+    hp = worker.host_pool
+    assert hp.used_bytes == 0 and hp.capacity_bytes == 6 * hp.slot_bytes
+    rows = np.zeros((3, *hp.slot_shape), hp.dtype)
+    hp.write_slots([0, 4, 5], rows)
+    assert hp.used_bytes == 3 * hp.slot_bytes
+    hp.write_slots([4, 5], rows[:2])  # overwrites replace, they do not add
+    assert hp.used_bytes == 3 * hp.slot_bytes
+    _run(worker, "d2h", np.arange(6), np.arange(6))
+    assert hp.used_bytes == hp.capacity_bytes

@@ -31,9 +31,9 @@ def _pages(worker: HostWorker, n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
-@pytest.fixture(params=["numpy_slab", "pinned_pages"])
-def worker(request):
-    w = HostWorker(SPEC, 16, 16, devices=[jax.devices()[0]], host_pool_kind=request.param)
+@pytest.fixture
+def worker():
+    w = HostWorker(SPEC, 16, 16, devices=[jax.devices()[0]])
     yield w
     w.close()
 
@@ -202,10 +202,10 @@ def test_storage_view_of_the_pool_passes_the_static_protocol_check(worker):
     assert (view.slot_shape, view.slot_bytes) == (worker.host_pool.slot_shape, worker.host_pool.slot_bytes)
 
 
-def test_backup_to_storage_reads_back_exact(worker, tmp_path):
-    """An L2->L3 backup of scattered slots through the storage thread's view of the pool, read back
-    straight into the prefetch's slots for a one-slab pool (no commit); pinned pages are read back
-    through the owner's commit (the pool untouched before it). Either way the same bytes."""
+def test_backup_to_storage_and_prefetch_back_are_exact_and_commit_on_the_owner(worker, tmp_path):
+    """An L2->L3 backup of scattered slots through the storage thread's view of the pool reads every
+    slot, and the prefetch back into other slots is collected on the storage thread: the pool is
+    untouched until the owner runs the returned commit, then holds the same bytes."""
     from hicache.storage import ModelFingerprint, Namespace, page_keys
 
     fp = ModelFingerprint("async-test", SPEC.dtype, SPEC.page_size, SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim)
@@ -223,14 +223,10 @@ def test_backup_to_storage_reads_back_exact(worker, tmp_path):
         assert sum(reads) == 6  # one gather of the backup's pages (storage has no zero-copy path)
         dst = np.array([1, 4, 5, 6, 8, 10], np.int32)
         before = pool.read_slots(dst)
-        got = ex(TransferOp(2, OpKind.PREFETCH_S2H, np.empty(0, np.int32), dst, tuple(keys)), pool)
-        if pool.kind.value == "numpy_slab":  # read straight into the reserved slots: nothing to commit
-            assert got == 6 * pool.slot_bytes
-        else:  # pinned pages: collected on the storage thread, written by the owner's commit
-            moved, commit = got
-            assert moved == 6 * pool.slot_bytes
-            assert np.array_equal(pool.read_slots(dst).view(np.uint32), before.view(np.uint32))
-            commit()
+        moved, commit = ex(TransferOp(2, OpKind.PREFETCH_S2H, np.empty(0, np.int32), dst, tuple(keys)), pool)
+        assert moved == 6 * pool.slot_bytes
+        assert np.array_equal(pool.read_slots(dst).view(np.uint32), before.view(np.uint32))
+        commit()
         assert np.array_equal(pool.read_slots(dst).view(np.uint32), data.view(np.uint32))
     finally:
         del pool.read_slots

@@ -1,9 +1,9 @@
-"""In-flight transfers on the head: which nodes wait on which op, and when every host has acked.
+"""The head's view of one replica's host workers: ``WorkerGroup``, and ``LocalWorkerGroup`` in process.
 
-The head numbers plans (``seq``) and ops (``op_id``), sends each plan to every host worker of the
-replica, and applies an op's state change only when all hosts acked it (DESIGN.md §1); one failed host
-fails the op for everyone. ``WorkerGroup`` is the head's view of the replica's workers: a list of
-in-process ``HostWorker`` objects in embedded mode, Ray actor handles in the cluster.
+The head (on its one thread) sends every ``TransferPlan`` to every host worker of the replica through
+its ``WorkerGroup`` and collects their acks; it also asks them about L3 (each host keeps its own storage
+client over its shard of each page). ``LocalWorkerGroup`` holds in-process ``HostWorker`` objects
+(embedded mode, tests); ``hicache.cluster.ray_workers.RayWorkerGroup`` holds Ray actor handles.
 """
 
 from __future__ import annotations
@@ -14,15 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
-from hicache.cluster.tree import TreeNode
 from hicache.storage import Namespace
-from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
+from hicache.workers.plan import TransferAck, TransferPlan
 from hicache.workers.storage_exec import StorageAttachment, StorageExecutor
-
-# A transfer's ack record before it is sent (``PendingTransfer.sent`` gives it a real one): shared immutable
-# placeholders, so queuing a transfer allocates no set or list.
-NOT_SENT: frozenset[int] = frozenset()  # no host acks a transfer that was not sent
-NO_ERRORS: tuple[str, ...] = ()
 
 
 class WorkerGroup(Protocol):
@@ -124,7 +118,7 @@ class LocalWorkerGroup:
         for e in execs:  # (a loop, no generator: on the L3 miss query of every request)
             if not isinstance(e, StorageExecutor):
                 raise RuntimeError("no storage backend attached")
-        return execs  # type: ignore[return-value]
+        return execs
 
     def storage_pages_per_object(self) -> int:
         return self._executors()[0].storage.pages_per_object()
@@ -151,54 +145,3 @@ class LocalWorkerGroup:
     def storage_probe(self) -> bool:
         return all([e.storage.probe() for e in self._executors()])  # (a list: every host probes)
 
-
-class PendingTransfer:
-    """One op in flight and the nodes whose state waits on it (in root-to-leaf order).
-
-    ``op`` is the op as sent; ``sent`` gives it its ack record (``acked_hosts``, ``errors``), shared by
-    every transfer the op carries (the controller's copy batches carry many: ``num_transfers``). A plain
-    slotted class: the head makes one per L3 op and per batch of L1<->L2 copies."""
-
-    __slots__ = ("op", "seq", "nodes", "num_hosts", "acked_hosts", "errors")
-    num_transfers = 1  # transfers this op carries (the requests' view: a copy batch counts its copies)
-
-    def __init__(self, op: TransferOp | None, seq: int, nodes: list[TreeNode], num_hosts: int) -> None:
-        self.op = op
-        self.seq = seq
-        self.nodes = nodes
-        self.num_hosts = num_hosts
-        self.acked_hosts: set[int] = NOT_SENT  # type: ignore[assignment]  # replaced by ``sent`` (never added to)
-        self.errors: list[str] = NO_ERRORS  # type: ignore[assignment]  # replaced by ``sent``
-
-    def sent(self, seq: int) -> None:
-        """The op left in plan ``seq``: from now on hosts ack it."""
-        self.seq, self.acked_hosts, self.errors = seq, set(), []
-
-    def fail(self, reason: str) -> None:
-        """Gives up on the transfer (sent or not): it completes as failed on every host."""
-        self.errors = [*self.errors, reason]  # a new list: an unsent op holds the shared placeholder
-        self.acked_hosts = set(range(self.num_hosts))
-
-    @property
-    def kind(self) -> OpKind:
-        return self.op.kind  # type: ignore[union-attr]  # asked of L3 ops only (copy batches override it)
-
-    @property
-    def done(self) -> bool:
-        return len(self.acked_hosts) == self.num_hosts
-
-    @property
-    def ok(self) -> bool:
-        return self.done and not self.errors
-
-    def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
-        """The tree split ``suffix``; ``prefix`` now carries the first part of the same transfer."""
-        self.nodes.insert(self.nodes.index(suffix), prefix)
-
-    def record(self, ack: TransferAck) -> None:
-        """Records one host's ack (once per host; for every transfer sharing this record)."""
-        if ack.host in self.acked_hosts:
-            return  # a duplicate ack changes nothing
-        self.acked_hosts.add(ack.host)
-        if not ack.ok:
-            self.errors.append(f"host {ack.host}: {ack.error}")
