@@ -150,6 +150,7 @@ def test_a_dead_endpoint_never_holds_a_request_and_hits_resume_when_it_returns(r
     assert fresh.ttft_s < BOUND_S and store.stats().exists_calls == calls
     assert stack.head.cache_stats()["storage"]["probes"] == probes  # open, cooling down: no probe either
 
+    assert tier.settle(30.0)  # a probe started before the breaker opened has ended (by its deadline)
     fs.set_plan(FaultPlan())  # the endpoint returns
     fs.release_hangs()
     clock.advance(STORAGE.breaker_cooldown_s)
