@@ -28,7 +28,7 @@ from hicache.cluster.events import CacheCounters, KVEvent, MissReason
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.plan_outbox import PlanOutbox
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
-from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams, StorageTier
+from hicache.cluster.storage_tier import L3_UNAVAILABLE, PrefetchParams, PrefetchProgress, StorageParams, StorageTier
 from hicache.cluster.tier_events import TierEvents
 from hicache.cluster.transfer_commit import TransferCommitter
 from hicache.cluster.tree import CacheCapacityError, MatchResult, PageOwner, RadixKey, RadixTree, TreeNode
@@ -364,6 +364,8 @@ class HiCacheController:
         if self.storage is None:
             raise RuntimeError("no storage backend attached")
         progress = self.storage.prefetch(params)
+        if progress.reason == L3_UNAVAILABLE:  # not asked: the match's missing tokens are L3's misses
+            self.events.move_last_miss(MissReason.L3_UNAVAILABLE)
         self.submit()
         return progress
 
@@ -374,6 +376,8 @@ class HiCacheController:
             raise RuntimeError("no storage backend attached")
         progress = self.storage.prefetch_matched(req_id, key, self.tree.node(m.best_match_node),
                                                  m.device_hit_len + m.host_hit_len)
+        if progress.reason == L3_UNAVAILABLE:
+            self.events.move_last_miss(MissReason.L3_UNAVAILABLE)
         self.submit()
         return progress
 

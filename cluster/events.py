@@ -34,6 +34,7 @@ class MissReason(str, Enum):
     OVER_QUOTA = "over_quota"  # load-back needed more L1 than the caller's quota
     NO_SPACE = "no_space"  # L1 could not make room for the load-back
     LOAD_FAILED = "load_failed"  # the H->D transfer failed; recomputed
+    L3_UNAVAILABLE = "l3_unavailable"  # L3 was not asked: its breaker is open (endpoint down); recomputed
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,8 @@ class CacheHead:
             )
             if ctl.storage is not None:
                 out["storage"] = ctl.storage.counters.snapshot()
-                out["storage_errors"] = ctl.workers.storage_errors()
+                out["storage_errors"] = ctl.workers.storage_errors()  # by kind (transfers.L3_ERROR_KINDS)
+                out["storage_breaker"] = ctl.workers.storage_breaker_state()  # closed / half_open / open
         return out
 
     # -- metrics ---------------------------------------------------------------------------------------

@@ -37,11 +37,14 @@ class HeadMetrics:
         self.in_flight = Gauge("hicache_transfers_in_flight", "Transfers sent and not yet acked", ("replica",))
         self.latency = Histogram("hicache_transfer_latency_seconds", "Transfer duration on a host",
                                  _LATENCY_BOUNDARIES, ("replica", "direction", "host"))
-        self.l3_errors = Counter("hicache_l3_errors", "L3 objects that failed: corrupt (checksum, header, "
-                                 "short), backend error, timeout (all hosts)", ("replica", "kind"))
+        self.l3_errors = Counter("hicache_l3_errors", "L3 operations that failed, by kind: timeout, refused, "
+                                 "missing_bucket, permission, other, corrupt_in_transit, corrupt_at_rest, "
+                                 "unavailable (failed fast: breaker open) (all hosts)", ("replica", "kind"))
+        self.l3_available = Gauge("hicache_l3_available", "1 while the hosts' L3 breaker is closed (requests "
+                                  "ask L3), 0 while it is open or probing", ("replica",))
         for metric in (self.hit_tokens, self.queried_tokens, self.miss_tokens, self.bytes_moved,
                        self.transfer_failures, self.evicted_tokens, self.prefetch, self.l3_backup_pages,
-                       self.occupancy, self.capacity, self.in_flight, self.latency, self.l3_errors):
+                       self.occupancy, self.capacity, self.in_flight, self.latency, self.l3_errors, self.l3_available):
             metric.set_default_tags(tags)
         self._last: dict[tuple[str, ...], float] = {}
 
@@ -82,6 +85,7 @@ class HeadMetrics:
                 self._inc(self.l3_backup_pages, ("l3", outcome), l3.get(key, 0), {"outcome": outcome})
             for kind, count in stats.get("storage_errors", {}).items():
                 self._inc(self.l3_errors, ("l3err", kind), count, {"kind": kind})
+            self.l3_available.set(1 if stats.get("storage_breaker", "closed") == "closed" else 0)
 
     def observe_transfer(self, kind: str, seconds: float, host: int = 0) -> None:
         self.latency.observe(seconds, tags={"direction": _DIRECTIONS.get(kind, kind), "host": str(host)})

@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # (imported where it is built: jax loads with it)
     from hicache.workers import HostWorker
 
 log = logging.getLogger(__name__)
+_BREAKER_REFRESH_S = 0.5  # how stale the head's view of the hosts' L3 breakers may be
 
 NAMESPACE = "hicache"
 
@@ -241,6 +242,12 @@ class HostWorkerActor:
 
         return storage_error_counts(self._storage().stats())
 
+    def storage_breaker_state(self) -> str:
+        return self._storage().breaker.state.value
+
+    def storage_probe(self) -> bool:
+        return self._storage().probe()
+
 
 # ------------------------------------------------------------------------------------------------
 def _actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:
@@ -276,6 +283,8 @@ class RayWorkerGroup:
         self._submits: list[ray.ObjectRef] = []
         self._wire_seq = itertools.count()
         self._slice_reservation: Any = None  # the TPU slice head's placement group, once reserved
+        self._breaker = "closed"  # the hosts' worst L3 breaker state when last asked
+        self._breaker_next = 0.0  # monotonic time of the next refresh of ``_breaker``
 
     @property
     def num_hosts(self) -> int:
@@ -437,16 +446,40 @@ class RayWorkerGroup:
         return ray.get(self.actors[0].storage_list_prefixes.remote(namespace), timeout=self.options.call_timeout_s)
 
     def storage_errors(self) -> dict[str, int]:
-        total = {"corrupt": 0, "error": 0, "timeout": 0}
+        from hicache.cluster.worker_group import sum_error_counts
+
         try:
             per_host = ray.get([a.storage_errors.remote() for a in self.actors], timeout=self.options.call_timeout_s)
         except Exception as e:  # metrics only: an unreachable host reports nothing this time
             log.warning("replica %s: L3 error counts unavailable: %s", self.replica, e)
-            return total
-        for counts in per_host:
-            for k, v in counts.items():
-                total[k] += v
-        return total
+            per_host = []
+        return sum_error_counts(per_host)
+
+    def storage_breaker_state(self) -> str:
+        """The worst breaker state over hosts, asked at most every ``_BREAKER_REFRESH_S`` (the head asks
+        before every L3 query; one round trip per refresh, not per request). An unreachable host: open."""
+        from hicache.cluster.worker_group import worst_breaker_state
+
+        now = time.monotonic()
+        if now >= self._breaker_next:
+            self._breaker_next = now + _BREAKER_REFRESH_S
+            try:
+                states = ray.get([a.storage_breaker_state.remote() for a in self.actors],
+                                 timeout=self.options.call_timeout_s)
+                self._breaker = worst_breaker_state(states)
+            except Exception as e:
+                log.warning("replica %s: L3 breaker state unavailable: %s", self.replica, e)
+                self._breaker = "open"
+        return self._breaker
+
+    def storage_probe(self) -> bool:
+        try:
+            ok = all(ray.get([a.storage_probe.remote() for a in self.actors], timeout=self.options.call_timeout_s))
+        except Exception as e:
+            log.warning("replica %s: L3 probe failed: %s", self.replica, e)
+            ok = False
+        self._breaker_next = 0.0  # the next question sees the probe's outcome
+        return ok
 
     def check_alive(self) -> bool:
         """Pings every host (health group, never queued behind transfers); False once lost."""

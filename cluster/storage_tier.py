@@ -13,8 +13,9 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   ancestors) and written by a background thread at most every ``manifest_interval_s``, and fully on
   ``flush_manifest()`` / detach, so ``list_prefixes`` finds every stored prefix after a flush.
 - Warm restart: on attach (start, runtime attach, reset, head restart all attach through here) the
-  manifest of every namespace the tree has a root for (the default one at least) is read, longest
-  prefixes first, into storage-only tree entries (``tree.storage_only``; no L1 pages, no L2 slots),
+  manifest of every namespace the tree has a root for (the default one at least) is read in the
+  background (``Availability`` below: attach returns at once), longest prefixes first, into
+  storage-only tree entries (``tree.storage_only``; no L1 pages, no L2 slots),
   at most ``warm_restart_max_tokens`` tokens (also their cap afterwards; 0: off). Matches report them
   as ``storage_hit_len``; a prefetch covered by them skips the existence lookup, still reads with
   checksums, turns them into host-only nodes, and on a failed read drops them. Detach drops them all.
@@ -36,6 +37,17 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   first page after the matched prefix, so repeated misses skip the existence lookup; a remembered
   miss is dropped early when this head stores that page. Hits are never cached: a prefetch always
   asks storage.
+- Availability (L3 on a failing network): the workers' storage clients keep a breaker per location
+  (``FsspecStorage.breaker``); before every L3 query the head asks their worst state
+  (``WorkerGroup.storage_breaker_state``, no storage I/O). Not closed: the query is skipped at once,
+  its tokens count as misses with reason ``l3_unavailable`` (the controller moves them there), and
+  when the cooldown has passed (``half_open``) one background probe (``storage_probe``) runs off the
+  request path, so no request is ever the probe. A warm restart that found L3 unreachable stays due
+  and runs again in the background once the breaker is closed. The background thread
+  (``hicache-l3-attach``: probe, then manifest listing) touches no tree state: the head applies its
+  result at its next call into this tier (``_poll_background``), so the tree stays single-threaded.
+  A request waits on its prefetch at most ``prefetch_wait_max_s`` under every stop policy (the
+  existence check is bounded by the storage's ``exists_timeout_s``).
 """
 
 from __future__ import annotations
@@ -59,6 +71,8 @@ from hicache.cluster.worker_group import WorkerGroup
 from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfig, page_keys
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
+
+L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason of a query skipped while L3 is down
 
 
 class PrefetchPolicy(str, Enum):
@@ -85,6 +99,7 @@ class StorageParams:
     manifest_interval_s: float = 2.0  # write queued manifest entries at most this often (background)
     warm_restart_max_tokens: int = 1 << 20  # storage-only tree entries read from the manifest (0: off)
     write_hold_max_s: float = 0.5  # pause_writes() holds L2->L3 writes at most this long (0: never holds)
+    prefetch_wait_max_s: float = 0.5  # a request waits on its prefetch at most this long, under any policy
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -101,7 +116,7 @@ class StorageParams:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s",
-                     "negative_cache_ttl_s", "manifest_interval_s", "write_hold_max_s"):
+                     "negative_cache_ttl_s", "manifest_interval_s", "write_hold_max_s", "prefetch_wait_max_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -147,7 +162,8 @@ class _Prefetch:
     keys: list[str]
     slots: np.ndarray
     started: float
-    deadline: float
+    deadline: float  # the TIMEOUT policy's
+    wait_until: float  # no request waits past this (prefetch_wait_max_s)
     state: PrefetchState = PrefetchState.RUNNING
 
 
@@ -180,6 +196,8 @@ class StorageCounters:
     storage_only_dropped_tokens: int = 0  # storage-only entries dropped after a failed read
     backup_held_ops: int = 0  # L2->L3 writes held by pause_writes() until resume_writes() (or the bound)
     backup_held_dropped_pages: int = 0  # held writes dropped on detach (never sent: later misses)
+    unavailable_skips: int = 0  # L3 queries skipped: the hosts' storage breaker was not closed
+    probes: int = 0  # background probes of an unavailable L3 started
 
     def snapshot(self) -> dict:
         return dataclasses.asdict(self)
@@ -216,25 +234,105 @@ class StorageTier:
         self._manifest_jobs: list[None] = []  # one entry per manifest write submitted and not done (append
         # on the head thread, pop by the job as it ends: both atomic)
         self._gate_closed = False  # this tier cleared ``_writes_open`` (the resume sets it again)
-        workers.attach_storage(params.attachment())
+        self._stopped = threading.Event()  # detached: background work ends at its next step
+        self._bg: cf.ThreadPoolExecutor | None = None  # probe + manifest listing (module docstring)
+        self._bg_job: cf.Future | None = None
+        self._bg_lists = False  # the running job lists the manifest (else: a probe only)
+        workers.attach_storage(params.attachment())  # builds clients (no storage I/O)
         self.pages_per_object = workers.storage_pages_per_object()
         tree.storage_only.cap_tokens = params.warm_restart_max_tokens if not tree.extra_components else 0
         tree.storage_only.trim()
-        if tree.storage_only.cap_tokens:
-            self._warm_restart()
+        self._warm_due = bool(tree.storage_only.cap_tokens)  # a warm restart is still to be done
+        if self._warm_due:
+            self._start_background(probe=True)
 
-    # -- warm restart --------------------------------------------------------------------------------
-    def _warm_restart(self) -> None:
-        """Storage-only tree entries from the manifest of every namespace the tree knows (bounded)."""
+    # -- background: probe, warm restart -----------------------------------------------------------------
+    def _start_background(self, *, probe: bool) -> None:
+        """Starts the background job unless one runs: a probe of every host's client (``probe``), then,
+        if a warm restart is due and L3 answered, the manifest listing of every namespace the tree has
+        a root for now. Its result is applied by ``_poll_background`` on the head's thread."""
+        if self._bg_job is not None or self._stopped.is_set():
+            return
+        namespaces = [Namespace(self.params.fingerprint, ek, salt) for ek, salt in self.tree.roots()] if self._warm_due else []
+        if not probe and not namespaces:
+            return
+        workers, stopped = self.workers, self._stopped
+
+        def job() -> list | None:  # None: L3 did not answer
+            if probe and not workers.storage_probe():
+                return None
+            out = []
+            for ns in namespaces:
+                if stopped.is_set():
+                    return None
+                out.append((ns, workers.storage_list_prefixes(ns)))  # bounded by list_timeout_s
+            return out
+
+        if self._bg is None:
+            self._bg = cf.ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-attach")
+        self._bg_lists = bool(namespaces)
+        if probe:
+            self.counters.probes += 1
+        self._bg_job = self._bg.submit(job)
+
+    def _poll_background(self) -> None:
+        """Applies a finished background job (head thread): storage-only entries of a warm restart."""
+        job = self._bg_job
+        if job is None or not job.done():
+            return
+        self._bg_job = None
+        try:
+            result = job.result()
+        except Exception:  # an outage while listing: still due, tried again once L3 answers
+            result = None
+        if not self._bg_lists:
+            return
+        if result is None:
+            self.counters.warm_restart_failures += 1
+            return
+        self._warm_due = False
+        self._warm_restart(result)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the background job (attach's warm restart, a probe) and applies
+        it; True if none is left running. For callers that want the warm restart done before they go on
+        (tests, a benchmark's setup); serving never waits on it."""
+        job = self._bg_job
+        if job is not None:
+            cf.wait([job], timeout=timeout_s)
+        self._poll_background()
+        return self._bg_job is None
+
+    @property
+    def warm_restart_due(self) -> bool:
+        """A warm restart has not run yet (L3 has not answered since attach)."""
+        return self._warm_due
+
+    def _available(self) -> bool:
+        """Whether an L3 query may go to storage now: the hosts' breakers are closed. Otherwise, once the
+        cooldown has passed, starts a background probe (no request is the probe). With L3 up, a warm
+        restart still due starts in the background."""
+        self._poll_background()
+        state = self.workers.storage_breaker_state()
+        if state == "closed":
+            if self._warm_due:
+                self._start_background(probe=True)
+            return True
+        if state == "half_open":
+            self._start_background(probe=True)
+        return False
+
+    def _warm_restart(self, listed: list) -> None:
+        """Storage-only tree entries from the manifest listings (``(namespace, prefixes)``; bounded),
+        below each namespace's root as the tree has it now."""
         entries = self.tree.storage_only
-        for (extra_key, salt), root in self.tree.roots().items():
+        roots = self.tree.roots()
+        for ns, prefixes in listed:
+            root = roots.get((ns.extra_key, ns.cache_salt))
+            if root is None:  # the namespace's root went (idle) meanwhile: its entries wait for no one
+                continue
             if entries.tokens >= entries.cap_tokens:
                 return
-            try:
-                prefixes = self.workers.storage_list_prefixes(Namespace(self.params.fingerprint, extra_key, salt))
-            except Exception:  # an outage: start cold (requests still ask L3)
-                self.counters.warm_restart_failures += 1
-                continue
             for sp in prefixes:  # longest first
                 added = entries.add_path(root, np.asarray(sp.tokens, dtype=np.int32), tuple(sp.keys))
                 if added:
@@ -407,6 +505,9 @@ class StorageTier:
         skip = self._skip
         if whole - depth < max(self.params.prefetch_min_tokens, ps):
             return skip(req_id, "below prefetch_min_tokens")
+        if not self._available():  # down: no request waits on it (module docstring)
+            self.counters.unavailable_skips += 1
+            return skip(req_id, L3_UNAVAILABLE)
         if anchor.parent is not None and anchor.host_slots is None:
             return skip(req_id, "matched prefix has no L2 copy to hang fetched pages below")
         ns = Namespace(self.params.fingerprint, key.extra_key, key.cache_salt)
@@ -447,7 +548,7 @@ class StorageTier:
                         tuple(keys[:found]), first_page=depth // ps)
         now = time.monotonic()
         task = _Prefetch(req_id, op.op_id, anchor, tokens[depth : depth + found * ps].copy(), list(op.storage_keys),
-                         slots, now, now + self.params.prefetch_timeout_s(found * ps))
+                         slots, now, now + self.params.prefetch_timeout_s(found * ps), now + self.params.prefetch_wait_max_s)
         self._prefetches[op.op_id] = task
         self._by_req[req_id] = task
         self._inflight_prefetch_pages += found
@@ -513,11 +614,13 @@ class StorageTier:
             if self._manifest_thread is None:
                 self._manifest_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="hicache-manifest")
             record = self.workers.storage_record_prefix
-            counters, hold_left, writes_open = self.counters, self._hold_left_s, self._writes_open
+            counters, hold_left, writes_open, stopped = self.counters, self._hold_left_s, self._writes_open, self._stopped
 
             def write() -> None:
                 try:
                     for ns, tokens in entries:
+                        if stopped.is_set():  # detached past the flush's bound: the rest is lost (best effort)
+                            return
                         left = hold_left()
                         if left:  # a prefill runs: this entry waits for its first token (bounded by the hold)
                             counters.manifest_hold_waits += 1
@@ -537,7 +640,8 @@ class StorageTier:
             self._gate_closed = False
             self._writes_open.set()  # a flush writes now, pause or not (the next pause holds again)
             try:
-                self._manifest_job.result(timeout=max(1.0, self.params.storage.timeout_s * (len(entries) + 1)))
+                # one data call's deadline for the whole flush: a hung L3 never holds a detach or close longer
+                self._manifest_job.result(timeout=self.params.storage.timeout_s)
             except cf.TimeoutError:
                 pass
             except Exception:  # an outage: the manifest is best effort (prefixes stay in L3)
@@ -564,8 +668,9 @@ class StorageTier:
             del self._by_req[req_id]  # reported once; the request matches again now
             return PrefetchProgress(req_id, task.state, tokens if task.state is PrefetchState.DONE else 0, True)
         policy = self.params.prefetch_policy
-        may = policy is PrefetchPolicy.BEST_EFFORT or (
-            policy is PrefetchPolicy.TIMEOUT and time.monotonic() >= task.deadline)
+        now = time.monotonic()
+        may = policy is PrefetchPolicy.BEST_EFFORT or now >= task.wait_until or (
+            policy is PrefetchPolicy.TIMEOUT and now >= task.deadline)
         if may:
             del self._by_req[req_id]  # the request goes on without it; the pages still land in L2
         return PrefetchProgress(req_id, PrefetchState.RUNNING, tokens, may, "timed out" if may else "")
@@ -575,10 +680,11 @@ class StorageTier:
         task = self._by_req.get(req_id)
         if task is None or task.state is not PrefetchState.RUNNING:
             return 0.0
+        left = task.wait_until - time.monotonic()  # the bound under every policy
         if self.params.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
-            return ack_timeout_s
+            return max(0.0, min(ack_timeout_s, left))
         if self.params.prefetch_policy is PrefetchPolicy.TIMEOUT:
-            return max(0.0, task.deadline - time.monotonic())
+            return max(0.0, min(task.deadline - time.monotonic(), left))
         return 0.0
 
     # -- acks --------------------------------------------------------------------------------------
@@ -587,6 +693,7 @@ class StorageTier:
 
     def complete(self, p: PendingTransfer) -> None:
         self._expire_pause()
+        self._poll_background()
         assert p.op is not None  # L3 ops are built when queued
         op_id = p.op.op_id
         if p.kind is OpKind.BACKUP_H2S:
@@ -654,9 +761,12 @@ class StorageTier:
                 self.host.maybe_push(node)
         self._held = []
         self.flush_manifest()
+        self._stopped.set()  # background work still running ends at its next step, unapplied
         self.tree.storage_only.drop_all()  # nothing left to fetch them from
         self.tree.storage_only.cap_tokens = 0
-        if self._manifest_thread is not None:
-            self._manifest_thread.shutdown(wait=True)
-            self._manifest_thread = None
-        self.workers.attach_storage(None)
+        for pool in (self._manifest_thread, self._bg):  # neither is waited for: each ends by its own deadline
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._manifest_thread = self._bg = None
+        self._bg_job = None
+        self.workers.attach_storage(None)  # closes the clients (each within its close_timeout_s)

@@ -44,6 +44,7 @@ class TierEvents:
         self.log: deque[int] = deque(maxlen=MAX_EVENTS)
         self.counters = counters
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
+        self._last_miss: tuple[MissReason, int] | None = None  # the last match's missing tokens, by reason
         self._page_size = page_size
         self._page_bytes = 4 * page_size  # int32 tokens: the first page of a key, as bytes
 
@@ -95,3 +96,14 @@ class TierEvents:
                 page = key.token_ids[pos : pos + self._page_size].tobytes()
                 reason = self._ghosts.get((m.best_match_node, page), reason)
             c.miss_tokens[reason] += missing
+            self._last_miss = (reason, missing)
+        else:
+            self._last_miss = None
+
+    def move_last_miss(self, reason: MissReason) -> None:
+        """The last match's missing tokens were missed for ``reason`` after all (L3 was down, not asked):
+        they move there from the reason the match gave them. Once per match."""
+        last, self._last_miss = self._last_miss, None
+        if last is not None:
+            self.counters.miss_tokens[last[0]] -= last[1]
+            self.counters.miss_tokens[reason] += last[1]

@@ -42,11 +42,36 @@ class WorkerGroup(Protocol):
 
     def storage_list_prefixes(self, namespace: Namespace) -> list: ...  # list[StoredPrefix], from host 0
 
-    def storage_errors(self) -> dict[str, int]: ...  # corrupt / error / timeout counts, summed over hosts
+    def storage_errors(self) -> dict[str, int]: ...  # errors by kind (L3_ERROR_KINDS), summed over hosts
+
+    # The breaker of the hosts' storage clients: the worst state over hosts (BREAKER_STATES order); cheap
+    # (no storage I/O), asked by the head before every L3 query.
+    def storage_breaker_state(self) -> str: ...
+
+    def storage_probe(self) -> bool: ...  # every host's client answers now (FsspecStorage.probe); off the hot path
 
 
-def storage_error_counts(stats) -> dict[str, int]:  # (hicache.storage.StorageStats) -> counts
-    return {"corrupt": stats.corrupt_objects, "error": stats.errors, "timeout": stats.timeouts}
+# L3 error kinds a replica reports (``StorageStats.error_counts`` keys; metric label values).
+L3_ERROR_KINDS = ("timeout", "refused", "missing_bucket", "permission", "other", "corrupt_in_transit",
+                  "corrupt_at_rest", "unavailable")
+BREAKER_STATES = ("closed", "half_open", "open")  # best to worst
+
+
+def storage_error_counts(stats) -> dict[str, int]:  # (hicache.storage.StorageStats) -> counts by kind
+    counts = stats.error_counts()
+    return {k: int(counts.get(k, 0)) for k in L3_ERROR_KINDS}
+
+
+def sum_error_counts(per_host) -> dict[str, int]:  # Iterable[dict[str, int]] -> the sum by kind
+    total = dict.fromkeys(L3_ERROR_KINDS, 0)
+    for counts in per_host:
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def worst_breaker_state(states) -> str:  # Iterable[str] -> the worst (an open breaker on any host wins)
+    return max(states, key=BREAKER_STATES.index, default="closed")
 
 
 class LocalWorkerGroup:
@@ -112,8 +137,11 @@ class LocalWorkerGroup:
         return self._executors()[0].storage.list_prefixes(namespace)
 
     def storage_errors(self) -> dict[str, int]:
-        total = {"corrupt": 0, "error": 0, "timeout": 0}
-        for e in self._executors():
-            for k, v in storage_error_counts(e.storage.stats()).items():
-                total[k] += v
-        return total
+        return sum_error_counts(storage_error_counts(e.storage.stats()) for e in self._executors())
+
+    def storage_breaker_state(self) -> str:
+        return worst_breaker_state([e.storage.breaker.state.value for e in self._executors()])
+
+    def storage_probe(self) -> bool:
+        return all([e.storage.probe() for e in self._executors()])  # (a list: every host probes)
+

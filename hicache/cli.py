@@ -101,7 +101,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             st = connect(name, timeout_s=args.timeout).cache_stats()
         except Exception as exc:  # noqa: BLE001 - a replica that cannot answer still gets its row
-            rows.append((name, health.state.value, str(health.num_hosts), "-", "-", "-", "-", "-", str(exc)[:30]))
+            rows.append((name, health.state.value, str(health.num_hosts), "-", "-", "-", "-", "-", str(exc)[:30], "-", "-"))
             continue
         q = max(st.get("queried_tokens", 0), 1)
         l3 = st.get("storage", {}).get("prefetch_pages", 0) * st["page_size"]
@@ -114,13 +114,24 @@ def cmd_status(args: argparse.Namespace) -> int:
                      used("host") if "host_tokens" in st else "-",
                      f"{st.get('device_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
                      f"{st.get('host_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
-                     f"{l3 / q:.0%}" if "queried_tokens" in st else "-", str(st.get("in_flight", 0))))
+                     f"{l3 / q:.0%}" if "queried_tokens" in st else "-", str(st.get("in_flight", 0)), *l3_columns(st)))
     print("hicache replicas")
     print(format_table(STATUS_COLUMNS, rows))
     return 0
 
 
-STATUS_COLUMNS = ("replica", "state", "hosts", "L1 used", "L2 used", "hit L1", "hit L2", "hit L3", "in flight")
+STATUS_COLUMNS = ("replica", "state", "hosts", "L1 used", "L2 used", "hit L1", "hit L2", "hit L3", "in flight",
+                  "L3", "L3 errors")
+
+
+def l3_columns(st: dict) -> tuple[str, str]:
+    """The ``L3`` and ``L3 errors`` cells of a replica's ``cache_stats()``: its hosts' breaker state
+    (``closed``: L3 answers; ``open``: requests do not ask it) and its errors by kind, nonzero ones
+    only (``-``: no L3 attached)."""
+    if "storage" not in st:
+        return "-", "-"
+    errors = [f"{kind}={n}" for kind, n in st.get("storage_errors", {}).items() if n]
+    return st.get("storage_breaker", "closed"), " ".join(errors) or "0"
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -333,3 +333,24 @@ def test_serve_segments_keeps_each_config_apart_and_charges_its_drain():
     assert log == ["c0", "c1", "a0", "a1", "b0", "b1", "c2", "b2", "a2"]
     with pytest.raises(ValueError, match="lead 'd'"):
         serve_segments({"a": serve_as("a")}, items, lead="d")
+
+
+def test_l3_faults_quick(tmp_path):
+    """Every fault of issue #23 on the tiny stream: the JSON schema, exact outputs and no intact object
+    deleted anywhere, L3 hits under none of the faults that leave reads working, and none while refused."""
+    from benchmarks import l3_faults
+
+    out = tmp_path / "l3f.json"
+    l3_faults.main(["--quick", "--json", str(out)])
+    faults = json.loads(out.read_text())["faults"]
+    assert [f["name"] for f in faults] == [f.name for f in l3_faults.FAULTS]
+    for f in faults:
+        for key, typ in (("wrong_outputs", int), ("intact_objects_deleted", int), ("ttft_mean_s", float),
+                         ("ttft_max_s", float), ("no_cache_ttft_mean_s", float), ("l3_hit_tokens", int)):
+            assert isinstance(f[key], typ), (f["name"], key, f[key])
+        assert f["wrong_outputs"] == 0 and f["intact_objects_deleted"] == 0, f
+    by = {f["name"]: f for f in faults}
+    assert by["none"]["l3_hit_tokens"] > 0 and by["none"]["objects_stored"] > 0
+    assert by["refused"]["l3_hit_tokens"] == 0 and by["bucket_deleted"]["l3_hit_tokens"] == 0
+    assert by["bucket_deleted"]["storage_errors"]["missing_bucket"] > 0
+    assert by["flips_30pct"]["injected"]["corrupt"] > 0 and by["flips_30pct"]["corrupt_deleted"] == 0

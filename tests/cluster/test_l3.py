@@ -236,6 +236,7 @@ def test_reset_keeps_l3_attached_and_writes_the_queued_manifest(tmp_path):
     params, executor = env.head.controller.storage.params, env.worker.storage_executor
     assert env.head.cache_stats()["storage"]["backup_pages"] == 10
     env.head.reset()
+    env.settle_l3()  # the warm restart runs in the background
     ctl = env.head.controller
     assert ctl.storage is not None and ctl.storage.params is params
     assert env.worker.storage_executor is not None and env.worker.storage_executor is not executor  # reopened
@@ -254,6 +255,7 @@ def test_reset_keeps_l3_attached_and_writes_the_queued_manifest(tmp_path):
     check(env)
     env.head.detach_storage_backend()
     env.head.reset()
+    env.settle_l3()  # the warm restart runs in the background
     assert env.head.controller.storage is None and env.worker.storage_executor is None
 
 
@@ -272,6 +274,7 @@ def test_warm_restart_after_reset_reports_storage_hits_and_loads_bit_identical(t
         env.serve(tokens)
         env.head.flush_write_through_acks()
     env.head.reset()
+    env.settle_l3()  # the warm restart runs in the background
     tree = env.head.tree
     assert tree.storage_only.tokens == 24 + 16  # b shares its first 8 tokens with a
     st = env.head.cache_stats()["storage"]
@@ -313,6 +316,7 @@ def test_warm_restart_corrupt_object_is_a_counted_miss_and_drops_the_entry(tmp_p
     env.serve(a)
     env.head.flush_write_through_acks()
     env.head.reset()
+    env.settle_l3()  # the warm restart runs in the background
     assert env.head.tree.storage_only.tokens == 32
     objects = [p for p in pathlib.Path(tmp_path, "l3").rglob("*") if p.is_file() and "manifest" not in p.parts]
     assert objects
@@ -340,6 +344,7 @@ def test_warm_restart_request_ending_inside_a_stored_object_reads_the_whole_obje
     env.serve(a)
     env.head.flush_write_through_acks()
     env.head.reset()
+    env.settle_l3()  # the warm restart runs in the background
     q = np.r_[a[:20], seq(900, 12)].astype(np.int32)  # shares 5 pages: the 3rd object only half
     assert env.head.match_prefix(RadixKey(q)).storage_hit_len == 20
     r = env.serve(q)  # serve() checks the bytes exactly
@@ -429,6 +434,7 @@ def test_storage_only_entries_survive_l1_and_l2_eviction_above_them(tmp_path):
     env.serve(a)
     env.head.flush_write_through_acks()
     env.head.reset()
+    env.settle_l3()  # the warm restart runs in the background
     tree, host = env.head.tree, env.head.controller.host
     r = env.serve(a[:16])
     assert r["prefetched"] == 16 and r["loaded"] == 16

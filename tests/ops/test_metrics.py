@@ -108,8 +108,8 @@ def test_corrupt_l3_object_is_counted_as_an_l3_error(ray_metrics_port, tmp_path)
     r = reader.serve(a)  # the prefetch fails verification: recomputed (serve() checks the bytes)
     assert r["prefetched"] == 0 and r["loaded"] == 0
     reader.head.publish_metrics()
-    assert reader.head.cache_stats()["storage_errors"]["corrupt"] >= 1
-    got = _wait_for(ray_metrics_port, "hicache_l3_errors_total", replica="metrics-l3", kind="corrupt")
+    assert reader.head.cache_stats()["storage_errors"]["corrupt_at_rest"] >= 1
+    got = _wait_for(ray_metrics_port, "hicache_l3_errors_total", replica="metrics-l3", kind="corrupt_at_rest")
     assert got is not None and got >= 1
 
 

@@ -107,6 +107,13 @@ class HiCacheEnv:
         if self.storage:
             kwargs = {"prefetch_min_tokens": page_size, "pages_per_object": 2, **(storage_kwargs or {})}
             self.head.attach_storage_backend(StorageParams(storage_url, self.fingerprint, **kwargs))
+            self.settle_l3()
+
+    def settle_l3(self) -> None:
+        """Waits for L3's background attach work (warm restart) and applies it: the tests see the tree
+        as a head whose background listing finished before the next request."""
+        storage = self.head.controller.storage
+        assert storage is None or storage.settle(60.0)
 
     def rows(self, tokens: np.ndarray, first_page: int, num_pages: int) -> np.ndarray:
         return page_rows(tokens, first_page, num_pages, self.row_shape, self.ps)
