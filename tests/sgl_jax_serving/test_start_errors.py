@@ -70,3 +70,21 @@ def test_missing_builder_keyword_is_a_missing_seam(monkeypatch: pytest.MonkeyPat
         "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(req_to_token_pool=)",
         "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(token_to_kv_pool_allocator=)",
     ]
+
+
+def test_without_sgl_jax_options_import_and_engine_names_the_install(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['sgl_jax'] = None\n"  # as if sgl-jax were not installed
+        "import hicache.sgl_jax as h\n"
+        "h.HiCacheOptions(eviction_policy='lfu')\n"
+        "try:\n"
+        "    h.Engine\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "hicache.sgl_jax needs sgl-jax: install it from its repository" in res.stdout
