@@ -35,8 +35,10 @@ SEAMS: dict[str, tuple[str, ...]] = {
         "IncLockRefResult",
     ),
     "sgl_jax.srt.mem_cache.allocator": ("BaseTokenToKVPoolAllocator",),
-    "sgl_jax.srt.server_args": ("ServerArgs",),
+    "sgl_jax.srt.server_args": ("ServerArgs", "ServerArgs.from_cli"),
 }
+# Only the HTTP server needs these (``hicache.sgl_jax.server``): its module imports the web stack.
+HTTP_SEAMS: dict[str, tuple[str, ...]] = {"sgl_jax.srt.entrypoints.http_server": ("launch",)}
 # Keyword arguments of ``build_kv_cache`` that our builder reads.
 BUILDER_KWARGS = ("server_args", "req_to_token_pool", "token_to_kv_pool_allocator", "page_size")
 
@@ -57,10 +59,11 @@ def sgl_jax_version() -> str:
         return str(getattr(sgl_jax, "__version__", "unknown"))
 
 
-def missing_seams() -> list[str]:
-    """The seams (``module:attribute``) the installed sgl-jax lacks; empty when all are there."""
+def missing_seams(http: bool = False) -> list[str]:
+    """The seams (``module:attribute``) the installed sgl-jax lacks (``http``: the HTTP server's too); empty
+    when all are there."""
     missing = []
-    for module_name, attributes in SEAMS.items():
+    for module_name, attributes in {**SEAMS, **(HTTP_SEAMS if http else {})}.items():
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
@@ -82,8 +85,8 @@ def missing_seams() -> list[str]:
     return missing
 
 
-def require() -> str:
-    """Checks every seam; returns the sgl-jax version, or raises ``SglJaxSeamError`` naming the missing ones
+def require(http: bool = False) -> str:
+    """Checks every seam (``http``: the HTTP server's too); returns the sgl-jax version, or raises ``SglJaxSeamError`` naming the missing ones
     (``ImportError`` when sgl-jax is not installed at all)."""
     try:
         import sgl_jax  # noqa: F401
@@ -93,7 +96,7 @@ def require() -> str:
             "(pip install -e 'sglang-jax/python[cpu]' or '[tpu]'), see the README"
         ) from e
     version = sgl_jax_version()
-    missing = missing_seams()
+    missing = missing_seams(http)
     if missing:
         raise SglJaxSeamError(
             f"sgl-jax {version} lacks the seam(s) hicache.sgl_jax injects through: {', '.join(missing)} "

@@ -14,9 +14,22 @@ import pytest
 
 pytest.importorskip("sgl_jax", reason="sgl-jax is not installed (see .ci/run and ../shared/vendor/README.md)")
 
+from support.sgl_jax_env import engine_kwargs, run, running  # noqa: E402
+
 from hicache.sgl_jax.tiny_model import write_tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def no_cache_outputs(tiny_model: Path) -> list[list[int]]:
+    """The workload's greedy outputs from sgl-jax without any prefix cache: the reference."""
+    from sgl_jax.srt.entrypoints.engine import Engine as SglEngine
+
+    with running(SglEngine, **engine_kwargs(tiny_model, disable_radix_cache=True)) as engine:
+        outputs, cached = run(engine)
+    assert cached == 0
+    return outputs

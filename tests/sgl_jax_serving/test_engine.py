@@ -13,16 +13,6 @@ from hicache.sgl_jax import Engine, HiCacheOptions
 
 
 @pytest.fixture(scope="module")
-def no_cache_outputs(tiny_model: Path) -> list[list[int]]:
-    from sgl_jax.srt.entrypoints.engine import Engine as SglEngine
-
-    with running(SglEngine, **engine_kwargs(tiny_model, disable_radix_cache=True)) as engine:
-        outputs, cached = run(engine)
-    assert cached == 0
-    return outputs
-
-
-@pytest.fixture(scope="module")
 def hicache_run(tiny_model: Path) -> dict[str, Any]:
     with running(Engine, **engine_kwargs(tiny_model), hicache=HiCacheOptions()) as engine:
         outputs, cached = run(engine)
