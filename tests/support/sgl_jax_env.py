@@ -28,8 +28,8 @@ def engine_kwargs(model_path: Path, **overrides: Any) -> dict[str, Any]:
         model_path=str(model_path), skip_tokenizer_init=True, device="cpu", dtype="float32",
         max_total_tokens=POOL_TOKENS, mem_fraction_static=0.05, disable_precompile=True,
         skip_server_warmup=True, random_seed=0,
-        # With sgl-jax's overlap scheduler on, hicache's tokens sometimes differ from the reference (the
-        # cause is open, issue #24); without it the batches, and so the tokens, are reproducible.
+        # sgl-jax's overlap scheduler on XLA:CPU now and then gives other tokens than the reference, with its
+        # own RadixCache too (cause open, issue #24); without it the batches, and the tokens, reproduce.
         disable_overlap_schedule=True,
     )
     kwargs.update(overrides)
