@@ -1,0 +1,63 @@
+"""The scheduler subprocess side: sgl-jax's ``Scheduler`` with hicache as its tree cache and allocator.
+
+``install(options)`` runs first thing in the scheduler subprocess (``hicache.sgl_jax.launch``) and
+rebinds two globals of sgl-jax's scheduler module, in that process only: ``build_kv_cache`` (sgl-jax's
+tree-cache builder; ours builds the embedded head and the adapters) and ``Scheduler`` (the class that
+sgl-jax's ``run_scheduler_process`` instantiates; ours puts the head's allocator where sgl-jax's was
+and adds the head's statistics to ``get_internal_state``). sgl-jax's files are not touched.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from sgl_jax.srt.managers import scheduler as sgl_scheduler
+from sgl_jax.srt.managers.scheduler import Scheduler
+
+from hicache.cluster import embedded
+from hicache.sgl_jax.allocator import HeadPageAllocator, drain
+from hicache.sgl_jax.options import HiCacheOptions
+from hicache.sgl_jax.prefix_cache import HiCachePrefixCache
+from hicache.sgl_jax.seams import SglJaxSeamError, sgl_jax_version
+
+STATS_KEY = "hicache"  # the key of the head's statistics in the scheduler's internal state
+
+
+def build_hicache_kv_cache(options: HiCacheOptions, *, req_to_token_pool: Any, token_to_kv_pool_allocator: Any,
+                           page_size: int, is_hybrid: bool = False, is_hybrid_recurrent: bool = False,
+                           **_: Any) -> HiCachePrefixCache:
+    """``build_kv_cache`` for hicache: an embedded head over sgl-jax's device pool (its pages, its ids)."""
+    if is_hybrid or is_hybrid_recurrent:
+        raise ValueError("hicache serves full-attention models only for now (this model has sliding-window "
+                         "or recurrent layers)")
+    device_allocator = token_to_kv_pool_allocator
+    if device_allocator.page_size != page_size:
+        raise ValueError(f"allocator page_size {device_allocator.page_size} != scheduler page_size {page_size}")
+    num_pages = device_allocator.size // page_size
+    client = embedded(options.head_config(page_size=page_size, num_pages=num_pages))
+    allocator = HeadPageAllocator(client, device_allocator.get_kvcache(), num_pages, page_size)
+    drain(device_allocator)
+    return HiCachePrefixCache(client, req_to_token_pool, allocator)
+
+
+class HiCacheScheduler(Scheduler):
+    """sgl-jax's scheduler, with the head's allocator as ``token_to_kv_pool_allocator``."""
+
+    def init_memory_pool_and_cache(self) -> None:
+        super().init_memory_pool_and_cache()  # calls our build_hicache_kv_cache (installed below)
+        if not isinstance(self.tree_cache, HiCachePrefixCache):
+            raise SglJaxSeamError(f"sgl-jax {sgl_jax_version()} built a {type(self.tree_cache).__name__}, not "
+                                  "hicache's: its scheduler no longer calls scheduler.build_kv_cache")
+        self.token_to_kv_pool_allocator = self.tree_cache.token_to_kv_pool_allocator
+
+    def get_internal_state(self, recv_req: Any) -> Any:
+        out = super().get_internal_state(recv_req)
+        out.internal_state[STATS_KEY] = self.tree_cache.stats()
+        return out
+
+
+def install(options: HiCacheOptions) -> None:
+    """Makes sgl-jax's scheduler module build hicache's scheduler and cache (this process only)."""
+    sgl_scheduler.build_kv_cache = functools.partial(build_hicache_kv_cache, options)
+    sgl_scheduler.Scheduler = HiCacheScheduler

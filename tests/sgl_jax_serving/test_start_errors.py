@@ -1,0 +1,90 @@
+"""Bad options, server args hicache cannot serve with, and another sgl-jax version: one clear error at
+start, raised in the caller's process before sgl-jax starts any subprocess."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+from support.sgl_jax_env import engine_kwargs
+
+import hicache.sgl_jax
+from hicache.sgl_jax import HiCacheOptions, SglJaxSeamError, seams
+from hicache.sgl_jax.engine import Engine
+
+
+def test_options_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="'nope'"):
+        HiCacheOptions(eviction_policy="nope")
+    with pytest.raises(ValueError, match="'a/b'"):
+        HiCacheOptions(replica="a/b")
+    assert HiCacheOptions(eviction_policy="lfu").eviction_policy.value == "lfu"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"disable_radix_cache": True}, "disable_radix_cache=True"),
+        ({"hicache_storage": "none"}, "hicache_storage='none'"),
+        ({"enable_unified_radix_tree": True}, "enable_unified_radix_tree=True"),
+        ({"schedule_policy": "dfs-weight"}, "schedule_policy='dfs-weight'"),
+        ({"enable_single_process": True}, "enable_single_process=True"),
+    ],
+)
+def test_server_args_hicache_cannot_serve_fail_before_launch(tiny_model: Path, overrides: dict, named: str) -> None:
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match=named.replace("[", r"\[")):
+        Engine(**engine_kwargs(tiny_model, **overrides), hicache=HiCacheOptions())
+    assert multiprocessing.active_children() == before  # nothing was started
+
+
+def test_engine_rejects_options_of_another_type(tiny_model: Path) -> None:
+    with pytest.raises(TypeError, match="HiCacheOptions"):
+        Engine(**engine_kwargs(tiny_model), hicache={"eviction_policy": "lru"})
+
+
+def test_missing_seam_names_version_and_seam(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_jax.srt.managers import scheduler as sgl_scheduler
+
+    assert seams.missing_seams() == []
+    monkeypatch.delattr(sgl_scheduler.Scheduler, "init_memory_pool_and_cache")  # as another version might
+    version = seams.sgl_jax_version()
+    expected = rf"sgl-jax {version} lacks .*sgl_jax\.srt\.managers\.scheduler:Scheduler\.init_memory_pool_and_cache"
+    with pytest.raises(SglJaxSeamError, match=expected):
+        seams.require()
+    with pytest.raises(SglJaxSeamError, match=expected):
+        hicache.sgl_jax.Engine  # the public entry point checks before it hands out the class
+    with pytest.raises(SglJaxSeamError, match=expected):
+        Engine(model_path="unused")
+
+
+def test_missing_builder_keyword_is_a_missing_seam(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_jax.srt.mem_cache import kv_cache_builder
+
+    def build_kv_cache(*, server_args, page_size):  # an sgl-jax whose builder takes other arguments
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(kv_cache_builder, "build_kv_cache", build_kv_cache)
+    assert seams.missing_seams() == [
+        "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(req_to_token_pool=)",
+        "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(token_to_kv_pool_allocator=)",
+    ]
+
+
+def test_without_sgl_jax_options_import_and_engine_names_the_install(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['sgl_jax'] = None\n"  # as if sgl-jax were not installed
+        "import hicache.sgl_jax as h\n"
+        "h.HiCacheOptions(eviction_policy='lfu')\n"
+        "try:\n"
+        "    h.Engine\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "hicache.sgl_jax needs sgl-jax: install it from its repository" in res.stdout
