@@ -3,12 +3,10 @@ test for each URL scheme, and a numpy host pool (a real buffer)."""
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import numpy as np
 import pytest
-from support.net import free_loopback_port
 
 from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
 from hicache.storage.testing import NumpyHostPool
@@ -21,24 +19,12 @@ BUCKET = "hicache-test"
 
 @pytest.fixture(scope="session")
 def gcs_emulator():
-    """Start gcp-storage-emulator in-process; yields the bucket URL prefix ``gs://BUCKET``."""
-    from gcp_storage_emulator.server import create_server
+    """gcp-storage-emulator in-process on 127.0.0.1 (``benchmarks.faulty_l3.gcs_emulator``); yields
+    the bucket URL prefix ``gs://BUCKET``."""
+    from benchmarks.faulty_l3 import gcs_emulator as emulator
 
-    port = free_loopback_port()
-    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
-    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
-    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
-    server.start()
-    try:
-        yield f"gs://{BUCKET}"
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with emulator(BUCKET) as url:
+        yield url
 
 
 SCHEMES = ["memory", "file", "gs"]
