@@ -223,11 +223,7 @@ class TransferEngine:
 
     def backup_checked(self, pages: np.ndarray, slots: np.ndarray) -> TransferHandle:
         """``backup`` for ids already validated by ``check`` (int32, in range, unique, same size)."""
-        n = pages.size
-        if n <= self.max_batch_pages:
-            return self._backup_batch(pages, slots)
-        parts = [self._backup_batch(pages[c], slots[c]) for c in chunks(n, self.max_batch_pages)]
-        return _joined(OpKind.BACKUP_D2H, parts)
+        return self._in_batches(OpKind.BACKUP_D2H, self._backup_batch, pages, slots)
 
     def _backup_batch(self, pages: np.ndarray, slots: np.ndarray) -> TransferHandle:
         n = pages.size
@@ -255,11 +251,23 @@ class TransferEngine:
 
     def load_checked(self, slots: np.ndarray, pages: np.ndarray) -> TransferHandle:
         """``load`` for ids already validated by ``check``."""
-        n = pages.size
-        if n <= self.max_batch_pages:
-            return self._load_batch(slots, pages)
-        parts = [self._load_batch(slots[c], pages[c]) for c in chunks(n, self.max_batch_pages)]
-        return _joined(OpKind.LOAD_H2D, parts)
+        return self._in_batches(OpKind.LOAD_H2D, self._load_batch, slots, pages)
+
+    def _in_batches(self, kind: OpKind, run: Callable[[np.ndarray, np.ndarray], TransferHandle],
+                    first: np.ndarray, second: np.ndarray) -> TransferHandle:
+        """``run(first, second)``, cut into batches of at most ``max_batch_pages`` behind one handle; a
+        batch that fails to dispatch aborts those dispatched before it (their buffers go back)."""
+        if first.size <= self.max_batch_pages:
+            return run(first, second)
+        parts: list[TransferHandle] = []
+        try:
+            for c in chunks(first.size, self.max_batch_pages):
+                parts.append(run(first[c], second[c]))
+        except BaseException:
+            for part in parts:
+                part.abort()
+            raise
+        return _joined(kind, parts)
 
     def _load_batch(self, slots: np.ndarray, pages: np.ndarray) -> TransferHandle:
         n = pages.size

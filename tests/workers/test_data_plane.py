@@ -331,3 +331,23 @@ def test_max_batch_pages_must_be_a_power_of_two(bad):
     worker = HostWorker(SPEC, NUM_PAGES, NUM_SLOTS)
     with pytest.raises(ValueError, match="max_batch_pages"):
         TransferEngine(worker.device_pool, worker.host_pool, max_batch_pages=bad)
+
+
+def test_a_batch_that_fails_to_dispatch_returns_the_staging_of_the_batches_before_it(monkeypatch):
+    from hicache.workers.transfer import TransferEngine
+
+    worker = HostWorker(SPEC, NUM_PAGES, NUM_SLOTS)
+    engine = TransferEngine(worker.device_pool, worker.host_pool, max_batch_pages=2)
+    real, calls = worker.host_pool.begin_backup, []
+
+    def fail_second(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(worker.host_pool, "begin_backup", fail_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.backup(np.array([1, 2, 3, 4], np.int32), np.array([5, 6, 7, 8], np.int32))
+    assert len(engine._staging[2]) == 2  # the first batch's buffer (aborted) and the failed one's
+    np.testing.assert_array_equal(worker.host_pool.read_slots(np.array([5, 6], np.int32)), 0)  # nothing committed
