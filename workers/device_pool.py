@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from hicache.kernels.paged_copy import (
@@ -126,9 +126,14 @@ class DevicePool:
         self.storage_dtype = storage_dtype(self.dtype, mesh.devices.flat[0].platform)
         self.head_shards = local_head_shards(self.sharding, self.shape)
         self.host_head_range = (self.head_shards[0].heads.start, self.head_shards[-1].heads.stop)
-        self._kv = zeros_fn(self.shape, self.storage_dtype, self.sharding)()
+        # What the pool array carries: on one device, a jitted program (a forward, a scatter) returns
+        # a SingleDeviceSharding, and a program compiles once per input sharding *type*, so the pool
+        # starts with, and every transfer returns, the sharding the forwards return.
+        self.array_sharding: jax.sharding.Sharding = (
+            SingleDeviceSharding(mesh.devices.flat[0]) if mesh.devices.size == 1 else self.sharding)
+        self._kv = zeros_fn(self.shape, self.storage_dtype, self.array_sharding)()
         # the last sharding set_kv found equivalent to the pool's
-        self._accepted_sharding: jax.sharding.Sharding = self.sharding
+        self._accepted_sharding: jax.sharding.Sharding = self.array_sharding
 
     @classmethod
     def from_memory_fraction(
@@ -228,7 +233,7 @@ class DevicePool:
             h0, h1, _ = idx[HEAD_AXIS].indices(self.spec.num_kv_heads)
             pieces.append(jax.device_put(np.ascontiguousarray(arr[..., h0 - a : h1 - a, :]), dev))
         rows = jax.make_array_from_single_device_arrays(global_shape, row_sharding, pieces)
-        self._kv = _scatter_jit(self.sharding)(self._kv, jnp.asarray(ids), rows)
+        self._kv = _scatter_jit(self.array_sharding)(self._kv, jnp.asarray(ids), rows)
 
 
 def device_memory_bytes(device: jax.Device) -> int:
@@ -246,7 +251,7 @@ def device_memory_bytes(device: jax.Device) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding):
+def zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding):
     """Jitted ``() -> zeros(shape, dtype)`` placed by ``sharding``; compiled once per key (a pool
     or staging buffer of a known shape costs no trace/compile when built again)."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
@@ -258,5 +263,5 @@ def _gather_jit(sharding: NamedSharding):
 
 
 @functools.lru_cache(maxsize=None)
-def _scatter_jit(sharding: NamedSharding):
+def _scatter_jit(sharding: jax.sharding.Sharding):
     return jax.jit(scatter_pages_reference, out_shardings=sharding, donate_argnums=0)

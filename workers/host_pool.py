@@ -222,11 +222,14 @@ class HostPool:
             table = self._pages[k]
             pages = [p if p is not None else self._zero_host_page(k) for p in (table[s] for s in slots)]
             for dev in shard.devices:
-                pad = [self._device_zero_row(k, dev)] * (rows - len(pages))  # no bytes moved for padding
                 if dev == shard.devices[0]:  # the pages' own device: one program moves and stacks them
+                    # padded with host zero pages: every argument in host memory, so the program is
+                    # one per row bucket (a mix of memory kinds would compile once per page count)
+                    pad = [self._zero_host_page(k)] * (rows - len(pages))
                     pieces.append(_rows_to_device(rows, SingleDeviceSharding(dev))(*pages, *pad))
                 else:  # another replica of these heads: copy the pages over first
                     on_dev = jax.device_put(pages, [SingleDeviceSharding(dev)] * len(pages))
+                    pad = [self._device_zero_row(k, dev)] * (rows - len(pages))
                     pieces.append(_stack_rows(rows)(*on_dev, *pad))
         global_shape = (rows, *pool.spec.page_shape)
         sharding = NamedSharding(pool.mesh, pool.partition_spec)

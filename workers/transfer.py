@@ -179,7 +179,7 @@ class TransferEngine:
         if self.single_device:
             token_sharding = NamedSharding(device_pool.mesh, P())
             self._gather = _gather_single_fn(self.impl, device_pool.sharding)
-            self._scatter = _scatter_single_fn(self.impl, device_pool.sharding, token_sharding)
+            self._scatter = _scatter_single_fn(self.impl, device_pool.array_sharding, token_sharding)
         else:
             self._gather = _gather_fn(device_pool.mesh, device_pool.partition_spec, self.impl)
             self._scatter = _scatter_fn(device_pool.mesh, device_pool.partition_spec, self.impl)

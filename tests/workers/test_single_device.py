@@ -382,3 +382,50 @@ def test_run_model_hands_over_and_checks_only_an_array_that_changed(worker):
     with pytest.raises(ValueError, match="set_kv: sharding .* differs from the pool's"):
         dp.set_kv(elsewhere)
     assert dp.kv is not elsewhere
+
+
+
+def _watch_programs(monkeypatch):
+    """Records every jitted program the transfer path builds; returns a count of their compilations."""
+    from hicache.workers import host_pool, transfer
+
+    built: list = []
+    for module, name in ((host_pool, "_rows_to_device"), (host_pool, "_rows_to_host"),
+                         (transfer, "_scatter_single_fn"), (transfer, "_gather_single_fn")):
+        def builder(*args, _fn=getattr(module, name)):
+            jitted = _fn(*args)
+            built.append(jitted)
+            return jitted
+        monkeypatch.setattr(module, name, builder)
+    return lambda: sum(j._cache_size() for j in {id(j): j for j in built}.values())
+
+
+def test_a_load_compiles_once_per_row_bucket_not_per_page_count(monkeypatch):
+    """Loads of 5, 6 and 7 pages share the 8-row programs (host pages padded with host zero pages:
+    one memory kind for every argument), so serving never compiles for a new batch size."""
+    compiled_programs = _watch_programs(monkeypatch)
+    w = HostWorker(SPECS["f32"], NUM_PAGES, NUM_SLOTS, devices=[jax.devices()[0]])
+    try:
+        w.host_pool.write_slots(np.arange(8, dtype=np.int32), _random_pages(w, 8, seed=3))
+        w.engine.load(np.arange(5, dtype=np.int32), np.arange(5, dtype=np.int32)).finish()
+        compiled = compiled_programs()
+        for n in (6, 7, 8, 5):
+            w.engine.load(np.arange(n, dtype=np.int32), np.arange(10, 10 + n, dtype=np.int32)).finish()
+        assert compiled_programs() == compiled
+        got = w.device_pool.read_pages(np.arange(10, 15))
+        np.testing.assert_array_equal(_bits(got), _bits(w.host_pool.read_slots(np.arange(5))))
+    finally:
+        w.close()
+
+
+def test_transfers_return_the_pool_with_the_sharding_a_forward_returns(worker):
+    """On one device a jitted forward returns its pool with a SingleDeviceSharding; the pool starts
+    with it and every load returns it too, so no program compiles twice for two sharding types."""
+    forward = jax.jit(lambda kv: kv + 0, donate_argnums=0)
+    dp = worker.device_pool
+    start = type(dp.kv.sharding)
+    dp.set_kv(forward(dp.kv))
+    assert type(dp.kv.sharding) is start
+    worker.submit(_plan(_op(1, "d2h", [1], [2]), _op(2, "h2d", [3], [2])))
+    assert [a.ok for a in worker.wait(timeout_s=60)] == [True, True]
+    assert type(dp.kv.sharding) is start
