@@ -20,14 +20,19 @@ Ordering (host side):
 * storage ops run one at a time in submission order, so they are ordered among themselves.
 
 Waiting: ``wait(timeout_s)`` waits for everything submitted; ``wait(timeout_s, op_ids=...)`` only
-for the named ops (and, for a named D2H/H2D, the device ops before it, which are acked in order),
-so a load-back never waits behind L2->L3 writes. Both return every ack that is ready.
+for the named ops (and, for a named D2H/H2D, the earlier ops of its kind, which are acked in order),
+so a load-back never waits behind L2->L3 writes nor behind D2H backups (the slow direction on TPU:
+a backup of the request before must not sit on the next one's time to first token). Both return
+every ack that is ready.
 
 An S2H never writes the pool from the storage thread: the executor may return ``(bytes, commit)``
 and ``commit()`` (the one pool write) runs on the owner thread when the op is acked, like a D2H
 commit; a failed or timed-out op commits nothing. Acks come in submission order except that an
 unfinished storage op does not hold back later, independent ops (a hung L3 never delays D2H/H2D
-acks); device ops keep their order among themselves.
+acks), and D2H and H2D do not hold back each other; each device kind keeps its own order (a later
+D2H to a slot commits after an earlier one). Nothing else depends on the order across kinds: an op
+reading slots commits their pending writers at dispatch, and the runtime orders the device work on
+the pool (donation).
 
 Threading/ownership: call every method from the thread that owns the KV pool (the model runner's),
 between forwards; only the executor call itself runs on the storage thread (it reads slots, and
@@ -341,16 +346,17 @@ class HostWorker:
     # -- acks ------------------------------------------------------------------------------------
     def poll(self) -> list[TransferAck]:
         """Acks of finished ops, in submission order, never blocking on an unfinished transfer. An
-        unfinished storage op does not hold back later ops; device ops keep their mutual order."""
+        unfinished storage op does not hold back later ops, nor a D2H a later H2D (or the reverse); ops of
+        one device kind keep their order."""
         out: list[TransferAck] = []
         keep: deque[_Pending] = deque()
-        device_blocked = False
+        blocked: set[OpKind] = set()  # device op kinds with an unfinished op so far
         for p in self._pending:
             if p.ack is None:
-                blocked = device_blocked if p.op.kind in _DEVICE_OPS else False
-                if blocked or p.handle is None or not p.handle.is_ready():
-                    if p.op.kind in _DEVICE_OPS:
-                        device_blocked = True
+                kind = p.op.kind
+                if kind in blocked or p.handle is None or not p.handle.is_ready():
+                    if kind in _DEVICE_OPS:
+                        blocked.add(kind)
                     keep.append(p)
                     continue
                 self._finish(p)
@@ -363,8 +369,8 @@ class HostWorker:
         """Acks everything submitted, or what finished before ``timeout_s`` passed.
 
         With ``op_ids``, waits only until those ops are acked (e.g. a load-back waits for its load,
-        not for L2->L3 writes in flight): for a device op also for the device ops before it (device
-        ops are acked in order), never for storage ops it does not name. Ids not pending (acked
+        not for L2->L3 writes in flight): for a device op also for the ops of its kind before it (they
+        are acked in order), never for ops of another kind it does not name. Ids not pending (acked
         earlier, or never submitted) are done. Returns every ack that is ready, as ``poll``."""
         if timeout_s is None or isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
             raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
@@ -388,20 +394,20 @@ class HostWorker:
         """The first unfinished op that a wait for ``wanted`` (None: everything) blocks on, or None
         when every op it needs is ready (the next ``poll`` acks them)."""
         last = len(self._pending) - 1  # ops after this one are not needed
-        device_until = last  # device ops up to this one are needed
+        until: dict[OpKind, int] = {}  # device ops of a kind up to this index are needed
         if wanted is not None:
-            last = device_until = -1
+            last = -1
             for i, p in enumerate(self._pending):
                 if p.ack is None and p.op.op_id in wanted:
                     last = i
                     if p.op.kind in _DEVICE_OPS:
-                        device_until = i
+                        until[p.op.kind] = i
         for i, p in enumerate(self._pending):
             if i > last:
                 return None
             if p.ack is not None or p.handle is None or p.handle.is_ready():
                 continue
-            if wanted is None or p.op.op_id in wanted or (i <= device_until and p.op.kind in _DEVICE_OPS):
+            if wanted is None or p.op.op_id in wanted or i <= until.get(p.op.kind, -1):
                 return p
         return None
 
