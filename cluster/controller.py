@@ -334,7 +334,7 @@ class HiCacheController:
         self.submit()
         self._apply(self.workers.poll())
         if load_id in self.commits.loads:
-            # Only the loads in flight (device ops are acked in order): never the L2->L3 writes.
+            # Only the loads in flight (acked in order): never the D2H backups or L2->L3 writes.
             self._apply(self.workers.wait(timeout, self.outbox.pending_ids(_H2D)))
         return bool(self.commits.take_finished(load_id))
 
@@ -382,16 +382,19 @@ class HiCacheController:
         return progress
 
     def check_prefetch_progress(self, req_id: str) -> PrefetchProgress:
-        """Applies acks; under ``wait_complete``/``timeout`` blocks (bounded) as the policy allows.
-        Held backups stay held (the request waits here; its prefetch op went out when it started)."""
+        """Applies acks; under ``wait_complete``/``timeout`` blocks (bounded) as the policy allows: for the
+        prefetch's existence query (``query_wait_max_s``), then for its fetch. Held backups stay held (the request waits here; its prefetch op went out when it started)."""
         if self.storage is None:
             raise RuntimeError("no storage backend attached")
+        storage = self.storage
         self.submit()
         self._apply(self.workers.poll())
-        budget = self.storage.wait_budget_s(req_id, self.config.ack_timeout_s)
+        storage.wait_query(req_id, storage.query_budget_s(req_id))  # its answer may start the fetch:
+        self.submit()  # sent now
+        budget = storage.wait_budget_s(req_id, self.config.ack_timeout_s)
         if budget > 0:
             self._apply(self.workers.wait(budget))
-        return self.storage.progress(req_id)
+        return storage.progress(req_id)
 
     # -- sending and acks ---------------------------------------------------------------------------
     def submit(self, force: bool = False) -> int:
@@ -408,6 +411,8 @@ class HiCacheController:
         applied here are sent before returning.
         """
         outbox = self.outbox
+        if self.storage is not None and self.storage.querying:
+            self.storage.advance()  # answered L3 queries queue their fetches, sent below
         if outbox.has_queued:
             force = False
             if outbox.open_backups.num_pages:

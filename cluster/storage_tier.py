@@ -17,8 +17,9 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   background (``Availability`` below: attach returns at once), longest prefixes first, into
   storage-only tree entries (``tree.storage_only``; no L1 pages, no L2 slots),
   at most ``warm_restart_max_tokens`` tokens (also their cap afterwards; 0: off). Matches report them
-  as ``storage_hit_len``; a prefetch covered by them skips the existence lookup, still reads with
-  checksums, turns them into host-only nodes, and on a failed read drops them. Detach drops them all.
+  as ``storage_hit_len``; a prefetch covered by whole objects of them skips the existence query,
+  still reads with checksums, turns them into host-only nodes, and on a failed read drops them.
+  Detach drops them all.
 - Write hold (``pause_writes``/``resume_writes``, the serving loop's calls): while a prefill is
   next or running, new L2->L3 writes wait here (pinned, bounded by ``max_inflight_backup_pages``
   and ``write_hold_max_s``), so their CPU (file creation, checksum, the GIL) lands in decodes, not
@@ -29,7 +30,14 @@ head asks them for existence (MIN over hosts) and never touches bytes.
 - Prefetch: for a queued request, the pages after its matched prefix that L3 has (prefix-ordered,
   all hosts) are fetched into fresh L2 slots below the deepest matched node (pinned meanwhile). When
   every host acked, they become one host-only node; a request then loads them back like any L2 hit.
-  Stop policies decide how long ``check_prefetch_progress`` lets a request wait. The existence
+  Two steps, neither on the head's thread: the existence query (MIN over hosts) runs on a small
+  thread pool (``hicache-l3-query``) and its answer is applied by ``advance`` at the head's next
+  call (``check_events`` every scheduler step, a prefetch check); if L3 holds enough, the fetch is
+  queued then, with L2 slots reserved for exactly what was found. So no head call does storage I/O:
+  an arrival's query overlaps the request's wait in the queue, and a slow or hung L3 holds no one.
+  Stop policies decide how long ``check_prefetch_progress`` lets a request wait: for an unanswered
+  query at most ``query_wait_max_s`` (``begin_request`` waits that long in its own call, so a miss
+  still starts a request in one head call), then for the fetch. The existence
   query carries the prefetch minimum in pages (``prefetch_min_tokens``): storage leaves out the
   objects that could only make a shorter hit (a miss asks fewer names; a hit is found as before).
   A miss (too little in
@@ -47,7 +55,7 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   (``hicache-l3-attach``: probe, then manifest listing) touches no tree state: the head applies its
   result at its next call into this tier (``_poll_background``), so the tree stays single-threaded.
   A request waits on its prefetch at most ``prefetch_wait_max_s`` under every stop policy (the
-  existence check is bounded by the storage's ``exists_timeout_s``).
+  existence query itself ends by the storage's ``exists_timeout_s``).
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
 
 L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason of a query skipped while L3 is down
+_QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
+_QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
 
 
 class PrefetchPolicy(str, Enum):
@@ -100,6 +110,9 @@ class StorageParams:
     warm_restart_max_tokens: int = 1 << 20  # storage-only tree entries read from the manifest (0: off)
     write_hold_max_s: float = 0.5  # pause_writes() holds L2->L3 writes at most this long (0: never holds)
     prefetch_wait_max_s: float = 0.5  # a request waits on its prefetch at most this long, under any policy
+    # a request waits on its prefetch's unanswered existence query at most this long, under any policy (the
+    # query goes on: what it finds is still fetched into L2 for later requests)
+    query_wait_max_s: float = 0.05
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -116,7 +129,8 @@ class StorageParams:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s",
-                     "negative_cache_ttl_s", "manifest_interval_s", "write_hold_max_s", "prefetch_wait_max_s"):
+                     "negative_cache_ttl_s", "manifest_interval_s", "write_hold_max_s", "prefetch_wait_max_s",
+                     "query_wait_max_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -156,15 +170,20 @@ class PrefetchProgress:
 @dataclass
 class _Prefetch:
     req_id: str
-    op_id: int
-    anchor: TreeNode
-    tokens: np.ndarray  # i32[n * page_size]: the fetched pages' tokens
-    keys: list[str]
-    slots: np.ndarray
+    anchor: TreeNode  # host-pinned from the query's start to the fetch's ack
+    tokens: np.ndarray  # i32[n * page_size]: the candidate pages' tokens, then the fetched pages'
+    keys: Sequence[str]  # the candidates' chain keys (lazy ChainKeys), then the fetched pages'
+    first_page: int  # chain index of keys[0]
     started: float
-    deadline: float  # the TIMEOUT policy's
     wait_until: float  # no request waits past this (prefetch_wait_max_s)
+    query: cf.Future | None = None  # the existence query in flight (None: answered, or none needed)
+    base: int = 0  # leading candidate pages known stored without asking (whole objects of storage-only entries)
+    query_until: float = 0.0  # no request waits on the unanswered query past this (query_wait_max_s)
+    op_id: int = -1  # the fetch's op, once the query answered (-1: not sent)
+    slots: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    deadline: float = 0.0  # the TIMEOUT policy's, set when the fetch starts
     state: PrefetchState = PrefetchState.RUNNING
+    reason: str = ""  # why nothing was fetched (NOT_STARTED after the query)
 
 
 @dataclass
@@ -181,7 +200,8 @@ class StorageCounters:
     backup_pages: int = 0
     backup_skipped_pages: int = 0  # over the in-flight cap
     backup_failures: int = 0
-    prefetch_started: int = 0
+    prefetch_started: int = 0  # fetches sent (after an existence query found enough, or on storage-only entries)
+    l3_queries: int = 0  # existence queries started (off the head's thread)
     prefetch_pages: int = 0
     prefetch_failures: int = 0
     prefetch_redundant_pages: int = 0  # arrived but the tree already had those tokens
@@ -218,6 +238,10 @@ class StorageTier:
         self._inflight_backup_pages = 0
         self._inflight_prefetch_pages = 0
         self._misses: OrderedDict[str, float] = OrderedDict()  # first-page chain key -> expiry
+        self._querying: list[_Prefetch] = []  # prefetches whose existence query is unanswered, in start order
+        self._query_pool: cf.ThreadPoolExecutor | None = None
+        # an unanswered query past this is a miss (the storage's own deadline ends it; the slack covers the hop)
+        self._query_deadline_s = params.storage.exists_timeout_s + _QUERY_SLACK_S
         # fewest pages a prefetch fetches (prefetch_min_tokens): an L3 query leaves out objects that
         # could only make a shorter hit (on a miss, fewer existence checks)
         self._exists_min_pages = max(1, -(-params.prefetch_min_tokens // tree.page_size))
@@ -294,14 +318,17 @@ class StorageTier:
         self._warm_restart(result)
 
     def settle(self, timeout_s: float) -> bool:
-        """Waits up to ``timeout_s`` for the background job (attach's warm restart, a probe) and applies
-        it; True if none is left running. For callers that want the warm restart done before they go on
-        (tests, a benchmark's setup); serving never waits on it."""
-        job = self._bg_job
-        if job is not None:
-            cf.wait([job], timeout=timeout_s)
+        """Waits up to ``timeout_s`` for the background job (attach's warm restart, a probe) and the
+        existence queries, and applies them; True if none is left running. For callers that want them
+        done before they go on (tests, a benchmark's setup); serving never waits on them."""
+        jobs = [t.query for t in self._querying if t.query is not None]
+        if self._bg_job is not None:
+            jobs.append(self._bg_job)
+        if jobs:
+            cf.wait(jobs, timeout=timeout_s)
         self._poll_background()
-        return self._bg_job is None
+        self.advance()
+        return self._bg_job is None and not self._querying
 
     @property
     def warm_restart_due(self) -> bool:
@@ -485,8 +512,14 @@ class StorageTier:
     def prefetch_matched(self, req_id: str, key: RadixKey, anchor: TreeNode, depth: int) -> PrefetchProgress:
         """``prefetch`` below ``anchor``, the deepest node of the tree's own match of ``key`` (``depth``
         tokens: its L1+L2 hit), taken in the same head call: in the key's namespace and a prefix of its
-        tokens by construction, so not checked again."""
-        return self._prefetch(req_id, key, anchor, depth)
+        tokens by construction, so not checked again. The request is about to start (``begin_request``):
+        unless the policy is best effort, its existence query is waited for here (``query_wait_max_s``), so
+        a miss answers in this call and the request goes on in it (one head call for a miss)."""
+        progress = self._prefetch(req_id, key, anchor, depth)
+        if progress.state is PrefetchState.RUNNING and req_id in self._by_req and self._by_req[req_id].query:
+            self.wait_query(req_id, self.query_budget_s(req_id))
+            return self.progress(req_id)  # a miss is reported (once) as not started: the request goes on
+        return progress
 
     @staticmethod
     def _skip(req_id: str, reason: str) -> PrefetchProgress:
@@ -531,30 +564,109 @@ class StorageTier:
             keys = keys[: max(0, room)]
         if len(keys) < self._exists_min_pages:  # not L3's answer: no miss to remember
             return skip(req_id, "prefetch pages in flight at max_inflight_prefetch_pages")
+        first = depth // ps
+        now = time.monotonic()
+        task = _Prefetch(req_id, anchor, tokens[depth : depth + len(keys) * ps], keys, first, now,
+                         now + self.params.prefetch_wait_max_s)
+        anchor.host_pin += 1  # (a root too: it stays while the query and fetch run, RadixTree._drop_idle_roots)
+        self._by_req[req_id] = task
         if known:
-            found = self._known_stored_pages(keys, depth // ps, min(known, len(keys)))
             self.counters.prefetch_known_stored += 1
-        else:
-            found = self.workers.storage_exists(keys, depth // ps, self._exists_min_pages)
+            # Objects sit at fixed page positions and a stored path's tail object ends where that path
+            # ended, so only whole objects are certain: a tail inside one is asked about like any page.
+            known = min(known, len(keys))
+            end = first + known
+            task.base = max(first, end - end % self.pages_per_object) - first
+            if task.base == known:
+                self._start_fetch(task, known)
+                return self.progress(req_id)
+            task.keys, task.tokens = task.keys[:known], task.tokens[: known * ps]
+        task.query = self._ask(task)
+        self.counters.l3_queries += 1
+        task.query_until = now + self.params.query_wait_max_s
+        self._querying.append(task)
+        return self.progress(req_id)
+
+    def _ask(self, task: _Prefetch) -> cf.Future:
+        """Starts the existence query of ``task``'s candidates past its certain base, off the head's thread:
+        a request never waits on storage I/O in a head call (it may wait on the answer, bounded by
+        ``query_wait_max_s``). The answer is applied by ``advance`` on the head's thread."""
+        if self._query_pool is None:
+            # a few threads: a query stuck until its storage deadline does not hold up the ones behind it
+            self._query_pool = cf.ThreadPoolExecutor(_QUERY_THREADS, thread_name_prefix="hicache-l3-query")
+        keys, first = task.keys[task.base:], task.first_page + task.base
+        least = 1 if task.base else self._exists_min_pages
+        return self._query_pool.submit(self.workers.storage_exists, keys, first, least)
+
+    def advance(self) -> int:
+        """Applies answered existence queries (head thread): a query that found enough starts its fetch
+        (queued with the next plan), one that found too little is a remembered miss. A query past the
+        storage's existence deadline (plus the ack slack) counts as a miss. Returns fetches started."""
+        if not self._querying:
+            return 0
+        started = 0
+        now = time.monotonic()
+        waiting: list[_Prefetch] = []
+        tasks, self._querying = self._querying, waiting
+        for task in tasks:
+            q = task.query
+            assert q is not None
+            if not q.done() and now < task.started + self._query_deadline_s:
+                waiting.append(task)
+                continue
+            task.query = None
+            found = 0
+            if q.done():
+                try:
+                    found = task.base + int(q.result())
+                except Exception:  # storage trouble is a miss, never an error for a request
+                    found = task.base
+            if found < self._exists_min_pages:
+                self._note_miss(task.keys[0])
+                self._end_without_fetch(task, "not enough pages in L3")
+            else:
+                started += self._start_fetch(task, found)
+        return started
+
+    @property
+    def querying(self) -> bool:
+        """Existence queries are unanswered (``advance`` has work)."""
+        return bool(self._querying)
+
+    def wait_query(self, req_id: str, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` for the existence query of ``req_id``'s prefetch (if one runs)."""
+        task = self._by_req.get(req_id)
+        if task is not None and task.query is not None and timeout_s > 0:
+            cf.wait([task.query], timeout=timeout_s)
+        self.advance()
+
+    def _end_without_fetch(self, task: _Prefetch, reason: str) -> None:
+        task.anchor.host_pin -= 1
+        task.state, task.reason = PrefetchState.NOT_STARTED, reason
+        task.tokens, task.keys = task.tokens[:0], []
+
+    def _start_fetch(self, task: _Prefetch, found: int) -> bool:
+        """Queues the L3->L2 fetch of ``task``'s first ``found`` candidate pages into fresh L2 slots;
+        False (the task ends with its reason) when the in-flight bound or L2 leaves no room."""
+        found = min(found, self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages, len(task.keys))
         if found < self._exists_min_pages:
-            self._note_miss(first_key)
-            return skip(req_id, "not enough pages in L3")
-        anchor.host_pin += 1  # (a root too: it stays while the fetch is in flight, RadixTree._drop_idle_roots)
+            self._end_without_fetch(task, "prefetch pages in flight at max_inflight_prefetch_pages")
+            return False
         slots = self.host.reserve(found)
         if slots is None:
-            anchor.host_pin -= 1
-            return skip(req_id, "no L2 room")
+            self._end_without_fetch(task, "no L2 room")
+            return False
+        ps = self.tree.page_size
+        task.keys, task.tokens, task.slots = task.keys[:found], task.tokens[: found * ps].copy(), slots
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
-                        tuple(keys[:found]), first_page=depth // ps)
-        now = time.monotonic()
-        task = _Prefetch(req_id, op.op_id, anchor, tokens[depth : depth + found * ps].copy(), list(op.storage_keys),
-                         slots, now, now + self.params.prefetch_timeout_s(found * ps), now + self.params.prefetch_wait_max_s)
+                        tuple(task.keys), first_page=task.first_page)
+        task.op_id = op.op_id
+        task.deadline = time.monotonic() + self.params.prefetch_timeout_s(found * ps)
         self._prefetches[op.op_id] = task
-        self._by_req[req_id] = task
         self._inflight_prefetch_pages += found
         self.counters.prefetch_started += 1
         self._queue_op(op, [])
-        return self.progress(req_id)
+        return True
 
     # -- negative cache ------------------------------------------------------------------------------
     def _recent_miss(self, key: str) -> bool:
@@ -575,17 +687,6 @@ class StorageTier:
         self._misses.move_to_end(key)
         while len(self._misses) > cap:
             self._misses.popitem(last=False)
-
-    def _known_stored_pages(self, keys: Sequence[str], first_page: int, known: int) -> int:
-        """Pages of ``keys`` to read on the word of storage-only entries (the read still verifies).
-        Objects sit at fixed page positions and a stored path's tail object ends where that path ended,
-        so only whole objects are certain: a tail inside an object (the request stops or diverges there)
-        is checked with one small existence query of its own keys."""
-        end = first_page + known
-        aligned = max(first_page, end - end % self.pages_per_object)
-        if aligned == end:
-            return known
-        return aligned - first_page + self.workers.storage_exists(keys[aligned - first_page : known], aligned)
 
     # -- manifest ------------------------------------------------------------------------------------
     def _queue_manifest(self, node: TreeNode) -> None:
@@ -660,25 +761,31 @@ class StorageTier:
         return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int32)
 
     def progress(self, req_id: str) -> PrefetchProgress:
+        self.advance()
         task = self._by_req.get(req_id)
         if task is None:
             return PrefetchProgress(req_id, PrefetchState.NOT_STARTED, 0, True, "no prefetch for this request")
         tokens = task.tokens.shape[0]
         if task.state is not PrefetchState.RUNNING:
             del self._by_req[req_id]  # reported once; the request matches again now
-            return PrefetchProgress(req_id, task.state, tokens if task.state is PrefetchState.DONE else 0, True)
+            ok = task.state is PrefetchState.DONE
+            return PrefetchProgress(req_id, task.state, tokens if ok else 0, True, task.reason)
         policy = self.params.prefetch_policy
         now = time.monotonic()
+        querying = task.query is not None
         may = policy is PrefetchPolicy.BEST_EFFORT or now >= task.wait_until or (
-            policy is PrefetchPolicy.TIMEOUT and now >= task.deadline)
+            now >= task.query_until if querying else policy is PrefetchPolicy.TIMEOUT and now >= task.deadline)
         if may:
-            del self._by_req[req_id]  # the request goes on without it; the pages still land in L2
-        return PrefetchProgress(req_id, PrefetchState.RUNNING, tokens, may, "timed out" if may else "")
+            del self._by_req[req_id]  # the request goes on without it; what its fetch finds still lands in L2
+        # while the query runs, nothing is known to be fetched yet: 0 tokens
+        return PrefetchProgress(req_id, PrefetchState.RUNNING, 0 if querying else tokens, may,
+                                "timed out" if may else "")
 
     def wait_budget_s(self, req_id: str, ack_timeout_s: float) -> float:
-        """How long the head may block for this request's prefetch under the stop policy."""
+        """How long the head may block for this request's fetch under the stop policy (its query waited
+        for first: ``wait_query``)."""
         task = self._by_req.get(req_id)
-        if task is None or task.state is not PrefetchState.RUNNING:
+        if task is None or task.state is not PrefetchState.RUNNING or task.query is not None:
             return 0.0
         left = task.wait_until - time.monotonic()  # the bound under every policy
         if self.params.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
@@ -686,6 +793,14 @@ class StorageTier:
         if self.params.prefetch_policy is PrefetchPolicy.TIMEOUT:
             return max(0.0, min(task.deadline - time.monotonic(), left))
         return 0.0
+
+    def query_budget_s(self, req_id: str) -> float:
+        """How long the head may block for this request's unanswered existence query (0: none runs, or
+        the policy does not wait)."""
+        task = self._by_req.get(req_id)
+        if task is None or task.query is None or self.params.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
+            return 0.0
+        return max(0.0, min(task.query_until, task.wait_until) - time.monotonic())
 
     # -- acks --------------------------------------------------------------------------------------
     def owns(self, op_id: int) -> bool:
@@ -747,7 +862,8 @@ class StorageTier:
 
     @property
     def in_flight(self) -> int:
-        """Storage ops sent and not acked (held writes are not: ``detach`` drops them)."""
+        """Storage ops sent and not acked (held writes and unanswered queries are not: ``detach`` drops
+        them)."""
         return len(self._backups) - len(self._held) + len(self._prefetches)
 
     def detach(self) -> None:
@@ -760,13 +876,16 @@ class StorageTier:
                 node.host_pin -= 1
                 self.host.maybe_push(node)
         self._held = []
+        for task in self._querying:  # unanswered: nothing was reserved; the answer is dropped
+            self._end_without_fetch(task, "storage detached")
+        self._querying = []
         self.flush_manifest()
         self._stopped.set()  # background work still running ends at its next step, unapplied
         self.tree.storage_only.drop_all()  # nothing left to fetch them from
         self.tree.storage_only.cap_tokens = 0
-        for pool in (self._manifest_thread, self._bg):  # neither is waited for: each ends by its own deadline
-            if pool is not None:
+        for pool in (self._manifest_thread, self._bg, self._query_pool):  # none is waited for: each ends by
+            if pool is not None:  # its own deadline
                 pool.shutdown(wait=False, cancel_futures=True)
-        self._manifest_thread = self._bg = None
+        self._manifest_thread = self._bg = self._query_pool = None
         self._bg_job = None
         self.workers.attach_storage(None)  # closes the clients (each within its close_timeout_s)

@@ -383,7 +383,7 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
     transport = HeadRecorder(cold.head)
     reqs = [ServeRequest(p, max_new_tokens=2) for p in prompts]
     miss = ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), max_new_tokens=2)
-    assert [cold.scheduler.arrive(r) for r in reqs + [miss]] == [True, True, True, False]
+    assert [cold.scheduler.arrive(r) for r in reqs + [miss]] == [True] * 4  # L3 asked for each
     assert transport.methods.count("prefetch_from_storage") == 4
     with pytest.raises(ValueError, match="already arrived"):
         cold.scheduler.arrive(reqs[0])
@@ -400,8 +400,9 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
         assert res.storage_tokens == (0 if r is miss else 40)
     # each request had its one L3 query at arrival: the hits were fetched whole, the miss is not asked again
     assert transport.methods.count("prefetch_from_storage") == 0
-    assert transport.methods.count("check_prefetch_progress") == 3
-    assert cold.head.cache_stats()["storage"]["prefetch_started"] == 3
+    assert transport.methods.count("check_prefetch_progress") == 4  # (the miss's: its query's answer)
+    st = cold.head.cache_stats()["storage"]
+    assert st["prefetch_started"] == 3 and st["l3_queries"] == 4
     assert cold.scheduler._arrived == {}
     cold.client.flush_write_through_acks()
     cold.head.detach_storage_backend()
@@ -423,8 +424,8 @@ def test_serve_asks_l3_again_when_the_match_shrank_since_arrival(tmp_path, runne
     turn = ServeRequest(np.concatenate([first, np.asarray(out, np.int32), rng.integers(0, MODEL.vocab_size, 3,
                                                                                         dtype=np.int32)]), 2)
     kept = ServeRequest(rng.integers(0, MODEL.vocab_size, 9, dtype=np.int32), 2)
-    assert not stack.scheduler.arrive(turn)  # L1 holds its prefix: no prefetch
-    assert not stack.scheduler.arrive(kept)
+    assert not stack.scheduler.arrive(turn)  # L1 holds its prefix: L3 not asked
+    assert stack.scheduler.arrive(kept)  # asked (its one page is new): a miss
     for _ in range(3):  # other prompts push the first one out of L1 and L2
         stack.scheduler.serve(ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), 2))
         stack.client.flush_write_through_acks()

@@ -155,8 +155,9 @@ class Scheduler:
         return (None, 0) if started.state is PrefetchState.NOT_STARTED else (req_id, started.tokens)
 
     def arrive(self, req: ServeRequest) -> bool:
-        """``req`` entered the queue: starts its L3 prefetch now, so that the fetch overlaps the wait;
-        ``serve(req)`` (the same object) picks it up. True if a prefetch started. At most
+        """``req`` entered the queue: starts its L3 prefetch now (the existence query, then the fetch of
+        what it finds, both off this thread), so that they overlap the wait; ``serve(req)`` (the same
+        object) picks it up. True if L3 was asked. At most
         ``MAX_ARRIVED`` requests wait between ``arrive`` and ``serve``; beyond, ``arrive`` raises
         ``ValueError`` and nothing changes. Without L3 it only registers the request."""
         if id(req) in self._arrived:

@@ -19,9 +19,15 @@ def seq(start, n):
 
 
 def _prefetch(env, tokens, req_id):
+    """Starts a prefetch; its outcome once its existence query answered (the query runs off the head's
+    thread: ``settle`` waits for it)."""
     key = RadixKey(tokens)
     m = env.head.match_prefix(key)
-    return env.head.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
+    p = env.head.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
+    if p.state is PrefetchState.RUNNING:
+        assert env.head.controller.storage.settle(60)
+        p = env.head.check_prefetch_progress(req_id)
+    return p
 
 
 def test_negative_cache_skips_repeated_misses_and_expires(tmp_path):

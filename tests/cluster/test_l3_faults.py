@@ -135,10 +135,12 @@ def test_a_dead_endpoint_never_holds_a_request_and_hits_resume_when_it_returns(r
         assert fs.wait_for_hangs(1, timeout=30.0)  # that probe hangs now, and attach has returned
     store, tier = worker_storage(stack), stack.head.controller.storage
     during, after = prompts[:5], prompts[5:]
-    for p in during:  # the first requests ask L3 (bounded by exists_timeout_s) until the breaker opens
+    for i, p in enumerate(during):  # the first requests ask L3 until the breaker opens; none waits for it
         res = _serve_exact(stack, runner, p)
         assert res.ttft_s < BOUND_S, (kind, res.ttft_s)
         assert res.storage_tokens == 0
+        if i == len(during) - 2:
+            assert tier.settle(30.0)  # their queries ended (by the existence deadline), failed
     assert store.breaker.state.value == "open"
     st = stack.head.cache_stats()
     assert st["storage_breaker"] == "open" and st["storage"]["unavailable_skips"] > 0
@@ -162,6 +164,34 @@ def test_a_dead_endpoint_never_holds_a_request_and_hits_resume_when_it_returns(r
     assert all(h > 0 for h in hits), hits  # hits resume
     assert stack.head.cache_stats()["storage_breaker"] == "closed"
     stack.client.flush_write_through_acks()
+    stack.head.detach_storage_backend()
+
+
+def test_a_hung_existence_query_holds_no_request_and_its_answer_still_fetches(runner, l3_url):
+    """The L3 existence query runs off the head's thread: with every L3 call hanging (a deadline longer
+    than the test), a request that arrived is served at once by recompute, exact, while its query still
+    hangs; once the endpoint answers, the query's answer starts the fetch of what L3 holds."""
+    prompt = _prompts(6, 1)[0]
+    _fill(runner, l3_url, [prompt])
+    stack = build_stack(_options(), runner)
+    patient = StorageConfig(timeout_s=60.0, exists_timeout_s=60.0)
+    fs = attach_faulty_l3(stack, l3_url, FaultPlan.every(OpFaults(hang_p=1.0), hang_max_s=120.0), settle=False,
+                          storage=patient)
+    tier = stack.head.controller.storage
+    req = ServeRequest(prompt, NEW_TOKENS)
+    assert stack.scheduler.arrive(req)  # asked, returned at once
+    assert fs.wait_for_hangs(1, timeout=30.0)  # its query hangs
+    res = stack.scheduler.serve(req)
+    ref = runner.generate_no_cache(prompt, NEW_TOKENS)
+    assert res.output == ref.tokens and res.storage_tokens == 0 and res.computed_tokens == len(prompt)
+    assert tier.querying and tier.counters.prefetch_started == 0  # still unanswered when the request ended
+    fs.set_plan(FaultPlan())  # the endpoint answers
+    fs.release_hangs()
+    assert tier.settle(60.0)
+    assert tier.counters.prefetch_started == 1  # L3 held the prefix: its fetch went out
+    stack.client.flush_write_through_acks()
+    st = stack.head.cache_stats()["storage"]
+    assert st["prefetch_failures"] == 0 and st["prefetch_pages"] + st["prefetch_redundant_pages"] == 5
     stack.head.detach_storage_backend()
 
 
