@@ -178,6 +178,38 @@ def test_an_object_corrupt_at_rest_is_removed_under_flips_in_transit(scheme, mak
     assert set(_stored_objects(writer)) == before - {path}  # that object only
 
 
+# ---- existence checks: one metadata request per object, never a listing ------------------------
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_existence_checks_are_object_metadata_requests_never_listings(scheme, make):
+    """Counted through the wrapper: its calls, and on gs:// every HTTP request gcsfs sends (a
+    listing gcsfs makes inside ``_info`` shows there, which the control at the end proves)."""
+    writer = make(scheme)
+    _fill_store(writer)
+    st = make(scheme, url=writer.url_)
+    fs = st.faulty
+    calls, reqs = fs.calls(), fs.requests()
+    _, _, keys = _chains()[0]
+    assert st.batch_exists(keys) == PAGES  # two stored objects
+    assert st.batch_exists([k[::-1] for k in keys]) == 0  # none stored: naturals, then partials
+    assert st.batch_set(keys, S(0, PAGES)) == [True] * PAGES  # skipped: its existence round says stored
+    dc, dr = _delta(fs.calls(), calls), _delta(fs.requests(), reqs)
+    assert dc["list"] == 0 and dc["read"] == 0 and dc["write"] == 0
+    asked = 2 + 2 + 3 + 2  # objects asked about: stored pair; missing pair, then 3 partials; the set's pair
+    assert dc["metadata"] == asked
+    if scheme == "gs":
+        assert dr == {"read": 0, "write": 0, "metadata": asked, "list": 0, "delete": 0}
+        before = fs.requests()["list"]
+        assert fs.exists(st.object_path(keys[3]))  # fsspec's exists: gcsfs' _info lists the prefix too
+        assert fs.requests()["list"] > before
+    else:
+        assert dr == dict.fromkeys(dr, 0)  # memory://, file://: no HTTP
+
+
 # ---- hangs, refused connections: deadlines and the breaker -------------------------------------
 
 
