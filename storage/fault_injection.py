@@ -280,21 +280,22 @@ class FaultInjector:
         with self._lock:
             self._plan, self._rng = plan, random.Random(plan.seed)
 
-    def injected(self) -> dict[str, int]:
+    def _snapshot(self, counts: dict[Any, int]) -> dict[str, int]:
         with self._lock:
-            return {k.value: n for k, n in self._counts.items()}
+            return {k.value: n for k, n in counts.items()}
+
+    def injected(self) -> dict[str, int]:
+        return self._snapshot(self._counts)
+
+    def calls(self) -> dict[str, int]:
+        return self._snapshot(self._calls)
+
+    def requests(self) -> dict[str, int]:
+        return self._snapshot(self._requests)
 
     def count(self, kind: FaultKind) -> None:
         with self._lock:
             self._counts[kind] += 1
-
-    def calls(self) -> dict[str, int]:
-        with self._lock:
-            return {op.value: n for op, n in self._calls.items()}
-
-    def requests(self) -> dict[str, int]:
-        with self._lock:
-            return {op.value: n for op, n in self._requests.items()}
 
     def note_request(self, op: Op) -> None:
         with self._lock:
