@@ -3,13 +3,17 @@
 States (``BreakerState``):
 
 - ``closed``: every call goes to the backend. A round of operations (one ``BatchIO`` batch) in
-  which no operation got an answer and at least one timed out or could not connect is a failure;
-  a round with any answer (data, "not found", a lost write race, a corrupt object: the endpoint
-  answered) resets the count. ``threshold`` consecutive failures open the breaker.
+  which any operation timed out or could not connect is a failure, also when others of the round
+  got an answer (a hang that costs a request its deadline counts however many calls it shares the
+  round with); a round without either, in which an operation got an answer (data, "not found", a
+  lost write race, a corrupt object: the endpoint answered), resets the count. ``threshold``
+  consecutive failures open the breaker; a round in which every operation could not connect
+  (connection refused: certain, nothing listens) opens it at once.
 - ``open``: calls fail fast (``StorageUnavailableError``, counted as ``unavailable``) without
   touching the network, for ``cooldown_s``.
 - ``half_open``: after the cooldown, one call (the probe) goes through; the others keep failing
-  fast while it runs. Its answer closes the breaker; its failure opens it for another cooldown.
+  fast while it runs. A probe round with an answer and nothing timed out or refused closes the
+  breaker; any other opens it for another cooldown.
 
 One ``Breaker`` per ``FsspecStorage`` (one per URL root and process). Any thread may call it (one
 lock); ``clock`` is injectable so tests move time instead of sleeping.
@@ -63,19 +67,26 @@ class Breaker:
                 return True
             return False
 
-    def record(self, *, answered: bool, tripped: bool) -> None:
+    def record(self, *, answered: bool, tripped: bool, refused: bool = False) -> None:
         """Outcome of a round that ``allow`` let through: ``answered`` if any operation got an
-        answer from the backend, ``tripped`` if any timed out or could not connect."""
+        answer from the backend, ``tripped`` if any timed out or could not connect, ``refused``
+        if every one could not connect."""
         with self._lock:
-            if answered:
-                self._state = BreakerState.CLOSED
-                self._failures = 0
-            elif self._state is BreakerState.HALF_OPEN:  # the probe got no answer
-                self._open_locked()
-            elif tripped and self._state is BreakerState.CLOSED:
-                self._failures += 1
-                if self._failures >= self.threshold:
+            if self._state is BreakerState.HALF_OPEN:  # the probe (or a round begun before it)
+                if answered and not tripped:
+                    self._state = BreakerState.CLOSED
+                    self._failures = 0
+                else:
                     self._open_locked()
+            elif self._state is BreakerState.CLOSED:
+                if refused:
+                    self._open_locked()
+                elif tripped:
+                    self._failures += 1
+                    if self._failures >= self.threshold:
+                        self._open_locked()
+                elif answered:
+                    self._failures = 0
             # OPEN: a round that started before the breaker opened changes nothing
 
     def _open_locked(self) -> None:

@@ -24,7 +24,9 @@ Schemes
 - ``gs://BUCKET/PREFIX`` — gcsfs; write-once is ``ifGenerationMatch=0``. The instance and
   listings caches are off (``skip_instance_cache=True``, ``use_listings_cache=False``) so other
   replicas' writes are seen.
-- Any other fsspec URL works through the generic sync (threads) or async path.
+- Any other fsspec URL works through the generic sync (threads) or async path. A chained URL
+  (``faulty::gs://BUCKET/PREFIX``: the fault wrapper over gcsfs) gets its innermost scheme's
+  defaults (object size, gs:// cache options and bucket probe); options per protocol.
 
 Every scheme names, resolves, reads and writes the same objects by the same rules: the same writes
 give the same hits on every scheme.
@@ -64,8 +66,10 @@ Deadlines and the breaker. Every call has a deadline (``timeout_s=`` or the ``St
 default of its kind: ``exists_timeout_s`` for existence checks, ``list_timeout_s`` for listings,
 ``timeout_s`` for reads and writes; ``close_timeout_s`` for ``close``): operations not finished by
 then are abandoned or cancelled (counted in ``timeouts``) and their pages report ``False``. After
-``breaker_threshold`` consecutive rounds of timeouts / connection errors the location's breaker
-opens (``available`` is False): calls answer at once as misses (``unavailable``), until a probe
+``breaker_threshold`` consecutive rounds with timeouts / connection errors (or one round in which
+every connection was refused) the location's breaker opens (``available`` is False): calls answer
+at once as misses (``unavailable``), and ``batch_set`` raises ``StorageUnavailableError`` before
+touching the pool (``skipped_write_pages``: the caller counts the skipped backup), until a probe
 after ``breaker_cooldown_s`` gets an answer.
 """
 
@@ -100,7 +104,7 @@ from hicache.storage.breaker import Breaker, BreakerState
 from hicache.storage.chunking import Chunking, ObjectRef, resolve
 from hicache.storage.config import StorageConfig
 from hicache.storage.corruption import Verdict, note_failure, recheck
-from hicache.storage.errors import ErrorKind, classify
+from hicache.storage.errors import ErrorKind, StorageUnavailableError, classify
 from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, HeaderEncoder, ObjectKind, ObjectMeta, decode
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.lru import ByteCapLRU, scan
@@ -170,11 +174,7 @@ class FsspecStorage(HiCacheStorage):
         config = StorageConfig() if config is None else config
         if not isinstance(config, StorageConfig):
             raise TypeError(f"config must be a StorageConfig, got {type(config).__name__}")
-        scheme = url.split("://", 1)[0] if "://" in url else "file"
-        opts = dict(config.storage_options)
-        if scheme in ("gs", "gcs"):
-            opts.setdefault("skip_instance_cache", True)
-            opts.setdefault("use_listings_cache", False)
+        scheme, opts = _scheme_and_options(url, config.storage_options)
         store, root = open_object_store(url, opts, fs)
         self._local = isinstance(store, LocalObjectStore)
         if config.max_bytes is not None and not self._local:
@@ -468,6 +468,10 @@ class FsspecStorage(HiCacheStorage):
         queries = self._check_transfers(transfers, for_set=True)
         deadline = self._deadline(timeout_s)
         self._count(set_calls=1)
+        if self.breaker.state is BreakerState.OPEN:  # nothing gathered, nothing sent
+            pages = sum(len(q.keys) for q in queries)
+            self._count(skipped_write_pages=pages)
+            raise StorageUnavailableError(f"L3 {self.url!r} unavailable (breaker open): {pages} pages not written")
         results = [[False] * len(q.keys) for q in queries]
         objs = [o for t, q in enumerate(queries) for o in q.reg.chunking.naturals(t, q.keys, q.first)
                 if o.m == q.reg.ppo or self.config.write_partial_chunks]
@@ -626,6 +630,22 @@ class FsspecStorage(HiCacheStorage):
     def __repr__(self) -> str:
         pools = {k.value: r.ppo for k, r in self._pools.items()}
         return f"FsspecStorage({self.url!r}, model={self.fingerprint.model_id!r}, pages_per_object={pools})"
+
+
+def _scheme_and_options(url: str, storage_options: Any) -> tuple[str, dict[str, Any]]:
+    """The URL's storage scheme (a chained URL's innermost: ``faulty::gs://...`` is gs) and the
+    fsspec options with that scheme's defaults (gs://: no instance or listings cache, so other
+    replicas' writes are seen); a chained URL's options are keyed by protocol."""
+    protocols = url.split("://", 1)[0].split("::") if "://" in url else ["file"]
+    scheme = protocols[-1]
+    opts = dict(storage_options)
+    if scheme in ("gs", "gcs"):
+        inner = opts if len(protocols) == 1 else dict(opts.get(scheme) or {})
+        inner.setdefault("skip_instance_cache", True)
+        inner.setdefault("use_listings_cache", False)
+        if len(protocols) > 1:
+            opts[scheme] = inner
+    return scheme, opts
 
 
 def _with_header(header: Any, pages: Any) -> tuple[bytes, np.ndarray]:

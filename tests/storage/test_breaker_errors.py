@@ -7,6 +7,7 @@ import errno
 
 import aiohttp
 import pytest
+from aiohttp.client_reqrep import ConnectionKey
 from fsspec.exceptions import FSTimeoutError
 
 from hicache.storage import StorageConfig
@@ -21,16 +22,22 @@ def _open(b: Breaker) -> None:
         b.record(answered=False, tripped=True)
 
 
-def test_threshold_consecutive_failures_open_it_and_an_answer_resets_the_count():
+def test_threshold_consecutive_failures_open_it_and_only_a_clean_answer_resets_the_count():
     b = Breaker(3, 5.0, ManualClock())
     for _ in range(2):
         b.record(answered=False, tripped=True)
-    b.record(answered=True, tripped=True)  # a round with any answer: the endpoint is alive
+    b.record(answered=True, tripped=False)  # a round answered with nothing lost: alive again
     for _ in range(2):
         b.record(answered=False, tripped=True)
     assert b.state is BreakerState.CLOSED
-    b.record(answered=False, tripped=True)
+    b.record(answered=True, tripped=True)  # answers, but a hang cost the round its deadline
     assert (b.state, b.opens) == (BreakerState.OPEN, 1) and not b.allow()
+
+
+def test_a_round_of_refusals_opens_it_at_once():
+    b = Breaker(3, 5.0, ManualClock())
+    b.record(answered=False, tripped=True, refused=True)
+    assert (b.state, b.opens) == (BreakerState.OPEN, 1)
 
 
 def test_half_open_lets_one_probe_through():
@@ -47,13 +54,14 @@ def test_half_open_lets_one_probe_through():
     assert b.state is BreakerState.CLOSED and b.allow()
 
 
-def test_a_failed_probe_reopens_and_late_failures_do_not_extend_the_cooldown():
+@pytest.mark.parametrize("answered, tripped", [(False, False), (True, True)])  # no answer; a hang beside answers
+def test_a_failed_probe_reopens_and_late_failures_do_not_extend_the_cooldown(answered, tripped):
     clock = ManualClock()
     b = Breaker(1, 5.0, clock)
     _open(b)
     clock.advance(5.0)
     assert b.allow()
-    b.record(answered=False, tripped=False)  # a probe without an answer
+    b.record(answered=answered, tripped=tripped)
     assert (b.state, b.opens) == (BreakerState.OPEN, 2)
     clock.advance(4.0)
     b.record(answered=False, tripped=True)  # a round that began before it opened
@@ -74,7 +82,11 @@ def test_breaker_bad_arguments(args):
         (FSTimeoutError(), False, ErrorKind.TIMEOUT, False),
         (aiohttp.ServerTimeoutError(), False, ErrorKind.TIMEOUT, False),
         (BlockingIOError(), False, ErrorKind.TIMEOUT, False),
-        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), False, ErrorKind.REFUSED, True),
+        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), False, ErrorKind.REFUSED, False),
+        (aiohttp.ClientConnectorError(ConnectionKey("127.0.0.1", 1, False, True, None, None, None, None),
+                                      ConnectionRefusedError(errno.ECONNREFUSED, "refused")),
+         False, ErrorKind.REFUSED, False),
+        (ConnectionResetError(errno.ECONNRESET, "reset"), False, ErrorKind.REFUSED, True),
         (aiohttp.ServerDisconnectedError(), False, ErrorKind.REFUSED, True),
         (OSError(errno.ECONNRESET, "reset"), False, ErrorKind.REFUSED, True),
         (PermissionError(errno.EACCES, "no"), False, ErrorKind.PERMISSION, False),
