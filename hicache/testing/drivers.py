@@ -104,6 +104,7 @@ class _Served:
         from hicache.storage import StorageConfig
 
         if self.gs_url is not None:
+            self.client.detach_storage_backend()  # the replica file's L3 (another fingerprint), if any
             self.client.attach_storage_backend(StorageParams(
                 f"{self.gs_url}/drills", self.engine.fingerprint(), prefetch_min_tokens=PAGE,
                 storage=StorageConfig(pages_per_object=2, storage_options={"token": "anon"},
@@ -162,7 +163,8 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError("stdin closed before the fault was injected")
     t_fault = time.monotonic()
     deadline = t_fault + args.deadline
-    recomputed, failures, max_blocked, recovery = 0, 0, 0.0, None
+    recomputed, failures, max_blocked = 0, 0, 0.0
+    last_failure, hit_times = t_fault, []  # hit_times: when each request served with hits ended
     # the second half, then the first again (hits after recovery: L3, or L1/L2 once refilled)
     for i in order[split:] + order[:split]:
         prompt, ref = work[i]
@@ -171,7 +173,8 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 res = served.serve(prompt)
             except retryable as e:
-                max_blocked = max(max_blocked, time.monotonic() - t)
+                last_failure = time.monotonic()
+                max_blocked = max(max_blocked, last_failure - t)
                 failures += 1
                 if failures == 1:
                     _emit({"event": "failed", "error": f"{type(e).__name__}: {str(e)[:200]}"})
@@ -184,8 +187,10 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
         wrong += not _is_right(res, ref)
         if _hit_tokens(res) == 0:
             recomputed += 1
-        elif recovery is None and failures:
-            recovery = time.monotonic() - t_fault
+        else:
+            hit_times.append(time.monotonic())
+    after = [t for t in hit_times if t > last_failure]
+    recovery = after[0] - t_fault if after else None
     out.update(wrong_outputs=wrong, requests=split + len(order), failures=failures, max_blocked_s=round(max_blocked, 3),
                recomputed_requests=recomputed, recovery_s=None if recovery is None else round(recovery, 3))
     return out

@@ -8,6 +8,11 @@ in a host's namespace through ``ip netns exec`` (``popen``/``run``); faults act 
 of the switch (``partition``/``heal``: link down/up; ``impair``: ``tc netem`` both ways) or on its
 processes (``kill_host``: SIGKILL to every process in the namespace).
 
+Name resolution: each host gets ``/etc/netns/<namespace>/hosts`` (``ip netns exec`` mounts it over
+``/etc/hosts`` for what runs there), where this machine's hostname and the host names resolve to the
+hosts' own addresses, as on real hosts (gloo, JAX's CPU collectives, binds the address its hostname
+resolves to: 127.0.0.1 from this machine's own ``/etc/hosts``).
+
 Ownership: the network owns every namespace, link and process it made; ``close()`` (also on
 ``__exit__``, an exception, SIGTERM/SIGINT while open, and interpreter exit) kills every process in
 its namespaces and deletes them, which deletes their links. ``sweep_stale()`` (run by ``open()``)
@@ -23,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -105,9 +111,13 @@ def _kill_namespace(name: str) -> list[int]:
         time.sleep(0.05)  # a process forked between the listing and the kill shows up next round
 
 
+ETC_NETNS = "/etc/netns"
+
+
 def _delete_namespace(name: str) -> None:
     _kill_namespace(name)
     _ip("netns", "del", name, check=False)
+    shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
 
 
 def sweep_stale() -> list[str]:
@@ -120,6 +130,11 @@ def sweep_stale() -> list[str]:
             swept.append(name)
     for path in _stale_dirs():
         shutil.rmtree(path, ignore_errors=True)
+    if os.path.isdir(ETC_NETNS):
+        for entry in os.listdir(ETC_NETNS):
+            m = _NAME.match(entry)
+            if m and not _alive(int(m.group(1))):
+                shutil.rmtree(os.path.join(ETC_NETNS, entry), ignore_errors=True)
     return swept
 
 
@@ -188,11 +203,20 @@ class NamespaceNetwork:
                 _ip("-n", h.namespace, "addr", "add", f"{h.address}/24", "dev", "eth0")
                 _ip("-n", h.namespace, "link", "set", "eth0", "up")
                 _ip("-n", h.namespace, "link", "set", "lo", "up")
+                self._write_hosts_file(h)
                 os.makedirs(self.host_dir(h.name), exist_ok=True)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _write_hosts_file(self, h: Host) -> None:
+        lines = ["127.0.0.1 localhost", "::1 localhost", f"{h.address} {socket.gethostname()}"]
+        lines += [f"{o.address} {o.name}" for o in self.hosts.values()]
+        folder = os.path.join(ETC_NETNS, h.namespace)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hosts"), "w") as f:
+            f.write("\n".join(lines) + "\n")
 
     def _check_subnet_unused(self) -> None:
         """The /24 must not overlap an address or route of this machine (they would shadow each other
@@ -242,6 +266,10 @@ class NamespaceNetwork:
             except subprocess.TimeoutExpired:
                 pass
         shutil.rmtree(self.workdir, ignore_errors=True)
+        try:
+            os.rmdir(ETC_NETNS)  # only when empty: made for these hosts files, or left by no one else
+        except OSError:
+            pass
         atexit.unregister(self.close)
 
     def __enter__(self) -> NamespaceNetwork:

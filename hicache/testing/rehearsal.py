@@ -178,9 +178,13 @@ class RehearsalCluster:
         """Starts ``host``'s Ray node again (after ``kill_host``): a TPU host that rebooted."""
         self._ray_start(host)
 
+    def restart_emulator(self) -> None:
+        """Starts the GCS emulator again (after ``kill_host(STORAGE)``); it starts empty (in memory)."""
+        self._wait_emulator(self._start_emulator())
+
     def _start_emulator(self) -> subprocess.Popen[bytes]:
         code = "import sys; from gcp_storage_emulator.__main__ import main; sys.exit(main())"
-        log = open(os.path.join(self.net.host_dir(STORAGE), "emulator.log"), "wb")
+        log = open(os.path.join(self.net.host_dir(STORAGE), "emulator.log"), "ab")
         try:
             return self.net.popen(STORAGE, [sys.executable, "-c", code, "start", "--host", self.address(STORAGE),
                                             "--port", str(EMULATOR_PORT), "--in-memory", "--default-bucket", BUCKET],
@@ -213,10 +217,17 @@ class RehearsalCluster:
         return self.net.run(host, [sys.executable, "-m", module, *args], self.env(host, **(env or {})),
                             timeout_s=timeout_s)
 
-    def driver_popen(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
-        """Starts ``python argv`` on ``host`` without waiting (stdout/stderr piped, text)."""
-        return self.net.popen(host, [sys.executable, *argv], self.env(host, **(env or {})), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    def driver_popen(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                     stdin: int | None = None) -> subprocess.Popen[str]:
+        """Starts ``python argv`` on ``host`` without waiting: stdout piped (text), stderr to
+        ``stderr_path`` (a file: nobody has to drain it while the driver runs)."""
+        path = self.stderr_path(host)
+        with open(path, "a") as err:
+            return self.net.popen(host, [sys.executable, *argv], self.env(host, **(env or {})), stdin=stdin,
+                                  stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def stderr_path(self, host: str) -> str:
+        return os.path.join(self.net.host_dir(host), "drivers.stderr")
 
 
 def last_json_line(out: str) -> Any:

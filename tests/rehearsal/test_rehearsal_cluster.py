@@ -18,8 +18,8 @@ import os
 import subprocess
 
 import pytest
-import yaml
 
+from hicache.testing import drills
 from hicache.testing.netns import namespaces_unavailable_reason
 from hicache.testing.rehearsal import CLIENT, HEAD, RehearsalCluster, last_json_line
 
@@ -40,26 +40,10 @@ def rc():
         yield cluster
 
 
-def replica_file(rc: RehearsalCluster) -> str:
-    config = {
-        "replica": REPLICA, "page_size": 4, "l1_pages": 96, "l2_slots": 512, "detached": True,
-        "model": {"num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "dtype": "float32"},
-        "workers": {"platform": "cpu", "num_hosts": 2, "devices_per_host": 2, "start_timeout_s": 90,
-                    "call_timeout_s": CALL_TIMEOUT_S},
-        "l3": {"url": f"{rc.gcs_url}/up", "model_id": "rehearsal", "prefetch_min_tokens": 4,
-               "storage": {"pages_per_object": 2, "storage_options": {"token": "anon"}}},
-    }
-    path = os.path.join(rc.net.workdir, "replica.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f)
-    return path
-
-
 @pytest.fixture(scope="module")
 def replica(rc):
     """``hicache up`` from the client host, as an operator would run it against the head's address."""
-    rc.module(CLIENT, "hicache", ["up", "--address", rc.ray_address, "--config", replica_file(rc), "--timeout", "150"],
-              timeout_s=240)
+    drills.hicache_up(rc, REPLICA, CALL_TIMEOUT_S)
     return REPLICA
 
 
@@ -94,3 +78,23 @@ def test_replica_from_the_client_host_coordinates_jax_on_host0_and_steps_over_th
     # bound to the head's node address (not loopback), none as Ray calls
     assert probe["channel"]["host"] == rc.address(HEAD)
     assert probe["steps"] == {"channel": 6, "ray": 0}
+
+
+def check_drill(result: drills.DrillResult) -> None:
+    assert result.wrong_outputs == 0, result  # every output equals the no-cache reference's, bit for bit
+    assert result.failures >= 1, result  # the fault met a request: the drill tested something
+    assert result.max_blocked_s <= DRIVER_TIMEOUT_S + 1.0, result  # no call blocked past its timeout
+    assert result.recovery_s is not None, result  # served with hits again after the fault
+
+
+def test_drill_kill_9_a_tpu_host_mid_workload(rc, replica):
+    """Every process of tpu1 (raylet, host worker) is SIGKILLed while the client serves; the host then
+    reboots (its Ray node starts again). The replica rebuilds its gang and serves hits again (from L3
+    on the storage host, then L1/L2), never a wrong token."""
+    check_drill(drills.run_drill(rc, replica, drills.kill_host("tpu1"), timeout_s=DRIVER_TIMEOUT_S, conversations=2))
+
+
+def test_drill_partition_a_tpu_host_then_heal(rc, replica):
+    """tpu1's link goes down until a request failed (so for longer than the call timeouts), then up."""
+    check_drill(drills.run_drill(rc, replica, drills.partition_host("tpu1"), timeout_s=DRIVER_TIMEOUT_S,
+                                 conversations=2, seed=1))
