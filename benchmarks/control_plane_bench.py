@@ -90,6 +90,11 @@ class ControlPlaneBenchRecord:
     client_ip: str = ""  # the client's Ray node address
     channel_host: str = ""  # where the step channel the client used listens (the head host's address)
     rehearsal_start_s: float = 0.0  # starting the rehearsal cluster (namespaces, Ray head and nodes)
+    # --remote: the same run with the client on the head's host (same cluster, right after): the link's share
+    head_host_requests_per_s: float = 0.0
+    head_host_call_p99_ms: float = 0.0
+    head_host_over_embedded: float = 0.0
+    remote_over_head_host: float = 0.0  # remote_requests_per_s / head_host_requests_per_s
 
 
 def run_batched(
@@ -314,16 +319,24 @@ def main() -> None:
 
 def run_remote(args: argparse.Namespace) -> None:
     """Starts a rehearsal cluster and runs this benchmark (``--rehearsal-client``) on its client host."""
-    from hicache.testing.rehearsal import CLIENT, RehearsalCluster, RehearsalOptions
+    from hicache.testing.rehearsal import CLIENT, HEAD, RehearsalCluster, RehearsalOptions
 
     with RehearsalCluster(RehearsalOptions(tpu_hosts=1)) as rc:
-        child_json = os.path.join(rc.net.workdir, "control_plane_remote.json")
-        argv = [os.path.abspath(__file__), *sys.argv[1:], "--rehearsal-client", "--json", child_json]
-        done = rc.net.run(CLIENT, [sys.executable, *argv], rc.env(CLIENT), timeout_s=7200)
-        print(done.stdout, end="")
-        with open(child_json) as f:
-            rec = json.load(f)
-        rec["rehearsal_start_s"] = rc.start_s["total"]
+        recs = {}
+        for host in (CLIENT, HEAD):  # the remote client, then the same client on the head's host
+            child_json = os.path.join(rc.net.workdir, f"control_plane_{host}.json")
+            argv = [os.path.abspath(__file__), *sys.argv[1:], "--rehearsal-client", "--json", child_json]
+            done = rc.net.run(host, [sys.executable, *argv], rc.env(host), timeout_s=7200)
+            print(f"--- client on the {host} host\n{done.stdout}", end="")
+            with open(child_json) as f:
+                recs[host] = json.load(f)
+        rec, local = recs[CLIENT], recs[HEAD]
+        rec.update(rehearsal_start_s=rc.start_s["total"], head_host_requests_per_s=local["ray_requests_per_s"],
+                   head_host_call_p99_ms=local["call_p99_ms"], head_host_over_embedded=local["ray_over_embedded"],
+                   remote_over_head_host=rec["remote_requests_per_s"] / local["ray_requests_per_s"])
+        print(json.dumps({k: rec[k] for k in ("remote_requests_per_s", "embedded_requests_per_s",
+                                              "remote_over_embedded", "remote_call_p50_ms", "remote_call_p99_ms",
+                                              "head_host_requests_per_s", "remote_over_head_host")}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rec, f, indent=1)

@@ -28,8 +28,8 @@ from hicache.testing import drills
 from hicache.testing.rehearsal import RehearsalCluster
 
 REPLICA = "drills"
-CALL_TIMEOUT_S = 4.0  # the head's bound on a host worker's ping/poll answer
-DRIVER_TIMEOUT_S = 10.0  # the serving client's bound on any call (engine and head)
+CALL_TIMEOUT_S = 10.0  # the head's bound on a host worker's ping/poll answer (a first forward compiles: seconds)
+DRIVER_TIMEOUT_S = 12.0  # the serving client's bound on any call (engine and head)
 
 
 def main() -> None:

@@ -106,6 +106,9 @@ class RehearsalCluster:
             "STORAGE_EMULATOR_HOST": self.emulator_url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
             "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.options.devices_per_host}",
             "PYTHONUNBUFFERED": "1", NODE_IP_ENV: self.address(host),
+            # a rebuilt gang compiles what the lost one did: JAX's persistent cache (as on TPU hosts) keeps
+            # that short, so a first forward does not outlast the workers' call timeouts
+            "JAX_COMPILATION_CACHE_DIR": os.path.join(self.net.workdir, "jax-cache"),
         })
         env.update(self.options.extra_env or {})
         env.update(extra)
@@ -132,8 +135,15 @@ class RehearsalCluster:
             self.start_s["ray_head"] = time.monotonic() - t
             t = time.monotonic()
             joins = [self._ray_start_async(h) for h in [*self.tpu_hosts, CLIENT]]
+            failed = []
             for host, proc in joins:
-                self._wait_ray_start(host, proc)
+                try:
+                    self._wait_ray_start(host, proc)
+                except RuntimeError:  # Ray waits 30 s (fixed) for a raylet to register: a loaded box misses it
+                    failed.append(host)
+            for host in failed:  # once more, one at a time, from a clean namespace
+                self.net.kill_host(host)
+                self._ray_start(host)
             self.start_s["ray_nodes"] = time.monotonic() - t
             self._wait_emulator(emulator)
             self.start_s["total"] = time.monotonic() - t0
@@ -169,10 +179,17 @@ class RehearsalCluster:
         if proc.returncode != 0:
             raise RuntimeError(f"ray start on {host} exited {proc.returncode}:\n{out[-4000:]}")
 
-    def _ray_start(self, host: str, head: bool = False) -> None:
-        proc = self.net.popen(host, self._ray_argv(host, head), self.env(host), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-        self._wait_ray_start(host, proc)
+    def _ray_start(self, host: str, head: bool = False, attempts: int = 2) -> None:
+        for attempt in range(attempts):
+            proc = self.net.popen(host, self._ray_argv(host, head), self.env(host), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+            try:
+                self._wait_ray_start(host, proc)
+                return
+            except RuntimeError:  # see start(): a raylet that did not register in Ray's fixed 30 s
+                if attempt == attempts - 1:
+                    raise
+                self.net.kill_host(host)
 
     def restart_node(self, host: str) -> None:
         """Starts ``host``'s Ray node again (after ``kill_host``): a TPU host that rebooted."""

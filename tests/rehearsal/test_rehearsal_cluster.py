@@ -25,8 +25,8 @@ from hicache.testing.rehearsal import CLIENT, HEAD, RehearsalCluster, last_json_
 
 REQUIRE_ENV = "HICACHE_REQUIRE_NETNS"
 REPLICA = "rh"
-CALL_TIMEOUT_S = 4.0  # the workers' ping/poll bound: a host silent this long is lost
-DRIVER_TIMEOUT_S = 10.0  # the driver's per-call bound (engine and client)
+CALL_TIMEOUT_S = 10.0  # the workers' ping/poll bound (above a first forward's compile on a loaded box)
+DRIVER_TIMEOUT_S = 12.0  # the driver's per-call bound (engine and client)
 
 
 @pytest.fixture(scope="module")
