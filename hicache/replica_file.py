@@ -15,6 +15,7 @@ Example (see ``ray_configs/replicas/``)::
       devices_per_host: 2     # cpu
       topology: 4x4           # tpu
       accelerator: v6e        # tpu
+      call_timeout_s: 30      # a host that does not answer a ping or poll this long is lost (the gang rebuilds)
     l3:                       # absent: no L3 at start (attach_storage_backend can add one at runtime)
       url: gs://bucket/kv     # fsspec URL: file:///dir, gs://bucket/prefix, memory://x
       model_id: llama3-8b     # with the model's dtype and shape: the L3 fingerprint (replicas of one
@@ -45,7 +46,7 @@ from hicache.storage import ModelFingerprint, StorageConfig
 _TOP = {"replica", "page_size", "l1_pages", "l2_slots", "write_policy", "eviction_policy", "model", "workers",
         "max_restarts", "detached", "l3"}
 _MODEL = {"num_layers", "num_kv_heads", "head_dim", "dtype"}
-_WORKERS = {"platform", "num_hosts", "devices_per_host", "topology", "accelerator", "start_timeout_s"}
+_WORKERS = {"platform", "num_hosts", "devices_per_host", "topology", "accelerator", "start_timeout_s", "call_timeout_s"}
 
 
 def _check_keys(where: str, got: Mapping[str, Any], allowed: set[str]) -> None:
@@ -94,7 +95,7 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
             spec = KVCacheSpec(int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]),
                                page_size, str(model.get("dtype", "bfloat16")))
             platform = w.get("platform", "cpu")
-            extra: dict[str, Any] = {"start_timeout_s": float(w["start_timeout_s"])} if "start_timeout_s" in w else {}
+            extra: dict[str, Any] = {k: float(w[k]) for k in ("start_timeout_s", "call_timeout_s") if k in w}
             if platform == "cpu":
                 workers = WorkerGroupOptions.fake_cpu_hosts(spec, int(w.get("num_hosts", 1)),
                                                             int(w.get("devices_per_host", 1)), **extra)
