@@ -12,7 +12,9 @@ Frames are pickles of ``RouteQuery`` / ``ReplicaView`` (authenticated by the cha
 from __future__ import annotations
 
 import pickle
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from hicache.cluster.client import CacheClient
 from hicache.cluster.route_query import RouteQuery
@@ -33,11 +35,27 @@ class HeadProbe:
         return ReplicaView(self.client.route_query(query), self.load())
 
 
-class ProbeServer:
-    """Answers routers' probes for one replica: ``answer(query) -> ReplicaView`` on a loopback channel."""
+HOLD_MAX_S = 60.0  # a held probe answers after this at the latest
 
-    def __init__(self, answer: Callable[[RouteQuery], ReplicaView], node_id: str = "local") -> None:
+
+@dataclass(frozen=True)
+class HoldProbes:
+    """Test hook (a ``ProbeServer`` with ``test_hooks``): hold every probe's answer until released, as a
+    head busy with a long step would."""
+
+    hold: bool
+
+
+class ProbeServer:
+    """Answers routers' probes for one replica: ``answer(query) -> ReplicaView`` on a loopback channel.
+    ``test_hooks``: also accept ``HoldProbes`` frames (off in production)."""
+
+    def __init__(self, answer: Callable[[RouteQuery], ReplicaView], node_id: str = "local", *,
+                 test_hooks: bool = False) -> None:
         self._answer = answer
+        self._test_hooks = test_hooks
+        self._open = threading.Event()
+        self._open.set()
         self._server = StepChannelServer(self._handle, node_id, max_frame_bytes=16 << 20)
 
     @property
@@ -46,8 +64,15 @@ class ProbeServer:
 
     def _handle(self, frame: bytearray) -> bytes:
         query = pickle.loads(frame)
+        if type(query) is HoldProbes and self._test_hooks:
+            if query.hold:
+                self._open.clear()
+            else:
+                self._open.set()
+            return pickle.dumps(query)
         if type(query) is not RouteQuery:
             raise TypeError(f"a probe frame must hold a RouteQuery, got {type(query).__name__}")
+        self._open.wait(HOLD_MAX_S)
         return pickle.dumps(self._answer(query), protocol=pickle.HIGHEST_PROTOCOL)
 
     def close(self) -> None:
@@ -63,8 +88,17 @@ class ChannelProbe:
         self.address = address
         self.timeout_s = timeout_s
         self._channel: StepChannel | None = None
+        self._busy = threading.Lock()  # a probe still waiting (its router gave up on it) owns the channel
 
     def probe(self, query: RouteQuery) -> ReplicaView:
+        if not self._busy.acquire(blocking=False):
+            raise TimeoutError(f"replica {self.name}: the previous probe is still waiting")
+        try:
+            return self._probe(query)
+        finally:
+            self._busy.release()
+
+    def _probe(self, query: RouteQuery) -> ReplicaView:
         ch = self._channel
         if ch is None or ch.closed is not None:
             ch = self._channel = StepChannel(self.address, self.timeout_s, max_frame_bytes=16 << 20)

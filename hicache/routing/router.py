@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,8 +30,12 @@ from hicache.routing.cost import Estimate, TTFTModel, estimate
 
 @dataclass(frozen=True)
 class ReplicaLoad:
+    """Requests queued and running on a replica; ``backlog_s``: the replica's own estimate of the time
+    until they are done (None: unknown, the router counts each as one mean service time)."""
+
     queued: int = 0
     running: int = 0
+    backlog_s: float | None = None
 
     @property
     def outstanding(self) -> int:
@@ -115,8 +119,9 @@ class RoutingStats:
 def rank(model: TTFTModel, prompt_len: int, views: Sequence[ReplicaView | None], loads: Sequence[float],
          service_s: float, tiebreak: int = 0) -> tuple[tuple[int, ...], tuple[Estimate | None, ...]]:
     """Candidates best first by expected TTFT. ``views[i]``: candidate i's answer (None: it did not
-    answer; its load is ``loads[i]``, its hits unknown). With no answer at all: by load alone. Ties go to
-    more free L1, then round the candidates from ``tiebreak`` (so equal ones share the work)."""
+    answer; its load is ``loads[i]``, its hits unknown; it comes after every candidate that answered). With
+    no answer at all: by load alone. Ties go to more free L1, then round the candidates from ``tiebreak``
+    (so equal ones share the work)."""
     n = len(views)
     if n == 0:
         raise ValueError("rank needs at least one candidate")
@@ -124,14 +129,19 @@ def rank(model: TTFTModel, prompt_len: int, views: Sequence[ReplicaView | None],
         raise ValueError(f"{n} views but {len(loads)} loads")
     l3_shared = max((v.answer.hits[0].l3 for v in views if v is not None and v.answer.hits), default=0)
     ests: list[Estimate | None] = []
-    keys = []
+    keys: list[tuple[Any, ...]] = []
     for i, v in enumerate(views):
-        outstanding = v.load.outstanding if v is not None else loads[i]
         hits = v.answer.hits[0] if v is not None and v.answer.hits else None
-        est = estimate(model, prompt_len, hits, l3_shared, outstanding, service_s)
+        if v is not None and v.load.backlog_s is not None:
+            est = estimate(model, prompt_len, hits, l3_shared, 1.0, v.load.backlog_s)
+        else:
+            est = estimate(model, prompt_len, hits, l3_shared, v.load.outstanding if v is not None else loads[i],
+                           service_s)
         ests.append(est if v is not None else None)
         room = (v.answer.free_l1_tokens + v.answer.evictable_l1_tokens) if v is not None else 0
         keys.append((est.ttft_s, -room, (i - tiebreak) % n))
+    if any(v is not None for v in views):  # a replica that did not answer (dead, stuck) only after the others
+        keys = [(v is None, *k) for v, k in zip(views, keys)]
     order = tuple(sorted(range(n), key=keys.__getitem__))
     return order, tuple(ests)
 
