@@ -7,21 +7,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+from support.reference_shapes import FWD, MODEL
 
 from hicache.cluster.route_query import RouteQuery, TierHits
 from hicache.cluster.tree import RadixKey
-from hicache.reference.engine.config import ForwardConfig, ModelConfig
-from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.serve_types import ServeRequest
 from hicache.reference.stack import StackOptions, build_stack
-
-MODEL = ModelConfig()
-FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=32)
-
-
-@pytest.fixture(scope="module")
-def runner():
-    return ModelRunner(MODEL, FWD, num_pages=32)
 
 
 def _snapshot(head):

@@ -6,11 +6,10 @@ import threading
 
 import numpy as np
 import pytest
+from support.reference_shapes import FWD, MODEL
 
 from hicache.cluster.route_query import RouteAnswer, TierHits
 from hicache.cluster.tree import RadixKey
-from hicache.reference.engine.config import ForwardConfig, ModelConfig
-from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.serve_types import ServeRequest
 from hicache.reference.stack import StackOptions, build_stack
 from hicache.routing import (
@@ -23,8 +22,6 @@ from hicache.routing import (
     rank,
 )
 
-MODEL = ModelConfig()
-FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=32)
 COST = TTFTModel(compute_s_per_token=1e-3, l2_s_per_token=1e-4, l3_s_per_token=2e-4, request_s=0.0, service_s=0.1)
 
 
@@ -91,11 +88,6 @@ def test_heads_that_do_not_answer_in_time_fall_back_to_load():
         RouterOptions(probe_timeout_s=0)
     with pytest.raises(TypeError, match="RadixKey"):
         TierAwareRouter().route(np.arange(4), [held[0]])
-
-
-@pytest.fixture(scope="module")
-def runner():
-    return ModelRunner(MODEL, FWD, num_pages=32)
 
 
 def test_routes_to_the_replica_that_holds_the_prefix_and_outputs_stay_exact(tmp_path, runner):
