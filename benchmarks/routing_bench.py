@@ -459,8 +459,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"unknown router {r!r}; choose from {ROUTERS}")
     import ray
 
-    # A private local instance (never a cluster that is already running here): the prefix router's tree actor.
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    if "ray_prefix_affinity" in routers and not ray.is_initialized():
+        # A private local instance (never a cluster already running here) for the prefix router's tree actor.
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     runner = ModelRunner(MODEL, FWD, num_pages=args.l1_pages)
     options = StackOptions(MODEL, FWD, l1_pages=args.l1_pages, l2_slots=args.l2_slots, prefetch_min_tokens=8)
     tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))
@@ -504,7 +505,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 if __name__ == "__main__":
