@@ -30,9 +30,15 @@ class HeadProbe:
         self.name = name
         self.client = client
         self.load = load
+        self._busy = threading.Lock()  # a client is not thread-safe: one probe at a time
 
     def probe(self, query: RouteQuery) -> ReplicaView:
-        return ReplicaView(self.client.route_query(query), self.load())
+        if not self._busy.acquire(blocking=False):
+            raise TimeoutError(f"replica {self.name}: the previous probe is still waiting")
+        try:
+            return ReplicaView(self.client.route_query(query), self.load())
+        finally:
+            self._busy.release()
 
 
 HOLD_MAX_S = 60.0  # a held probe answers after this at the latest

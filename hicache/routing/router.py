@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -206,3 +207,15 @@ class TierAwareRouter:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_live(router: Any) -> None:
+    """Lists ``router`` in ``live_routers`` while it lives (routers Serve creates inside its handles)."""
+    _LIVE.add(router)
+
+
+def live_routers() -> list[Any]:
+    return list(_LIVE)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from hicache.cluster.step_channel import ChannelAddress
 from hicache.cluster.tree import RadixKey
 from hicache.routing.cost import TTFTModel
 from hicache.routing.probes import ChannelProbe
-from hicache.routing.router import ReplicaView, RoutingDecision, RoutingStats, rank
+from hicache.routing.router import ReplicaView, RoutingDecision, RoutingStats, live_routers, rank, register_live
 
 PROBE_STATS_KEY = "hicache_probe"  # a replica's routing stats: where its ProbeServer listens
 
@@ -65,7 +64,7 @@ class ServeDecision:
 
 def routers_in_this_process() -> list[HiCacheRequestRouter]:
     """The live routers of this process (one per deployment handle), for reports and tests."""
-    return list(HiCacheRequestRouter.__dict__.get("_live", ()))
+    return [r for r in live_routers() if type(r).__name__ == "HiCacheRequestRouter"]
 
 
 def probe_address(stats: dict[str, Any]) -> ChannelAddress | None:
@@ -95,12 +94,9 @@ class HiCacheRequestRouter(FIFOMixin, RequestRouter):
         self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="hicache-serve-route")
         self._routed_at: dict[str, float] = {}
         self._turn = 0
-        # On the class, not in a module global: Serve may ship this class by value (its methods then see a
-        # copy of this module's globals), and the class object is what stays shared in this process.
-        cls = type(self)
-        if "_live" not in cls.__dict__:
-            cls._live = weakref.WeakSet()  # type: ignore[attr-defined]
-        cls._live.add(self)  # type: ignore[attr-defined]
+        # Not in this module's globals nor on the class: Serve ships this module by value (its methods see a
+        # copy of its globals, and the class dict is pickled again on every deploy).
+        register_live(self)
 
     def _probe_for(self, replica: RunningReplica) -> ChannelProbe | None:
         address = probe_address(replica.routing_stats)

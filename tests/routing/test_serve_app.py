@@ -76,6 +76,9 @@ def test_requests_reach_the_replica_the_router_picks(app):
         out, dec = _ask(handle, runner, np.concatenate([doc, rng.integers(0, 512, 7)]))
         assert dec.chosen == out["replica"] == home[d] and dec.answered == REPLICAS
         assert out["device_hit_tokens"] >= 64  # its L1 copy
+    # Serve pickles the router's module by value on every deploy: a live router in this process must not
+    # put anything unpicklable there.
+    assert deployment(num_replicas=1)._deployment_config.request_router_config.get_request_router_class()
 
 
 def _hold_probes(hold: bool) -> None:
