@@ -21,6 +21,7 @@ from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
 from hicache.cluster.events import KVEvent
 from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, HeadConfig, Method
+from hicache.cluster.route_query import RouteAnswer, RouteQuery
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
 from hicache.cluster.tree import (
     EvictResult,
@@ -193,6 +194,11 @@ class CacheClient:
         """A request's start in one call (``hicache.cluster.begin``): hold writes, check its arrival's
         prefetch, match, ask L3, lock + alloc, as ``params`` says."""
         return self._call(Method.BEGIN_REQUEST, params)
+
+    def route_query(self, query: RouteQuery) -> RouteAnswer:
+        """A router's dry run: per prompt, the L1/L2/L3 hit lengths this head would give it now, and its L1
+        room (``hicache.cluster.route_query``); takes no lock, starts no prefetch."""
+        return self._call(Method.ROUTE_QUERY, query)
 
     def insert(self, params: InsertParams) -> InsertResult:
         return self._call(Method.INSERT, params)

@@ -20,6 +20,7 @@ from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBa
 from hicache.cluster.events import KVEvent
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.route_query import RouteAnswer, RouteQuery, answer
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, PrefetchState, StorageParams
 from hicache.cluster.tree import (
     CacheCapacityError,
@@ -77,6 +78,7 @@ class Method(str, Enum):
     PAUSE_STORAGE_WRITES = "pause_storage_writes"
     RESUME_STORAGE_WRITES = "resume_storage_writes"
     BEGIN_REQUEST = "begin_request"
+    ROUTE_QUERY = "route_query"
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -337,6 +339,13 @@ class CacheHead:
             self.tree.unlock_path(node)
             raise
         return BeginResult(m, fetched, None, pages, l3_s, time.perf_counter() - t)
+
+    def route_query(self, query: RouteQuery) -> RouteAnswer:
+        """A router's dry run (``hicache.cluster.route_query``): hit lengths per tier, L1 room; no effects."""
+        if type(query) is not RouteQuery:
+            raise TypeError(f"route_query expects RouteQuery, got {type(query).__name__}")
+        ctl = self.controller
+        return answer(self.tree, query.keys, 0 if ctl is None else ctl.in_flight)
 
     def call(self, call: Call) -> Any:
         """Dispatches one ``Call`` (the single entry point a transport needs)."""

@@ -36,6 +36,7 @@ from hicache.cluster.head import Call, Method  # noqa: E402
 from hicache.cluster.policy import HiCacheConfig  # noqa: E402
 from hicache.cluster.ray_head import HeadState, ReplicaConfig, get_head, stop_replica, worker_handles  # noqa: E402
 from hicache.cluster.ray_workers import WorkerGroupOptions  # noqa: E402
+from hicache.cluster.route_query import RouteQuery  # noqa: E402
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams  # noqa: E402
 from hicache.cluster.tree import InsertParams, RadixKey, RequestState, TreeConfig  # noqa: E402
 from hicache.storage import ModelFingerprint  # noqa: E402
@@ -191,8 +192,10 @@ def test_backup_evict_load_back_is_bit_identical_on_every_host(env_x):
     assert st["bytes_moved"]["d2h"] == 2 * 6 * SPEC.page_bytes // 2  # each host moved its half of 6 pages
     env_x.serve(seq(1000, 250))  # pushes `a` out of L1
     c.flush_write_through_acks()
+    hits = c.route_query(RouteQuery((RadixKey(a),))).hits[0]  # a router's dry run over Ray
     m = c.match_prefix(RadixKey(a))
     assert m.device_hit_len < 24 and m.device_hit_len + m.host_hit_len == 24
+    assert (hits.l1, hits.l2) == (m.device_hit_len, m.host_hit_len)
     free = c.alloc(c.stats().free_pages * PS)  # every free L1 page := garbage, on both hosts
     env_x.write(free, np.full((free.size, *SPEC.page_shape), -7, np.float32))
     c.free(free)
