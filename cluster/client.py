@@ -19,6 +19,7 @@ import numpy as np
 
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
+from hicache.cluster.drain import DrainParams, DrainProgress
 from hicache.cluster.events import KVEvent
 from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, HeadConfig, Method
 from hicache.cluster.route_query import RouteAnswer, RouteQuery
@@ -248,6 +249,10 @@ class CacheClient:
 
     def flush_write_through_acks(self) -> int:
         return self._call(Method.FLUSH_WRITE_THROUGH_ACKS)
+
+    def drain(self, params: DrainParams) -> DrainProgress:
+        """Preemption notice: stop admitting, store what L3 lacks by the deadline (``CacheHead.drain``)."""
+        return self._call(Method.DRAIN, params)
 
     def take_events(self) -> list[KVEvent]:
         return self._call(Method.TAKE_EVENTS)

@@ -17,6 +17,8 @@ import numpy as np
 
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBackResult
+from hicache.cluster.drain import DrainParams, DrainProgress, run_drain
+from hicache.cluster.errors import HiCacheDrainingError
 from hicache.cluster.events import KVEvent
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.policy import HiCacheConfig
@@ -79,6 +81,7 @@ class Method(str, Enum):
     RESUME_STORAGE_WRITES = "resume_storage_writes"
     BEGIN_REQUEST = "begin_request"
     ROUTE_QUERY = "route_query"
+    DRAIN = "drain"  # (last: wire codes follow this order)
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -125,6 +128,7 @@ class CacheHead:
         self.tree = RadixTree(self.config.tree)
         self.controller: HiCacheController | None = None
         self.metrics: HeadMetrics | None = None
+        self.drain_progress: DrainProgress | None = None  # set by a drain: no new request is admitted
         if self.config.hicache is not None:
             if workers is None:
                 raise ValueError("a head with a host tier (HeadConfig.hicache) needs its workers")
@@ -203,6 +207,7 @@ class CacheHead:
         if ctl is not None and storage is not None:
             ctl.detach_storage_backend()  # nothing in flight: writes the queued manifest, closes the clients
         self.tree.reset()
+        self.drain_progress = None  # a cold replica admits requests again
         if ctl is not None:
             self.controller = HiCacheController(self.tree, ctl.config, ctl.workers)
             if self.metrics is not None:
@@ -243,7 +248,20 @@ class CacheHead:
                 out["storage"] = ctl.storage.counters.snapshot()
                 out["storage_errors"] = ctl.workers.storage_errors()  # by kind (transfers.L3_ERROR_KINDS)
                 out["storage_breaker"] = ctl.workers.storage_breaker_state()  # closed / half_open / open
+        if self.drain_progress is not None:
+            out["drain"] = self.drain_progress.snapshot()
         return out
+
+    def drain(self, params: DrainParams) -> DrainProgress:
+        """A preemption notice came: stop admitting, store what L3 lacks within the deadline, flush
+        the manifest (``hicache.cluster.drain``). Returns what it did (also in ``cache_stats``)."""
+        if type(params) is not DrainParams:
+            raise TypeError(f"drain expects DrainParams, got {type(params).__name__}")
+        self.drain_progress = DrainProgress(deadline_s=params.deadline_s)  # refuse new requests from now
+        try:
+            return run_drain(self, params)
+        finally:
+            self.publish_metrics()
 
     # -- metrics ---------------------------------------------------------------------------------------
     def attach_metrics(self, metrics: HeadMetrics) -> None:
@@ -302,6 +320,9 @@ class CacheHead:
         A failed alloc (``CacheCapacityError``) releases the lock it took before it raises."""
         if type(params) is not BeginParams:
             raise TypeError(f"begin_request expects BeginParams, got {type(params).__name__}")
+        if self.drain_progress is not None:
+            raise HiCacheDrainingError(f"replica {self.config.replica!r} is draining (preemption notice): "
+                                       "admit this request elsewhere")
         ctl = self.controller
         l3 = params.check_prefetch is not None or params.prefetch_id is not None
         if params.hold_writes or l3:

@@ -223,6 +223,14 @@ class BatchIO(abc.ABC):
             raise r
         return r
 
+    def list_dirs(self, prefix: str, deadline: Deadline) -> tuple[str, ...]:
+        """Names of the folders directly under ``prefix``; raises the listing's error."""
+        r = self._run(self._retrying(self.store.list_dirs, deadline),
+                      self._aretrying(lambda p: self._astore().alist_dirs(p), deadline), [(prefix,)], deadline)[0]
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
     def delete_tree(self, prefix: str, deadline: Deadline) -> None:
         r = self._run(self.store.delete_tree, lambda p: self._astore().adelete_tree(p), [(prefix,)], deadline)[0]
         if isinstance(r, BaseException):

@@ -50,6 +50,9 @@ class StorageConfig:
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
     max_inflight_bytes: int = 256 * MiB  # batch_set gathers from the pool in groups this large
     delete_corrupt: bool = True  # remove objects proven corrupt at rest, so they can be rewritten
+    # topology-free reads (``shard_cover``): look for other layouts' shard objects at most this often
+    # (None: read this host's own shard objects only)
+    layout_refresh_s: float | None = 30.0
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,6 +74,10 @@ class StorageConfig:
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
         if isinstance(self.max_inflight_bytes, bool) or not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be a positive int, got {self.max_inflight_bytes!r}")
+        if self.layout_refresh_s is not None and (
+                isinstance(self.layout_refresh_s, bool) or not isinstance(self.layout_refresh_s, (int, float))
+                or not self.layout_refresh_s >= 0):
+            raise ValueError(f"layout_refresh_s must be >= 0 or None, got {self.layout_refresh_s!r}")
         if not 0.0 < self.evict_low_watermark <= 1.0:
             raise ValueError(f"evict_low_watermark must be in (0, 1], got {self.evict_low_watermark!r}")
 

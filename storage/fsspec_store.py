@@ -9,6 +9,9 @@ It puts together (one module per concept):
 - ``errors``: what went wrong, by kind (``StorageStats``);
 - ``corruption``: corrupt in transit (a miss) vs corrupt at rest (deleted);
 - ``chunking``: which objects hold which pages of a chain (the chunking rule, ``resolve``);
+- ``shard_cover``: topology-free reads, a host's heads assembled from the shard objects another
+  layout (host count, devices per host, chunk size) stored, found by listing the pool's shard
+  folders at most every ``layout_refresh_s``;
 - ``format``: the self-verifying object header;
 - ``slot_access``: copies between objects and the host pool's slots, and when I/O threads may
   make them;
@@ -36,7 +39,9 @@ Object names (topology-free, content-addressed)::
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}/{key[0]}/{key}
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tag}
 
-Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds).
+Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds; where other
+layouts hold this host's heads, over them too, and two more rounds per layout switch along the
+chain: ``shard_cover.plan``).
 ``batch_get``: resolve, then read and verify the objects concurrently; objects that fail
 verification are re-read once (``corruption``: used if the re-read verifies, deleted only if proven
 corrupt at rest); a miss, a corrupt object or a failure ends the usable prefix. ``batch_set``:
@@ -85,7 +90,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hicache.storage import slot_access
+from hicache.storage import shard_cover, slot_access
 from hicache.storage.base import (
     HiCacheStorage,
     HostSlots,
@@ -193,6 +198,8 @@ class FsspecStorage(HiCacheStorage):
         self._lru = (ByteCapLRU(f"{root}/v{FORMAT_VERSION}", config.max_bytes, config.evict_low_watermark)
                      if config.max_bytes is not None else None)
         self._pools: dict[PoolKind, _PoolReg] = {}
+        self._sources: dict[PoolKind, tuple[_PoolReg, ...]] = {}  # other layouts' shards (shard_cover)
+        self._sources_at: dict[PoolKind, float] = {}  # when they were last listed
         self._lock = threading.Lock()
         self._counters: dict[str, int] = {f.name: 0 for f in dataclasses.fields(StorageStats) if f.name not in _NOT_COUNTERS}
         self._corrupt: dict[str, int] = {}
@@ -269,6 +276,47 @@ class FsspecStorage(HiCacheStorage):
     def _resolve(self, queries: list[_Transfer], deadline: Deadline, min_pages: int = 1) -> list[list[ObjectRef]]:
         return resolve([(q.reg.chunking, q.keys, q.first) for q in queries],
                        lambda objs: self._exists_flags(objs, deadline), min_pages)
+
+    def _other_layouts(self, reg: _PoolReg, deadline: Deadline) -> tuple[_PoolReg, ...]:
+        """Shards of other layouts holding some of ``reg``'s heads (``shard_cover``), each as a pool
+        registration without a pool; listed again at most every ``layout_refresh_s`` (a failed
+        listing keeps what was known, and is counted)."""
+        every = self.config.layout_refresh_s
+        if every is None or reg.kind is not PoolKind.KV or not shard_cover.can_assemble(reg.shard, reg.shape):
+            return ()
+        now = time.monotonic()
+        with self._lock:
+            due = now - self._sources_at.get(reg.kind, -math.inf) >= every
+            if due:
+                self._sources_at[reg.kind] = now
+        if due:
+            try:
+                found = shard_cover.discover(self._io, f"{self._base}/{reg.kind.value}", reg.shard, reg.chunking,
+                                             reg.shape, deadline)
+            except Exception as e:
+                self._count_exc(e, on_root=True)
+            else:
+                self._sources[reg.kind] = tuple(
+                    dataclasses.replace(reg, shard=src.coord, chunking=src.chunking, shape=src.shape,
+                                        header=HeaderEncoder(ObjectKind.PAGES, self._fp, reg.dtype_name, src.shape),
+                                        slot_bytes=math.prod(src.shape) * np.dtype(reg.pool.dtype).itemsize)
+                    for src in found)
+        return self._sources.get(reg.kind, ())
+
+    def refresh_layouts(self, *, timeout_s: float | None = None) -> int:
+        """List the other layouts' shard objects now (within ``timeout_s`` or ``list_timeout_s``);
+        returns how many shard folders hold some of this host's KV heads."""
+        deadline = self._deadline(timeout_s, self.config.list_timeout_s)
+        with self._lock:
+            self._sources_at.clear()
+        return sum(len(self._other_layouts(reg, deadline)) for reg in self._pools.values())
+
+    def _covered(self, queries: list[_Transfer], deadline: Deadline, min_pages: int = 1) -> tuple[
+            list[_Transfer], list[list[ObjectRef]], list[list[shard_cover.Segment]]]:
+        """Existence of every query under its own shard and the other layouts' shards holding its
+        heads (``shard_cover.plan``; just ``_resolve`` where there are none)."""
+        return shard_cover.plan(queries, lambda reg: self._other_layouts(reg, deadline),
+                                lambda batch, least: self._resolve(batch, deadline, least), deadline, min_pages)
 
     # ---- pools -------------------------------------------------------------------------------
     def register_host_pool(
@@ -357,10 +405,7 @@ class FsspecStorage(HiCacheStorage):
         self._count(exists_calls=1)
         if len(keys) < least:  # no hit could reach min_pages (also: no keys)
             return 0
-        objs = self._resolve([_Transfer(reg, keys, _NO_SLOTS, first)], deadline, least)[0]
-        if not objs:
-            return 0
-        return objs[-1].start + objs[-1].m - first
+        return sum(seg.pages for seg in self._covered([_Transfer(reg, keys, _NO_SLOTS, first)], deadline, least)[2][0])
 
     def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:
         reg = self._reg(pool)
@@ -376,18 +421,18 @@ class FsspecStorage(HiCacheStorage):
         queries = self._check_transfers(transfers, for_set=False)
         deadline = self._deadline(timeout_s)
         self._count(get_calls=1)
-        results = [[False] * len(q.keys) for q in queries]
         guard = slot_access.CallGuard()
         try:
-            objs = [o for os_ in self._resolve(queries, deadline) for o in os_]
-            loaded = [self._apply_read(queries, results, o, r, deadline)
-                      for o, r in zip(objs, self._read_objs(queries, objs, guard, deadline))]
+            flat, found, plans = self._covered(queries, deadline)
+            bufs = [[shard_cover.assemble(flat, seg) for seg in segs] for segs in plans]
+            objs = [o for segs in plans for seg in segs for c in seg.chosen for o in found[c]
+                    if o.start < flat[c].first + seg.pages]
+            flat_results = [[False] * len(q.keys) for q in flat]
+            loaded = [self._apply_read(flat, flat_results, o, r, deadline)
+                      for o, r in zip(objs, self._read_objs(flat, objs, guard, deadline))]
         finally:
             guard.close()  # from here on no I/O thread touches the pool for this call
-        for r in results:  # only the contiguous prefix counts
-            if False in r:
-                cut = r.index(False)
-                r[cut:] = [False] * (len(r) - cut)
+        results = [shard_cover.combine(q, segs, b, flat_results) for q, segs, b in zip(queries, plans, bufs)]
         hits = sum(sum(r) for r in results)
         self._count(hit_pages=hits, miss_pages=sum(len(r) for r in results) - hits)
         if self._lru is not None:

@@ -94,6 +94,10 @@ class ObjectStore(abc.ABC):
     def delete_tree(self, prefix: str) -> None:
         """Remove everything under ``prefix`` (nothing there: no error)."""
 
+    def list_dirs(self, prefix: str) -> tuple[str, ...]:
+        """Names of the folders directly under ``prefix`` (none if there is no such folder): one listing."""
+        return _dir_names(self.fs.ls(prefix, detail=True)) if self.fs.exists(prefix) else ()
+
 
 class FsspecObjectStore(ObjectStore):
     def __init__(self, fs: Any) -> None:
@@ -125,6 +129,11 @@ class FsspecObjectStore(ObjectStore):
                 self.fs.rm(prefix, recursive=True)
         except FileNotFoundError:
             pass
+
+
+def _dir_names(entries: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Base names of the folder entries of an ``ls(detail=True)``."""
+    return tuple(e["name"].rstrip("/").rpartition("/")[2] for e in entries if e.get("type") == "directory")
 
 
 def _visible(paths: list[str]) -> list[str]:
@@ -252,6 +261,12 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
 
     async def alist(self, prefix: str) -> list[str]:
         return _visible(await self.fs._find(prefix))
+
+    async def alist_dirs(self, prefix: str) -> tuple[str, ...]:
+        try:
+            return _dir_names(await self.fs._ls(prefix, detail=True))
+        except FileNotFoundError:
+            return ()
 
     async def adelete_tree(self, prefix: str) -> None:
         try:
