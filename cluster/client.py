@@ -203,6 +203,9 @@ class CacheClient:
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
         return self._call(Method.CACHE_UNFINISHED_REQ, state)
 
+    def abandon_request(self, state: RequestState) -> int:
+        return self._call(Method.ABANDON_REQUEST, state)
+
     def evict(self, num_tokens: int) -> EvictResult:
         return self._call(Method.EVICT, num_tokens)
 

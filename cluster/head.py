@@ -119,6 +119,7 @@ class Method(str, Enum):
     PAUSE_STORAGE_WRITES = "pause_storage_writes"
     RESUME_STORAGE_WRITES = "resume_storage_writes"
     BEGIN_REQUEST = "begin_request"
+    ABANDON_REQUEST = "abandon_request"
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -204,6 +205,10 @@ class CacheHead:
 
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
         return self._sent(self.tree.cache_unfinished_req(state))
+
+    def abandon_request(self, state: RequestState) -> int:
+        """A failed request: frees its pages and component values, unlocks its prefix, caches nothing."""
+        return self.tree.abandon_request(state)
 
     def evict(self, num_tokens: int) -> EvictResult:
         return self._sent(self.tree.evict(num_tokens))

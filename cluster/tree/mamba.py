@@ -265,6 +265,9 @@ class MambaComponent(TreeComponent):
                 return MambaRequest(fresh, ((slot, fresh),), value.branching_seqlen)
         return MambaRequest(slot, (), value.branching_seqlen)
 
+    def release_request(self, state: RequestState) -> None:
+        self.allocator.release_one(int(state.components[self.name].slot))  # (validated: a REQUEST slot)
+
     def _adopt(self, node: TreeNode, st: _MambaNode, slot: int) -> None:
         self.allocator.transfer_one(slot, PageOwner.TREE)
         st.slot = slot

@@ -30,8 +30,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.head import Call, Method
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
+from hicache.cluster.tree.params import NO_VALUES
 from hicache.reference.engine.runner import Generation
 from hicache.reference.engine_adapters import Engine
 from hicache.reference.serve_types import ServePhases, ServeRequest, ServeResult
@@ -58,6 +59,7 @@ class _Prefix(NamedTuple):
     loaded: int = 0  # of hit, loaded back from L2 (including what L3 prefetched)
     fetched: int = 0  # of loaded, fetched from L3 for this request
     failed: bool = False
+    components: Mapping[str, Any] = NO_VALUES  # the request's component values (Mamba: its state slot)
 
 
 def _table(*parts: np.ndarray) -> np.ndarray:
@@ -86,6 +88,17 @@ class Begun(NamedTuple):
     logits: np.ndarray  # f32[vocab]: of the last prompt token
     prefix: _Prefix
     marks: tuple[float, ...]  # perf_counter at the start and at the end of match, l3, load_back, prefill
+    components: Mapping[str, Any] = NO_VALUES  # RequestState.components (Mamba: the working state slot)
+
+    @property
+    def state_slot(self) -> int | None:
+        """The request's recurrent state slot (models with recurrent layers), else None."""
+        return state_slot(self.components)
+
+
+def state_slot(components: Mapping[str, Any]) -> int | None:
+    value = components.get("mamba")
+    return None if value is None else int(value.slot)
 
 
 class _AfterFirstToken:
@@ -257,7 +270,7 @@ class Scheduler:
         if r.pages is not None:  # locked and allocated in the call
             hit = m.device_hit_len
             table = _table(m.device_pages, r.pages) if hit else r.pages
-            p = _Prefix(table, hit, m.last_device_node)
+            p = _Prefix(table, hit, m.last_device_node, components=r.components)
         else:
             table, hit, node, loaded, failed = self._reuse(m, total)
             p = _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
@@ -274,28 +287,55 @@ class Scheduler:
         arrival = self._arrived.pop(id(req), None)
         ns = (req.extra_key, req.cache_salt)
         done = False
-        held = None  # (table, prefix_len, node) once the prefix is locked and pages allocated
+        held = None  # (table, prefix_len, node, components) once the prefix is locked and pages allocated
         try:
             p, marks = self._prefix(key, prompt.size + req.max_new_tokens, arrival, t0)
-            table, prefix_len, node = held = p.table, p.hit, p.node
+            table, prefix_len, node, comps = held = p.table, p.hit, p.node, p.components
+            self._start_states(comps)
             start = p.hit
             budget = self.prefill_budget
             while budget and prompt.size - start > budget:
                 end = start + budget
-                self.engine.prefill(prompt[:end], table, start)
-                table, prefix_len, node = held = self._cache_computed(prompt[:end], ns, table, prefix_len, node)
+                self._prefill(prompt[:end], table, start, comps)
+                table, prefix_len, node, comps = held = self._cache_computed(prompt[:end], ns, table, prefix_len,
+                                                                             node, comps)
                 start = end
-            logits = self.engine.prefill(prompt, table, start)  # the last row only: one wait, no copies
+            whole = (prompt.size - 1) // self.client.page_size * self.client.page_size
+            if state_slot(comps) is not None and whole > start:
+                # A recurrent state is cached only where the engine's state is after exactly a node end:
+                # the prompt's last whole page (of the key a later turn matches) is computed and cached first.
+                self._prefill(prompt[:whole], table, start, comps)
+                table, prefix_len, node, comps = held = self._cache_computed(prompt[:whole], ns, table, prefix_len,
+                                                                             node, comps)
+                start = whole
+            logits = self._prefill(prompt, table, start, comps)  # the last row only: one wait, no copies
             marks.append(time.perf_counter())
             done = True
         except BaseException:  # a failed forward (or chunk insert) keeps neither its lock nor its pages
             if held is not None:
-                self._abandon(*held)
+                self._abandon(*held, ns)
             raise
         finally:  # also when the match, load-back or a forward fails
             if self.hold_writes and (resume or not done):
                 self.client.resume_storage_writes()
-        return Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks))
+        return Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks), comps)
+
+    def _prefill(self, tokens: np.ndarray, table: np.ndarray, start: int, comps: Mapping[str, Any]) -> np.ndarray:
+        slot = state_slot(comps)
+        if slot is None:
+            return self.engine.prefill(tokens, table, start)
+        return self.engine.prefill(tokens, table, start, slot)
+
+    def _start_states(self, comps: Mapping[str, Any]) -> None:
+        """Before a request's first forward: its working state slot takes the cached state its prefix
+        ends with (``MambaRequest.copies``) or the zero state (nothing cached to continue from)."""
+        value = comps.get("mamba")
+        if value is None:
+            return
+        if value.copies:
+            self.engine.copy_states(value.copies)
+        else:
+            self.engine.zero_states([value.slot])
 
     def cache_prompt(self, b: Begun) -> Begun:
         """Caches the whole pages of ``b``'s prompt right after its prefill (``cache_unfinished_req``, as
@@ -309,27 +349,39 @@ class Scheduler:
         if whole <= b.prefix_len:
             return b
         try:
-            table, prefix_len, node = self._cache_computed(b.prompt, b.ns, b.table, b.prefix_len, b.node)
+            table, prefix_len, node, comps = self._cache_computed(b.prompt, b.ns, b.table, b.prefix_len, b.node,
+                                                                  b.components)
         except BaseException:
-            self._abandon(b.table, b.prefix_len, b.node)
+            self._abandon(b.table, b.prefix_len, b.node, b.components, b.ns)
             raise
-        return b._replace(table=table, prefix_len=prefix_len, node=node)
+        return b._replace(table=table, prefix_len=prefix_len, node=node, components=comps)
 
     def _cache_computed(self, tokens: np.ndarray, ns: tuple[str | None, str | None], table: np.ndarray,
-                        prefix_len: int, node: int) -> tuple[np.ndarray, int, int]:
+                        prefix_len: int, node: int,
+                        comps: Mapping[str, Any] = NO_VALUES) -> tuple[np.ndarray, int, int, Mapping[str, Any]]:
         """``cache_unfinished_req`` of a running request's computed ``tokens`` (a chunked prefill's piece
-        or the whole prompt): their whole pages go into the tree and its lock moves to their end.
-        Returns the request's new (page table, tokens the tree owns, locked node)."""
-        state = self.client.cache_unfinished_req(RequestState(RadixKey(tokens, *ns), table, prefix_len, node))
-        return state.device_pages, state.prefix_len, state.last_node
+        or the whole prompt): their whole pages go into the tree and its lock moves to their end (with a
+        recurrent state: the tree may take the request's slot for that end and hand it a fresh one, whose
+        copy runs here). Returns the request's new (page table, tokens the tree owns, locked node,
+        component values)."""
+        state = self.client.cache_unfinished_req(RequestState(RadixKey(tokens, *ns), table, prefix_len, node, 0, comps))
+        value = state.components.get("mamba")
+        if value is not None and value.copies:
+            self.engine.copy_states(value.copies)
+        return state.device_pages, state.prefix_len, state.last_node, state.components
 
-    def _abandon(self, table: np.ndarray, prefix_len: int, node: int) -> None:
+    def _abandon(self, table: np.ndarray, prefix_len: int, node: int, comps: Mapping[str, Any] = NO_VALUES,
+                 ns: tuple[str | None, str | None] = (None, None)) -> None:
         """A request that failed after its lock and alloc (a forward or its decode raised): unlocks its
-        prefix and frees its own pages (those past ``prefix_len``), inserting nothing, in one step. Best
-        effort: the caller raises the request's own error; a release that fails too is logged."""
+        prefix and frees its own pages (those past ``prefix_len``, and its component values), inserting
+        nothing, in one step. Best effort: the caller raises the request's own error; a release that
+        fails too is logged."""
         own = np.asarray(table[prefix_len // self.client.page_size:], dtype=np.int32)
+        calls = ([Call(Method.DEC_LOCK_REF, node), Call(Method.FREE, own)] if not comps else
+                 [Call(Method.ABANDON_REQUEST, RequestState(RadixKey(np.zeros(prefix_len, np.int32), *ns), table,
+                                                           prefix_len, node, 0, comps))])
         try:
-            for r in self.client.step([Call(Method.DEC_LOCK_REF, node), Call(Method.FREE, own)]):
+            for r in self.client.step(calls):
                 r.unwrap()
         except Exception as e:  # (the cache is unreachable too: its state is the head's to recover)
             log.warning("could not release a failed request's lock (node %s) and %d pages: %s", node, own.size, e)
@@ -339,7 +391,7 @@ class Scheduler:
         sends held backups, applies acks, off the next request's critical path) and sums up its times."""
         t = time.perf_counter()
         seq = np.concatenate([b.prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
-        state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node)
+        state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node, 0, b.components)
         if self.hicache and not self.client.in_process:  # one round trip (the check runs even if the finish fails)
             finished, checked = self.client.step([Call(Method.CACHE_FINISHED_REQ, state),
                                                   Call(Method.CHECK_HICACHE_EVENTS)])
@@ -378,11 +430,17 @@ class Scheduler:
             b = self.begin(req, resume=False)
             step = _AfterFirstToken(between_steps, self.client.resume_storage_writes)
         t = time.perf_counter()
+        slot = b.state_slot
         try:
-            gen = (self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens) if step is None else
-                   self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step))
+            if slot is not None:
+                gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step,
+                                         state_slot=slot)
+            elif step is None:
+                gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens)
+            else:
+                gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step)
         except BaseException:  # nothing of a failed decode is cached: its lock and pages go back
-            self._abandon(b.table, b.prefix_len, b.node)
+            self._abandon(b.table, b.prefix_len, b.node, b.components, b.ns)
             raise
         finally:  # a one-token answer never calls between_steps; a failed decode must not keep the hold
             if isinstance(step, _AfterFirstToken):

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from hicache.cluster import CacheHead, HeadConfig
+from hicache.cluster.builder import ComponentConfig, ComponentKind, MambaConfig, SWAConfig, components_of
 from hicache.cluster.client import CacheClient, EmbeddedTransport
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchPolicy, StorageParams
@@ -44,12 +45,60 @@ class StackOptions:
     # query that ends inside an object cannot name it, so small objects keep those misses short.
     pages_per_object: int = 4
     prefill_budget: int = 0
+    # The head's cache components besides Full; None: the model's (``model_components``: SWA for a model
+    # with ``sliding_window``, sized ``swa_tokens``; Mamba for one with ``recurrent_layers``, ``state_slots``).
+    components: tuple[ComponentConfig, ...] | None = None
+    swa_tokens: int | None = None  # SWA pool tokens (None: unbounded)
+    state_slots: int | None = None  # recurrent state slots (None: l1_pages)
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:
             raise ValueError(f"need l1_pages >= 1 and l2_slots >= 0, got {self.l1_pages}, {self.l2_slots}")
+        check_components(self.model, self.head_components)  # ValueError naming what does not match
         if self.l3_url is not None and self.l2_slots == 0:
             raise ValueError("L3 needs an L2 tier to stage through: set l2_slots > 0")
+
+    @property
+    def head_components(self) -> tuple[ComponentConfig, ...]:
+        if self.components is not None:
+            return tuple(self.components)
+        return model_components(self.model, self.swa_tokens,
+                                self.l1_pages if self.state_slots is None else self.state_slots)
+
+
+def model_components(model: ModelConfig, swa_tokens: int | None = None,
+                     state_slots: int | None = None) -> tuple[ComponentConfig, ...]:
+    """The cache components a reference model needs besides Full: SWA (the model's window) for sliding-
+    window layers, Mamba (one f32[R, hidden] state per slot) for recurrent layers."""
+    out: list[ComponentConfig] = []
+    if model.swa_layers:
+        assert model.sliding_window is not None  # swa_layers are those with a window
+        out.append(SWAConfig(model.sliding_window, swa_tokens))
+    if model.recurrent_layers:
+        out.append(MambaConfig(state_slots, ((len(model.recurrent_layers), model.hidden),), "float32"))
+    return tuple(out)
+
+
+def check_components(model: ModelConfig, components: tuple[ComponentConfig, ...]) -> None:
+    """``ValueError`` unless ``components`` hold what ``model`` reads when it continues a cached prefix:
+    an SWA window >= the model's, a state per slot of the model's recurrent layers, and nothing else."""
+    by_kind = components_of(components)
+    swa, mamba = by_kind.get(ComponentKind.SWA), by_kind.get(ComponentKind.MAMBA)
+    if model.swa_layers and model.sliding_window is not None:
+        if not isinstance(swa, SWAConfig) or swa.window < model.sliding_window:
+            raise ValueError(f"the model's sliding-window layers {model.swa_layers} read {model.sliding_window} "
+                             f"tokens back; the swa component {swa!r} does not keep them")
+    elif swa is not None:
+        raise ValueError(f"swa component {swa!r} given for a model without sliding-window layers")
+    want = ((len(model.recurrent_layers), model.hidden),)
+    if model.recurrent_layers:
+        if not isinstance(mamba, MambaConfig) or mamba.state_shapes != want or mamba.dtype != "float32":
+            raise ValueError(f"the model's recurrent layers {model.recurrent_layers} need a mamba component with "
+                             f"state_shapes={want}, dtype float32; got {mamba!r}")
+        if mamba.num_slots is None:
+            raise ValueError("the engine's state pool is bounded: the mamba component needs num_slots")
+    elif mamba is not None:
+        raise ValueError(f"mamba component {mamba!r} given for a model without recurrent layers")
 
 
 def fingerprint_for(model: ModelConfig, forward: ForwardConfig, mesh_shape: tuple[int, ...] = (1,),
@@ -76,21 +125,26 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     """Builds the stack; pass ``runner`` to reuse compiled params across stacks (its pool is replaced)."""
     ps = options.forward.page_size
     tree = TreeConfig(page_size=ps, capacity_pages=options.l1_pages)
+    components = options.head_components
     if options.l2_slots == 0:
-        head = CacheHead(HeadConfig(tree=tree))
-        if runner is None or runner.num_pages != options.l1_pages:
+        head = CacheHead(HeadConfig(tree=tree, components=components))
+        mamba = components_of(components).get(ComponentKind.MAMBA)
+        slots = mamba.num_slots if isinstance(mamba, MambaConfig) and mamba.num_slots else 0
+        state = None if runner is None else runner.state_pool
+        if runner is None or runner.num_pages != options.l1_pages or (0 if state is None else state.shape[0]) != slots:
             runner = ModelRunner(options.model, options.forward, num_pages=options.l1_pages,
-                                 params=None if runner is None else runner.params)
+                                 params=None if runner is None else runner.params, state_slots=slots)
         client = CacheClient(EmbeddedTransport(head), ps)
         sched = Scheduler(client, runner, prefill_budget=options.prefill_budget)
         return EmbeddedStack(options, head, client, runner, sched)
     from hicache.workers import HostWorker, KVCacheSpec
 
     m = options.model
+    hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
+    config = HeadConfig(tree=tree, hicache=hicache, components=components)  # (checked before a worker starts)
     spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, ps, m.dtype)
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1])
-    hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
-    head = CacheHead(HeadConfig(tree=tree, hicache=hicache), LocalWorkerGroup([worker]))
+    head = CacheHead(config, LocalWorkerGroup([worker]))
     params = None if runner is None else runner.params
     attached = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params))
     assert isinstance(attached, ModelRunner)

@@ -1,7 +1,8 @@
 """The reference model: a tiny deterministic decoder-only transformer over the paged L1 pool.
 
 RMSNorm -> GQA attention (RoPE, causal, optional sliding window per layer) -> RMSNorm -> SwiGLU MLP,
-untied LM head. Weights are a pure function of ``ModelConfig.seed`` (threefry PRNG).
+untied LM head; ``ModelConfig.recurrent_layers`` replace attention with a gated linear recurrence whose
+state lives in a state pool (``hicache.reference.engine.recurrent``, which extends the argument below). Weights are a pure function of ``ModelConfig.seed`` (threefry PRNG).
 
 Buffers: ``params`` are owned by the caller (a ``ModelRunner``) and never donated. ``kv_pool``
 (layout in ``hicache.reference.engine.kv_layout``) belongs to the L1 owner; ``forward_chunk`` *donates* it and
@@ -72,7 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache.reference.engine import kv_layout
+from hicache.reference.engine import kv_layout, recurrent
 from hicache.reference.engine.config import ModelConfig
 
 Params = dict[str, Any]
@@ -106,7 +107,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         "mlp_norm": (h,), "w_gate": (h, cfg.mlp_hidden), "w_up": (h, cfg.mlp_hidden),
         "w_down": (cfg.mlp_hidden, h),
     }
-    return {"embed": (cfg.vocab_size, h), "layers": [dict(layer) for _ in range(cfg.num_layers)],
+    recurrent = {  # ``hicache.reference.engine.recurrent``: (decay, inflow, gate) projections, output
+        "attn_norm": (h,), "w_rec": (h, 3 * h), "w_rec_out": (h, h),
+        "mlp_norm": (h,), "w_gate": (h, cfg.mlp_hidden), "w_up": (h, cfg.mlp_hidden),
+        "w_down": (cfg.mlp_hidden, h),
+    }
+    return {"embed": (cfg.vocab_size, h),
+            "layers": [dict(recurrent if cfg.is_recurrent(i) else layer) for i in range(cfg.num_layers)],
             "final_norm": (h,), "lm_head": (h, cfg.vocab_size)}
 
 
@@ -143,6 +150,11 @@ def init_params(cfg: ModelConfig, device: jax.Device | jax.sharding.Sharding | N
         return jnp.asarray(x, cfg.jnp_dtype, device=device)
 
     def layer_params(drawn: dict[str, np.ndarray]) -> Params:
+        if "w_rec" in drawn:  # a recurrent layer
+            return {"attn_norm": put(drawn["attn_norm"]), "w_rec": put(drawn["w_rec"]),
+                    "w_rec_out": put(drawn["w_rec_out"]), "mlp_norm": put(drawn["mlp_norm"]),
+                    "w_gate_up": put(np.concatenate([drawn["w_gate"], drawn["w_up"]], axis=1)),
+                    "w_down": put(drawn["w_down"])}
         return {"attn_norm": put(drawn["attn_norm"]),
                 "wqkv": put(np.concatenate([drawn["wq"], drawn["wk"], drawn["wv"]], axis=1)),
                 "wo": put(drawn["wo"]), "mlp_norm": put(drawn["mlp_norm"]),
@@ -229,22 +241,31 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.
 # --- the paged forward ---------------------------------------------------------------------------
 
 STEP_HEADER = 3  # (base, lo, hi) at the head of a forward's step input
+RECURRENT_STEP_HEADER = 4  # (base, lo, hi, state slot): the step input of a model with recurrent layers
+
+
+def step_header(cfg: ModelConfig) -> int:
+    return RECURRENT_STEP_HEADER if cfg.recurrent_layers else STEP_HEADER
 
 
 def step_input(chunk_tokens: np.ndarray, page_table: np.ndarray, base: int, lo: int, hi: int,
-               chunk_size: int) -> np.ndarray:
+               chunk_size: int, state_slot: int | None = None) -> np.ndarray:
     """A forward's one small input, ``i32[3 + C + max_pages]``: ``(base, lo, hi)``, the chunk's
     tokens by row (row ``r`` = position ``base + r``; positions ``[lo, hi)`` hold ``chunk_tokens``,
     the other rows 0), then the padded page table. One array, so one host->device transfer per
-    forward.
+    forward. With ``state_slot`` (models with recurrent layers), ``i32[4 + C + max_pages]``: the
+    header ends with the request's state slot.
 
     chunk_tokens: i32[hi - lo]  the tokens of positions ``[lo, hi)``
     page_table:   i32[max_pages]
     """
-    step = np.zeros(STEP_HEADER + chunk_size + page_table.size, np.int32)
+    header = STEP_HEADER if state_slot is None else RECURRENT_STEP_HEADER
+    step = np.zeros(header + chunk_size + page_table.size, np.int32)
     step[:STEP_HEADER] = base, lo, hi
-    step[STEP_HEADER + lo - base: STEP_HEADER + hi - base] = chunk_tokens
-    step[STEP_HEADER + chunk_size:] = page_table
+    if state_slot is not None:
+        step[STEP_HEADER] = state_slot
+    step[header + lo - base: header + hi - base] = chunk_tokens
+    step[header + chunk_size:] = page_table
     return step
 
 
@@ -255,7 +276,8 @@ def forward_chunk(
     *,
     cfg: ModelConfig,
     chunk_size: int,
-) -> tuple[jax.Array, jax.Array]:
+    state_pool: jax.Array | None = None,  # f32[slots, R, D] (``recurrent``), with recurrent layers only
+) -> tuple[jax.Array, ...]:
     """One chunk of one request: write its K/V into the request's pages and return its logits.
 
     ``step`` holds ``(base, lo, hi)``, the tokens of rows ``0..C-1`` and the request's page table
@@ -265,12 +287,16 @@ def forward_chunk(
     rows write nothing and return zero logits. All positions ``< lo`` must already be in the pool.
 
     Returns ``(logits f32[C, vocab], kv_pool)``; the returned pool replaces the donated one. Run it
-    through ``compiled_forward``.
+    through ``compiled_forward``. A model with recurrent layers also takes the state pool and the
+    request's slot (``step[3]``): recurrent layers continue from ``state_pool[slot]`` (the state after
+    position ``lo - 1``) and the forward returns ``(logits, kv_pool, state_pool)`` with the state after
+    position ``hi - 1`` in that slot.
     """
     c = chunk_size
+    header = step_header(cfg)
     base, lo, hi = step[0], step[1], step[2]
-    tokens = step[STEP_HEADER: STEP_HEADER + c]
-    page_table = step[STEP_HEADER + c:]  # i32[max_pages]
+    tokens = step[header: header + c]
+    page_table = step[header + c:]  # i32[max_pages]
     positions = base + jnp.arange(c, dtype=jnp.int32)
     valid = (positions >= lo) & (positions < hi)
 
@@ -284,10 +310,24 @@ def forward_chunk(
                          num_pages)
     slots = positions % page_size
 
+    states = None
+    if cfg.recurrent_layers:
+        if state_pool is None:
+            raise ValueError("a model with recurrent layers needs its state pool")
+        slot = step[STEP_HEADER]
+        states = state_pool[slot]  # f32[R, D]: the state after position lo - 1
     x = params["embed"][tokens]  # [C, H]
     for layer, lp in enumerate(params["layers"]):
         window = cfg.window_of(layer)
         h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        if cfg.is_recurrent(layer):
+            assert states is not None  # set above for models with recurrent layers
+            r = cfg.recurrent_layers.index(layer)
+            out, new_state = recurrent.mix(h, lp["w_rec"], lp["w_rec_out"], states[r], valid)
+            states = states.at[r].set(new_state)
+            x = x + out
+            x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
+            continue
         q, k, v = _qkv(h, lp, positions, cfg)
         kv_pool = kv_layout.write_tokens(kv_pool, layer, page_ids, slots, k, v)
         k_ctx, v_ctx = kv_layout.read_context(kv_pool, layer, page_table)  # [ctx, Hkv, D] each
@@ -302,15 +342,26 @@ def forward_chunk(
         x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
 
     logits = (_rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]).astype(jnp.float32)
-    return jnp.where(valid[:, None], logits, 0.0), kv_pool
+    logits = jnp.where(valid[:, None], logits, 0.0)
+    if states is None:
+        return logits, kv_pool
+    assert state_pool is not None
+    return logits, kv_pool, state_pool.at[step[STEP_HEADER]].set(states)
 
 
 @functools.cache
-def compiled_forward(cfg: ModelConfig, chunk_size: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def compiled_forward(cfg: ModelConfig, chunk_size: int) -> Callable[..., tuple[jax.Array, ...]]:
     """``forward_chunk`` jitted for one model and chunk size, donating the pool:
-    ``fn(params, kv_pool, step) -> (logits, kv_pool)``. One function per (config, chunk size) for the
-    process, so every runner of a config shares one compiled program, and a call hashes no static
-    argument (a ``ModelConfig`` hash costs microseconds on every forward)."""
+    ``fn(params, kv_pool, step) -> (logits, kv_pool)``; with recurrent layers
+    ``fn(params, kv_pool, state_pool, step) -> (logits, kv_pool, state_pool)``, donating both pools.
+    One function per (config, chunk size) for the process, so every runner of a config shares one
+    compiled program, and a call hashes no static argument (a ``ModelConfig`` hash costs microseconds
+    on every forward)."""
+    if cfg.recurrent_layers:
+        def hybrid(params: Params, kv_pool: jax.Array, state_pool: jax.Array, step: jax.Array) -> tuple[jax.Array, ...]:
+            return forward_chunk(params, kv_pool, step, cfg=cfg, chunk_size=chunk_size, state_pool=state_pool)
+
+        return jax.jit(hybrid, donate_argnums=(1, 2))
     return jax.jit(functools.partial(forward_chunk, cfg=cfg, chunk_size=chunk_size), donate_argnums=1)
 
 
@@ -343,6 +394,11 @@ def reference_forward(params: Params, tokens: jax.Array, *, cfg: ModelConfig) ->
     x = params["embed"][tokens]
     for layer, lp in enumerate(params["layers"]):
         h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        if cfg.is_recurrent(layer):
+            zero = jnp.zeros((cfg.hidden,), jnp.float32)
+            x = x + recurrent.mix(h, lp["w_rec"], lp["w_rec_out"], zero, jnp.ones(pos.shape, bool))[0]
+            x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
+            continue
         q, k, v = _qkv(h, lp, pos, cfg)
         k = k.astype(cfg.jnp_dtype)
         v = v.astype(cfg.jnp_dtype)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from hicache.reference.engine import kv_layout, scan
+from hicache.reference.engine import kv_layout, recurrent, scan
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.model import (
     Params,
@@ -138,6 +138,7 @@ class ModelRunner:
         params: Params | None = None,
         pool: jax.Array | None = None,
         scan_chunks: int | None = None,
+        state_slots: int = 0,
     ) -> None:
         """Without ``pool``, a zeroed pool of ``num_pages`` pages is made on ``device`` (default: the
         first device). With ``pool`` (e.g. the HostWorker's L1 array, possibly sharded on the KV-head
@@ -145,7 +146,14 @@ class ModelRunner:
         replicated over the pool's devices (``kv_layout.replicated_like``). ``scan_chunks`` (a power of
         two, default ``SCAN_CHUNKS_DEFAULT``): the most consecutive chunks of one request dispatched as
         one scan (``_run``); 1, or a pool off one device of a platform in ``scan.BIT_EXACT_PLATFORMS``:
-        one dispatch per chunk."""
+        one dispatch per chunk. ``state_slots``: the recurrent state pool's slots (models with
+        ``recurrent_layers`` only, which need > 0; the head's ``MambaConfig.num_slots``); their forwards
+        take each request's slot (``state_slot=``) and run one dispatch per chunk."""
+        if not isinstance(state_slots, int) or isinstance(state_slots, bool) or state_slots < 0:
+            raise ValueError(f"state_slots must be an int >= 0, got {state_slots!r}")
+        if bool(model.recurrent_layers) != (state_slots > 0):
+            raise ValueError(f"state_slots={state_slots}: a model with recurrent layers "
+                             f"{model.recurrent_layers} needs state slots, one without needs none")
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if scan_chunks is None:
@@ -175,6 +183,8 @@ class ModelRunner:
         self._tables: dict[bytes, np.ndarray] = {}  # checked page tables (``_check_table``), by content
         self._pool_signature: tuple | None = None
         self.set_pool(pool)
+        self._state: jax.Array | None = (recurrent.make_state_pool(model, state_slots, self.placement)
+                                         if state_slots else None)
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
 
     @property
@@ -211,42 +221,70 @@ class ModelRunner:
         # (jax's Device stub lacks ``platform``, a runtime attribute of every device)
         self.scan_supported = all(scan.supported(d.platform) for d in devices)  # type: ignore[attr-defined]
         one_device = len(devices) == 1 and jax.process_count() == 1
-        self.scan_chunks = self._scan_request if one_device and self.scan_supported else 1
+        self.scan_chunks = (self._scan_request if one_device and self.scan_supported
+                            and not self.model.recurrent_layers else 1)  # (the scan carries no states)
         self._pool_signature = signature
+
+    @property
+    def state_pool(self) -> jax.Array | None:
+        """The recurrent state pool ``f32[slots, R, D]`` (None without recurrent layers); like ``pool``,
+        valid until the next forward."""
+        return self._state
+
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """``state[dst] := state[src]`` for each ``(src, dst)``: a request's working slot takes the cached
+        state it continues from (``MambaRequest.copies``), before its next forward."""
+        self._state = recurrent.copy_states(self._require_states(), copies)
+
+    def zero_states(self, slots: Sequence[int]) -> None:
+        """Zeroes ``slots``: a request that continues from no cached state starts there."""
+        self._state = recurrent.zero_states(self._require_states(), slots)
+
+    def _require_states(self) -> jax.Array:
+        if self._state is None:
+            raise ValueError(f"the model has no recurrent layers (recurrent_layers={self.model.recurrent_layers})")
+        return self._state
 
     # --- forwards ------------------------------------------------------------------------------
 
-    def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray:
+    def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int,
+               state_slot: int | None = None) -> np.ndarray:
         """Compute positions ``[start_pos, len(tokens))`` of a sequence whose positions
         ``< start_pos`` are already in its pages; writes their K/V. ``tokens`` is the whole sequence.
+        With recurrent layers, ``state_slot`` holds the state after ``start_pos`` tokens and then the
+        state after all of them (every call below takes it the same way).
 
         Returns logits ``f32[len(tokens) - start_pos, vocab]``.
         """
-        return self.start_extend(tokens, page_table, start_pos).result()
+        return self.start_extend(tokens, page_table, start_pos, state_slot).result()
 
-    def start_extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> PendingLogits:
+    def start_extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int,
+                     state_slot: int | None = None) -> PendingLogits:
         """``extend`` without waiting: dispatches the forwards (the pool is rebound to their output at
         once, so later transfers and forwards are ordered after them) and returns their logits to come."""
         toks, table = self._check(tokens, page_table, start_pos)
-        return self._run(toks, table, start_pos)
+        return self._run(toks, table, start_pos, self._check_slot(state_slot))
 
-    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int = 0) -> np.ndarray:
+    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int = 0,
+                state_slot: int | None = None) -> np.ndarray:
         """Prefill a prompt after a cached prefix of ``start_pos`` tokens (a multiple of the page size,
         its K/V already in the first pages of ``page_table``). Returns the last logits ``f32[vocab]``."""
         if not isinstance(start_pos, (int, np.integer)) or start_pos % self.fwd.page_size:
             raise ValueError(
                 f"start_pos={start_pos!r} must be a multiple of page_size={self.fwd.page_size}")
-        return self.start_extend(tokens, page_table, int(start_pos)).last()
+        return self.start_extend(tokens, page_table, int(start_pos), state_slot).last()
 
-    def decode_step(self, tokens: TokenIds, page_table: TokenIds) -> np.ndarray:
+    def decode_step(self, tokens: TokenIds, page_table: TokenIds, state_slot: int | None = None) -> np.ndarray:
         """One decode step: computes the last position of ``tokens`` (all earlier ones are in the
         pages) and returns its logits ``f32[vocab]``."""
-        return self.start_extend(tokens, page_table, len(tokens) - 1).last()
+        return self.start_extend(tokens, page_table, len(tokens) - 1, state_slot).last()
 
     def decode_step_input(self, tokens: TokenIds, page_table: TokenIds) -> tuple[np.ndarray, int, int]:
         """What ``decode_step`` forwards, checked as it checks it: (the step input
         ``i32[3 + C + max_pages]`` of the chunk holding the last position, that position's row in the
         chunk, the page it writes). For callers that batch several requests' steps (``engine.batched``)."""
+        if self.model.recurrent_layers:
+            raise ValueError("batched decode steps of a model with recurrent layers are not supported")
         toks, table = self._check(tokens, page_table, len(tokens) - 1)
         p, c = int(toks.size) - 1, self.fwd.chunk_size
         return step_input(toks[p:], table, p - p % c, p, p + 1, c), p % c, int(table[p // self.fwd.page_size])
@@ -258,7 +296,7 @@ class ModelRunner:
 
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, stop_token: int | None = None,
-               between_steps: Callable[[], None] | None = None) -> Generation:
+               between_steps: Callable[[], None] | None = None, state_slot: int | None = None) -> Generation:
         """Greedy decoding after a prefill of ``tokens`` whose last logits are ``last_logits``.
 
         Generates up to ``max_new_tokens`` (stops after ``stop_token``). Writes K/V for every
@@ -266,11 +304,11 @@ class ModelRunner:
         ``len(tokens) + max_new_tokens - 1`` positions. ``between_steps()`` runs before each decode
         step (see ``greedy_decode``).
         """
-        return greedy_decode(self.decoder(tokens, page_table, max_new_tokens), tokens, last_logits,
+        return greedy_decode(self.decoder(tokens, page_table, max_new_tokens, state_slot), tokens, last_logits,
                              max_new_tokens, stop_token, between_steps)
 
     def decoder(self, tokens: TokenIds, page_table: TokenIds,
-                max_new_tokens: int) -> Callable[[TokenIds], np.ndarray]:
+                max_new_tokens: int, state_slot: int | None = None) -> Callable[[TokenIds], np.ndarray]:
         """One request's decode steps, checked once: ``max_new_tokens`` and the table's length now, the
         prompt ``tokens`` and the pages of its final length ``len(tokens) + max_new_tokens - 1`` at the
         first step, before its forward (``ValueError``; after the first token is out, as
@@ -281,6 +319,7 @@ class ModelRunner:
         vocabulary). The steps of ``decode``; a caller that lends the pool out between steps
         (``WorkerEngine``) calls ``step`` with the pool lent back."""
         self._check_decode(tokens, page_table, max_new_tokens)
+        slot = self._check_slot(state_slot)
         c, vocab = self.fwd.chunk_size, self.model.vocab_size
         first = end = 0  # positions [first, end) have checked pages; set by the first step
         table: np.ndarray | None = None
@@ -299,31 +338,35 @@ class ModelRunner:
             if not 0 <= token < vocab:
                 raise ValueError(f"token id {token} at index {pos} is outside the vocabulary [0, {vocab})")
             return PendingLogits([self._dispatch(np.array([token], np.int32), table, pos - pos % c, pos,
-                                                 pos + 1)]).last()
+                                                 pos + 1, slot)]).last()
 
         return step
 
     def generate(self, tokens: TokenIds, page_table: TokenIds, max_new_tokens: int,
-                 start_pos: int = 0, stop_token: int | None = None) -> Generation:
+                 start_pos: int = 0, stop_token: int | None = None, state_slot: int | None = None) -> Generation:
         """``prefill`` from ``start_pos`` then greedy ``decode``, in the runner's pool."""
         self._check_decode(tokens, page_table, max_new_tokens)
-        logits = self.prefill(tokens, page_table, start_pos)
-        return self.decode(tokens, logits, page_table, max_new_tokens, stop_token)
+        logits = self.prefill(tokens, page_table, start_pos, state_slot)
+        return self.decode(tokens, logits, page_table, max_new_tokens, stop_token, state_slot=state_slot)
 
     def generate_no_cache(self, tokens: TokenIds, max_new_tokens: int,
                           stop_token: int | None = None) -> Generation:
         """Reference path: the same greedy generation in a fresh zeroed pool (same shape as L1, so
         the same compiled forward), nothing reused and the runner's L1 pool untouched. Allocates
-        a pool the size of L1 for the call."""
-        saved = self._kv
+        a pool the size of L1 for the call (and a zeroed state pool, with recurrent layers)."""
+        saved, saved_states = self._kv, self._state
         num_tokens = len(tokens) + max(max_new_tokens, 1) - 1
         table = list(range(min(pages_needed(max(num_tokens, 1), self.fwd.page_size), self.num_pages)))
         self._kv = kv_layout.make_pool(self.model, self.num_pages, self.fwd.page_size,
                                        saved.sharding)
+        slot = None
+        if saved_states is not None:
+            self._state = recurrent.make_state_pool(self.model, saved_states.shape[0], self.placement)
+            slot = 0
         try:
-            return self.generate(tokens, table, max_new_tokens, 0, stop_token)
+            return self.generate(tokens, table, max_new_tokens, 0, stop_token, slot)
         finally:
-            self._kv = saved
+            self._kv, self._state = saved, saved_states
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -344,6 +387,18 @@ class ModelRunner:
         if not isinstance(start_pos, (int, np.integer)) or not 0 <= start_pos < n:
             raise ValueError(f"start_pos={start_pos!r} must be in [0, {n}) for {n} tokens")
         return toks, self._check_table(page_table, n)
+
+    def _check_slot(self, state_slot: int | None) -> int | None:
+        """The request's state slot: required with recurrent layers (inside the pool), else None."""
+        if self._state is None:
+            if state_slot is not None:
+                raise ValueError(f"state_slot={state_slot!r} given, but the model has no recurrent layers")
+            return None
+        if not isinstance(state_slot, (int, np.integer)) or isinstance(state_slot, bool):
+            raise ValueError(f"a model with recurrent layers needs an int state_slot, got {state_slot!r}")
+        if not 0 <= state_slot < self._state.shape[0]:
+            raise ValueError(f"state_slot {state_slot} is outside the state pool [0, {self._state.shape[0]})")
+        return int(state_slot)
 
     def _check_tokens(self, tokens: TokenIds) -> np.ndarray:
         """``tokens`` as i32[n]: a non-empty 1-D sequence of ids inside the vocabulary (an i32 array is
@@ -400,21 +455,25 @@ class ModelRunner:
         (the old one is donated): one step runs the chunk program itself, several its scan (only where
         ``scan.supported``: the caller's to decide). Returns logits ``f32[C, vocab]`` (one step) or
         ``f32[B, C, vocab]`` to come. Counts nothing (``forwards`` is the caller's)."""
-        if len(steps) == 1:
+        if self._state is not None:  # (one step: recurrent models never scan, ``scan_chunks`` is 1)
+            assert len(steps) == 1, "a model with recurrent layers runs one chunk per dispatch"
+            logits, self._kv, self._state = self._forward(self.params, self._kv, self._state,
+                                                          self._put_inputs(steps[0]))
+        elif len(steps) == 1:
             logits, self._kv = self._forward(self.params, self._kv, self._put_inputs(steps[0]))
         else:
             logits, self._kv = self._scan_fn(self.params, self._kv, self._put_inputs(np.stack(steps)))
         return logits
 
     def _dispatch(self, chunk_tokens: np.ndarray, table: np.ndarray, base: int, lo: int,
-                  hi: int) -> tuple[jax.Array, int, int, int]:
-        """Dispatch one forward (positions ``[lo, hi)`` of the chunk at ``base``). Returns (logits
-        f32[C, vocab] to come, 0, first row, end row)."""
-        logits = self._forward_steps([step_input(chunk_tokens, table, base, lo, hi, self.fwd.chunk_size)])
+                  hi: int, slot: int | None = None) -> tuple[jax.Array, int, int, int]:
+        """Dispatch one forward (positions ``[lo, hi)`` of the chunk at ``base``; ``slot``: the request's
+        state slot, with recurrent layers). Returns (logits f32[C, vocab] to come, 0, first row, end row)."""
+        logits = self._forward_steps([step_input(chunk_tokens, table, base, lo, hi, self.fwd.chunk_size, slot)])
         self.forwards += 1
         return logits, 0, lo - base, hi - base
 
-    def _run(self, toks: np.ndarray, table: np.ndarray, start: int) -> PendingLogits:
+    def _run(self, toks: np.ndarray, table: np.ndarray, start: int, slot: int | None = None) -> PendingLogits:
         """Dispatch the aligned chunks of positions ``[start, len(toks))``. Returns logits
         f32[len(toks) - start, vocab] to come. Where the scanned chunk program is bit-identical
         (``scan_chunks`` > 1), consecutive chunks go in scans of power-of-two lengths up to
@@ -423,7 +482,7 @@ class ModelRunner:
         c = self.fwd.chunk_size
         rows = chunk_rows(start, int(toks.size), c)
         if len(rows) == 1 or self.scan_chunks == 1:
-            return PendingLogits([self._dispatch(toks[lo:hi], table, base, lo, hi) for base, lo, hi in rows])
+            return PendingLogits([self._dispatch(toks[lo:hi], table, base, lo, hi, slot) for base, lo, hi in rows])
         parts: list[tuple[jax.Array, int, int, int]] = []
         i = 0
         for size in scan.groups(len(rows), self.scan_chunks):
