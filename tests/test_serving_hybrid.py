@@ -115,3 +115,22 @@ def test_recurrent_model_config_and_runner_bad_input():
         runner.copy_states([(0, 5)])
     with pytest.raises(ValueError, match="batched decode"):
         runner.decode_step_input(np.arange(5), [0])
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_serving_loop_interleaves_hybrid_requests_exactly(kind):
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop
+
+    stack = build_stack(StackOptions(model=MODELS[kind], forward=FWD, l1_pages=40, state_slots=8))
+    loop = ServingLoop(stack.scheduler, LoopOptions(max_running=3))
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, 512, 19, dtype=np.int32)
+    prompts = [np.r_[system, rng.integers(0, 512, 6 + i)].astype(np.int32) for i in range(5)]
+    results = loop.run([ServeRequest(p, 4) for p in prompts])
+    for p, res in zip(prompts, results):
+        ref = stack.runner.generate_no_cache(p, 4)
+        assert res.output == ref.tokens
+        np.testing.assert_array_equal(res.logits, ref.logits)
+    assert sum(r.device_hit_tokens for r in results) > 0
+    st = stack.head.tree.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0

@@ -300,14 +300,14 @@ class Scheduler:
                 table, prefix_len, node, comps = held = self._cache_computed(prompt[:end], ns, table, prefix_len,
                                                                              node, comps)
                 start = end
-            whole = (prompt.size - 1) // self.client.page_size * self.client.page_size
-            if state_slot(comps) is not None and whole > start:
-                # A recurrent state is cached only where the engine's state is after exactly a node end:
-                # the prompt's last whole page (of the key a later turn matches) is computed and cached first.
-                self._prefill(prompt[:whole], table, start, comps)
-                table, prefix_len, node, comps = held = self._cache_computed(prompt[:whole], ns, table, prefix_len,
+            for cut in self._state_cuts(comps, start, prompt.size):
+                # A recurrent state is cached only where the engine's state is after exactly a node end: the
+                # prefill stops and caches at the point where the key leaves the tree (a branch later requests
+                # share) and at the prompt's last whole page (what a later turn matches).
+                self._prefill(prompt[:cut], table, start, comps)
+                table, prefix_len, node, comps = held = self._cache_computed(prompt[:cut], ns, table, prefix_len,
                                                                              node, comps)
-                start = whole
+                start = cut
             logits = self._prefill(prompt, table, start, comps)  # the last row only: one wait, no copies
             marks.append(time.perf_counter())
             done = True
@@ -319,6 +319,16 @@ class Scheduler:
             if self.hold_writes and (resume or not done):
                 self.client.resume_storage_writes()
         return Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks), comps)
+
+    def _state_cuts(self, comps: Mapping[str, Any], start: int, n: int) -> list[int]:
+        """Where a request with a recurrent state caches its prefill (page-aligned, in (start, n)): the tree's
+        branch point (``MambaRequest.branching_seqlen``) and the last whole page of its key (n - 1 tokens)."""
+        value = comps.get("mamba")
+        if value is None:
+            return []
+        ps = self.client.page_size
+        cuts = {value.branching_seqlen // ps * ps, (n - 1) // ps * ps}
+        return sorted(c for c in cuts if start < c < n)
 
     def _prefill(self, tokens: np.ndarray, table: np.ndarray, start: int, comps: Mapping[str, Any]) -> np.ndarray:
         slot = state_slot(comps)
