@@ -206,6 +206,12 @@ class CacheClient:
     def abandon_request(self, state: RequestState) -> int:
         return self._call(Method.ABANDON_REQUEST, state)
 
+    def trim_request(self, state: RequestState) -> int:
+        return self._call(Method.TRIM_REQUEST, state)
+
+    def swa_pages(self, pages: np.ndarray) -> np.ndarray:
+        return self._call(Method.SWA_PAGES, pages)
+
     def evict(self, num_tokens: int) -> EvictResult:
         return self._call(Method.EVICT, num_tokens)
 

@@ -43,6 +43,7 @@ from hicache.cluster.tree import (
     RadixKey,
     RadixTree,
     RequestState,
+    SWAComponent,
     TreeConfig,
     TreeStats,
 )
@@ -120,6 +121,8 @@ class Method(str, Enum):
     RESUME_STORAGE_WRITES = "resume_storage_writes"
     BEGIN_REQUEST = "begin_request"
     ABANDON_REQUEST = "abandon_request"
+    SWA_PAGES = "swa_pages"
+    TRIM_REQUEST = "trim_request"
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -209,6 +212,24 @@ class CacheHead:
     def abandon_request(self, state: RequestState) -> int:
         """A failed request: frees its pages and component values, unlocks its prefix, caches nothing."""
         return self.tree.abandon_request(state)
+
+    def trim_request(self, state: RequestState) -> int:
+        """Marks a running request's SWA pages out of its window spare (reclaimed first when the SWA pool is
+        short); returns how many (``RadixTree.trim_request``; 0 for trees without SWA)."""
+        return self.tree.trim_request(state)
+
+    def swa_pages(self, pages: np.ndarray | Sequence[int]) -> np.ndarray:
+        """SWA page ids of L1 pages a request or the tree holds (-1: SWA KV dropped), for an engine that keeps
+        sliding-window KV in the SWA pool (``SWAComponent.translate``)."""
+        swa = self.tree.component("swa")  # ValueError naming the components when there is none
+        arr = np.asarray(pages)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"pages must be a 1-D int array, got {pages!r:.80}")
+        cap = self.tree.full.allocator.capacity
+        if arr.size and (arr.min() < 0 or arr.max() >= cap):
+            raise ValueError(f"page ids {arr.tolist()[:8]} are outside L1 [0, {cap})")
+        assert isinstance(swa, SWAComponent)
+        return swa.translate(arr).astype(np.int32)
 
     def evict(self, num_tokens: int) -> EvictResult:
         return self._sent(self.tree.evict(num_tokens))

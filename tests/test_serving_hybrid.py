@@ -56,7 +56,8 @@ def test_hybrid_multi_turn_under_eviction_equals_no_cache(kind):
     assert st.request_pages == 0 and st.protected_tokens == 0  # nothing held past the requests
     if kind == "mamba":  # states evicted too (6 slots), and states cached at page ends served hits
         assert stats["mamba"]["request_slots"] == 0 and stats["mamba"]["evicted_states"] > 0
-    else:  # the SWA pool (14 pages) is smaller than L1 (20): SWA KV was evicted (tombstones)
+    else:  # the engine's sliding-window layers live in the SWA pool (14 pages, L1 20): SWA KV was evicted
+        assert stack.runner.swa_pool is not None and stack.runner.swa_pool.shape[2] == 14
         assert stats["swa"]["request_pages"] == 0 and stats["swa"]["evicted_tokens"] > 0
 
 
@@ -81,9 +82,10 @@ def test_a_mamba_request_whose_forward_fails_keeps_no_lock_page_or_state_slot(mo
 @pytest.mark.parametrize(
     "model, components, match",
     [
-        (MODELS["swa"], (), r"sliding-window layers \(0, 2\) read 24 tokens back"),
-        (MODELS["swa"], (SWAConfig(16),), "does not keep them"),
-        (MODELS["mamba"], (), r"recurrent layers \(1,\) need a mamba component"),
+        (MODELS["swa"], (), r"sliding-window layers \(0, 2\) read 24 tokens back.*got None"),
+        (MODELS["swa"], (SWAConfig(16),), r"read 24 tokens back.*got SWAConfig\(window=16"),
+        (MODELS["swa"], (SWAConfig(24),), "needs num_tokens"),
+        (MODELS["mamba"], (), r"recurrent layers \(1,\) need a mamba component.*got None"),
         (MODELS["mamba"], (MambaConfig(4, ((1, 64),)),), r"state_shapes=\(\(1, 128\),\)"),
         (MODELS["mamba"], (MambaConfig(None, ((1, 128),)),), "needs num_slots"),
         (ModelConfig(), (SWAConfig(16),), "without sliding-window layers"),
@@ -115,6 +117,15 @@ def test_recurrent_model_config_and_runner_bad_input():
         runner.copy_states([(0, 5)])
     with pytest.raises(ValueError, match="batched decode"):
         runner.decode_step_input(np.arange(5), [0])
+    with pytest.raises(ValueError, match="swa_pages=4 given for a model without sliding-window layers"):
+        ModelRunner(MODELS["mamba"], FWD, num_pages=8, state_slots=2, swa_pages=4)
+    swa = ModelRunner(MODELS["swa"], FWD, num_pages=8, swa_pages=4)
+    with pytest.raises(ValueError, match="needs each request's swa_table"):
+        swa.prefill(np.arange(5), [0])
+    with pytest.raises(ValueError, match=r"swa page id 4 at index 0 is outside \[-1, 4\)"):
+        swa.prefill(np.arange(5), [0], swa_table=[4])
+    with pytest.raises(ValueError, match="keeps no SWA pool"):
+        ModelRunner(MODELS["swa"], FWD, num_pages=8).prefill(np.arange(5), [0], swa_table=[0])
 
 
 @pytest.mark.parametrize("kind", ["swa", "mamba"])

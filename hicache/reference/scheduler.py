@@ -89,11 +89,25 @@ class Begun(NamedTuple):
     prefix: _Prefix
     marks: tuple[float, ...]  # perf_counter at the start and at the end of match, l3, load_back, prefill
     components: Mapping[str, Any] = NO_VALUES  # RequestState.components (Mamba: the working state slot)
+    swa_table: np.ndarray | None = None  # i32[pages]: SWA page ids of ``table`` (an engine with an SWA pool)
 
     @property
     def state_slot(self) -> int | None:
         """The request's recurrent state slot (models with recurrent layers), else None."""
         return state_slot(self.components)
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        """The keyword arguments of its forwards past the page table (state slot, SWA table; none for Full)."""
+        return engine_args(self.components, self.swa_table)
+
+
+def engine_args(components: Mapping[str, Any], swa_table: np.ndarray | None) -> dict[str, Any]:
+    slot = state_slot(components)
+    out: dict[str, Any] = {} if slot is None else {"state_slot": slot}
+    if swa_table is not None:
+        out["swa_table"] = swa_table
+    return out
 
 
 def state_slot(components: Mapping[str, Any]) -> int | None:
@@ -122,7 +136,8 @@ class _AfterFirstToken:
 
 class Scheduler:
     def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
-                 prefill_budget: int = 0, l3_min_tokens: int = 0, hold_storage_writes: bool = False) -> None:
+                 prefill_budget: int = 0, l3_min_tokens: int = 0, hold_storage_writes: bool = False,
+                 swa_tables: bool = False) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
         caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does.
 
@@ -133,7 +148,11 @@ class Scheduler:
 
         ``l3_min_tokens`` (with ``storage``): L3 is asked only when the whole pages of the prompt past
         the L1+L2 match hold at least that many tokens (pass the head's ``prefetch_min_tokens``: the
-        head would skip a shorter prefetch anyway; asking costs a round trip to the head)."""
+        head would skip a shorter prefetch anyway; asking costs a round trip to the head).
+
+        ``swa_tables``: the engine keeps sliding-window KV in the head's SWA pool (``ModelRunner(swa_pages=)``):
+        each forward gets the request's SWA page table, asked from the head (``swa_pages``) whenever its page
+        table changes (start, each ``cache_unfinished_req``)."""
         ps = client.page_size
         if ps != engine.page_size:
             raise ValueError(f"cache page_size {ps} != engine page_size {engine.page_size}")
@@ -149,6 +168,9 @@ class Scheduler:
             raise TypeError(f"hold_storage_writes must be a bool, got {hold_storage_writes!r}")
         self.hold_writes = storage and hold_storage_writes
         self.prefill_budget = prefill_budget
+        if not isinstance(swa_tables, bool):
+            raise TypeError(f"swa_tables must be a bool, got {swa_tables!r}")
+        self.swa_tables = swa_tables
         self.l3_min_tokens = max(l3_min_tokens, ps)
         self._req_ids = itertools.count()
         self._arrived: dict[int, _Arrival] = {}  # arrive()d requests not served yet, by id(request)
@@ -291,24 +313,29 @@ class Scheduler:
         try:
             p, marks = self._prefix(key, prompt.size + req.max_new_tokens, arrival, t0)
             table, prefix_len, node, comps = held = p.table, p.hit, p.node, p.components
+            swa = self._swa_table(table)
             self._start_states(comps)
             start = p.hit
             budget = self.prefill_budget
             while budget and prompt.size - start > budget:
                 end = start + budget
-                self._prefill(prompt[:end], table, start, comps)
+                self._prefill(prompt[:end], table, start, comps, swa)
                 table, prefix_len, node, comps = held = self._cache_computed(prompt[:end], ns, table, prefix_len,
                                                                              node, comps)
+                swa = self._swa_table(table)
                 start = end
             for cut in self._state_cuts(comps, start, prompt.size):
                 # A recurrent state is cached only where the engine's state is after exactly a node end: the
                 # prefill stops and caches at the point where the key leaves the tree (a branch later requests
                 # share) and at the prompt's last whole page (what a later turn matches).
-                self._prefill(prompt[:cut], table, start, comps)
+                self._prefill(prompt[:cut], table, start, comps, swa)
                 table, prefix_len, node, comps = held = self._cache_computed(prompt[:cut], ns, table, prefix_len,
                                                                              node, comps)
+                swa = self._swa_table(table)
                 start = cut
-            logits = self._prefill(prompt, table, start, comps)  # the last row only: one wait, no copies
+            logits = self._prefill(prompt, table, start, comps, swa)  # the last row only: one wait, no copies
+            if self.swa_tables:  # its SWA pages behind the window are spare from now on (no later step reads them)
+                self.client.trim_request(RequestState(RadixKey(prompt, *ns), table, prefix_len, node, 0, comps))
             marks.append(time.perf_counter())
             done = True
         except BaseException:  # a failed forward (or chunk insert) keeps neither its lock nor its pages
@@ -318,7 +345,7 @@ class Scheduler:
         finally:  # also when the match, load-back or a forward fails
             if self.hold_writes and (resume or not done):
                 self.client.resume_storage_writes()
-        return Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks), comps)
+        return Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks), comps, swa)
 
     def _state_cuts(self, comps: Mapping[str, Any], start: int, n: int) -> list[int]:
         """Where a request with a recurrent state caches its prefill (page-aligned, in (start, n)): the tree's
@@ -330,11 +357,12 @@ class Scheduler:
         cuts = {value.branching_seqlen // ps * ps, (n - 1) // ps * ps}
         return sorted(c for c in cuts if start < c < n)
 
-    def _prefill(self, tokens: np.ndarray, table: np.ndarray, start: int, comps: Mapping[str, Any]) -> np.ndarray:
-        slot = state_slot(comps)
-        if slot is None:
-            return self.engine.prefill(tokens, table, start)
-        return self.engine.prefill(tokens, table, start, slot)
+    def _prefill(self, tokens: np.ndarray, table: np.ndarray, start: int, comps: Mapping[str, Any],
+                 swa: np.ndarray | None) -> np.ndarray:
+        return self.engine.prefill(tokens, table, start, **engine_args(comps, swa))
+
+    def _swa_table(self, table: np.ndarray) -> np.ndarray | None:
+        return self.client.swa_pages(table) if self.swa_tables else None
 
     def _start_states(self, comps: Mapping[str, Any]) -> None:
         """Before a request's first forward: its working state slot takes the cached state its prefix
@@ -364,7 +392,8 @@ class Scheduler:
         except BaseException:
             self._abandon(b.table, b.prefix_len, b.node, b.components, b.ns)
             raise
-        return b._replace(table=table, prefix_len=prefix_len, node=node, components=comps)
+        return b._replace(table=table, prefix_len=prefix_len, node=node, components=comps,
+                          swa_table=self._swa_table(table))
 
     def _cache_computed(self, tokens: np.ndarray, ns: tuple[str | None, str | None], table: np.ndarray,
                         prefix_len: int, node: int,
@@ -440,11 +469,10 @@ class Scheduler:
             b = self.begin(req, resume=False)
             step = _AfterFirstToken(between_steps, self.client.resume_storage_writes)
         t = time.perf_counter()
-        slot = b.state_slot
+        extra = b.engine_args
         try:
-            if slot is not None:
-                gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step,
-                                         state_slot=slot)
+            if extra:
+                gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step, **extra)
             elif step is None:
                 gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens)
             else:

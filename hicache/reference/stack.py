@@ -48,7 +48,7 @@ class StackOptions:
     # The head's cache components besides Full; None: the model's (``model_components``: SWA for a model
     # with ``sliding_window``, sized ``swa_tokens``; Mamba for one with ``recurrent_layers``, ``state_slots``).
     components: tuple[ComponentConfig, ...] | None = None
-    swa_tokens: int | None = None  # SWA pool tokens (None: unbounded)
+    swa_tokens: int | None = None  # SWA pool tokens (None: as many as L1 holds)
     state_slots: int | None = None  # recurrent state slots (None: l1_pages)
 
     def __post_init__(self) -> None:
@@ -62,8 +62,8 @@ class StackOptions:
     def head_components(self) -> tuple[ComponentConfig, ...]:
         if self.components is not None:
             return tuple(self.components)
-        return model_components(self.model, self.swa_tokens,
-                                self.l1_pages if self.state_slots is None else self.state_slots)
+        swa_tokens = self.l1_pages * self.forward.page_size if self.swa_tokens is None else self.swa_tokens
+        return model_components(self.model, swa_tokens, self.l1_pages if self.state_slots is None else self.state_slots)
 
 
 def model_components(model: ModelConfig, swa_tokens: int | None = None,
@@ -84,21 +84,25 @@ def check_components(model: ModelConfig, components: tuple[ComponentConfig, ...]
     an SWA window >= the model's, a state per slot of the model's recurrent layers, and nothing else."""
     by_kind = components_of(components)
     swa, mamba = by_kind.get(ComponentKind.SWA), by_kind.get(ComponentKind.MAMBA)
-    if model.swa_layers and model.sliding_window is not None:
-        if not isinstance(swa, SWAConfig) or swa.window < model.sliding_window:
-            raise ValueError(f"the model's sliding-window layers {model.swa_layers} read {model.sliding_window} "
-                             f"tokens back; the swa component {swa!r} does not keep them")
-    elif swa is not None:
-        raise ValueError(f"swa component {swa!r} given for a model without sliding-window layers")
+    window = model.sliding_window or 0
     want = ((len(model.recurrent_layers), model.hidden),)
-    if model.recurrent_layers:
-        if not isinstance(mamba, MambaConfig) or mamba.state_shapes != want or mamba.dtype != "float32":
-            raise ValueError(f"the model's recurrent layers {model.recurrent_layers} need a mamba component with "
-                             f"state_shapes={want}, dtype float32; got {mamba!r}")
-        if mamba.num_slots is None:
-            raise ValueError("the engine's state pool is bounded: the mamba component needs num_slots")
-    elif mamba is not None:
-        raise ValueError(f"mamba component {mamba!r} given for a model without recurrent layers")
+    checks = (  # (the model needs it, its config, the config fits, the layers, what the model needs, bound field)
+        (bool(model.swa_layers), swa, isinstance(swa, SWAConfig) and swa.window >= window, "sliding-window layers",
+         f"its sliding-window layers {model.swa_layers} read {window} tokens back: a swa component keeping them",
+         "num_tokens"),
+        (bool(model.recurrent_layers), mamba,
+         isinstance(mamba, MambaConfig) and mamba.state_shapes == want and mamba.dtype == "float32", "recurrent layers",
+         f"its recurrent layers {model.recurrent_layers} need a mamba component with state_shapes={want}, float32",
+         "num_slots"),
+    )
+    for needed, config, fits, layers, need, bound in checks:
+        if not needed:
+            if config is not None:
+                raise ValueError(f"{config.kind.value} component {config!r} given for a model without {layers}")
+        elif config is None or not fits:
+            raise ValueError(f"the model does not match the components: {need}; got {config!r}")
+        elif getattr(config, bound) is None:
+            raise ValueError(f"the engine's pools are bounded: the {config.kind.value} component needs {bound}")
 
 
 def fingerprint_for(model: ModelConfig, forward: ForwardConfig, mesh_shape: tuple[int, ...] = (1,),
@@ -128,14 +132,16 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     components = options.head_components
     if options.l2_slots == 0:
         head = CacheHead(HeadConfig(tree=tree, components=components))
-        mamba = components_of(components).get(ComponentKind.MAMBA)
+        by_kind = components_of(components)
+        mamba, swa = by_kind.get(ComponentKind.MAMBA), by_kind.get(ComponentKind.SWA)
         slots = mamba.num_slots if isinstance(mamba, MambaConfig) and mamba.num_slots else 0
-        state = None if runner is None else runner.state_pool
-        if runner is None or runner.num_pages != options.l1_pages or (0 if state is None else state.shape[0]) != slots:
+        swa_pages = swa.num_tokens // ps if isinstance(swa, SWAConfig) and swa.num_tokens else 0
+        if runner is None or _pools(runner) != (options.l1_pages, slots, swa_pages):
             runner = ModelRunner(options.model, options.forward, num_pages=options.l1_pages,
-                                 params=None if runner is None else runner.params, state_slots=slots)
+                                 params=None if runner is None else runner.params, state_slots=slots,
+                                 swa_pages=swa_pages)
         client = CacheClient(EmbeddedTransport(head), ps)
-        sched = Scheduler(client, runner, prefill_budget=options.prefill_budget)
+        sched = Scheduler(client, runner, prefill_budget=options.prefill_budget, swa_tables=swa_pages > 0)
         return EmbeddedStack(options, head, client, runner, sched)
     from hicache.workers import HostWorker, KVCacheSpec
 
@@ -158,6 +164,12 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
                       l3_min_tokens=options.prefetch_min_tokens, hold_storage_writes=True)
     return EmbeddedStack(options, head, client, attached, sched, worker)
+
+
+def _pools(runner: ModelRunner) -> tuple[int, int, int]:
+    """(L1 pages, state slots, SWA pages) of a runner's pools."""
+    state, swa = runner.state_pool, runner.swa_pool
+    return runner.num_pages, 0 if state is None else state.shape[0], 0 if swa is None else swa.shape[2]
 
 
 WARM_UP_SALT = "hicache-warm-up"
