@@ -106,3 +106,36 @@ def test_replica_file_names_components(tmp_path):
 def test_replica_file_bad_components(components, match):
     with pytest.raises(ValueError, match=match):
         replica_config({"components": components})
+
+
+def test_swa_head_translates_trims_and_abandons():
+    head = CacheHead(HeadConfig(tree=TreeConfig(PS, 16), components=(SWAConfig(8, 64),)))
+    key = RadixKey(np.arange(24, dtype=np.int32))
+    begun = head.begin_request(BeginParams(key, 25))
+    swa = head.swa_pages(begun.pages)
+    assert swa.dtype == np.int32 and swa.shape == begun.pages.shape and (swa >= 0).all()  # every page maps one
+    assert len(set(swa.tolist())) == swa.size
+    state = RequestState(key, begun.pages, 0, begun.match.last_device_node)
+    assert head.trim_request(state) == 4  # pages [0, (24 - 8) / 4): out of the window
+    before = head.cache_stats()["swa"]
+    assert head.abandon_request(state) == 7 and head.tree.stats().request_pages == 0
+    assert head.cache_stats()["swa"]["free_pages"] > before["free_pages"]
+    head.tree.check_invariants()
+    with pytest.raises(ValueError, match=r"outside L1 \[0, 16\)"):
+        head.swa_pages(np.array([16]))
+    with pytest.raises(ValueError, match="1-D int array"):
+        head.swa_pages(np.array([[1]]))
+    with pytest.raises(ValueError, match=r"no component 'swa' in this tree \(components: full\)"):
+        CacheHead(HeadConfig(tree=TreeConfig(PS, 16))).swa_pages(np.array([0]))
+
+
+def test_abandon_request_checks_the_request_and_changes_nothing_on_bad_input():
+    head = CacheHead(HeadConfig(tree=TreeConfig(PS, 16), components=(MambaConfig(4),)))
+    key = RadixKey(np.arange(8, dtype=np.int32))
+    begun = head.begin_request(BeginParams(key, 9))
+    before = head.cache_stats()
+    with pytest.raises(ValueError, match="lacks 'mamba'"):
+        head.abandon_request(RequestState(key, begun.pages, 0, begun.match.last_device_node))
+    assert head.cache_stats() == before
+    head.abandon_request(RequestState(key, begun.pages, 0, begun.match.last_device_node, 0, begun.components))
+    assert head.cache_stats()["mamba"]["request_slots"] == 0 and head.tree.stats().request_pages == 0
