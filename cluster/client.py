@@ -210,6 +210,15 @@ class CacheClient:
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
         return self._call(Method.CACHE_UNFINISHED_REQ, state)
 
+    def abandon_request(self, state: RequestState) -> int:
+        return self._call(Method.ABANDON_REQUEST, state)
+
+    def trim_request(self, state: RequestState) -> int:
+        return self._call(Method.TRIM_REQUEST, state)
+
+    def swa_pages(self, pages: np.ndarray) -> np.ndarray:
+        return self._call(Method.SWA_PAGES, pages)
+
     def evict(self, num_tokens: int) -> EvictResult:
         return self._call(Method.EVICT, num_tokens)
 
