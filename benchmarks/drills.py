@@ -14,7 +14,8 @@ client host, every output compared with the no-cache reference, while one fault 
     sudo python benchmarks/drills.py --json drills.json [--only kill_tpu1 partition_tpu1]
 
 The JSON: ``{"drills": [{"name", "wrong_outputs", "max_blocked_s", "recomputed_requests", "recovery_s",
-"failures", "requests"}], "call_timeout_s", "driver_timeout_s", "rehearsal_start_s"}``; targets: 0 wrong
+"failures", "requests", "storage_hit_requests"}], "call_timeout_s", "driver_timeout_s", "rehearsal_start_s"}``
+(a drill this machine cannot inject, e.g. netem without the sch_netem qdisc, is ``{"name", "skipped": why}``); targets: 0 wrong
 outputs, ``max_blocked_s`` <= the driver's per-call timeout + 1 s, a recovery after every fault.
 """
 
@@ -49,6 +50,11 @@ def main() -> None:
     with RehearsalCluster() as rc:
         drills.hicache_up(rc, REPLICA, CALL_TIMEOUT_S)
         for i, drill in enumerate(chosen):
+            reason = drill.unavailable()
+            if reason is not None:
+                print(json.dumps(rec := {"name": drill.name, "skipped": reason}), flush=True)
+                records.append(rec)
+                continue
             t = time.monotonic()
             res = drills.run_drill(rc, REPLICA, drill, timeout_s=DRIVER_TIMEOUT_S, conversations=conversations, seed=i)
             rec = res.as_record() | {"wall_s": round(time.monotonic() - t, 1)}

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from hicache.testing import netns
 from hicache.testing.rehearsal import CLIENT, STORAGE, RehearsalCluster
 
 Action = Callable[[RehearsalCluster], object]  # what it returns is ignored
@@ -46,6 +47,7 @@ class Drill:
     on_failure: Action = _nothing  # when the driver reports its first failed request
     cleanup: Action = _nothing  # after the driver finished (or the drill failed): undo what is left
     expect_failures: bool = True  # the fault must make at least one request fail (else it did not bite)
+    unavailable: Callable[[], str | None] = lambda: None  # why this machine cannot inject it (None: it can)
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,13 @@ class DrillResult:
     recovery_s: float | None  # fault -> first request served with hits after the last failure
     failures: int  # request attempts that failed (and were redone)
     requests: int
+    storage_hit_requests: int = 0  # served after the fault with KV fetched from L3 (on the storage host)
     driver: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def as_record(self) -> dict[str, Any]:
         return {"name": self.name, "wrong_outputs": self.wrong_outputs, "max_blocked_s": self.max_blocked_s,
                 "recomputed_requests": self.recomputed_requests, "recovery_s": self.recovery_s,
-                "failures": self.failures, "requests": self.requests}
+                "failures": self.failures, "requests": self.requests, "storage_hit_requests": self.storage_hit_requests}
 
 
 def kill_host(host: str = "tpu1") -> Drill:
@@ -80,7 +83,8 @@ def partition_host(host: str = "tpu1") -> Drill:
 
 def impair_storage(delay_ms: float = 50.0, loss_pct: float = 1.0) -> Drill:
     return Drill("netem_storage", lambda rc: rc.net.impair(STORAGE, delay_ms, loss_pct),
-                 cleanup=lambda rc: rc.net.unimpair(STORAGE), expect_failures=False)
+                 cleanup=lambda rc: rc.net.unimpair(STORAGE), expect_failures=False,
+                 unavailable=netns.netem_unavailable_reason)
 
 
 def storage_down() -> Drill:
@@ -187,4 +191,5 @@ def run_drill(rc: RehearsalCluster, replica: str, drill: Drill, *, timeout_s: fl
     if result is None or proc.returncode != 0:
         raise RuntimeError(f"drill {drill.name}: driver exited {proc.returncode}\n{''.join(lines.seen)[-2000:]}\n{_tail(rc)}")
     return DrillResult(drill.name, result["wrong_outputs"], result["max_blocked_s"], result["recomputed_requests"],
-                       result["recovery_s"], result["failures"], result["requests"], result)
+                       result["recovery_s"], result["failures"], result["requests"],
+                       result.get("storage_hit_requests", 0), result)

@@ -176,6 +176,7 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     deadline = t_fault + args.deadline
     recomputed, failures, max_blocked = 0, 0, 0.0
     last_failure, hit_times = t_fault, []  # hit_times: when each request served with hits ended
+    storage_hits = 0  # requests after the fault that reused KV fetched from L3 (the storage host)
     # the second half, then the first again (hits after recovery: L3, or L1/L2 once refilled)
     for i in order[split:] + order[:split]:
         prompt, ref = work[i]
@@ -196,6 +197,7 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
             max_blocked = max(max_blocked, time.monotonic() - t)
             break
         wrong += not _is_right(res, ref)
+        storage_hits += res.storage_tokens > 0
         if _hit_tokens(res) == 0:
             recomputed += 1
         else:
@@ -203,7 +205,7 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     after = [t for t in hit_times if t > last_failure]
     recovery = after[0] - t_fault if after else None
     out.update(wrong_outputs=wrong, requests=split + len(order), failures=failures, max_blocked_s=round(max_blocked, 3),
-               recomputed_requests=recomputed, recovery_s=None if recovery is None else round(recovery, 3))
+               recomputed_requests=recomputed, storage_hit_requests=storage_hits, recovery_s=None if recovery is None else round(recovery, 3))
     return out
 
 

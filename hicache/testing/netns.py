@@ -72,6 +72,21 @@ def namespaces_unavailable_reason() -> str | None:
     return None
 
 
+def netem_unavailable_reason() -> str | None:
+    """Why ``tc netem`` (``NamespaceNetwork.impair``) cannot be used here (None: it can)."""
+    probe = f"{PREFIX}{os.getpid()}-netem"
+    try:
+        _ip("netns", "add", probe)
+        _ip("-n", probe, "link", "add", "name", "p-a", "type", "veth", "peer", "name", "p-b")
+        done = subprocess.run(["tc", "-n", probe, "qdisc", "add", "dev", "p-a", "root", "netem", "delay", "1ms"],
+                              capture_output=True, text=True, timeout=30)
+        return None if done.returncode == 0 else f"tc netem: {done.stderr.strip() or done.returncode}"
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"tc netem probe failed: {e}"
+    finally:
+        _ip("netns", "del", probe, check=False)
+
+
 def list_namespaces() -> list[str]:
     out = _ip("netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
