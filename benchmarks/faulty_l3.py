@@ -137,8 +137,8 @@ def attach_faulty_l3(stack: Any, gs_url: str, plan: FaultPlan | None = None, *,
     new = dataclasses.replace(old, url=f"faulty::{gs_url}", storage=faulty_storage_config(plan, **fields), **params)
     head.attach_storage_backend(StorageParams(**{f.name: getattr(new, f.name) for f in dataclasses.fields(new)}))
     store = stack.worker.storage_executor.storage
-    if clock is not None:
-        store.breaker.clock = clock
+    if clock is not None:  # (attach's background probe may have run on the real clock already)
+        store.breaker.use_clock(clock)
     if settle:
         head.controller.storage.settle(new.storage.list_timeout_s + new.storage.exists_timeout_s + 5.0)
     return store.fs

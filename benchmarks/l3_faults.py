@@ -103,6 +103,7 @@ class StorageTimer:
     def __init__(self, storage) -> None:
         self.total_s = dict.fromkeys(self.KINDS, 0.0)
         self.calls = dict.fromkeys(self.KINDS, 0)
+        self.durations_s: dict[str, list[float]] = {k: [] for k in self.KINDS}  # every call, in order
         for kind in self.KINDS:
             setattr(storage, kind, self._timed(kind, getattr(storage, kind)))
 
@@ -112,8 +113,10 @@ class StorageTimer:
             try:
                 return call(*args, **kwargs)
             finally:
-                self.total_s[kind] += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                self.total_s[kind] += took
                 self.calls[kind] += 1
+                self.durations_s[kind].append(took)
 
         return run
 
@@ -164,6 +167,7 @@ def run_fault(fault: Fault, runner: ModelRunner, stream: Stream, options, bucket
         "l3_phase_ms": [round(ph.l3 * 1e3, 1) for ph in phases],  # per request, in stream order
         "storage_call_ms_per_request": timer.per_request_ms(len(ttfts)),
         "storage_calls": dict(timer.calls),
+        "storage_call_ms": {k: [round(v * 1e3, 1) for v in vs] for k, vs in timer.durations_s.items()},
         "requests": len(ttfts),
         "objects_stored": len(stored),
         "injected": fs.injected(),

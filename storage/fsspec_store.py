@@ -71,8 +71,8 @@ Deadlines and the breaker. Every call has a deadline (``timeout_s=`` or the ``St
 default of its kind: ``exists_timeout_s`` for existence checks, ``list_timeout_s`` for listings,
 ``timeout_s`` for reads and writes; ``close_timeout_s`` for ``close``): operations not finished by
 then are abandoned or cancelled (counted in ``timeouts``) and their pages report ``False``. After
-``breaker_threshold`` consecutive rounds with timeouts / connection errors (or one round in which
-every connection was refused) the location's breaker opens (``available`` is False): calls answer
+``breaker_threshold`` rounds with timeouts / connection errors within ``breaker_window_s`` (or one
+round in which every connection was refused), the location's breaker opens (``available`` is False): calls answer
 at once as misses (``unavailable``), and ``batch_set`` raises ``StorageUnavailableError`` before
 touching the pool (``skipped_write_pages``: the caller counts the skipped backup), until a probe
 after ``breaker_cooldown_s`` gets an answer.
@@ -191,7 +191,8 @@ class FsspecStorage(HiCacheStorage):
         self._fp = fingerprint.digest()
         self._root = root
         self._base = f"{root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
-        self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock or time.monotonic)
+        self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock or time.monotonic,
+                               config.breaker_window_s)
         self._io = make_batch_io(store, self.breaker, RetryPolicy(config.retries, config.retry_backoff_s),
                                  config.io_threads, config.max_pending_ops)
         self._manifest = Manifest(self._base, self._fp, fingerprint.page_size, self._io)
