@@ -566,7 +566,7 @@ class StorageTier:
             return skip(req_id, "prefetch pages in flight at max_inflight_prefetch_pages")
         first = depth // ps
         now = time.monotonic()
-        task = _Prefetch(req_id, anchor, tokens[depth : depth + len(keys) * ps], keys, first, now,
+        task = _Prefetch(req_id, anchor, tokens[depth : depth + len(keys) * ps].copy(), keys, first, now,
                          now + self.params.prefetch_wait_max_s)
         anchor.host_pin += 1  # (a root too: it stays while the query and fetch run, RadixTree._drop_idle_roots)
         self._by_req[req_id] = task
@@ -657,7 +657,7 @@ class StorageTier:
             self._end_without_fetch(task, "no L2 room")
             return False
         ps = self.tree.page_size
-        task.keys, task.tokens, task.slots = task.keys[:found], task.tokens[: found * ps].copy(), slots
+        task.keys, task.tokens, task.slots = task.keys[:found], task.tokens[: found * ps], slots
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
                         tuple(task.keys), first_page=task.first_page)
         task.op_id = op.op_id
