@@ -188,10 +188,12 @@ def _delta(after: dict, before: dict) -> dict:
 
 def test_existence_checks_are_object_metadata_requests_never_listings(scheme, make):
     """Counted through the wrapper: its calls, and on gs:// every HTTP request gcsfs sends (a
-    listing gcsfs makes inside ``_info`` shows there, which the control at the end proves)."""
+    listing gcsfs makes inside ``_info`` shows there, which the control at the end proves). The
+    reader keeps to its own shard (``layout_refresh_s=None``): finding other layouts' shard folders
+    is a listing of its own, at most every ``layout_refresh_s`` (tests/storage/test_shard_cover.py)."""
     writer = make(scheme)
     _fill_store(writer)
-    st = make(scheme, url=writer.url_)
+    st = make(scheme, url=writer.url_, layout_refresh_s=None)
     fs = st.faulty
     calls, reqs = fs.calls(), fs.requests()
     _, _, keys = _chains()[0]
