@@ -114,6 +114,8 @@ def test_bad_drain_input_is_refused(runner):
     stack = build_stack(OPTS, runner)
     with pytest.raises(RuntimeError, match="attached L3"):
         stack.client.drain(DrainParams(5.0))
+    assert "drain" not in stack.client.cache_stats()  # nothing changed: it still admits requests
+    stack.scheduler.serve(ServeRequest(np.arange(20, dtype=np.int32), max_new_tokens=2))
 
 
 class _Metadata(http.server.BaseHTTPRequestHandler):
