@@ -38,16 +38,20 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                              "TreeConfig", "TreeStats"),
     "hicache.cluster.begin": ("BeginParams", "BeginResult"),
     "hicache.cluster.controller": ("LoadBackParams", "LoadBackResult"),
+    "hicache.cluster.drain": ("DrainOptions", "DrainParams", "DrainProgress", "FileSource", "GceMetadataSource",
+                              "Notice", "PreemptionWatcher", "SignalSource"),
     "hicache.cluster.events": ("EventKind", "KVEvent", "Tier"),
     # errors
-    "hicache.cluster.errors": ("HiCacheError", "HiCacheReplicaResetError", "HiCacheTimeoutError",
-                               "HiCacheUnavailableError"),
+    "hicache.cluster.errors": ("HiCacheDrainingError", "HiCacheError", "HiCacheReplicaResetError",
+                               "HiCacheTimeoutError", "HiCacheUnavailableError"),
 }
 _LAZY = {name: module for module, names in _SOURCES.items() for name in names}
 
 __all__ = [  # every name resolves (tests/test_public_api.py)
-    "BeginParams", "BeginResult", "CacheCapacityError", "CacheClient", "Call", "CallResult", "EventKind",
-    "EvictResult", "EvictionPolicy", "FinishResult", "HeadConfig", "HiCacheConfig", "HiCacheError",
+    "BeginParams", "BeginResult", "CacheCapacityError", "CacheClient", "Call", "CallResult", "DrainOptions",
+    "DrainParams", "DrainProgress", "EventKind", "EvictResult", "EvictionPolicy", "FileSource", "FinishResult",
+    "GceMetadataSource", "HeadConfig", "HiCacheConfig", "HiCacheDrainingError", "HiCacheError", "Notice",
+    "PreemptionWatcher", "SignalSource",
     "HiCacheReplicaResetError", "HiCacheTimeoutError", "HiCacheUnavailableError", "HostWorker", "InsertParams",
     "InsertResult", "KVCacheSpec", "KVEvent", "LoadBackParams", "LoadBackResult", "LocalWorkerGroup",
     "MatchPrefixParams", "MatchResult", "Method", "ModelFingerprint", "PrefetchParams", "PrefetchPolicy",
@@ -61,7 +65,18 @@ if TYPE_CHECKING:
     from hicache.cluster.begin import BeginParams, BeginResult
     from hicache.cluster.client import ResultRef
     from hicache.cluster.controller import LoadBackParams, LoadBackResult
+    from hicache.cluster.drain import (
+        DrainOptions,
+        DrainParams,
+        DrainProgress,
+        FileSource,
+        GceMetadataSource,
+        Notice,
+        PreemptionWatcher,
+        SignalSource,
+    )
     from hicache.cluster.errors import (
+        HiCacheDrainingError,
         HiCacheError,
         HiCacheReplicaResetError,
         HiCacheTimeoutError,
