@@ -819,3 +819,23 @@ def test_engines_of_another_host_count_are_exact_with_each_others_l3_hits(replic
         assert results[1].storage_tokens >= lengths[0] // PS * PS  # the writer's whole turn, from L3
     for c in clients.values():
         c.detach_storage_backend()
+
+
+def test_a_two_host_replica_drains_through_the_ray_client(replica_x, env_x, tmp_path):
+    """A notice to a Ray replica: its head stores what L3 lacks (both hosts' shards), reports it, and a
+    cold start of the same replica prefetches it all."""
+    from hicache.cluster.drain import DrainParams
+
+    params = l3_params(tmp_path)
+    a = seq(9000, 24)
+    env_x.serve(a)
+    env_x.client.flush_write_through_acks()
+    env_x.client.attach_storage_backend(params)  # L3 holds none of it yet
+    prog = env_x.client.drain(DrainParams(30.0))
+    assert prog.candidate_pages == 6 and prog.drained_pages >= 6 and prog.not_fitted_pages == 0
+    assert env_x.client.cache_stats()["drain"]["state"] == "done"
+    _cold(env_x, params)  # (a reset admits requests again)
+    assert "drain" not in env_x.client.cache_stats()
+    assert env_x.prefetch(a, "x-drained") == 24
+    assert env_x.serve(a)["loaded"] == 24
+    env_x.client.detach_storage_backend()
