@@ -23,7 +23,9 @@ Notice sources (``PreemptionSource``): the GCE metadata server (``instance/preem
 calls back once.
 
 Who runs what: ``drain`` runs on the head's control thread, inside one head call (``CacheHead.drain``),
-like any other head call: nothing else touches the tree meanwhile. Sources and the watcher run on
+like any other head call: nothing else touches the tree meanwhile, so other calls (``cache_stats``,
+``hicache status``) wait until it returns; the ``hicache_drain_pages`` gauge is published every round.
+A remote caller needs a client timeout above the deadline. Sources and the watcher run on
 the caller's threads and never touch the head.
 """
 
@@ -314,6 +316,7 @@ def run_drain(head: CacheHead, params: DrainParams, clock: Callable[[], float] =
             issued += 1
         ctl.flush_write_through_acks(timeout_s=max(0.0, min(options.ack_wait_s, end - clock())))
         prog.drained_pages = st.counters.backup_pages - stored_before
+        head.publish_metrics()  # live progress (hicache_drain_pages): the head answers no call meanwhile
         if not issued and not ctl.in_flight:
             break
     ctl.flush_write_through_acks(timeout_s=max(0.0, end - clock()))
