@@ -205,6 +205,37 @@ class PreemptionWatcher:
         self._thread.join(timeout_s)
 
 
+class NoticeSourceKind(str, enum.Enum):
+    GCE = "gce"  # the metadata server (``location``: its instance URL; "" = GCE_METADATA_URL)
+    FILE = "file"  # a file (``location``: its path)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionConfig:
+    """Where a replica's head watches for a notice (``ReplicaConfig.preemption``); picklable, built
+    into a source in the head's process."""
+
+    kind: NoticeSourceKind | str = NoticeSourceKind.GCE
+    location: str = ""
+    deadline_s: float = GCE_NOTICE_S  # when the source does not say
+    poll_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", NoticeSourceKind(self.kind))
+        except ValueError:
+            raise ValueError(f"unknown notice source {self.kind!r}; choose one of "
+                             f"{[k.value for k in NoticeSourceKind]}") from None
+        _check_deadline(self.deadline_s)
+        if self.kind is NoticeSourceKind.FILE and not self.location:
+            raise ValueError("a file notice source needs its path (location)")
+
+    def build(self) -> PreemptionSource:
+        if self.kind is NoticeSourceKind.FILE:
+            return FileSource(self.location, deadline_s=self.deadline_s, poll_s=self.poll_s)
+        return GceMetadataSource(self.location or GCE_METADATA_URL, deadline_s=self.deadline_s, poll_s=self.poll_s)
+
+
 # -- the drain (head side) --------------------------------------------------------------------------
 class DrainState(str, enum.Enum):
     IDLE = "idle"

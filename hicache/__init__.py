@@ -39,7 +39,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "hicache.cluster.begin": ("BeginParams", "BeginResult"),
     "hicache.cluster.controller": ("LoadBackParams", "LoadBackResult"),
     "hicache.cluster.drain": ("DrainOptions", "DrainParams", "DrainProgress", "FileSource", "GceMetadataSource",
-                              "Notice", "PreemptionWatcher", "SignalSource"),
+                              "Notice", "PreemptionConfig", "PreemptionWatcher", "SignalSource"),
     "hicache.cluster.events": ("EventKind", "KVEvent", "Tier"),
     # errors
     "hicache.cluster.errors": ("HiCacheDrainingError", "HiCacheError", "HiCacheReplicaResetError",
@@ -51,7 +51,7 @@ __all__ = [  # every name resolves (tests/test_public_api.py)
     "BeginParams", "BeginResult", "CacheCapacityError", "CacheClient", "Call", "CallResult", "DrainOptions",
     "DrainParams", "DrainProgress", "EventKind", "EvictResult", "EvictionPolicy", "FileSource", "FinishResult",
     "GceMetadataSource", "HeadConfig", "HiCacheConfig", "HiCacheDrainingError", "HiCacheError", "Notice",
-    "PreemptionWatcher", "SignalSource",
+    "PreemptionConfig", "PreemptionWatcher", "SignalSource",
     "HiCacheReplicaResetError", "HiCacheTimeoutError", "HiCacheUnavailableError", "HostWorker", "InsertParams",
     "InsertResult", "KVCacheSpec", "KVEvent", "LoadBackParams", "LoadBackResult", "LocalWorkerGroup",
     "MatchPrefixParams", "MatchResult", "Method", "ModelFingerprint", "PrefetchParams", "PrefetchPolicy",
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
         FileSource,
         GceMetadataSource,
         Notice,
+        PreemptionConfig,
         PreemptionWatcher,
         SignalSource,
     )
