@@ -20,7 +20,8 @@ checksummed, so a write cut off by the slice going away is never read as data.
 Notice sources (``PreemptionSource``): the GCE metadata server (``instance/preempted``,
 ``instance/maintenance-event``; tests run a stand-in on 127.0.0.1), a signal, or a file. A source's
 ``wait(timeout_s)`` returns a ``Notice`` or None; ``PreemptionWatcher`` polls one on a thread and
-calls back once.
+calls back once. A Ray replica watches by itself with ``ReplicaConfig.preemption`` (a
+``PreemptionConfig``): its head actor runs the watcher and drains under its state lock.
 
 Who runs what: ``drain`` runs on the head's control thread, inside one head call (``CacheHead.drain``),
 like any other head call: nothing else touches the tree meanwhile, so other calls (``cache_stats``,
