@@ -20,10 +20,13 @@ checksummed, so a write cut off by the slice going away is never read as data.
 Notice sources (``PreemptionSource``): the GCE metadata server (``instance/preempted``,
 ``instance/maintenance-event``; tests run a stand-in on 127.0.0.1), a signal, or a file. A source's
 ``wait(timeout_s)`` returns a ``Notice`` or None; ``PreemptionWatcher`` polls one on a thread and
-calls back once.
+calls back once. A Ray replica watches by itself with ``ReplicaConfig.preemption`` (a
+``PreemptionConfig``): its head actor runs the watcher and drains under its state lock.
 
 Who runs what: ``drain`` runs on the head's control thread, inside one head call (``CacheHead.drain``),
-like any other head call: nothing else touches the tree meanwhile. Sources and the watcher run on
+like any other head call: nothing else touches the tree meanwhile, so other calls (``cache_stats``,
+``hicache status``) wait until it returns; the ``hicache_drain_pages`` gauge is published every round.
+A remote caller needs a client timeout above the deadline. Sources and the watcher run on
 the caller's threads and never touch the head.
 """
 
@@ -203,6 +206,37 @@ class PreemptionWatcher:
         self._thread.join(timeout_s)
 
 
+class NoticeSourceKind(str, enum.Enum):
+    GCE = "gce"  # the metadata server (``location``: its instance URL; "" = GCE_METADATA_URL)
+    FILE = "file"  # a file (``location``: its path)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionConfig:
+    """Where a replica's head watches for a notice (``ReplicaConfig.preemption``); picklable, built
+    into a source in the head's process."""
+
+    kind: NoticeSourceKind | str = NoticeSourceKind.GCE
+    location: str = ""
+    deadline_s: float = GCE_NOTICE_S  # when the source does not say
+    poll_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", NoticeSourceKind(self.kind))
+        except ValueError:
+            raise ValueError(f"unknown notice source {self.kind!r}; choose one of "
+                             f"{[k.value for k in NoticeSourceKind]}") from None
+        _check_deadline(self.deadline_s)
+        if self.kind is NoticeSourceKind.FILE and not self.location:
+            raise ValueError("a file notice source needs its path (location)")
+
+    def build(self) -> PreemptionSource:
+        if self.kind is NoticeSourceKind.FILE:
+            return FileSource(self.location, deadline_s=self.deadline_s, poll_s=self.poll_s)
+        return GceMetadataSource(self.location or GCE_METADATA_URL, deadline_s=self.deadline_s, poll_s=self.poll_s)
+
+
 # -- the drain (head side) --------------------------------------------------------------------------
 class DrainState(str, enum.Enum):
     IDLE = "idle"
@@ -314,6 +348,7 @@ def run_drain(head: CacheHead, params: DrainParams, clock: Callable[[], float] =
             issued += 1
         ctl.flush_write_through_acks(timeout_s=max(0.0, min(options.ack_wait_s, end - clock())))
         prog.drained_pages = st.counters.backup_pages - stored_before
+        head.publish_metrics()  # live progress (hicache_drain_pages): the head answers no call meanwhile
         if not issued and not ctl.in_flight:
             break
     ctl.flush_write_through_acks(timeout_s=max(0.0, end - clock()))

@@ -329,8 +329,7 @@ class CacheHead:
         the manifest (``hicache.cluster.drain``). Returns what it did (also in ``cache_stats``)."""
         if type(params) is not DrainParams:
             raise TypeError(f"drain expects DrainParams, got {type(params).__name__}")
-        self.drain_progress = DrainProgress(deadline_s=params.deadline_s)  # refuse new requests from now
-        try:
+        try:  # (run_drain refuses new requests from its start on: drain_progress)
             return run_drain(self, params)
         finally:
             self.publish_metrics()

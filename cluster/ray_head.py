@@ -61,6 +61,7 @@ from typing import Any
 import ray
 
 from hicache.cluster import ray_storage_record, wire
+from hicache.cluster.drain import DrainParams, Notice, PreemptionConfig, PreemptionWatcher
 from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.head import CacheHead, Call, CallResult, HeadConfig
 from hicache.cluster.key_history import KeyHistories
@@ -97,6 +98,7 @@ class ReplicaConfig:
     health_interval_s: float = 0.5  # monitor pings of the host workers
     rebuild_backoff_s: float = 1.0  # between failed gang starts
     storage: StorageParams | None = None  # L3 attached when the replica starts (and after every restart)
+    preemption: PreemptionConfig | None = None  # the head drains on a notice from there (hicache.cluster.drain)
     step_channel: bool = True  # clients send steps over the head's step channel socket (Ray calls: the fallback)
     # CLUSTER: the channel listens on the head node's address (serving processes on other hosts use it, behind
     # its token: README, security notes); NODE: on 127.0.0.1, for clients on the head's node only
@@ -127,6 +129,8 @@ class ReplicaConfig:
             raise ValueError("health_interval_s and rebuild_backoff_s must be > 0")
         if self.storage is not None:
             self._check_storage(self.storage)
+        if self.preemption is not None and not isinstance(self.preemption, PreemptionConfig):
+            raise TypeError(f"preemption must be a PreemptionConfig, got {type(self.preemption).__name__}")
 
     def _check_storage(self, params: StorageParams) -> None:
         if not isinstance(params, StorageParams):
@@ -223,6 +227,14 @@ class CacheHeadActor:
         else:
             self._start_builder(None)
             threading.Thread(target=self._monitor, name="hicache-monitor", daemon=True).start()
+        self._watcher = (PreemptionWatcher(config.preemption.build(), self._on_notice, poll_s=config.preemption.poll_s)
+                         if config.preemption is not None else None)
+
+    def _on_notice(self, notice: Notice) -> None:
+        """The watcher's thread: drain the current state like a client's call would (under the lock)."""
+        reply = self._serve(None, 1, lambda head: head.drain(DrainParams(notice.deadline_s)))
+        log.warning("replica %r: preemption notice (%s): drain %s", self.config.replica, notice.detail,
+                     reply.results.snapshot() if reply.status == "ok" else reply.reason)
 
     # -- state -------------------------------------------------------------------------------------
     def _fresh_head(self, group: RayWorkerGroup | None) -> _RecordingHead:
@@ -497,6 +509,8 @@ class CacheHeadActor:
     def shutdown(self) -> None:
         """Stops monitor and builder, kills the host workers and removes their placement group."""
         self._stop.set()
+        if self._watcher is not None:
+            self._watcher.close(timeout_s=1.0)
         with self._channel_lock:
             self._close_channel()
         with self._lock:

@@ -39,17 +39,20 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                              "TreeConfig", "TreeStats"),
     "hicache.cluster.begin": ("BeginParams", "BeginResult"),
     "hicache.cluster.controller": ("LoadBackParams", "LoadBackResult"),
+    "hicache.cluster.drain": ("DrainOptions", "DrainParams", "DrainProgress", "FileSource", "GceMetadataSource",
+                              "Notice", "PreemptionConfig", "PreemptionWatcher", "SignalSource"),
     "hicache.cluster.events": ("EventKind", "KVEvent", "Tier"),
     # errors
-    "hicache.cluster.errors": ("HiCacheError", "HiCacheReplicaResetError", "HiCacheTimeoutError",
-                               "HiCacheUnavailableError"),
+    "hicache.cluster.errors": ("HiCacheDrainingError", "HiCacheError", "HiCacheReplicaResetError",
+                               "HiCacheTimeoutError", "HiCacheUnavailableError"),
 }
 _LAZY = {name: module for module, names in _SOURCES.items() for name in names}
 
 __all__ = [  # every name resolves (tests/test_public_api.py)
     "BeginParams", "BeginResult", "CacheCapacityError", "CacheClient", "Call", "CallResult", "ComponentKind",
-    "EventKind",
-    "EvictResult", "EvictionPolicy", "FinishResult", "HeadConfig", "HiCacheConfig", "HiCacheError",
+    "DrainOptions", "DrainParams", "DrainProgress", "EventKind", "EvictResult", "EvictionPolicy", "FileSource",
+    "FinishResult", "GceMetadataSource", "HeadConfig", "HiCacheConfig", "HiCacheDrainingError", "HiCacheError",
+    "Notice", "PreemptionConfig", "PreemptionWatcher", "SignalSource",
     "HiCacheReplicaResetError", "HiCacheTimeoutError", "HiCacheUnavailableError", "HostWorker", "InsertParams",
     "InsertResult", "KVCacheSpec", "KVEvent", "LoadBackParams", "LoadBackResult", "LocalWorkerGroup",
     "MambaConfig", "MatchPrefixParams", "MatchResult", "Method", "ModelFingerprint", "PrefetchParams", "PrefetchPolicy",
@@ -64,7 +67,19 @@ if TYPE_CHECKING:
     from hicache.cluster.builder import ComponentKind, MambaConfig, SWAConfig
     from hicache.cluster.client import ResultRef
     from hicache.cluster.controller import LoadBackParams, LoadBackResult
+    from hicache.cluster.drain import (
+        DrainOptions,
+        DrainParams,
+        DrainProgress,
+        FileSource,
+        GceMetadataSource,
+        Notice,
+        PreemptionConfig,
+        PreemptionWatcher,
+        SignalSource,
+    )
     from hicache.cluster.errors import (
+        HiCacheDrainingError,
         HiCacheError,
         HiCacheReplicaResetError,
         HiCacheTimeoutError,

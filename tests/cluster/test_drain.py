@@ -107,6 +107,13 @@ def test_what_did_not_fit_the_deadline_is_counted_and_never_read_half_written(tm
 
 
 def test_bad_drain_input_is_refused(runner):
+    from hicache.cluster.drain import PreemptionConfig
+
+    with pytest.raises(ValueError, match="unknown notice source 'aws'"):
+        PreemptionConfig("aws")
+    with pytest.raises(ValueError, match="needs its path"):
+        PreemptionConfig("file")
+    assert isinstance(PreemptionConfig("gce", "http://127.0.0.1:9/x").build(), GceMetadataSource)
     with pytest.raises(ValueError, match="deadline_s must be a number > 0, got 0"):
         DrainParams(0)
     with pytest.raises(ValueError, match="reserve_s must be a number >= 0, got -1"):
@@ -114,6 +121,8 @@ def test_bad_drain_input_is_refused(runner):
     stack = build_stack(OPTS, runner)
     with pytest.raises(RuntimeError, match="attached L3"):
         stack.client.drain(DrainParams(5.0))
+    assert "drain" not in stack.client.cache_stats()  # nothing changed: it still admits requests
+    stack.scheduler.serve(ServeRequest(np.arange(20, dtype=np.int32), max_new_tokens=2))
 
 
 class _Metadata(http.server.BaseHTTPRequestHandler):

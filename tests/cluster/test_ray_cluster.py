@@ -735,12 +735,21 @@ def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
 
 # -- topology-free L3 reads: replicas of another host count share L3 (storage.shard_cover) ---------------------
 @pytest.fixture(scope="module")
-def replica_one(cluster):
+def notice_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("notice") / "preempted"
+
+
+@pytest.fixture(scope="module")
+def replica_one(cluster, notice_file):
     """One host with 4 fake devices: the same global mesh as x's 2 hosts x 2 devices (so the same
-    engine fingerprint), but one shard (KV heads 0-3) where x has two (0-1, 2-3)."""
+    engine fingerprint), but one shard (KV heads 0-3) where x has two (0-1, 2-3). Its head watches
+    ``notice_file`` for a preemption notice."""
+    from hicache.cluster.drain import PreemptionConfig
+
     cfg = replica_config("one")
     handle = hicache.start_replica(dataclasses.replace(
-        cfg, workers=WorkerGroupOptions.fake_cpu_hosts(SPEC, num_hosts=1, devices_per_host=4)))
+        cfg, workers=WorkerGroupOptions.fake_cpu_hosts(SPEC, num_hosts=1, devices_per_host=4),
+        preemption=PreemptionConfig("file", str(notice_file), poll_s=0.05)))
     yield "one"
     stop_replica("one")
     del handle
@@ -822,3 +831,46 @@ def test_engines_of_another_host_count_are_exact_with_each_others_l3_hits(replic
         assert results[1].storage_tokens >= lengths[0] // PS * PS  # the writer's whole turn, from L3
     for c in clients.values():
         c.detach_storage_backend()
+
+
+def test_a_two_host_replica_drains_through_the_ray_client(replica_x, env_x, tmp_path):
+    """A notice to a Ray replica: its head stores what L3 lacks (both hosts' shards), reports it, and a
+    cold start of the same replica prefetches it all."""
+    from hicache.cluster.drain import DrainParams
+
+    params = l3_params(tmp_path)
+    a = seq(9000, 24)
+    env_x.serve(a)
+    env_x.client.flush_write_through_acks()
+    env_x.client.attach_storage_backend(params)  # L3 holds none of it yet
+    prog = env_x.client.drain(DrainParams(30.0))
+    assert prog.candidate_pages == 6 and prog.drained_pages >= 6 and prog.not_fitted_pages == 0
+    assert env_x.client.cache_stats()["drain"]["state"] == "done"
+    _cold(env_x, params)  # (a reset admits requests again)
+    assert "drain" not in env_x.client.cache_stats()
+    assert env_x.prefetch(a, "x-drained") == 24
+    assert env_x.serve(a)["loaded"] == 24
+    env_x.client.detach_storage_backend()
+
+
+def test_a_notice_file_makes_the_replica_head_drain_by_itself(replica_one, notice_file, tmp_path):
+    """``ReplicaConfig.preemption``: the head's watcher sees the notice and drains its state; a client
+    sees the drain in ``cache_stats``; a cold start of the replica prefetches what was drained."""
+    params = l3_params(tmp_path)
+    env_1 = RayEnv(replica_one)
+    env_1.client.flush_write_through_acks()
+    env_1.client.detach_storage_backend()
+    env_1.client.reset()
+    a = seq(9500, 24)
+    env_1.serve(a)
+    env_1.client.flush_write_through_acks()
+    env_1.client.attach_storage_backend(params)
+    notice_file.write_text("20")
+    end = time.monotonic() + 60.0
+    while (drain := env_1.client.cache_stats().get("drain", {})).get("state") != "done":
+        assert time.monotonic() < end, drain
+        time.sleep(0.1)
+    assert drain["deadline_s"] == 20.0 and drain["drained_pages"] >= 6 and drain["not_fitted_pages"] == 0
+    _cold(env_1, params)
+    assert env_1.prefetch(a, "one-drained") == 24
+    env_1.client.detach_storage_backend()
