@@ -17,6 +17,7 @@ import numpy as np
 
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBackResult
+from hicache.cluster.cost_model import PrefillReport
 from hicache.cluster.events import KVEvent
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.policy import HiCacheConfig
@@ -77,6 +78,7 @@ class Method(str, Enum):
     PAUSE_STORAGE_WRITES = "pause_storage_writes"
     RESUME_STORAGE_WRITES = "resume_storage_writes"
     BEGIN_REQUEST = "begin_request"
+    REPORT_PREFILL = "report_prefill"
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -239,6 +241,7 @@ class CacheHead:
             )
             if ctl.storage is not None:
                 out["storage"] = ctl.storage.counters.snapshot()
+                out["storage"]["cost_model"] = ctl.storage.cost.snapshot()  # the load-or-recompute estimates
                 out["storage_errors"] = ctl.workers.storage_errors()  # by kind (transfers.L3_ERROR_KINDS)
                 out["storage_breaker"] = ctl.workers.storage_breaker_state()  # closed / half_open / open
         return out
@@ -291,6 +294,14 @@ class CacheHead:
 
     def resume_storage_writes(self) -> int:
         return self._hicache().resume_storage_writes()
+
+    def report_prefill(self, report: PrefillReport) -> None:
+        """The serving side's measured prefill, for the L3 cost model (dropped without L3 attached)."""
+        if type(report) is not PrefillReport:
+            raise TypeError(f"report_prefill expects PrefillReport, got {type(report).__name__}")
+        storage = self.controller.storage if self.controller is not None else None
+        if storage is not None:
+            storage.cost.report_prefill(report)
 
     # -- a request's start in one call ---------------------------------------------------------------
     def begin_request(self, params: BeginParams) -> BeginResult:
