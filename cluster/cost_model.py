@@ -38,6 +38,10 @@ class CostOptions:
     page_bytes: float = 64 * 1024  # one page's bytes on one host, until an ack tells
     margin: float = 1.0  # load only if margin * expected load time < expected recompute time
     explore_every: int = 16  # every Nth skip fetches anyway: L3 that got fast again is measured (0: never)
+    # a request waits for its fetch at most this many times the recompute of its pages (once a prefill was
+    # measured; 0: no bound but StorageParams'): a fetch slower than expected costs a bounded wait, then the
+    # request recomputes while the fetch goes on (and is measured)
+    wait_factor: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -46,6 +50,8 @@ class CostOptions:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha!r}")
         if not (math.isfinite(self.l3_latency_s) and self.l3_latency_s >= 0):
             raise ValueError(f"l3_latency_s must be a finite number >= 0, got {self.l3_latency_s!r}")
+        if not (isinstance(self.wait_factor, (int, float)) and math.isfinite(self.wait_factor) and self.wait_factor >= 0):
+            raise ValueError(f"wait_factor must be a finite number >= 0, got {self.wait_factor!r}")
         for name in ("l3_bytes_per_s", "load_bytes_per_s", "prefill_tokens_per_s", "page_bytes", "margin"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -210,6 +216,13 @@ class CostModel:
                 return FetchPlan(found, self.fetch_s(found), self.load_s(found), recompute, explored=True)
             return FetchPlan(0, self.fetch_s(n), self.load_s(n), recompute)
         return FetchPlan(n, self.fetch_s(n), self.load_s(n), recompute)
+
+    def wait_bound_s(self, pages: int, page_size: int) -> float | None:
+        """How long a request may wait for a fetch of ``pages`` pages (None: no bound of the model's)."""
+        o = self.options
+        if not (o.enabled and o.wait_factor and self._prefill.samples):
+            return None
+        return o.wait_factor * self.recompute_s(pages * page_size)
 
     def snapshot(self) -> dict:
         """The current estimates (``cache_stats()["storage"]["cost_model"]``) and their sample counts."""

@@ -702,6 +702,9 @@ class StorageTier:
             self._end_without_fetch(task, COST_SKIPPED)
         elif plan.pages < found:
             c.cost_partial += 1
+        bound = self.cost.wait_bound_s(plan.pages, ps) if plan.pages and budget is not None else None
+        if bound is not None:  # waiting longer than this is slower than recomputing: the request goes on
+            task.wait_until = min(task.wait_until, time.monotonic() + bound)
         return plan.pages
 
     def observe_ack(self, kind: OpKind, num_pages: int, nbytes: int, duration_s: float) -> None:

@@ -89,9 +89,19 @@ def test_every_nth_skip_explores():
     assert [p.explored for p in plans] == [False, False, True, False, False, True]
 
 
+def test_a_request_waits_for_a_fetch_at_most_wait_factor_times_its_recompute():
+    m = CostModel(CostOptions(wait_factor=2.0))
+    assert m.wait_bound_s(5, PS) is None  # no prefill measured: StorageParams' bounds only
+    for tokens in (8, 80):  # 1 ms per token
+        m.report_prefill(PrefillReport(tokens, 0.001 * tokens))
+    assert m.wait_bound_s(5, PS) == pytest.approx(2.0 * 0.040)
+    assert CostModel(CostOptions(wait_factor=0.0)).wait_bound_s(5, PS) is None
+
+
 @pytest.mark.parametrize("bad", [dict(alpha=0.0), dict(alpha=1.5), dict(l3_latency_s=-1.0),
                                  dict(l3_bytes_per_s=0.0), dict(prefill_tokens_per_s=float("nan")),
-                                 dict(margin=-1.0), dict(explore_every=-1), dict(enabled=1)])
+                                 dict(margin=-1.0), dict(explore_every=-1), dict(enabled=1),
+                                 dict(wait_factor=-1.0)])
 def test_bad_options_name_the_value(bad):
     name, value = next(iter(bad.items()))
     with pytest.raises(ValueError, match=name):
@@ -177,3 +187,20 @@ def test_fast_l3_loads(runner, stored):
     assert est["fetch_samples"] >= len(prompts) and est["prefill_samples"] == len(prompts)
     assert est["l3_latency_s"] < SLOW_S / 10
     stack.head.detach_storage_backend()
+
+
+@pytest.mark.slow
+def test_slow_storage_benchmark_quick(tmp_path):
+    """``benchmarks/slow_storage.py --quick``: the JSON schema of issue #27 and exact outputs everywhere."""
+    import json
+
+    from benchmarks import slow_storage
+
+    out = tmp_path / "slow.json"
+    slow_storage.main(["--quick", "--json", str(out)])
+    points = json.loads(out.read_text())["points"]
+    assert [p["latency_s"] for p in points] == list(slow_storage.QUICK_LATENCIES_S)
+    for p in points:
+        for key in ("no_cache_ttft_mean_s", "always_load_ttft_mean_s", "cost_aware_ttft_mean_s"):
+            assert isinstance(p[key], float) and p[key] > 0, (key, p)
+        assert p["wrong_outputs"] == 0, p
