@@ -34,14 +34,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from benchmarks.chat_l3 import chat_sizes, close_stack, prepare_chat, serve_stream
 from benchmarks.faulty_l3 import GS_OPTIONS, attach_faulty_l3, gcs_emulator, worker_storage
-from benchmarks.multiturn import build_stream, make_workload
 from benchmarks.report import jsonable
-from benchmarks.stacks import BareEngine, stack_options
-from benchmarks.workload import FWD, MODEL, Stream, log, tier_sizes
+from benchmarks.workload import Stream, log
 from hicache.reference.engine.runner import ModelRunner
-from hicache.reference.serve_types import ServeRequest
-from hicache.reference.stack import build_stack, warm_up
+from hicache.reference.stack import build_stack
 from hicache.storage.fault_injection import FaultPlan, OpFaults
 
 SEED = 23
@@ -72,37 +70,21 @@ def _objects(url: str) -> set[str]:
     return set(gcsfs.GCSFileSystem(**GS_OPTIONS).find(url.removeprefix("gs://")))
 
 
-def _serve(stack, stream: Stream) -> tuple[int, list[float], int]:
-    """Serves the stream in order: (wrong outputs, TTFTs, L3 hit tokens)."""
-    wrong, ttfts, l3 = 0, [], 0
-    for it in stream.items:
-        res = stack.scheduler.serve(ServeRequest(it.prompt, it.max_new_tokens))
-        wrong += tuple(res.output) != tuple(stream.outputs[it.index])
-        ttfts.append(res.ttft_s)
-        l3 += res.storage_tokens
-    return wrong, ttfts, l3
-
-
-def _close(stack) -> None:
-    stack.client.flush_write_through_acks()
-    stack.head.detach_storage_backend()
-
-
 def run_fault(fault: Fault, runner: ModelRunner, stream: Stream, options, bucket: str) -> dict:
     url = f"{bucket}/l3-faults-{fault.name}-{time.time_ns()}"
     warm = build_stack(options, runner)
     attach_faulty_l3(warm, url)
-    wrong_fill, _, _ = _serve(warm, stream)
-    _close(warm)
+    wrong_fill, _, _ = serve_stream(warm, stream)
+    close_stack(warm)
     stored = _objects(url)
     cold = build_stack(options, runner)
     fs = attach_faulty_l3(cold, url, fault.plan, settle=False)  # starts as a replica would: no wait
-    wrong, ttfts, l3 = _serve(cold, stream)
+    wrong, ttfts, l3 = serve_stream(cold, stream)
     stats = worker_storage(cold).stats()
     cache = cold.head.cache_stats()
     fs.set_plan(FaultPlan())
     fs.release_hangs()
-    _close(cold)
+    close_stack(cold)
     gone = stored - _objects(url)
     return {
         "name": fault.name,
@@ -126,34 +108,13 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", required=True, help="where to write the results")
     p.add_argument("--quick", action="store_true", help="a small stream (CI smoke test)")
     p.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS], choices=[f.name for f in FAULTS])
-    a = p.parse_args(argv)
-    quick = dict(clients=3, rounds=2, system_prompts=1, system_tokens=(24, 40), request_tokens=(8, 16), output_tokens=4)
-    full = dict(clients=8, rounds=4, system_prompts=2, system_tokens=(96, 160), request_tokens=(16, 32), output_tokens=8)
-    for k, v in (quick if a.quick else full).items():
-        setattr(a, k, v)
-    a.seed = SEED
-    return a
+    return chat_sizes(p.parse_args(argv), SEED)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = _args(argv)
-    runner = ModelRunner(MODEL, FWD, num_pages=8)
-    bare = BareEngine(runner, FWD.max_pages)
-    wl = make_workload(args)
-    log("reference pass (engine alone): the stream and its outputs")
-    stream = build_stream(bare, wl, args)
-    log("no-cache TTFT (engine alone)")
-    no_cache = [bare.serve(ServeRequest(it.prompt, it.max_new_tokens)).ttft_s for it in stream.items]
-    no_cache_mean = sum(no_cache) / len(no_cache)
-    ps = FWD.page_size
-    pages = sum(-(-len(it.prompt) // ps) for it in stream.items if it.round == args.rounds - 1)
-    l1, l2 = tier_sizes(pages, max(len(it.prompt) for it in stream.items) + args.output_tokens, 0.25, 0.5)
-    options = stack_options(l1, l2, "/unused")  # L3 replaced by the faulty gs:// one per stack
-    options = type(options)(**{**options.__dict__, "l3_url": "memory://l3-faults-placeholder"})
-    log("warm-up (compiles every transfer bucket outside the timings)")
-    warmed = build_stack(options, runner)
-    warm_up(warmed)
-    _close(warmed)
+    chat = prepare_chat(args, "memory://l3-faults-placeholder")  # L3 replaced by the faulty gs:// one per stack
+    runner, stream, options, no_cache_mean = chat.runner, chat.stream, chat.options, chat.no_cache_ttft_mean_s
     out = []
     with gcs_emulator(own_process=True) as bucket:
         for fault in (f for f in FAULTS if f.name in args.faults):

@@ -28,15 +28,13 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from benchmarks.chat_l3 import chat_sizes, close_stack, prepare_chat, serve_stream
 from benchmarks.faulty_l3 import attach_faulty_l3
-from benchmarks.multiturn import build_stream, make_workload
 from benchmarks.report import jsonable
-from benchmarks.stacks import BareEngine, stack_options
-from benchmarks.workload import FWD, MODEL, Stream, log, tier_sizes
+from benchmarks.workload import Stream, log
 from hicache.cluster.cost_model import CostOptions
 from hicache.reference.engine.runner import ModelRunner
-from hicache.reference.serve_types import ServeRequest
-from hicache.reference.stack import build_stack, warm_up
+from hicache.reference.stack import build_stack
 from hicache.storage.fault_injection import FaultPlan, OpFaults
 
 SEED = 27
@@ -45,28 +43,12 @@ QUICK_LATENCIES_S = (0.0, 0.05, 0.5)
 CONFIGS = {"always_load": CostOptions(enabled=False), "cost_aware": CostOptions()}
 
 
-def _serve(stack, stream: Stream) -> tuple[int, list[float], int]:
-    """Serves the stream in order: (wrong outputs, TTFTs, L3 hit tokens)."""
-    wrong, ttfts, l3 = 0, [], 0
-    for it in stream.items:
-        res = stack.scheduler.serve(ServeRequest(it.prompt, it.max_new_tokens))
-        wrong += tuple(res.output) != tuple(stream.outputs[it.index])
-        ttfts.append(res.ttft_s)
-        l3 += res.storage_tokens
-    return wrong, ttfts, l3
-
-
-def _close(stack) -> None:
-    stack.client.flush_write_through_acks()
-    stack.head.detach_storage_backend()
-
-
 def run_config(cost: CostOptions, plan: FaultPlan, runner: ModelRunner, stream: Stream, options, url: str) -> dict:
     stack = build_stack(options, runner)
     attach_faulty_l3(stack, url, plan, cost=cost)
-    wrong, ttfts, l3 = _serve(stack, stream)
+    wrong, ttfts, l3 = serve_stream(stack, stream)
     st = stack.head.cache_stats()["storage"]
-    _close(stack)
+    close_stack(stack)
     return {"wrong": wrong, "ttft_mean_s": sum(ttfts) / len(ttfts), "l3_hit_tokens": l3,
             "cost_skips": st["cost_skips"], "cost_partial": st["cost_partial"], "cost_model": st["cost_model"]}
 
@@ -76,40 +58,19 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", required=True, help="where to write the results")
     p.add_argument("--quick", action="store_true", help="a small stream and three latency points (CI smoke test)")
     p.add_argument("--bandwidth-bps", type=float, default=None, help="cap on L3 read bytes/s at every point")
-    a = p.parse_args(argv)
-    quick = dict(clients=3, rounds=2, system_prompts=1, system_tokens=(24, 40), request_tokens=(8, 16), output_tokens=4)
-    full = dict(clients=8, rounds=4, system_prompts=2, system_tokens=(96, 160), request_tokens=(16, 32), output_tokens=8)
-    for k, v in (quick if a.quick else full).items():
-        setattr(a, k, v)
-    a.seed = SEED
-    return a
+    return chat_sizes(p.parse_args(argv), SEED)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = _args(argv)
-    runner = ModelRunner(MODEL, FWD, num_pages=8)
-    bare = BareEngine(runner, FWD.max_pages)
-    wl = make_workload(args)
-    log("reference pass (engine alone): the stream and its outputs")
-    stream = build_stream(bare, wl, args)
-    log("no-cache TTFT (engine alone)")
-    no_cache = [bare.serve(ServeRequest(it.prompt, it.max_new_tokens)).ttft_s for it in stream.items]
-    no_cache_mean = sum(no_cache) / len(no_cache)
-    ps = FWD.page_size
-    pages = sum(-(-len(it.prompt) // ps) for it in stream.items if it.round == args.rounds - 1)
-    l1, l2 = tier_sizes(pages, max(len(it.prompt) for it in stream.items) + args.output_tokens, 0.25, 0.5)
-    options = stack_options(l1, l2, "/unused")  # L3 replaced by the faulty memory:// one per stack
-    options = type(options)(**{**options.__dict__, "l3_url": "memory://slow-storage-placeholder"})
-    log("warm-up (compiles every transfer bucket outside the timings)")
-    warmed = build_stack(options, runner)
-    warm_up(warmed)
-    _close(warmed)
+    chat = prepare_chat(args, "memory://slow-storage-placeholder")  # L3 replaced by the faulty one per stack
+    runner, stream, options, no_cache_mean = chat.runner, chat.stream, chat.options, chat.no_cache_ttft_mean_s
     url = f"memory://slow-storage-{uuid.uuid4().hex[:10]}"
     log("fill: a healthy stack stores the stream in L3")
     fill = build_stack(options, runner)
     attach_faulty_l3(fill, url, cost=CostOptions(enabled=False))
-    wrong_fill, _, _ = _serve(fill, stream)
-    _close(fill)
+    wrong_fill, _, _ = serve_stream(fill, stream)
+    close_stack(fill)
     points = []
     for latency in (QUICK_LATENCIES_S if args.quick else LATENCIES_S):
         plan = FaultPlan(read=OpFaults(latency_s=latency, bandwidth_bps=args.bandwidth_bps))
