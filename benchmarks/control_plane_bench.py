@@ -21,8 +21,13 @@ keeps the best run of each and the median of the paired ratios.
 Single-call latency: ``match_prefix`` of a workload prompt, one call per round trip (p50/p99).
 
     python benchmarks/control_plane_bench.py [--json out.json] [--quick] [--in-flight N] [--address ADDR]
+    python benchmarks/control_plane_bench.py --remote [--json out.json] [--quick]     # root: network namespaces
 
 Without ``--address`` a local Ray instance is started on 127.0.0.1 (auth off, usage stats off).
+``--remote``: the production layout on the rehearsal cluster (``hicache.testing.rehearsal``): the head actor
+on the head host, this benchmark's clients (and its embedded baseline) on the client host, another
+address on the bridge; the Ray client's steps cross the hosts' links over the head's step channel bound to
+the head's address (``remote_*`` fields: the same figures as ``ray_*``/``call_*``, named for the layout).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -76,6 +82,19 @@ class ControlPlaneBenchRecord:
     ray_calls_call_p99_ms: float = 0.0
     ray_calls_client_cpu_ms: float = 0.0
     ray_calls_head_cpu_ms: float = 0.0
+    # --remote: the client on another host than the head (rehearsal cluster); 0 / "" when not run
+    remote_call_p50_ms: float = 0.0  # single match_prefix, client host -> head host
+    remote_call_p99_ms: float = 0.0
+    remote_requests_per_s: float = 0.0  # the batched workload through the remote client
+    remote_over_embedded: float = 0.0
+    client_ip: str = ""  # the client's Ray node address
+    channel_host: str = ""  # where the step channel the client used listens (the head host's address)
+    rehearsal_start_s: float = 0.0  # starting the rehearsal cluster (namespaces, Ray head and nodes)
+    # --remote: the same run with the client on the head's host (same cluster, right after): the link's share
+    head_host_requests_per_s: float = 0.0
+    head_host_call_p99_ms: float = 0.0
+    head_host_over_embedded: float = 0.0
+    remote_over_head_host: float = 0.0  # remote_requests_per_s / head_host_requests_per_s
 
 
 def run_batched(
@@ -188,7 +207,13 @@ def main() -> None:
                         help="also run a client without the step channel (steps as Ray actor calls)")
     parser.add_argument("--two-steps", action="store_true",
                         help="two round trips per batch (lock/alloc sent after the match results came back)")
+    parser.add_argument("--remote", action="store_true",
+                        help="client on the rehearsal cluster's client host, head on its head host (root only)")
+    parser.add_argument("--rehearsal-client", action="store_true", help=argparse.SUPPRESS)  # --remote's child
     args = parser.parse_args()
+    if args.remote and not args.rehearsal_client:
+        run_remote(args)
+        return
     if args.in_flight < 1:
         parser.error(f"--in-flight must be >= 1, got {args.in_flight}")
     chained = not args.two_steps
@@ -197,14 +222,19 @@ def main() -> None:
     ps, cap = args.page_size, args.capacity_tokens
     config = HeadConfig("control-plane-bench", TreeConfig(ps, cap // ps))
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+    if not args.rehearsal_client:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     import hicache
     from hicache.cluster.ray_head import ReplicaConfig, stop_replica
 
-    if args.address:
+    if args.rehearsal_client:
+        from hicache.testing.rehearsal import connect_driver
+
+        connect_driver()  # on the client host's own Ray node
+    elif args.address:
         ray.init(address=args.address, namespace="hicache")
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, loopback-only instance
@@ -249,6 +279,9 @@ def main() -> None:
         client.reset()
         lat = call_latencies(client, rounds, args.calls)
         channel = client._transport.channel_steps > 0 and client._transport.ray_steps == 0
+        used = client._transport._channel
+        channel_host = "" if used is None else used.address.host
+        client_ip = ray.util.get_node_ip_address()
         calls_lat = call_latencies(calls_client, rounds, args.calls) if args.compare_ray_calls else np.zeros(1)
         stop_replica(config.replica)
         del handle
@@ -268,6 +301,10 @@ def main() -> None:
         ray_over_embedded_cpu_serial=emb_cpu / (client_cpu + ray_head_cpu),
         step_channel=channel,
     )
+    if args.rehearsal_client:
+        rec = dataclasses.replace(rec, remote_call_p50_ms=rec.call_p50_ms, remote_call_p99_ms=rec.call_p99_ms,
+                                  remote_requests_per_s=ray_rps, remote_over_embedded=ray_rps / emb_rps,
+                                  client_ip=client_ip, channel_host=channel_host)
     if calls_best is not None:
         rec = dataclasses.replace(
             rec, ray_calls_over_embedded=secs / calls_best[3], ray_calls_over_embedded_paired_median=float(np.median(paired_calls)),
@@ -278,6 +315,31 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(rec), f, indent=1)
+
+
+def run_remote(args: argparse.Namespace) -> None:
+    """Starts a rehearsal cluster and runs this benchmark (``--rehearsal-client``) on its client host."""
+    from hicache.testing.rehearsal import CLIENT, HEAD, RehearsalCluster, RehearsalOptions
+
+    with RehearsalCluster(RehearsalOptions(tpu_hosts=1)) as rc:
+        recs = {}
+        for host in (CLIENT, HEAD):  # the remote client, then the same client on the head's host
+            child_json = os.path.join(rc.net.workdir, f"control_plane_{host}.json")
+            argv = [os.path.abspath(__file__), *sys.argv[1:], "--rehearsal-client", "--json", child_json]
+            done = rc.net.run(host, [sys.executable, *argv], rc.env(host), timeout_s=7200)
+            print(f"--- client on the {host} host\n{done.stdout}", end="")
+            with open(child_json) as f:
+                recs[host] = json.load(f)
+        rec, local = recs[CLIENT], recs[HEAD]
+        rec.update(rehearsal_start_s=rc.start_s["total"], head_host_requests_per_s=local["ray_requests_per_s"],
+                   head_host_call_p99_ms=local["call_p99_ms"], head_host_over_embedded=local["ray_over_embedded"],
+                   remote_over_head_host=rec["remote_requests_per_s"] / local["ray_requests_per_s"])
+        print(json.dumps({k: rec[k] for k in ("remote_requests_per_s", "embedded_requests_per_s",
+                                              "remote_over_embedded", "remote_call_p50_ms", "remote_call_p99_ms",
+                                              "head_host_requests_per_s", "remote_over_head_host")}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rec, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ from hicache.storage import StorageConfig
 from hicache.storage.fault_injection import FaultPlan
 
 BUCKET = "hicache-faults"
+# The emulator serves one request at a time over HTTP/1.0 (a connection per request) with
+# socketserver's listen backlog of 5: a 6th concurrent connection's SYN is dropped and retried by
+# the kernel 1 s later, a stall no GCS endpoint has. A deeper backlog queues them instead.
+EMULATOR_BACKLOG = 1024
 # gcsfs options of every client: anonymous (the emulator), no caches (other stacks' writes are seen)
 GS_OPTIONS = {"token": "anon", "skip_instance_cache": True, "use_listings_cache": False}
 
@@ -42,7 +46,7 @@ def gcs_emulator(bucket: str = BUCKET, *, own_process: bool = False) -> Iterator
     yields ``gs://BUCKET``. Enter it before gcsfs is imported: gcsfs reads
     ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` (off here: the emulator speaks no gRPC) on import.
     ``own_process``: the emulator runs in a child process (timings: an in-process server's threads
-    take the serving thread's GIL). Reuses one already named by ``STORAGE_EMULATOR_HOST`` (it
+    take the serving thread's GIL). Either way its listen backlog is ``EMULATOR_BACKLOG``. Reuses one already named by ``STORAGE_EMULATOR_HOST`` (it
     creates ``bucket`` there)."""
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         import gcsfs
@@ -61,10 +65,17 @@ def gcs_emulator(bucket: str = BUCKET, *, own_process: bool = False) -> Iterator
             with _emulator_process(port, bucket):
                 yield f"gs://{bucket}"
         else:
+            from http import server as http_server
+
             from gcp_storage_emulator.server import create_server
 
             server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
-            server.start()
+            saved_backlog = http_server.HTTPServer.request_queue_size
+            http_server.HTTPServer.request_queue_size = EMULATOR_BACKLOG  # (read when it listens, in start)
+            try:
+                server.start()
+            finally:
+                http_server.HTTPServer.request_queue_size = saved_backlog
             try:
                 yield f"gs://{bucket}"
             finally:
@@ -79,7 +90,9 @@ def gcs_emulator(bucket: str = BUCKET, *, own_process: bool = False) -> Iterator
 
 @contextlib.contextmanager
 def _emulator_process(port: int, bucket: str, start_timeout_s: float = 60.0) -> Iterator[None]:
-    cmd = [sys.executable, "-c", "import sys; from gcp_storage_emulator.__main__ import main; sys.exit(main())",
+    code = (f"import sys; from http import server; server.HTTPServer.request_queue_size = {EMULATOR_BACKLOG}; "
+            "from gcp_storage_emulator.__main__ import main; sys.exit(main())")
+    cmd = [sys.executable, "-c", code,
            "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", bucket, "-q"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -124,8 +137,8 @@ def attach_faulty_l3(stack: Any, gs_url: str, plan: FaultPlan | None = None, *,
     new = dataclasses.replace(old, url=f"faulty::{gs_url}", storage=faulty_storage_config(plan, **fields), **params)
     head.attach_storage_backend(StorageParams(**{f.name: getattr(new, f.name) for f in dataclasses.fields(new)}))
     store = stack.worker.storage_executor.storage
-    if clock is not None:
-        store.breaker.clock = clock
+    if clock is not None:  # (attach's background probe may have run on the real clock already)
+        store.breaker.use_clock(clock)
     if settle:
         head.controller.storage.settle(new.storage.list_timeout_s + new.storage.exists_timeout_s + 5.0)
     return store.fs

@@ -13,12 +13,15 @@ them compactly).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hicache.cluster.storage_tier import PrefetchProgress
 from hicache.cluster.tree import MatchResult, RadixKey
+from hicache.cluster.tree.params import NO_VALUES
 
 NO_LIMIT = 1 << 62  # ``BeginParams.l3_below`` when any match length may ask L3
 
@@ -68,7 +71,9 @@ class BeginResult:
     brought into L2 (DONE), else 0; ``prefetch``: the progress of the prefetch this call started (None:
     none started); ``pages``: L1 pages for the rest of the request, with ``match.last_device_node``
     locked for it (None: nothing locked or allocated: a prefetch started or an L2 part to load back);
-    ``l3_s``/``alloc_s``: the head's seconds in the L3 query and in lock + alloc (for phase timings)."""
+    ``l3_s``/``alloc_s``: the head's seconds in the L3 query and in lock + alloc (for phase timings);
+    ``components``: with ``pages``, the request's per-component values (``RadixTree.begin_request``, e.g.
+    its Mamba working slot and copy) to pass as ``RequestState.components``; empty for Full-only trees."""
 
     match: MatchResult
     fetched: int
@@ -76,3 +81,4 @@ class BeginResult:
     pages: np.ndarray | None  # i32[pages] or None
     l3_s: float = 0.0
     alloc_s: float = 0.0
+    components: Mapping[str, Any] = NO_VALUES

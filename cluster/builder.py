@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import ClassVar
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from hicache.cluster.tree import (
     TreeComponent,
     TreeConfig,
 )
-from hicache.cluster.tree.mamba import MambaComponent
+from hicache.cluster.tree.mamba import MambaComponent, check_state_layout
 from hicache.cluster.tree.swa import SWAComponent
 
 
@@ -66,6 +67,9 @@ def parse_components(spec: str | Sequence[str | ComponentKind]) -> tuple[Compone
 
 @dataclass(frozen=True)
 class SWAConfig:
+    """The sliding-window component: the window a hit needs and the SWA pool's size."""
+
+    kind: ClassVar[ComponentKind] = ComponentKind.SWA
     window: int  # tokens of the sliding window
     num_tokens: int | None = None  # SWA pool size in tokens; None = unbounded
 
@@ -80,9 +84,22 @@ class SWAConfig:
 
 @dataclass(frozen=True)
 class MambaConfig:
+    """The recurrent-state component: one state slot per cached node end (and per running request)."""
+
+    kind: ClassVar[ComponentKind] = ComponentKind.MAMBA
     num_slots: int | None = None  # state slots; None = unbounded
     state_shapes: tuple[tuple[int, ...], ...] = ((1,),)  # one entry per Mamba layer (conv, ssm, ...)
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        check_state_layout(self.num_slots, self.state_shapes, self.dtype)  # ValueError naming the value
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return check_state_layout(self.num_slots, self.state_shapes, self.dtype)[1]
+
+
+ComponentConfig = SWAConfig | MambaConfig  # one frozen dataclass per extra component, ``kind`` names it
 
 
 @dataclass(frozen=True)
@@ -106,6 +123,29 @@ class KVCacheConfig:
             )
         if not self.reuse and kinds != (ComponentKind.FULL,):
             raise ValueError("a chunk cache (reuse=False) holds no hybrid components; use components=('full',)")
+
+
+def components_of(configs: Sequence[ComponentConfig]) -> dict[ComponentKind, ComponentConfig]:
+    """Checks a sequence of component configs (one per kind, no Full: it is always there) -> by kind."""
+    if not isinstance(configs, (list, tuple)):
+        raise ValueError(f"components must be a sequence of SWAConfig / MambaConfig, got {configs!r}")
+    out: dict[ComponentKind, ComponentConfig] = {}
+    for c in configs:
+        if not isinstance(c, (SWAConfig, MambaConfig)):
+            raise ValueError(f"a component config must be a SWAConfig or a MambaConfig, got {c!r}")
+        if c.kind in out:
+            raise ValueError(f"component {c.kind.value!r} configured twice: {out[c.kind]!r} and {c!r}")
+        out[c.kind] = c
+    return out
+
+
+def cache_config(tree: TreeConfig, configs: Sequence[ComponentConfig] = ()) -> KVCacheConfig:
+    """The ``KVCacheConfig`` of a tree plus component configs (``HeadConfig.components``)."""
+    by_kind = components_of(configs)
+    swa, mamba = by_kind.get(ComponentKind.SWA), by_kind.get(ComponentKind.MAMBA)
+    assert swa is None or isinstance(swa, SWAConfig)
+    assert mamba is None or isinstance(mamba, MambaConfig)
+    return KVCacheConfig(tree, (ComponentKind.FULL, *by_kind), swa, mamba)
 
 
 def build_components(config: KVCacheConfig) -> list[TreeComponent]:

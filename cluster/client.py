@@ -20,8 +20,10 @@ import numpy as np
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
 from hicache.cluster.cost_model import PrefillReport
+from hicache.cluster.drain import DrainParams, DrainProgress
 from hicache.cluster.events import KVEvent
 from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, HeadConfig, Method
+from hicache.cluster.route_query import RouteAnswer, RouteQuery
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
 from hicache.cluster.tree import (
     EvictResult,
@@ -195,6 +197,11 @@ class CacheClient:
         prefetch, match, ask L3, lock + alloc, as ``params`` says."""
         return self._call(Method.BEGIN_REQUEST, params)
 
+    def route_query(self, query: RouteQuery) -> RouteAnswer:
+        """A router's dry run: per prompt, the L1/L2/L3 hit lengths this head would give it now, and its L1
+        room (``hicache.cluster.route_query``); takes no lock, starts no prefetch."""
+        return self._call(Method.ROUTE_QUERY, query)
+
     def insert(self, params: InsertParams) -> InsertResult:
         return self._call(Method.INSERT, params)
 
@@ -203,6 +210,15 @@ class CacheClient:
 
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
         return self._call(Method.CACHE_UNFINISHED_REQ, state)
+
+    def abandon_request(self, state: RequestState) -> int:
+        return self._call(Method.ABANDON_REQUEST, state)
+
+    def trim_request(self, state: RequestState) -> int:
+        return self._call(Method.TRIM_REQUEST, state)
+
+    def swa_pages(self, pages: np.ndarray) -> np.ndarray:
+        return self._call(Method.SWA_PAGES, pages)
 
     def evict(self, num_tokens: int) -> EvictResult:
         return self._call(Method.EVICT, num_tokens)
@@ -243,6 +259,10 @@ class CacheClient:
 
     def flush_write_through_acks(self) -> int:
         return self._call(Method.FLUSH_WRITE_THROUGH_ACKS)
+
+    def drain(self, params: DrainParams) -> DrainProgress:
+        """Preemption notice: stop admitting, store what L3 lacks by the deadline (``CacheHead.drain``)."""
+        return self._call(Method.DRAIN, params)
 
     def take_events(self) -> list[KVEvent]:
         return self._call(Method.TAKE_EVENTS)

@@ -202,6 +202,11 @@ class HiCacheController:
         self.outbox.queue_backup(chain, pages, slots)
         return True
 
+    def backup_to_host(self, node: TreeNode) -> bool:
+        """Starts the L1 -> L2 backup of ``node`` and its ancestors without an L2 copy (a drain's L1-only
+        nodes; L3 follows at the ack). False if it could not start."""
+        return self._backup_chain(node)
+
     def _write_back(self, victims: list[TreeNode]) -> None:
         """write_back: L1 victims without an L2 copy are backed up (and waited for) before eviction."""
         started = [v for v in victims if v.host_slots is None and self._backup_chain(v)]
@@ -437,11 +442,12 @@ class HiCacheController:
             self.submit()
         return n
 
-    def flush_write_through_acks(self) -> int:
-        """Waits (bounded by ``ack_timeout_s``) until every in-flight transfer is acked, and applies them."""
+    def flush_write_through_acks(self, timeout_s: float | None = None) -> int:
+        """Waits (bounded by ``timeout_s``, default ``ack_timeout_s``) until every in-flight transfer is
+        acked, and applies them."""
         if self.storage is not None:
             self.storage.resume_writes()  # a flush sends everything, held writes included
-        deadline = time.monotonic() + self.config.ack_timeout_s
+        deadline = time.monotonic() + (self.config.ack_timeout_s if timeout_s is None else timeout_s)
         done = 0
         while True:  # acks may queue follow-up work (L2->L3 after D->H, deferred backups)
             self.submit(force=True)

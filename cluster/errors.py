@@ -6,6 +6,8 @@ Call errors of the cache itself keep their builtin types (``ValueError`` for bad
 * ``HiCacheTimeoutError``: no answer within the client's timeout. The call may still be applied
   later: treat the request it belongs to as failed.
 * ``HiCacheUnavailableError``: the head is gone, restarting, or rebuilding its host workers.
+* ``HiCacheDrainingError``: the replica got a preemption notice and admits no new request
+  (``hicache.cluster.drain``); send it to another replica.
 * ``HiCacheReplicaResetError``: the replica lost its cached state (head restart or lost host worker)
   since this client last talked to it. Every node id and page a request obtained before is void:
   drop in-flight requests (do not free/unlock them) and start them over.
@@ -24,6 +26,10 @@ class HiCacheTimeoutError(HiCacheError, TimeoutError):
 
 class HiCacheUnavailableError(HiCacheError, ConnectionError):
     pass
+
+
+class HiCacheDrainingError(HiCacheError, RuntimeError):
+    """Raised by ``begin_request`` while the replica drains (a per-call error of a step)."""
 
 
 class HiCacheReplicaResetError(HiCacheUnavailableError):

@@ -7,6 +7,7 @@ cluster wraps the same class in a Ray actor. Exactly one thread calls into a hea
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,11 +17,24 @@ from typing import Any
 import numpy as np
 
 from hicache.cluster.begin import BeginParams, BeginResult
+from hicache.cluster.builder import (
+    ComponentConfig,
+    ComponentKind,
+    KVCacheConfig,
+    MambaConfig,
+    SWAConfig,
+    build_kv_cache,
+    cache_config,
+    components_of,
+)
 from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBackResult
 from hicache.cluster.cost_model import PrefillReport
+from hicache.cluster.drain import DrainParams, DrainProgress, run_drain
+from hicache.cluster.errors import HiCacheDrainingError
 from hicache.cluster.events import KVEvent
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.policy import HiCacheConfig
+from hicache.cluster.route_query import RouteAnswer, RouteQuery, answer
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, PrefetchState, StorageParams
 from hicache.cluster.tree import (
     CacheCapacityError,
@@ -33,21 +47,53 @@ from hicache.cluster.tree import (
     RadixKey,
     RadixTree,
     RequestState,
+    SWAComponent,
     TreeConfig,
     TreeStats,
 )
+from hicache.cluster.tree.params import NO_VALUES
 from hicache.cluster.worker_group import WorkerGroup
 
 
 @dataclass(frozen=True)
 class HeadConfig:
+    """One replica's cache. ``components``: the model's extra cache components besides Full attention KV
+    (always there), one config each (``SWAConfig``, ``MambaConfig``; a list is stored as a tuple); the head
+    builds its tree from them with ``build_kv_cache``."""
+
     replica: str = "default"
     tree: TreeConfig = field(default_factory=TreeConfig)
     hicache: HiCacheConfig | None = None  # None: L1 only (no host tier, no workers needed)
+    components: tuple[ComponentConfig, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.replica, str) or not self.replica or "/" in self.replica:
             raise ValueError(f"replica must be a non-empty name without '/', got {self.replica!r}")
+        by_kind = components_of(self.components)
+        object.__setattr__(self, "components", tuple(by_kind[k] for k in ComponentKind if k in by_kind))
+        self.cache_config()  # the composition is valid (ValueError naming the value)
+        for c in self.components:  # pools too small for one request
+            if isinstance(c, SWAConfig) and c.num_tokens is not None and c.num_tokens < c.window:
+                raise ValueError(f"swa num_tokens={c.num_tokens} is smaller than one request's window "
+                                 f"(window={c.window})")
+            if isinstance(c, MambaConfig) and c.num_slots is not None and c.num_slots < 2:
+                raise ValueError(f"mamba num_slots={c.num_slots}: a request needs 2 (its working state and "
+                                 "the cached state it continues from)")
+        if self.components and self.hicache is not None:
+            kinds = [c.kind.value for c in self.components]
+            raise ValueError(f"a host tier (hicache) for the components {kinds} is not supported yet: "
+                             "hybrid models run with L1 only (hicache=None)")
+
+    def cache_config(self) -> KVCacheConfig:
+        """What ``build_kv_cache`` builds this head's tree from."""
+        return cache_config(self.tree, self.components)
+
+    @property
+    def component_kinds(self) -> tuple[ComponentKind, ...]:
+        """Full first, then the extra components (``ComponentKind`` order)."""
+        kinds = self.cache_config().components
+        assert isinstance(kinds, tuple)  # KVCacheConfig parses its components into kinds
+        return kinds
 
 
 class Method(str, Enum):
@@ -78,7 +124,12 @@ class Method(str, Enum):
     PAUSE_STORAGE_WRITES = "pause_storage_writes"
     RESUME_STORAGE_WRITES = "resume_storage_writes"
     BEGIN_REQUEST = "begin_request"
-    REPORT_PREFILL = "report_prefill"
+    ROUTE_QUERY = "route_query"
+    DRAIN = "drain"
+    ABANDON_REQUEST = "abandon_request"
+    SWA_PAGES = "swa_pages"
+    TRIM_REQUEST = "trim_request"
+    REPORT_PREFILL = "report_prefill"  # (last: wire codes follow this order)
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -122,9 +173,12 @@ class CallResult:
 class CacheHead:
     def __init__(self, config: HeadConfig | None = None, workers: WorkerGroup | None = None) -> None:
         self.config = config or HeadConfig()
-        self.tree = RadixTree(self.config.tree)
+        if not isinstance(self.config, HeadConfig):
+            raise TypeError(f"config must be a HeadConfig, got {type(self.config).__name__}")
+        self.tree: RadixTree = build_kv_cache(self.config.cache_config())
         self.controller: HiCacheController | None = None
         self.metrics: HeadMetrics | None = None
+        self.drain_progress: DrainProgress | None = None  # set by a drain: no new request is admitted
         if self.config.hicache is not None:
             if workers is None:
                 raise ValueError("a head with a host tier (HeadConfig.hicache) needs its workers")
@@ -162,6 +216,28 @@ class CacheHead:
 
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
         return self._sent(self.tree.cache_unfinished_req(state))
+
+    def abandon_request(self, state: RequestState) -> int:
+        """A failed request: frees its pages and component values, unlocks its prefix, caches nothing."""
+        return self.tree.abandon_request(state)
+
+    def trim_request(self, state: RequestState) -> int:
+        """Marks a running request's SWA pages out of its window spare (reclaimed first when the SWA pool is
+        short); returns how many (``RadixTree.trim_request``; 0 for trees without SWA)."""
+        return self.tree.trim_request(state)
+
+    def swa_pages(self, pages: np.ndarray | Sequence[int]) -> np.ndarray:
+        """SWA page ids of L1 pages a request or the tree holds (-1: SWA KV dropped), for an engine that keeps
+        sliding-window KV in the SWA pool (``SWAComponent.translate``)."""
+        swa = self.tree.component("swa")  # ValueError naming the components when there is none
+        arr = np.asarray(pages)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"pages must be a 1-D int array, got {pages!r:.80}")
+        cap = self.tree.full.allocator.capacity
+        if arr.size and (arr.min() < 0 or arr.max() >= cap):
+            raise ValueError(f"page ids {arr.tolist()[:8]} are outside L1 [0, {cap})")
+        assert isinstance(swa, SWAComponent)
+        return swa.translate(arr).astype(np.int32)
 
     def evict(self, num_tokens: int) -> EvictResult:
         return self._sent(self.tree.evict(num_tokens))
@@ -203,6 +279,7 @@ class CacheHead:
         if ctl is not None and storage is not None:
             ctl.detach_storage_backend()  # nothing in flight: writes the queued manifest, closes the clients
         self.tree.reset()
+        self.drain_progress = None  # a cold replica admits requests again
         if ctl is not None:
             self.controller = HiCacheController(self.tree, ctl.config, ctl.workers)
             if self.metrics is not None:
@@ -230,6 +307,8 @@ class CacheHead:
             "device_capacity_tokens": st.capacity_pages * st.page_size,
             "device_evicted_tokens": st.evicted_tokens,
         }
+        for comp in self.tree.extra_components:  # per pool: {"swa": SWAStats, "mamba": MambaStats} as dicts
+            out.update((name, dataclasses.asdict(value)) for name, value in comp.stats().items())
         if self.controller is not None:
             ctl = self.controller
             out.update(
@@ -244,7 +323,20 @@ class CacheHead:
                 out["storage"]["cost_model"] = ctl.storage.cost.snapshot()  # the load-or-recompute estimates
                 out["storage_errors"] = ctl.workers.storage_errors()  # by kind (transfers.L3_ERROR_KINDS)
                 out["storage_breaker"] = ctl.workers.storage_breaker_state()  # closed / half_open / open
+        if self.drain_progress is not None:
+            out["drain"] = self.drain_progress.snapshot()
         return out
+
+    def drain(self, params: DrainParams) -> DrainProgress:
+        """A preemption notice came: stop admitting, store what L3 lacks within the deadline, flush
+        the manifest (``hicache.cluster.drain``). Returns what it did (also in ``cache_stats``)."""
+        if type(params) is not DrainParams:
+            raise TypeError(f"drain expects DrainParams, got {type(params).__name__}")
+        self.drain_progress = DrainProgress(deadline_s=params.deadline_s)  # refuse new requests from now
+        try:
+            return run_drain(self, params)
+        finally:
+            self.publish_metrics()
 
     # -- metrics ---------------------------------------------------------------------------------------
     def attach_metrics(self, metrics: HeadMetrics) -> None:
@@ -311,6 +403,9 @@ class CacheHead:
         A failed alloc (``CacheCapacityError``) releases the lock it took before it raises."""
         if type(params) is not BeginParams:
             raise TypeError(f"begin_request expects BeginParams, got {type(params).__name__}")
+        if self.drain_progress is not None:
+            raise HiCacheDrainingError(f"replica {self.config.replica!r} is draining (preemption notice): "
+                                       "admit this request elsewhere")
         ctl = self.controller
         l3 = params.check_prefetch is not None or params.prefetch_id is not None
         if params.hold_writes or l3:
@@ -347,7 +442,22 @@ class CacheHead:
         except BaseException:
             self.tree.unlock_path(node)
             raise
-        return BeginResult(m, fetched, None, pages, l3_s, time.perf_counter() - t)
+        values = NO_VALUES
+        if self.tree.hooks.begin_request:  # hybrid trees only: the request's component values (Mamba slot)
+            try:
+                values = self.tree.begin_request(m)
+            except BaseException:
+                self.tree.free(pages)
+                self.tree.unlock_path(node)
+                raise
+        return BeginResult(m, fetched, None, pages, l3_s, time.perf_counter() - t, values)
+
+    def route_query(self, query: RouteQuery) -> RouteAnswer:
+        """A router's dry run (``hicache.cluster.route_query``): hit lengths per tier, L1 room; no effects."""
+        if type(query) is not RouteQuery:
+            raise TypeError(f"route_query expects RouteQuery, got {type(query).__name__}")
+        ctl = self.controller
+        return answer(self.tree, query.keys, 0 if ctl is None else ctl.in_flight)
 
     def call(self, call: Call) -> Any:
         """Dispatches one ``Call`` (the single entry point a transport needs)."""

@@ -42,9 +42,12 @@ class HeadMetrics:
                                  "unavailable (failed fast: breaker open) (all hosts)", ("replica", "kind"))
         self.l3_available = Gauge("hicache_l3_available", "1 while the hosts' L3 breaker is closed (requests "
                                   "ask L3), 0 while it is open or probing", ("replica",))
+        self.drain_pages = Gauge("hicache_drain_pages", "Preemption drain: pages L3 lacked when it started "
+                                 "(candidate), sent, stored (drained) and still missing (not_fitted)", ("replica", "kind"))
         for metric in (self.hit_tokens, self.queried_tokens, self.miss_tokens, self.bytes_moved,
                        self.transfer_failures, self.evicted_tokens, self.prefetch, self.l3_backup_pages,
-                       self.occupancy, self.capacity, self.in_flight, self.latency, self.l3_errors, self.l3_available):
+                       self.occupancy, self.capacity, self.in_flight, self.latency, self.l3_errors, self.l3_available,
+                       self.drain_pages):
             metric.set_default_tags(tags)
         self._last: dict[tuple[str, ...], float] = {}
 
@@ -86,6 +89,10 @@ class HeadMetrics:
             for kind, count in stats.get("storage_errors", {}).items():
                 self._inc(self.l3_errors, ("l3err", kind), count, {"kind": kind})
             self.l3_available.set(1 if stats.get("storage_breaker", "closed") == "closed" else 0)
+        drain = stats.get("drain")
+        if drain is not None:
+            for kind in ("candidate", "sent", "drained", "not_fitted"):
+                self.drain_pages.set(drain[f"{kind}_pages"], tags={"kind": kind})
 
     def observe_transfer(self, kind: str, seconds: float, host: int = 0) -> None:
         self.latency.observe(seconds, tags={"direction": _DIRECTIONS.get(kind, kind), "host": str(host)})

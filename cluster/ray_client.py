@@ -17,13 +17,14 @@ again in a fresh session, and so is every later step still in flight, in order, 
 or ``result`` returns; a step that failed (timeout, head lost) fails alone, the steps after it are
 collected at once (each ran, failed, or is sent again), so nothing submitted later overtakes them.
 
-Step channel (``hicache.cluster.step_channel``): a client on the head's node sends its steps over a
-loopback socket the head hands out through a Ray call, not as Ray actor calls (a Ray call costs far
+Step channel (``hicache.cluster.step_channel``): a client sends its steps over a socket the head hands
+out through a Ray call (bound to the head node's address, or to loopback: then only a client on the
+head's node uses it), not as Ray actor calls (a Ray call costs far
 more CPU on each side than the socket); same request and reply bytes, same head code, same order
 (one connection, replies in order). A channel that times out stays in use (the late reply is read
 and dropped); one that breaks fails its steps in flight (``HiCacheUnavailableError``: they may have
 run) and the next step asks the head for a channel again (a restarted head has a new one); while
-there is none (another node, switched off, the head unreachable) steps go as Ray calls, and the
+there is none (a loopback channel on another node, switched off, the head unreachable) steps go as Ray calls, and the
 client asks again after ``channel_retry_s`` (``connect``; default ``CHANNEL_RETRY_S``).
 
 Buffers: a submitted step keeps its ``Call`` list (results decode against it) and a private copy of
@@ -130,7 +131,7 @@ class RayTransport:
             address = ray.get(self.head.step_channel.remote(), timeout=wait_s)
             if self._node_id is None:
                 self._node_id = ray.get_runtime_context().get_node_id()
-            if address is not None and address.node_id == self._node_id:
+            if address is not None and address.reachable_from(self._node_id):
                 self._channel = StepChannel(address, wait_s)
         except (ray.exceptions.RayError, ChannelClosedError) as e:  # the Ray call says the same, or falls back
             log.info("replica %s: no step channel (%s: %s); steps go as Ray calls", self.replica, type(e).__name__, e)
@@ -269,8 +270,8 @@ def connect(replica: str = "default", address: str | None = None, *, timeout_s: 
 
     Joins the Ray cluster at ``address`` (default ``"auto"``) if this process is not connected yet.
     ``max_in_flight``: steps ``CacheClient.submit_step`` keeps in flight before it waits for the oldest.
-    ``step_channel``: send steps over the head's loopback step channel when this process runs on the
-    head's node (False: always as Ray calls); ``channel_retry_s``: after the head had no channel for
+    ``step_channel``: send steps over the head's step channel when this process can reach it (any node
+    with ``ChannelScope.CLUSTER``, the head's node with ``NODE``; False: always as Ray calls); ``channel_retry_s``: after the head had no channel for
     this process, steps go as Ray calls this long before it is asked again.
     """
     if not ray.is_initialized():

@@ -66,7 +66,7 @@ from hicache.cluster.head import CacheHead, Call, CallResult, HeadConfig
 from hicache.cluster.key_history import KeyHistories
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.ray_workers import NAMESPACE, RayWorkerGroup, WorkerGroupOptions
-from hicache.cluster.step_channel import ChannelAddress, StepChannelServer
+from hicache.cluster.step_channel import LOOPBACK, ChannelAddress, ChannelScope, StepChannelServer
 from hicache.cluster.storage_tier import StorageParams
 from hicache.cluster.tpu import HEAD_RESOURCE
 
@@ -97,7 +97,10 @@ class ReplicaConfig:
     health_interval_s: float = 0.5  # monitor pings of the host workers
     rebuild_backoff_s: float = 1.0  # between failed gang starts
     storage: StorageParams | None = None  # L3 attached when the replica starts (and after every restart)
-    step_channel: bool = True  # clients on the head's node send steps over a loopback socket (Ray: the fallback)
+    step_channel: bool = True  # clients send steps over the head's step channel socket (Ray calls: the fallback)
+    # CLUSTER: the channel listens on the head node's address (serving processes on other hosts use it, behind
+    # its token: README, security notes); NODE: on 127.0.0.1, for clients on the head's node only
+    step_channel_scope: ChannelScope = ChannelScope.CLUSTER
     # TEST ONLY: enables the head's ``*_for_test`` methods (hold the control thread until released), so
     # tests have a step in flight for exactly as long as they need, whatever the box's speed.
     test_hooks: bool = False
@@ -106,6 +109,11 @@ class ReplicaConfig:
         if not isinstance(self.head, HeadConfig):
             raise TypeError(f"head must be a HeadConfig, got {type(self.head).__name__}")
         object.__setattr__(self, "head_resources", dict(self.head_resources))
+        try:
+            object.__setattr__(self, "step_channel_scope", ChannelScope(self.step_channel_scope))
+        except ValueError:
+            raise ValueError(f"step_channel_scope must be one of {[s.value for s in ChannelScope]}, "
+                             f"got {self.step_channel_scope!r}") from None
         if self.head.hicache is not None and self.workers is None:
             raise ValueError("a replica with a host tier (HeadConfig.hicache) needs WorkerGroupOptions")
         if self.workers is not None:
@@ -406,13 +414,14 @@ class CacheHeadActor:
     # -- health (never behind the control thread) ---------------------------------------------------------
     @ray.method(concurrency_group="health")
     def step_channel(self) -> ChannelAddress | None:
-        """Where a client on this node sends its steps directly (started on the first call); None when the
-        channel is switched off (``ReplicaConfig.step_channel``, ``set_step_channel``) or the head stopped."""
+        """Where a client sends its steps directly (started on the first call; ``ReplicaConfig.step_channel_scope``
+        says who can reach it); None when the channel is switched off (``ReplicaConfig.step_channel``, ``set_step_channel``) or the head stopped."""
         with self._channel_lock:
             if not self._channel_enabled or self._stop.is_set():
                 return None
             if self._channel is None or self._channel.closed:
-                self._channel = StepChannelServer(self._run_wire_step, ray.get_runtime_context().get_node_id())
+                host = LOOPBACK if self.config.step_channel_scope is ChannelScope.NODE else ray.util.get_node_ip_address()
+                self._channel = StepChannelServer(self._run_wire_step, ray.get_runtime_context().get_node_id(), host=host)
             return self._channel.address
 
     @ray.method(concurrency_group="health")

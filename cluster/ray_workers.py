@@ -4,8 +4,9 @@ Topology (DESIGN.md §1): a replica is ONE SPMD program over H hosts. Each host 
 ``HostWorkerActor``, placed by a placement group with one bundle per host (STRICT_SPREAD; the bundle
 asks for the per-host resource ``hicache_host`` on fake hosts, ``{"TPU": chips_per_host}`` on a slice,
 see ``hicache.cluster.tpu``). Each actor is process ``i`` of a ``jax.distributed`` session whose
-coordinator runs in worker 0 (127.0.0.1 here; CPU uses gloo collectives and fake devices from
-``XLA_FLAGS``). The replica's mesh spans every device of every host; the L1 pool is one global
+coordinator runs in worker 0, on worker 0's own node address (every host dials that address;
+on the loopback test cluster it is 127.0.0.1 because that is the node's address there); CPU uses gloo
+collectives and fake devices from ``XLA_FLAGS``. The replica's mesh spans every device of every host; the L1 pool is one global
 ``jax.Array`` sharded on KV heads, so host ``i`` holds heads ``host_head_range`` of every page.
 
 Who owns what:
@@ -71,7 +72,9 @@ class WorkerGroupOptions:
     placement: WorkerPlacement
     platform: str = "cpu"  # JAX_PLATFORMS of the workers; "cpu" also selects gloo collectives
     env_vars: Mapping[str, str] = field(default_factory=dict)  # runtime_env of the worker actors
-    coordinator_host: str | None = "127.0.0.1"  # None: worker 0's node IP (real multi-node clusters)
+    # where worker 0 serves the jax.distributed coordinator; None: worker 0's Ray node address (what every
+    # host can dial). A fixed value only for a cluster whose hosts all reach it (never loopback on many nodes).
+    coordinator_host: str | None = None
     start_timeout_s: float = 120.0  # actors up + jax.distributed + pools
     call_timeout_s: float = 30.0  # bound on any single poll/ping answer; longer = host lost
     impl: str | None = None  # paged-copy implementation (None: per backend)
@@ -84,6 +87,8 @@ class WorkerGroupOptions:
         if self.platform not in ("cpu", "tpu", "gpu", "cuda"):
             raise ValueError(f"unknown platform {self.platform!r}")
         object.__setattr__(self, "env_vars", dict(self.env_vars))
+        if self.coordinator_host is not None and (not isinstance(self.coordinator_host, str) or not self.coordinator_host):
+            raise ValueError(f"coordinator_host must be None or a host address, got {self.coordinator_host!r}")
         for name in ("start_timeout_s", "call_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -113,10 +118,12 @@ class HostWorkerActor:
 
     @ray.method(concurrency_group="health")
     def ping(self) -> dict[str, Any]:
-        return {"host": self.host_index, "pid": os.getpid(), "epoch": self._epoch, "jax": self._jax_session}
+        return {"host": self.host_index, "pid": os.getpid(), "epoch": self._epoch, "jax": self._jax_session,
+                "node_ip": ray.util.get_node_ip_address()}
 
     # -- once per gang (worker 0) / every host -----------------------------------------------------
     def coordinator_address(self, host: str | None) -> str:
+        """``host:port`` for the replica's jax.distributed coordinator; ``host`` None: this node's address."""
         host = host or ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((host, 0))

@@ -1,15 +1,18 @@
-"""A direct step channel: a client's wire-format steps to its head actor over one loopback TCP socket.
+"""A direct step channel: a client's wire-format steps to its head actor over one TCP socket.
 
 A Ray actor call costs far more CPU on each side (task spec, serialization, object refs, core-worker
 threads) than a step buffer sent over a socket (figures: docs/performance.md). Ray keeps the
 lifecycle, placement, health and the fallback: the head hands out the channel's address through a
-Ray call (``CacheHeadActor.step_channel``), the client connects to it if it runs on the head's node.
+Ray call (``CacheHeadActor.step_channel``) and the client connects to it.
 
 Protocol: frames of an 8-byte big-endian length plus that many bytes, both ways. The client's first
 frame is the server's token (``TOKEN_BYTES`` random bytes, known only through the Ray call); the
 server answers ``HELLO`` or closes the connection. Then every frame is one request and gets exactly
-one reply frame, in order (a client may have several requests in flight). The server binds
-127.0.0.1 only, on an ephemeral port.
+one reply frame, in order (a client may have several requests in flight). The server binds one
+address, on an ephemeral port: 127.0.0.1 (``ChannelScope.NODE``: clients on the head's node) or the
+head's node address (``ChannelScope.CLUSTER``: clients on any node that reaches it, the production
+layout where serving runs on the TPU hosts). The token is the only check (README, security notes):
+it is sent in clear, so it keeps out whoever cannot make Ray calls, not whoever reads the network.
 
 Ownership and threads:
 * ``StepChannelServer``: owned by the head actor. One accept thread, one thread per connection (at
@@ -43,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +72,37 @@ def _sized_socket() -> socket.socket:
     return sock
 
 
+class ChannelScope(str, Enum):
+    """Who can reach a head's step channel."""
+
+    NODE = "node"  # 127.0.0.1: clients on the head's node only
+    CLUSTER = "cluster"  # the head node's address: clients on any host that reaches it
+
+
 class ChannelClosedError(ConnectionError):
     """The connection is closed or broken (by either side); the channel cannot be used again."""
 
 
 @dataclass(frozen=True)
 class ChannelAddress:
-    """Where a head's step channel listens: its Ray node (a client elsewhere cannot reach 127.0.0.1
-    there), the loopback port, and the token a client must send first."""
+    """Where a head's step channel listens: its Ray node, the port, the token a client must send first,
+    and the address it is bound to (127.0.0.1: only a client on ``node_id`` can reach it)."""
 
     node_id: str
     port: int
     token: bytes
+    host: str = LOOPBACK
 
     def __repr__(self) -> str:  # the token stays out of logs
-        return f"ChannelAddress(node_id={self.node_id!r}, port={self.port})"
+        return f"ChannelAddress(node_id={self.node_id!r}, host={self.host!r}, port={self.port})"
+
+    @property
+    def node_local(self) -> bool:
+        """Bound to loopback: reachable from the head's node only."""
+        return self.host == LOOPBACK
+
+    def reachable_from(self, node_id: str) -> bool:
+        return not self.node_local or node_id == self.node_id
 
 
 def _frame(payload: bytes) -> bytes:
@@ -156,9 +176,9 @@ class _FrameReader:
 
 # -- head side -----------------------------------------------------------------------------------------
 class StepChannelServer:
-    """Serves ``handler`` on a loopback port; see the module docstring. ``close()`` stops it."""
+    """Serves ``handler`` on an ephemeral port of ``host`` (see the module docstring). ``close()`` stops it."""
 
-    def __init__(self, handler: Callable[[bytearray], bytes], node_id: str, *,
+    def __init__(self, handler: Callable[[bytearray], bytes], node_id: str, *, host: str = LOOPBACK,
                  max_connections: int = MAX_CONNECTIONS, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         if not callable(handler):
             raise TypeError(f"handler must be callable, got {type(handler).__name__}")
@@ -166,6 +186,8 @@ class StepChannelServer:
             raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
         if type(max_frame_bytes) is not int or max_frame_bytes < TOKEN_BYTES:
             raise ValueError(f"max_frame_bytes must be an int >= {TOKEN_BYTES}, got {max_frame_bytes!r}")
+        if not isinstance(host, str) or not host or host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"host must be one address to bind (not a wildcard), got {host!r}")
         self._handler = handler
         self._max_connections = max_connections
         self._max_frame = max_frame_bytes
@@ -174,15 +196,16 @@ class StepChannelServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self.frames = 0  # requests answered (all connections)
+        self.refused = 0  # connections closed for a wrong token
         self._listener = _sized_socket()  # accepted connections inherit its buffer sizes
         try:
-            self._listener.bind((LOOPBACK, 0))
+            self._listener.bind((host, 0))
             self._listener.listen()
         except OSError:
             self._listener.close()
             raise
         self._listener.settimeout(POLL_S)
-        self.address = ChannelAddress(node_id, self._listener.getsockname()[1], self._token)
+        self.address = ChannelAddress(node_id, self._listener.getsockname()[1], self._token, host)
         threading.Thread(target=self._accept, name="hicache-channel-accept", daemon=True).start()
 
     @property
@@ -205,7 +228,7 @@ class StepChannelServer:
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError:  # closed
@@ -215,9 +238,9 @@ class StepChannelServer:
                     _shut(conn)
                     continue
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="hicache-channel", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name="hicache-channel", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: object) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = _FrameReader(conn, TOKEN_BYTES)  # nothing bigger than a token before the handshake
         try:
@@ -226,7 +249,9 @@ class StepChannelServer:
             except (TimeoutError, ChannelClosedError):
                 return
             if not hmac.compare_digest(bytes(token), self._token):
-                log.warning("step channel: a connection sent a wrong token; closed")
+                with self._lock:
+                    self.refused += 1
+                log.warning("step channel: a connection from %s sent a wrong token; closed", peer)
                 return
             reader.limit = self._max_frame
             self._send(conn, HELLO)
@@ -275,13 +300,14 @@ class StepChannel:
         self._received = 0  # replies read (including the ones dropped)
         self._early: dict[int, bytearray] = {}  # replies read before their ticket was collected
         self._abandoned: set[int] = set()  # tickets whose collection timed out: their replies are dropped
+        where = f"{address.host}:{address.port}"
         self._sock = _sized_socket()
         try:
             self._sock.settimeout(timeout_s)
-            self._sock.connect((LOOPBACK, address.port))
+            self._sock.connect((address.host, address.port))
         except OSError as e:
             self._sock.close()
-            raise ChannelClosedError(f"cannot connect to 127.0.0.1:{address.port}: {e}") from e
+            raise ChannelClosedError(f"cannot connect to {where}: {e}") from e
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._reader = _FrameReader(self._sock, max_frame_bytes)
         self._send_timeout = timeout_s
@@ -290,13 +316,13 @@ class StepChannel:
             hello = self._reader.read(timeout_s)
         except TimeoutError:
             self.close("no handshake answer")
-            raise ChannelClosedError(f"step channel 127.0.0.1:{address.port}: no handshake answer within {timeout_s}s") from None
+            raise ChannelClosedError(f"step channel {where}: no handshake answer within {timeout_s}s") from None
         except ChannelClosedError as e:
             self.close(str(e))
-            raise ChannelClosedError(f"step channel 127.0.0.1:{address.port} refused the connection: {e}") from e
+            raise ChannelClosedError(f"step channel {where} refused the connection: {e}") from e
         if hello != HELLO:
             self.close("bad handshake")
-            raise ChannelClosedError(f"step channel 127.0.0.1:{address.port}: unexpected handshake {bytes(hello[:32])!r}")
+            raise ChannelClosedError(f"step channel {where}: unexpected handshake {bytes(hello[:32])!r}")
 
     @property
     def in_flight(self) -> int:

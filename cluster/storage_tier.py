@@ -907,6 +907,11 @@ class StorageTier:
         self.host.maybe_push(anchor)
 
     @property
+    def backup_room_pages(self) -> int:
+        """Pages of L2->L3 backups that may be sent before new ones are skipped (a drain's pacing)."""
+        return self.params.max_inflight_backup_pages - self._inflight_backup_pages
+
+    @property
     def in_flight(self) -> int:
         """Storage ops sent and not acked (held writes and unanswered queries are not: ``detach`` drops
         them)."""

@@ -27,6 +27,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "hicache.replica_file": ("load_replica_file",),
     # configs
     "hicache.cluster.policy": ("HiCacheConfig", "WritePolicy"),
+    "hicache.cluster.builder": ("ComponentKind", "MambaConfig", "SWAConfig"),
     "hicache.cluster.cost_model": ("CostOptions", "PrefillReport"),
     "hicache.cluster.storage_tier": ("PrefetchParams", "PrefetchPolicy", "PrefetchProgress", "PrefetchState",
                                      "StorageParams"),
@@ -47,12 +48,13 @@ _SOURCES: dict[str, tuple[str, ...]] = {
 _LAZY = {name: module for module, names in _SOURCES.items() for name in names}
 
 __all__ = [  # every name resolves (tests/test_public_api.py)
-    "BeginParams", "BeginResult", "CacheCapacityError", "CacheClient", "Call", "CallResult", "CostOptions", "EventKind",
+    "BeginParams", "BeginResult", "CacheCapacityError", "CacheClient", "Call", "CallResult", "ComponentKind", "CostOptions",
+    "EventKind",
     "EvictResult", "EvictionPolicy", "FinishResult", "HeadConfig", "HiCacheConfig", "HiCacheError",
     "HiCacheReplicaResetError", "HiCacheTimeoutError", "HiCacheUnavailableError", "HostWorker", "InsertParams",
     "InsertResult", "KVCacheSpec", "KVEvent", "LoadBackParams", "LoadBackResult", "LocalWorkerGroup",
-    "MatchPrefixParams", "MatchResult", "Method", "ModelFingerprint", "PrefetchParams", "PrefetchPolicy",
-    "PrefetchProgress", "PrefetchState", "PrefillReport", "RadixKey", "ReplicaConfig", "RequestState", "ResultRef", "StorageConfig",
+    "MambaConfig", "MatchPrefixParams", "MatchResult", "Method", "ModelFingerprint", "PrefetchParams", "PrefetchPolicy",
+    "PrefetchProgress", "PrefetchState", "PrefillReport", "RadixKey", "ReplicaConfig", "RequestState", "ResultRef", "SWAConfig", "StorageConfig",
     "StorageParams", "Tier", "TreeConfig", "TreeStats", "WorkerGroupOptions", "WritePolicy", "connect", "embedded",
     "load_replica_file", "start_replica", "stop_replica",
 ]
@@ -60,6 +62,7 @@ __all__ = [  # every name resolves (tests/test_public_api.py)
 if TYPE_CHECKING:
     from hicache.cluster import CacheClient, Call, CallResult, HeadConfig, Method, embedded
     from hicache.cluster.begin import BeginParams, BeginResult
+    from hicache.cluster.builder import ComponentKind, MambaConfig, SWAConfig
     from hicache.cluster.client import ResultRef
     from hicache.cluster.controller import LoadBackParams, LoadBackResult
     from hicache.cluster.cost_model import CostOptions, PrefillReport

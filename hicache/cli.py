@@ -101,7 +101,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             st = connect(name, timeout_s=args.timeout).cache_stats()
         except Exception as exc:  # noqa: BLE001 - a replica that cannot answer still gets its row
-            rows.append((name, health.state.value, str(health.num_hosts), "-", "-", "-", "-", "-", str(exc)[:30], "-", "-"))
+            rows.append((name, health.state.value, str(health.num_hosts), "-", "-", "-", "-", "-", str(exc)[:30], "-", "-",
+                         "-"))
             continue
         q = max(st.get("queried_tokens", 0), 1)
         l3 = st.get("storage", {}).get("prefetch_pages", 0) * st["page_size"]
@@ -114,14 +115,24 @@ def cmd_status(args: argparse.Namespace) -> int:
                      used("host") if "host_tokens" in st else "-",
                      f"{st.get('device_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
                      f"{st.get('host_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
-                     f"{l3 / q:.0%}" if "queried_tokens" in st else "-", str(st.get("in_flight", 0)), *l3_columns(st)))
+                     f"{l3 / q:.0%}" if "queried_tokens" in st else "-", str(st.get("in_flight", 0)), *l3_columns(st),
+                     drain_column(st)))
     print("hicache replicas")
     print(format_table(STATUS_COLUMNS, rows))
     return 0
 
 
 STATUS_COLUMNS = ("replica", "state", "hosts", "L1 used", "L2 used", "hit L1", "hit L2", "hit L3", "in flight",
-                  "L3", "L3 errors")
+                  "L3", "L3 errors", "drain")
+
+
+def drain_column(st: dict) -> str:
+    """The ``drain`` cell: ``-`` (no preemption notice), else its state, pages stored of those L3
+    lacked, and what did not fit (``hicache.cluster.drain``)."""
+    d = st.get("drain")
+    if d is None:
+        return "-"
+    return f"{d['state']} {d['drained_pages']}/{d['candidate_pages']}p, {d['not_fitted_pages']}p not fitted"
 
 
 def l3_columns(st: dict) -> tuple[str, str]:

@@ -9,12 +9,16 @@ Example (see ``ray_configs/replicas/``)::
     write_policy: write_through
     eviction_policy: lru
     model: {num_layers: 32, num_kv_heads: 8, head_dim: 128, dtype: bfloat16}
+    components:               # absent: full attention only; else the model's other cache components
+      swa: {window: 4096, num_tokens: 262144}   # SWAConfig fields
+      mamba: {num_slots: 512, state_shapes: [[4, 128], [16, 64]], dtype: float32}  # MambaConfig fields
     workers:                  # absent: control plane only (a head without data plane)
       platform: cpu           # cpu (fake hosts) | tpu
       num_hosts: 2            # cpu
       devices_per_host: 2     # cpu
       topology: 4x4           # tpu
       accelerator: v6e        # tpu
+      call_timeout_s: 30      # a host that does not answer a ping or poll this long is lost (the gang rebuilds)
     l3:                       # absent: no L3 at start (attach_storage_backend can add one at runtime)
       url: gs://bucket/kv     # fsspec URL: file:///dir, gs://bucket/prefix, memory://x
       model_id: llama3-8b     # with the model's dtype and shape: the L3 fingerprint (replicas of one
@@ -36,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from hicache.cluster.builder import ComponentConfig, MambaConfig, SWAConfig
 from hicache.cluster.head import HeadConfig
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.storage_tier import StorageParams
@@ -43,9 +48,10 @@ from hicache.cluster.tree import TreeConfig
 from hicache.storage import ModelFingerprint, StorageConfig
 
 _TOP = {"replica", "page_size", "l1_pages", "l2_slots", "write_policy", "eviction_policy", "model", "workers",
-        "max_restarts", "detached", "l3"}
+        "max_restarts", "detached", "l3",
+        "components"}
 _MODEL = {"num_layers", "num_kv_heads", "head_dim", "dtype"}
-_WORKERS = {"platform", "num_hosts", "devices_per_host", "topology", "accelerator", "start_timeout_s"}
+_WORKERS = {"platform", "num_hosts", "devices_per_host", "topology", "accelerator", "start_timeout_s", "call_timeout_s"}
 
 
 def _check_keys(where: str, got: Mapping[str, Any], allowed: set[str]) -> None:
@@ -80,7 +86,8 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
         l2_slots = int(raw.get("l2_slots", 0) or 0)
         tree = TreeConfig(page_size, None if l1_pages is None else int(l1_pages), raw.get("eviction_policy", "lru"))
         hicache = HiCacheConfig(l2_slots, raw.get("write_policy", "write_through")) if l2_slots else None
-        head = HeadConfig(str(raw.get("replica", "default")), tree, hicache)
+        components = _components(raw.get("components"), where)
+        head = HeadConfig(str(raw.get("replica", "default")), tree, hicache, components)
         workers = None
         if raw.get("workers") is not None:
             w = raw["workers"]
@@ -94,7 +101,7 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
             spec = KVCacheSpec(int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]),
                                page_size, str(model.get("dtype", "bfloat16")))
             platform = w.get("platform", "cpu")
-            extra: dict[str, Any] = {"start_timeout_s": float(w["start_timeout_s"])} if "start_timeout_s" in w else {}
+            extra: dict[str, Any] = {k: float(w[k]) for k in ("start_timeout_s", "call_timeout_s") if k in w}
             if platform == "cpu":
                 workers = WorkerGroupOptions.fake_cpu_hosts(spec, int(w.get("num_hosts", 1)),
                                                             int(w.get("devices_per_host", 1)), **extra)
@@ -112,6 +119,34 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
         raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+_COMPONENTS: dict[str, type[SWAConfig] | type[MambaConfig]] = {c.kind.value: c for c in (SWAConfig, MambaConfig)}
+
+
+def _components(raw: Any, where: str) -> tuple[ComponentConfig, ...]:
+    """``components: {swa: {...}, mamba: {...}}`` -> one config per kind (YAML lists become tuples)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"components must be a mapping of component name -> fields, got {raw!r}")
+    _check_keys(f"{where}: components", raw, set(_COMPONENTS))
+    out: list[ComponentConfig] = []
+    for name, fields in raw.items():
+        cls = _COMPONENTS[name]
+        if fields is None:
+            fields = {}
+        if not isinstance(fields, Mapping):
+            raise ValueError(f"components.{name} must be a mapping of fields, got {fields!r}")
+        _check_keys(f"{where}: components.{name}", fields, {f.name for f in dataclasses.fields(cls)})
+        kwargs = dict(fields)
+        if "state_shapes" in kwargs:
+            shapes = kwargs["state_shapes"]
+            if not isinstance(shapes, (list, tuple)) or not all(isinstance(s, (list, tuple)) for s in shapes):
+                raise ValueError(f"components.{name}.state_shapes must be a list of shapes, got {shapes!r}")
+            kwargs["state_shapes"] = tuple(tuple(s) for s in shapes)
+        out.append(cls(**kwargs))
+    return tuple(out)
 
 
 GCS_SCHEMES = ("gs", "gcs")  # fsspec's names for gcsfs

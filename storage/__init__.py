@@ -7,7 +7,7 @@ through the small ``HostSlots`` protocol; keys are computed by ``page_keys`` (or
 
 Modules: ``base`` (interface, stats, argument checks), ``keys`` (key scheme), ``format`` (object
 header), ``config`` (``StorageConfig``), ``object_store`` (per-scheme primitives), ``batch_io``
-(batches under a deadline), ``chunking`` (pages <-> objects), ``slot_access`` (host slot copies),
+(batches under a deadline), ``chunking`` (pages <-> objects), ``shard_cover`` (topology-free reads), ``slot_access`` (host slot copies),
 ``lru`` (file:// byte cap), ``manifest`` (warm restart), ``fsspec_store`` (``FsspecStorage``),
 ``errors`` (error kinds), ``breaker`` (per-location breaker), ``corruption`` (in transit vs at
 rest), ``fault_injection`` (a seeded fault-injecting fsspec wrapper), ``testing`` (a numpy host

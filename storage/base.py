@@ -23,7 +23,9 @@ Errors. Bad arguments raise ``TypeError``/``ValueError`` naming the offending va
 and without changing state. Backend trouble (missing, corrupt, short, mismatched objects,
 exceptions, hangs beyond the call's timeout, a missing bucket, an open breaker) never raises and
 never returns ``None``: it shows up as per-page ``False`` / a shorter hit count, plus a counter by
-kind in ``stats()`` (``StorageStats.error_counts``).
+kind in ``stats()`` (``StorageStats.error_counts``). One exception: ``batch_set`` while the
+location is marked unavailable (breaker open) raises ``StorageUnavailableError`` at once, before
+reading a slot: a backup skipped, which its caller counts (a read in that state is a plain miss).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class StorageStats:
     permission: int = 0  # 401 / 403 / EACCES
     other_errors: int = 0  # anything else (5xx, EIO, ...)
     unavailable: int = 0  # object operations failed fast by the open breaker (no network)
+    skipped_write_pages: int = 0  # pages of batch_set calls refused while the breaker was open
     retries: int = 0  # transient errors retried within the deadline
     breaker_opens: int = 0  # times the breaker opened
     breaker_state: str = "closed"  # now: "closed", "open" or "half_open" (a call would probe)
@@ -202,7 +205,9 @@ class HiCacheStorage(abc.ABC):
     def batch_set_pools(
         self, transfers: Sequence[PoolTransfer], *, timeout_s: float | None = None
     ) -> list[list[bool]]:
-        """Store pages from host slots; per transfer, per page: stored (now or before) or not."""
+        """Store pages from host slots; per transfer, per page: stored (now or before) or not.
+        ``StorageUnavailableError`` (nothing read or written) while the location is marked
+        unavailable."""
 
     def batch_get(
         self,

@@ -8,8 +8,9 @@ raised (``TimeoutError`` for items not finished by the deadline), never raised (
 one error).
 
 - ``ThreadBatchIO`` (sync filesystems: file://, memory://, any other): the items run on this
-  object's I/O threads. Items not finished by the deadline are abandoned, not cancelled (a thread
-  cannot be): they go on in the background until the backend returns; past ``max_pending``
+  object's I/O threads (``io_threads.DaemonThreadPool``: daemon threads). Items not finished by
+  the deadline are abandoned, not cancelled (a thread cannot be): they go on in the background
+  until the backend returns, and never hold process exit; past ``max_pending``
   abandoned items every new item fails fast (``BlockingIOError``, a timeout kind) instead of
   queueing behind a hung backend.
 - ``LoopBatchIO`` (async filesystems: gcsfs): the items run as coroutines on the filesystem's event
@@ -23,7 +24,7 @@ ends before the deadline.
 
 Breaker (``breaker.Breaker``, one per store): a batch the open breaker does not allow fails fast
 with ``StorageUnavailableError`` per item, without touching the network; every batch let through
-reports its outcome (any answer, or only timeouts / connection errors).
+reports its outcome (any answer; any timeout or connection error; every item refused).
 
 ``read_many``'s ``post(i, bytes)`` (verification, and landing pages in a pool that allows it) runs
 where the read finished: on an I/O thread, or on the loop. Everything else of a call runs on the
@@ -45,6 +46,7 @@ import numpy as np
 
 from hicache.storage.breaker import Breaker
 from hicache.storage.errors import TRIPS_BREAKER, ErrorKind, StorageUnavailableError, classify, is_transient
+from hicache.storage.io_threads import DaemonThreadPool
 from hicache.storage.object_store import AsyncFsspecObjectStore, ObjectStore
 
 MakeObject = Callable[[], tuple[bytes, np.ndarray]]  # -> (header, payload), run where the write runs
@@ -102,7 +104,8 @@ class BatchIO(abc.ABC):
         finally:
             kinds = [classify(r) if isinstance(r, BaseException) else None for r in out]
             self.breaker.record(answered=any(k not in TRIPS_BREAKER and k is not ErrorKind.UNAVAILABLE for k in kinds),
-                                tripped=not out or any(k in TRIPS_BREAKER for k in kinds))
+                                tripped=not out or any(k in TRIPS_BREAKER for k in kinds),
+                                refused=bool(kinds) and all(k is ErrorKind.REFUSED for k in kinds))
         return out
 
     # ---- our retry policy ------------------------------------------------------------------
@@ -220,6 +223,14 @@ class BatchIO(abc.ABC):
             raise r
         return r
 
+    def list_dirs(self, prefix: str, deadline: Deadline) -> tuple[str, ...]:
+        """Names of the folders directly under ``prefix``; raises the listing's error."""
+        r = self._run(self._retrying(self.store.list_dirs, deadline),
+                      self._aretrying(lambda p: self._astore().alist_dirs(p), deadline), [(prefix,)], deadline)[0]
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
     def delete_tree(self, prefix: str, deadline: Deadline) -> None:
         r = self._run(self.store.delete_tree, lambda p: self._astore().adelete_tree(p), [(prefix,)], deadline)[0]
         if isinstance(r, BaseException):
@@ -235,7 +246,7 @@ class ThreadBatchIO(BatchIO):
     def __init__(self, store: ObjectStore, breaker: Breaker, retry: RetryPolicy, threads: int,
                  max_pending: int | None = None) -> None:
         super().__init__(store, breaker, retry)
-        self._ex = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hicache-l3")
+        self._ex = DaemonThreadPool(threads, "hicache-l3")  # a hung item never holds process exit
         self._max_abandoned = max_pending or threads * 8
         self._abandoned = 0  # items abandoned at a deadline and still running
         self._inflight: set[cf.Future] = set()  # every submitted item not finished yet
@@ -321,11 +332,16 @@ class LoopBatchIO(BatchIO):
                     out.append(TimeoutError("storage operation did not finish by the deadline"))
             return out
 
-        try:
-            fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
-        except RuntimeError as e:  # the loop is closed
-            return [e] * len(items)
-        with self._alock:
+        coro = run()
+        with self._alock:  # registered before any item can run, so close() sees every batch
+            if self._closed:
+                coro.close()
+                return [StorageUnavailableError("storage is closed")] * len(items)
+            try:
+                fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            except RuntimeError as e:  # the loop is closed
+                coro.close()
+                return [e] * len(items)
             self._active.add(fut)
         try:
             return fut.result(timeout=deadline.left() + 2 * LOOP_GRACE_S)
@@ -341,8 +357,8 @@ class LoopBatchIO(BatchIO):
                 self._active.discard(fut)
 
     def close(self, timeout_s: float) -> bool:
-        self._closed = True
         with self._alock:
+            self._closed = True
             active = set(self._active)
         _, left = cf.wait(active, timeout=timeout_s)
         for f in left:

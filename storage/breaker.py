@@ -3,13 +3,19 @@
 States (``BreakerState``):
 
 - ``closed``: every call goes to the backend. A round of operations (one ``BatchIO`` batch) in
-  which no operation got an answer and at least one timed out or could not connect is a failure;
-  a round with any answer (data, "not found", a lost write race, a corrupt object: the endpoint
-  answered) resets the count. ``threshold`` consecutive failures open the breaker.
+  which any operation timed out or could not connect is a failure, also when others of the round
+  got an answer (a hang that costs a request its deadline counts however many calls it shares the
+  round with). ``threshold`` failed rounds within ``window_s`` open the breaker, whatever clean
+  rounds (answers only: data, "not found", a lost write race, a corrupt object) came between: an
+  endpoint that hangs on a fraction of calls opens it too (with a reset on every clean round,
+  small backup rounds kept a 20% hang rate from ever opening it), and a rare timeout of a healthy
+  one leaves the window. A round in which every operation could not connect (connection
+  refused: certain, nothing listens) opens it at once.
 - ``open``: calls fail fast (``StorageUnavailableError``, counted as ``unavailable``) without
   touching the network, for ``cooldown_s``.
 - ``half_open``: after the cooldown, one call (the probe) goes through; the others keep failing
-  fast while it runs. Its answer closes the breaker; its failure opens it for another cooldown.
+  fast while it runs. A probe round with an answer and nothing timed out or refused closes the
+  breaker; any other opens it for another cooldown.
 
 One ``Breaker`` per ``FsspecStorage`` (one per URL root and process). Any thread may call it (one
 lock); ``clock`` is injectable so tests move time instead of sleeping.
@@ -17,6 +23,7 @@ lock); ``clock`` is injectable so tests move time instead of sleeping.
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
 import time
@@ -30,19 +37,32 @@ class BreakerState(str, enum.Enum):
 
 
 class Breaker:
-    def __init__(self, threshold: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, threshold: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic,
+                 window_s: float = 10.0) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
             raise ValueError(f"threshold must be an int >= 1, got {threshold!r}")
         if isinstance(cooldown_s, bool) or not isinstance(cooldown_s, (int, float)) or not cooldown_s >= 0:
             raise ValueError(f"cooldown_s must be >= 0, got {cooldown_s!r}")
+        if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
         self.threshold = threshold
         self.cooldown_s = float(cooldown_s)
         self.clock = clock
         self._lock = threading.Lock()
         self._state = BreakerState.CLOSED
-        self._failures = 0  # consecutive failed rounds while closed
+        self.window_s = float(window_s)
+        self._failures: collections.deque[float] = collections.deque()  # times of failed rounds while closed
         self._opened_at = 0.0
         self.opens = 0  # times the breaker opened (closed/half-open -> open)
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Read time from ``clock`` from now on, keeping how long ago the breaker opened and its
+        failures were (a test's manual clock, swapped in after the store already ran calls)."""
+        with self._lock:
+            shift = clock() - self.clock()
+            self.clock = clock
+            self._opened_at += shift
+            self._failures = collections.deque(t + shift for t in self._failures)
 
     @property
     def state(self) -> BreakerState:
@@ -63,23 +83,31 @@ class Breaker:
                 return True
             return False
 
-    def record(self, *, answered: bool, tripped: bool) -> None:
+    def record(self, *, answered: bool, tripped: bool, refused: bool = False) -> None:
         """Outcome of a round that ``allow`` let through: ``answered`` if any operation got an
-        answer from the backend, ``tripped`` if any timed out or could not connect."""
+        answer from the backend, ``tripped`` if any timed out or could not connect, ``refused``
+        if every one could not connect."""
         with self._lock:
-            if answered:
-                self._state = BreakerState.CLOSED
-                self._failures = 0
-            elif self._state is BreakerState.HALF_OPEN:  # the probe got no answer
-                self._open_locked()
-            elif tripped and self._state is BreakerState.CLOSED:
-                self._failures += 1
-                if self._failures >= self.threshold:
+            if self._state is BreakerState.HALF_OPEN:  # the probe (or a round begun before it)
+                if answered and not tripped:
+                    self._state = BreakerState.CLOSED
+                    self._failures.clear()
+                else:
                     self._open_locked()
+            elif self._state is BreakerState.CLOSED:
+                if refused:
+                    self._open_locked()
+                elif tripped:
+                    now = self.clock()
+                    self._failures.append(now)
+                    while self._failures[0] < now - self.window_s:
+                        self._failures.popleft()
+                    if len(self._failures) >= self.threshold:
+                        self._open_locked()
             # OPEN: a round that started before the breaker opened changes nothing
 
     def _open_locked(self) -> None:
         self._state = BreakerState.OPEN
         self._opened_at = self.clock()
-        self._failures = 0
+        self._failures.clear()
         self.opens += 1

@@ -14,8 +14,9 @@ are abandoned (threads) or cancelled (gcsfs' loop), retries and their backoff st
   together) and ``clear``.
 - ``close_timeout_s``: how long ``close`` waits for operations in flight before cancelling them.
 
-Breaker (``breaker``): ``breaker_threshold`` consecutive rounds that only timed out or could not
-connect open it; ``breaker_cooldown_s`` later one probe call goes through.
+Breaker (``breaker``): ``breaker_threshold`` rounds with a timeout or connection error within
+``breaker_window_s`` open it (a round of refusals at once); ``breaker_cooldown_s`` later one probe
+call goes through.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class StorageConfig:
     close_timeout_s: float = 5.0  # close waits this long for operations in flight, then cancels
     retries: int = 2  # extra attempts of an operation after a transient error, within its deadline
     retry_backoff_s: float = 0.05  # first backoff; doubles per attempt; never past the deadline
-    breaker_threshold: int = 3  # consecutive failed rounds (timeouts / connection errors) that open it
+    breaker_threshold: int = 3  # failed rounds (timeouts / connection errors) within breaker_window_s that open it
+    breaker_window_s: float = 10.0  # how long a failed round counts toward breaker_threshold
     breaker_cooldown_s: float = 5.0  # open breaker: fail fast this long, then let one probe through
     io_threads: int = 8  # sync backends: worker threads; async: max concurrent requests / 4
     max_pending_ops: int | None = None  # sync backends: cap on abandoned, still-running ops (8 * io_threads)
@@ -50,10 +52,13 @@ class StorageConfig:
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
     max_inflight_bytes: int = 256 * MiB  # batch_set gathers from the pool in groups this large
     delete_corrupt: bool = True  # remove objects proven corrupt at rest, so they can be rewritten
+    # topology-free reads (``shard_cover``): look for other layouts' shard objects at most this often
+    # (None: read this host's own shard objects only)
+    layout_refresh_s: float | None = 30.0
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "exists_timeout_s", "list_timeout_s", "close_timeout_s"):
+        for name in ("timeout_s", "exists_timeout_s", "list_timeout_s", "close_timeout_s", "breaker_window_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
@@ -71,6 +76,10 @@ class StorageConfig:
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
         if isinstance(self.max_inflight_bytes, bool) or not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be a positive int, got {self.max_inflight_bytes!r}")
+        if self.layout_refresh_s is not None and (
+                isinstance(self.layout_refresh_s, bool) or not isinstance(self.layout_refresh_s, (int, float))
+                or not self.layout_refresh_s >= 0):
+            raise ValueError(f"layout_refresh_s must be >= 0 or None, got {self.layout_refresh_s!r}")
         if not 0.0 < self.evict_low_watermark <= 1.0:
             raise ValueError(f"evict_low_watermark must be in (0, 1], got {self.evict_low_watermark!r}")
 

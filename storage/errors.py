@@ -61,6 +61,12 @@ def _is_connection_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _CONN_ERRNOS
 
 
+def is_refusal(e: BaseException) -> bool:
+    """Whether ``e`` is a refused connection (``ECONNREFUSED``: builtin, or aiohttp's connector
+    error, which carries the errno of the ``OSError`` it wraps)."""
+    return isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED)
+
+
 def classify(e: BaseException, *, on_root: bool = False) -> ErrorKind:
     """The kind of the error ``e`` that one object operation raised. ``on_root``: a write or a
     listing, which do not need the path to exist, so "not found" can only be a missing bucket."""
@@ -82,11 +88,13 @@ def classify(e: BaseException, *, on_root: bool = False) -> ErrorKind:
 
 def is_transient(e: BaseException) -> bool:
     """Whether our retry policy tries the operation again (within its deadline): connection
-    errors, 408/429/5xx, EIO-like errors. Never timeouts (the deadline is spent), missing objects,
-    lost write races, permissions or anything that is not an ``OSError`` or HTTP error."""
+    errors (reset, aborted, unreachable), 408/429/5xx, EIO-like errors. Never a refused
+    connection (nothing listens: certain for longer than a retry waits; the breaker's probe finds
+    out when it listens again), timeouts (the deadline is spent), missing objects, lost write
+    races, permissions or anything that is not an ``OSError`` or HTTP error."""
     kind = classify(e)
     if kind is ErrorKind.REFUSED:
-        return True
+        return not is_refusal(e)
     if kind is not ErrorKind.OTHER:
         return False
     if isinstance(e, OSError):

@@ -22,6 +22,13 @@ for gcsfs targets, which raise ``gcsfs.retry.HttpError`` themselves after their 
 reaches ``FaultPlan.hang_max_s``, ``FileNotFoundError(ENOENT, ..., root)`` for every call on a
 deleted bucket except ``exists``, which returns False as fsspec's backends do.
 
+Observation (what a test asserts a code path costs): ``calls()`` counts the wrapper's calls by
+operation class, whatever the plan; ``requests()`` counts the HTTP requests the target itself
+sent, by the class of each request, for targets that send them through an async ``_call(method,
+path, ...)`` (gcsfs): a target's internal requests (gcsfs' ``_info`` lists the parent prefix beside
+its object GET) show there, never in ``calls()``. The wrapper observes, never changes, those
+requests (it rebinds the target instance's ``_call`` to a counting pass-through).
+
 Threads. One ``FaultInjector`` per wrapper holds the plan, its ``random.Random(plan.seed)``, the
 counters and the hang gate under one lock: any thread (and the target's loop) may call the wrapper
 and ``set_plan`` / ``release_hangs`` / ``injected`` concurrently. Calls made in the same order draw
@@ -257,6 +264,8 @@ class FaultInjector:
         self._plan = plan
         self._rng = random.Random(plan.seed)
         self._counts = dict.fromkeys(FaultKind, 0)
+        self._calls = dict.fromkeys(Op, 0)  # wrapper calls by operation class
+        self._requests = dict.fromkeys(Op, 0)  # the target's HTTP requests by class (gcsfs)
         self.gate = _HangGate()
 
     @property
@@ -271,16 +280,30 @@ class FaultInjector:
         with self._lock:
             self._plan, self._rng = plan, random.Random(plan.seed)
 
-    def injected(self) -> dict[str, int]:
+    def _snapshot(self, counts: dict[Any, int]) -> dict[str, int]:
         with self._lock:
-            return {k.value: n for k, n in self._counts.items()}
+            return {k.value: n for k, n in counts.items()}
+
+    def injected(self) -> dict[str, int]:
+        return self._snapshot(self._counts)
+
+    def calls(self) -> dict[str, int]:
+        return self._snapshot(self._calls)
+
+    def requests(self) -> dict[str, int]:
+        return self._snapshot(self._requests)
 
     def count(self, kind: FaultKind) -> None:
         with self._lock:
             self._counts[kind] += 1
 
+    def note_request(self, op: Op) -> None:
+        with self._lock:
+            self._requests[op] += 1
+
     def draw(self, op: Op) -> _Draw:
         with self._lock:
+            self._calls[op] += 1
             plan, rng = self._plan, self._rng
             f = plan.faults(op)
 
@@ -381,6 +404,35 @@ class FaultInjector:
         return d
 
 
+def request_op(method: str, path: str) -> Op:
+    """The operation class of one JSON-API request (gcsfs' ``_call(method, path, ...)``: ``path``
+    a template such as ``b/{}/o/{}``, or a full URL): a GET of ``.../o`` (objects) or ``b``
+    (buckets) is a listing, a GET with ``alt=media`` a read, any other GET metadata."""
+    method = method.upper()
+    if method == "DELETE":
+        return Op.DELETE
+    if method != "GET":
+        return Op.WRITE  # uploads, compose, rewrite, patch
+    if "alt=media" in path:
+        return Op.READ
+    rest = path.split("?", 1)[0].rstrip("/")
+    rest = rest.split("/storage/v1/", 1)[-1]
+    return Op.LIST if rest == "b" or rest.endswith("/o") else Op.METADATA
+
+
+def _observe_requests(target: Any, faults: FaultInjector) -> None:
+    """Count every request ``target`` sends through its async ``_call`` (gcsfs), by class."""
+    call = getattr(target, "_call", None)
+    if call is None or not asyncio.iscoroutinefunction(call):
+        return
+
+    async def counted(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        faults.note_request(request_op(method, path))
+        return await call(method, path, *args, **kwargs)
+
+    target._call = counted
+
+
 def _bucket_of(path: str) -> str:
     path = str(path)
     lead = "/" if path.startswith("/") else ""
@@ -469,6 +521,15 @@ class FaultyFileSystem(ChainedFileSystem, metaclass=_FaultyFileSystemMeta):
     def injected(self) -> dict[str, int]:
         """Faults injected so far, by ``FaultKind`` value (every kind present)."""
         return self.faults.injected()
+
+    def calls(self) -> dict[str, int]:
+        """Calls made through the wrapper so far, by ``Op`` value (every class present)."""
+        return self.faults.calls()
+
+    def requests(self) -> dict[str, int]:
+        """HTTP requests the target sent so far, by ``Op`` value (module docstring; all 0 for a
+        target that sends none through ``_call``: memory://, file://)."""
+        return self.faults.requests()
 
     def release_hangs(self) -> int:
         """Free every call hanging now (each goes on to the target); the number freed."""
@@ -591,6 +652,7 @@ class AsyncFaultyFileSystem(FaultyFileSystem, AsyncFileSystem):
         else:
             kwargs.setdefault("loop", fs.loop)
         super().__init__(fs, plan, root=root, **kwargs)
+        _observe_requests(fs, self.faults)
 
     async def _acall(self, op: Op, path: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         await self.faults.aenter(op, _first_path(path))
@@ -614,6 +676,11 @@ class AsyncFaultyFileSystem(FaultyFileSystem, AsyncFileSystem):
 
     async def _info(self, path: str, **kwargs: Any) -> Any:
         return await self._acall(Op.METADATA, path, "_info", **kwargs)
+
+    async def _get_object(self, path: str) -> Any:
+        """gcsfs' one-request object metadata (``GET b/{bucket}/o/{name}``), under the metadata
+        faults; ``FileNotFoundError`` if there is no such object."""
+        return await self._acall(Op.METADATA, path, "_get_object")
 
     async def _exists(self, path: str, **kwargs: Any) -> bool:
         if self.faults.plan.bucket_deleted:  # fsspec's exists answers False for a missing bucket
@@ -745,4 +812,5 @@ __all__ = [
     "Op",
     "OpFaults",
     "SyncFaultyFileSystem",
+    "request_op",
 ]

@@ -9,6 +9,9 @@ It puts together (one module per concept):
 - ``errors``: what went wrong, by kind (``StorageStats``);
 - ``corruption``: corrupt in transit (a miss) vs corrupt at rest (deleted);
 - ``chunking``: which objects hold which pages of a chain (the chunking rule, ``resolve``);
+- ``shard_cover``: topology-free reads, a host's heads assembled from the shard objects another
+  layout (host count, devices per host, chunk size) stored, found by listing the pool's shard
+  folders at most every ``layout_refresh_s``;
 - ``format``: the self-verifying object header;
 - ``slot_access``: copies between objects and the host pool's slots, and when I/O threads may
   make them;
@@ -24,7 +27,9 @@ Schemes
 - ``gs://BUCKET/PREFIX`` — gcsfs; write-once is ``ifGenerationMatch=0``. The instance and
   listings caches are off (``skip_instance_cache=True``, ``use_listings_cache=False``) so other
   replicas' writes are seen.
-- Any other fsspec URL works through the generic sync (threads) or async path.
+- Any other fsspec URL works through the generic sync (threads) or async path. A chained URL
+  (``faulty::gs://BUCKET/PREFIX``: the fault wrapper over gcsfs) gets its innermost scheme's
+  defaults (object size, gs:// cache options and bucket probe); options per protocol.
 
 Every scheme names, resolves, reads and writes the same objects by the same rules: the same writes
 give the same hits on every scheme.
@@ -34,7 +39,9 @@ Object names (topology-free, content-addressed)::
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}/{key[0]}/{key}
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tag}
 
-Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds).
+Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds; where other
+layouts hold this host's heads, over them too, and two more rounds per layout switch along the
+chain: ``shard_cover.plan``).
 ``batch_get``: resolve, then read and verify the objects concurrently; objects that fail
 verification are re-read once (``corruption``: used if the re-read verifies, deleted only if proven
 corrupt at rest); a miss, a corrupt object or a failure ends the usable prefix. ``batch_set``:
@@ -64,8 +71,10 @@ Deadlines and the breaker. Every call has a deadline (``timeout_s=`` or the ``St
 default of its kind: ``exists_timeout_s`` for existence checks, ``list_timeout_s`` for listings,
 ``timeout_s`` for reads and writes; ``close_timeout_s`` for ``close``): operations not finished by
 then are abandoned or cancelled (counted in ``timeouts``) and their pages report ``False``. After
-``breaker_threshold`` consecutive rounds of timeouts / connection errors the location's breaker
-opens (``available`` is False): calls answer at once as misses (``unavailable``), until a probe
+``breaker_threshold`` rounds with timeouts / connection errors within ``breaker_window_s`` (or one
+round in which every connection was refused), the location's breaker opens (``available`` is False): calls answer
+at once as misses (``unavailable``), and ``batch_set`` raises ``StorageUnavailableError`` before
+touching the pool (``skipped_write_pages``: the caller counts the skipped backup), until a probe
 after ``breaker_cooldown_s`` gets an answer.
 """
 
@@ -81,7 +90,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hicache.storage import slot_access
+from hicache.storage import shard_cover, slot_access
 from hicache.storage.base import (
     HiCacheStorage,
     HostSlots,
@@ -100,7 +109,7 @@ from hicache.storage.breaker import Breaker, BreakerState
 from hicache.storage.chunking import Chunking, ObjectRef, resolve
 from hicache.storage.config import StorageConfig
 from hicache.storage.corruption import Verdict, note_failure, recheck
-from hicache.storage.errors import ErrorKind, classify
+from hicache.storage.errors import ErrorKind, StorageUnavailableError, classify
 from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, HeaderEncoder, ObjectKind, ObjectMeta, decode
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.lru import ByteCapLRU, scan
@@ -170,11 +179,7 @@ class FsspecStorage(HiCacheStorage):
         config = StorageConfig() if config is None else config
         if not isinstance(config, StorageConfig):
             raise TypeError(f"config must be a StorageConfig, got {type(config).__name__}")
-        scheme = url.split("://", 1)[0] if "://" in url else "file"
-        opts = dict(config.storage_options)
-        if scheme in ("gs", "gcs"):
-            opts.setdefault("skip_instance_cache", True)
-            opts.setdefault("use_listings_cache", False)
+        scheme, opts = _scheme_and_options(url, config.storage_options)
         store, root = open_object_store(url, opts, fs)
         self._local = isinstance(store, LocalObjectStore)
         if config.max_bytes is not None and not self._local:
@@ -186,13 +191,16 @@ class FsspecStorage(HiCacheStorage):
         self._fp = fingerprint.digest()
         self._root = root
         self._base = f"{root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
-        self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock or time.monotonic)
+        self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock or time.monotonic,
+                               config.breaker_window_s)
         self._io = make_batch_io(store, self.breaker, RetryPolicy(config.retries, config.retry_backoff_s),
                                  config.io_threads, config.max_pending_ops)
         self._manifest = Manifest(self._base, self._fp, fingerprint.page_size, self._io)
         self._lru = (ByteCapLRU(f"{root}/v{FORMAT_VERSION}", config.max_bytes, config.evict_low_watermark)
                      if config.max_bytes is not None else None)
         self._pools: dict[PoolKind, _PoolReg] = {}
+        self._sources: dict[PoolKind, tuple[_PoolReg, ...]] = {}  # other layouts' shards (shard_cover)
+        self._sources_at: dict[PoolKind, float] = {}  # when they were last listed
         self._lock = threading.Lock()
         self._counters: dict[str, int] = {f.name: 0 for f in dataclasses.fields(StorageStats) if f.name not in _NOT_COUNTERS}
         self._corrupt: dict[str, int] = {}
@@ -269,6 +277,47 @@ class FsspecStorage(HiCacheStorage):
     def _resolve(self, queries: list[_Transfer], deadline: Deadline, min_pages: int = 1) -> list[list[ObjectRef]]:
         return resolve([(q.reg.chunking, q.keys, q.first) for q in queries],
                        lambda objs: self._exists_flags(objs, deadline), min_pages)
+
+    def _other_layouts(self, reg: _PoolReg, deadline: Deadline) -> tuple[_PoolReg, ...]:
+        """Shards of other layouts holding some of ``reg``'s heads (``shard_cover``), each as a pool
+        registration without a pool; listed again at most every ``layout_refresh_s`` (a failed
+        listing keeps what was known, and is counted)."""
+        every = self.config.layout_refresh_s
+        if every is None or reg.kind is not PoolKind.KV or not shard_cover.can_assemble(reg.shard, reg.shape):
+            return ()
+        now = time.monotonic()
+        with self._lock:
+            due = now - self._sources_at.get(reg.kind, -math.inf) >= every
+            if due:
+                self._sources_at[reg.kind] = now
+        if due:
+            try:
+                found = shard_cover.discover(self._io, f"{self._base}/{reg.kind.value}", reg.shard, reg.chunking,
+                                             reg.shape, deadline)
+            except Exception as e:
+                self._count_exc(e, on_root=True)
+            else:
+                self._sources[reg.kind] = tuple(
+                    dataclasses.replace(reg, shard=src.coord, chunking=src.chunking, shape=src.shape,
+                                        header=HeaderEncoder(ObjectKind.PAGES, self._fp, reg.dtype_name, src.shape),
+                                        slot_bytes=math.prod(src.shape) * np.dtype(reg.pool.dtype).itemsize)
+                    for src in found)
+        return self._sources.get(reg.kind, ())
+
+    def refresh_layouts(self, *, timeout_s: float | None = None) -> int:
+        """List the other layouts' shard objects now (within ``timeout_s`` or ``list_timeout_s``);
+        returns how many shard folders hold some of this host's KV heads."""
+        deadline = self._deadline(timeout_s, self.config.list_timeout_s)
+        with self._lock:
+            self._sources_at.clear()
+        return sum(len(self._other_layouts(reg, deadline)) for reg in self._pools.values())
+
+    def _covered(self, queries: list[_Transfer], deadline: Deadline, min_pages: int = 1) -> tuple[
+            list[_Transfer], list[list[ObjectRef]], list[list[shard_cover.Segment]]]:
+        """Existence of every query under its own shard and the other layouts' shards holding its
+        heads (``shard_cover.plan``; just ``_resolve`` where there are none)."""
+        return shard_cover.plan(queries, lambda reg: self._other_layouts(reg, deadline),
+                                lambda batch, least: self._resolve(batch, deadline, least), deadline, min_pages)
 
     # ---- pools -------------------------------------------------------------------------------
     def register_host_pool(
@@ -357,10 +406,7 @@ class FsspecStorage(HiCacheStorage):
         self._count(exists_calls=1)
         if len(keys) < least:  # no hit could reach min_pages (also: no keys)
             return 0
-        objs = self._resolve([_Transfer(reg, keys, _NO_SLOTS, first)], deadline, least)[0]
-        if not objs:
-            return 0
-        return objs[-1].start + objs[-1].m - first
+        return sum(seg.pages for seg in self._covered([_Transfer(reg, keys, _NO_SLOTS, first)], deadline, least)[2][0])
 
     def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:
         reg = self._reg(pool)
@@ -376,18 +422,18 @@ class FsspecStorage(HiCacheStorage):
         queries = self._check_transfers(transfers, for_set=False)
         deadline = self._deadline(timeout_s)
         self._count(get_calls=1)
-        results = [[False] * len(q.keys) for q in queries]
         guard = slot_access.CallGuard()
         try:
-            objs = [o for os_ in self._resolve(queries, deadline) for o in os_]
-            loaded = [self._apply_read(queries, results, o, r, deadline)
-                      for o, r in zip(objs, self._read_objs(queries, objs, guard, deadline))]
+            flat, found, plans = self._covered(queries, deadline)
+            bufs = [[shard_cover.assemble(flat, seg) for seg in segs] for segs in plans]
+            objs = [o for segs in plans for seg in segs for c in seg.chosen for o in found[c]
+                    if o.start < flat[c].first + seg.pages]
+            flat_results = [[False] * len(q.keys) for q in flat]
+            loaded = [self._apply_read(flat, flat_results, o, r, deadline)
+                      for o, r in zip(objs, self._read_objs(flat, objs, guard, deadline))]
         finally:
             guard.close()  # from here on no I/O thread touches the pool for this call
-        for r in results:  # only the contiguous prefix counts
-            if False in r:
-                cut = r.index(False)
-                r[cut:] = [False] * (len(r) - cut)
+        results = [shard_cover.combine(q, segs, b, flat_results) for q, segs, b in zip(queries, plans, bufs)]
         hits = sum(sum(r) for r in results)
         self._count(hit_pages=hits, miss_pages=sum(len(r) for r in results) - hits)
         if self._lru is not None:
@@ -468,6 +514,10 @@ class FsspecStorage(HiCacheStorage):
         queries = self._check_transfers(transfers, for_set=True)
         deadline = self._deadline(timeout_s)
         self._count(set_calls=1)
+        if self.breaker.state is BreakerState.OPEN:  # nothing gathered, nothing sent
+            pages = sum(len(q.keys) for q in queries)
+            self._count(skipped_write_pages=pages)
+            raise StorageUnavailableError(f"L3 {self.url!r} unavailable (breaker open): {pages} pages not written")
         results = [[False] * len(q.keys) for q in queries]
         objs = [o for t, q in enumerate(queries) for o in q.reg.chunking.naturals(t, q.keys, q.first)
                 if o.m == q.reg.ppo or self.config.write_partial_chunks]
@@ -626,6 +676,22 @@ class FsspecStorage(HiCacheStorage):
     def __repr__(self) -> str:
         pools = {k.value: r.ppo for k, r in self._pools.items()}
         return f"FsspecStorage({self.url!r}, model={self.fingerprint.model_id!r}, pages_per_object={pools})"
+
+
+def _scheme_and_options(url: str, storage_options: Any) -> tuple[str, dict[str, Any]]:
+    """The URL's storage scheme (a chained URL's innermost: ``faulty::gs://...`` is gs) and the
+    fsspec options with that scheme's defaults (gs://: no instance or listings cache, so other
+    replicas' writes are seen); a chained URL's options are keyed by protocol."""
+    protocols = url.split("://", 1)[0].split("::") if "://" in url else ["file"]
+    scheme = protocols[-1]
+    opts = dict(storage_options)
+    if scheme in ("gs", "gcs"):
+        inner = opts if len(protocols) == 1 else dict(opts.get(scheme) or {})
+        inner.setdefault("skip_instance_cache", True)
+        inner.setdefault("use_listings_cache", False)
+        if len(protocols) > 1:
+            opts[scheme] = inner
+    return scheme, opts
 
 
 def _with_header(header: Any, pages: Any) -> tuple[bytes, np.ndarray]:

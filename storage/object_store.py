@@ -18,6 +18,10 @@ Backends:
   listed; a crashed writer's leftovers are removed by the byte-capped LRU's scan (``lru``).
 - ``AsyncFsspecObjectStore`` (async filesystems: gcsfs): the same primitives as coroutines
   (``aexists`` ...) for ``batch_io.LoopBatchIO``, which runs them on the filesystem's event loop.
+  Existence and ``stat`` of an object are one metadata request on gcsfs (``_get_object``: ``GET
+  b/{bucket}/o/{name}``), not fsspec's ``_exists`` / gcsfs' ``_info``, which also list the
+  object's prefix (a listing per check, slow on a large bucket); gcsfs itself falls back to a
+  one-result listing only where the credentials may list but not get objects.
   gcsfs' own retries (up to 6 attempts with backoff of up to 32 s, "connection refused"
   included) are turned off (``own_retries``): the retry policy is ``batch_io``'s, inside each
   call's deadline.
@@ -90,13 +94,22 @@ class ObjectStore(abc.ABC):
     def delete_tree(self, prefix: str) -> None:
         """Remove everything under ``prefix`` (nothing there: no error)."""
 
+    def list_dirs(self, prefix: str) -> tuple[str, ...]:
+        """Names of the folders directly under ``prefix`` (none if there is no such folder): one listing."""
+        return _dir_names(self.fs.ls(prefix, detail=True)) if self.fs.exists(prefix) else ()
+
 
 class FsspecObjectStore(ObjectStore):
     def __init__(self, fs: Any) -> None:
         self.fs = fs
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(path))
+        # info, not fsspec's exists, which answers False for any error (a timeout is not "absent")
+        try:
+            self.fs.info(path)
+        except FileNotFoundError:
+            return False
+        return True
 
     def read(self, path: str) -> bytes | bytearray | memoryview:
         return self.fs.cat_file(path)
@@ -116,6 +129,11 @@ class FsspecObjectStore(ObjectStore):
                 self.fs.rm(prefix, recursive=True)
         except FileNotFoundError:
             pass
+
+
+def _dir_names(entries: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Base names of the folder entries of an ``ls(detail=True)``."""
+    return tuple(e["name"].rstrip("/").rpartition("/")[2] for e in entries if e.get("type") == "directory")
 
 
 def _visible(paths: list[str]) -> list[str]:
@@ -178,6 +196,9 @@ class LocalObjectStore(FsspecObjectStore):
                 except FileNotFoundError:
                     pass
 
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
     def delete(self, path: str, generation: str | None = None) -> None:
         os.unlink(path)
 
@@ -197,12 +218,28 @@ class LocalObjectStore(FsspecObjectStore):
 class AsyncFsspecObjectStore(FsspecObjectStore):
     """An async fsspec filesystem (gcsfs): the primitives also as coroutines, for its loop."""
 
+    def __init__(self, fs: Any) -> None:
+        super().__init__(fs)
+        # gcsfs, or a wrapper of it (which forwards ``_get_object``): object metadata in one request
+        self._object_get = _is_gcsfs(fs) or _is_gcsfs(fs.__dict__.get("fs"))
+
     @property
     def loop(self) -> Any:
         return self.fs.loop
 
+    async def _ainfo(self, path: str) -> dict[str, Any]:
+        """The object's metadata (``FileNotFoundError`` if there is none), in one request where
+        the backend allows (module docstring); a bucket (no ``/``) is the backend's ``_info``."""
+        if self._object_get and "/" in path.strip("/"):
+            return await self.fs._get_object(path)
+        return await self.fs._info(path)
+
     async def aexists(self, path: str) -> bool:
-        return bool(await self.fs._exists(path))
+        try:
+            await self._ainfo(path)
+        except FileNotFoundError:
+            return False
+        return True
 
     async def aread(self, path: str) -> bytes:
         return await self.fs._cat_file(path)
@@ -211,7 +248,7 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
         await self.fs._pipe_file(path, object_bytes(header, payload), mode="create")
 
     async def astat(self, path: str) -> tuple[int, str | None]:
-        info = await self.fs._info(path)
+        info = await self._ainfo(path)
         return int(info["size"]), _generation(info)
 
     async def adelete(self, path: str, generation: str | None = None) -> None:
@@ -224,6 +261,12 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
 
     async def alist(self, prefix: str) -> list[str]:
         return _visible(await self.fs._find(prefix))
+
+    async def alist_dirs(self, prefix: str) -> tuple[str, ...]:
+        try:
+            return _dir_names(await self.fs._ls(prefix, detail=True))
+        except FileNotFoundError:
+            return ()
 
     async def adelete_tree(self, prefix: str) -> None:
         try:

@@ -175,6 +175,9 @@ class TreeComponent(ABC):
         """
         return None
 
+    def release_request(self, state: RequestState) -> None:
+        """The request is abandoned (``RadixTree.abandon_request``): release its values, cache nothing."""
+
     evict_param: str = ""  # keyword of RadixTree.evict that drives this component's own eviction
 
     def evict_component(self, amount: int) -> int:

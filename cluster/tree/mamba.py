@@ -82,6 +82,23 @@ class _MambaNode(QueuedValue):
         self.host_slot = -1  # host copy of the state or -1
 
 
+def check_state_layout(num_slots: Any, state_shapes: Any, dtype: Any) -> tuple[str, int]:
+    """Validates a state pool's layout (ValueError naming the value); returns (dtype name, bytes per slot)."""
+    check_positive_int("mamba num_slots", num_slots, allow_none=True)
+    if not isinstance(state_shapes, tuple) or not state_shapes:
+        raise ValueError(f"state_shapes must be a non-empty tuple of shapes, got {state_shapes!r}")
+    for shape in state_shapes:
+        if not isinstance(shape, tuple) or not shape or any(
+            not isinstance(d, int) or isinstance(d, bool) or d <= 0 for d in shape
+        ):
+            raise ValueError(f"each state shape must be a tuple of positive ints, got {shape!r}")
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        raise ValueError(f"unknown state dtype {dtype!r}") from None
+    return str(np.dtype(dtype)), int(sum(np.prod(s) for s in state_shapes)) * itemsize
+
+
 def _as_slot(value: Any, what: str) -> int:
     if isinstance(value, np.ndarray):
         if value.shape != ():
@@ -103,21 +120,8 @@ class MambaComponent(TreeComponent):
         state_shapes: tuple[tuple[int, ...], ...] = ((1,),),
         dtype: str = "float32",
     ) -> None:
-        check_positive_int("mamba num_slots", num_slots, allow_none=True)
-        if not isinstance(state_shapes, tuple) or not state_shapes:
-            raise ValueError(f"state_shapes must be a non-empty tuple of shapes, got {state_shapes!r}")
-        for shape in state_shapes:
-            if not isinstance(shape, tuple) or not shape or any(
-                not isinstance(d, int) or isinstance(d, bool) or d <= 0 for d in shape
-            ):
-                raise ValueError(f"each state shape must be a tuple of positive ints, got {shape!r}")
-        try:
-            itemsize = np.dtype(dtype).itemsize
-        except TypeError:
-            raise ValueError(f"unknown state dtype {dtype!r}") from None
+        self.dtype, self.bytes_per_slot = check_state_layout(num_slots, state_shapes, dtype)
         self.state_shapes = state_shapes
-        self.dtype = str(np.dtype(dtype))
-        self.bytes_per_slot = int(sum(np.prod(s) for s in state_shapes)) * itemsize
         self.allocator = PageAllocator(None if num_slots is None else int(num_slots))
         self.queue = ComponentQueue(self.name, self.is_evictable)
         self.evicted_states = 0
@@ -260,6 +264,9 @@ class MambaComponent(TreeComponent):
                 self._adopt(end, adoptable, slot)
                 return MambaRequest(fresh, ((slot, fresh),), value.branching_seqlen)
         return MambaRequest(slot, (), value.branching_seqlen)
+
+    def release_request(self, state: RequestState) -> None:
+        self.allocator.release_one(int(state.components[self.name].slot))  # (validated: a REQUEST slot)
 
     def _adopt(self, node: TreeNode, st: _MambaNode, slot: int) -> None:
         self.allocator.transfer_one(slot, PageOwner.TREE)

@@ -78,6 +78,40 @@ class MatchInsert(TreeStructure):
             stored_len = self.storage_only.hit_len(path, device_len + host_len)
         return MatchResult(pages, device_len, host_len, last_device.id, last_host.id, best.id, values, stored_len)
 
+    def peek_prefix(self, key: RadixKey) -> tuple[int, int, int]:
+        """(L1, L2, L3) hit lengths ``match_prefix`` would see, without its effects: no split, no LRU tick,
+        no counters, no lock (a router's dry run). L1 and L2 as ``match_prefix`` counts them (L2: tokens
+        past the L1 hit); L3: the leading tokens whose nodes are all ``stored``, counted from position 0
+        (L3 is shared, so a caller compares it across replicas). Extra components (SWA, Mamba) may shorten
+        a real match below what this reports."""
+        if not isinstance(key, RadixKey):
+            raise TypeError(f"peek_prefix expects a RadixKey, got {type(key).__name__}")
+        ps = self.page_size
+        tokens = key.token_ids
+        end = tokens.shape[0] - tokens.shape[0] % ps
+        root = self._roots.get((key.extra_key, key.cache_salt))
+        if root is None or not root.children or not end:
+            return 0, 0, 0
+        path, partial = self._walk(root, tokens.tobytes(), 0, end)
+        l1 = l2 = l3 = 0
+        in_l1, in_l2, in_l3 = True, True, True
+        last = len(path) - 1
+        for i, node in enumerate(path):
+            n = partial if (partial and i == last) else node.num_tokens
+            if in_l1 and node.device_pages is not None and not node.loading:
+                l1 += n
+            else:
+                in_l1 = False
+                if in_l2 and node.host_slots is not None and not node.loading:
+                    l2 += n
+                else:
+                    in_l2 = False
+            if in_l3 and node.stored:
+                l3 += n
+            else:
+                in_l3 = False
+        return l1, l2, l3
+
     def _component_match(
         self, device_path: list[TreeNode], path: list[TreeNode]
     ) -> tuple[list[TreeNode], list[TreeNode], Any]:

@@ -179,6 +179,16 @@ class RequestFlows(MatchInsert):
             on_request_cached(state, end, True)
         return FinishResult(new_prefix, d - k + pages.shape[0] - whole)
 
+    def abandon_request(self, state: RequestState) -> int:
+        """A request that failed after its start (a forward raised): frees its own pages and per-component
+        values (its Mamba working slot) and unlocks its path, caching nothing. Returns the pages freed."""
+        last, pages, k, _, own = self._check_request(state)
+        self.full.allocator.release(pages[k:], own)
+        self.unlock_path(last)
+        for comp in self.extra_components:
+            comp.release_request(state)
+        return int(pages.shape[0] - k)
+
     def cache_unfinished_req(self, state: RequestState) -> RequestState:
         """Chunked prefill: caches what the request computed so far and moves its lock to the new end.
 

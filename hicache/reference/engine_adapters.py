@@ -31,14 +31,26 @@ class Engine(Protocol):
 
     def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray: ...
 
-    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray: ...
+    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int,
+                state_slot: int | None = None, swa_table: TokenIds | None = None) -> np.ndarray: ...
 
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
-               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation: ...
+               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None,
+               state_slot: int | None = None, swa_table: TokenIds | None = None) -> Generation: ...
 
-    def decode_step(self, tokens: TokenIds, page_table: TokenIds) -> np.ndarray: ...
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None: ...
+
+    def zero_states(self, slots: Sequence[int]) -> None: ...
+
+    def decode_step(self, tokens: TokenIds, page_table: TokenIds, state_slot: int | None = None,
+                    swa_table: TokenIds | None = None) -> np.ndarray: ...
 
     def generate_no_cache(self, tokens: TokenIds, max_new_tokens: int) -> Generation: ...
+
+
+def _extra(state_slot: int | None, swa_table: TokenIds | None) -> tuple[Any, ...]:
+    """The trailing (state slot, SWA table) arguments of a model call: none for a Full-only model."""
+    return () if state_slot is None and swa_table is None else (state_slot, swa_table)
 
 
 class RemoteModelEngine(ABC):
@@ -53,20 +65,31 @@ class RemoteModelEngine(ABC):
     def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray:
         return self.call("extend", tokens, page_table, start_pos)
 
-    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray:
-        return self.call("prefill", tokens, page_table, start_pos)
+    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int,
+                state_slot: int | None = None, swa_table: TokenIds | None = None) -> np.ndarray:
+        return self.call("prefill", tokens, page_table, start_pos, *_extra(state_slot, swa_table))
 
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
-               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation:
+               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None,
+               state_slot: int | None = None, swa_table: TokenIds | None = None) -> Generation:
         """One call for the whole decode; with ``between_steps``, one call per step and the hook between
         them, here (it may call the cache, which may transfer over L1: never inside a model call)."""
         if between_steps is None:
-            return self.call("decode", tokens, last_logits, page_table, max_new_tokens)
-        return greedy_decode(lambda seq: self.decode_step(seq, page_table), tokens, last_logits,
-                             max_new_tokens, between_steps=between_steps)
+            extra = _extra(state_slot, swa_table)
+            return self.call("decode", tokens, last_logits, page_table, max_new_tokens, *((None, None) if extra else ()),
+                             *extra)
+        return greedy_decode(lambda seq: self.decode_step(seq, page_table, state_slot, swa_table), tokens,
+                             last_logits, max_new_tokens, between_steps=between_steps)
 
-    def decode_step(self, tokens: TokenIds, page_table: TokenIds) -> np.ndarray:
-        return self.call("decode_step", tokens, page_table)
+    def decode_step(self, tokens: TokenIds, page_table: TokenIds, state_slot: int | None = None,
+                    swa_table: TokenIds | None = None) -> np.ndarray:
+        return self.call("decode_step", tokens, page_table, *_extra(state_slot, swa_table))
+
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        self.call("copy_states", copies)
+
+    def zero_states(self, slots: Sequence[int]) -> None:
+        self.call("zero_states", slots)
 
     def decode_steps(self, seqs: Sequence[TokenIds], tables: Sequence[TokenIds]) -> list[np.ndarray]:
         """``decode_step`` for each request (one call each; an engine whose model runs in this process
@@ -96,12 +119,14 @@ class WorkerEngine(RemoteModelEngine):
         return self.worker.run_model(fn)
 
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
-               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None) -> Generation:
+               max_new_tokens: int, *, between_steps: Callable[[], None] | None = None,
+               state_slot: int | None = None, swa_table: TokenIds | None = None) -> Generation:
         """As ``RemoteModelEngine.decode``, the request checked once (``ModelRunner.decoder``: no pool
         touched), not at every step; each step one model call, the hook between them."""
         if between_steps is None:
-            return self.call("decode", tokens, last_logits, page_table, max_new_tokens)
-        step = self.worker.model.decoder(tokens, page_table, max_new_tokens)
+            return super().decode(tokens, last_logits, page_table, max_new_tokens, state_slot=state_slot,
+                                  swa_table=swa_table)
+        step = self.worker.model.decoder(tokens, page_table, max_new_tokens, state_slot, swa_table)
         return greedy_decode(lambda seq: self.worker.run_model(lambda _: step(seq)), tokens, last_logits,
                              max_new_tokens, between_steps=between_steps)
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from hicache.cluster.cost_model import PrefillReport
 from hicache.cluster.head import Call, Method
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
+from hicache.cluster.tree.params import NO_VALUES
 from hicache.reference.engine.runner import Generation
 from hicache.reference.engine_adapters import Engine
 from hicache.reference.serve_types import ServePhases, ServeRequest, ServeResult
@@ -59,6 +60,7 @@ class _Prefix(NamedTuple):
     loaded: int = 0  # of hit, loaded back from L2 (including what L3 prefetched)
     fetched: int = 0  # of loaded, fetched from L3 for this request
     failed: bool = False
+    components: Mapping[str, Any] = NO_VALUES  # the request's component values (Mamba: its state slot)
 
 
 def _table(*parts: np.ndarray) -> np.ndarray:
@@ -87,6 +89,31 @@ class Begun(NamedTuple):
     logits: np.ndarray  # f32[vocab]: of the last prompt token
     prefix: _Prefix
     marks: tuple[float, ...]  # perf_counter at the start and at the end of match, l3, load_back, prefill
+    components: Mapping[str, Any] = NO_VALUES  # RequestState.components (Mamba: the working state slot)
+    swa_table: np.ndarray | None = None  # i32[pages]: SWA page ids of ``table`` (an engine with an SWA pool)
+
+    @property
+    def state_slot(self) -> int | None:
+        """The request's recurrent state slot (models with recurrent layers), else None."""
+        return state_slot(self.components)
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        """The keyword arguments of its forwards past the page table (state slot, SWA table; none for Full)."""
+        return engine_args(self.components, self.swa_table)
+
+
+def engine_args(components: Mapping[str, Any], swa_table: np.ndarray | None) -> dict[str, Any]:
+    slot = state_slot(components)
+    out: dict[str, Any] = {} if slot is None else {"state_slot": slot}
+    if swa_table is not None:
+        out["swa_table"] = swa_table
+    return out
+
+
+def state_slot(components: Mapping[str, Any]) -> int | None:
+    value = components.get("mamba")
+    return None if value is None else int(value.slot)
 
 
 class _AfterFirstToken:
@@ -110,7 +137,8 @@ class _AfterFirstToken:
 
 class Scheduler:
     def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
-                 prefill_budget: int = 0, l3_min_tokens: int = 0, hold_storage_writes: bool = False) -> None:
+                 prefill_budget: int = 0, l3_min_tokens: int = 0, hold_storage_writes: bool = False,
+                 swa_tables: bool = False) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
         caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does.
 
@@ -121,7 +149,11 @@ class Scheduler:
 
         ``l3_min_tokens`` (with ``storage``): L3 is asked only when the whole pages of the prompt past
         the L1+L2 match hold at least that many tokens (pass the head's ``prefetch_min_tokens``: the
-        head would skip a shorter prefetch anyway; asking costs a round trip to the head)."""
+        head would skip a shorter prefetch anyway; asking costs a round trip to the head).
+
+        ``swa_tables``: the engine keeps sliding-window KV in the head's SWA pool (``ModelRunner(swa_pages=)``):
+        each forward gets the request's SWA page table, asked from the head (``swa_pages``) whenever its page
+        table changes (start, each ``cache_unfinished_req``)."""
         ps = client.page_size
         if ps != engine.page_size:
             raise ValueError(f"cache page_size {ps} != engine page_size {engine.page_size}")
@@ -137,6 +169,9 @@ class Scheduler:
             raise TypeError(f"hold_storage_writes must be a bool, got {hold_storage_writes!r}")
         self.hold_writes = storage and hold_storage_writes
         self.prefill_budget = prefill_budget
+        if not isinstance(swa_tables, bool):
+            raise TypeError(f"swa_tables must be a bool, got {swa_tables!r}")
+        self.swa_tables = swa_tables
         self.l3_min_tokens = max(l3_min_tokens, ps)
         self._req_ids = itertools.count()
         self._arrived: dict[int, _Arrival] = {}  # arrive()d requests not served yet, by id(request)
@@ -259,7 +294,7 @@ class Scheduler:
         if r.pages is not None:  # locked and allocated in the call
             hit = m.device_hit_len
             table = _table(m.device_pages, r.pages) if hit else r.pages
-            p = _Prefix(table, hit, m.last_device_node)
+            p = _Prefix(table, hit, m.last_device_node, components=r.components)
         else:
             table, hit, node, loaded, failed = self._reuse(m, total)
             p = _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
@@ -276,28 +311,71 @@ class Scheduler:
         arrival = self._arrived.pop(id(req), None)
         ns = (req.extra_key, req.cache_salt)
         done = False
-        held = None  # (table, prefix_len, node) once the prefix is locked and pages allocated
+        held = None  # (table, prefix_len, node, components) once the prefix is locked and pages allocated
         try:
             p, marks = self._prefix(key, prompt.size + req.max_new_tokens, arrival, t0)
-            table, prefix_len, node = held = p.table, p.hit, p.node
+            table, prefix_len, node, comps = held = p.table, p.hit, p.node, p.components
+            swa = self._swa_table(table)
+            self._start_states(comps)
             start = p.hit
             budget = self.prefill_budget
             while budget and prompt.size - start > budget:
                 end = start + budget
-                self.engine.prefill(prompt[:end], table, start)
-                table, prefix_len, node = held = self._cache_computed(prompt[:end], ns, table, prefix_len, node)
+                self._prefill(prompt[:end], table, start, comps, swa)
+                table, prefix_len, node, comps = held = self._cache_computed(prompt[:end], ns, table, prefix_len,
+                                                                             node, comps)
+                swa = self._swa_table(table)
                 start = end
-            logits = self.engine.prefill(prompt, table, start)  # the last row only: one wait, no copies
+            for cut in self._state_cuts(comps, start, prompt.size):
+                # A recurrent state is cached only where the engine's state is after exactly a node end: the
+                # prefill stops and caches at the point where the key leaves the tree (a branch later requests
+                # share) and at the prompt's last whole page (what a later turn matches).
+                self._prefill(prompt[:cut], table, start, comps, swa)
+                table, prefix_len, node, comps = held = self._cache_computed(prompt[:cut], ns, table, prefix_len,
+                                                                             node, comps)
+                swa = self._swa_table(table)
+                start = cut
+            logits = self._prefill(prompt, table, start, comps, swa)  # the last row only: one wait, no copies
+            if self.swa_tables:  # its SWA pages behind the window are spare from now on (no later step reads them)
+                self.client.trim_request(RequestState(RadixKey(prompt, *ns), table, prefix_len, node, 0, comps))
             marks.append(time.perf_counter())
             done = True
         except BaseException:  # a failed forward (or chunk insert) keeps neither its lock nor its pages
             if held is not None:
-                self._abandon(*held)
+                self._abandon(*held, ns)
             raise
         finally:  # also when the match, load-back or a forward fails
             if self.hold_writes and (resume or not done):
                 self.client.resume_storage_writes()
-        return Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks))
+        return Begun(req, prompt, ns, table, prefix_len, node, logits, p, tuple(marks), comps, swa)
+
+    def _state_cuts(self, comps: Mapping[str, Any], start: int, n: int) -> list[int]:
+        """Where a request with a recurrent state caches its prefill (page-aligned, in (start, n)): the tree's
+        branch point (``MambaRequest.branching_seqlen``) and the last whole page of its key (n - 1 tokens)."""
+        value = comps.get("mamba")
+        if value is None:
+            return []
+        ps = self.client.page_size
+        cuts = {value.branching_seqlen // ps * ps, (n - 1) // ps * ps}
+        return sorted(c for c in cuts if start < c < n)
+
+    def _prefill(self, tokens: np.ndarray, table: np.ndarray, start: int, comps: Mapping[str, Any],
+                 swa: np.ndarray | None) -> np.ndarray:
+        return self.engine.prefill(tokens, table, start, **engine_args(comps, swa))
+
+    def _swa_table(self, table: np.ndarray) -> np.ndarray | None:
+        return self.client.swa_pages(table) if self.swa_tables else None
+
+    def _start_states(self, comps: Mapping[str, Any]) -> None:
+        """Before a request's first forward: its working state slot takes the cached state its prefix
+        ends with (``MambaRequest.copies``) or the zero state (nothing cached to continue from)."""
+        value = comps.get("mamba")
+        if value is None:
+            return
+        if value.copies:
+            self.engine.copy_states(value.copies)
+        else:
+            self.engine.zero_states([value.slot])
 
     def cache_prompt(self, b: Begun) -> Begun:
         """Caches the whole pages of ``b``'s prompt right after its prefill (``cache_unfinished_req``, as
@@ -311,27 +389,40 @@ class Scheduler:
         if whole <= b.prefix_len:
             return b
         try:
-            table, prefix_len, node = self._cache_computed(b.prompt, b.ns, b.table, b.prefix_len, b.node)
+            table, prefix_len, node, comps = self._cache_computed(b.prompt, b.ns, b.table, b.prefix_len, b.node,
+                                                                  b.components)
         except BaseException:
-            self._abandon(b.table, b.prefix_len, b.node)
+            self._abandon(b.table, b.prefix_len, b.node, b.components, b.ns)
             raise
-        return b._replace(table=table, prefix_len=prefix_len, node=node)
+        return b._replace(table=table, prefix_len=prefix_len, node=node, components=comps,
+                          swa_table=self._swa_table(table))
 
     def _cache_computed(self, tokens: np.ndarray, ns: tuple[str | None, str | None], table: np.ndarray,
-                        prefix_len: int, node: int) -> tuple[np.ndarray, int, int]:
+                        prefix_len: int, node: int,
+                        comps: Mapping[str, Any] = NO_VALUES) -> tuple[np.ndarray, int, int, Mapping[str, Any]]:
         """``cache_unfinished_req`` of a running request's computed ``tokens`` (a chunked prefill's piece
-        or the whole prompt): their whole pages go into the tree and its lock moves to their end.
-        Returns the request's new (page table, tokens the tree owns, locked node)."""
-        state = self.client.cache_unfinished_req(RequestState(RadixKey(tokens, *ns), table, prefix_len, node))
-        return state.device_pages, state.prefix_len, state.last_node
+        or the whole prompt): their whole pages go into the tree and its lock moves to their end (with a
+        recurrent state: the tree may take the request's slot for that end and hand it a fresh one, whose
+        copy runs here). Returns the request's new (page table, tokens the tree owns, locked node,
+        component values)."""
+        state = self.client.cache_unfinished_req(RequestState(RadixKey(tokens, *ns), table, prefix_len, node, 0, comps))
+        value = state.components.get("mamba")
+        if value is not None and value.copies:
+            self.engine.copy_states(value.copies)
+        return state.device_pages, state.prefix_len, state.last_node, state.components
 
-    def _abandon(self, table: np.ndarray, prefix_len: int, node: int) -> None:
+    def _abandon(self, table: np.ndarray, prefix_len: int, node: int, comps: Mapping[str, Any] = NO_VALUES,
+                 ns: tuple[str | None, str | None] = (None, None)) -> None:
         """A request that failed after its lock and alloc (a forward or its decode raised): unlocks its
-        prefix and frees its own pages (those past ``prefix_len``), inserting nothing, in one step. Best
-        effort: the caller raises the request's own error; a release that fails too is logged."""
+        prefix and frees its own pages (those past ``prefix_len``, and its component values), inserting
+        nothing, in one step. Best effort: the caller raises the request's own error; a release that
+        fails too is logged."""
         own = np.asarray(table[prefix_len // self.client.page_size:], dtype=np.int32)
+        calls = ([Call(Method.DEC_LOCK_REF, node), Call(Method.FREE, own)] if not comps else
+                 [Call(Method.ABANDON_REQUEST, RequestState(RadixKey(np.zeros(prefix_len, np.int32), *ns), table,
+                                                           prefix_len, node, 0, comps))])
         try:
-            for r in self.client.step([Call(Method.DEC_LOCK_REF, node), Call(Method.FREE, own)]):
+            for r in self.client.step(calls):
                 r.unwrap()
         except Exception as e:  # (the cache is unreachable too: its state is the head's to recover)
             log.warning("could not release a failed request's lock (node %s) and %d pages: %s", node, own.size, e)
@@ -341,7 +432,7 @@ class Scheduler:
         sends held backups, applies acks, off the next request's critical path) and sums up its times."""
         t = time.perf_counter()
         seq = np.concatenate([b.prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
-        state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node)
+        state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node, 0, b.components)
         mk, p, n = b.marks, b.prefix, int(b.prompt.size)
         # the L3 cost model's recompute rate: this prefill's computed tokens and seconds (with L3 only)
         report = PrefillReport(n - p.hit, max(0.0, mk[-1] - mk[-2])) if self.storage else None
@@ -385,11 +476,16 @@ class Scheduler:
             b = self.begin(req, resume=False)
             step = _AfterFirstToken(between_steps, self.client.resume_storage_writes)
         t = time.perf_counter()
+        extra = b.engine_args
         try:
-            gen = (self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens) if step is None else
-                   self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step))
+            if extra:
+                gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step, **extra)
+            elif step is None:
+                gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens)
+            else:
+                gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step)
         except BaseException:  # nothing of a failed decode is cached: its lock and pages go back
-            self._abandon(b.table, b.prefix_len, b.node)
+            self._abandon(b.table, b.prefix_len, b.node, b.components, b.ns)
             raise
         finally:  # a one-token answer never calls between_steps; a failed decode must not keep the hold
             if isinstance(step, _AfterFirstToken):

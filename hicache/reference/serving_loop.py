@@ -200,7 +200,11 @@ class ServingLoop:
         n = self.options.decode_batch or len(self.running)
         batch = [self.running.popleft() for _ in range(min(n, len(self.running)))]
         t = time.perf_counter()
-        logits = self._decode([r.seq for r in batch], [r.begun.table for r in batch])
+        if not batch[0].begun.engine_args:
+            logits = self._decode([r.seq for r in batch], [r.begun.table for r in batch])
+        else:  # recurrent layers / an SWA pool: each step with its request's slot and SWA table (no batched program)
+            engine = self.scheduler.engine
+            logits = [engine.decode_step(r.seq, r.begun.table, **r.begun.engine_args) for r in batch]
         share = (time.perf_counter() - t) / len(batch)
         done = []
         for r, row in zip(batch, logits):

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from hicache.cluster import CacheHead, HeadConfig
+from hicache.cluster.builder import ComponentConfig, ComponentKind, MambaConfig, SWAConfig, components_of
 from hicache.cluster.client import CacheClient, EmbeddedTransport
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchPolicy, StorageParams
@@ -44,12 +45,64 @@ class StackOptions:
     # query that ends inside an object cannot name it, so small objects keep those misses short.
     pages_per_object: int = 4
     prefill_budget: int = 0
+    # The head's cache components besides Full; None: the model's (``model_components``: SWA for a model
+    # with ``sliding_window``, sized ``swa_tokens``; Mamba for one with ``recurrent_layers``, ``state_slots``).
+    components: tuple[ComponentConfig, ...] | None = None
+    swa_tokens: int | None = None  # SWA pool tokens (None: as many as L1 holds)
+    state_slots: int | None = None  # recurrent state slots (None: l1_pages)
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:
             raise ValueError(f"need l1_pages >= 1 and l2_slots >= 0, got {self.l1_pages}, {self.l2_slots}")
+        check_components(self.model, self.head_components)  # ValueError naming what does not match
         if self.l3_url is not None and self.l2_slots == 0:
             raise ValueError("L3 needs an L2 tier to stage through: set l2_slots > 0")
+
+    @property
+    def head_components(self) -> tuple[ComponentConfig, ...]:
+        if self.components is not None:
+            return tuple(self.components)
+        swa_tokens = self.l1_pages * self.forward.page_size if self.swa_tokens is None else self.swa_tokens
+        return model_components(self.model, swa_tokens, self.l1_pages if self.state_slots is None else self.state_slots)
+
+
+def model_components(model: ModelConfig, swa_tokens: int | None = None,
+                     state_slots: int | None = None) -> tuple[ComponentConfig, ...]:
+    """The cache components a reference model needs besides Full: SWA (the model's window) for sliding-
+    window layers, Mamba (one f32[R, hidden] state per slot) for recurrent layers."""
+    out: list[ComponentConfig] = []
+    if model.swa_layers:
+        assert model.sliding_window is not None  # swa_layers are those with a window
+        out.append(SWAConfig(model.sliding_window, swa_tokens))
+    if model.recurrent_layers:
+        out.append(MambaConfig(state_slots, ((len(model.recurrent_layers), model.hidden),), "float32"))
+    return tuple(out)
+
+
+def check_components(model: ModelConfig, components: tuple[ComponentConfig, ...]) -> None:
+    """``ValueError`` unless ``components`` hold what ``model`` reads when it continues a cached prefix:
+    an SWA window >= the model's, a state per slot of the model's recurrent layers, and nothing else."""
+    by_kind = components_of(components)
+    swa, mamba = by_kind.get(ComponentKind.SWA), by_kind.get(ComponentKind.MAMBA)
+    window = model.sliding_window or 0
+    want = ((len(model.recurrent_layers), model.hidden),)
+    checks = (  # (the model needs it, its config, the config fits, the layers, what the model needs, bound field)
+        (bool(model.swa_layers), swa, isinstance(swa, SWAConfig) and swa.window >= window, "sliding-window layers",
+         f"its sliding-window layers {model.swa_layers} read {window} tokens back: a swa component keeping them",
+         "num_tokens"),
+        (bool(model.recurrent_layers), mamba,
+         isinstance(mamba, MambaConfig) and mamba.state_shapes == want and mamba.dtype == "float32", "recurrent layers",
+         f"its recurrent layers {model.recurrent_layers} need a mamba component with state_shapes={want}, float32",
+         "num_slots"),
+    )
+    for needed, config, fits, layers, need, bound in checks:
+        if not needed:
+            if config is not None:
+                raise ValueError(f"{config.kind.value} component {config!r} given for a model without {layers}")
+        elif config is None or not fits:
+            raise ValueError(f"the model does not match the components: {need}; got {config!r}")
+        elif getattr(config, bound) is None:
+            raise ValueError(f"the engine's pools are bounded: the {config.kind.value} component needs {bound}")
 
 
 def fingerprint_for(model: ModelConfig, forward: ForwardConfig, mesh_shape: tuple[int, ...] = (1,),
@@ -76,21 +129,28 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     """Builds the stack; pass ``runner`` to reuse compiled params across stacks (its pool is replaced)."""
     ps = options.forward.page_size
     tree = TreeConfig(page_size=ps, capacity_pages=options.l1_pages)
+    components = options.head_components
     if options.l2_slots == 0:
-        head = CacheHead(HeadConfig(tree=tree))
-        if runner is None or runner.num_pages != options.l1_pages:
+        head = CacheHead(HeadConfig(tree=tree, components=components))
+        by_kind = components_of(components)
+        mamba, swa = by_kind.get(ComponentKind.MAMBA), by_kind.get(ComponentKind.SWA)
+        slots = mamba.num_slots if isinstance(mamba, MambaConfig) and mamba.num_slots else 0
+        swa_pages = swa.num_tokens // ps if isinstance(swa, SWAConfig) and swa.num_tokens else 0
+        if runner is None or _pools(runner) != (options.l1_pages, slots, swa_pages):
             runner = ModelRunner(options.model, options.forward, num_pages=options.l1_pages,
-                                 params=None if runner is None else runner.params)
+                                 params=None if runner is None else runner.params, state_slots=slots,
+                                 swa_pages=swa_pages)
         client = CacheClient(EmbeddedTransport(head), ps)
-        sched = Scheduler(client, runner, prefill_budget=options.prefill_budget)
+        sched = Scheduler(client, runner, prefill_budget=options.prefill_budget, swa_tables=swa_pages > 0)
         return EmbeddedStack(options, head, client, runner, sched)
     from hicache.workers import HostWorker, KVCacheSpec
 
     m = options.model
+    hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
+    config = HeadConfig(tree=tree, hicache=hicache, components=components)  # (checked before a worker starts)
     spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, ps, m.dtype)
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1])
-    hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
-    head = CacheHead(HeadConfig(tree=tree, hicache=hicache), LocalWorkerGroup([worker]))
+    head = CacheHead(config, LocalWorkerGroup([worker]))
     params = None if runner is None else runner.params
     attached = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params))
     assert isinstance(attached, ModelRunner)
@@ -104,6 +164,12 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
                       l3_min_tokens=options.prefetch_min_tokens, hold_storage_writes=True)
     return EmbeddedStack(options, head, client, attached, sched, worker)
+
+
+def _pools(runner: ModelRunner) -> tuple[int, int, int]:
+    """(L1 pages, state slots, SWA pages) of a runner's pools."""
+    state, swa = runner.state_pool, runner.swa_pool
+    return runner.num_pages, 0 if state is None else state.shape[0], 0 if swa is None else swa.shape[2]
 
 
 WARM_UP_SALT = "hicache-warm-up"

@@ -36,6 +36,7 @@ from hicache.cluster.head import Call, Method  # noqa: E402
 from hicache.cluster.policy import HiCacheConfig  # noqa: E402
 from hicache.cluster.ray_head import HeadState, ReplicaConfig, get_head, stop_replica, worker_handles  # noqa: E402
 from hicache.cluster.ray_workers import WorkerGroupOptions  # noqa: E402
+from hicache.cluster.route_query import RouteQuery  # noqa: E402
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams  # noqa: E402
 from hicache.cluster.tree import InsertParams, RadixKey, RequestState, TreeConfig  # noqa: E402
 from hicache.storage import ModelFingerprint  # noqa: E402
@@ -191,8 +192,10 @@ def test_backup_evict_load_back_is_bit_identical_on_every_host(env_x):
     assert st["bytes_moved"]["d2h"] == 2 * 6 * SPEC.page_bytes // 2  # each host moved its half of 6 pages
     env_x.serve(seq(1000, 250))  # pushes `a` out of L1
     c.flush_write_through_acks()
+    hits = c.route_query(RouteQuery((RadixKey(a),))).hits[0]  # a router's dry run over Ray
     m = c.match_prefix(RadixKey(a))
     assert m.device_hit_len < 24 and m.device_hit_len + m.host_hit_len == 24
+    assert (hits.l1, hits.l2) == (m.device_hit_len, m.host_hit_len)
     free = c.alloc(c.stats().free_pages * PS)  # every free L1 page := garbage, on both hosts
     env_x.write(free, np.full((free.size, *SPEC.page_shape), -7, np.float32))
     c.free(free)
@@ -728,3 +731,94 @@ def test_head_restart_the_client_reconnects_its_step_channel(replica_c):
     assert m.device_hit_len == 0  # a fresh tree: never a stale hit
     assert ray.get(head.health.remote(), timeout=10).reconstructed
     assert transport._channel.address != old
+
+
+# -- topology-free L3 reads: replicas of another host count share L3 (storage.shard_cover) ---------------------
+@pytest.fixture(scope="module")
+def replica_one(cluster):
+    """One host with 4 fake devices: the same global mesh as x's 2 hosts x 2 devices (so the same
+    engine fingerprint), but one shard (KV heads 0-3) where x has two (0-1, 2-3)."""
+    cfg = replica_config("one")
+    handle = hicache.start_replica(dataclasses.replace(
+        cfg, workers=WorkerGroupOptions.fake_cpu_hosts(SPEC, num_hosts=1, devices_per_host=4)))
+    yield "one"
+    stop_replica("one")
+    del handle
+
+
+def _cold(env: RayEnv, params: StorageParams) -> None:
+    """Empty tree, L1 and L2; L3 attached anew (its storage clients list the stored layouts)."""
+    env.client.flush_write_through_acks()
+    env.client.detach_storage_backend()
+    env.client.reset()
+    env.client.attach_storage_backend(params)
+
+
+def test_l3_of_two_hosts_is_read_by_one_host_and_back_bit_for_bit(replica_x, env_x, replica_one, tmp_path):
+    """Pages x's two hosts stored (one object per host and chunk) are assembled by the one host of
+    "one" (and the reverse), prefetched into L2, loaded into L1 and read back bit for bit."""
+    params = l3_params(tmp_path)
+    env_1 = RayEnv(replica_one)
+    assert env_1.ranges == [(0, 4)] and env_x.ranges == [(0, 2), (2, 4)]
+    _cold(env_x, params)
+    _cold(env_1, params)
+    a, b = seq(7000, 24), seq(8000, 24)
+    env_x.serve(a)
+    env_1.serve(b)
+    for env in (env_x, env_1):
+        env.client.flush_write_through_acks()
+        assert env.client.cache_stats()["storage"]["backup_pages"] == 6
+    _cold(env_x, params)
+    _cold(env_1, params)
+    assert env_1.prefetch(a, "one-a") == 24  # from x's two shards
+    assert env_1.serve(a)["loaded"] == 24  # serve() compares L1 with a's KV, bit for bit
+    assert env_x.prefetch(b, "x-b") == 24  # each of x's hosts reads its heads of one's shard
+    assert env_x.serve(b)["loaded"] == 24
+    for env in (env_x, env_1):
+        env.client.detach_storage_backend()
+
+
+def test_engines_of_another_host_count_are_exact_with_each_others_l3_hits(replica_x, env_x, replica_one, tmp_path):
+    """The reference engine on x (2 hosts x 2 devices) and on "one" (1 host x 4 devices): the same
+    fingerprint, other shards. Each serves the other's next turn from L3 with outputs and logits
+    bit-identical to its own no-cache run."""
+    from hicache.reference.engine import ForwardConfig, ModelConfig
+    from hicache.reference.ray_engine import RayEngine
+    from hicache.reference.scheduler import Scheduler
+    from hicache.reference.serve_types import ServeRequest
+
+    model = ModelConfig(vocab_size=256, num_layers=SPEC.num_layers, num_q_heads=8, num_kv_heads=SPEC.num_kv_heads,
+                        head_dim=SPEC.head_dim, hidden=32, mlp_hidden=64)
+    fwd = ForwardConfig(chunk_size=16, page_size=PS, max_pages=16)
+    engines = {name: RayEngine(name, model, fwd) for name in ("x", replica_one)}
+    assert engines["x"].fingerprint() == engines[replica_one].fingerprint()
+    l3 = StorageParams(f"file://{tmp_path}/l3", engines["x"].fingerprint(), prefetch_min_tokens=PS, pages_per_object=2,
+                       prefetch_policy="wait_complete", prefetch_wait_max_s=30.0)  # count hits, not this VM's speed
+    clients = {"x": env_x.client, replica_one: RayEnv(replica_one).client}
+    for c in clients.values():
+        c.flush_write_through_acks()
+        c.reset()
+        c.attach_storage_backend(l3)
+    rng = np.random.default_rng(29)
+    history = rng.integers(0, model.vocab_size, 21, dtype=np.int32)
+    for writer, reader in (("x", replica_one), (replica_one, "x")):
+        results, lengths = [], []
+        for name in (writer, reader):  # each starts cold: only L3 remembers the turns before
+            clients[name].detach_storage_backend()
+            clients[name].reset()
+            clients[name].attach_storage_backend(l3)
+            sched = Scheduler(clients[name], engines[name], hicache=True, storage=True, prefill_budget=16)
+            prompt = np.concatenate([history, rng.integers(0, model.vocab_size, 6, dtype=np.int32)])
+            res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
+            ref = engines[name].generate_no_cache(prompt, 3)
+            assert res.output == ref.tokens
+            np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+            clients[name].flush_write_through_acks()
+            results.append(res)
+            lengths.append(len(prompt))
+            history = np.concatenate([prompt, np.asarray(res.output, np.int32)])
+            clients[name].detach_storage_backend()  # flushes its manifest (the next warm restart lists this turn)
+            clients[name].attach_storage_backend(l3)
+        assert results[1].storage_tokens >= lengths[0] // PS * PS  # the writer's whole turn, from L3
+    for c in clients.values():
+        c.detach_storage_backend()

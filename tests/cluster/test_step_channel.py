@@ -69,6 +69,26 @@ def test_listens_on_loopback_only_and_hides_the_token(server):
     assert server.address.token.hex() not in repr(server.address)
 
 
+def test_binds_the_given_address_and_refuses_wildcards():
+    """A CLUSTER-scope channel listens on one address (the head node's), which clients on other nodes dial."""
+    gate = Gate()
+    srv = StepChannelServer(gate, "node-a", host="127.0.0.2")  # stands in for a node address on this machine
+    try:
+        assert srv._listener.getsockname()[0] == "127.0.0.2" and srv.address.host == "127.0.0.2"
+        assert not srv.address.node_local and srv.address.reachable_from("node-b")
+        ch = StepChannel(srv.address, 5.0)
+        assert ch.recv(ch.send(b"ab"), 5.0) == b"ba"
+        with pytest.raises(ChannelClosedError, match="cannot connect to 127.0.0.1"):  # not on loopback
+            StepChannel(ChannelAddress("node-a", srv.address.port, srv.address.token), 5.0)
+    finally:
+        srv.close()
+    local = ChannelAddress("node-a", 1, b"t")
+    assert local.node_local and local.reachable_from("node-a") and not local.reachable_from("node-b")
+    for wildcard in ("0.0.0.0", "::", ""):
+        with pytest.raises(ValueError, match="wildcard"):
+            StepChannelServer(gate, "node-a", host=wildcard)
+
+
 def test_a_wrong_token_is_refused_and_nothing_runs(server):
     bad = ChannelAddress("node-a", server.address.port, b"x" * len(server.address.token))
     with pytest.raises(ChannelClosedError, match="refused"):
@@ -77,7 +97,7 @@ def test_a_wrong_token_is_refused_and_nothing_runs(server):
     raw.sendall(_frame(b"y" * 1000))
     assert raw.recv(1) == b""  # closed without an answer
     raw.close()
-    assert server.gate.seen == [] and server.frames == 0
+    assert server.gate.seen == [] and server.frames == 0 and server.refused == 1
 
 
 def test_a_timeout_keeps_the_channel_and_drops_the_late_reply(server):

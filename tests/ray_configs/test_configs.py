@@ -477,3 +477,28 @@ def test_loading_replica_files_touches_no_cluster():
     assert lines[-1] == "ray initialized: False"
     v6e = next(line for line in lines if "v6e-16" in line)
     assert v6e.endswith("4 {'TPU': 4, 'hicache_host': 1} True")  # 16 chips, 4 per host, slice still to reserve
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "replicas").glob("*.yaml")), ids=lambda p: p.name)
+def test_replica_files_coordinate_jax_on_host0_not_loopback(path):
+    """Every replica file, TPU or fake CPU hosts, leaves the jax.distributed coordinator to host 0's own
+    node address (a fixed 127.0.0.1 makes hosts 1..H dial themselves on a real slice)."""
+    from hicache.replica_file import load_replica_file
+
+    assert load_replica_file(path).workers.coordinator_host is None
+
+
+def test_replica_file_call_timeout_and_bad_coordinator_hosts(tmp_path):
+    from hicache.cluster.ray_workers import WorkerGroupOptions
+    from hicache.replica_file import replica_config
+    from hicache.workers import KVCacheSpec
+
+    raw = {"replica": "r", "page_size": 4, "l1_pages": 8, "model": {"num_layers": 1, "num_kv_heads": 2, "head_dim": 4},
+           "workers": {"platform": "cpu", "num_hosts": 2, "call_timeout_s": 7}}
+    assert replica_config(raw).workers.call_timeout_s == 7.0
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        replica_config({**raw, "workers": {**raw["workers"], "call_timeout_s": 0}})
+    spec = KVCacheSpec(1, 2, 4, 4, "float32")
+    for bad in ("", 127):
+        with pytest.raises(ValueError, match="coordinator_host"):
+            WorkerGroupOptions.fake_cpu_hosts(spec, 2, coordinator_host=bad)

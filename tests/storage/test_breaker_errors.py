@@ -7,6 +7,7 @@ import errno
 
 import aiohttp
 import pytest
+from aiohttp.client_reqrep import ConnectionKey
 from fsspec.exceptions import FSTimeoutError
 
 from hicache.storage import StorageConfig
@@ -21,16 +22,38 @@ def _open(b: Breaker) -> None:
         b.record(answered=False, tripped=True)
 
 
-def test_threshold_consecutive_failures_open_it_and_an_answer_resets_the_count():
-    b = Breaker(3, 5.0, ManualClock())
+def test_threshold_failed_rounds_within_the_window_open_it():
+    clock = ManualClock()
+    b = Breaker(3, 5.0, clock, window_s=10.0)
     for _ in range(2):
         b.record(answered=False, tripped=True)
-    b.record(answered=True, tripped=True)  # a round with any answer: the endpoint is alive
+    clock.advance(10.5)  # those two leave the window
     for _ in range(2):
         b.record(answered=False, tripped=True)
+        b.record(answered=True, tripped=False)  # clean rounds between change nothing
     assert b.state is BreakerState.CLOSED
-    b.record(answered=False, tripped=True)
+    b.record(answered=True, tripped=True)  # answers, but a hang cost the round its deadline
     assert (b.state, b.opens) == (BreakerState.OPEN, 1) and not b.allow()
+
+
+def test_a_round_of_refusals_opens_it_at_once():
+    b = Breaker(3, 5.0, ManualClock())
+    b.record(answered=False, tripped=True, refused=True)
+    assert (b.state, b.opens) == (BreakerState.OPEN, 1)
+
+
+def test_a_clock_swapped_in_keeps_the_time_since_it_opened():
+    real, manual = ManualClock(), ManualClock()
+    real.advance(1000.0)
+    b = Breaker(1, 5.0, real)
+    _open(b)
+    real.advance(2.0)
+    b.use_clock(manual)
+    assert not b.allow()
+    manual.advance(2.9)
+    assert b.state is BreakerState.OPEN
+    manual.advance(0.1)
+    assert b.state is BreakerState.HALF_OPEN
 
 
 def test_half_open_lets_one_probe_through():
@@ -47,13 +70,14 @@ def test_half_open_lets_one_probe_through():
     assert b.state is BreakerState.CLOSED and b.allow()
 
 
-def test_a_failed_probe_reopens_and_late_failures_do_not_extend_the_cooldown():
+@pytest.mark.parametrize("answered, tripped", [(False, False), (True, True)])  # no answer; a hang beside answers
+def test_a_failed_probe_reopens_and_late_failures_do_not_extend_the_cooldown(answered, tripped):
     clock = ManualClock()
     b = Breaker(1, 5.0, clock)
     _open(b)
     clock.advance(5.0)
     assert b.allow()
-    b.record(answered=False, tripped=False)  # a probe without an answer
+    b.record(answered=answered, tripped=tripped)
     assert (b.state, b.opens) == (BreakerState.OPEN, 2)
     clock.advance(4.0)
     b.record(answered=False, tripped=True)  # a round that began before it opened
@@ -61,9 +85,9 @@ def test_a_failed_probe_reopens_and_late_failures_do_not_extend_the_cooldown():
     assert b.allow()
 
 
-@pytest.mark.parametrize("args", [(0, 1.0), (True, 1.0), (2, -1.0), (2, "1")])
+@pytest.mark.parametrize("args", [(0, 1.0), (True, 1.0), (2, -1.0), (2, "1"), (2, 1.0, ManualClock(), 0.0)])
 def test_breaker_bad_arguments(args):
-    with pytest.raises(ValueError, match="threshold|cooldown_s"):
+    with pytest.raises(ValueError, match="threshold|cooldown_s|window_s"):
         Breaker(*args)
 
 
@@ -74,7 +98,11 @@ def test_breaker_bad_arguments(args):
         (FSTimeoutError(), False, ErrorKind.TIMEOUT, False),
         (aiohttp.ServerTimeoutError(), False, ErrorKind.TIMEOUT, False),
         (BlockingIOError(), False, ErrorKind.TIMEOUT, False),
-        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), False, ErrorKind.REFUSED, True),
+        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), False, ErrorKind.REFUSED, False),
+        (aiohttp.ClientConnectorError(ConnectionKey("127.0.0.1", 1, False, True, None, None, None, None),
+                                      ConnectionRefusedError(errno.ECONNREFUSED, "refused")),
+         False, ErrorKind.REFUSED, False),
+        (ConnectionResetError(errno.ECONNRESET, "reset"), False, ErrorKind.REFUSED, True),
         (aiohttp.ServerDisconnectedError(), False, ErrorKind.REFUSED, True),
         (OSError(errno.ECONNRESET, "reset"), False, ErrorKind.REFUSED, True),
         (PermissionError(errno.EACCES, "no"), False, ErrorKind.PERMISSION, False),
@@ -108,7 +136,8 @@ def test_error_kinds_of_gcsfs_http_errors(gcs_emulator, code, on_root, kind, tra
 @pytest.mark.parametrize(
     "field, bad",
     [("exists_timeout_s", 0), ("list_timeout_s", -1.0), ("close_timeout_s", True), ("retries", -1),
-     ("retries", 1.5), ("retry_backoff_s", -0.1), ("breaker_threshold", 0), ("breaker_cooldown_s", "5")],
+     ("retries", 1.5), ("retry_backoff_s", -0.1), ("breaker_threshold", 0), ("breaker_cooldown_s", "5"),
+     ("breaker_window_s", 0)],
 )
 def test_config_rejects_bad_values_naming_them(field, bad):
     with pytest.raises(ValueError, match=field):

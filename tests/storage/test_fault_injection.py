@@ -24,6 +24,7 @@ from hicache.storage.fault_injection import (
     Op,
     OpFaults,
     SyncFaultyFileSystem,
+    request_op,
 )
 
 PAYLOAD = bytes(range(256)) * 8  # 2 KiB, every byte value
@@ -400,3 +401,17 @@ def test_concurrent_callers_draw_the_seeded_sequence_between_them():
     # each call takes the next draws under the lock: together the threads saw the sequential run
     assert Counter(o for r in results for o in r) == Counter(expected)
     assert w.injected()[FaultKind.ERROR] == expected.count("OSError")
+
+
+@pytest.mark.parametrize(("method", "path", "op"), [
+    ("GET", "b/{}/o", Op.LIST),
+    ("GET", "b", Op.LIST),
+    ("GET", "b/{}/o/{}", Op.METADATA),
+    ("GET", "b/hicache-test", Op.METADATA),
+    ("GET", "http://127.0.0.1:9023/download/storage/v1/b/bkt/o/a%2Fb?alt=media", Op.READ),
+    ("GET", "http://127.0.0.1:9023/storage/v1/b/bkt/o?prefix=a", Op.LIST),
+    ("POST", "http://127.0.0.1:9023/upload/storage/v1/b/bkt/o", Op.WRITE),
+    ("DELETE", "b/{}/o/{}", Op.DELETE),
+])
+def test_request_classes(method, path, op):
+    assert request_op(method, path) is op

@@ -14,6 +14,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
+from hicache.storage.errors import StorageUnavailableError
 from hicache.storage.testing import ManualClock, NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
 
@@ -41,9 +42,9 @@ class FaultyMemoryFS(MemoryFileSystem):
         if self.mode == "hang":
             self.release.wait(60)
 
-    def exists(self, path, **kw):
+    def info(self, path, **kw):  # (fsspec's exists calls it too)
         self._fault()
-        return super().exists(path, **kw)
+        return super().info(path, **kw)
 
     def cat_file(self, path, *a, **kw):
         self._fault(path)
@@ -90,19 +91,22 @@ def test_outage_is_bounded_and_per_key_false(faulty, mode):
     assert st.batch_set(keys[:8], S(0, 8)) == [True] * 8  # stored before the outage
     l2_before = pool.buf.copy()
     fs.mode = mode
-    for call, expect in [
+    for call, expect in [  # (a write first: while the breaker is open it raises instead)
+        (lambda: st.batch_set(keys, S(0, 10)), [False] * 10),
         (lambda: st.batch_exists(keys), 0),
         (lambda: st.batch_get(keys, S(20, 30)), [False] * 10),
-        (lambda: st.batch_set(keys, S(0, 10)), [False] * 10),
         (lambda: st.exists(keys[3], 3), False),
     ]:
         t0 = time.monotonic()
         assert call() == expect
         assert time.monotonic() - t0 < 2.0  # timeout_s=0.5 plus slack
-    assert same_bytes(pool.buf[:10], l2_before[:10])  # nothing lost from L2
     s = st.stats()
     assert (s.timeouts if mode == "hang" else s.refused) > 0
     assert s.breaker_state == "open" and s.unavailable > 0  # later calls failed fast
+    with pytest.raises(StorageUnavailableError, match="breaker open"):  # a backup skipped, typed
+        st.batch_set(keys, S(0, 10))
+    assert st.stats().skipped_write_pages == 10
+    assert same_bytes(pool.buf[:10], l2_before[:10])  # nothing lost from L2
     # recovery: the backend comes back; after the cooldown a probe closes the breaker and earlier
     # objects are still served
     fs.mode = "ok"

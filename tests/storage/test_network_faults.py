@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
+from hicache.storage.errors import StorageUnavailableError
 from hicache.storage.fault_injection import FaultPlan, FaultyFileSystem, OpFaults
 from hicache.storage.testing import ManualClock, NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
@@ -178,6 +179,38 @@ def test_an_object_corrupt_at_rest_is_removed_under_flips_in_transit(scheme, mak
     assert set(_stored_objects(writer)) == before - {path}  # that object only
 
 
+# ---- existence checks: one metadata request per object, never a listing ------------------------
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_existence_checks_are_object_metadata_requests_never_listings(scheme, make):
+    """Counted through the wrapper: its calls, and on gs:// every HTTP request gcsfs sends (a
+    listing gcsfs makes inside ``_info`` shows there, which the control at the end proves)."""
+    writer = make(scheme)
+    _fill_store(writer)
+    st = make(scheme, url=writer.url_)
+    fs = st.faulty
+    calls, reqs = fs.calls(), fs.requests()
+    _, _, keys = _chains()[0]
+    assert st.batch_exists(keys) == PAGES  # two stored objects
+    assert st.batch_exists([k[::-1] for k in keys]) == 0  # none stored: naturals, then partials
+    assert st.batch_set(keys, S(0, PAGES)) == [True] * PAGES  # skipped: its existence round says stored
+    dc, dr = _delta(fs.calls(), calls), _delta(fs.requests(), reqs)
+    assert dc["list"] == 0 and dc["read"] == 0 and dc["write"] == 0
+    asked = 2 + 2 + 3 + 2  # objects asked about: stored pair; missing pair, then 3 partials; the set's pair
+    assert dc["metadata"] == asked
+    if scheme == "gs":
+        assert dr == {"read": 0, "write": 0, "metadata": asked, "list": 0, "delete": 0}
+        before = fs.requests()["list"]
+        assert fs.exists(st.object_path(keys[3]))  # fsspec's exists: gcsfs' _info lists the prefix too
+        assert fs.requests()["list"] > before
+    else:
+        assert dr == dict.fromkeys(dr, 0)  # memory://, file://: no HTTP
+
+
 # ---- hangs, refused connections: deadlines and the breaker -------------------------------------
 
 
@@ -203,6 +236,7 @@ def test_breaker_opens_fails_fast_and_a_probe_closes_it(scheme, make, fault):
         n, took = _timed(lambda: st.batch_exists(keys))
         assert n == 0 and took < deadline + MARGIN_S
         calls += 1
+    assert calls == (3 if fault == "hang" else 1)  # every connection refused: open at once
     s = st.stats()
     assert s.breaker_opens == 1 and not st.available
     assert (s.timeouts if fault == "hang" else s.refused) > 0
@@ -210,10 +244,11 @@ def test_breaker_opens_fails_fast_and_a_probe_closes_it(scheme, make, fault):
     # open: misses at once, nothing reaches the network, nothing raises
     assert st.batch_exists(keys) == 0
     assert st.batch_get(keys, S(20, 28)) == [False] * PAGES
-    assert st.batch_set(keys, S(0, 8)) == [False] * PAGES
+    with pytest.raises(StorageUnavailableError):  # a write is refused whole, typed, for the caller to count
+        st.batch_set(keys, S(0, 8))
     assert st.list_prefixes(_chains()[0][0]) == []
     assert sum(fs.injected().values()) == seen
-    assert st.stats().unavailable >= 3
+    assert st.stats().unavailable >= 3 and st.stats().skipped_write_pages == PAGES
     # the endpoint comes back; the cooldown passes; one probe closes the breaker; hits resume
     fs.set_plan(FaultPlan())
     fs.release_hangs()
@@ -366,3 +401,47 @@ def test_close_is_bounded_with_operations_hung_in_flight(scheme, make):
     t.join(timeout=30.0)
     assert not t.is_alive() and len(out[0]) == PAGES
     assert st.close() is True  # idempotent
+
+
+_EXIT_WITH_A_HUNG_CALL = """
+import fsspec, numpy as np
+from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
+from hicache.storage.fault_injection import FaultPlan, FaultyFileSystem, OpFaults
+from hicache.storage.testing import NumpyHostPool
+fp = ModelFingerprint("tiny-test", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+fs = FaultyFileSystem(fsspec.filesystem("memory"), FaultPlan(metadata=OpFaults(hang_p=1.0), hang_max_s=3600.0))
+st = FsspecStorage("memory://exit-with-a-hung-call", fp, StorageConfig(exists_timeout_s=0.2), fs=fs)
+st.register_host_pool(NumpyHostPool(8, (2, 2, 4, 2, 8), np.float32), shard=ShardCoord.full(fp))
+assert st.batch_exists(page_keys(Namespace(fp), np.arange(16))) == 0
+assert fs.wait_for_hangs(1, timeout=30.0)
+print("returned", flush=True)
+"""  # ... and exits without close, an I/O thread blocked in the backend for an hour
+
+
+def test_a_hung_sync_backend_never_holds_process_exit():
+    """The sync backends' I/O threads are daemon threads: the process exits at once although one
+    of them is blocked in a call that would hang for an hour."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_HUNG_CALL], capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert r.stdout.strip() == b"returned"
+
+
+def test_a_chained_gs_url_gets_the_gs_defaults(gcs_emulator):
+    """``faulty::gs://...``: gs:// object size, no listings or instance cache, the bucket probe."""
+    url = f"faulty::{gcs_emulator}/chained"
+    st = FsspecStorage(url, FP, StorageConfig(storage_options={"gs": {"token": "anon"}}))
+    try:
+        pool = NumpyHostPool(8, SLOT_SHAPE, np.float32)
+        st.register_host_pool(pool, shard=ShardCoord.full(FP))
+        assert st.scheme == "gs"
+        assert st.pages_per_object() == StorageConfig().object_bytes_for("gs") // pool.slot_bytes
+        target = st.fs.fs
+        assert target.dircache.use_listings_cache is False
+        assert target is not type(target)(token="anon")  # not an instance from the cache
+        assert st.probe() is True
+        assert st.fs.requests()["list"] == 0  # (the bucket probe: one GET of the bucket)
+    finally:
+        st.close()

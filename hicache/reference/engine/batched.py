@@ -35,7 +35,11 @@ __all__ = ["batch_sizes", "check_platform", "compile_batches", "decode_steps", "
 
 
 def check_platform(runner: ModelRunner) -> None:
-    """``ValueError`` unless the runner's pool lives on a platform in ``scan.BIT_EXACT_PLATFORMS``."""
+    """``ValueError`` unless the runner's pool lives on a platform in ``scan.BIT_EXACT_PLATFORMS`` (and its
+    model has no recurrent layers: the scan carries no state pool)."""
+    if runner.model.recurrent_layers:
+        raise ValueError(f"batched decode of a model with recurrent layers {runner.model.recurrent_layers} "
+                         "is not supported: decode one request per step")
     if not runner.scan_supported:  # (set with the pool: a pool's platform does not change)
         platforms = {d.platform for d in runner.pool.devices()}
         raise ValueError(f"batched decode is not bit-identical to decode_step on {sorted(platforms)} "

@@ -8,7 +8,7 @@ of the KV cache depend on the forward shape as well as on the model (see ``hicac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +21,24 @@ def _positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _layer_set(name: str, layers: object, num_layers: int) -> None:
+    if not isinstance(layers, tuple):
+        raise ValueError(f"{name} must be a tuple, got {layers!r}")
+    for layer in layers:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+            raise ValueError(f"{name} entry {layer!r} not in [0, {num_layers})")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{name} has duplicates: {layers}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A tiny decoder-only transformer: RMSNorm, GQA attention with RoPE, SwiGLU MLP, untied head.
 
     ``sliding_window`` (tokens, the query included) applies to the layers in ``sliding_window_layers``;
-    when that is ``None`` it applies to every other layer starting at layer 0 (local/global alternation).
+    when that is ``None`` it applies to every other attention layer starting at layer 0 (local/global
+    alternation). ``recurrent_layers`` have a gated linear recurrence instead of attention
+    (``hicache.reference.engine.recurrent``: their context is one state per request, no KV).
     Defaults are small enough to compile and run fast on a 2-core CPU.
     """
 
@@ -41,6 +53,9 @@ class ModelConfig:
     seed: int = 0
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] | None = None
+    # Not in the repr: ``numerics_key`` (an L3 fingerprint) prints it only when set, so attention-only
+    # models keep the fingerprint they had before the field existed.
+    recurrent_layers: tuple[int, ...] = field(default=(), repr=False)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -72,6 +87,12 @@ class ModelConfig:
                         f"sliding_window_layers entry {layer!r} not in [0, {self.num_layers})")
             if len(set(self.sliding_window_layers)) != len(self.sliding_window_layers):
                 raise ValueError(f"sliding_window_layers has duplicates: {self.sliding_window_layers}")
+        _layer_set("recurrent_layers", self.recurrent_layers, self.num_layers)
+        if set(self.recurrent_layers) & set(self.sliding_window_layers or ()):
+            raise ValueError(f"layers {sorted(set(self.recurrent_layers) & set(self.sliding_window_layers or ()))} "
+                             "are both recurrent_layers and sliding_window_layers")
+        if len(self.recurrent_layers) == self.num_layers:
+            raise ValueError(f"recurrent_layers={self.recurrent_layers} leave no attention layer")
         if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1.0):
             raise ValueError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
         if not (isinstance(self.norm_eps, float) and self.norm_eps > 0.0):
@@ -87,11 +108,18 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens, or ``None`` for a full-attention layer."""
-        if self.sliding_window is None:
+        if self.sliding_window is None or layer in self.recurrent_layers:
             return None
         layers = (self.sliding_window_layers if self.sliding_window_layers is not None
-                  else tuple(range(0, self.num_layers, 2)))
+                  else self.attention_layers[::2])
         return self.sliding_window if layer in layers else None
+
+    def is_recurrent(self, layer: int) -> bool:
+        return layer in self.recurrent_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer in range(self.num_layers) if layer not in self.recurrent_layers)
 
     @property
     def swa_layers(self) -> tuple[int, ...]:
@@ -129,6 +157,7 @@ def numerics_key(model: ModelConfig, fwd: ForwardConfig, backend: str,
     ``jax.default_backend()``; ``mesh_shape`` is the shape of the mesh a sharded pool lives on (``()``
     for one device), since a forward split over another mesh may round its reductions differently.
     """
-    return (f"hicache-engine-v2|{model!r}|chunk={fwd.chunk_size}|page={fwd.page_size}"
+    recurrent = f"|recurrent={model.recurrent_layers}" if model.recurrent_layers else ""
+    return (f"hicache-engine-v2|{model!r}{recurrent}|chunk={fwd.chunk_size}|page={fwd.page_size}"
             f"|max_pages={fwd.max_pages}|backend={backend}|mesh={tuple(mesh_shape)}"
             f"|jax={jax.__version__}")

@@ -1,7 +1,8 @@
 """The reference model: a tiny deterministic decoder-only transformer over the paged L1 pool.
 
 RMSNorm -> GQA attention (RoPE, causal, optional sliding window per layer) -> RMSNorm -> SwiGLU MLP,
-untied LM head. Weights are a pure function of ``ModelConfig.seed`` (threefry PRNG).
+untied LM head; ``ModelConfig.recurrent_layers`` replace attention with a gated linear recurrence whose
+state lives in a state pool (``hicache.reference.engine.recurrent``, which extends the argument below). Weights are a pure function of ``ModelConfig.seed`` (threefry PRNG).
 
 Buffers: ``params`` are owned by the caller (a ``ModelRunner``) and never donated. ``kv_pool``
 (layout in ``hicache.reference.engine.kv_layout``) belongs to the L1 owner; ``forward_chunk`` *donates* it and
@@ -72,7 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache.reference.engine import kv_layout
+from hicache.reference.engine import kv_layout, recurrent
 from hicache.reference.engine.config import ModelConfig
 
 Params = dict[str, Any]
@@ -106,7 +107,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         "mlp_norm": (h,), "w_gate": (h, cfg.mlp_hidden), "w_up": (h, cfg.mlp_hidden),
         "w_down": (cfg.mlp_hidden, h),
     }
-    return {"embed": (cfg.vocab_size, h), "layers": [dict(layer) for _ in range(cfg.num_layers)],
+    recurrent = {  # ``hicache.reference.engine.recurrent``: (decay, inflow, gate) projections, output
+        "attn_norm": (h,), "w_rec": (h, 3 * h), "w_rec_out": (h, h),
+        "mlp_norm": (h,), "w_gate": (h, cfg.mlp_hidden), "w_up": (h, cfg.mlp_hidden),
+        "w_down": (cfg.mlp_hidden, h),
+    }
+    return {"embed": (cfg.vocab_size, h),
+            "layers": [dict(recurrent if cfg.is_recurrent(i) else layer) for i in range(cfg.num_layers)],
             "final_norm": (h,), "lm_head": (h, cfg.vocab_size)}
 
 
@@ -143,6 +150,11 @@ def init_params(cfg: ModelConfig, device: jax.Device | jax.sharding.Sharding | N
         return jnp.asarray(x, cfg.jnp_dtype, device=device)
 
     def layer_params(drawn: dict[str, np.ndarray]) -> Params:
+        if "w_rec" in drawn:  # a recurrent layer
+            return {"attn_norm": put(drawn["attn_norm"]), "w_rec": put(drawn["w_rec"]),
+                    "w_rec_out": put(drawn["w_rec_out"]), "mlp_norm": put(drawn["mlp_norm"]),
+                    "w_gate_up": put(np.concatenate([drawn["w_gate"], drawn["w_up"]], axis=1)),
+                    "w_down": put(drawn["w_down"])}
         return {"attn_norm": put(drawn["attn_norm"]),
                 "wqkv": put(np.concatenate([drawn["wq"], drawn["wk"], drawn["wv"]], axis=1)),
                 "wo": put(drawn["wo"]), "mlp_norm": put(drawn["mlp_norm"]),
@@ -229,22 +241,35 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.
 # --- the paged forward ---------------------------------------------------------------------------
 
 STEP_HEADER = 3  # (base, lo, hi) at the head of a forward's step input
+RECURRENT_STEP_HEADER = 4  # (base, lo, hi, state slot): the step input of a model with recurrent layers
+
+
+def step_header(cfg: ModelConfig) -> int:
+    return RECURRENT_STEP_HEADER if cfg.recurrent_layers else STEP_HEADER
 
 
 def step_input(chunk_tokens: np.ndarray, page_table: np.ndarray, base: int, lo: int, hi: int,
-               chunk_size: int) -> np.ndarray:
+               chunk_size: int, state_slot: int | None = None, swa_table: np.ndarray | None = None) -> np.ndarray:
     """A forward's one small input, ``i32[3 + C + max_pages]``: ``(base, lo, hi)``, the chunk's
     tokens by row (row ``r`` = position ``base + r``; positions ``[lo, hi)`` hold ``chunk_tokens``,
     the other rows 0), then the padded page table. One array, so one host->device transfer per
-    forward.
+    forward. With ``state_slot`` (models with recurrent layers), ``i32[4 + C + max_pages]``: the
+    header ends with the request's state slot. With ``swa_table`` (sliding-window layers in their own
+    pool), the SWA page ids of the request's pages follow the page table (``i32[max_pages]`` each).
 
     chunk_tokens: i32[hi - lo]  the tokens of positions ``[lo, hi)``
     page_table:   i32[max_pages]
     """
-    step = np.zeros(STEP_HEADER + chunk_size + page_table.size, np.int32)
+    header = STEP_HEADER if state_slot is None else RECURRENT_STEP_HEADER
+    tail = page_table.size if swa_table is None else 2 * page_table.size
+    step = np.zeros(header + chunk_size + tail, np.int32)
     step[:STEP_HEADER] = base, lo, hi
-    step[STEP_HEADER + lo - base: STEP_HEADER + hi - base] = chunk_tokens
-    step[STEP_HEADER + chunk_size:] = page_table
+    if state_slot is not None:
+        step[STEP_HEADER] = state_slot
+    step[header + lo - base: header + hi - base] = chunk_tokens
+    step[header + chunk_size: header + chunk_size + page_table.size] = page_table
+    if swa_table is not None:
+        step[header + chunk_size + page_table.size:] = swa_table
     return step
 
 
@@ -255,7 +280,9 @@ def forward_chunk(
     *,
     cfg: ModelConfig,
     chunk_size: int,
-) -> tuple[jax.Array, jax.Array]:
+    state_pool: jax.Array | None = None,  # f32[slots, R, D] (``recurrent``), with recurrent layers only
+    swa_pool: jax.Array | None = None,  # [L_swa, 2, P_swa, S, Hkv, D]: the sliding-window layers' own pool
+) -> tuple[jax.Array, ...]:
     """One chunk of one request: write its K/V into the request's pages and return its logits.
 
     ``step`` holds ``(base, lo, hi)``, the tokens of rows ``0..C-1`` and the request's page table
@@ -265,12 +292,24 @@ def forward_chunk(
     rows write nothing and return zero logits. All positions ``< lo`` must already be in the pool.
 
     Returns ``(logits f32[C, vocab], kv_pool)``; the returned pool replaces the donated one. Run it
-    through ``compiled_forward``.
+    through ``compiled_forward``. A model with recurrent layers also takes the state pool and the
+    request's slot (``step[3]``): recurrent layers continue from ``state_pool[slot]`` (the state after
+    position ``lo - 1``) and the forward returns ``(logits, kv_pool, state_pool)`` with the state after
+    position ``hi - 1`` in that slot. With ``swa_pool``, sliding-window layers write and read their
+    K/V there, through the SWA page table at the end of ``step`` (``SWAComponent.translate`` of the
+    page table; -1 where the tree dropped the SWA KV: only positions outside every valid query's window),
+    and the forward returns the updated ``swa_pool`` after ``kv_pool`` (before ``state_pool``).
     """
     c = chunk_size
+    header = step_header(cfg)
     base, lo, hi = step[0], step[1], step[2]
-    tokens = step[STEP_HEADER: STEP_HEADER + c]
-    page_table = step[STEP_HEADER + c:]  # i32[max_pages]
+    tokens = step[header: header + c]
+    tail = step[header + c:]
+    swa_table = None
+    if swa_pool is not None:  # (static: the tail holds two tables)
+        page_table, swa_table = tail[: tail.shape[0] // 2], tail[tail.shape[0] // 2:]
+    else:
+        page_table = tail  # i32[max_pages]
     positions = base + jnp.arange(c, dtype=jnp.int32)
     valid = (positions >= lo) & (positions < hi)
 
@@ -284,13 +323,37 @@ def forward_chunk(
                          num_pages)
     slots = positions % page_size
 
+    states = None
+    if cfg.recurrent_layers:
+        if state_pool is None:
+            raise ValueError("a model with recurrent layers needs its state pool")
+        slot = step[STEP_HEADER]
+        states = state_pool[slot]  # f32[R, D]: the state after position lo - 1
     x = params["embed"][tokens]  # [C, H]
     for layer, lp in enumerate(params["layers"]):
         window = cfg.window_of(layer)
         h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        if cfg.is_recurrent(layer):
+            assert states is not None  # set above for models with recurrent layers
+            r = cfg.recurrent_layers.index(layer)
+            mixed, new_state = recurrent.mix(h, lp["w_rec"], lp["w_rec_out"], states[r], valid)
+            states = states.at[r].set(new_state)
+            x = x + mixed
+            x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
+            continue
         q, k, v = _qkv(h, lp, positions, cfg)
-        kv_pool = kv_layout.write_tokens(kv_pool, layer, page_ids, slots, k, v)
-        k_ctx, v_ctx = kv_layout.read_context(kv_pool, layer, page_table)  # [ctx, Hkv, D] each
+        if window is not None and swa_pool is not None:
+            assert swa_table is not None
+            i = cfg.swa_layers.index(layer)
+            n_swa = swa_pool.shape[2]
+            swa_ids = swa_table[jnp.clip(positions // page_size, 0, swa_table.shape[0] - 1)]
+            swa_ids = jnp.where(valid & (swa_ids >= 0), swa_ids, n_swa)  # (own pages always map an SWA page)
+            swa_pool = kv_layout.write_tokens(swa_pool, i, swa_ids, slots, k, v)
+            # dropped SWA pages (-1) read page 0: only keys no valid query sees (masked, values zeroed below)
+            k_ctx, v_ctx = kv_layout.read_context(swa_pool, i, jnp.maximum(swa_table, 0))
+        else:
+            kv_pool = kv_layout.write_tokens(kv_pool, layer, page_ids, slots, k, v)
+            k_ctx, v_ctx = kv_layout.read_context(kv_pool, layer, page_table)  # [ctx, Hkv, D] each
         # Value rows no valid query may see are zeroed: stale/NaN slots cannot leak through 0 * v.
         # (Their scores are -inf whatever the keys hold, so keys need no zeroing.)
         live = k_pos < hi
@@ -302,16 +365,34 @@ def forward_chunk(
         x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
 
     logits = (_rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]).astype(jnp.float32)
-    return jnp.where(valid[:, None], logits, 0.0), kv_pool
+    logits = jnp.where(valid[:, None], logits, 0.0)
+    results: tuple[jax.Array, ...] = (logits, kv_pool) if swa_pool is None else (logits, kv_pool, swa_pool)
+    if states is None:
+        return results
+    assert state_pool is not None
+    return (*results, state_pool.at[step[STEP_HEADER]].set(states))
 
 
 @functools.cache
-def compiled_forward(cfg: ModelConfig, chunk_size: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def compiled_forward(cfg: ModelConfig, chunk_size: int, swa_pool: bool = False) -> Callable[..., tuple[jax.Array, ...]]:
     """``forward_chunk`` jitted for one model and chunk size, donating the pool:
-    ``fn(params, kv_pool, step) -> (logits, kv_pool)``. One function per (config, chunk size) for the
-    process, so every runner of a config shares one compiled program, and a call hashes no static
-    argument (a ``ModelConfig`` hash costs microseconds on every forward)."""
-    return jax.jit(functools.partial(forward_chunk, cfg=cfg, chunk_size=chunk_size), donate_argnums=1)
+    ``fn(params, kv_pool, step) -> (logits, kv_pool)``. With an SWA pool and/or recurrent layers the
+    extra pools follow ``kv_pool`` in arguments and results, donated too:
+    ``fn(params, kv_pool, [swa_pool], [state_pool], step) -> (logits, kv_pool, [swa_pool], [state_pool])``.
+    One function per (config, chunk size, SWA pool) for the process, so every runner of a config shares
+    one compiled program, and a call hashes no static argument (a ``ModelConfig`` hash costs microseconds
+    on every forward)."""
+    if not cfg.recurrent_layers and not swa_pool:
+        return jax.jit(functools.partial(forward_chunk, cfg=cfg, chunk_size=chunk_size), donate_argnums=1)
+    n_extra = int(swa_pool) + int(bool(cfg.recurrent_layers))
+
+    def hybrid(params: Params, kv_pool: jax.Array, *rest: jax.Array) -> tuple[jax.Array, ...]:
+        *pools, step = rest
+        swa = pools[0] if swa_pool else None
+        state = pools[-1] if cfg.recurrent_layers else None
+        return forward_chunk(params, kv_pool, step, cfg=cfg, chunk_size=chunk_size, state_pool=state, swa_pool=swa)
+
+    return jax.jit(hybrid, donate_argnums=tuple(range(1, 2 + n_extra)))
 
 
 def chunk_rows(start: int, end: int, chunk_size: int) -> list[tuple[int, int, int]]:
@@ -343,6 +424,11 @@ def reference_forward(params: Params, tokens: jax.Array, *, cfg: ModelConfig) ->
     x = params["embed"][tokens]
     for layer, lp in enumerate(params["layers"]):
         h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        if cfg.is_recurrent(layer):
+            zero = jnp.zeros((cfg.hidden,), jnp.float32)
+            x = x + recurrent.mix(h, lp["w_rec"], lp["w_rec_out"], zero, jnp.ones(pos.shape, bool))[0]
+            x = x + _mlp(_rms_norm(x, lp["mlp_norm"], cfg.norm_eps), lp)
+            continue
         q, k, v = _qkv(h, lp, pos, cfg)
         k = k.astype(cfg.jnp_dtype)
         v = v.astype(cfg.jnp_dtype)

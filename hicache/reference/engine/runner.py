@@ -30,9 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from hicache.reference.engine import kv_layout, scan
+from hicache.reference.engine import kv_layout, recurrent, scan
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.model import (
     Params,
@@ -116,6 +117,9 @@ def prefill_start(hit_len: int, num_tokens: int, page_size: int) -> int:
     return usable - usable % page_size
 
 
+# A request's inputs for the extra pools: (state slot, padded SWA table), or None without extra pools.
+_Extra = tuple[int | None, np.ndarray | None] | None
+
 # ``ModelRunner(scan_chunks=None)`` takes this, read at construction (one place for every runner of a
 # process, the benchmarks' bare engine included). 1: a dispatch per chunk. Scans cut long prefills but
 # not short ones (docs/performance.md), so they shrink the no-cache baselines more than the cached
@@ -138,6 +142,8 @@ class ModelRunner:
         params: Params | None = None,
         pool: jax.Array | None = None,
         scan_chunks: int | None = None,
+        state_slots: int = 0,
+        swa_pages: int = 0,
     ) -> None:
         """Without ``pool``, a zeroed pool of ``num_pages`` pages is made on ``device`` (default: the
         first device). With ``pool`` (e.g. the HostWorker's L1 array, possibly sharded on the KV-head
@@ -145,7 +151,22 @@ class ModelRunner:
         replicated over the pool's devices (``kv_layout.replicated_like``). ``scan_chunks`` (a power of
         two, default ``SCAN_CHUNKS_DEFAULT``): the most consecutive chunks of one request dispatched as
         one scan (``_run``); 1, or a pool off one device of a platform in ``scan.BIT_EXACT_PLATFORMS``:
-        one dispatch per chunk."""
+        one dispatch per chunk. ``state_slots``: the recurrent state pool's slots (models with
+        ``recurrent_layers`` only, which need > 0; the head's ``MambaConfig.num_slots``); their forwards
+        take each request's slot (``state_slot=``) and run one dispatch per chunk. ``swa_pages`` > 0 (models
+        with sliding-window layers): those layers keep their K/V in a pool of their own of that many pages
+        (the head's SWA pool, ``SWAConfig.num_tokens // page_size``), addressed by each request's SWA page
+        table (``swa_table=``, ``SWAComponent.translate`` of its page table); their slots of the L1 pool
+        stay unused."""
+        if not isinstance(swa_pages, int) or isinstance(swa_pages, bool) or swa_pages < 0:
+            raise ValueError(f"swa_pages must be an int >= 0, got {swa_pages!r}")
+        if swa_pages and not model.swa_layers:
+            raise ValueError(f"swa_pages={swa_pages} given for a model without sliding-window layers")
+        if not isinstance(state_slots, int) or isinstance(state_slots, bool) or state_slots < 0:
+            raise ValueError(f"state_slots must be an int >= 0, got {state_slots!r}")
+        if bool(model.recurrent_layers) != (state_slots > 0):
+            raise ValueError(f"state_slots={state_slots}: a model with recurrent layers "
+                             f"{model.recurrent_layers} needs state slots, one without needs none")
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if scan_chunks is None:
@@ -167,14 +188,18 @@ class ModelRunner:
         self._put_inputs: Callable = ((lambda x: x) if jax.process_count() == 1
                                       else (lambda x: jax.device_put(x, self.placement)))
         self.params = params if params is not None else init_params(model, self.placement)
-        self._forward = compiled_forward(model, fwd.chunk_size)
+        self._forward = compiled_forward(model, fwd.chunk_size, swa_pages > 0)
         self._scan_fn = scan.compiled_scan(model, fwd.chunk_size)
         self._scan_request = scan_chunks
         self.scan_supported = False  # set by set_pool, with the pool's platform
         self.scan_chunks = 1  # set by set_pool: ``scan_chunks`` where the scan is bit-identical, else 1
         self._tables: dict[bytes, np.ndarray] = {}  # checked page tables (``_check_table``), by content
         self._pool_signature: tuple | None = None
+        self._swa_pages = swa_pages
         self.set_pool(pool)
+        self._state: jax.Array | None = (recurrent.make_state_pool(model, state_slots, self.placement)
+                                         if state_slots else None)
+        self._swa: jax.Array | None = self._make_swa_pool(swa_pages) if swa_pages else None
         self.forwards = 0  # fixed-shape forwards run so far (prefill chunks + decode steps)
 
     @property
@@ -211,42 +236,83 @@ class ModelRunner:
         # (jax's Device stub lacks ``platform``, a runtime attribute of every device)
         self.scan_supported = all(scan.supported(d.platform) for d in devices)  # type: ignore[attr-defined]
         one_device = len(devices) == 1 and jax.process_count() == 1
-        self.scan_chunks = self._scan_request if one_device and self.scan_supported else 1
+        extra_pools = bool(self.model.recurrent_layers) or self._swa_pages > 0  # (the scan carries no extra pool)
+        self.scan_chunks = self._scan_request if one_device and self.scan_supported and not extra_pools else 1
         self._pool_signature = signature
+
+    def _make_swa_pool(self, num_pages: int) -> jax.Array:
+        shape = (len(self.model.swa_layers), 2, num_pages, self.fwd.page_size, self.model.num_kv_heads,
+                 self.model.head_dim)
+        return jnp.zeros(shape, self.model.jnp_dtype, device=self.placement)
+
+    @property
+    def swa_pool(self) -> jax.Array | None:
+        """The sliding-window layers' pool ``[L_swa, 2, P_swa, S, Hkv, D]`` (None: they use the L1 pool)."""
+        return self._swa
+
+    @property
+    def state_pool(self) -> jax.Array | None:
+        """The recurrent state pool ``f32[slots, R, D]`` (None without recurrent layers); like ``pool``,
+        valid until the next forward."""
+        return self._state
+
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """``state[dst] := state[src]`` for each ``(src, dst)``: a request's working slot takes the cached
+        state it continues from (``MambaRequest.copies``), before its next forward."""
+        self._state = recurrent.copy_states(self._require_states(), copies)
+
+    def zero_states(self, slots: Sequence[int]) -> None:
+        """Zeroes ``slots``: a request that continues from no cached state starts there."""
+        self._state = recurrent.zero_states(self._require_states(), slots)
+
+    def _require_states(self) -> jax.Array:
+        if self._state is None:
+            raise ValueError(f"the model has no recurrent layers (recurrent_layers={self.model.recurrent_layers})")
+        return self._state
 
     # --- forwards ------------------------------------------------------------------------------
 
-    def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> np.ndarray:
+    def extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int,
+               state_slot: int | None = None, swa_table: TokenIds | None = None) -> np.ndarray:
         """Compute positions ``[start_pos, len(tokens))`` of a sequence whose positions
         ``< start_pos`` are already in its pages; writes their K/V. ``tokens`` is the whole sequence.
+        With recurrent layers, ``state_slot`` holds the state after ``start_pos`` tokens and then the
+        state after all of them (every call below takes it the same way). With an SWA pool, ``swa_table``
+        is the request's SWA page table (one entry per page of ``page_table``, -1 for a dropped page).
 
         Returns logits ``f32[len(tokens) - start_pos, vocab]``.
         """
-        return self.start_extend(tokens, page_table, start_pos).result()
+        return self.start_extend(tokens, page_table, start_pos, state_slot, swa_table).result()
 
-    def start_extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int) -> PendingLogits:
+    def start_extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int,
+                     state_slot: int | None = None, swa_table: TokenIds | None = None) -> PendingLogits:
         """``extend`` without waiting: dispatches the forwards (the pool is rebound to their output at
         once, so later transfers and forwards are ordered after them) and returns their logits to come."""
         toks, table = self._check(tokens, page_table, start_pos)
-        return self._run(toks, table, start_pos)
+        extra = (self._check_slot(state_slot), self._check_swa_table(swa_table, int(toks.size)))
+        return self._run(toks, table, start_pos, extra)
 
-    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int = 0) -> np.ndarray:
+    def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int = 0,
+                state_slot: int | None = None, swa_table: TokenIds | None = None) -> np.ndarray:
         """Prefill a prompt after a cached prefix of ``start_pos`` tokens (a multiple of the page size,
         its K/V already in the first pages of ``page_table``). Returns the last logits ``f32[vocab]``."""
         if not isinstance(start_pos, (int, np.integer)) or start_pos % self.fwd.page_size:
             raise ValueError(
                 f"start_pos={start_pos!r} must be a multiple of page_size={self.fwd.page_size}")
-        return self.start_extend(tokens, page_table, int(start_pos)).last()
+        return self.start_extend(tokens, page_table, int(start_pos), state_slot, swa_table).last()
 
-    def decode_step(self, tokens: TokenIds, page_table: TokenIds) -> np.ndarray:
+    def decode_step(self, tokens: TokenIds, page_table: TokenIds, state_slot: int | None = None,
+                    swa_table: TokenIds | None = None) -> np.ndarray:
         """One decode step: computes the last position of ``tokens`` (all earlier ones are in the
         pages) and returns its logits ``f32[vocab]``."""
-        return self.start_extend(tokens, page_table, len(tokens) - 1).last()
+        return self.start_extend(tokens, page_table, len(tokens) - 1, state_slot, swa_table).last()
 
     def decode_step_input(self, tokens: TokenIds, page_table: TokenIds) -> tuple[np.ndarray, int, int]:
         """What ``decode_step`` forwards, checked as it checks it: (the step input
         ``i32[3 + C + max_pages]`` of the chunk holding the last position, that position's row in the
         chunk, the page it writes). For callers that batch several requests' steps (``engine.batched``)."""
+        if self.model.recurrent_layers or self._swa is not None:
+            raise ValueError("batched decode steps of a model with recurrent layers or an SWA pool are not supported")
         toks, table = self._check(tokens, page_table, len(tokens) - 1)
         p, c = int(toks.size) - 1, self.fwd.chunk_size
         return step_input(toks[p:], table, p - p % c, p, p + 1, c), p % c, int(table[p // self.fwd.page_size])
@@ -258,7 +324,8 @@ class ModelRunner:
 
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, stop_token: int | None = None,
-               between_steps: Callable[[], None] | None = None) -> Generation:
+               between_steps: Callable[[], None] | None = None, state_slot: int | None = None,
+               swa_table: TokenIds | None = None) -> Generation:
         """Greedy decoding after a prefill of ``tokens`` whose last logits are ``last_logits``.
 
         Generates up to ``max_new_tokens`` (stops after ``stop_token``). Writes K/V for every
@@ -266,11 +333,11 @@ class ModelRunner:
         ``len(tokens) + max_new_tokens - 1`` positions. ``between_steps()`` runs before each decode
         step (see ``greedy_decode``).
         """
-        return greedy_decode(self.decoder(tokens, page_table, max_new_tokens), tokens, last_logits,
-                             max_new_tokens, stop_token, between_steps)
+        return greedy_decode(self.decoder(tokens, page_table, max_new_tokens, state_slot, swa_table), tokens,
+                             last_logits, max_new_tokens, stop_token, between_steps)
 
-    def decoder(self, tokens: TokenIds, page_table: TokenIds,
-                max_new_tokens: int) -> Callable[[TokenIds], np.ndarray]:
+    def decoder(self, tokens: TokenIds, page_table: TokenIds, max_new_tokens: int, state_slot: int | None = None,
+                swa_table: TokenIds | None = None) -> Callable[[TokenIds], np.ndarray]:
         """One request's decode steps, checked once: ``max_new_tokens`` and the table's length now, the
         prompt ``tokens`` and the pages of its final length ``len(tokens) + max_new_tokens - 1`` at the
         first step, before its forward (``ValueError``; after the first token is out, as
@@ -281,6 +348,7 @@ class ModelRunner:
         vocabulary). The steps of ``decode``; a caller that lends the pool out between steps
         (``WorkerEngine``) calls ``step`` with the pool lent back."""
         self._check_decode(tokens, page_table, max_new_tokens)
+        extra = (self._check_slot(state_slot), self._check_swa_table(swa_table, len(tokens) + max_new_tokens - 1))
         c, vocab = self.fwd.chunk_size, self.model.vocab_size
         first = end = 0  # positions [first, end) have checked pages; set by the first step
         table: np.ndarray | None = None
@@ -299,31 +367,43 @@ class ModelRunner:
             if not 0 <= token < vocab:
                 raise ValueError(f"token id {token} at index {pos} is outside the vocabulary [0, {vocab})")
             return PendingLogits([self._dispatch(np.array([token], np.int32), table, pos - pos % c, pos,
-                                                 pos + 1)]).last()
+                                                 pos + 1, extra)]).last()
 
         return step
 
     def generate(self, tokens: TokenIds, page_table: TokenIds, max_new_tokens: int,
-                 start_pos: int = 0, stop_token: int | None = None) -> Generation:
+                 start_pos: int = 0, stop_token: int | None = None, state_slot: int | None = None,
+                 swa_table: TokenIds | None = None) -> Generation:
         """``prefill`` from ``start_pos`` then greedy ``decode``, in the runner's pool."""
         self._check_decode(tokens, page_table, max_new_tokens)
-        logits = self.prefill(tokens, page_table, start_pos)
-        return self.decode(tokens, logits, page_table, max_new_tokens, stop_token)
+        logits = self.prefill(tokens, page_table, start_pos, state_slot, swa_table)
+        return self.decode(tokens, logits, page_table, max_new_tokens, stop_token, state_slot=state_slot,
+                           swa_table=swa_table)
 
     def generate_no_cache(self, tokens: TokenIds, max_new_tokens: int,
                           stop_token: int | None = None) -> Generation:
         """Reference path: the same greedy generation in a fresh zeroed pool (same shape as L1, so
         the same compiled forward), nothing reused and the runner's L1 pool untouched. Allocates
-        a pool the size of L1 for the call."""
-        saved = self._kv
+        a pool the size of L1 for the call (and a zeroed state pool, with recurrent layers)."""
+        saved, saved_states, saved_swa = self._kv, self._state, self._swa
         num_tokens = len(tokens) + max(max_new_tokens, 1) - 1
         table = list(range(min(pages_needed(max(num_tokens, 1), self.fwd.page_size), self.num_pages)))
         self._kv = kv_layout.make_pool(self.model, self.num_pages, self.fwd.page_size,
                                        saved.sharding)
+        slot = None
+        if saved_states is not None:
+            self._state = recurrent.make_state_pool(self.model, saved_states.shape[0], self.placement)
+            slot = 0
+        swa_table = None
+        if saved_swa is not None:  # the same pool shape (the same program): SWA page i for page i
+            if len(table) > saved_swa.shape[2]:
+                raise ValueError(f"{len(table)} pages exceed the SWA pool ({saved_swa.shape[2]} pages)")
+            self._swa = self._make_swa_pool(saved_swa.shape[2])
+            swa_table = table
         try:
-            return self.generate(tokens, table, max_new_tokens, 0, stop_token)
+            return self.generate(tokens, table, max_new_tokens, 0, stop_token, slot, swa_table)
         finally:
-            self._kv = saved
+            self._kv, self._state, self._swa = saved, saved_states, saved_swa
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -344,6 +424,40 @@ class ModelRunner:
         if not isinstance(start_pos, (int, np.integer)) or not 0 <= start_pos < n:
             raise ValueError(f"start_pos={start_pos!r} must be in [0, {n}) for {n} tokens")
         return toks, self._check_table(page_table, n)
+
+    def _check_slot(self, state_slot: int | None) -> int | None:
+        """The request's state slot: required with recurrent layers (inside the pool), else None."""
+        if self._state is None:
+            if state_slot is not None:
+                raise ValueError(f"state_slot={state_slot!r} given, but the model has no recurrent layers")
+            return None
+        if not isinstance(state_slot, (int, np.integer)) or isinstance(state_slot, bool):
+            raise ValueError(f"a model with recurrent layers needs an int state_slot, got {state_slot!r}")
+        if not 0 <= state_slot < self._state.shape[0]:
+            raise ValueError(f"state_slot {state_slot} is outside the state pool [0, {self._state.shape[0]})")
+        return int(state_slot)
+
+    def _check_swa_table(self, swa_table: TokenIds | None, n: int) -> np.ndarray | None:
+        """The request's SWA page table padded to ``i32[max_pages]`` (-1 past its pages): required with an
+        SWA pool (ids in [-1, P_swa): -1 where the tree dropped that page's SWA KV), else None."""
+        if self._swa is None:
+            if swa_table is not None:
+                raise ValueError("swa_table given, but this runner keeps no SWA pool (swa_pages=0)")
+            return None
+        if swa_table is None:
+            raise ValueError("a runner with an SWA pool needs each request's swa_table")
+        arr = np.asarray(swa_table)
+        need = pages_needed(n, self.fwd.page_size)
+        if arr.ndim != 1 or arr.size < need or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"swa_table must be a 1-D int sequence of >= {need} pages, got {swa_table!r:.80}")
+        used = arr[:need]
+        bad = np.flatnonzero((used < -1) | (used >= self._swa.shape[2]))
+        if bad.size:
+            raise ValueError(f"swa page id {int(used[bad[0]])} at index {int(bad[0])} is outside "
+                             f"[-1, {self._swa.shape[2]})")
+        padded = np.full(self.fwd.max_pages, -1, np.int32)
+        padded[:need] = used
+        return padded
 
     def _check_tokens(self, tokens: TokenIds) -> np.ndarray:
         """``tokens`` as i32[n]: a non-empty 1-D sequence of ids inside the vocabulary (an i32 array is
@@ -400,21 +514,31 @@ class ModelRunner:
         (the old one is donated): one step runs the chunk program itself, several its scan (only where
         ``scan.supported``: the caller's to decide). Returns logits ``f32[C, vocab]`` (one step) or
         ``f32[B, C, vocab]`` to come. Counts nothing (``forwards`` is the caller's)."""
-        if len(steps) == 1:
+        if self._state is not None or self._swa is not None:  # (one step: ``scan_chunks`` is 1 then)
+            assert len(steps) == 1, "a runner with extra pools runs one chunk per dispatch"
+            pools = [p for p in (self._swa, self._state) if p is not None]
+            logits, self._kv, *pools = self._forward(self.params, self._kv, *pools, self._put_inputs(steps[0]))
+            if self._swa is not None:
+                self._swa = pools[0]
+            if self._state is not None:
+                self._state = pools[-1]
+        elif len(steps) == 1:
             logits, self._kv = self._forward(self.params, self._kv, self._put_inputs(steps[0]))
         else:
             logits, self._kv = self._scan_fn(self.params, self._kv, self._put_inputs(np.stack(steps)))
         return logits
 
     def _dispatch(self, chunk_tokens: np.ndarray, table: np.ndarray, base: int, lo: int,
-                  hi: int) -> tuple[jax.Array, int, int, int]:
-        """Dispatch one forward (positions ``[lo, hi)`` of the chunk at ``base``). Returns (logits
-        f32[C, vocab] to come, 0, first row, end row)."""
-        logits = self._forward_steps([step_input(chunk_tokens, table, base, lo, hi, self.fwd.chunk_size)])
+                  hi: int, extra: _Extra = None) -> tuple[jax.Array, int, int, int]:
+        """Dispatch one forward (positions ``[lo, hi)`` of the chunk at ``base``; ``extra``: the request's
+        state slot and SWA table, where the runner has those pools). Returns (logits f32[C, vocab] to come, 0,
+        first row, end row)."""
+        slot, swa = (None, None) if extra is None else extra
+        logits = self._forward_steps([step_input(chunk_tokens, table, base, lo, hi, self.fwd.chunk_size, slot, swa)])
         self.forwards += 1
         return logits, 0, lo - base, hi - base
 
-    def _run(self, toks: np.ndarray, table: np.ndarray, start: int) -> PendingLogits:
+    def _run(self, toks: np.ndarray, table: np.ndarray, start: int, extra: _Extra = None) -> PendingLogits:
         """Dispatch the aligned chunks of positions ``[start, len(toks))``. Returns logits
         f32[len(toks) - start, vocab] to come. Where the scanned chunk program is bit-identical
         (``scan_chunks`` > 1), consecutive chunks go in scans of power-of-two lengths up to
@@ -423,7 +547,7 @@ class ModelRunner:
         c = self.fwd.chunk_size
         rows = chunk_rows(start, int(toks.size), c)
         if len(rows) == 1 or self.scan_chunks == 1:
-            return PendingLogits([self._dispatch(toks[lo:hi], table, base, lo, hi) for base, lo, hi in rows])
+            return PendingLogits([self._dispatch(toks[lo:hi], table, base, lo, hi, extra) for base, lo, hi in rows])
         parts: list[tuple[jax.Array, int, int, int]] = []
         i = 0
         for size in scan.groups(len(rows), self.scan_chunks):

@@ -1,0 +1,335 @@
+"""Drain on preemption: when a spot / preemptible slice gets its notice, store what is hot and not
+yet in L3 before the slice is taken.
+
+Spot and preemptible TPU VMs get tens of seconds of notice (GCE: ~30 s) before they are stopped;
+everything a replica holds in HBM and host DRAM and L3 does not have is lost with them. A drain:
+
+1. stops admitting: ``CacheHead.begin_request`` refuses new requests with ``HiCacheDrainingError``
+   (requests already running finish as usual);
+2. writes to L3, within the deadline, the prefixes L3 does not hold yet, most valuable first:
+   ``expected_value`` = (hits + 1) x recency, recency = 1 / (1 + tree operations since the node's last
+   use). L2-backed nodes go L2 -> L3 (``StorageTier.on_host_committed``, the path from its first
+   unstored page); L1-only ones go L1 -> L2 first (``HiCacheController.backup_to_host``), and the
+   storage tier stores them at the D->H ack. Sending is paced by the storage tier's in-flight cap, so
+   nothing is skipped for being over it; acks are pumped until the deadline;
+3. flushes the manifest (the next replica's warm restart lists what was drained).
+
+What did not fit is counted (``DrainProgress.not_fitted_pages``); objects are write-once and
+checksummed, so a write cut off by the slice going away is never read as data.
+
+Notice sources (``PreemptionSource``): the GCE metadata server (``instance/preempted``,
+``instance/maintenance-event``; tests run a stand-in on 127.0.0.1), a signal, or a file. A source's
+``wait(timeout_s)`` returns a ``Notice`` or None; ``PreemptionWatcher`` polls one on a thread and
+calls back once.
+
+Who runs what: ``drain`` runs on the head's control thread, inside one head call (``CacheHead.drain``),
+like any other head call: nothing else touches the tree meanwhile. Sources and the watcher run on
+the caller's threads and never touch the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from hicache.cluster.head import CacheHead
+    from hicache.cluster.tree import TreeNode
+
+GCE_METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance"
+GCE_NOTICE_S = 30.0  # GCE's preemption notice
+
+
+class NoticeKind(str, enum.Enum):
+    PREEMPTED = "preempted"  # GCE instance/preempted = TRUE
+    MAINTENANCE = "maintenance"  # GCE instance/maintenance-event other than NONE
+    SIGNAL = "signal"
+    FILE = "file"
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    kind: NoticeKind
+    detail: str  # what the source saw (metadata value, signal name, file path)
+    deadline_s: float  # seconds left, from when the notice was seen, until the slice is taken
+
+
+class PreemptionSource(Protocol):
+    def wait(self, timeout_s: float) -> Notice | None:
+        """A notice, if one came within ``timeout_s`` (else None). Never raises for a source that
+        cannot be reached: that is no notice."""
+
+
+def _check_deadline(deadline_s: float) -> float:
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise ValueError(f"deadline_s must be a number > 0, got {deadline_s!r}")
+    return float(deadline_s)
+
+
+class _PolledSource:
+    """A source that looks (``check``) every ``poll_s`` until a notice, the timeout or ``close``."""
+
+    poll_s: float
+    _stop: threading.Event
+
+    def check(self) -> Notice | None:
+        raise NotImplementedError
+
+    def wait(self, timeout_s: float) -> Notice | None:
+        end = time.monotonic() + timeout_s
+        while True:
+            notice = self.check()
+            left = end - time.monotonic()
+            if notice is not None or left <= 0 or self._stop.wait(min(self.poll_s, left)):
+                return notice
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class GceMetadataSource(_PolledSource):
+    """Polls the metadata server's ``preempted`` and ``maintenance-event`` values, each GET bounded
+    by ``request_timeout_s``, every ``poll_s`` (``Metadata-Flavor: Google``, as the server requires)."""
+
+    def __init__(self, base_url: str = GCE_METADATA_URL, *, deadline_s: float = GCE_NOTICE_S,
+                 poll_s: float = 1.0, request_timeout_s: float = 1.0) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+        for name, v in (("poll_s", poll_s), ("request_timeout_s", request_timeout_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        self.base_url = base_url.rstrip("/")
+        self.deadline_s = _check_deadline(deadline_s)
+        self.poll_s = float(poll_s)
+        self.request_timeout_s = float(request_timeout_s)
+        self._stop = threading.Event()
+
+    def _get(self, name: str) -> str | None:
+        req = urllib.request.Request(f"{self.base_url}/{name}", headers={"Metadata-Flavor": "Google"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
+                return r.read(256).decode("ascii", "replace").strip()
+        except (OSError, urllib.error.URLError, ValueError):
+            return None  # unreachable or refused: no notice
+
+    def check(self) -> Notice | None:
+        """One look at both values."""
+        if (self._get("preempted") or "").upper() == "TRUE":
+            return Notice(NoticeKind.PREEMPTED, "instance/preempted=TRUE", self.deadline_s)
+        event = self._get("maintenance-event")
+        if event and event.upper() != "NONE":
+            return Notice(NoticeKind.MAINTENANCE, f"instance/maintenance-event={event}", self.deadline_s)
+        return None
+
+
+
+class FileSource(_PolledSource):
+    """A notice when ``path`` exists; its content, if a number, is the deadline in seconds."""
+
+    def __init__(self, path: str | os.PathLike, *, deadline_s: float = GCE_NOTICE_S, poll_s: float = 0.5) -> None:
+        self.path = os.fspath(path)
+        self.deadline_s = _check_deadline(deadline_s)
+        self.poll_s = float(poll_s)
+        self._stop = threading.Event()
+
+    def check(self) -> Notice | None:
+        try:
+            with open(self.path) as f:
+                text = f.read(64).strip()
+        except FileNotFoundError:
+            return None
+        try:
+            deadline = _check_deadline(float(text)) if text else self.deadline_s
+        except ValueError:
+            deadline = self.deadline_s
+        return Notice(NoticeKind.FILE, self.path, deadline)
+
+
+
+class SignalSource:
+    """A notice when the process gets ``signum`` (default SIGTERM, what a VM shutdown sends). Install
+    from the main thread (Python's rule for signal handlers); ``close`` restores the old handler."""
+
+    def __init__(self, signum: int = signal.SIGTERM, *, deadline_s: float = GCE_NOTICE_S) -> None:
+        self.signum = signal.Signals(signum)
+        self.deadline_s = _check_deadline(deadline_s)
+        self._got = threading.Event()
+        self._old = signal.signal(self.signum, lambda *_: self._got.set())
+
+    def wait(self, timeout_s: float) -> Notice | None:
+        if self._got.wait(timeout_s):
+            return Notice(NoticeKind.SIGNAL, self.signum.name, self.deadline_s)
+        return None
+
+    def close(self) -> None:
+        signal.signal(self.signum, self._old)
+
+
+class PreemptionWatcher:
+    """Waits on ``source`` on a daemon thread; calls ``on_notice(notice)`` once, then stops."""
+
+    def __init__(self, source: PreemptionSource, on_notice: Callable[[Notice], Any], *, poll_s: float = 5.0) -> None:
+        self.source, self.on_notice, self.poll_s = source, on_notice, float(poll_s)
+        self.notice: Notice | None = None
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hicache-preemption-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            notice = self.source.wait(self.poll_s)
+            if notice is not None:
+                self.notice = notice
+                try:
+                    self.on_notice(notice)
+                finally:
+                    self.done.set()
+                return
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+        self._thread.join(timeout_s)
+
+
+# -- the drain (head side) --------------------------------------------------------------------------
+class DrainState(str, enum.Enum):
+    IDLE = "idle"
+    DRAINING = "draining"
+    DONE = "done"
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainOptions:
+    """``reserve_s``: of the deadline, kept for the manifest flush (at most a quarter of it);
+    ``ack_wait_s``: longest single wait for acks (the loop sends more as room frees up)."""
+
+    reserve_s: float = 1.0
+    ack_wait_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("reserve_s", "ack_wait_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+
+@dataclasses.dataclass
+class DrainProgress:
+    """What a drain did (``CacheHead.cache_stats()["drain"]``, the metrics and ``hicache status``)."""
+
+    state: DrainState = DrainState.IDLE
+    deadline_s: float = 0.0
+    candidate_pages: int = 0  # pages not in L3 when it started (L1 and L2)
+    sent_pages: int = 0  # pages sent L2 -> L3 (or L1 -> L2 -> L3)
+    drained_pages: int = 0  # of those, stored (acked by every host) before the deadline
+    not_fitted_pages: int = 0  # still not in L3 when it ended
+    elapsed_s: float = 0.0
+    manifest_flushed: bool = False
+
+    def snapshot(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["state"] = self.state.value
+        return d
+
+
+def expected_value(node: TreeNode, now_tick: int) -> float:
+    """(hits + 1) x recency, recency = 1 / (1 + tree operations since the node was last used)."""
+    return (node.hit_count + 1) / (1 + max(0, now_tick - node.last_access))
+
+
+def _unstored(head: CacheHead) -> list[TreeNode]:
+    """Nodes L3 lacks that L1 or L2 holds (the root and storage-only entries excluded)."""
+    return [n for n in head.tree.iter_nodes()
+            if n.parent is not None and not n.stored and (n.host_slots is not None or n.device_pages is not None)]
+
+
+def _pages(nodes: list[TreeNode], page_size: int) -> int:
+    return sum(n.num_tokens // page_size for n in nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainParams:
+    deadline_s: float  # seconds until the slice is taken (``Notice.deadline_s``)
+    options: DrainOptions = DrainOptions()
+
+    def __post_init__(self) -> None:
+        _check_deadline(self.deadline_s)
+        if not isinstance(self.options, DrainOptions):
+            raise TypeError(f"options must be DrainOptions, got {type(self.options).__name__}")
+
+
+def run_drain(head: CacheHead, params: DrainParams, clock: Callable[[], float] = time.monotonic) -> DrainProgress:
+    """Runs a drain on ``head`` (module docstring); returns its progress (also kept on the head)."""
+    deadline_s, options = params.deadline_s, params.options
+    ctl = head.controller
+    if ctl is None or ctl.storage is None:
+        raise RuntimeError("drain needs a host tier and an attached L3 (nothing could be stored)")
+    st = ctl.storage
+    ps = head.page_size
+    t0 = clock()
+    end = t0 + deadline_s - min(options.reserve_s, deadline_s / 4)  # a short deadline still sends
+    prog = DrainProgress(DrainState.DRAINING, deadline_s)
+    head.drain_progress = prog
+    stored_before = st.counters.backup_pages
+    st.resume_writes()  # held writes go now
+    prog.candidate_pages = _pages(_unstored(head), ps)
+    sent: set[int] = set()
+    while clock() < end:
+        todo = [n for n in _unstored(head) if n.id not in sent]
+        tick = max((n.last_access for n in todo), default=0)
+        todo.sort(key=lambda n: expected_value(n, tick), reverse=True)
+        issued = 0
+        for node in todo:
+            if node.id in sent:
+                continue  # covered by a deeper node's path this round
+            full = _path(node)
+            path = [p for p in full if not p.stored]
+            need = _pages(full, ps) - _pages([p for p in full if p.stored], ps)
+            need += (_pages(full, ps) - need) % st.pages_per_object  # the op starts at an object boundary
+            if need > st.backup_room_pages:
+                if need > st.params.max_inflight_backup_pages:
+                    continue  # never fits one backup (counted as not fitted)
+                break  # wait for acks: the storage tier would skip it now
+            room = st.backup_room_pages
+            if node.host_slots is not None:
+                st.on_host_committed([node])
+                if st.backup_room_pages == room:
+                    continue  # not sent (a broken chain): left for a later round
+            elif not ctl.backup_to_host(node):
+                continue
+            sent.update(p.id for p in path)
+            prog.sent_pages += need
+            issued += 1
+        ctl.flush_write_through_acks(timeout_s=max(0.0, min(options.ack_wait_s, end - clock())))
+        prog.drained_pages = st.counters.backup_pages - stored_before
+        if not issued and not ctl.in_flight:
+            break
+    ctl.flush_write_through_acks(timeout_s=max(0.0, end - clock()))
+    prog.drained_pages = st.counters.backup_pages - stored_before
+    if clock() < t0 + deadline_s:
+        st.flush_manifest()
+        prog.manifest_flushed = True
+    prog.not_fitted_pages = _pages(_unstored(head), ps)
+    prog.elapsed_s = clock() - t0
+    prog.state = DrainState.DONE
+    return prog
+
+
+def _path(node: TreeNode) -> list[TreeNode]:
+    out = []
+    while node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out[::-1]

@@ -1,0 +1,151 @@
+"""Hybrid models end to end on the embedded L1 stack: SWA+Full and recurrent+Full reference models, the head
+built with their components (``StackOptions.head_components``), multi-turn chats under L1 eviction
+pressure. Every output equals the no-cache run bit for bit, with L1 hits; the pools leak nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.cluster.builder import MambaConfig, SWAConfig
+from hicache.reference.engine.config import ForwardConfig, ModelConfig
+from hicache.reference.engine.runner import ModelRunner
+from hicache.reference.serve_types import ServeRequest
+from hicache.reference.stack import StackOptions, build_stack, check_components
+
+FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=32)
+MODELS = {
+    "swa": ModelConfig(num_layers=3, sliding_window=24),  # layers 0, 2 local (24 tokens), 1 global
+    "mamba": ModelConfig(num_layers=3, recurrent_layers=(1,)),  # layer 1 recurrent, 0 and 2 attention
+}
+
+
+def chats(runner: ModelRunner, stack, rounds: int = 3, convs: int = 3, seed: int = 0) -> dict[str, int]:
+    """Multi-turn chats sharing a system prompt; checks each output against the no-cache run."""
+    rng = np.random.default_rng(seed)
+    vocab = runner.model.vocab_size
+    system = rng.integers(0, vocab, 21, dtype=np.int32)
+    histories = [system.copy() for _ in range(convs)]
+    hits = requests = 0
+    for _ in range(rounds):
+        for c in range(convs):
+            prompt = np.concatenate([histories[c], rng.integers(0, vocab, 11, dtype=np.int32)])
+            res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=5))
+            ref = runner.generate_no_cache(prompt, 5)
+            assert res.output == ref.tokens
+            np.testing.assert_array_equal(res.logits, ref.logits)
+            hits += res.device_hit_tokens
+            requests += 1
+            histories[c] = np.concatenate([prompt, np.asarray(res.output, dtype=np.int32)])
+    return {"hits": hits, "requests": requests}
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_hybrid_multi_turn_under_eviction_equals_no_cache(kind):
+    model = MODELS[kind]
+    # L1 (and the state pool) hold about two conversations: the third evicts
+    stack = build_stack(StackOptions(model=model, forward=FWD, l1_pages=20, swa_tokens=112, state_slots=6))
+    assert stack.head.tree.component_names == ("full", kind)
+    out = chats(stack.runner, stack, rounds=4)
+    assert out["hits"] > 0
+    stats = stack.head.cache_stats()
+    assert stats["device_evicted_tokens"] > 0
+    tree = stack.head.tree
+    tree.check_invariants()
+    st = tree.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0  # nothing held past the requests
+    if kind == "mamba":  # states evicted too (6 slots), and states cached at page ends served hits
+        assert stats["mamba"]["request_slots"] == 0 and stats["mamba"]["evicted_states"] > 0
+    else:  # the engine's sliding-window layers live in the SWA pool (14 pages, L1 20): SWA KV was evicted
+        assert stack.runner.swa_pool is not None and stack.runner.swa_pool.shape[2] == 14
+        assert stats["swa"]["request_pages"] == 0 and stats["swa"]["evicted_tokens"] > 0
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_a_hybrid_request_whose_decode_fails_keeps_no_lock_page_or_component_value(monkeypatch, kind):
+    stack = build_stack(StackOptions(model=MODELS[kind], forward=FWD, l1_pages=28, swa_tokens=160, state_slots=4))
+    prompt = np.arange(40, dtype=np.int32)
+    stack.scheduler.serve(ServeRequest(prompt, 3))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("forward failed")
+
+    monkeypatch.setattr(stack.runner, "decode", boom)
+    with pytest.raises(RuntimeError, match="forward failed"):  # (after the prefill and the SWA trim)
+        stack.scheduler.serve(ServeRequest(np.r_[prompt, 7, 8, 9].astype(np.int32), 3))
+    stats = stack.head.cache_stats()
+    assert stats[kind]["request_slots" if kind == "mamba" else "request_pages"] == 0
+    assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
+    stack.head.tree.check_invariants()
+    monkeypatch.undo()
+    res = stack.scheduler.serve(ServeRequest(np.r_[prompt, 7, 8, 9].astype(np.int32), 3))  # still serves, exact
+    assert res.device_hit_tokens > 0
+    assert res.output == stack.runner.generate_no_cache(np.r_[prompt, 7, 8, 9], 3).tokens
+
+
+@pytest.mark.parametrize(
+    "model, components, match",
+    [
+        (MODELS["swa"], (), r"sliding-window layers \(0, 2\) read 24 tokens back.*got None"),
+        (MODELS["swa"], (SWAConfig(16),), r"read 24 tokens back.*got SWAConfig\(window=16"),
+        (MODELS["swa"], (SWAConfig(24),), "needs num_tokens"),
+        (MODELS["mamba"], (), r"recurrent layers \(1,\) need a mamba component.*got None"),
+        (MODELS["mamba"], (MambaConfig(4, ((1, 64),)),), r"state_shapes=\(\(1, 128\),\)"),
+        (MODELS["mamba"], (MambaConfig(None, ((1, 128),)),), "needs num_slots"),
+        (ModelConfig(), (SWAConfig(16),), "without sliding-window layers"),
+        (ModelConfig(), (MambaConfig(4),), "without recurrent layers"),
+    ],
+)
+def test_components_that_do_not_match_the_model_are_refused(model, components, match):
+    with pytest.raises(ValueError, match=match):
+        check_components(model, components)
+    with pytest.raises(ValueError, match=match):
+        StackOptions(model=model, forward=FWD, components=components)
+
+
+def test_recurrent_model_config_and_runner_bad_input():
+    with pytest.raises(ValueError, match="recurrent_layers entry 3 not in"):
+        ModelConfig(num_layers=3, recurrent_layers=(3,))
+    with pytest.raises(ValueError, match="leave no attention layer"):
+        ModelConfig(num_layers=1, recurrent_layers=(0,))
+    with pytest.raises(ValueError, match=r"layers \[1\] are both"):
+        ModelConfig(num_layers=3, recurrent_layers=(1,), sliding_window=8, sliding_window_layers=(1,))
+    with pytest.raises(ValueError, match="needs state slots"):
+        ModelRunner(MODELS["mamba"], FWD, num_pages=8)
+    runner = ModelRunner(MODELS["mamba"], FWD, num_pages=8, state_slots=2)
+    with pytest.raises(ValueError, match="needs an int state_slot, got None"):
+        runner.prefill(np.arange(5), [0])
+    with pytest.raises(ValueError, match=r"state_slot 2 is outside the state pool \[0, 2\)"):
+        runner.prefill(np.arange(5), [0], 0, 2)
+    with pytest.raises(ValueError, match=r"copy destination slot 5 is outside"):
+        runner.copy_states([(0, 5)])
+    with pytest.raises(ValueError, match="batched decode"):
+        runner.decode_step_input(np.arange(5), [0])
+    with pytest.raises(ValueError, match="swa_pages=4 given for a model without sliding-window layers"):
+        ModelRunner(MODELS["mamba"], FWD, num_pages=8, state_slots=2, swa_pages=4)
+    swa = ModelRunner(MODELS["swa"], FWD, num_pages=8, swa_pages=4)
+    with pytest.raises(ValueError, match="needs each request's swa_table"):
+        swa.prefill(np.arange(5), [0])
+    with pytest.raises(ValueError, match=r"swa page id 4 at index 0 is outside \[-1, 4\)"):
+        swa.prefill(np.arange(5), [0], swa_table=[4])
+    with pytest.raises(ValueError, match="keeps no SWA pool"):
+        ModelRunner(MODELS["swa"], FWD, num_pages=8).prefill(np.arange(5), [0], swa_table=[0])
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_serving_loop_interleaves_hybrid_requests_exactly(kind):
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop
+
+    stack = build_stack(StackOptions(model=MODELS[kind], forward=FWD, l1_pages=40, state_slots=8))
+    loop = ServingLoop(stack.scheduler, LoopOptions(max_running=3))
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, 512, 19, dtype=np.int32)
+    prompts = [np.r_[system, rng.integers(0, 512, 6 + i)].astype(np.int32) for i in range(5)]
+    results = loop.run([ServeRequest(p, 4) for p in prompts])
+    for p, res in zip(prompts, results):
+        ref = stack.runner.generate_no_cache(p, 4)
+        assert res.output == ref.tokens
+        np.testing.assert_array_equal(res.logits, ref.logits)
+    assert sum(r.device_hit_tokens for r in results) > 0
+    st = stack.head.tree.stats()
+    assert st.request_pages == 0 and st.protected_tokens == 0
