@@ -19,6 +19,7 @@ import numpy as np
 
 from hicache.cluster.begin import BeginParams, BeginResult
 from hicache.cluster.controller import LoadBackParams, LoadBackResult
+from hicache.cluster.cost_model import PrefillReport
 from hicache.cluster.drain import DrainParams, DrainProgress
 from hicache.cluster.events import KVEvent
 from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, HeadConfig, Method
@@ -284,6 +285,9 @@ class CacheClient:
 
     def resume_storage_writes(self) -> int:
         return self._call(Method.RESUME_STORAGE_WRITES)
+
+    def report_prefill(self, report: PrefillReport) -> None:
+        self._call(Method.REPORT_PREFILL, report)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
         """Many calls in one round trip; results in order, errors per call. A call's argument may be a

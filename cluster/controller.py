@@ -521,6 +521,11 @@ class HiCacheController:
 
     def _on_ack(self, kind: OpKind, ack: TransferAck) -> None:
         self.counters.bytes_moved[kind.value] += ack.bytes_moved
+        storage = self.storage
+        if storage is not None and ack.ok and (kind is OpKind.PREFETCH_S2H or kind is _H2D):  # cost model samples
+            p = self.outbox.pending.get(ack.op_id)
+            if p is not None and p.op is not None:
+                storage.observe_ack(kind, p.op.num_pages, ack.bytes_moved, ack.duration_s)
         if self.on_transfer is not None:
             self.on_transfer(kind.value, ack.duration_s, ack.host)
 

@@ -28,6 +28,7 @@ from hicache.cluster.builder import (
     components_of,
 )
 from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBackResult
+from hicache.cluster.cost_model import PrefillReport
 from hicache.cluster.drain import DrainParams, DrainProgress, run_drain
 from hicache.cluster.errors import HiCacheDrainingError
 from hicache.cluster.events import KVEvent
@@ -127,7 +128,8 @@ class Method(str, Enum):
     DRAIN = "drain"
     ABANDON_REQUEST = "abandon_request"
     SWA_PAGES = "swa_pages"
-    TRIM_REQUEST = "trim_request"  # (last: wire codes follow this order)
+    TRIM_REQUEST = "trim_request"
+    REPORT_PREFILL = "report_prefill"  # (last: wire codes follow this order)
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -318,6 +320,7 @@ class CacheHead:
             )
             if ctl.storage is not None:
                 out["storage"] = ctl.storage.counters.snapshot()
+                out["storage"]["cost_model"] = ctl.storage.cost.snapshot()  # the load-or-recompute estimates
                 out["storage_errors"] = ctl.workers.storage_errors()  # by kind (transfers.L3_ERROR_KINDS)
                 out["storage_breaker"] = ctl.workers.storage_breaker_state()  # closed / half_open / open
         if self.drain_progress is not None:
@@ -382,6 +385,14 @@ class CacheHead:
 
     def resume_storage_writes(self) -> int:
         return self._hicache().resume_storage_writes()
+
+    def report_prefill(self, report: PrefillReport) -> None:
+        """The serving side's measured prefill, for the L3 cost model (dropped without L3 attached)."""
+        if type(report) is not PrefillReport:
+            raise TypeError(f"report_prefill expects PrefillReport, got {type(report).__name__}")
+        storage = self.controller.storage if self.controller is not None else None
+        if storage is not None:
+            storage.cost.report_prefill(report)
 
     # -- a request's start in one call ---------------------------------------------------------------
     def begin_request(self, params: BeginParams) -> BeginResult:

@@ -72,6 +72,7 @@ from enum import Enum
 
 import numpy as np
 
+from hicache.cluster.cost_model import CostModel, CostOptions
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
@@ -81,6 +82,7 @@ from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
 
 L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason of a query skipped while L3 is down
+COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputing the pages found is faster
 _QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
 _QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
 
@@ -113,6 +115,7 @@ class StorageParams:
     # a request waits on its prefetch's unanswered existence query at most this long, under any policy (the
     # query goes on: what it finds is still fetched into L2 for later requests)
     query_wait_max_s: float = 0.05
+    cost: CostOptions = field(default_factory=CostOptions)  # load or recompute (``hicache.cluster.cost_model``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -133,6 +136,8 @@ class StorageParams:
                      "query_wait_max_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.cost, CostOptions):
+            raise TypeError(f"cost must be a CostOptions, got {type(self.cost).__name__}")
 
     def attachment(self) -> StorageAttachment:
         return StorageAttachment(self.url, self.fingerprint, self.storage, self.pages_per_object)
@@ -218,6 +223,10 @@ class StorageCounters:
     backup_held_dropped_pages: int = 0  # held writes dropped on detach (never sent: later misses)
     unavailable_skips: int = 0  # L3 queries skipped: the hosts' storage breaker was not closed
     probes: int = 0  # background probes of an unavailable L3 started
+    cost_skips: int = 0  # fetches not sent: the cost model expected recompute to be faster
+    cost_skipped_pages: int = 0  # pages L3 held that those skips left to recompute
+    cost_partial: int = 0  # fetches cut to a leading part (the rest would be back after the request's wait)
+    cost_explored: int = 0  # fetches sent although the model said recompute (``CostOptions.explore_every``)
 
     def snapshot(self) -> dict:
         return dataclasses.asdict(self)
@@ -232,6 +241,7 @@ class StorageTier:
         self._queue_op = queue_op
         self._op_ids = op_ids
         self.counters = StorageCounters()
+        self.cost = CostModel(params.cost)
         self._backups: dict[int, _Backup] = {}
         self._prefetches: dict[int, _Prefetch] = {}  # op_id -> task
         self._by_req: dict[str, _Prefetch] = {}
@@ -652,6 +662,9 @@ class StorageTier:
         if found < self._exists_min_pages:
             self._end_without_fetch(task, "prefetch pages in flight at max_inflight_prefetch_pages")
             return False
+        found = self._worth_fetching(task, found)
+        if not found:
+            return False
         slots = self.host.reserve(found)
         if slots is None:
             self._end_without_fetch(task, "no L2 room")
@@ -667,6 +680,39 @@ class StorageTier:
         self.counters.prefetch_started += 1
         self._queue_op(op, [])
         return True
+
+    def _worth_fetching(self, task: _Prefetch, found: int) -> int:
+        """How many of the ``found`` leading pages the cost model fetches; 0 ends ``task`` (its request
+        recomputes them). A request still waiting bounds the fetch by what is back before it stops waiting."""
+        ps = self.tree.page_size
+        budget = None
+        if self._by_req.get(task.req_id) is task and self.params.prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
+            now = time.monotonic()
+            until = task.wait_until
+            if self.params.prefetch_policy is PrefetchPolicy.TIMEOUT:
+                until = min(until, now + self.params.prefetch_timeout_s(found * ps))
+            budget = max(0.0, until - now)
+        plan = self.cost.choose(found, ps, self._exists_min_pages, budget)
+        c = self.counters
+        if plan.explored:
+            c.cost_explored += 1
+        elif not plan.pages:
+            c.cost_skips += 1
+            c.cost_skipped_pages += found
+            self._end_without_fetch(task, COST_SKIPPED)
+        elif plan.pages < found:
+            c.cost_partial += 1
+        bound = self.cost.wait_bound_s(plan.pages, ps) if plan.pages and budget is not None else None
+        if bound is not None:  # waiting longer than this is slower than recomputing: the request goes on
+            task.wait_until = min(task.wait_until, time.monotonic() + bound)
+        return plan.pages
+
+    def observe_ack(self, kind: OpKind, num_pages: int, nbytes: int, duration_s: float) -> None:
+        """One host's ack of an L3 -> L2 fetch or an L2 -> L1 load: a sample for the cost model."""
+        if kind is OpKind.PREFETCH_S2H:
+            self.cost.observe_fetch(num_pages, nbytes, duration_s)
+        elif kind is OpKind.LOAD_H2D:
+            self.cost.observe_load(num_pages, nbytes, duration_s)
 
     # -- negative cache ------------------------------------------------------------------------------
     def _recent_miss(self, key: str) -> bool:

@@ -28,6 +28,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     # configs
     "hicache.cluster.policy": ("HiCacheConfig", "WritePolicy"),
     "hicache.cluster.builder": ("ComponentKind", "MambaConfig", "SWAConfig"),
+    "hicache.cluster.cost_model": ("CostOptions", "PrefillReport"),
     "hicache.cluster.storage_tier": ("PrefetchParams", "PrefetchPolicy", "PrefetchProgress", "PrefetchState",
                                      "StorageParams"),
     "hicache.storage": ("ModelFingerprint", "StorageConfig"),
@@ -50,13 +51,13 @@ _LAZY = {name: module for module, names in _SOURCES.items() for name in names}
 
 __all__ = [  # every name resolves (tests/test_public_api.py)
     "BeginParams", "BeginResult", "CacheCapacityError", "CacheClient", "Call", "CallResult", "ComponentKind",
-    "DrainOptions", "DrainParams", "DrainProgress", "EventKind", "EvictResult", "EvictionPolicy", "FileSource",
-    "FinishResult", "GceMetadataSource", "HeadConfig", "HiCacheConfig", "HiCacheDrainingError", "HiCacheError",
-    "Notice", "PreemptionConfig", "PreemptionWatcher", "SignalSource",
+    "CostOptions", "DrainOptions", "DrainParams", "DrainProgress", "EventKind", "EvictResult", "EvictionPolicy",
+    "FileSource", "FinishResult", "GceMetadataSource", "HeadConfig", "HiCacheConfig", "HiCacheDrainingError",
+    "HiCacheError", "Notice", "PreemptionConfig", "PreemptionWatcher", "SignalSource",
     "HiCacheReplicaResetError", "HiCacheTimeoutError", "HiCacheUnavailableError", "HostWorker", "InsertParams",
     "InsertResult", "KVCacheSpec", "KVEvent", "LoadBackParams", "LoadBackResult", "LocalWorkerGroup",
     "MambaConfig", "MatchPrefixParams", "MatchResult", "Method", "ModelFingerprint", "PrefetchParams", "PrefetchPolicy",
-    "PrefetchProgress", "PrefetchState", "RadixKey", "ReplicaConfig", "RequestState", "ResultRef", "SWAConfig", "StorageConfig",
+    "PrefetchProgress", "PrefetchState", "PrefillReport", "RadixKey", "ReplicaConfig", "RequestState", "ResultRef", "SWAConfig", "StorageConfig",
     "StorageParams", "Tier", "TreeConfig", "TreeStats", "WorkerGroupOptions", "WritePolicy", "connect", "embedded",
     "load_replica_file", "start_replica", "stop_replica",
 ]
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from hicache.cluster.builder import ComponentKind, MambaConfig, SWAConfig
     from hicache.cluster.client import ResultRef
     from hicache.cluster.controller import LoadBackParams, LoadBackResult
+    from hicache.cluster.cost_model import CostOptions, PrefillReport
     from hicache.cluster.drain import (
         DrainOptions,
         DrainParams,

@@ -295,7 +295,8 @@ def test_a_request_that_reuses_nothing_starts_with_one_head_call_and_l3_is_still
     transport.round_trips.clear()
     prompt = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
     assert sched.serve(ServeRequest(prompt, 3, cache_salt="t")).output == runner.generate_no_cache(prompt, 3).tokens
-    assert transport.round_trips == [["begin_request"], ["cache_finished_req", "check_hicache_events"]]
+    # (the finish's step also carries the prefill's measured time for the L3 cost model)
+    assert transport.round_trips == [["begin_request"], ["cache_finished_req", "check_hicache_events", "report_prefill"]]
     stack.client.flush_write_through_acks()
     stack.head.detach_storage_backend()
 

@@ -38,6 +38,7 @@ import numpy as np
 from hicache.cluster.begin import BeginParams
 from hicache.cluster.client import CacheClient, ResultRef
 from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.cost_model import PrefillReport
 from hicache.cluster.head import Call, Method
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
@@ -432,17 +433,22 @@ class Scheduler:
         t = time.perf_counter()
         seq = np.concatenate([b.prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
         state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node, 0, b.components)
+        mk, p, n = b.marks, b.prefix, int(b.prompt.size)
+        # the L3 cost model's recompute rate: this prefill's computed tokens and seconds (with L3 only)
+        report = PrefillReport(n - p.hit, max(0.0, mk[-1] - mk[-2])) if self.storage else None
         if self.hicache and not self.client.in_process:  # one round trip (the check runs even if the finish fails)
-            finished, checked = self.client.step([Call(Method.CACHE_FINISHED_REQ, state),
-                                                  Call(Method.CHECK_HICACHE_EVENTS)])
-            finished.unwrap()
-            checked.unwrap()
+            calls = [Call(Method.CACHE_FINISHED_REQ, state), Call(Method.CHECK_HICACHE_EVENTS)]
+            if report is not None:
+                calls.append(Call(Method.REPORT_PREFILL, report))
+            for r in self.client.step(calls):
+                r.unwrap()
         else:
             self.client.cache_finished_req(state)
             if self.hicache:
                 self.client.check_hicache_events()
+            if report is not None:
+                self.client.report_prefill(report)
         end = time.perf_counter()
-        mk, p, n = b.marks, b.prefix, int(b.prompt.size)
         match, l3, load_back, prefill = (y - x for x, y in zip(mk, mk[1:]))
         phases = ServePhases(match, l3, load_back, prefill, decode_s, end - t)
         return ServeResult(gen.tokens, b.logits, mk[-1] - mk[0], end - mk[0], n, p.hit - p.loaded, p.loaded,

@@ -22,6 +22,7 @@ import pytest
 
 from benchmarks.faulty_l3 import GS_OPTIONS, attach_faulty_l3, gcs_emulator, worker_storage
 from hicache.cli import l3_columns
+from hicache.cluster.cost_model import CostOptions
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.serve_types import ServeRequest
@@ -36,6 +37,9 @@ NEW_TOKENS = 3
 BOUND_S = 2.0  # no request waits longer (issue #23)
 # short data deadline: writes sent before the breaker opened end within it (the test's cleanup)
 STORAGE = StorageConfig(timeout_s=2.0, breaker_cooldown_s=5.0)
+# availability is under test, not load-or-recompute: every hit is fetched (the emulator on this box is
+# slower than the tiny model's prefill, so the cost model would rightly recompute)
+NO_COST = CostOptions(enabled=False)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +78,7 @@ def _serve_exact(stack, runner, prompt: np.ndarray):
 
 def _stack(runner, l3_url: str, plan: FaultPlan | None = None, **kw):
     stack = build_stack(_options(), runner)
-    fs = attach_faulty_l3(stack, l3_url, plan, storage=STORAGE, **kw)
+    fs = attach_faulty_l3(stack, l3_url, plan, storage=STORAGE, cost=NO_COST, **kw)
     return stack, fs
 
 
@@ -128,7 +132,7 @@ def test_a_dead_endpoint_never_holds_a_request_and_hits_resume_when_it_returns(r
     clock = ManualClock()
     stack = build_stack(_options(), runner)
     t = time.perf_counter()
-    fs = attach_faulty_l3(stack, l3_url, down, clock=clock, settle=False, storage=STORAGE)
+    fs = attach_faulty_l3(stack, l3_url, down, clock=clock, settle=False, storage=STORAGE, cost=NO_COST)
     attach_s = time.perf_counter() - t
     assert attach_s < BOUND_S, attach_s  # the warm restart's probe is in the background
     if kind == "hang":
@@ -176,7 +180,7 @@ def test_a_hung_existence_query_holds_no_request_and_its_answer_still_fetches(ru
     stack = build_stack(_options(), runner)
     patient = StorageConfig(timeout_s=60.0, exists_timeout_s=60.0)
     fs = attach_faulty_l3(stack, l3_url, FaultPlan.every(OpFaults(hang_p=1.0), hang_max_s=120.0), settle=False,
-                          storage=patient)
+                          storage=patient, cost=NO_COST)
     tier = stack.head.controller.storage
     req = ServeRequest(prompt, NEW_TOKENS)
     assert stack.scheduler.arrive(req)  # asked, returned at once
