@@ -112,8 +112,9 @@ class StorageParams:
     warm_restart_max_tokens: int = 1 << 20  # storage-only tree entries read from the manifest (0: off)
     write_hold_max_s: float = 0.5  # pause_writes() holds L2->L3 writes at most this long (0: never holds)
     prefetch_wait_max_s: float = 0.5  # a request waits on its prefetch at most this long, under any policy
-    # a request waits on its prefetch's unanswered existence query at most this long, under any policy (the
-    # query goes on: what it finds is still fetched into L2 for later requests)
+    # a request waits on its prefetch's unanswered existence query at most this long, under any policy, and
+    # once the cost model has measured a prefill at most its wait bound for the candidate pages (the query
+    # goes on: what it finds is still fetched into L2 for later requests)
     query_wait_max_s: float = 0.05
     cost: CostOptions = field(default_factory=CostOptions)  # load or recompute (``hicache.cluster.cost_model``)
 
@@ -593,7 +594,10 @@ class StorageTier:
             task.keys, task.tokens = task.keys[:known], task.tokens[: known * ps]
         task.query = self._ask(task)
         self.counters.l3_queries += 1
-        task.query_until = now + self.params.query_wait_max_s
+        # waiting on the answer longer than recomputing its candidates would take is a loss whatever it says
+        bound = self.cost.wait_bound_s(len(task.keys) - task.base, ps)
+        wait = self.params.query_wait_max_s if bound is None else min(self.params.query_wait_max_s, bound)
+        task.query_until = now + wait
         self._querying.append(task)
         return self.progress(req_id)
 
