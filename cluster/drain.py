@@ -228,6 +228,8 @@ class PreemptionConfig:
             raise ValueError(f"unknown notice source {self.kind!r}; choose one of "
                              f"{[k.value for k in NoticeSourceKind]}") from None
         _check_deadline(self.deadline_s)
+        if isinstance(self.poll_s, bool) or not isinstance(self.poll_s, (int, float)) or not self.poll_s > 0:
+            raise ValueError(f"poll_s must be a number > 0, got {self.poll_s!r}")
         if self.kind is NoticeSourceKind.FILE and not self.location:
             raise ValueError("a file notice source needs its path (location)")
 

@@ -25,6 +25,9 @@ Example (see ``ray_configs/replicas/``)::
                               # model share L3 objects only with equal fingerprints)
       prefetch_min_tokens: 256  # any other StorageParams field by name (policy, timeouts, caps)
       storage: {max_bytes: 1099511627776}  # StorageConfig fields (file:// byte cap, io_threads, ...)
+    preemption:               # absent: no watch; else the head drains to L3 on a notice from here
+      kind: gce               # gce (the TPU VM's metadata server) | file (a path; its content, if a number,
+      deadline_s: 30          # is the deadline); deadline_s when the source gives none; poll_s, location
 
 The L3 of ``l3`` is attached when the replica starts and again after every head restart or rebuild
 (``ReplicaConfig.storage``). Every problem is one ``ValueError`` naming the key and the value.
@@ -48,8 +51,8 @@ from hicache.cluster.tree import TreeConfig
 from hicache.storage import ModelFingerprint, StorageConfig
 
 _TOP = {"replica", "page_size", "l1_pages", "l2_slots", "write_policy", "eviction_policy", "model", "workers",
-        "max_restarts", "detached", "l3",
-        "components"}
+        "max_restarts", "detached", "l3", "components", "preemption"}
+_PREEMPTION = {"kind", "location", "deadline_s", "poll_s"}
 _MODEL = {"num_layers", "num_kv_heads", "head_dim", "dtype"}
 _WORKERS = {"platform", "num_hosts", "devices_per_host", "topology", "accelerator", "start_timeout_s", "call_timeout_s"}
 
@@ -114,11 +117,25 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
                 raise ValueError(f"workers.platform must be cpu or tpu, got {platform!r}")
         storage = None if raw.get("l3") is None else _storage_params(raw["l3"], raw.get("model"), page_size, where)
         return ReplicaConfig(head, workers, max_restarts=int(raw.get("max_restarts", 4)),
-                             detached=bool(raw.get("detached", True)), storage=storage)
+                             detached=bool(raw.get("detached", True)), storage=storage,
+                             preemption=_preemption(raw.get("preemption"), where))
     except KeyError as exc:
         raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _preemption(raw: Any, where: str):  # -> PreemptionConfig | None
+    """``preemption: {kind, location, deadline_s, poll_s}`` -> where the head watches for a notice."""
+    from hicache.cluster.drain import PreemptionConfig
+
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"preemption must be a mapping {sorted(_PREEMPTION)}, got {raw!r}")
+    _check_keys(f"{where}: preemption", raw, _PREEMPTION)
+    fields: dict[str, Any] = {k: float(raw[k]) for k in ("deadline_s", "poll_s") if k in raw}
+    return PreemptionConfig(str(raw.get("kind", "gce")), str(raw.get("location", "")), **fields)
 
 
 _COMPONENTS: dict[str, type[SWAConfig] | type[MambaConfig]] = {c.kind.value: c for c in (SWAConfig, MambaConfig)}

@@ -502,3 +502,22 @@ def test_replica_file_call_timeout_and_bad_coordinator_hosts(tmp_path):
     for bad in ("", 127):
         with pytest.raises(ValueError, match="coordinator_host"):
             WorkerGroupOptions.fake_cpu_hosts(spec, 2, coordinator_host=bad)
+
+
+def test_replica_file_preemption_section(tmp_path):
+    """``preemption:`` names where the head watches for a notice (ReplicaConfig.preemption); a bad
+    section is one ValueError naming the key or the value."""
+    from hicache.cluster.drain import NoticeSourceKind
+    from hicache.replica_file import replica_config
+
+    raw = {"replica": "r", "page_size": 4, "l1_pages": 8}
+    assert replica_config(raw).preemption is None
+    p = replica_config({**raw, "preemption": {"kind": "file", "location": str(tmp_path / "notice"),
+                                              "deadline_s": 20, "poll_s": 0.5}}).preemption
+    assert (p.kind, p.location, p.deadline_s, p.poll_s) == (NoticeSourceKind.FILE, str(tmp_path / "notice"), 20.0, 0.5)
+    assert replica_config({**raw, "preemption": {}}).preemption.kind is NoticeSourceKind.GCE
+    for bad, match in (({"kind": "sms"}, "unknown notice source 'sms'"), ({"kind": "file"}, "needs its path"),
+                       ({"when": 3}, r"preemption: unknown key\(s\) \['when'\]"), ({"poll_s": 0}, "poll_s"),
+                       ("gce", "preemption must be a mapping")):
+        with pytest.raises(ValueError, match=match):
+            replica_config({**raw, "preemption": bad})
