@@ -15,19 +15,20 @@ from typing import Any
 from sgl_jax.srt.managers import scheduler as sgl_scheduler
 from sgl_jax.srt.managers.scheduler import Scheduler
 
-from hicache.cluster import embedded
 from hicache.sgl_jax.allocator import HeadPageAllocator, drain
 from hicache.sgl_jax.options import HiCacheOptions
 from hicache.sgl_jax.prefix_cache import HiCachePrefixCache
 from hicache.sgl_jax.seams import SglJaxSeamError, sgl_jax_version
+from hicache.sgl_jax.tiers import build_client
 
 STATS_KEY = "hicache"  # the key of the head's statistics in the scheduler's internal state
 
 
-def build_hicache_kv_cache(options: HiCacheOptions, *, req_to_token_pool: Any, token_to_kv_pool_allocator: Any,
-                           page_size: int, is_hybrid: bool = False, is_hybrid_recurrent: bool = False,
-                           **_: Any) -> HiCachePrefixCache:
-    """``build_kv_cache`` for hicache: an embedded head over sgl-jax's device pool (its pages, its ids)."""
+def build_hicache_kv_cache(options: HiCacheOptions, *, server_args: Any, req_to_token_pool: Any,
+                           token_to_kv_pool_allocator: Any, page_size: int, is_hybrid: bool = False,
+                           is_hybrid_recurrent: bool = False, tp_size: int = 1, **_: Any) -> HiCachePrefixCache:
+    """``build_kv_cache`` for hicache: an embedded head over sgl-jax's device pool (its pages, its ids), with
+    the host tiers ``options`` ask for (``hicache.sgl_jax.tiers``)."""
     if is_hybrid or is_hybrid_recurrent:
         raise ValueError("hicache serves full-attention models only for now (this model has sliding-window "
                          "or recurrent layers)")
@@ -35,10 +36,13 @@ def build_hicache_kv_cache(options: HiCacheOptions, *, req_to_token_pool: Any, t
     if device_allocator.page_size != page_size:
         raise ValueError(f"allocator page_size {device_allocator.page_size} != scheduler page_size {page_size}")
     num_pages = device_allocator.size // page_size
-    client = embedded(options.head_config(page_size=page_size, num_pages=num_pages))
-    allocator = HeadPageAllocator(client, device_allocator.get_kvcache(), num_pages, page_size)
+    kvcache = device_allocator.get_kvcache()
+    client, worker = build_client(options, kvcache, page_size=page_size, num_pages=num_pages,
+                                  model_path=server_args.model_path, tp_size=tp_size)
+    allocator = HeadPageAllocator(client, kvcache, num_pages, page_size)
     drain(device_allocator)
-    return HiCachePrefixCache(client, req_to_token_pool, allocator)
+    return HiCachePrefixCache(client, req_to_token_pool, allocator, host_tier=worker is not None,
+                              storage=options.l3_url is not None, l3_min_tokens=options.l3_min_tokens)
 
 
 class HiCacheScheduler(Scheduler):
@@ -52,7 +56,11 @@ class HiCacheScheduler(Scheduler):
         self.token_to_kv_pool_allocator = self.tree_cache.token_to_kv_pool_allocator
 
     def get_internal_state(self, recv_req: Any) -> Any:
+        """sgl-jax's internal state plus the head's statistics, read once the transfers in flight are acked
+        (a bounded wait, with a host tier): locks that only a transfer holds do not show as protected."""
         out = super().get_internal_state(recv_req)
+        if self.tree_cache.hicache_enabled:
+            self.tree_cache.client.flush_write_through_acks()
         out.internal_state[STATS_KEY] = self.tree_cache.stats()
         return out
 

@@ -20,6 +20,15 @@ def test_options_reject_bad_values() -> None:
     with pytest.raises(ValueError, match="'a/b'"):
         HiCacheOptions(replica="a/b")
     assert HiCacheOptions(eviction_policy="lfu").eviction_policy.value == "lfu"
+    with pytest.raises(ValueError, match="host_pages must be an int >= 0, got -1"):
+        HiCacheOptions(host_pages=-1)
+    with pytest.raises(ValueError, match="'file:///x' needs an L2 tier"):
+        HiCacheOptions(l3_url="file:///x")
+    with pytest.raises(ValueError, match="'/no/scheme'"):
+        HiCacheOptions(host_pages=8, l3_url="/no/scheme")
+    with pytest.raises(ValueError, match="'sometimes'"):
+        HiCacheOptions(host_pages=8, write_policy="sometimes")
+    assert HiCacheOptions(host_pages=8, write_policy="write_back").head_config(1, 4).hicache.host_slots == 8
 
 
 @pytest.mark.parametrize(
@@ -37,6 +46,13 @@ def test_server_args_hicache_cannot_serve_fail_before_launch(tiny_model: Path, o
     with pytest.raises(ValueError, match=named.replace("[", r"\[")):
         Engine(**engine_kwargs(tiny_model, **overrides), hicache=HiCacheOptions())
     assert multiprocessing.active_children() == before  # nothing was started
+
+
+def test_host_tier_with_overlap_scheduling_fails_before_launch(tiny_model: Path) -> None:
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match="disable_overlap_schedule=False"):
+        Engine(**engine_kwargs(tiny_model, disable_overlap_schedule=False), hicache=HiCacheOptions(host_pages=8))
+    assert multiprocessing.active_children() == before
 
 
 def test_engine_rejects_options_of_another_type(tiny_model: Path) -> None:
@@ -69,6 +85,7 @@ def test_missing_builder_keyword_is_a_missing_seam(monkeypatch: pytest.MonkeyPat
     assert seams.missing_seams() == [
         "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(req_to_token_pool=)",
         "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(token_to_kv_pool_allocator=)",
+        "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(tp_size=)",
     ]
 
 
