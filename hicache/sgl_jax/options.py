@@ -93,8 +93,26 @@ def unsupported_server_args(server_args: Any, options: HiCacheOptions | None = N
     return reasons
 
 
+def unsupported_kv_layout(server_args: Any) -> list[str]:
+    """Reasons the model's KV cache is not one hicache's pools hold (full-attention MHA layers only), read from
+    its config as sgl-jax reads it; empty when it is."""
+    from sgl_jax.srt.configs.model_config import AttentionArch, ModelConfig
+
+    config = ModelConfig.from_server_args(server_args)
+    reasons = []
+    if config.attention_arch != AttentionArch.MHA:
+        reasons.append(f"attention_arch={config.attention_arch.name}: hicache's pools hold MHA KV pages only")
+    layer_types = set(getattr(config.hf_text_config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        reasons.append(f"layer_types={sorted(layer_types)}: hicache serves full-attention layers only")
+    return reasons
+
+
 def check_server_args(server_args: Any, options: HiCacheOptions | None = None) -> None:
-    """Raises ``ValueError`` listing every server arg hicache cannot serve with (with ``options``' tiers)."""
+    """Raises ``ValueError`` listing every server arg hicache cannot serve with (with ``options``' tiers), and
+    every reason the model's KV layout does not fit hicache's pools."""
     reasons = unsupported_server_args(server_args, options)
+    if not reasons:
+        reasons = [f"model {server_args.model_path}: {r}" for r in unsupported_kv_layout(server_args)]
     if reasons:
         raise ValueError("sgl-jax with hicache as its prefix cache: " + "; ".join(reasons))

@@ -12,6 +12,7 @@ from support.sgl_jax_env import engine_kwargs
 import hicache.sgl_jax
 from hicache.sgl_jax import HiCacheOptions, SglJaxSeamError, seams
 from hicache.sgl_jax.engine import Engine
+from hicache.sgl_jax.tiny_model import write_tiny_qwen3
 
 
 def test_options_reject_bad_values() -> None:
@@ -52,6 +53,27 @@ def test_host_tier_with_overlap_scheduling_fails_before_launch(tiny_model: Path)
     before = multiprocessing.active_children()
     with pytest.raises(ValueError, match="disable_overlap_schedule=False"):
         Engine(**engine_kwargs(tiny_model, disable_overlap_schedule=False), hicache=HiCacheOptions(host_pages=8))
+    assert multiprocessing.active_children() == before
+
+
+def test_model_with_a_kv_layout_the_pools_cannot_hold_fails_before_launch(tmp_path: Path) -> None:
+    """An MLA model (a tiny DeepSeek-V3 config: only its config is read) and a model with sliding-window
+    layers: one ValueError naming why, and nothing started."""
+    import json
+
+    mla = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 512,
+           "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None,
+           "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 4,
+           "num_experts_per_tok": 2, "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    swa = {**json.loads((write_tiny_qwen3(tmp_path / "base") / "config.json").read_text()),
+           "layer_types": ["sliding_attention", "full_attention"]}
+    before = multiprocessing.active_children()
+    for name, config, named in (("mla", mla, "attention_arch=MLA"), ("swa", swa, "sliding_attention")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=named):
+            Engine(**engine_kwargs(tmp_path / name), hicache=HiCacheOptions(host_pages=8))
     assert multiprocessing.active_children() == before
 
 
