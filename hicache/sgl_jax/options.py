@@ -114,5 +114,12 @@ def check_server_args(server_args: Any, options: HiCacheOptions | None = None) -
     reasons = unsupported_server_args(server_args, options)
     if not reasons:
         reasons = [f"model {server_args.model_path}: {r}" for r in unsupported_kv_layout(server_args)]
+    if not reasons and options is not None and options.l3_url is not None:
+        from hicache.storage.object_store import open_object_store
+
+        try:  # an unknown scheme or a local folder that cannot be made; a remote store that is down degrades to misses
+            open_object_store(options.l3_url, {})
+        except Exception as e:
+            reasons.append(f"l3_url={options.l3_url!r} cannot be opened: {type(e).__name__}: {e}")
     if reasons:
         raise ValueError("sgl-jax with hicache as its prefix cache: " + "; ".join(reasons))

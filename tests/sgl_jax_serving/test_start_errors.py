@@ -77,6 +77,15 @@ def test_model_with_a_kv_layout_the_pools_cannot_hold_fails_before_launch(tmp_pa
     assert multiprocessing.active_children() == before
 
 
+def test_l3_url_that_cannot_be_opened_fails_before_launch(tiny_model: Path, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    before = multiprocessing.active_children()
+    for url, named in (("nope://bucket/x", "Protocol not known"), ((tmp_path / "a-file" / "l3").as_uri(), "a-file")):
+        with pytest.raises(ValueError, match=f"l3_url=.* cannot be opened: .*{named}"):
+            Engine(**engine_kwargs(tiny_model), hicache=HiCacheOptions(host_pages=8, l3_url=url))
+    assert multiprocessing.active_children() == before
+
+
 def test_engine_rejects_options_of_another_type(tiny_model: Path) -> None:
     with pytest.raises(TypeError, match="HiCacheOptions"):
         Engine(**engine_kwargs(tiny_model), hicache={"eviction_policy": "lru"})
