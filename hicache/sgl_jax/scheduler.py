@@ -55,6 +55,19 @@ class HiCacheScheduler(Scheduler):
                                   "hicache's: its scheduler no longer calls scheduler.build_kv_cache")
         self.token_to_kv_pool_allocator = self.tree_cache.token_to_kv_pool_allocator
 
+    def get_new_batch_prefill(self) -> Any:
+        """sgl-jax's, plus one fix: sgl-jax marks the batch full when a waiting request does not fit and
+        clears the mark only when a running request finishes, so with nothing running the request would
+        wait forever. With hicache, what keeps L1 room then is locks of transfers in flight: those are
+        settled (a bounded wait) and the mark cleared, so the next iteration tries the request again."""
+        batch = super().get_new_batch_prefill()
+        if batch is None and self.waiting_queue and self.running_batch.is_empty() and self.running_batch.batch_is_full:
+            if self.tree_cache.hicache_enabled:
+                self.tree_cache.client.flush_write_through_acks()
+            for info in self.running_batch.reqs_info:
+                info.batch_is_full = False
+        return batch
+
     def get_internal_state(self, recv_req: Any) -> Any:
         """sgl-jax's internal state plus the head's statistics, read once the transfers in flight are acked
         (a bounded wait, with a host tier): locks that only a transfer holds do not show as protected."""

@@ -24,6 +24,7 @@ SEAMS: dict[str, tuple[str, ...]] = {
         "Scheduler",
         "Scheduler.init_memory_pool_and_cache",
         "Scheduler.get_internal_state",
+        "Scheduler.get_new_batch_prefill",
         "run_scheduler_process",
         "build_kv_cache",
     ),

@@ -81,16 +81,15 @@ def rounds(seed: int = 0) -> list[list[list[int]]]:
 
     p0, p1, p2 = ids(24), ids(24), ids(24)
     first = p0 + ids(7)
-    tier = [ids(40) for _ in range(TIER_PREFIXES)]
-    passes = [[[p + ids(6)] for p in tier], [[p + ids(5)] for p in reversed(tier)]]
-    return [
+    shared = [
         [first, p1 + ids(6)],
         [p0 + ids(9), p0 + ids(5), p2 + ids(8)],
         [p1 + ids(7), p2 + ids(6), p0 + ids(10)],
-        *passes[0],
-        *passes[1],
         [first, p1 + ids(5)],
     ]
+    tier = [ids(40) for _ in range(TIER_PREFIXES)]  # (drawn after the others: those keep their tokens)
+    passes = [[[p + ids(6)] for p in tier], [[p + ids(5)] for p in reversed(tier)]]
+    return [*shared[:3], *passes[0], *passes[1], shared[3]]
 
 
 def run(engine: Any, seed: int = 0) -> tuple[list[list[int]], int]:
