@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from hicache.kernels.paged_copy import validate_ids
 from hicache.workers.device_pool import DevicePool
+from hicache.workers.fused_pool import FusedLayerPool
 
 MEMORY_KIND = "pinned_host"
 
@@ -123,7 +124,7 @@ class HostPool:
     """L2 slots for this host's heads: one ``pinned_host`` array per slot and head shard (module
     docstring)."""
 
-    def __init__(self, device_pool: DevicePool, num_slots: int) -> None:
+    def __init__(self, device_pool: DevicePool | FusedLayerPool, num_slots: int) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots <= 0:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         self.device_pool = device_pool

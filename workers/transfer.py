@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from hicache.kernels.paged_copy import CopyImpl, gather_pages, scatter_pages, select_impl, validate_ids
 from hicache.workers.device_pool import DevicePool, zeros_fn
+from hicache.workers.fused_pool import FusedLayerPool
 from hicache.workers.host_pool import HostPool
 from hicache.workers.plan import OpKind
 
@@ -162,7 +163,7 @@ class TransferHandle:
 
 
 class TransferEngine:
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, impl: CopyImpl | str | None = None,
+    def __init__(self, device_pool: DevicePool | FusedLayerPool, host_pool: HostPool, *, impl: CopyImpl | str | None = None,
                  max_batch_pages: int = MAX_BATCH_PAGES) -> None:
         """``impl``: the kernel implementation (default: ``select_impl()`` for this backend);
         ``max_batch_pages``: pages per compiled program (a power of two; larger batches are cut)."""
@@ -176,7 +177,9 @@ class TransferEngine:
         self.impl = CopyImpl(impl) if impl is not None else select_impl()
         self._staging: dict[int, list[jax.Array]] = {}  # rows -> free D2H staging buffers
         self.single_device = device_pool.mesh.devices.size == 1
-        if self.single_device:
+        if isinstance(device_pool, FusedLayerPool):  # an engine's own layer arrays: their layout's programs
+            self._gather, self._scatter = device_pool.transfer_fns()
+        elif self.single_device:
             token_sharding = NamedSharding(device_pool.mesh, P())
             self._gather = _gather_single_fn(self.impl, device_pool.sharding)
             self._scatter = _scatter_single_fn(self.impl, device_pool.array_sharding, token_sharding)

@@ -67,6 +67,7 @@ from jax.sharding import Mesh
 
 from hicache.kernels.paged_copy import CopyImpl
 from hicache.workers.device_pool import DevicePool, default_mesh
+from hicache.workers.fused_pool import FusedLayerPool
 from hicache.workers.host_pool import HostPool, HostPoolConfig, size_host_pool
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
 from hicache.workers.spec import KVCacheSpec
@@ -179,14 +180,22 @@ class HostWorker:
         devices: list[jax.Device] | None = None,
         impl: CopyImpl | str | None = None,
         storage_executor: StorageOpFn | None = None,
+        device_pool: FusedLayerPool | None = None,
     ) -> None:
-        """``impl``: the paged-copy kernel implementation (default: ``select_impl()`` per backend)."""
-        if mesh is None:
+        """``impl``: the paged-copy kernel implementation (default: ``select_impl()`` per backend);
+        ``device_pool``: L1 is an engine's own arrays (``FusedLayerPool`` of ``spec`` and
+        ``num_device_pages``, on its own mesh) instead of a ``DevicePool`` this worker allocates."""
+        if device_pool is not None:
+            if device_pool.spec != spec or device_pool.num_pages != num_device_pages or mesh or devices:
+                raise ValueError(f"device_pool ({device_pool.spec}, {device_pool.num_pages} pages) must match spec "
+                                 f"{spec} and num_device_pages {num_device_pages}, with no mesh or devices")
+        elif mesh is None:
             mesh = default_mesh(spec.num_kv_heads, devices)
         elif devices is not None:
             raise ValueError("pass either mesh or devices, not both")
         self.host_index = int(host_index)
-        self.device_pool = DevicePool(spec, num_device_pages, mesh=mesh)
+        self.device_pool: DevicePool | FusedLayerPool = (
+            device_pool if device_pool is not None else DevicePool(spec, num_device_pages, mesh=mesh))
         if isinstance(host_pool, HostPoolConfig):
             device_share = self.device_pool.num_pages * int(np.prod(self.device_pool.host_row_shape)) * self.device_pool.dtype.itemsize
             row_bytes = int(np.prod(self.device_pool.host_row_shape)) * self.device_pool.dtype.itemsize
@@ -205,7 +214,7 @@ class HostWorker:
     def attach_model(self, factory: Callable[[jax.Array], PoolModel]) -> PoolModel:
         """Builds the engine's per-host model runner over this worker's L1 array (``factory(kv)``)
         and keeps it; replaces any earlier one. Returns it."""
-        model = factory(self.device_pool.kv)
+        model = factory(self._allocated_pool().kv)
         for name in ("pool", "set_pool"):
             if not hasattr(model, name):
                 raise TypeError(f"attach_model: {type(model).__name__} has no {name!r} (not a PoolModel)")
@@ -224,7 +233,8 @@ class HostWorker:
         model = self._model
         if model is None:
             raise RuntimeError(f"host worker {self.host_index}: no model attached (attach_model first)")
-        lent = self.device_pool.kv
+        pool = self._allocated_pool()
+        lent = pool.kv
         if model.pool is not lent:  # a transfer replaced the array since the model last held it
             model.set_pool(lent)
         try:
@@ -232,7 +242,14 @@ class HostWorker:
         finally:
             back = model.pool
             if back is not lent:  # forwards donated the lent array: ``back`` is the last one's output
-                self.device_pool.set_kv(back)
+                pool.set_kv(back)
+
+    def _allocated_pool(self) -> DevicePool:
+        """L1 as this worker allocated it; an engine that owns its arrays (``FusedLayerPool``) runs its own
+        model."""
+        if not isinstance(self.device_pool, DevicePool):
+            raise RuntimeError(f"host worker {self.host_index}: L1 is an engine's own arrays, not a model's pool")
+        return self.device_pool
 
     # -- plans ---------------------------------------------------------------------------------
     def validate(self, plan: TransferPlan) -> None:

@@ -12,6 +12,7 @@ Engines, a test session's services).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -21,11 +22,13 @@ from sgl_jax.srt.entrypoints import engine as sgl_engine
 from sgl_jax.srt.server_args import ServerArgs
 
 from hicache.sgl_jax import seams
+from hicache.sgl_jax.hits import hit_tokens_by_tier
 from hicache.sgl_jax.launch import launching
 from hicache.sgl_jax.options import HiCacheOptions, check_server_args
 from hicache.sgl_jax.scheduler import STATS_KEY
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def start_recording_processes(start: Callable[[], T]) -> tuple[T, list[BaseProcess]]:
@@ -56,16 +59,28 @@ class Engine(sgl_engine.Engine):
             server_args = ServerArgs(**{"log_level": "error", **kwargs})  # sgl-jax's own default log level
         elif kwargs:
             raise ValueError(f"pass either server_args or server arguments, not both (got {sorted(kwargs)})")
-        check_server_args(server_args)
+        check_server_args(server_args, options)
         self._processes: list[BaseProcess] = []
+        self.hicache_options = options
         with launching(options):
             _, self._processes = start_recording_processes(lambda: super(Engine, self).__init__(server_args=server_args))
-        self.hicache_options = options
 
     def shutdown(self) -> None:
-        """Stops this Engine's subprocesses (see the module docstring)."""
+        """Stops this Engine's subprocesses (see the module docstring); with L3, first flushes the cache
+        (sgl-jax's ``flush_cache``: the head waits for its L2->L3 writes and writes its manifest), so that a
+        later engine on the same L3 finds everything this one stored."""
         processes, self._processes = self._processes, []
+        if processes and self.hicache_options.l3_url is not None and all(p.is_alive() for p in processes):
+            try:
+                self.flush_cache()
+            except Exception as e:  # a scheduler that is gone loses only writes not yet stored: later misses
+                log.warning("hicache: could not flush the cache before shutdown (%s: %s)", type(e).__name__, e)
         stop_processes(processes)
+
+    def hit_tokens_by_tier(self, cached_tokens: int) -> dict[str, int]:
+        """Prompt tokens served from each tier since start (``hits.hit_tokens_by_tier``); ``cached_tokens``:
+        the sum of sgl-jax's ``meta_info["cached_tokens"]`` over the outputs."""
+        return hit_tokens_by_tier(self.hicache_stats(), cached_tokens)
 
     def hicache_stats(self) -> dict[str, Any]:
         """The head's statistics (tree, L1 occupancy, hits), read from the scheduler process."""

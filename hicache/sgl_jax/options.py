@@ -11,21 +11,44 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.cluster import HeadConfig
+from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.tree import EvictionPolicy, TreeConfig
 
 
 @dataclass(frozen=True)
 class HiCacheOptions:
-    """hicache as sgl-jax's prefix cache, one host, L1 only (sgl-jax's device KV pool, paged by the head).
+    """hicache as sgl-jax's prefix cache on one host: L1 is sgl-jax's device KV pool, paged by the head.
 
-    ``replica`` names the head (metrics, L3 namespace later); ``eviction_policy`` orders L1 victims.
+    ``replica`` names the head (metrics); ``eviction_policy`` orders L1 victims. ``host_pages`` > 0 adds
+    hicache's host pool (L2) of that many pages, backed up per ``write_policy``; ``l3_url`` (an fsspec URL,
+    ``file:///path`` by default, ``gs://bucket/prefix``; needs L2) adds hicache's object store (L3), asked
+    for prompts whose whole pages past the L1+L2 match hold >= ``l3_min_tokens`` tokens, under the
+    namespace ``model_id`` (default: a fingerprint of the model's files, ``hicache.sgl_jax.tiers``).
     """
 
     replica: str = "sgl-jax"
     eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU
+    host_pages: int = 0
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    l3_url: str | None = None
+    l3_min_tokens: int = 16
+    l3_pages_per_object: int | None = None  # None: the store's default object size
+    model_id: str | None = None
 
     def __post_init__(self) -> None:
-        # HeadConfig / TreeConfig validate the names and the policy (ValueError naming the value).
+        for name in ("host_pages", "l3_min_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"HiCacheOptions.{name} must be an int >= 0, got {value!r}")
+        if self.l3_url is not None:
+            if not isinstance(self.l3_url, str) or "://" not in self.l3_url:
+                raise ValueError(f"l3_url must be an fsspec URL like file:///path or gs://bucket, got {self.l3_url!r}")
+            if not self.host_pages:
+                raise ValueError(f"l3_url={self.l3_url!r} needs an L2 tier to stage through: set host_pages > 0")
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
+            raise ValueError(f"model_id must be a non-empty str or None, got {self.model_id!r}")
+        # HeadConfig / TreeConfig / HiCacheConfig validate the names and policies (ValueError naming the value).
+        object.__setattr__(self, "write_policy", HiCacheConfig(1, self.write_policy).write_policy)
         config = self.head_config(page_size=1, num_pages=1)
         object.__setattr__(self, "eviction_policy", config.tree.eviction_policy)
 
@@ -34,12 +57,16 @@ class HiCacheOptions:
         ``page_size`` tokens: one page more, id 0, which the head hands out once and never gets back
         (sgl-jax's padding slot; see ``hicache.sgl_jax.allocator``)."""
         tree = TreeConfig(page_size=page_size, capacity_pages=num_pages + 1, eviction_policy=self.eviction_policy)
-        return HeadConfig(replica=self.replica, tree=tree)
+        hicache = None
+        if self.host_pages:
+            hicache = HiCacheConfig(host_slots=self.host_pages, write_policy=self.write_policy)
+        return HeadConfig(replica=self.replica, tree=tree, hicache=hicache)
 
 
 # server_args values hicache cannot serve with yet (or that would silently replace it): value -> why.
-def unsupported_server_args(server_args: Any) -> list[str]:
-    """Reasons ``server_args`` cannot run with hicache as its prefix cache; empty when it can."""
+def unsupported_server_args(server_args: Any, options: HiCacheOptions | None = None) -> list[str]:
+    """Reasons ``server_args`` cannot run with hicache as its prefix cache (with ``options``' tiers); empty
+    when it can."""
     reasons = []
 
     def need(ok: bool, name: str, why: str) -> None:
@@ -59,11 +86,40 @@ def unsupported_server_args(server_args: Any) -> list[str]:
     need(server_args.disaggregation_mode == "null", "disaggregation_mode", "PD disaggregation is not supported yet")
     need(server_args.schedule_policy != "dfs-weight", "schedule_policy",
          "dfs-weight walks sgl-jax's tree nodes; use fcfs, lpm, lof or random")
+    if options is not None and options.host_pages:
+        need(server_args.disable_overlap_schedule, "disable_overlap_schedule",
+             "hicache's L1<->L2 transfers run on the scheduler thread, which must be the one running the "
+             "forwards (set disable_overlap_schedule=True with host_pages > 0)")
     return reasons
 
 
-def check_server_args(server_args: Any) -> None:
-    """Raises ``ValueError`` listing every server arg hicache cannot serve with."""
-    reasons = unsupported_server_args(server_args)
+def unsupported_kv_layout(server_args: Any) -> list[str]:
+    """Reasons the model's KV cache is not one hicache's pools hold (full-attention MHA layers only), read from
+    its config as sgl-jax reads it; empty when it is."""
+    from sgl_jax.srt.configs.model_config import AttentionArch, ModelConfig
+
+    config = ModelConfig.from_server_args(server_args)
+    reasons = []
+    if config.attention_arch != AttentionArch.MHA:
+        reasons.append(f"attention_arch={config.attention_arch.name}: hicache's pools hold MHA KV pages only")
+    layer_types = set(getattr(config.hf_text_config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        reasons.append(f"layer_types={sorted(layer_types)}: hicache serves full-attention layers only")
+    return reasons
+
+
+def check_server_args(server_args: Any, options: HiCacheOptions | None = None) -> None:
+    """Raises ``ValueError`` listing every server arg hicache cannot serve with (with ``options``' tiers), and
+    every reason the model's KV layout does not fit hicache's pools."""
+    reasons = unsupported_server_args(server_args, options)
+    if not reasons:
+        reasons = [f"model {server_args.model_path}: {r}" for r in unsupported_kv_layout(server_args)]
+    if not reasons and options is not None and options.l3_url is not None:
+        from hicache.storage.object_store import open_object_store
+
+        try:  # an unknown scheme or a local folder that cannot be made; a remote store that is down degrades to misses
+            open_object_store(options.l3_url, {})
+        except Exception as e:
+            reasons.append(f"l3_url={options.l3_url!r} cannot be opened: {type(e).__name__}: {e}")
     if reasons:
         raise ValueError("sgl-jax with hicache as its prefix cache: " + "; ".join(reasons))

@@ -10,6 +10,7 @@ holds are listed in sgl-jax's ``req_to_token_pool``, which this object reads and
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -24,19 +25,34 @@ from sgl_jax.srt.mem_cache.base_prefix_cache import (
 )
 
 from hicache.cluster import CacheClient
+from hicache.cluster.client import ResultRef
+from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.head import Call, Method
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
 from hicache.cluster.tree import RadixKey, RequestState
 from hicache.sgl_jax.allocator import HeadPageAllocator
 from hicache.sgl_jax.page_map import SLOT_DTYPE, pages_to_slots, slots_to_pages
 
 
 class HiCachePrefixCache(BasePrefixCache):
-    def __init__(self, client: CacheClient, req_to_token_pool: Any, allocator: HeadPageAllocator) -> None:
+    def __init__(self, client: CacheClient, req_to_token_pool: Any, allocator: HeadPageAllocator, *,
+                 host_tier: bool = False, storage: bool = False, l3_min_tokens: int = 0) -> None:
+        """``host_tier``: the head has hicache's L2 (sgl-jax then calls the load-back and event hooks);
+        ``storage``: and L3, asked at a request's match when the whole pages past its L1+L2 match hold
+        >= ``l3_min_tokens`` tokens."""
         self.client = client
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = allocator
         self.page_size = allocator.page_size
         self.disable = False  # sgl-jax reads it: a disabled cache turns off cache-aware scheduling
-        self.hicache_enabled = False  # sgl-jax's own host tier hooks stay off (hicache's L2 comes later)
+        # sgl-jax calls its HiCache hooks (init_load_back, check_hicache_events, ...) only when this is True
+        self.hicache_enabled = host_tier
+        self.storage = storage
+        self.l3_min_tokens = max(l3_min_tokens, self.page_size)
+        self._prefetch_ids = itertools.count()
+        # Load-backs sgl-jax's own HiCache would have dropped (more tokens than free L1 slots, the
+        # ``mem_quota`` it passes): the head evicted L1 and loaded them. Tokens.
+        self.loaded_past_free_tokens = 0
 
     @staticmethod
     def _key(token_ids: Any, extra_key: str | None) -> RadixKey:
@@ -44,16 +60,37 @@ class HiCachePrefixCache(BasePrefixCache):
 
     # -- matching and locks --------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        key = params.key
-        m = self.client.match_prefix(self._key(key.token_ids, key.extra_key))
-        node = m.last_device_node
+        """The head's match; with L3, a request's match (``params.req`` set: sgl-jax is about to schedule it)
+        first fetches what L3 holds past L1+L2 into L2 (waited for, bounded), so the match that follows
+        returns it as a host hit that ``init_load_back`` loads."""
+        key = self._key(params.key.token_ids, params.key.extra_key)
+        m = self.client.match_prefix(key)
+        if self.storage and getattr(params, "req", None) is not None:
+            m = self._fetch_from_l3(key, m)
         return MatchResult(
             device_indices=pages_to_slots(m.device_pages, self.page_size),
-            last_device_node=node,
-            last_host_node=node,  # L1 only: sgl-jax requires it to equal last_device_node
-            best_match_node=node,
-            host_hit_length=0,
+            last_device_node=m.last_device_node,
+            # the deepest node with an L2 copy (the device node when there is no host hit, as sgl-jax requires)
+            last_host_node=m.best_match_node if m.host_hit_len else m.last_device_node,
+            best_match_node=m.best_match_node,
+            host_hit_length=m.host_hit_len if self.hicache_enabled else 0,
         )
+
+    def _fetch_from_l3(self, key: RadixKey, m: Any) -> Any:
+        """Prefetches L3's pages past the match ``m`` of ``key`` into L2 and matches again (one step); ``m``
+        when L3 is not worth asking or holds nothing more."""
+        whole = len(key) - len(key) % self.page_size
+        if whole - m.device_hit_len - m.host_hit_len < self.l3_min_tokens:
+            return m
+        req_id = f"sgl-{next(self._prefetch_ids)}"
+        started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
+        if started.state is PrefetchState.NOT_STARTED:
+            return m
+        # matched again in the same step: applying the prefetch's acks may merge nodes of the first match
+        checked, matched = self.client.step([Call(Method.CHECK_PREFETCH_PROGRESS, req_id),
+                                             Call(Method.MATCH_PREFIX, key)])
+        checked.unwrap()
+        return matched.unwrap()
 
     def inc_lock_ref(self, node: int) -> IncLockRefResult:
         return IncLockRefResult(delta=self.client.inc_lock_ref(node))
@@ -94,6 +131,47 @@ class HiCachePrefixCache(BasePrefixCache):
         req.prefix_indices = slots
         req.last_node = new.last_node
 
+    # -- the host tier (sgl-jax calls these only when ``hicache_enabled``) ------------------------------
+    def init_load_back(self, last_host_node: int, host_hit_length: int,
+                       mem_quota: int | None = None) -> tuple[np.ndarray, int, list]:
+        """Loads the L2 part of a request's match back into L1 now and waits for it (bounded): returns the
+        loaded part's slots, the node the prefix now ends at, and no deferred work (sgl-jax's
+        ``finish_load_back`` gets an empty plan). Unlike sgl-jax's own HiCache, a load that needs more than
+        ``mem_quota`` (sgl-jax's free slots) evicts L1 cache through the head instead of being recomputed;
+        the head counts what it could not load (``miss_tokens``: ``no_space``, or a failed transfer). Runs
+        between forwards on the scheduler thread (overlap scheduling is off with a host tier)."""
+        none = np.empty(0, dtype=SLOT_DTYPE)
+        if host_hit_length <= 0:
+            return none, last_host_node, []
+        started, done = self.client.step([
+            Call(Method.INIT_LOAD_BACK, LoadBackParams(last_host_node, host_hit_length)),
+            Call(Method.WAIT_LOAD_BACK, ResultRef(0, "load_id"))])
+        r = started.unwrap()
+        if r.load_id == -1 or not done.unwrap():  # nothing loaded (no room) or the load failed: recomputed
+            return none, last_host_node, []  # (sgl-jax keeps the request's L1 prefix and lock)
+        if mem_quota is not None and r.loaded_tokens > mem_quota:
+            self.loaded_past_free_tokens += r.loaded_tokens
+        loaded = pages_to_slots(r.device_pages[-(r.loaded_tokens // self.page_size):], self.page_size)
+        return loaded, r.last_node, []
+
+    def finish_load_back(self, flush_plan: list) -> None:
+        """Nothing deferred: ``init_load_back`` loads before it returns."""
+
+    def check_hicache_events(self) -> None:
+        """Sends queued backups and applies the acks that arrived (never blocks)."""
+        self.client.check_hicache_events()
+
+    def flush_write_through_acks(self) -> None:
+        """sgl-jax calls this every decode step to free locks of finished backups early: as
+        ``check_hicache_events`` (the head's own flush would wait for every transfer)."""
+        self.client.check_hicache_events()
+
+    def ready_to_load_host_cache(self) -> int:
+        return self.client.ready_to_load_host_cache()
+
+    def precompile_hicache_transfers(self) -> None:
+        """Nothing: the transfer programs compile on first use (one per batch bucket)."""
+
     # -- eviction and sizes --------------------------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
         return EvictResult(num_tokens_evicted=self.client.evict(params.num_tokens).evicted_tokens)
@@ -108,6 +186,10 @@ class HiCachePrefixCache(BasePrefixCache):
         return self.client.stats().cached_tokens
 
     def reset(self) -> None:
+        """Empties the head (L1, L2; an attached L3 keeps its content, its queued writes and manifest are
+        written first): every transfer in flight is waited for (bounded) before."""
+        if self.hicache_enabled:
+            self.client.flush_write_through_acks()
         self.client.reset()
         self.token_to_kv_pool_allocator.take_padding_page()
 
@@ -126,5 +208,6 @@ class HiCachePrefixCache(BasePrefixCache):
             "free_pages": st.free_pages,
             "request_pages": st.request_pages,
             "protected_tokens": st.protected_tokens,
+            "loaded_past_free_tokens": self.loaded_past_free_tokens,
             **self.client.cache_stats(),
         }

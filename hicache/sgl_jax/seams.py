@@ -24,6 +24,7 @@ SEAMS: dict[str, tuple[str, ...]] = {
         "Scheduler",
         "Scheduler.init_memory_pool_and_cache",
         "Scheduler.get_internal_state",
+        "Scheduler.get_new_batch_prefill",
         "run_scheduler_process",
         "build_kv_cache",
     ),
@@ -35,12 +36,16 @@ SEAMS: dict[str, tuple[str, ...]] = {
         "IncLockRefResult",
     ),
     "sgl_jax.srt.mem_cache.allocator": ("BaseTokenToKVPoolAllocator",),
+    # The host tier wraps its layer arrays (``kv_buffer``, handed back through ``replace_buffer``).
+    "sgl_jax.srt.mem_cache.memory_pool": ("MHATokenToKVPool", "MHATokenToKVPool.replace_buffer"),
+    # The scheduler's HiCache hooks it calls on a tree cache whose ``hicache_enabled`` is True.
+    "sgl_jax.srt.managers.schedule_policy": ("PrefillAdder.add_one_req",),
     "sgl_jax.srt.server_args": ("ServerArgs", "ServerArgs.from_cli"),
 }
 # Only the HTTP server needs these (``hicache.sgl_jax.server``): its module imports the web stack.
 HTTP_SEAMS: dict[str, tuple[str, ...]] = {"sgl_jax.srt.entrypoints.http_server": ("launch",)}
 # Keyword arguments of ``build_kv_cache`` that our builder reads.
-BUILDER_KWARGS = ("server_args", "req_to_token_pool", "token_to_kv_pool_allocator", "page_size")
+BUILDER_KWARGS = ("server_args", "req_to_token_pool", "token_to_kv_pool_allocator", "page_size", "tp_size")
 
 
 class SglJaxSeamError(RuntimeError):

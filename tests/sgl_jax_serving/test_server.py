@@ -68,3 +68,8 @@ def test_cli_flags_split_between_hicache_and_sgl_jax(tiny_model: Path) -> None:
     assert server_args.model_path == str(tiny_model) and server_args.page_size == 4
     with pytest.raises(SystemExit):
         parse_args(["--hicache-eviction-policy", "nope", "--model-path", str(tiny_model)])
+    options, _ = parse_args(["--hicache-host-pages", "64", "--hicache-l3-url", "file:///tmp/x",
+                             "--hicache-write-policy", "write_back", "--model-path", str(tiny_model)])
+    assert (options.host_pages, options.l3_url, options.write_policy.value) == (64, "file:///tmp/x", "write_back")
+    with pytest.raises(ValueError, match="needs an L2 tier"):
+        parse_args(["--hicache-l3-url", "file:///tmp/x", "--model-path", str(tiny_model)])

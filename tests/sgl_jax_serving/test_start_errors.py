@@ -12,6 +12,7 @@ from support.sgl_jax_env import engine_kwargs
 import hicache.sgl_jax
 from hicache.sgl_jax import HiCacheOptions, SglJaxSeamError, seams
 from hicache.sgl_jax.engine import Engine
+from hicache.sgl_jax.tiny_model import write_tiny_qwen3
 
 
 def test_options_reject_bad_values() -> None:
@@ -20,6 +21,15 @@ def test_options_reject_bad_values() -> None:
     with pytest.raises(ValueError, match="'a/b'"):
         HiCacheOptions(replica="a/b")
     assert HiCacheOptions(eviction_policy="lfu").eviction_policy.value == "lfu"
+    with pytest.raises(ValueError, match="host_pages must be an int >= 0, got -1"):
+        HiCacheOptions(host_pages=-1)
+    with pytest.raises(ValueError, match="'file:///x' needs an L2 tier"):
+        HiCacheOptions(l3_url="file:///x")
+    with pytest.raises(ValueError, match="'/no/scheme'"):
+        HiCacheOptions(host_pages=8, l3_url="/no/scheme")
+    with pytest.raises(ValueError, match="'sometimes'"):
+        HiCacheOptions(host_pages=8, write_policy="sometimes")
+    assert HiCacheOptions(host_pages=8, write_policy="write_back").head_config(1, 4).hicache.host_slots == 8
 
 
 @pytest.mark.parametrize(
@@ -37,6 +47,43 @@ def test_server_args_hicache_cannot_serve_fail_before_launch(tiny_model: Path, o
     with pytest.raises(ValueError, match=named.replace("[", r"\[")):
         Engine(**engine_kwargs(tiny_model, **overrides), hicache=HiCacheOptions())
     assert multiprocessing.active_children() == before  # nothing was started
+
+
+def test_host_tier_with_overlap_scheduling_fails_before_launch(tiny_model: Path) -> None:
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match="disable_overlap_schedule=False"):
+        Engine(**engine_kwargs(tiny_model, disable_overlap_schedule=False), hicache=HiCacheOptions(host_pages=8))
+    assert multiprocessing.active_children() == before
+
+
+def test_model_with_a_kv_layout_the_pools_cannot_hold_fails_before_launch(tmp_path: Path) -> None:
+    """An MLA model (a tiny DeepSeek-V3 config: only its config is read) and a model with sliding-window
+    layers: one ValueError naming why, and nothing started."""
+    import json
+
+    mla = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 512,
+           "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None,
+           "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 4,
+           "num_experts_per_tok": 2, "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    swa = {**json.loads((write_tiny_qwen3(tmp_path / "base") / "config.json").read_text()),
+           "layer_types": ["sliding_attention", "full_attention"]}
+    before = multiprocessing.active_children()
+    for name, config, named in (("mla", mla, "attention_arch=MLA"), ("swa", swa, "sliding_attention")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=named):
+            Engine(**engine_kwargs(tmp_path / name), hicache=HiCacheOptions(host_pages=8))
+    assert multiprocessing.active_children() == before
+
+
+def test_l3_url_that_cannot_be_opened_fails_before_launch(tiny_model: Path, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    before = multiprocessing.active_children()
+    for url, named in (("nope://bucket/x", "Protocol not known"), ((tmp_path / "a-file" / "l3").as_uri(), "a-file")):
+        with pytest.raises(ValueError, match=f"l3_url=.* cannot be opened: .*{named}"):
+            Engine(**engine_kwargs(tiny_model), hicache=HiCacheOptions(host_pages=8, l3_url=url))
+    assert multiprocessing.active_children() == before
 
 
 def test_engine_rejects_options_of_another_type(tiny_model: Path) -> None:
@@ -69,6 +116,7 @@ def test_missing_builder_keyword_is_a_missing_seam(monkeypatch: pytest.MonkeyPat
     assert seams.missing_seams() == [
         "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(req_to_token_pool=)",
         "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(token_to_kv_pool_allocator=)",
+        "sgl_jax.srt.mem_cache.kv_cache_builder:build_kv_cache(tp_size=)",
     ]
 
 

@@ -58,13 +58,22 @@ def running(engine_class: Callable[..., Any], **kwargs: Any) -> Iterator[Any]:
         yield engine
     finally:
         atexit.unregister(engine.shutdown)
+        if hasattr(engine, "hicache_options"):  # hicache's Engine stops only its own processes (after an L3 flush)
+            engine.shutdown()
         stop_processes(processes)
 
 
 
+# The tier rounds: this many 40-token prefixes (320 tokens: more than L1 and than L2 of HOST_PAGES pages).
+TIER_PREFIXES = 8
+HOST_PAGES = 192  # hicache's L2 in the tier tests: more than L1, less than the tier rounds' prefixes
+
+
 def rounds(seed: int = 0) -> list[list[list[int]]]:
     """Rounds of prompts (token ids) sent one ``generate`` call per round: three shared 24-token prefixes,
-    varied suffixes, and an exact repeat at the end."""
+    varied suffixes; then the tier rounds, one prompt each: ``TIER_PREFIXES`` 40-token prefixes in order and
+    again in reverse, so that with LRU tiers the second pass finds the last ones in L1, the middle ones in
+    L2 (``HOST_PAGES``) and the first ones only in L3; an exact repeat at the end."""
     rng = np.random.default_rng(seed)
 
     def ids(n: int) -> list[int]:
@@ -72,12 +81,15 @@ def rounds(seed: int = 0) -> list[list[list[int]]]:
 
     p0, p1, p2 = ids(24), ids(24), ids(24)
     first = p0 + ids(7)
-    return [
+    shared = [
         [first, p1 + ids(6)],
         [p0 + ids(9), p0 + ids(5), p2 + ids(8)],
         [p1 + ids(7), p2 + ids(6), p0 + ids(10)],
         [first, p1 + ids(5)],
     ]
+    tier = [ids(40) for _ in range(TIER_PREFIXES)]  # (drawn after the others: those keep their tokens)
+    passes = [[[p + ids(6)] for p in tier], [[p + ids(5)] for p in reversed(tier)]]
+    return [*shared[:3], *passes[0], *passes[1], shared[3]]
 
 
 def run(engine: Any, seed: int = 0) -> tuple[list[list[int]], int]:
