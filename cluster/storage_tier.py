@@ -190,6 +190,7 @@ class _Prefetch:
     deadline: float = 0.0  # the TIMEOUT policy's, set when the fetch starts
     state: PrefetchState = PrefetchState.RUNNING
     reason: str = ""  # why nothing was fetched (NOT_STARTED after the query)
+    queued: bool = False  # started when its request entered the queue (``prefetch``), not at its start
 
 
 @dataclass
@@ -518,7 +519,7 @@ class StorageTier:
         if depth > len(tokens) - len(tokens) % self.tree.page_size or (
                 depth and not np.array_equal(tokens[:depth], self._tokens_of(anchor))):
             raise ValueError(f"node {params.node_id} is not a prefix of the request's tokens")
-        return self._prefetch(params.req_id, params.key, anchor, depth)
+        return self._prefetch(params.req_id, params.key, anchor, depth, queued=True)
 
     def prefetch_matched(self, req_id: str, key: RadixKey, anchor: TreeNode, depth: int) -> PrefetchProgress:
         """``prefetch`` below ``anchor``, the deepest node of the tree's own match of ``key`` (``depth``
@@ -526,7 +527,7 @@ class StorageTier:
         tokens by construction, so not checked again. The request is about to start (``begin_request``):
         unless the policy is best effort, its existence query is waited for here (``query_wait_max_s``), so
         a miss answers in this call and the request goes on in it (one head call for a miss)."""
-        progress = self._prefetch(req_id, key, anchor, depth)
+        progress = self._prefetch(req_id, key, anchor, depth, queued=False)
         if progress.state is PrefetchState.RUNNING and req_id in self._by_req and self._by_req[req_id].query:
             self.wait_query(req_id, self.query_budget_s(req_id))
             return self.progress(req_id)  # a miss is reported (once) as not started: the request goes on
@@ -536,7 +537,8 @@ class StorageTier:
     def _skip(req_id: str, reason: str) -> PrefetchProgress:
         return PrefetchProgress(req_id, PrefetchState.NOT_STARTED, 0, True, reason)
 
-    def _prefetch(self, req_id: str, key: RadixKey, anchor: TreeNode, depth: int) -> PrefetchProgress:
+    def _prefetch(self, req_id: str, key: RadixKey, anchor: TreeNode, depth: int, *,
+                  queued: bool) -> PrefetchProgress:
         """The pages of ``key`` past ``anchor`` (``depth`` tokens deep, a checked prefix) that L3 holds,
         fetched into L2 below it (see the module docstring). Both entries (``prefetch``,
         ``prefetch_matched``) come through here: the request's one prefetch, an expired write hold ended."""
@@ -578,7 +580,7 @@ class StorageTier:
         first = depth // ps
         now = time.monotonic()
         task = _Prefetch(req_id, anchor, tokens[depth : depth + len(keys) * ps].copy(), keys, first, now,
-                         now + self.params.prefetch_wait_max_s)
+                         now + self.params.prefetch_wait_max_s, queued=queued)
         anchor.host_pin += 1  # (a root too: it stays while the query and fetch run, RadixTree._drop_idle_roots)
         self._by_req[req_id] = task
         if known:
@@ -687,7 +689,8 @@ class StorageTier:
 
     def _worth_fetching(self, task: _Prefetch, found: int) -> int:
         """How many of the ``found`` leading pages the cost model fetches; 0 ends ``task`` (its request
-        recomputes them). A request still waiting bounds the fetch by what is back before it stops waiting."""
+        recomputes them). A request still waiting bounds the fetch by what is back before it stops waiting.
+        A prefetch its request started on entering the queue fetches all: the queue wait hides it."""
         ps = self.tree.page_size
         budget = None
         if self._by_req.get(task.req_id) is task and self.params.prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
@@ -696,6 +699,13 @@ class StorageTier:
             if self.params.prefetch_policy is PrefetchPolicy.TIMEOUT:
                 until = min(until, now + self.params.prefetch_timeout_s(found * ps))
             budget = max(0.0, until - now)
+        if task.queued:
+            # The fetch overlaps the request's wait in the queue: free unless the request starts before it
+            # is back, and then the request waits at most the model's bound before it recomputes.
+            bound = self.cost.wait_bound_s(found, ps)
+            if bound is not None:
+                task.wait_until = min(task.wait_until, time.monotonic() + bound)
+            return found
         plan = self.cost.choose(found, ps, self._exists_min_pages, budget)
         c = self.counters
         if plan.explored:

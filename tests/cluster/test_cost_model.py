@@ -174,6 +174,25 @@ def test_slow_l3_recomputes_after_one_measured_fetch(runner, stored):
     stack.head.detach_storage_backend()
 
 
+def test_a_prefetch_started_in_the_queue_fetches_even_when_slow(runner, stored):
+    """Once the model knows L3 is slower than recompute, a request starting now recomputes; one that
+    entered the queue first (``arrive``) still fetches: the queue wait hides the fetch. Exact."""
+    url, prompts = stored
+    stack = build_stack(_options(), runner)
+    attach_faulty_l3(stack, url, FaultPlan(read=OpFaults(latency_s=SLOW_S)), cost=COST)
+    _serve_exact(stack, runner, prompts[0])  # measured: slow
+    tier = stack.head.controller.storage
+    req = ServeRequest(prompts[1], NEW_TOKENS)
+    assert stack.scheduler.arrive(req)
+    assert tier.settle(60.0)  # the query answered: the fetch went out, not skipped
+    assert tier.counters.cost_skips == 0 and tier.counters.prefetch_started == 2
+    stack.client.flush_write_through_acks()  # (the queue wait: the fetch is back)
+    res = stack.scheduler.serve(req)
+    ref = runner.generate_no_cache(prompts[1], NEW_TOKENS)
+    assert res.output == ref.tokens and res.storage_tokens == 40
+    stack.head.detach_storage_backend()
+
+
 def test_fast_l3_loads(runner, stored):
     url, prompts = stored
     stack = build_stack(_options(), runner)
