@@ -217,6 +217,11 @@ class CostModel:
             return FetchPlan(0, self.fetch_s(n), self.load_s(n), recompute)
         return FetchPlan(n, self.fetch_s(n), self.load_s(n), recompute)
 
+    @property
+    def measured(self) -> bool:
+        """Both sides were measured (an L3 fetch and a prefill): the model decides on evidence."""
+        return bool(self._fetch.samples and self._prefill.samples)
+
     def wait_bound_s(self, pages: int, page_size: int) -> float | None:
         """How long a request may wait for a fetch of ``pages`` pages (None: no bound of the model's)."""
         o = self.options

@@ -113,8 +113,8 @@ class StorageParams:
     write_hold_max_s: float = 0.5  # pause_writes() holds L2->L3 writes at most this long (0: never holds)
     prefetch_wait_max_s: float = 0.5  # a request waits on its prefetch at most this long, under any policy
     # a request waits on its prefetch's unanswered existence query at most this long, under any policy, and
-    # once the cost model has measured a prefill at most its wait bound for the candidate pages (the query
-    # goes on: what it finds is still fetched into L2 for later requests)
+    # at most the cost model's wait bound for the candidate pages once it has measured a prefill and either a
+    # fetch or a query that outlived this wait (the query goes on: what it finds is still fetched into L2)
     query_wait_max_s: float = 0.05
     cost: CostOptions = field(default_factory=CostOptions)  # load or recompute (``hicache.cluster.cost_model``)
 
@@ -209,6 +209,7 @@ class StorageCounters:
     backup_failures: int = 0
     prefetch_started: int = 0  # fetches sent (after an existence query found enough, or on storage-only entries)
     l3_queries: int = 0  # existence queries started (off the head's thread)
+    query_waits_expired: int = 0  # requests that stopped waiting on an unanswered existence query
     prefetch_pages: int = 0
     prefetch_failures: int = 0
     prefetch_redundant_pages: int = 0  # arrived but the tree already had those tokens
@@ -596,8 +597,10 @@ class StorageTier:
             task.keys, task.tokens = task.keys[:known], task.tokens[: known * ps]
         task.query = self._ask(task)
         self.counters.l3_queries += 1
-        # waiting on the answer longer than recomputing its candidates would take is a loss whatever it says
-        bound = self.cost.wait_bound_s(len(task.keys) - task.base, ps)
+        # waiting on the answer longer than recomputing its candidates would take is a loss whatever it says;
+        # bounded on evidence only: a measured fetch, or a query that already kept a request waiting in vain
+        evidence = self.cost.measured or self.counters.query_waits_expired > 0
+        bound = self.cost.wait_bound_s(len(task.keys) - task.base, ps) if evidence else None
         wait = self.params.query_wait_max_s if bound is None else min(self.params.query_wait_max_s, bound)
         task.query_until = now + wait
         self._querying.append(task)
@@ -837,6 +840,8 @@ class StorageTier:
             now >= task.query_until if querying else policy is PrefetchPolicy.TIMEOUT and now >= task.deadline)
         if may:
             del self._by_req[req_id]  # the request goes on without it; what its fetch finds still lands in L2
+            if querying and policy is not PrefetchPolicy.BEST_EFFORT:
+                self.counters.query_waits_expired += 1
         # while the query runs, nothing is known to be fetched yet: 0 tokens
         return PrefetchProgress(req_id, PrefetchState.RUNNING, 0 if querying else tokens, may,
                                 "timed out" if may else "")

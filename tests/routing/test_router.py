@@ -117,7 +117,11 @@ def test_routes_to_the_replica_that_holds_the_prefix_and_outputs_stay_exact(tmp_
     prompt = np.concatenate([docs[0], rng.integers(0, MODEL.vocab_size, 5, dtype=np.int32)])
     dec = router.route(RadixKey(prompt), probes)
     assert dec.index != home[0] and dec.estimates[dec.index].l3 == 64
-    res = stacks[dec.index].scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
+    # it enters that replica's queue (its L3 query and fetch start there; settled: no race with the clock)
+    req, chosen = ServeRequest(prompt, max_new_tokens=2), stacks[dec.index]
+    assert chosen.scheduler.arrive(req) and chosen.head.controller.storage.settle(60.0)
+    chosen.client.flush_write_through_acks()
+    res = chosen.scheduler.serve(req)
     assert res.output == runner.generate_no_cache(prompt, 2).tokens and res.storage_tokens >= 32
     for s in stacks:
         s.client.flush_write_through_acks()
