@@ -49,10 +49,15 @@ def _connect_ray(address: str | None) -> None:
 
 
 def _replicas() -> list[str]:
-    from ray.util.state import list_actors
+    """The replicas whose head actors live in the connected cluster: asked of that cluster's GCS (the
+    state API would ask a dashboard at a fixed address, another cluster's where several run)."""
+    import ray.util
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-    return sorted(a.name[len("head-"):] for a in actors if a.name and a.name.startswith("head-"))
+    from hicache.cluster.ray_head import NAMESPACE
+
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(a["name"][len("head-"):] for a in names
+                  if a["namespace"] == NAMESPACE and a["name"].startswith("head-"))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
