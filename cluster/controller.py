@@ -397,8 +397,9 @@ class HiCacheController:
         storage.wait_query(req_id, storage.query_budget_s(req_id))  # its answer may start the fetch:
         self.submit()  # sent now
         budget = storage.wait_budget_s(req_id, self.config.ack_timeout_s)
-        if budget > 0:
-            self._apply(self.workers.wait(budget))
+        op = storage.fetch_op(req_id)
+        if budget > 0 and op is not None:  # its own fetch only: never behind write-backs or D2H copies
+            self._apply(self.workers.wait(budget, (op,)))
         return storage.progress(req_id)
 
     # -- sending and acks ---------------------------------------------------------------------------

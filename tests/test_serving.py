@@ -384,7 +384,8 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
     transport = HeadRecorder(cold.head)
     reqs = [ServeRequest(p, max_new_tokens=2) for p in prompts]
     miss = ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), max_new_tokens=2)
-    assert [cold.scheduler.arrive(r) for r in reqs + [miss]] == [True] * 4  # L3 asked for each
+    # L3 asked for each; a local disk answers in the arrival's own head call: three fetches run, one miss
+    assert [cold.scheduler.arrive(r) for r in reqs + [miss]] == [True, True, True, False]
     assert transport.methods.count("prefetch_from_storage") == 4
     with pytest.raises(ValueError, match="already arrived"):
         cold.scheduler.arrive(reqs[0])
@@ -401,7 +402,7 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
         assert res.storage_tokens == (0 if r is miss else 40)
     # each request had its one L3 query at arrival: the hits were fetched whole, the miss is not asked again
     assert transport.methods.count("prefetch_from_storage") == 0
-    assert transport.methods.count("check_prefetch_progress") == 4  # (the miss's: its query's answer)
+    assert transport.methods.count("check_prefetch_progress") == 3  # the fetches (the miss was answered)
     st = cold.head.cache_stats()["storage"]
     assert st["prefetch_started"] == 3 and st["l3_queries"] == 4
     assert cold.scheduler._arrived == {}
@@ -426,7 +427,7 @@ def test_serve_asks_l3_again_when_the_match_shrank_since_arrival(tmp_path, runne
                                                                                         dtype=np.int32)]), 2)
     kept = ServeRequest(rng.integers(0, MODEL.vocab_size, 9, dtype=np.int32), 2)
     assert not stack.scheduler.arrive(turn)  # L1 holds its prefix: L3 not asked
-    assert stack.scheduler.arrive(kept)  # asked (its one page is new): a miss
+    assert not stack.scheduler.arrive(kept)  # asked (its one page is new): a miss, answered at once
     for _ in range(3):  # other prompts push the first one out of L1 and L2
         stack.scheduler.serve(ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), 2))
         stack.client.flush_write_through_acks()

@@ -90,6 +90,12 @@ class StorageExecutor:
         self.pool = pool
         self.slot_bytes = pool.slot_bytes
 
+    @property
+    def inline_reads(self) -> bool:
+        """A prefetch may run on the calling thread: the storage reads a local disk (``runs_inline``), in
+        less time than a hand-off to the storage thread takes, while a request may be waiting for it."""
+        return self.storage.runs_inline
+
     def __call__(self, op: TransferOp, pool: HostPool) -> int | tuple[int, Callable[[], None]]:
         keys = list(op.storage_keys)
         if pool is not self.pool:

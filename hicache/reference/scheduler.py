@@ -193,7 +193,8 @@ class Scheduler:
     def arrive(self, req: ServeRequest) -> bool:
         """``req`` entered the queue: starts its L3 prefetch now (the existence query, then the fetch of
         what it finds, both off this thread), so that they overlap the wait; ``serve(req)`` (the same
-        object) picks it up. True if L3 was asked. At most
+        object) picks it up. True if a prefetch runs for it (its query unanswered yet, or a fetch started;
+        a local disk answers a miss at once). At most
         ``MAX_ARRIVED`` requests wait between ``arrive`` and ``serve``; beyond, ``arrive`` raises
         ``ValueError`` and nothing changes. Without L3 it only registers the request."""
         if id(req) in self._arrived:
