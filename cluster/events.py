@@ -37,7 +37,6 @@ class MissReason(str, Enum):
     L3_UNAVAILABLE = "l3_unavailable"  # L3 not asked (breaker open) or its answer/fetch came too late; recomputed
     EVICTED_L3 = "evicted_l3"  # was in L2 and stored in L3, dropped by L2 eviction, and L3 no longer holds it
     NAMESPACE_DIFFERS = "namespace_differs"  # the same tokens are cached under another extra_key / cache_salt
-    FINGERPRINT_DIFFERS = "fingerprint_differs"  # L3 holds the tokens for another model fingerprint
     L3_UNREADABLE = "l3_unreadable"  # L3 had the object but its fetch failed (corrupt, short read, gone)
     COST_SKIPPED = "cost_skipped"  # L3 had the pages; the cost model chose recomputing them
     PARTIAL_PAGE = "partial_page"  # past the key's last whole page (the last prompt token included): never cached

@@ -193,7 +193,7 @@ class CacheHead:
         """The tree's tier listener: the controller's, or (L1 only) one that just tells misses apart."""
         if self.controller is not None:
             return self.controller.events
-        events = TierEvents(self.tree.page_size, CacheCounters(), self.tree.cached_elsewhere)
+        events = TierEvents(self.tree.page_size, CacheCounters(), self.tree.cached_elsewhere, keep_events=False)
         self.tree.listener = events
         return events
 
@@ -321,7 +321,8 @@ class CacheHead:
             "device_tokens": st.cached_tokens,
             "device_capacity_tokens": st.capacity_pages * st.page_size,
             "device_evicted_tokens": st.evicted_tokens,
-            "prompt_tokens": dict(self.prompt_tokens),  # by fate (hit tier or miss reason), each token once
+            # by fate (hit tier or miss reason), each served prompt token once; plain str keys
+            "prompt_tokens": {str(getattr(k, "value", k)): v for k, v in self.prompt_tokens.items()},
         }
         for comp in self.tree.extra_components:  # per pool: {"swa": SWAStats, "mamba": MambaStats} as dicts
             out.update((name, dataclasses.asdict(value)) for name, value in comp.stats().items())

@@ -45,9 +45,10 @@ class TierEvents:
     ghosts of evicted nodes; ``record_match`` adds a match's hits and misses to ``counters``."""
 
     def __init__(self, page_size: int, counters: CacheCounters,
-                 cached_elsewhere: Callable[[RadixKey], bool] | None = None) -> None:
-        """``cached_elsewhere(key)``: whether another namespace holds ``key``'s first page (the tree's)."""
-        self.log: deque[int] = deque(maxlen=MAX_EVENTS)
+                 cached_elsewhere: Callable[[RadixKey], bool] | None = None, keep_events: bool = True) -> None:
+        """``cached_elsewhere(key)``: whether another namespace holds ``key``'s first page (the tree's).
+        ``keep_events=False``: only the ghosts and miss reasons (an L1-only head: nobody takes events)."""
+        self.log: deque[int] = deque(maxlen=MAX_EVENTS if keep_events else 0)
         self.counters = counters
         self._ghosts: OrderedDict[tuple[int, bytes], MissReason] = OrderedDict()
         self._last_miss: tuple[MissReason, int] | None = None  # the last match's missing tokens, by reason

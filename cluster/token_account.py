@@ -23,9 +23,10 @@ from hicache.cluster.storage_tier import COST_SKIPPED, L3_UNAVAILABLE, PrefetchP
 
 HIT_L1, HIT_L2, HIT_L3 = "hit_l1", "hit_l2", "hit_l3"  # the hit fates' names beside the MissReason values
 FATES = (HIT_L1, HIT_L2, HIT_L3, *(r.value for r in MissReason))  # every name a record's ``as_dict`` may hold
+_NOT_CACHED, _LOAD_FAILED, _PARTIAL = MissReason.NOT_CACHED, MissReason.LOAD_FAILED, MissReason.PARTIAL_PAGE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenAccount:
     """One request's prompt tokens: ``hit_l1 + hit_l2 + hit_l3 + sum(missed) == prompt_len``. ``missed``:
     (reason, tokens) pairs, each reason once, tokens > 0."""
@@ -37,16 +38,18 @@ class TokenAccount:
     missed: tuple[tuple[MissReason, int], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("prompt_len", "hit_l1", "hit_l2", "hit_l3"):
-            v = getattr(self, name)
-            if type(v) is not int or v < 0:
-                raise ValueError(f"TokenAccount.{name} must be an int >= 0, got {v!r}")
-        reasons = [r for r, _ in self.missed]
-        if len(set(reasons)) != len(reasons) or any(type(r) is not MissReason for r in reasons):
-            raise ValueError(f"TokenAccount.missed must name distinct MissReasons, got {self.missed!r}")
-        if any(type(n) is not int or n <= 0 for _, n in self.missed):
-            raise ValueError(f"TokenAccount.missed token counts must be ints > 0, got {self.missed!r}")
-        total = self.hit_l1 + self.hit_l2 + self.hit_l3 + self.missed_tokens
+        # one request per call of a serving loop: the checks stay few and flat
+        counts = (self.prompt_len, self.hit_l1, self.hit_l2, self.hit_l3)
+        if not all(type(v) is int for v in counts) or min(counts) < 0:
+            raise ValueError(f"TokenAccount counts must be ints >= 0, got {self!r}")
+        missed = self.missed
+        total = self.hit_l1 + self.hit_l2 + self.hit_l3
+        for r, n in missed:
+            if type(r) is not MissReason or type(n) is not int or n <= 0:
+                raise ValueError(f"TokenAccount.missed must pair MissReasons with ints > 0, got {missed!r}")
+            total += n
+        if len(missed) > 1 and len({r for r, _ in missed}) != len(missed):
+            raise ValueError(f"TokenAccount.missed names a reason twice: {missed!r}")
         if total != self.prompt_len:
             raise ValueError(f"TokenAccount accounts for {total} tokens, the prompt has {self.prompt_len}: {self!r}")
 
@@ -86,12 +89,17 @@ def account_request(prompt_len: int, page_size: int, *, hit_l1: int, hit_l2: int
     if left < 0:
         raise ValueError(f"hits {hit_l1}+{hit_l2}+{hit_l3} and {refused_tokens} refused exceed the key's "
                          f"{whole} whole-page tokens (prompt {prompt_len}, page {page_size})")
-    missed: dict[MissReason, int] = {}
-    for r, n in ((reason or MissReason.LOAD_FAILED, refused_tokens), (rest or MissReason.NOT_CACHED, left),
-                 (MissReason.PARTIAL_PAGE, prompt_len - whole)):
-        if n:
-            missed[r] = missed.get(r, 0) + n
-    return TokenAccount(prompt_len, hit_l1, hit_l2, hit_l3, tuple(missed.items()))
+    rest = rest or _NOT_CACHED
+    missed: list[tuple[MissReason, int]] = []
+    if refused_tokens:
+        reason = reason or _LOAD_FAILED
+        if reason is rest and left:  # one pair per reason
+            refused_tokens, left = refused_tokens + left, 0
+        missed.append((reason, refused_tokens))
+    if left:
+        missed.append((rest, left))
+    missed.append((_PARTIAL, prompt_len - whole))  # (>= 1: the last token is never in the key)
+    return TokenAccount(prompt_len, hit_l1, hit_l2, hit_l3, tuple(missed))
 
 
 def explain_l3(tree_reason: MissReason | None, progress: PrefetchProgress | None) -> MissReason | None:
@@ -111,9 +119,16 @@ def explain_l3(tree_reason: MissReason | None, progress: PrefetchProgress | None
 
 
 def add_to(totals: dict[str, int], account: TokenAccount) -> None:
-    """Adds ``account`` to per-fate ``totals`` (a replica's running sums)."""
-    for fate, n in account.as_dict().items():
-        totals[fate] = totals.get(fate, 0) + n
+    """Adds ``account`` to per-fate ``totals`` (a replica's running sums; once per request on the head, so
+    flat: reasons go in as their members, equal to and hashing as their values)."""
+    if account.hit_l1:
+        totals[HIT_L1] = totals.get(HIT_L1, 0) + account.hit_l1
+    if account.hit_l2:
+        totals[HIT_L2] = totals.get(HIT_L2, 0) + account.hit_l2
+    if account.hit_l3:
+        totals[HIT_L3] = totals.get(HIT_L3, 0) + account.hit_l3
+    for r, n in account.missed:
+        totals[r] = totals.get(r, 0) + n
 
 
 def miss_summary(totals: Mapping[str, int], top: int = 3) -> str:

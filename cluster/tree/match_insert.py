@@ -119,7 +119,7 @@ class MatchInsert(TreeStructure):
         ``cache_salt``): the miss reason ``namespace_differs``. O(1) per namespace, at most
         ``MAX_NAMESPACE_SCAN`` of them; no effects."""
         tokens = key.token_ids
-        if tokens.shape[0] < self.page_size:
+        if len(self._roots) < 2 or tokens.shape[0] < self.page_size:  # the usual head: one namespace
             return False
         first = tokens[: self.page_size].tobytes()
         own = (key.extra_key, key.cache_salt)
