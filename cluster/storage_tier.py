@@ -634,15 +634,17 @@ class StorageTier:
                 waiting.append(task)
                 continue
             task.query = None
-            found = 0
+            found, failed = 0, not q.done()
             if q.done():
                 try:
                     found = task.base + int(q.result())
                 except Exception:  # storage trouble is a miss, never an error for a request
-                    found = task.base
+                    found, failed = task.base, True
             if found < self._exists_min_pages:
                 self._note_miss(task.keys[0])
-                self._end_without_fetch(task, "not enough pages in L3")
+                # the request's miss reason (token_account): L3 did not answer, or its breaker opened meanwhile
+                down = failed or self.workers.storage_breaker_state() != "closed"
+                self._end_without_fetch(task, L3_UNAVAILABLE if down else "not enough pages in L3")
             else:
                 started += self._start_fetch(task, found)
         return started

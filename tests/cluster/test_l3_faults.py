@@ -143,6 +143,7 @@ def test_a_dead_endpoint_never_holds_a_request_and_hits_resume_when_it_returns(r
         res = _serve_exact(stack, runner, p)
         assert res.ttft_s < BOUND_S, (kind, res.ttft_s)
         assert res.storage_tokens == 0
+        assert res.tokens.as_dict() == {"l3_unavailable": 40, "partial_page": 1}  # down: never "not cached"
         if i == len(during) - 2:
             assert tier.settle(30.0)  # their queries ended (by the existence deadline), failed
     assert store.breaker.state.value == "open"
