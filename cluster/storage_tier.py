@@ -81,7 +81,7 @@ from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfi
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
 
-L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason of a query skipped while L3 is down
+L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason: L3 down (query skipped, unanswered, or fetch failed)
 COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputing the pages found is faster
 _QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
 _QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
@@ -911,6 +911,8 @@ class StorageTier:
                 self.counters.prefetch_redundant_pages += len(task.keys)
             else:
                 self.counters.prefetch_failures += 1
+                # the request's miss reason (token_account): L3 went down, else the objects were unreadable
+                task.reason = L3_UNAVAILABLE if self.workers.storage_breaker_state() != "closed" else "fetch failed"
             task.state = PrefetchState.DONE if p.ok else PrefetchState.FAILED
             if p.ok:
                 task.tokens = task.tokens[:0]

@@ -109,10 +109,10 @@ def explain_l3(tree_reason: MissReason | None, progress: PrefetchProgress | None
     if progress is None or tree_reason is None:
         return tree_reason
     state, why = progress.state, progress.reason
-    if state is PrefetchState.FAILED:
-        return MissReason.L3_UNREADABLE
     if why == L3_UNAVAILABLE or (state is PrefetchState.RUNNING and why):  # down, or the wait ran out
         return MissReason.L3_UNAVAILABLE
+    if state is PrefetchState.FAILED:
+        return MissReason.L3_UNREADABLE
     if why == COST_SKIPPED:
         return MissReason.COST_SKIPPED
     return tree_reason

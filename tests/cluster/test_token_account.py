@@ -70,7 +70,8 @@ def test_l3_reasons_replace_the_trees_only_when_l3_says_why():
 
     assert explain_l3(tree, None) is tree
     assert explain_l3(None, p(PrefetchState.FAILED)) is None  # nothing missed: nothing to explain
-    assert explain_l3(tree, p(PrefetchState.FAILED)) is MissReason.L3_UNREADABLE
+    assert explain_l3(tree, p(PrefetchState.FAILED, "fetch failed")) is MissReason.L3_UNREADABLE
+    assert explain_l3(tree, p(PrefetchState.FAILED, L3_UNAVAILABLE)) is MissReason.L3_UNAVAILABLE  # went down
     assert explain_l3(tree, p(PrefetchState.NOT_STARTED, L3_UNAVAILABLE)) is MissReason.L3_UNAVAILABLE
     assert explain_l3(tree, p(PrefetchState.RUNNING, "timed out")) is MissReason.L3_UNAVAILABLE
     assert explain_l3(tree, p(PrefetchState.NOT_STARTED, COST_SKIPPED)) is MissReason.COST_SKIPPED
