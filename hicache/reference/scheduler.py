@@ -78,6 +78,7 @@ class _Arrival(NamedTuple):
     req: ServeRequest
     prefetch: str | None  # id of the L3 prefetch it started, or None
     covered: int  # prompt tokens L1+L2 matched then, plus those its prefetch fetches: L3 held nothing past them
+    skipped: PrefetchProgress | None = None  # L3's answer when it started no prefetch (why: its token record)
 
 
 class Begun(NamedTuple):
@@ -185,14 +186,16 @@ class Scheduler:
         whole = len(key) - len(key) % self.client.page_size
         return self.storage and whole - m.device_hit_len - m.host_hit_len >= self.l3_min_tokens
 
-    def _start_prefetch(self, key: RadixKey, m) -> tuple[str | None, int]:
+    def _start_prefetch(self, key: RadixKey, m) -> tuple[str | None, int, PrefetchProgress | None]:
         """Asks L3 for what L1+L2 lack (``m``: the match now): (the id of the started prefetch or None,
-        the tokens it fetches)."""
+        the tokens it fetches, L3's answer when it started none)."""
         if not self._l3_may_extend(key, m):
-            return None, 0
+            return None, 0, None
         req_id = f"req-{next(self._req_ids)}"
         started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
-        return (None, 0) if started.state is PrefetchState.NOT_STARTED else (req_id, started.tokens)
+        if started.state is PrefetchState.NOT_STARTED:
+            return None, 0, started
+        return req_id, started.tokens, None
 
     def arrive(self, req: ServeRequest) -> bool:
         """``req`` entered the queue: starts its L3 prefetch now (the existence query, then the fetch of
@@ -209,8 +212,8 @@ class Scheduler:
             self._arrived[id(req)] = _Arrival(req, None, 0)
             return False
         m = self.client.match_prefix(key)
-        req_id, tokens = self._start_prefetch(key, m)
-        self._arrived[id(req)] = _Arrival(req, req_id, m.device_hit_len + m.host_hit_len + tokens)
+        req_id, tokens, skipped = self._start_prefetch(key, m)
+        self._arrived[id(req)] = _Arrival(req, req_id, m.device_hit_len + m.host_hit_len + tokens, skipped)
         return req_id is not None
 
     MAX_ARRIVED = 4096
@@ -292,6 +295,8 @@ class Scheduler:
         t1 = time.perf_counter()
         marks = [t0, t1 - r.l3_s - r.alloc_s]
         m, fetched, rest = r.match, r.fetched, r.miss_reason
+        if arrival is not None and arrival.skipped is not None and r.prefetch is None:
+            rest = explain_l3(rest, arrival.skipped)  # L3 was asked at arrival only (down, or nothing there)
         if r.prefetch is not None:  # started: waited for as the stop policy allows, then matched again
             m, more, progress = self._check_prefetch(key, r.prefetch.req_id)
             fetched += more

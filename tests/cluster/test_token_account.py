@@ -192,3 +192,31 @@ def test_evicted_from_l3(runner):
     fs.rm(url, recursive=True)
     _only(_serve(stack, runner, a), "evicted_l3")
     stack.head.detach_storage_backend()
+
+
+def test_l3_unavailable_when_asked_at_arrival_and_at_the_start(runner, stored):
+    """L3 refuses every call: once the hosts' breaker is open, a request asking L3 at its start and one
+    asking at arrival (``arrive``) both miss for l3_unavailable, never "not cached"."""
+    from benchmarks.faulty_l3 import worker_storage
+    from hicache.storage.testing import ManualClock
+
+    url, (a, b) = stored
+    stack = build_stack(StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, prefetch_min_tokens=8,
+                                     l3_url=f"memory://placeholder-{uuid.uuid4().hex[:8]}"), runner)
+    attach_faulty_l3(stack, url, FaultPlan.every(OpFaults(refuse_p=1.0)), clock=ManualClock(), settle=False,
+                     cost=NO_COST)
+    breaker, tier = worker_storage(stack).breaker, stack.head.controller.storage
+    for i in range(8):  # refused calls open the breaker (attach's warm-restart listing is one of them)
+        if breaker.state.value == "open":
+            break
+        _only(_serve(stack, runner, _prompt(30 + i)), "l3_unavailable")
+        tier.settle(30.0)
+    assert breaker.state.value == "open"
+    _only(_serve(stack, runner, a), "l3_unavailable")
+    req = ServeRequest(b, 2)
+    assert not stack.scheduler.arrive(req)  # not asked: down
+    res = stack.scheduler.serve(req)
+    assert res.output == runner.generate_no_cache(b, 2).tokens
+    (t,) = assert_tokens_accounted(res)
+    _only(t, "l3_unavailable")
+    stack.head.detach_storage_backend()
