@@ -83,7 +83,7 @@ class HiCacheController:
         self.config = config
         self.counters = CacheCounters()
         self.outbox = PlanOutbox(workers, config)
-        self.events = TierEvents(tree.page_size, self.counters)
+        self.events = TierEvents(tree.page_size, self.counters, tree.cached_elsewhere)
         self.host = HostTier(tree, config.host_slots, self.events.log)
         self.commits = TransferCommitter(tree, self.host, self.events, self.counters)
         self.on_transfer: Callable[[str, float, int], None] | None = None  # (op kind, seconds, host) per ack

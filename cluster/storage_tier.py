@@ -83,7 +83,7 @@ from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfi
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
 
-L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason of a query skipped while L3 is down
+L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason: L3 down (query skipped, unanswered, or fetch failed)
 COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputing the pages found is faster
 _QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
 _QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
@@ -645,15 +645,17 @@ class StorageTier:
                 waiting.append(task)
                 continue
             task.query = None
-            found = 0
+            found, failed = 0, not q.done()
             if q.done():
                 try:
                     found = task.base + int(q.result())
                 except Exception:  # storage trouble is a miss, never an error for a request
-                    found = task.base
+                    found, failed = task.base, True
             if found < self._exists_min_pages:
                 self._note_miss(task.keys[0])
-                self._end_without_fetch(task, "not enough pages in L3")
+                # the request's miss reason (token_account): L3 did not answer, or its breaker opened meanwhile
+                down = failed or self.workers.storage_breaker_state() != "closed"
+                self._end_without_fetch(task, L3_UNAVAILABLE if down else "not enough pages in L3")
             else:
                 started += self._start_fetch(task, found)
         return started
@@ -927,6 +929,8 @@ class StorageTier:
                 self.counters.prefetch_redundant_pages += len(task.keys)
             else:
                 self.counters.prefetch_failures += 1
+                # the request's miss reason (token_account): L3 went down, else the objects were unreadable
+                task.reason = L3_UNAVAILABLE if self.workers.storage_breaker_state() != "closed" else "fetch failed"
             task.state = PrefetchState.DONE if p.ok else PrefetchState.FAILED
             if p.ok:
                 task.tokens = task.tokens[:0]
