@@ -41,7 +41,7 @@ def test_cli_rejects_unknown_command(tmp_path):
 
 
 PACKAGE_FOLDERS = ("hicache", "cluster", "workers", "storage", "kernels")
-MODULE_DISTS = {"sgl_jax": "sglang-jax"}  # optional imports whose distribution may not be installed here
+MODULE_DISTS = {"sgl_jax": "sglang-jax", "zmq": "pyzmq"}  # optional imports whose distribution may not be installed here
 
 
 def _declared() -> dict[str, set[str]]:

@@ -24,6 +24,10 @@ class HiCacheOptions:
     ``file:///path`` by default, ``gs://bucket/prefix``; needs L2) adds hicache's object store (L3), asked
     for prompts whose whole pages past the L1+L2 match hold >= ``l3_min_tokens`` tokens, under the
     namespace ``model_id`` (default: a fingerprint of the model's files, ``hicache.sgl_jax.tiers``).
+
+    Several hosts (sgl-jax's ``nnodes`` > 1, L1 only for now): rank 0 holds the head and sends its decisions to
+    the other ranks (``hicache.sgl_jax.ranks``), which wait up to ``decision_timeout_s`` for each;
+    ``decision_log`` (a folder) makes every rank log the decisions it applied there (tests, debugging).
     """
 
     replica: str = "sgl-jax"
@@ -34,6 +38,8 @@ class HiCacheOptions:
     l3_min_tokens: int = 16
     l3_pages_per_object: int | None = None  # None: the store's default object size
     model_id: str | None = None
+    decision_timeout_s: float = 60.0
+    decision_log: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("host_pages", "l3_min_tokens"):
@@ -45,6 +51,11 @@ class HiCacheOptions:
                 raise ValueError(f"l3_url must be an fsspec URL like file:///path or gs://bucket, got {self.l3_url!r}")
             if not self.host_pages:
                 raise ValueError(f"l3_url={self.l3_url!r} needs an L2 tier to stage through: set host_pages > 0")
+        timeout = self.decision_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"HiCacheOptions.decision_timeout_s must be a number > 0, got {timeout!r}")
+        if self.decision_log is not None and (not isinstance(self.decision_log, str) or not self.decision_log):
+            raise ValueError(f"decision_log must be a folder path or None, got {self.decision_log!r}")
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
             raise ValueError(f"model_id must be a non-empty str or None, got {self.model_id!r}")
         # HeadConfig / TreeConfig / HiCacheConfig validate the names and policies (ValueError naming the value).
@@ -81,7 +92,11 @@ def unsupported_server_args(server_args: Any, options: HiCacheOptions | None = N
     need(server_args.speculative_algorithm is None, "speculative_algorithm", "speculative decoding is not supported yet")
     need(not server_args.enable_single_process, "enable_single_process",
          "the scheduler must run in its own process (the head lives there)")
-    need(server_args.nnodes == 1, "nnodes", "several hosts need the Ray head (not supported yet)")
+    if server_args.nnodes > 1 and options is not None and options.host_pages:
+        reasons.append(f"nnodes={server_args.nnodes} with host_pages={options.host_pages}: on several hosts "
+                       "hicache serves L1 only for now (each host's L2 worker would need the head's plans)")
+    need(server_args.nnodes == 1 or server_args.dist_init_addr is not None, "dist_init_addr",
+         "several hosts need dist_init_addr (host:port of rank 0): hicache's decisions go to its port + 7")
     need(server_args.dp_size == 1, "dp_size", "data parallelism is not supported yet")
     need(server_args.disaggregation_mode == "null", "disaggregation_mode", "PD disaggregation is not supported yet")
     need(server_args.schedule_policy != "dfs-weight", "schedule_policy",

@@ -18,6 +18,7 @@ from sgl_jax.srt.managers.scheduler import Scheduler
 from hicache.sgl_jax.allocator import HeadPageAllocator, drain
 from hicache.sgl_jax.options import HiCacheOptions
 from hicache.sgl_jax.prefix_cache import HiCachePrefixCache
+from hicache.sgl_jax.ranks import multi_host_client
 from hicache.sgl_jax.seams import SglJaxSeamError, sgl_jax_version
 from hicache.sgl_jax.tiers import build_client
 
@@ -37,8 +38,11 @@ def build_hicache_kv_cache(options: HiCacheOptions, *, server_args: Any, req_to_
         raise ValueError(f"allocator page_size {device_allocator.page_size} != scheduler page_size {page_size}")
     num_pages = device_allocator.size // page_size
     kvcache = device_allocator.get_kvcache()
-    client, worker = build_client(options, kvcache, page_size=page_size, num_pages=num_pages,
-                                  model_path=server_args.model_path, tp_size=tp_size)
+    if server_args.nnodes > 1:  # one head, on rank 0; the other ranks apply its decisions (L1 only)
+        client, worker = multi_host_client(options, server_args, page_size=page_size, num_pages=num_pages), None
+    else:
+        client, worker = build_client(options, kvcache, page_size=page_size, num_pages=num_pages,
+                                      model_path=server_args.model_path, tp_size=tp_size)
     allocator = HeadPageAllocator(client, kvcache, num_pages, page_size)
     drain(device_allocator)
     return HiCachePrefixCache(client, req_to_token_pool, allocator, host_tier=worker is not None,
