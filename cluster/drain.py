@@ -351,6 +351,7 @@ class DrainRun:
         self._stored_before = ctl.storage.counters.backup_pages
         self._sent: set[int] = set()
         self._oversized: set[int] = set()  # unstored nodes on a path that never fits one backup
+        self._via_l1: dict[int, tuple[TreeNode, int]] = {}  # node id -> (node, L3 pages) of L1 -> L2 sends in flight
         self.progress.candidate_pages = self.progress.left_pages = _pages(_unstored(head), head.page_size)
 
     @property
@@ -366,22 +367,27 @@ class DrainRun:
         ctl.storage.resume_writes()  # writes another call held since the last round go now
         more = False
         if self.clock() < self._end:
-            issued = self._send_what_fits()
+            issued, waiting = self._send_what_fits()
             ctl.flush_write_through_acks(timeout_s=max(0.0, min(self.params.options.ack_wait_s, self._end - self.clock())))
             self._count()
-            more = bool(issued or ctl.in_flight) and self.clock() < self._end
+            more = bool(issued or waiting or ctl.in_flight) and self.clock() < self._end
         if not more:
             self._finish()
         self.progress.rounds += 1
         self.head.publish_metrics()
         return more
 
-    def _send_what_fits(self) -> int:
-        """Sends the unstored paths, most valuable first, until the in-flight cap; returns how many."""
+    def _send_what_fits(self) -> tuple[int, bool]:
+        """Sends the unstored paths, most valuable first, until the in-flight cap; returns how many, and
+        whether one waits for room (acks)."""
         head, prog, sent = self.head, self.progress, self._sent
         ctl = head.controller
         assert ctl is not None and ctl.storage is not None
         st, ps = ctl.storage, head.page_size
+        self._resend_ended()
+        # L1 -> L2 backups the drain started take their L3 room only at their D->H ack: keep it for them
+        self._via_l1 = {i: (n, k) for i, (n, k) in self._via_l1.items() if n.staged_slots is not None}
+        room = st.backup_room_pages - sum(k for _, k in self._via_l1.values())
         todo = [n for n in _unstored(head) if n.id not in sent]
         tick = max((n.last_access for n in todo), default=0)
         todo.sort(key=lambda n: expected_value(n, tick), reverse=True)
@@ -393,22 +399,32 @@ class DrainRun:
             path = [p for p in full if not p.stored]
             need = _pages(full, ps) - _pages([p for p in full if p.stored], ps)
             need += (_pages(full, ps) - need) % st.pages_per_object  # the op starts at an object boundary
-            if need > st.backup_room_pages:
+            if need > room:
                 if need > st.params.max_inflight_backup_pages:
                     self._oversized.update(p.id for p in path)
                     continue  # never fits one backup (counted as not fitted)
-                break  # wait for acks: the storage tier would skip it now
-            room = st.backup_room_pages
+                return issued, True  # wait for acks: the storage tier would skip it now
             if node.host_slots is not None:
+                before = st.backup_room_pages
                 st.on_host_committed([node])
-                if st.backup_room_pages == room:
+                if st.backup_room_pages == before:
                     continue  # not sent (a broken chain): left for a later round
-            elif not ctl.backup_to_host(node):
+            elif ctl.backup_to_host(node):
+                self._via_l1[node.id] = (node, need)
+            else:
                 continue
+            room -= need
             sent.update(p.id for p in path)
             prog.sent_pages += need
             issued += 1
-        return issued
+        return issued, False
+
+    def _resend_ended(self) -> None:
+        """Sent nodes with an L2 copy, still not in L3 and pinned by no backup: theirs ended without
+        storing them (skipped at the D->H ack for lack of room, or failed), so they go again."""
+        for n in _unstored(self.head):
+            if n.id in self._sent and n.host_slots is not None and n.host_pin == 0 and n.staged_slots is None:
+                self._sent.discard(n.id)
 
     def _count(self) -> None:
         ctl = self.head.controller

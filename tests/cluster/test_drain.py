@@ -156,6 +156,22 @@ def test_a_drain_in_rounds_shows_its_progress_to_calls_between_them(tmp_path, ru
     assert prog.not_fitted_pages == prog.left_pages == 0 and prog.drained_pages >= prog.candidate_pages
 
 
+def test_l1_only_prefixes_go_through_l2_within_the_in_flight_cap(tmp_path, runner):
+    """write_back with a large L1: nothing is in L2 when the notice comes; the drain backs L1 up to L2
+    and stores it at the acks, never over the storage tier's in-flight cap (nothing skipped), all of
+    it, and a fresh replica reads it exactly."""
+    url = f"file://{tmp_path}/l3"
+    stack = build_stack(dataclasses.replace(OPTS, l1_pages=64, write_policy="write_back"), runner)
+    prompts = warm(stack, 5)
+    assert stack.client.cache_stats()["host_tokens"] == 0
+    stack.client.attach_storage_backend(l3_params(stack, url, max_inflight_backup_pages=8))
+    prog = stack.client.drain(DrainParams(60.0))
+    assert prog.state is DrainState.DONE and prog.not_fitted_pages == 0 < prog.candidate_pages <= prog.drained_pages
+    assert stack.client.cache_stats()["storage"]["backup_skipped_pages"] == 0
+    fresh = build_stack(dataclasses.replace(OPTS, l3_url=url), runner)
+    assert served_exactly(fresh, runner, prompts) > 0
+
+
 def test_a_path_longer_than_one_backup_is_counted_as_oversized(tmp_path, runner):
     """Conversations of 5 pages never fit a 4-page in-flight cap: nothing is sent, all of it is counted
     as not fitted and oversized, in the progress and in ``hicache status``."""
