@@ -27,8 +27,9 @@ drains round by round (below).
 Who runs what: a drain runs in rounds (``DrainRun``), each inside one head call, on the thread that
 owns the head then (its state lock held): nothing else touches the tree, the pools or the controller
 during a round, and each round is bounded (sends, then waits for acks at most ``ack_wait_s``). The
-embedded head runs all rounds in one call (``CacheHead.drain``: its caller owns it). The Ray head
-actor runs them as separate calls (``drive_drain``), so ``cache_stats``, ``hicache status`` and the
+embedded head runs all rounds in one call (``CacheHead.drain``: its caller owns it; a client's
+``drain`` call to a Ray head is such a call too). On a notice, the Ray head actor runs them as
+separate calls (``drive_drain``), so ``cache_stats``, ``hicache status`` and the
 finishes of running requests are served between rounds and show the progress while it runs
 (``DrainProgress``: sent, drained, left pages); the ``hicache_drain_pages`` gauge is published every
 round. Admission stops at the first round's start (``CacheHead.drain_progress`` is set under the
@@ -344,6 +345,7 @@ class DrainRun:
         if ctl is None or ctl.storage is None:
             raise RuntimeError("drain needs a host tier and an attached L3 (nothing could be stored)")
         self.head, self.params, self.clock = head, params, clock
+        self._ctl, self._st = ctl, ctl.storage  # what it drains through; another call may detach or reset them
         self._t0 = clock()
         self._end = self._t0 + params.deadline_s - min(params.options.reserve_s, params.deadline_s / 4)  # a short deadline still sends
         self.progress = DrainProgress(DrainState.DRAINING, params.deadline_s)
@@ -362,17 +364,18 @@ class DrainRun:
         """One round; True while another is due (False: the drain is done)."""
         if self.done:
             return False
-        ctl = self.head.controller
-        assert ctl is not None and ctl.storage is not None  # checked at the start; a detach raises below
-        ctl.storage.resume_writes()  # writes another call held since the last round go now
+        ctl = self._ctl
+        attached = self.head.controller is ctl and ctl.storage is self._st  # (a detach or reset between rounds ends it)
+        if attached:
+            self._st.resume_writes()  # writes another call held since the last round go now
         more = False
-        if self.clock() < self._end:
+        if attached and self.clock() < self._end:
             issued, waiting = self._send_what_fits()
             ctl.flush_write_through_acks(timeout_s=max(0.0, min(self.params.options.ack_wait_s, self._end - self.clock())))
             self._count()
             more = bool(issued or waiting or ctl.in_flight) and self.clock() < self._end
         if not more:
-            self._finish()
+            self._finish(attached)
         self.progress.rounds += 1
         self.head.publish_metrics()
         return more
@@ -381,9 +384,7 @@ class DrainRun:
         """Sends the unstored paths, most valuable first, until the in-flight cap; returns how many, and
         whether one waits for room (acks)."""
         head, prog, sent = self.head, self.progress, self._sent
-        ctl = head.controller
-        assert ctl is not None and ctl.storage is not None
-        st, ps = ctl.storage, head.page_size
+        ctl, st, ps = self._ctl, self._st, head.page_size
         self._resend_ended()
         # L1 -> L2 backups the drain started take their L3 room only at their D->H ack: keep it for them
         self._via_l1 = {i: (n, k) for i, (n, k) in self._via_l1.items() if n.staged_slots is not None}
@@ -427,18 +428,14 @@ class DrainRun:
                 self._sent.discard(n.id)
 
     def _count(self) -> None:
-        ctl = self.head.controller
-        assert ctl is not None and ctl.storage is not None
-        self.progress.drained_pages = ctl.storage.counters.backup_pages - self._stored_before
+        self.progress.drained_pages = self._st.counters.backup_pages - self._stored_before
         self.progress.left_pages = _pages(_unstored(self.head), self.head.page_size)
         self.progress.elapsed_s = self.clock() - self._t0
 
-    def _finish(self) -> None:
-        ctl = self.head.controller
-        assert ctl is not None and ctl.storage is not None
+    def _finish(self, attached: bool) -> None:
         prog = self.progress
-        if self.clock() < self._t0 + self.params.deadline_s:
-            ctl.storage.flush_manifest()
+        if attached and self.clock() < self._t0 + self.params.deadline_s:
+            self._st.flush_manifest()
             prog.manifest_flushed = True
         self._count()
         prog.not_fitted_pages = prog.left_pages

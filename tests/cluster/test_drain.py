@@ -156,6 +156,24 @@ def test_a_drain_in_rounds_shows_its_progress_to_calls_between_them(tmp_path, ru
     assert prog.not_fitted_pages == prog.left_pages == 0 and prog.drained_pages >= prog.candidate_pages
 
 
+def test_l3_detached_between_rounds_ends_the_drain_with_what_is_left_counted(tmp_path, runner):
+    """Another call detaches L3 between two rounds: the next round ends the drain (no error, no
+    manifest), what is left counted as not fitted; admission stays closed."""
+    stack = build_stack(OPTS, runner)
+    prompts = warm(stack, 6, convs=4)
+    stack.client.attach_storage_backend(l3_params(stack, f"file://{tmp_path}/l3", max_inflight_backup_pages=8))
+
+    def between_rounds(prog):
+        if stack.head.controller.storage is not None and prog.drained_pages > 0:
+            stack.client.detach_storage_backend()
+
+    prog = drive_drain(lambda fn: fn(stack.head), DrainParams(60.0), between_rounds=between_rounds)
+    assert prog.state is DrainState.DONE and not prog.manifest_flushed
+    assert 0 < prog.drained_pages < prog.candidate_pages and prog.not_fitted_pages == prog.left_pages > 0
+    with pytest.raises(HiCacheDrainingError):
+        stack.scheduler.serve(ServeRequest(prompts[0], max_new_tokens=3))
+
+
 def test_l1_only_prefixes_go_through_l2_within_the_in_flight_cap(tmp_path, runner):
     """write_back with a large L1: nothing is in L2 when the notice comes; the drain backs L1 up to L2
     and stores it at the acks, never over the storage tier's in-flight cap (nothing skipped), all of
