@@ -392,12 +392,15 @@ class DrainRun:
         todo = [n for n in _unstored(head) if n.id not in sent]
         tick = max((n.last_access for n in todo), default=0)
         todo.sort(key=lambda n: expected_value(n, tick), reverse=True)
-        issued = 0
+        issued, waiting = 0, False
         for node in todo:
             if node.id in sent:
                 continue  # covered by a deeper node's path this round
             full = _path(node)
             path = [p for p in full if not p.stored]
+            if any(p.host_pin or p.staged_slots is not None for p in path):
+                waiting = True  # a backup (write-through's) is on its way: a second one would write it twice
+                continue
             need = _pages(full, ps) - _pages([p for p in full if p.stored], ps)
             need += (_pages(full, ps) - need) % st.pages_per_object  # the op starts at an object boundary
             if need > room:
@@ -418,7 +421,7 @@ class DrainRun:
             sent.update(p.id for p in path)
             prog.sent_pages += need
             issued += 1
-        return issued, False
+        return issued, waiting
 
     def _resend_ended(self) -> None:
         """Sent nodes with an L2 copy, still not in L3 and pinned by no backup: theirs ended without
