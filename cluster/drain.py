@@ -166,7 +166,9 @@ class FileSource(_PolledSource):
 
 class SignalSource:
     """A notice when the process gets ``signum`` (default SIGTERM, what a VM shutdown sends). Install
-    from the main thread (Python's rule for signal handlers); ``close`` restores the old handler."""
+    from the main thread (Python's rule for signal handlers); ``close`` restores the old handler. It
+    replaces the process's own handler (in a Ray worker, Ray's exit on SIGTERM): the process drains
+    instead of exiting, and goes with the VM or a SIGKILL."""
 
     def __init__(self, signum: int = signal.SIGTERM, *, deadline_s: float = GCE_NOTICE_S) -> None:
         self.signum = signal.Signals(signum)
@@ -180,7 +182,10 @@ class SignalSource:
         return None
 
     def close(self) -> None:
-        signal.signal(self.signum, self._old)
+        """Restores the old handler, from the main thread only (Python's rule; a Ray actor's ``shutdown``
+        runs elsewhere): there the handler stays, setting an event nobody waits on any more."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(self.signum, self._old)
 
 
 def _signal_named(name: str) -> signal.Signals:

@@ -11,6 +11,8 @@ L2 and L1 and compared bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -42,7 +44,7 @@ def cluster():
         yield c
 
 
-def replica_file(tmp_path, notice) -> str:
+def replica_file(tmp_path, preemption: str, extra: str = "") -> str:
     path = tmp_path / "d.yaml"
     path.write_text(f"""
 replica: d
@@ -51,8 +53,8 @@ l1_pages: 64
 l2_slots: 256
 model: {{num_layers: 2, num_kv_heads: 2, head_dim: 4, dtype: float32}}
 workers: {{platform: cpu, num_hosts: 1, devices_per_host: 2}}
-preemption: {{kind: file, location: '{notice}', deadline_s: 60, poll_s: 0.05}}
-""")
+preemption: {preemption}
+{extra}""")
     return str(path)
 
 
@@ -79,7 +81,8 @@ class Forward:
 
 def test_a_file_notice_drains_a_ray_replica_and_status_shows_it_while_it_runs(cluster, tmp_path, capsys):
     notice = tmp_path / "preempt"
-    config = dataclasses.replace(load_replica_file(replica_file(tmp_path, notice)), detached=False, test_hooks=True)
+    path = replica_file(tmp_path, f"{{kind: file, location: '{notice}', deadline_s: 60, poll_s: 0.05}}")
+    config = dataclasses.replace(load_replica_file(path), detached=False, test_hooks=True)
     assert config.preemption is not None and config.preemption.location == str(notice)
     handle = hicache.start_replica(config, timeout_s=180)
     try:
@@ -126,6 +129,28 @@ def test_a_file_notice_drains_a_ray_replica_and_status_shows_it_while_it_runs(cl
             r = client.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len))
             assert r.load_id >= 0 and client.wait_load_back(r.load_id) and r.loaded_tokens == len(tokens)
             np.testing.assert_array_equal(fwd.read(r.device_pages), fwd.rows(tokens, 0, SEQ_PAGES))
+    finally:
+        stop_replica("d")
+        del handle
+
+
+@pytest.mark.slow
+def test_a_signal_notice_drains_a_ray_replica(cluster, tmp_path):
+    """``preemption: {kind: signal, location: SIGUSR1}``: the signal to the head actor's process is the
+    notice (its handler is installed in the actor's constructor, on the process's main thread)."""
+    path = replica_file(tmp_path, "{kind: signal, location: SIGUSR1, deadline_s: 30}",
+                        f"l3: {{url: 'file://{tmp_path}/l3', model_id: ray-drain}}")
+    config = dataclasses.replace(load_replica_file(path), detached=False, test_hooks=True)
+    handle = hicache.start_replica(config, timeout_s=180)
+    try:
+        head, client = get_head("d"), hicache.connect("d", timeout_s=60)
+        pid = ray.get(head.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+        os.kill(pid, signal.SIGUSR1)
+        assert ray.get(head.wait_drain_for_test.remote("ended", 120.0), timeout=150)
+        d = client.cache_stats()["drain"]
+        assert d["state"] == "done" and d["manifest_flushed"] and d["not_fitted_pages"] == 0
+        with pytest.raises(HiCacheDrainingError):
+            client.begin_request(BeginParams(RadixKey(seqs()[0]), SEQ_PAGES * PS))
     finally:
         stop_replica("d")
         del handle
