@@ -387,7 +387,7 @@ class DrainRun:
 
     def _send_what_fits(self) -> tuple[int, bool]:
         """Sends the unstored paths, most valuable first, until the in-flight cap; returns how many, and
-        whether one waits for room (acks)."""
+        whether one waits for acks (room under the cap, or a backup on its way)."""
         head, prog, sent = self.head, self.progress, self._sent
         ctl, st, ps = self._ctl, self._st, head.page_size
         self._resend_ended()
@@ -398,13 +398,14 @@ class DrainRun:
         tick = max((n.last_access for n in todo), default=0)
         todo.sort(key=lambda n: expected_value(n, tick), reverse=True)
         issued, waiting = 0, False
+        acks_due = ctl.in_flight > 0  # only acks free room or unpin a path: without any, waiting would spin
         for node in todo:
             if node.id in sent:
                 continue  # covered by a deeper node's path this round
             full = _path(node)
             path = [p for p in full if not p.stored]
             if any(p.host_pin or p.staged_slots is not None for p in path):
-                waiting = True  # a backup (write-through's) is on its way: a second one would write it twice
+                waiting = acks_due  # a backup (write-through's) is on its way: a second one would write it twice
                 continue
             need = _pages(full, ps) - _pages([p for p in full if p.stored], ps)
             need += (_pages(full, ps) - need) % st.pages_per_object  # the op starts at an object boundary
@@ -412,7 +413,7 @@ class DrainRun:
                 if need > st.params.max_inflight_backup_pages:
                     self._oversized.update(p.id for p in path)
                     continue  # never fits one backup (counted as not fitted)
-                return issued, True  # wait for acks: the storage tier would skip it now
+                return issued, acks_due  # wait for acks: the storage tier would skip it now
             if node.host_slots is not None:
                 before = st.backup_room_pages
                 st.on_host_committed([node])
