@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from hicache.cli import main as hicache_cli  # noqa: E402
 from hicache.cluster.begin import BeginParams  # noqa: E402
 from hicache.cluster.controller import LoadBackParams  # noqa: E402
 from hicache.cluster.errors import HiCacheDrainingError  # noqa: E402
-from hicache.cluster.ray_head import get_head, stop_replica, worker_handles  # noqa: E402
+from hicache.cluster.ray_head import HeadState, get_head, stop_replica, worker_handles  # noqa: E402
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams  # noqa: E402
 from hicache.cluster.tree import RadixKey, RequestState  # noqa: E402
 from hicache.replica_file import load_replica_file  # noqa: E402
@@ -137,7 +138,8 @@ def test_a_file_notice_drains_a_ray_replica_and_status_shows_it_while_it_runs(cl
 @pytest.mark.slow
 def test_a_signal_notice_drains_a_ray_replica(cluster, tmp_path):
     """``preemption: {kind: signal, location: SIGUSR1}``: the signal to the head actor's process is the
-    notice (its handler is installed in the actor's constructor, on the process's main thread)."""
+    notice (its handler is installed in the actor's constructor, on the process's main thread); a state
+    rebuilt after the notice (its host lost) admits no request either."""
     path = replica_file(tmp_path, "{kind: signal, location: SIGUSR1, deadline_s: 30}",
                         f"l3: {{url: 'file://{tmp_path}/l3', model_id: ray-drain}}")
     config = dataclasses.replace(load_replica_file(path), detached=False, test_hooks=True)
@@ -151,6 +153,16 @@ def test_a_signal_notice_drains_a_ray_replica(cluster, tmp_path):
         assert d["state"] == "done" and d["manifest_flushed"] and d["not_fitted_pages"] == 0
         with pytest.raises(HiCacheDrainingError):
             client.begin_request(BeginParams(RadixKey(seqs()[0]), SEQ_PAGES * PS))
+        # the host is lost after the notice: the rebuilt state (a new gang, empty) admits nothing either
+        ray.kill(worker_handles("d")[1][0])
+        end = time.monotonic() + 120
+        while not ((h := ray.get(head.health.remote(), timeout=30)).resets == 1 and h.state is HeadState.READY):
+            assert time.monotonic() < end, h
+            time.sleep(0.2)
+        client = hicache.connect("d", timeout_s=60)
+        with pytest.raises(HiCacheDrainingError):
+            client.begin_request(BeginParams(RadixKey(seqs()[0]), SEQ_PAGES * PS))
+        assert client.cache_stats()["drain"]["state"] == "done"
     finally:
         stop_replica("d")
         del handle
