@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.cluster.events import MissReason
 from hicache.cluster.storage_tier import PrefetchProgress
 from hicache.cluster.tree import MatchResult, RadixKey
 from hicache.cluster.tree.params import NO_VALUES
@@ -73,7 +74,9 @@ class BeginResult:
     locked for it (None: nothing locked or allocated: a prefetch started or an L2 part to load back);
     ``l3_s``/``alloc_s``: the head's seconds in the L3 query and in lock + alloc (for phase timings);
     ``components``: with ``pages``, the request's per-component values (``RadixTree.begin_request``, e.g.
-    its Mamba working slot and copy) to pass as ``RequestState.components``; empty for Full-only trees."""
+    its Mamba working slot and copy) to pass as ``RequestState.components``; empty for Full-only trees.
+``miss_reason``: why the whole pages of the key past the match are missed, as far as the head knows
+in this call (the tree's reason, or L3's once asked: ``token_account.explain_l3``); None: none missed."""
 
     match: MatchResult
     fetched: int
@@ -82,3 +85,4 @@ class BeginResult:
     l3_s: float = 0.0
     alloc_s: float = 0.0
     components: Mapping[str, Any] = NO_VALUES
+    miss_reason: MissReason | None = None

@@ -25,6 +25,7 @@ from hicache.cluster.events import KVEvent
 from hicache.cluster.head import CALL_ERRORS, CacheHead, Call, CallResult, HeadConfig, Method
 from hicache.cluster.route_query import RouteAnswer, RouteQuery
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, StorageParams
+from hicache.cluster.token_account import TokenAccount
 from hicache.cluster.tree import (
     EvictResult,
     FinishResult,
@@ -288,6 +289,9 @@ class CacheClient:
 
     def report_prefill(self, report: PrefillReport) -> None:
         self._call(Method.REPORT_PREFILL, report)
+
+    def report_tokens(self, account: TokenAccount) -> None:
+        self._call(Method.REPORT_TOKENS, account)
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
         """Many calls in one round trip; results in order, errors per call. A call's argument may be a

@@ -83,7 +83,7 @@ class HiCacheController:
         self.config = config
         self.counters = CacheCounters()
         self.outbox = PlanOutbox(workers, config)
-        self.events = TierEvents(tree.page_size, self.counters)
+        self.events = TierEvents(tree.page_size, self.counters, tree.cached_elsewhere)
         self.host = HostTier(tree, config.host_slots, self.events.log)
         self.commits = TransferCommitter(tree, self.host, self.events, self.counters)
         self.on_transfer: Callable[[str, float, int], None] | None = None  # (op kind, seconds, host) per ack
@@ -397,8 +397,9 @@ class HiCacheController:
         storage.wait_query(req_id, storage.query_budget_s(req_id))  # its answer may start the fetch:
         self.submit()  # sent now
         budget = storage.wait_budget_s(req_id, self.config.ack_timeout_s)
-        if budget > 0:
-            self._apply(self.workers.wait(budget))
+        op = storage.fetch_op(req_id)
+        if budget > 0 and op is not None:  # its own fetch only: never behind write-backs or D2H copies
+            self._apply(self.workers.wait(budget, (op,)))
         return storage.progress(req_id)
 
     # -- sending and acks ---------------------------------------------------------------------------

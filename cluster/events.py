@@ -34,7 +34,12 @@ class MissReason(str, Enum):
     OVER_QUOTA = "over_quota"  # load-back needed more L1 than the caller's quota
     NO_SPACE = "no_space"  # L1 could not make room for the load-back
     LOAD_FAILED = "load_failed"  # the H->D transfer failed; recomputed
-    L3_UNAVAILABLE = "l3_unavailable"  # L3 was not asked: its breaker is open (endpoint down); recomputed
+    L3_UNAVAILABLE = "l3_unavailable"  # L3 not asked (breaker open) or its answer/fetch came too late; recomputed
+    EVICTED_L3 = "evicted_l3"  # was in L2 and stored in L3, dropped by L2 eviction, and L3 no longer holds it
+    NAMESPACE_DIFFERS = "namespace_differs"  # the same tokens are cached under another extra_key / cache_salt
+    L3_UNREADABLE = "l3_unreadable"  # L3 had the object but its fetch failed (corrupt, short read, gone)
+    COST_SKIPPED = "cost_skipped"  # L3 had the pages; the cost model chose recomputing them
+    PARTIAL_PAGE = "partial_page"  # past the key's last whole page (the last prompt token included): never cached
 
 
 @dataclass(frozen=True)

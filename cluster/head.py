@@ -31,11 +31,13 @@ from hicache.cluster.controller import HiCacheController, LoadBackParams, LoadBa
 from hicache.cluster.cost_model import PrefillReport
 from hicache.cluster.drain import DrainParams, DrainProgress, run_drain
 from hicache.cluster.errors import HiCacheDrainingError
-from hicache.cluster.events import KVEvent
+from hicache.cluster.events import CacheCounters, KVEvent
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.route_query import RouteAnswer, RouteQuery, answer
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, PrefetchState, StorageParams
+from hicache.cluster.tier_events import TierEvents
+from hicache.cluster.token_account import TokenAccount, add_to, explain_l3
 from hicache.cluster.tree import (
     CacheCapacityError,
     EvictResult,
@@ -129,7 +131,8 @@ class Method(str, Enum):
     ABANDON_REQUEST = "abandon_request"
     SWA_PAGES = "swa_pages"
     TRIM_REQUEST = "trim_request"
-    REPORT_PREFILL = "report_prefill"  # (last: wire codes follow this order)
+    REPORT_PREFILL = "report_prefill"
+    REPORT_TOKENS = "report_tokens"  # (last: wire codes follow this order)
 
 
 NO_ARG_METHODS = frozenset({  # called without an argument
@@ -183,6 +186,16 @@ class CacheHead:
             if workers is None:
                 raise ValueError("a head with a host tier (HeadConfig.hicache) needs its workers")
             self.controller = HiCacheController(self.tree, self.config.hicache, workers)
+        self.prompt_tokens: dict[str, int] = {}  # served requests' prompt tokens by fate (``report_tokens``)
+        self._events = self._tier_events()
+
+    def _tier_events(self) -> TierEvents:
+        """The tree's tier listener: the controller's, or (L1 only) one that just tells misses apart."""
+        if self.controller is not None:
+            return self.controller.events
+        events = TierEvents(self.tree.page_size, CacheCounters(), self.tree.cached_elsewhere, keep_events=False)
+        self.tree.listener = events
+        return events
 
     @property
     def page_size(self) -> int:
@@ -204,8 +217,7 @@ class CacheHead:
     def match_prefix(self, params: MatchPrefixParams | RadixKey) -> MatchResult:
         key = params.key if isinstance(params, MatchPrefixParams) else params
         result = self.tree.match_prefix(key)
-        if self.controller is not None:
-            self.controller.record_match(key, result)
+        self._events.record_match(key, result)
         return result
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -280,8 +292,11 @@ class CacheHead:
             ctl.detach_storage_backend()  # nothing in flight: writes the queued manifest, closes the clients
         self.tree.reset()
         self.drain_progress = None  # a cold replica admits requests again
-        if ctl is not None:
+        if ctl is None:
+            self._events = self._tier_events()
+        else:
             self.controller = HiCacheController(self.tree, ctl.config, ctl.workers)
+            self._events = self.controller.events
             if self.metrics is not None:
                 self.controller.on_transfer = self.metrics.observe_transfer
             if storage is not None:
@@ -306,6 +321,8 @@ class CacheHead:
             "device_tokens": st.cached_tokens,
             "device_capacity_tokens": st.capacity_pages * st.page_size,
             "device_evicted_tokens": st.evicted_tokens,
+            # by fate (hit tier or miss reason), each served prompt token once; plain str keys
+            "prompt_tokens": {str(getattr(k, "value", k)): v for k, v in self.prompt_tokens.items()},
         }
         for comp in self.tree.extra_components:  # per pool: {"swa": SWAStats, "mamba": MambaStats} as dicts
             out.update((name, dataclasses.asdict(value)) for name, value in comp.stats().items())
@@ -394,6 +411,12 @@ class CacheHead:
         if storage is not None:
             storage.cost.report_prefill(report)
 
+    def report_tokens(self, account: TokenAccount) -> None:
+        """A served request's prompt tokens by fate (``hicache.cluster.token_account``), summed per replica."""
+        if type(account) is not TokenAccount:
+            raise TypeError(f"report_tokens expects TokenAccount, got {type(account).__name__}")
+        add_to(self.prompt_tokens, account)
+
     # -- a request's start in one call ---------------------------------------------------------------
     def begin_request(self, params: BeginParams) -> BeginResult:
         """Hold writes, check the arrival's prefetch, match, ask L3, lock + alloc: the calls
@@ -414,6 +437,7 @@ class CacheHead:
             if params.hold_writes:
                 ctl.pause_storage_writes()
         fetched = 0
+        checked = None
         if params.check_prefetch is not None:
             assert ctl is not None  # checked above
             checked = ctl.check_prefetch_progress(params.check_prefetch)
@@ -421,6 +445,9 @@ class CacheHead:
                 fetched = checked.tokens
         key = params.key
         m = self.match_prefix(key)
+        why = self._events.last_miss_reason
+        if checked is not None and checked.state is not PrefetchState.DONE:
+            why = explain_l3(why, checked)
         l3_s = 0.0
         if params.prefetch_id is not None:
             hit, n = m.device_hit_len + m.host_hit_len, key.token_ids.shape[0]
@@ -429,10 +456,11 @@ class CacheHead:
                 assert ctl is not None  # checked above
                 started = ctl.prefetch_matched(params.prefetch_id, key, m)
                 l3_s = time.perf_counter() - t
+                why = explain_l3(why, started)
                 if started.state is not PrefetchState.NOT_STARTED:
-                    return BeginResult(m, fetched, started, None, l3_s)
+                    return BeginResult(m, fetched, started, None, l3_s, miss_reason=why)
         if m.host_hit_len:
-            return BeginResult(m, fetched, None, None, l3_s)
+            return BeginResult(m, fetched, None, None, l3_s, miss_reason=why)
         t = time.perf_counter()
         node = self.tree.node(m.last_device_node)
         self.tree.lock_path(node)
@@ -449,7 +477,7 @@ class CacheHead:
                 self.tree.free(pages)
                 self.tree.unlock_path(node)
                 raise
-        return BeginResult(m, fetched, None, pages, l3_s, time.perf_counter() - t, values)
+        return BeginResult(m, fetched, None, pages, l3_s, time.perf_counter() - t, values, why)
 
     def route_query(self, query: RouteQuery) -> RouteAnswer:
         """A router's dry run (``hicache.cluster.route_query``): hit lengths per tier, L1 room; no effects."""

@@ -25,6 +25,8 @@ class HeadMetrics:
         self.hit_tokens = Counter("hicache_hit_tokens", "Prompt tokens served from each tier", ("replica", "tier"))
         self.queried_tokens = Counter("hicache_queried_tokens", "Whole-page prompt tokens looked up", ("replica",))
         self.miss_tokens = Counter("hicache_miss_tokens", "Tokens not served, by reason", ("replica", "reason"))
+        self.prompt_tokens = Counter("hicache_prompt_tokens", "Served requests' prompt tokens, each once, by fate: "
+                                     "hit_l1 / hit_l2 / hit_l3 or the miss reason", ("replica", "fate"))
         self.bytes_moved = Counter("hicache_bytes_moved", "Bytes moved between tiers (all hosts)",
                                    ("replica", "direction"))
         self.transfer_failures = Counter("hicache_transfer_failures", "Transfers that failed on a host",
@@ -45,7 +47,7 @@ class HeadMetrics:
         self.drain_pages = Gauge("hicache_drain_pages", "Preemption drain: pages L3 lacked when it started "
                                  "(candidate), sent, stored (drained), not stored yet (left, every round) and not stored by "
                                  "the deadline (not_fitted), of those on paths longer than one backup (oversized)", ("replica", "kind"))
-        for metric in (self.hit_tokens, self.queried_tokens, self.miss_tokens, self.bytes_moved,
+        for metric in (self.hit_tokens, self.queried_tokens, self.miss_tokens, self.prompt_tokens, self.bytes_moved,
                        self.transfer_failures, self.evicted_tokens, self.prefetch, self.l3_backup_pages,
                        self.occupancy, self.capacity, self.in_flight, self.latency, self.l3_errors, self.l3_available,
                        self.drain_pages):
@@ -62,6 +64,8 @@ class HeadMetrics:
         """Exports a ``CacheHead.cache_stats()`` snapshot (counters as deltas since the last one)."""
         self.occupancy.set(stats["device_tokens"], tags={"tier": "l1"})
         self.capacity.set(stats["device_capacity_tokens"], tags={"tier": "l1"})
+        for fate, tokens in stats.get("prompt_tokens", {}).items():
+            self._inc(self.prompt_tokens, ("prompt", fate), tokens, {"fate": fate})
         if "host_tokens" not in stats:
             return
         self.occupancy.set(stats["host_tokens"], tags={"tier": "l2"})

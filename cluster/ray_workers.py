@@ -433,6 +433,10 @@ class RayWorkerGroup:
     def storage_pages_per_object(self) -> int:
         return ray.get(self.actors[0].storage_pages_per_object.remote(), timeout=self.options.call_timeout_s)
 
+    @property
+    def storage_local(self) -> bool:
+        return False  # every question is a remote call to the host actors
+
     def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
         """MIN over hosts of the stored prefix length; a host that cannot answer counts as 0 (a miss)."""
         try:

@@ -35,6 +35,8 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   call (``check_events`` every scheduler step, a prefetch check); if L3 holds enough, the fetch is
   queued then, with L2 slots reserved for exactly what was found. So no head call does storage I/O:
   an arrival's query overlaps the request's wait in the queue, and a slow or hung L3 holds no one.
+  The one exception is a local disk in this process (``WorkerGroup.storage_local``): its query is a
+  few stat calls, answered in the head call that asks it, cheaper than the hand-off.
   Stop policies decide how long ``check_prefetch_progress`` lets a request wait: for an unanswered
   query at most ``query_wait_max_s`` (``begin_request`` waits that long in its own call, so a miss
   still starts a request in one head call), then for the fetch. The existence
@@ -81,7 +83,7 @@ from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfi
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
 
-L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason of a query skipped while L3 is down
+L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason: L3 down (query skipped, unanswered, or fetch failed)
 COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputing the pages found is faster
 _QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
 _QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
@@ -609,12 +611,21 @@ class StorageTier:
     def _ask(self, task: _Prefetch) -> cf.Future:
         """Starts the existence query of ``task``'s candidates past its certain base, off the head's thread:
         a request never waits on storage I/O in a head call (it may wait on the answer, bounded by
-        ``query_wait_max_s``). The answer is applied by ``advance`` on the head's thread."""
+        ``query_wait_max_s``). The answer is applied by ``advance`` on the head's thread. Where every
+        host's storage is a local disk in this process (``storage_local``), the query is answered here:
+        a few local stat calls cost less than the hand-off to a query thread."""
+        keys, first = task.keys[task.base:], task.first_page + task.base
+        least = 1 if task.base else self._exists_min_pages
+        if self.workers.storage_local:
+            answered: cf.Future = cf.Future()
+            try:
+                answered.set_result(self.workers.storage_exists(keys, first, least))
+            except Exception as e:  # (a miss, as from the query thread: ``advance``)
+                answered.set_exception(e)
+            return answered
         if self._query_pool is None:
             # a few threads: a query stuck until its storage deadline does not hold up the ones behind it
             self._query_pool = cf.ThreadPoolExecutor(_QUERY_THREADS, thread_name_prefix="hicache-l3-query")
-        keys, first = task.keys[task.base:], task.first_page + task.base
-        least = 1 if task.base else self._exists_min_pages
         return self._query_pool.submit(self.workers.storage_exists, keys, first, least)
 
     def advance(self) -> int:
@@ -634,15 +645,17 @@ class StorageTier:
                 waiting.append(task)
                 continue
             task.query = None
-            found = 0
+            found, failed = 0, not q.done()
             if q.done():
                 try:
                     found = task.base + int(q.result())
                 except Exception:  # storage trouble is a miss, never an error for a request
-                    found = task.base
+                    found, failed = task.base, True
             if found < self._exists_min_pages:
                 self._note_miss(task.keys[0])
-                self._end_without_fetch(task, "not enough pages in L3")
+                # the request's miss reason (token_account): L3 did not answer, or its breaker opened meanwhile
+                down = failed or self.workers.storage_breaker_state() != "closed"
+                self._end_without_fetch(task, L3_UNAVAILABLE if down else "not enough pages in L3")
             else:
                 started += self._start_fetch(task, found)
         return started
@@ -859,6 +872,13 @@ class StorageTier:
             return max(0.0, min(task.deadline - time.monotonic(), left))
         return 0.0
 
+    def fetch_op(self, req_id: str) -> int | None:
+        """The op id of ``req_id``'s L3->L2 fetch while it runs (None: no fetch started)."""
+        task = self._by_req.get(req_id)
+        if task is None or task.state is not PrefetchState.RUNNING or task.op_id < 0:
+            return None
+        return task.op_id
+
     def query_budget_s(self, req_id: str) -> float:
         """How long the head may block for this request's unanswered existence query (0: none runs, or
         the policy does not wait)."""
@@ -909,6 +929,8 @@ class StorageTier:
                 self.counters.prefetch_redundant_pages += len(task.keys)
             else:
                 self.counters.prefetch_failures += 1
+                # the request's miss reason (token_account): L3 went down, else the objects were unreadable
+                task.reason = L3_UNAVAILABLE if self.workers.storage_breaker_state() != "closed" else "fetch failed"
             task.state = PrefetchState.DONE if p.ok else PrefetchState.FAILED
             if p.ok:
                 task.tokens = task.tokens[:0]

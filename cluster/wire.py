@@ -266,7 +266,8 @@ def encode_results(values: Sequence[Any], errors: Sequence[BaseException | None]
             header.append((_R_MATCH, *_match_fields(v, packer)))
         elif vt is BeginResult and _compact_match(v.match) and (v.pages is None or _is_i32_vector(v.pages)):
             header.append((_R_BEGIN, *_match_fields(v.match, packer), v.fetched, v.prefetch,
-                           *((-1, -1) if v.pages is None else packer.add(v.pages)), v.l3_s, v.alloc_s))
+                           *((-1, -1) if v.pages is None else packer.add(v.pages)), v.l3_s, v.alloc_s,
+                           v.miss_reason))
         elif vt is np.ndarray and v.dtype == _I32 and v.ndim == 1:
             header.append((_R_PAGES, *packer.add(v)))
         elif (vt is RequestState and type(arg) is RequestState and v.key is arg.key
@@ -312,9 +313,10 @@ def decode_results(header: Header, buf: np.ndarray, calls: Sequence[Call]) -> li
         elif kind == _R_MATCH:
             out.append(CallResult(True, _decode_match(entry, buf)))
         elif kind == _R_BEGIN:
-            fetched, prefetch, p_off, p_n, l3_s, alloc_s = entry[9:]
+            fetched, prefetch, p_off, p_n, l3_s, alloc_s, why = entry[9:]
             pages = None if p_n < 0 else buf[p_off : p_off + p_n]
-            out.append(CallResult(True, BeginResult(_decode_match(entry, buf), fetched, prefetch, pages, l3_s, alloc_s)))
+            out.append(CallResult(True, BeginResult(_decode_match(entry, buf), fetched, prefetch, pages, l3_s, alloc_s,
+                                                    miss_reason=why)))
         elif kind == _R_PAGES:
             out.append(CallResult(True, buf[entry[1] : entry[1] + entry[2]]))
         elif kind == _R_STATE:

@@ -35,6 +35,11 @@ class WorkerGroup(Protocol):
 
     def storage_pages_per_object(self) -> int: ...
 
+    # Every host's storage client is in this process and does its I/O on the calling thread (a local
+    # disk): the head may ask it on its own thread, which costs less than handing the call to another.
+    @property
+    def storage_local(self) -> bool: ...
+
     def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int: ...  # MIN over hosts
     # min_pages: exact at or above it, below it any smaller count (FsspecStorage.batch_exists)
 
@@ -122,6 +127,10 @@ class LocalWorkerGroup:
 
     def storage_pages_per_object(self) -> int:
         return self._executors()[0].storage.pages_per_object()
+
+    @property
+    def storage_local(self) -> bool:
+        return all(e.storage.runs_inline for e in self._executors())
 
     def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
         execs = self._executors()

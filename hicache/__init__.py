@@ -42,7 +42,8 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "hicache.cluster.controller": ("LoadBackParams", "LoadBackResult"),
     "hicache.cluster.drain": ("DrainOptions", "DrainParams", "DrainProgress", "FileSource", "GceMetadataSource",
                               "Notice", "PreemptionConfig", "PreemptionWatcher", "SignalSource"),
-    "hicache.cluster.events": ("EventKind", "KVEvent", "Tier"),
+    "hicache.cluster.events": ("EventKind", "KVEvent", "MissReason", "Tier"),
+    "hicache.cluster.token_account": ("TokenAccount", "account_request"),
     # errors
     "hicache.cluster.errors": ("HiCacheDrainingError", "HiCacheError", "HiCacheReplicaResetError",
                                "HiCacheTimeoutError", "HiCacheUnavailableError"),
@@ -59,7 +60,7 @@ __all__ = [  # every name resolves (tests/test_public_api.py)
     "MambaConfig", "MatchPrefixParams", "MatchResult", "Method", "ModelFingerprint", "PrefetchParams", "PrefetchPolicy",
     "PrefetchProgress", "PrefetchState", "PrefillReport", "RadixKey", "ReplicaConfig", "RequestState", "ResultRef", "SWAConfig", "StorageConfig",
     "StorageParams", "Tier", "TreeConfig", "TreeStats", "WorkerGroupOptions", "WritePolicy", "connect", "embedded",
-    "load_replica_file", "start_replica", "stop_replica",
+    "load_replica_file", "start_replica", "stop_replica", "MissReason", "TokenAccount", "account_request",
 ]
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ if TYPE_CHECKING:
         HiCacheTimeoutError,
         HiCacheUnavailableError,
     )
-    from hicache.cluster.events import EventKind, KVEvent, Tier
+    from hicache.cluster.events import EventKind, KVEvent, MissReason, Tier
     from hicache.cluster.policy import HiCacheConfig, WritePolicy
     from hicache.cluster.ray_client import connect
     from hicache.cluster.ray_head import ReplicaConfig, start_replica, stop_replica
@@ -99,6 +100,7 @@ if TYPE_CHECKING:
         PrefetchState,
         StorageParams,
     )
+    from hicache.cluster.token_account import TokenAccount, account_request
     from hicache.cluster.tree import (
         CacheCapacityError,
         EvictionPolicy,

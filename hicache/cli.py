@@ -107,7 +107,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             st = connect(name, timeout_s=args.timeout).cache_stats()
         except Exception as exc:  # noqa: BLE001 - a replica that cannot answer still gets its row
             rows.append((name, health.state.value, str(health.num_hosts), "-", "-", "-", "-", "-", str(exc)[:30], "-", "-",
-                         "-"))
+                         "-", "-"))
             continue
         q = max(st.get("queried_tokens", 0), 1)
         l3 = st.get("storage", {}).get("prefetch_pages", 0) * st["page_size"]
@@ -121,14 +121,22 @@ def cmd_status(args: argparse.Namespace) -> int:
                      f"{st.get('device_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
                      f"{st.get('host_hit_tokens', 0) / q:.0%}" if "queried_tokens" in st else "-",
                      f"{l3 / q:.0%}" if "queried_tokens" in st else "-", str(st.get("in_flight", 0)), *l3_columns(st),
-                     drain_column(st)))
+                     drain_column(st), miss_column(st)))
     print("hicache replicas")
     print(format_table(STATUS_COLUMNS, rows))
     return 0
 
 
 STATUS_COLUMNS = ("replica", "state", "hosts", "L1 used", "L2 used", "hit L1", "hit L2", "hit L3", "in flight",
-                  "L3", "L3 errors", "drain")
+                  "L3", "L3 errors", "drain", "misses")
+
+
+def miss_column(st: dict) -> str:
+    """The ``misses`` cell: the served prompt tokens' largest miss reasons, as shares of all of them
+    (``hicache.cluster.token_account``); ``-`` before any request finished."""
+    from hicache.cluster.token_account import miss_summary
+
+    return miss_summary(st.get("prompt_tokens", {}))
 
 
 def drain_column(st: dict) -> str:

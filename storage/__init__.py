@@ -23,7 +23,7 @@ from hicache.storage.base import (
     StoredPrefix,
 )
 from hicache.storage.breaker import BreakerState
-from hicache.storage.config import DEFAULT_TARGET_OBJECT_BYTES, StorageConfig
+from hicache.storage.config import DEFAULT_TARGET_OBJECT_BYTES, LocalIO, StorageConfig
 from hicache.storage.errors import ErrorKind, StorageUnavailableError
 from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, CorruptReason
 from hicache.storage.fsspec_store import FsspecStorage
@@ -47,6 +47,7 @@ __all__ = [
     "HiCacheStorage",
     "HostSlots",
     "ModelFingerprint",
+    "LocalIO",
     "Namespace",
     "PoolKind",
     "PoolTransfer",

@@ -13,6 +13,9 @@ one error).
   until the backend returns, and never hold process exit; past ``max_pending``
   abandoned items every new item fails fast (``BlockingIOError``, a timeout kind) instead of
   queueing behind a hung backend.
+- ``InlineBatchIO`` (file:// on this host's own disk, ``StorageConfig.local_io``): the items run on
+  the calling thread, in order; an item starts only while the deadline has not passed (one already
+  running is not stopped: a local file call ends within the kernel's own I/O bounds).
 - ``LoopBatchIO`` (async filesystems: gcsfs): the items run as coroutines on the filesystem's event
   loop, at most ``limit`` at once; at the deadline the caller stops waiting and every unfinished
   item is cancelled (the ``CancelledError`` lands wherever it waits: a request, a retry backoff), so
@@ -296,6 +299,37 @@ class ThreadBatchIO(BatchIO):
         return not left
 
 
+class InlineBatchIO(BatchIO):
+    def __init__(self, store: ObjectStore, breaker: Breaker, retry: RetryPolicy) -> None:
+        super().__init__(store, breaker, retry)
+        self._running = 0  # items running on callers' threads (close waits for them)
+        self._idle = threading.Condition()
+
+    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
+        out: list[Any] = []
+        with self._idle:
+            self._running += 1
+        try:
+            for it in items:
+                if deadline.left() <= 0:
+                    out.append(TimeoutError("storage operation did not start before the deadline"))
+                    continue
+                try:
+                    out.append(fn(*it))
+                except Exception as e:  # (returned per item, as on the I/O threads)
+                    out.append(e)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+        return out
+
+    def close(self, timeout_s: float) -> bool:
+        self._closed = True
+        with self._idle:
+            return self._idle.wait_for(lambda: self._running == 0, timeout=timeout_s)
+
+
 class LoopBatchIO(BatchIO):
     def __init__(self, store: AsyncFsspecObjectStore, breaker: Breaker, retry: RetryPolicy, limit: int) -> None:
         super().__init__(store, breaker, retry)
@@ -367,7 +401,10 @@ class LoopBatchIO(BatchIO):
 
 
 def make_batch_io(store: ObjectStore, breaker: Breaker, retry: RetryPolicy, io_threads: int,
-                  max_pending: int | None) -> BatchIO:
+                  max_pending: int | None, inline: bool = False) -> BatchIO:
+    """``inline``: the store is local and its calls may run on the calling thread (``InlineBatchIO``)."""
     if isinstance(store, AsyncFsspecObjectStore):
         return LoopBatchIO(store, breaker, retry, io_threads * 4)
+    if inline:
+        return InlineBatchIO(store, breaker, retry)
     return ThreadBatchIO(store, breaker, retry, io_threads, max_pending)

@@ -14,6 +14,12 @@ are abandoned (threads) or cancelled (gcsfs' loop), retries and their backoff st
   together) and ``clear``.
 - ``close_timeout_s``: how long ``close`` waits for operations in flight before cancelling them.
 
+Local I/O (``local_io``): a file:// root on this host's own disk (``object_store.on_local_disk``)
+runs each call's I/O on the calling thread (``batch_io.InlineBatchIO``): a local file operation
+takes microseconds, less than handing it to an I/O thread; the callers are background threads
+already (a worker's storage lanes, the head's query and manifest threads). Any other root, and
+``LocalIO.THREADS``, uses I/O threads and abandons what the deadline passes.
+
 Breaker (``breaker``): ``breaker_threshold`` rounds with a timeout or connection error within
 ``breaker_window_s`` open it (a round of refusals at once); ``breaker_cooldown_s`` later one probe
 call goes through.
@@ -22,6 +28,7 @@ call goes through.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +37,14 @@ MiB = 1 << 20
 # and every request has a fixed latency), smaller ones where a write is cheap.
 DEFAULT_TARGET_OBJECT_BYTES: Mapping[str, int] = {"file": 4 * MiB, "local": 4 * MiB, "memory": 1 * MiB, "gs": 16 * MiB, "gcs": 16 * MiB}
 FALLBACK_TARGET_OBJECT_BYTES = 8 * MiB  # any other scheme
+
+
+class LocalIO(str, enum.Enum):
+    """Where a file:// root's I/O runs (module docstring)."""
+
+    AUTO = "auto"  # on the calling thread if the root is on this host's own disk, else I/O threads
+    INLINE = "inline"  # on the calling thread (a local root the mount table does not name, e.g.)
+    THREADS = "threads"  # on I/O threads, with deadlines that abandon a hung call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +59,7 @@ class StorageConfig:
     breaker_window_s: float = 10.0  # how long a failed round counts toward breaker_threshold
     breaker_cooldown_s: float = 5.0  # open breaker: fail fast this long, then let one probe through
     io_threads: int = 8  # sync backends: worker threads; async: max concurrent requests / 4
+    local_io: LocalIO = LocalIO.AUTO  # file:// only: I/O on the calling thread or on I/O threads
     max_pending_ops: int | None = None  # sync backends: cap on abandoned, still-running ops (8 * io_threads)
     target_object_bytes: int | None = None  # None → DEFAULT_TARGET_OBJECT_BYTES[scheme]
     pages_per_object: int | None = None  # overrides target_object_bytes for every pool
@@ -58,6 +74,10 @@ class StorageConfig:
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "local_io", LocalIO(self.local_io))
+        except ValueError:
+            raise ValueError(f"local_io must be one of {[m.value for m in LocalIO]}, got {self.local_io!r}") from None
         for name in ("timeout_s", "exists_timeout_s", "list_timeout_s", "close_timeout_s", "breaker_window_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:

@@ -104,17 +104,17 @@ from hicache.storage.base import (
     check_pool_kind,
     check_slots,
 )
-from hicache.storage.batch_io import Deadline, RetryPolicy, make_batch_io
+from hicache.storage.batch_io import Deadline, InlineBatchIO, RetryPolicy, make_batch_io
 from hicache.storage.breaker import Breaker, BreakerState
 from hicache.storage.chunking import Chunking, ObjectRef, resolve
-from hicache.storage.config import StorageConfig
+from hicache.storage.config import LocalIO, StorageConfig
 from hicache.storage.corruption import Verdict, note_failure, recheck
 from hicache.storage.errors import ErrorKind, StorageUnavailableError, classify
 from hicache.storage.format import FORMAT_VERSION, CorruptObjectError, HeaderEncoder, ObjectKind, ObjectMeta, decode
 from hicache.storage.keys import ModelFingerprint, Namespace, ShardCoord, _as_tokens, check_key, page_keys
 from hicache.storage.lru import ByteCapLRU, scan
 from hicache.storage.manifest import Manifest, longest_first
-from hicache.storage.object_store import LocalObjectStore, open_object_store
+from hicache.storage.object_store import LocalObjectStore, on_local_disk, open_object_store
 
 _NO_SLOTS = np.zeros(0, np.int32)  # batch_exists' queries carry no slots (read-only, shared)
 # StorageStats counter of each error kind (MISSING: a plain miss, no counter)
@@ -193,8 +193,10 @@ class FsspecStorage(HiCacheStorage):
         self._base = f"{root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
         self.breaker = Breaker(config.breaker_threshold, config.breaker_cooldown_s, clock or time.monotonic,
                                config.breaker_window_s)
+        inline = self._local and (config.local_io is LocalIO.INLINE
+                                  or config.local_io is LocalIO.AUTO and on_local_disk(root))
         self._io = make_batch_io(store, self.breaker, RetryPolicy(config.retries, config.retry_backoff_s),
-                                 config.io_threads, config.max_pending_ops)
+                                 config.io_threads, config.max_pending_ops, inline)
         self._manifest = Manifest(self._base, self._fp, fingerprint.page_size, self._io)
         self._lru = (ByteCapLRU(f"{root}/v{FORMAT_VERSION}", config.max_bytes, config.evict_low_watermark)
                      if config.max_bytes is not None else None)
@@ -361,6 +363,12 @@ class FsspecStorage(HiCacheStorage):
     def fs(self) -> Any:
         """The underlying fsspec filesystem."""
         return self._io.store.fs
+
+    @property
+    def runs_inline(self) -> bool:
+        """Whether this store's I/O runs on the calling thread (a local disk, ``StorageConfig.local_io``):
+        a caller that hands calls to another thread only so as not to block on I/O need not."""
+        return isinstance(self._io, InlineBatchIO)
 
     @property
     def available(self) -> bool:

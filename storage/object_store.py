@@ -293,6 +293,26 @@ def _is_gcsfs(fs: Any) -> bool:
     return any(c.__name__ == "GCSFileSystem" for c in type(fs).__mro__)
 
 
+# Filesystems whose calls stay on this host's own storage (a block device or memory): each call returns
+# within the kernel's own I/O bounds, in microseconds. Anything else (NFS, SMB, FUSE such as gcsfuse,
+# cluster filesystems) may hang on a network, and unknown types are treated like those.
+LOCAL_FSTYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay",
+                           "vfat", "exfat"})
+
+
+def on_local_disk(path: str) -> bool:
+    """Whether ``path`` lies on a filesystem of ``LOCAL_FSTYPES`` (its deepest mount point, from psutil)."""
+    import psutil
+
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint.rstrip("/") or "/"
+        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):  # (a later mount over the same point hides the earlier)
+            best, fstype = mount, part.fstype
+    return fstype in LOCAL_FSTYPES
+
+
 def open_object_store(url: str, storage_options: dict[str, Any], fs: Any = None) -> tuple[ObjectStore, str]:
     """The object store for ``url`` and its root path (no protocol, no trailing slash). ``fs``: an
     fsspec filesystem to use instead of the one the URL names (tests)."""

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from support.token_accounting import assert_tokens_accounted
 
 from hicache.cluster import HeadConfig, embedded
 from hicache.cluster.client import CacheClient, EmbeddedTransport
@@ -37,6 +38,7 @@ def test_multi_turn_with_l1_cache_equals_no_cache(runner):
         for c in range(2):
             prompt = np.concatenate([histories[c], rng.integers(0, MODEL.vocab_size, 9, dtype=np.int32)])
             res = sched.serve(ServeRequest(prompt, max_new_tokens=4))
+            assert_tokens_accounted(res)
             ref = runner.generate_no_cache(prompt, 4)
             assert res.output == ref.tokens
             np.testing.assert_array_equal(res.last_logits, ref.logits[0])
@@ -67,6 +69,7 @@ def test_prefill_asks_the_engine_for_the_last_row_only_and_stays_exact(runner):
     sched = Scheduler(client, engine, prefill_budget=16)
     prompt = np.random.default_rng(3).integers(0, MODEL.vocab_size, 45, dtype=np.int32)
     res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
+    assert_tokens_accounted(res)
     ref = runner.generate_no_cache(prompt, 3)
     assert res.output == ref.tokens
     np.testing.assert_array_equal(res.last_logits, ref.logits[0])
@@ -87,6 +90,7 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
         for c in range(3):
             prompt = np.concatenate([convs[c], rng.integers(0, MODEL.vocab_size, 5, dtype=np.int32)])
             res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+            assert_tokens_accounted(res)
             ref = runner.generate_no_cache(prompt, 3)
             assert res.output == ref.tokens
             np.testing.assert_array_equal(res.last_logits, ref.logits[0])
@@ -97,12 +101,14 @@ def test_l1_l2_l3_stack_equals_no_cache(tmp_path, runner):
     stack.client.flush_write_through_acks()
     assert tiers["l2"] > 0, tiers
     fresh = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt="never-seen"))
+    assert_tokens_accounted(fresh)
     assert fresh.output == ref.tokens and fresh.computed_tokens == len(prompt)
     # A cold stack (empty L1/L2) on the same L3 gets L3 hits, exact.
     cold = build_stack(dataclasses.replace(opts, l1_pages=8), runner)
     fetched = []
     for c, (prompt, ref) in refs.items():
         res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+        assert_tokens_accounted(res)
         assert res.output == ref.tokens
         np.testing.assert_array_equal(res.last_logits, ref.logits[0])
         assert res.device_hit_tokens + res.loaded_tokens + res.computed_tokens == len(prompt)
@@ -135,6 +141,7 @@ def test_l3_writes_wait_for_the_next_first_token_and_land_exact(tmp_path, runner
     assert not tier.writes_paused
     cold = build_stack(dataclasses.replace(opts, l1_pages=8), runner)
     res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+    assert_tokens_accounted(res)
     assert res.output == ref.tokens and res.storage_tokens >= 32
     np.testing.assert_array_equal(res.last_logits, ref.logits[0])
     cold.client.flush_write_through_acks()
@@ -180,6 +187,7 @@ def test_held_l3_writes_are_sent_after_the_first_token_is_handed_out(tmp_path, r
         seen.append((tier.writes_paused, bool(held & {op.op_id for op in tier._held})))
     prompt = np.random.default_rng(7).integers(0, MODEL.vocab_size, 33, dtype=np.int32)
     res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt="other"), hook)
+    assert_tokens_accounted(res)
     assert seen == [(True, True), (False, False)]
     ref = runner.generate_no_cache(prompt, 3)
     assert res.output == ref.tokens
@@ -216,6 +224,7 @@ def test_warm_up_loads_every_transfer_bucket_and_leaves_real_requests_exact(tmp_
     assert st.request_pages == 0 and st.protected_tokens == 0
     prompt = np.random.default_rng(5).integers(0, MODEL.vocab_size, 30, dtype=np.int32)
     res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+    assert_tokens_accounted(res)
     ref = runner.generate_no_cache(prompt, 3)
     assert res.output == ref.tokens and res.computed_tokens == len(prompt)  # nothing shared with the warm-up
     with pytest.raises(ValueError, match="no request fits"):
@@ -296,7 +305,8 @@ def test_a_request_that_reuses_nothing_starts_with_one_head_call_and_l3_is_still
     prompt = rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32)
     assert sched.serve(ServeRequest(prompt, 3, cache_salt="t")).output == runner.generate_no_cache(prompt, 3).tokens
     # (the finish's step also carries the prefill's measured time for the L3 cost model)
-    assert transport.round_trips == [["begin_request"], ["cache_finished_req", "check_hicache_events", "report_prefill"]]
+    assert transport.round_trips == [["begin_request"], ["cache_finished_req", "check_hicache_events", "report_prefill",
+                                                                "report_tokens"]]
     stack.client.flush_write_through_acks()
     stack.head.detach_storage_backend()
 
@@ -323,6 +333,7 @@ def test_a_start_that_cannot_get_its_pages_keeps_no_lock_and_no_write_hold(tmp_p
         assert all(root.lock_ref == 1 for root in stack.head.tree.roots().values())
         assert not tier.writes_paused
     res = stack.scheduler.serve(ServeRequest(prompt, 2))
+    assert_tokens_accounted(res)
     assert res.output == runner.generate_no_cache(prompt, 2).tokens and res.device_hit_tokens == 40
     stack.client.flush_write_through_acks()
     stack.head.detach_storage_backend()
@@ -356,6 +367,7 @@ def test_l3_is_asked_only_for_a_remainder_of_at_least_l3_min_tokens(tmp_path, ru
         prompt = rng.integers(0, MODEL.vocab_size, n, dtype=np.int32)
         transport.methods.clear()
         res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
+        assert_tokens_accounted(res)
         assert res.output == runner.generate_no_cache(prompt, 2).tokens
         asked.append(transport.methods.count("prefetch_from_storage"))
     assert asked == [0, 1, 1]
@@ -384,7 +396,8 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
     transport = HeadRecorder(cold.head)
     reqs = [ServeRequest(p, max_new_tokens=2) for p in prompts]
     miss = ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), max_new_tokens=2)
-    assert [cold.scheduler.arrive(r) for r in reqs + [miss]] == [True] * 4  # L3 asked for each
+    # L3 asked for each; a local disk answers in the arrival's own head call: three fetches run, one miss
+    assert [cold.scheduler.arrive(r) for r in reqs + [miss]] == [True, True, True, False]
     assert transport.methods.count("prefetch_from_storage") == 4
     with pytest.raises(ValueError, match="already arrived"):
         cold.scheduler.arrive(reqs[0])
@@ -394,6 +407,7 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
     transport.methods.clear()
     for r in reqs + [miss]:
         res = cold.scheduler.serve(r)
+        assert_tokens_accounted(res)
         ref = runner.generate_no_cache(r.prompt, 2)
         assert res.output == ref.tokens
         np.testing.assert_array_equal(res.last_logits, ref.logits[0])
@@ -401,7 +415,7 @@ def test_prefetch_started_at_arrival_is_picked_up_by_serve_and_exact(tmp_path, r
         assert res.storage_tokens == (0 if r is miss else 40)
     # each request had its one L3 query at arrival: the hits were fetched whole, the miss is not asked again
     assert transport.methods.count("prefetch_from_storage") == 0
-    assert transport.methods.count("check_prefetch_progress") == 4  # (the miss's: its query's answer)
+    assert transport.methods.count("check_prefetch_progress") == 3  # the fetches (the miss was answered)
     st = cold.head.cache_stats()["storage"]
     assert st["prefetch_started"] == 3 and st["l3_queries"] == 4
     assert cold.scheduler._arrived == {}
@@ -426,7 +440,7 @@ def test_serve_asks_l3_again_when_the_match_shrank_since_arrival(tmp_path, runne
                                                                                         dtype=np.int32)]), 2)
     kept = ServeRequest(rng.integers(0, MODEL.vocab_size, 9, dtype=np.int32), 2)
     assert not stack.scheduler.arrive(turn)  # L1 holds its prefix: L3 not asked
-    assert stack.scheduler.arrive(kept)  # asked (its one page is new): a miss
+    assert not stack.scheduler.arrive(kept)  # asked (its one page is new): a miss, answered at once
     for _ in range(3):  # other prompts push the first one out of L1 and L2
         stack.scheduler.serve(ServeRequest(rng.integers(0, MODEL.vocab_size, 41, dtype=np.int32), 2))
         stack.client.flush_write_through_acks()
@@ -434,6 +448,7 @@ def test_serve_asks_l3_again_when_the_match_shrank_since_arrival(tmp_path, runne
         stack.client.match_prefix(RadixKey(first[:40])).host_hit_len < 40
     transport.methods.clear()
     res = stack.scheduler.serve(turn)
+    assert_tokens_accounted(res)
     assert transport.methods.count("prefetch_from_storage") == 1
     assert res.storage_tokens == 40 and res.computed_tokens == len(turn.prompt) - 40
     ref = runner.generate_no_cache(turn.prompt, 2)
@@ -473,12 +488,14 @@ def test_hook_between_decode_steps_may_call_the_cache_and_outputs_stay_exact(tmp
                 calls.append(None)
 
         res = stack.scheduler.serve(first, hook)
+        assert_tokens_accounted(res)
         assert len(calls) == first.max_new_tokens - 1
         assert calls[0] is (stack.options.l3_url is not None)
         ref = runner.generate_no_cache(first.prompt, first.max_new_tokens)
         assert res.output == ref.tokens
         np.testing.assert_array_equal(res.last_logits, ref.logits[0])
         res = stack.scheduler.serve(later)
+        assert_tokens_accounted(res)
         assert res.output == runner.generate_no_cache(stored, 2).tokens
         assert res.storage_tokens == (40 if stack.options.l3_url else 0)
         if stack.options.l3_url:
@@ -519,9 +536,11 @@ def test_failed_load_back_falls_back_to_the_l1_prefix_exact_and_leaks_nothing(ru
     faulty.fail_rate = 1.0
     prompt = np.concatenate([first, rng.integers(0, MODEL.vocab_size, 4, dtype=np.int32)])
     res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
+    assert_tokens_accounted(res)
     ref = runner.generate_no_cache(prompt, 3)
     assert res.load_failed and res.loaded_tokens == 0 and res.device_hit_tokens == 16
     assert res.computed_tokens == len(prompt) - 16
+    assert res.tokens.as_dict() == {"hit_l1": 16, "load_failed": 24, "partial_page": 5}
     assert res.output == ref.tokens
     np.testing.assert_array_equal(res.last_logits, ref.logits[0])
     client.flush_write_through_acks()
@@ -571,6 +590,7 @@ def test_a_request_whose_forward_fails_keeps_no_lock_and_no_page(runner, method,
     assert st.request_pages == 0 and st.protected_tokens == 0
     assert st.free_pages + st.evictable_tokens // 8 >= free  # its pages are back (a cached piece is evictable)
     res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
+    assert_tokens_accounted(res)
     ref = runner.generate_no_cache(prompt, 3)
     assert res.output == ref.tokens and res.device_hit_tokens >= 16
     np.testing.assert_array_equal(res.last_logits, ref.logits[0])
@@ -580,6 +600,7 @@ def test_a_request_whose_forward_fails_keeps_no_lock_and_no_page(runner, method,
 
 
 def _assert_exact(runner, req, res):
+    assert_tokens_accounted(res)
     ref = runner.generate_no_cache(req.prompt, req.max_new_tokens)
     assert res.output == ref.tokens
     np.testing.assert_array_equal(res.last_logits, ref.logits[0])
@@ -765,6 +786,7 @@ def test_a_failed_prefetch_is_followed_by_a_fresh_match_and_a_recompute(tmp_path
     cold = build_stack(opts, runner)
     transport = HeadRecorder(cold.head)
     res = cold.scheduler.serve(ServeRequest(prompt, max_new_tokens=2))
+    assert_tokens_accounted(res)
     ref = runner.generate_no_cache(prompt, 2)
     assert res.output == ref.tokens
     np.testing.assert_array_equal(res.last_logits, ref.logits[0])

@@ -12,7 +12,7 @@ fails the op within that bound instead of hanging. The storage reads slots of th
 on that thread and its I/O threads (``read_slots`` only copies the slot arrays out; the head pins a
 backup's slots until it is acked). It never writes the pool there: the storage is registered with a
 ``_DeferredWrites`` view whose ``write_slots`` collects the fetched pages, and an S2H returns
-``(bytes, commit)``; ``commit`` (one ``write_slots`` per collected range) runs on the owner thread
+``(bytes, commit)``; ``commit`` (one ``write_slots`` of every collected range) runs on the owner thread
 when the op is acked. A failed, partial or timed-out prefetch never touches the pool.
 """
 
@@ -90,6 +90,12 @@ class StorageExecutor:
         self.pool = pool
         self.slot_bytes = pool.slot_bytes
 
+    @property
+    def inline_reads(self) -> bool:
+        """A prefetch may run on the calling thread: the storage reads a local disk (``runs_inline``), in
+        less time than a hand-off to the storage thread takes, while a request may be waiting for it."""
+        return self.storage.runs_inline
+
     def __call__(self, op: TransferOp, pool: HostPool) -> int | tuple[int, Callable[[], None]]:
         keys = list(op.storage_keys)
         if pool is not self.pool:
@@ -105,8 +111,9 @@ class StorageExecutor:
                 self._view.end()
 
             def commit() -> None:
-                for slots, data in writes:
-                    pool.write_slots(slots, data)
+                if writes:  # one pool write for the whole op: its cost is mostly per call
+                    pool.write_slots(np.concatenate([slots for slots, _ in writes]),
+                                     np.concatenate([data for _, data in writes]))
         else:
             raise ValueError(f"not a storage op: {op.kind.value}")
         missing = len(done) - sum(done)

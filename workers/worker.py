@@ -4,11 +4,14 @@ It executes ``TransferPlan``s strictly in ``seq`` order and answers one ``Transf
 never decides anything (no imports of ``hicache.cluster``). A plan is validated as a whole before
 any op runs (``ValueError``/``TypeError``, nothing touched). D2H/H2D ops are dispatched at once (JAX
 async dispatch) and acked by ``poll``/``wait`` when ``is_ready()``; L2->L3 and L3->L2 ops run
-through a pluggable ``storage_executor`` (the L3 integration provides it) on one background thread
-per worker (``storage-<host>``), in submission order, and are acked through the same ``poll``/``wait``
-(a ``StorageHandle``); without an executor they are acked ``ok=False``. ``submit`` never blocks on
-storage I/O (it only may wait, bounded by the storage timeout, when an op depends on the slots of a
-pending storage op, which the head never plans in practice).
+through a pluggable ``storage_executor`` (the L3 integration provides it) on two background threads
+per worker, one per direction (``storage-h2s-<host>``, ``storage-s2h-<host>``: a prefetch, which a
+request may be waiting for, never queues behind write-backs), each in submission order, and are
+acked through the same ``poll``/``wait`` (a ``StorageHandle``); without an executor they are acked
+``ok=False``. ``submit`` never blocks on network storage I/O (it only may wait, bounded by the storage
+timeout, when an op depends on the slots of a pending storage op, which the head never plans in
+practice); an executor whose ``inline_reads`` is true (a local disk) runs a prefetch at dispatch
+instead, since its read takes less than the hand-off.
 
 Ordering (host side):
 
@@ -17,7 +20,9 @@ Ordering (host side):
 * a D2H first waits for earlier pending H2S ops that read its slots on the storage thread (its commit
   replaces the slot arrays they read); an H2D needs no such wait (it takes the slots' arrays at
   dispatch, and a later commit only replaces them);
-* storage ops run one at a time in submission order, so they are ordered among themselves.
+* storage ops of one direction run one at a time in submission order; the two directions touch
+  disjoint slots (the head pins a backup's slots until it is acked, a prefetch fills fresh slots, and
+  an H2S reading slots an S2H fills first commits that S2H, as above).
 
 Waiting: ``wait(timeout_s)`` waits for everything submitted; ``wait(timeout_s, op_ids=...)`` only
 for the named ops (and, for a named D2H/H2D, the earlier ops of its kind, which are acked in order),
@@ -160,6 +165,16 @@ def _run_timed(fn: Callable, op: TransferOp, pool: HostPool):
     return fn(op, pool), time.perf_counter()
 
 
+def _run_here(fn: Callable, op: TransferOp, pool: HostPool) -> cf.Future:
+    """``_run_timed`` on this thread, as a finished future (its error, if any, is the op's failure)."""
+    done: cf.Future = cf.Future()
+    try:
+        done.set_result(_run_timed(fn, op, pool))
+    except Exception as e:
+        done.set_exception(e)
+    return done
+
+
 @dataclass
 class _Pending:
     seq: int
@@ -207,7 +222,8 @@ class HostWorker:
         self.storage_executor = storage_executor
         self._last_seq: int | None = None
         self._pending: deque[_Pending] = deque()
-        self._storage_thread: cf.ThreadPoolExecutor | None = None
+        # one thread per direction: a prefetch (on a waiting request's path) never queues behind write-backs
+        self._storage_lanes: dict[OpKind, cf.ThreadPoolExecutor] = {}
         self._model: PoolModel | None = None
 
     # -- the engine's model runner (on the KV-owning thread, between plans) -------------------------
@@ -303,7 +319,7 @@ class HostWorker:
                 self._finish(p)
 
     def _settle_readers(self, slots: np.ndarray, entry: _Pending) -> None:
-        """Before a D2H: waits for pending H2S ops reading ``slots`` on the storage thread. (An H2D
+        """Before a D2H: waits for pending H2S ops reading ``slots`` on their storage thread. (An H2D
         took its slots' arrays at dispatch; an S2H runs after earlier H2S ops on the same thread and
         writes the pool only at its ack.)"""
         if entry.op.kind is not OpKind.BACKUP_D2H:
@@ -339,9 +355,14 @@ class HostWorker:
             else:
                 if self.storage_executor is None:
                     raise RuntimeError(f"no storage backend attached: cannot run {op.kind.value} ops")
-                if self._storage_thread is None:
-                    self._storage_thread = cf.ThreadPoolExecutor(1, thread_name_prefix=f"storage-{self.host_index}")
-                future = self._storage_thread.submit(_run_timed, self.storage_executor, op, self.host_pool)
+                if op.kind is OpKind.PREFETCH_S2H and getattr(self.storage_executor, "inline_reads", False):
+                    entry.handle = StorageHandle(op.kind, _run_here(self.storage_executor, op, self.host_pool))
+                    return
+                lane = self._storage_lanes.get(op.kind)
+                if lane is None:
+                    lane = self._storage_lanes[op.kind] = cf.ThreadPoolExecutor(
+                        1, thread_name_prefix=f"storage-{op.kind.value}-{self.host_index}")
+                future = lane.submit(_run_timed, self.storage_executor, op, self.host_pool)
                 entry.handle = StorageHandle(op.kind, future)
         except Exception as e:  # the op fails; pools unchanged (commit is the last step)
             entry.ack = self._ack(entry, False, f"{type(e).__name__}: {e}", 0, time.perf_counter() - t0)
@@ -429,12 +450,12 @@ class HostWorker:
         return None
 
     def close(self) -> None:
-        """Stops the storage thread (after the op it is running, which ends by the storage timeout;
-        queued ones are cancelled). Device transfers in flight still complete and are acked by
-        ``poll``/``wait``."""
-        if self._storage_thread is not None:
-            self._storage_thread.shutdown(wait=False, cancel_futures=True)
-            self._storage_thread = None
+        """Stops the storage threads (each after the op it is running, which ends by the storage
+        timeout; queued ones are cancelled). Device transfers in flight still complete and are acked
+        by ``poll``/``wait``."""
+        lanes, self._storage_lanes = self._storage_lanes, {}
+        for lane in lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_pending(self) -> int:

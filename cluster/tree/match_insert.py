@@ -112,6 +112,24 @@ class MatchInsert(TreeStructure):
                 in_l3 = False
         return l1, l2, l3
 
+    MAX_NAMESPACE_SCAN = 64  # ``cached_elsewhere`` looks below at most this many other namespaces' roots
+
+    def cached_elsewhere(self, key: RadixKey) -> bool:
+        """Whether ``key``'s first page starts a cached prefix in another namespace (another ``extra_key`` or
+        ``cache_salt``): the miss reason ``namespace_differs``. O(1) per namespace, at most
+        ``MAX_NAMESPACE_SCAN`` of them; no effects."""
+        tokens = key.token_ids
+        if len(self._roots) < 2 or tokens.shape[0] < self.page_size:  # the usual head: one namespace
+            return False
+        first = tokens[: self.page_size].tobytes()
+        own = (key.extra_key, key.cache_salt)
+        for i, (ns, root) in enumerate(self._roots.items()):
+            if i >= self.MAX_NAMESPACE_SCAN:
+                return False
+            if ns != own and first in root.children:
+                return True
+        return False
+
     def _component_match(
         self, device_path: list[TreeNode], path: list[TreeNode]
     ) -> tuple[list[TreeNode], list[TreeNode], Any]:

@@ -39,8 +39,10 @@ from hicache.cluster.begin import BeginParams
 from hicache.cluster.client import CacheClient, ResultRef
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.cost_model import PrefillReport
+from hicache.cluster.events import MissReason
 from hicache.cluster.head import Call, Method
-from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, PrefetchState
+from hicache.cluster.token_account import TokenAccount, account_request, explain_l3
 from hicache.cluster.tree import RadixKey, RequestState
 from hicache.cluster.tree.params import NO_VALUES
 from hicache.reference.engine.runner import Generation
@@ -61,6 +63,8 @@ class _Prefix(NamedTuple):
     fetched: int = 0  # of loaded, fetched from L3 for this request
     failed: bool = False
     components: Mapping[str, Any] = NO_VALUES  # the request's component values (Mamba: its state slot)
+    refused: tuple[MissReason | None, int] = (None, 0)  # the matched L2 part not loaded back, and why
+    rest: MissReason | None = None  # why the whole pages past the match and the refused part were missed
 
 
 def _table(*parts: np.ndarray) -> np.ndarray:
@@ -74,6 +78,7 @@ class _Arrival(NamedTuple):
     req: ServeRequest
     prefetch: str | None  # id of the L3 prefetch it started, or None
     covered: int  # prompt tokens L1+L2 matched then, plus those its prefetch fetches: L3 held nothing past them
+    skipped: PrefetchProgress | None = None  # L3's answer when it started no prefetch (why: its token record)
 
 
 class Begun(NamedTuple):
@@ -181,19 +186,22 @@ class Scheduler:
         whole = len(key) - len(key) % self.client.page_size
         return self.storage and whole - m.device_hit_len - m.host_hit_len >= self.l3_min_tokens
 
-    def _start_prefetch(self, key: RadixKey, m) -> tuple[str | None, int]:
+    def _start_prefetch(self, key: RadixKey, m) -> tuple[str | None, int, PrefetchProgress | None]:
         """Asks L3 for what L1+L2 lack (``m``: the match now): (the id of the started prefetch or None,
-        the tokens it fetches)."""
+        the tokens it fetches, L3's answer when it started none)."""
         if not self._l3_may_extend(key, m):
-            return None, 0
+            return None, 0, None
         req_id = f"req-{next(self._req_ids)}"
         started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
-        return (None, 0) if started.state is PrefetchState.NOT_STARTED else (req_id, started.tokens)
+        if started.state is PrefetchState.NOT_STARTED:
+            return None, 0, started
+        return req_id, started.tokens, None
 
     def arrive(self, req: ServeRequest) -> bool:
         """``req`` entered the queue: starts its L3 prefetch now (the existence query, then the fetch of
         what it finds, both off this thread), so that they overlap the wait; ``serve(req)`` (the same
-        object) picks it up. True if L3 was asked. At most
+        object) picks it up. True if a prefetch runs for it (its query unanswered yet, or a fetch started;
+        a local disk answers a miss at once). At most
         ``MAX_ARRIVED`` requests wait between ``arrive`` and ``serve``; beyond, ``arrive`` raises
         ``ValueError`` and nothing changes. Without L3 it only registers the request."""
         if id(req) in self._arrived:
@@ -205,8 +213,8 @@ class Scheduler:
             self._arrived[id(req)] = _Arrival(req, None, 0)
             return False
         m = self.client.match_prefix(key)
-        req_id, tokens = self._start_prefetch(key, m)
-        self._arrived[id(req)] = _Arrival(req, req_id, m.device_hit_len + m.host_hit_len + tokens)
+        req_id, tokens, skipped = self._start_prefetch(key, m)
+        self._arrived[id(req)] = _Arrival(req, req_id, m.device_hit_len + m.host_hit_len + tokens, skipped)
         return req_id is not None
 
     MAX_ARRIVED = 4096
@@ -222,21 +230,21 @@ class Scheduler:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {req.max_new_tokens!r}")
         return prompt, RadixKey(prompt[:-1], req.extra_key, req.cache_salt)
 
-    def _check_prefetch(self, key: RadixKey, req_id: str):  # -> (MatchResult, tokens from L3)
+    def _check_prefetch(self, key: RadixKey, req_id: str):  # -> (MatchResult, tokens from L3, PrefetchProgress)
         """Waits for prefetch ``req_id`` as the stop policy allows and matches again."""
         # Matched again in the same round trip, whatever the progress: the check applies acks, and an
         # acked L1->L2 backup may merge unlocked nodes of the earlier match (``RadixTree.merge_backed_up``),
         # whose ids must not be used after it.
         checked, matched = self.client.step([Call(Method.CHECK_PREFETCH_PROGRESS, req_id),
                                              Call(Method.MATCH_PREFIX, key)])
-        progress = checked.unwrap()
-        return matched.unwrap(), progress.tokens if progress.state is PrefetchState.DONE else 0
+        progress: PrefetchProgress = checked.unwrap()
+        return matched.unwrap(), progress.tokens if progress.state is PrefetchState.DONE else 0, progress
 
-    def _reuse(self, m, total: int) -> tuple[np.ndarray, int, int, int, bool]:
+    def _reuse(self, m, total: int) -> tuple[np.ndarray, int, int, int, bool, MissReason | None]:
         """Loads the L2 part of ``m`` back (it locks the prefix it returns: ``LoadBackParams.lock``), waits
         for it (bounded) and allocates pages for the rest of ``total`` tokens, in one step; without an L2
         part (no host tier), the lock and the alloc. Returns (page table, reused tokens, locked node,
-        loaded tokens, load failed). A failed load falls back to the L1 prefix (the load's lock covers
+        loaded tokens, load failed, why the load-back refused the L2 part). A failed load falls back to the L1 prefix (the load's lock covers
         it): its part gets pages of its own and the lock moves to the L1 prefix."""
         if not (self.hicache and m.host_hit_len > 0):
             locked, own = self.client.step([Call(Method.INC_LOCK_REF, m.last_device_node),
@@ -244,21 +252,22 @@ class Scheduler:
             locked.unwrap()
             if not own.ok:  # the lock must not outlive the request that failed
                 self.client.dec_lock_ref(m.last_device_node)
-            return _table(m.device_pages, own.unwrap()), m.device_hit_len, m.last_device_node, 0, False
+            return _table(m.device_pages, own.unwrap()), m.device_hit_len, m.last_device_node, 0, False, None
         started, done, own = self.client.step([  # a load id of -1 (nothing loaded) waits for nothing
             Call(Method.INIT_LOAD_BACK, LoadBackParams(m.best_match_node, m.host_hit_len, lock=True)),
             Call(Method.WAIT_LOAD_BACK, ResultRef(0, "load_id")),
             Call(Method.ALLOC, ResultRef(0, "device_hit_len", scale=-1, offset=total))])
         r = started.unwrap()
         if done.unwrap():
-            return _table(r.device_pages, own.unwrap()), r.device_hit_len, r.last_node, r.loaded_tokens, False
+            return (_table(r.device_pages, own.unwrap()), r.device_hit_len, r.last_node, r.loaded_tokens, False,
+                    r.miss_reason)
         own = own.unwrap()  # the L2 copy could not be loaded: recompute its part from the L1 prefix
         locked, unlocked, more = self.client.step([
             Call(Method.INC_LOCK_REF, m.last_device_node), Call(Method.DEC_LOCK_REF, r.last_node),
             Call(Method.ALLOC, r.device_hit_len - m.device_hit_len)])
         locked.unwrap()
         unlocked.unwrap()
-        return _table(m.device_pages, more.unwrap(), own), m.device_hit_len, m.last_device_node, 0, True
+        return _table(m.device_pages, more.unwrap(), own), m.device_hit_len, m.last_device_node, 0, True, None
 
     def _begin_params(self, key: RadixKey, total: int, arrival: _Arrival | None) -> BeginParams:
         """The request's first head call. With L3: L3 is asked when the whole pages past the L1+L2 match
@@ -286,18 +295,23 @@ class Scheduler:
         r = self.client.begin_request(self._begin_params(key, total, arrival))
         t1 = time.perf_counter()
         marks = [t0, t1 - r.l3_s - r.alloc_s]
-        m, fetched = r.match, r.fetched
+        m, fetched, rest = r.match, r.fetched, r.miss_reason
+        if arrival is not None and arrival.skipped is not None and r.prefetch is None:
+            rest = explain_l3(rest, arrival.skipped)  # L3 was asked at arrival only (down, or nothing there)
         if r.prefetch is not None:  # started: waited for as the stop policy allows, then matched again
-            m, more = self._check_prefetch(key, r.prefetch.req_id)
+            m, more, progress = self._check_prefetch(key, r.prefetch.req_id)
             fetched += more
+            rest = explain_l3(rest, progress)
         marks.append(time.perf_counter() - r.alloc_s)
         if r.pages is not None:  # locked and allocated in the call
             hit = m.device_hit_len
             table = _table(m.device_pages, r.pages) if hit else r.pages
-            p = _Prefix(table, hit, m.last_device_node, components=r.components)
+            p = _Prefix(table, hit, m.last_device_node, components=r.components, rest=rest)
         else:
-            table, hit, node, loaded, failed = self._reuse(m, total)
-            p = _Prefix(table, hit, node, loaded, min(fetched, loaded), failed)
+            table, hit, node, loaded, failed, refused = self._reuse(m, total)
+            not_loaded = m.device_hit_len + m.host_hit_len - hit  # the L2 part the load-back refused or failed
+            p = _Prefix(table, hit, node, loaded, min(fetched, loaded), failed,
+                        refused=(MissReason.LOAD_FAILED if failed else refused, not_loaded), rest=rest)
         marks.append(time.perf_counter())
         return p, marks
 
@@ -436,10 +450,14 @@ class Scheduler:
         mk, p, n = b.marks, b.prefix, int(b.prompt.size)
         # the L3 cost model's recompute rate: this prefill's computed tokens and seconds (with L3 only)
         report = PrefillReport(n - p.hit, max(0.0, mk[-1] - mk[-2])) if self.storage else None
-        if self.hicache and not self.client.in_process:  # one round trip (the check runs even if the finish fails)
-            calls = [Call(Method.CACHE_FINISHED_REQ, state), Call(Method.CHECK_HICACHE_EVENTS)]
+        tokens = self.account(p, n)
+        if not self.client.in_process:  # one round trip (the check runs even if the finish fails)
+            calls = [Call(Method.CACHE_FINISHED_REQ, state)]
+            if self.hicache:
+                calls.append(Call(Method.CHECK_HICACHE_EVENTS))
             if report is not None:
                 calls.append(Call(Method.REPORT_PREFILL, report))
+            calls.append(Call(Method.REPORT_TOKENS, tokens))
             for r in self.client.step(calls):
                 r.unwrap()
         else:
@@ -448,11 +466,17 @@ class Scheduler:
                 self.client.check_hicache_events()
             if report is not None:
                 self.client.report_prefill(report)
+            self.client.report_tokens(tokens)
         end = time.perf_counter()
         match, l3, load_back, prefill = (y - x for x, y in zip(mk, mk[1:]))
         phases = ServePhases(match, l3, load_back, prefill, decode_s, end - t)
         return ServeResult(gen.tokens, b.logits, mk[-1] - mk[0], end - mk[0], n, p.hit - p.loaded, p.loaded,
-                           n - p.hit, p.fetched, p.failed, phases, gen.logits)
+                           n - p.hit, p.fetched, p.failed, phases, gen.logits, tokens)
+
+    def account(self, p: _Prefix, prompt_len: int) -> TokenAccount:
+        """Where each of the request's prompt tokens came from (``hicache.cluster.token_account``)."""
+        return account_request(prompt_len, self.client.page_size, hit_l1=p.hit - p.loaded,
+                               hit_l2=p.loaded - p.fetched, hit_l3=p.fetched, refused=p.refused, rest=p.rest)
 
     def serve(self, req: ServeRequest, between_steps: Callable[[], None] | None = None) -> ServeResult:
         """Serves ``req`` now, start to finish (its TTFT counts from here); picks up its prefetch if it

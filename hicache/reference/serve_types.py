@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hicache.cluster.token_account import TokenAccount
+
 
 @dataclass(frozen=True)
 class ServeRequest:
@@ -49,3 +51,4 @@ class ServeResult:
     load_failed: bool = False
     phases: ServePhases = ServePhases()
     logits: np.ndarray | None = None  # f32[len(output), vocab]: row i gave output[i] (row 0 = last_logits)
+    tokens: TokenAccount | None = None  # where each prompt token came from: hit tier or miss reason

@@ -115,7 +115,8 @@ class HiCacheReplica:
                     self._running -= 1
         return {"replica": self.replica_id, "output": list(res.output), "device_hit_tokens": res.device_hit_tokens,
                 "loaded_tokens": res.loaded_tokens, "storage_tokens": res.storage_tokens,
-                "computed_tokens": res.computed_tokens, "ttft_s": res.ttft_s}
+                "computed_tokens": res.computed_tokens, "ttft_s": res.ttft_s,
+                "tokens": res.tokens.as_dict() if res.tokens is not None else {}}  # by fate: hit tier or miss reason
 
     def __del__(self) -> None:
         server = getattr(self, "probe_server", None)

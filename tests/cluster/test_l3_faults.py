@@ -143,6 +143,7 @@ def test_a_dead_endpoint_never_holds_a_request_and_hits_resume_when_it_returns(r
         res = _serve_exact(stack, runner, p)
         assert res.ttft_s < BOUND_S, (kind, res.ttft_s)
         assert res.storage_tokens == 0
+        assert res.tokens.as_dict() == {"l3_unavailable": 40, "partial_page": 1}  # down: never "not cached"
         if i == len(during) - 2:
             assert tier.settle(30.0)  # their queries ended (by the existence deadline), failed
     assert store.breaker.state.value == "open"
@@ -154,6 +155,7 @@ def test_a_dead_endpoint_never_holds_a_request_and_hits_resume_when_it_returns(r
     calls, probes = store.stats().exists_calls, st["storage"]["probes"]
     fresh = _serve_exact(stack, runner, _prompts(3, 1)[0])  # a new prompt while L3 is down: not asked
     assert fresh.ttft_s < BOUND_S and store.stats().exists_calls == calls
+    assert fresh.tokens.as_dict() == {"l3_unavailable": 40, "partial_page": 1}
     assert stack.head.cache_stats()["storage"]["probes"] == probes  # open, cooling down: no probe either
 
     assert tier.settle(30.0)  # a probe started before the breaker opened has ended (by its deadline)
@@ -188,6 +190,7 @@ def test_a_hung_existence_query_holds_no_request_and_its_answer_still_fetches(ru
     res = stack.scheduler.serve(req)
     ref = runner.generate_no_cache(prompt, NEW_TOKENS)
     assert res.output == ref.tokens and res.storage_tokens == 0 and res.computed_tokens == len(prompt)
+    assert res.tokens.as_dict() == {"l3_unavailable": 40, "partial_page": 1}  # its answer came too late
     assert tier.querying and tier.counters.prefetch_started == 0  # still unanswered when the request ended
     fs.set_plan(FaultPlan())  # the endpoint answers
     fs.release_hangs()

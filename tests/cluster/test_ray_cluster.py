@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 
 from support.kv_pattern import page_rows  # noqa: E402
 from support.ray_cluster import loopback_cluster  # noqa: E402
+from support.token_accounting import assert_tokens_accounted  # noqa: E402
 
 import hicache  # noqa: E402
 from hicache.cluster import HeadConfig, embedded, ray_storage_record  # noqa: E402
@@ -434,12 +435,16 @@ def test_engine_in_the_host_workers_is_exact_with_l1_l2_l3_hits(replica_x, env_x
     c.attach_storage_backend(l3)
     sched = Scheduler(c, engine, hicache=True, storage=True, prefill_budget=16)
     rng = np.random.default_rng(8)
+    served: list[int] = []
+    before = sum(c.cache_stats()["prompt_tokens"].values())
 
     def served_exactly(prompt: np.ndarray):
         res = sched.serve(ServeRequest(prompt, max_new_tokens=3))
         ref = engine.generate_no_cache(prompt, 3)
         assert res.output == ref.tokens
         np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+        assert_tokens_accounted(res)
+        served.append(len(prompt))
         return np.concatenate([prompt, np.asarray(res.output, np.int32)]), res
 
     def turn(history: np.ndarray) -> np.ndarray:
@@ -453,6 +458,8 @@ def test_engine_in_the_host_workers_is_exact_with_l1_l2_l3_hits(replica_x, env_x
     assert c.evict(10_000).evicted_tokens > 0  # everything unlocked leaves L1; the L2 copies stay
     history, r = served_exactly(turn(history))
     assert r.loaded_tokens >= 32 and r.storage_tokens == 0  # L2 -> L1 load-back on both hosts
+    assert r.tokens.hit_l2 == r.loaded_tokens
+    assert sum(c.cache_stats()["prompt_tokens"].values()) - before == sum(served)  # each token once, per replica
     c.flush_write_through_acks()  # L2 -> L3 backups land
     assert c.cache_stats()["storage"]["backup_pages"] >= 10
     c.detach_storage_backend()
@@ -460,6 +467,7 @@ def test_engine_in_the_host_workers_is_exact_with_l1_l2_l3_hits(replica_x, env_x
     c.attach_storage_backend(l3)
     _, r = served_exactly(turn(history))
     assert r.storage_tokens >= 40 and r.device_hit_tokens == 0  # L3 -> L2 -> L1
+    assert r.tokens.hit_l3 == r.storage_tokens
     c.flush_write_through_acks()
     c.detach_storage_backend()
 

@@ -59,6 +59,7 @@ def test_up_status_down(cluster, tmp_path):
     res = hicache("status", "--address", addr)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "cli-test" in res.stdout and "ready" in res.stdout and "0/4,096" in res.stdout
+    assert "misses" in res.stdout  # the served prompt tokens' miss reasons (none served yet: "-")
     res = hicache("status", "--address", addr, "--replica", "nope")
     assert res.returncode == 1 and "unknown replica 'nope'" in res.stderr and "cli-test" in res.stderr
     res = hicache("down", "--address", addr, "--replica", "cli-test")

@@ -15,6 +15,7 @@ from support.net import free_loopback_port
 
 from hicache.cluster.metrics import HeadMetrics
 from hicache.cluster.storage_tier import StorageParams
+from hicache.cluster.token_account import TokenAccount
 from hicache.cluster.tree import RadixKey
 
 
@@ -55,6 +56,7 @@ def test_metrics_values_after_scripted_workload(ray_metrics_port):
     env.serve(a)  # 24 tokens loaded back from L2
     env.head.flush_write_through_acks()
     env.head.match_prefix(RadixKey(np.arange(500, 520, dtype=np.int32)))  # 20 tokens not cached
+    env.head.report_tokens(TokenAccount(24, hit_l2=24))  # the second request's record, as a scheduler reports it
     env.head.publish_metrics()
     stats = env.head.cache_stats()
     want = {
@@ -75,6 +77,7 @@ def test_metrics_values_after_scripted_workload(ray_metrics_port):
         key = "tier" if "hit" in name else "direction"
         assert _value(samples, name, replica="metrics-test", **{key: label}) == value, (name, label, samples)
     assert _value(samples, "hicache_miss_tokens_total", reason="not_cached", replica="metrics-test") == 44
+    assert _value(samples, "hicache_prompt_tokens_total", fate="hit_l2", replica="metrics-test") == 24
     assert _value(samples, "hicache_pool_tokens", tier="l1", replica="metrics-test") == stats["device_tokens"]
     assert _value(samples, "hicache_pool_capacity_tokens", tier="l2", replica="metrics-test") == 128
     count = _value(samples, "hicache_transfer_latency_seconds_count", direction="l2_to_l1", replica="metrics-test",

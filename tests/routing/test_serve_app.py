@@ -57,6 +57,7 @@ def _router():
 def _ask(handle, runner, prompt, n=2):
     out = handle.remote(GenerateRequest(tuple(int(t) for t in prompt), n)).result(timeout_s=WAIT_S)
     assert out["output"] == list(runner.generate_no_cache(np.asarray(prompt, np.int32), n).tokens)
+    assert sum(out["tokens"].values()) == len(prompt)  # every prompt token once: hit tier or miss reason
     return out, _router().decisions[-1]
 
 

@@ -1,5 +1,5 @@
-"""Storage ops (H2S/S2H) run on the worker's storage thread: ``submit`` does not wait for them, they
-are acked through ``poll``/``wait``, keep the slot ordering rules, and a hung one never holds back
+"""Storage ops (H2S/S2H) run on the worker's storage threads (one per direction): ``submit`` does not
+wait for them, they are acked through ``poll``/``wait``, keep the slot ordering rules, and a hung one never holds back
 D2H/H2D acks."""
 
 from __future__ import annotations
@@ -122,19 +122,29 @@ def test_backup_to_slot_waits_for_pending_storage_reader(worker):
     worker.storage_executor = None
 
 
-def test_storage_ops_run_in_submission_order(worker):
+def test_a_prefetch_does_not_queue_behind_write_backs(worker):
+    """Storage ops run on one thread per direction, each in submission order: an L3->L2 prefetch (a
+    request may be waiting for it) is done while an earlier L2->L3 write still runs, and a later write
+    waits for the earlier one."""
+    release = threading.Event()
     order = []
 
     def executor(op, pool):
-        time.sleep(0.05 if op.op_id == 1 else 0)
+        if op.op_id == 1:
+            release.wait(60)
         order.append(op.op_id)
         return 0
 
     worker.storage_executor = executor
     worker.submit(_plan(_op(1, "h2s", [], [1], ["a"]), _op(2, "s2h", [], [2], ["b"])))
     worker.submit(_plan(_op(3, "h2s", [], [2], ["b"])))  # reads what op 2 wrote: waits for its commit
-    acks = worker.wait(timeout_s=10)
-    assert [a.op_id for a in acks] == [1, 2, 3] and order == [1, 2, 3]
+    try:
+        acks = worker.wait(timeout_s=60, op_ids=[2])
+        assert [a.op_id for a in acks] == [2] and order == [2]  # op 1 still runs, op 3 queues behind it
+    finally:
+        release.set()
+    acks = worker.wait(timeout_s=60)
+    assert [a.op_id for a in acks] == [1, 3] and order == [2, 1, 3]
     worker.storage_executor = None
 
 
@@ -231,3 +241,28 @@ def test_backup_to_storage_and_prefetch_back_are_exact_and_commit_on_the_owner(w
     finally:
         del pool.read_slots
         ex.close()
+
+
+class _LocalReads:
+    """A storage executor over a local disk (``StorageExecutor.inline_reads``): records where it ran."""
+
+    inline_reads = True
+
+    def __init__(self) -> None:
+        self.ran_on: list[tuple[str, int]] = []
+
+    def __call__(self, op, pool):
+        self.ran_on.append((op.kind.value, threading.get_ident()))
+        return op.num_pages * pool.slot_bytes
+
+
+def test_local_disk_prefetch_runs_at_dispatch_and_writes_on_their_thread(worker):
+    executor = _LocalReads()
+    worker.storage_executor = executor
+    worker.submit(_plan(_op(1, "s2h", [], [3], ["a"])))
+    assert executor.ran_on == [("s2h", threading.get_ident())]  # done before submit returned
+    assert [(a.op_id, a.ok) for a in worker.poll()] == [(1, True)]
+    worker.submit(_plan(_op(2, "h2s", [], [3], ["a"])))  # a write-back stays off the caller's thread
+    assert [(a.op_id, a.ok) for a in worker.wait(timeout_s=60)] == [(2, True)]
+    assert executor.ran_on[1][0] == "h2s" and executor.ran_on[1][1] != threading.get_ident()
+    worker.storage_executor = None
