@@ -24,6 +24,7 @@ Target: with the 30 s deadline the fresh replica gets >= 90% of the warm replica
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.workload import FWD, MODEL, log  # noqa: E402
+from hicache.cluster.cost_model import CostOptions  # noqa: E402
 from hicache.cluster.drain import DrainParams  # noqa: E402
 from hicache.cluster.storage_tier import StorageParams  # noqa: E402
 from hicache.reference.engine.runner import ModelRunner  # noqa: E402
@@ -97,10 +99,15 @@ def held_rate(stack, prompts: list[np.ndarray]) -> float:
 
 
 def takeover(runner: ModelRunner, url: str, prompts: list[np.ndarray], output_tokens: int) -> float:
-    """A fresh replica on ``url`` serves ``prompts`` exactly; returns its hit rate (all from L3)."""
+    """A fresh replica on ``url`` serves ``prompts`` exactly; returns its hit rate (all from L3). It
+    measures what L3 holds, not this VM's timing: every existence query and fetch is waited for and
+    the cost model never recomputes instead (else a loaded VM turns L3 hits into recomputes)."""
     stack = build_stack(StackOptions(MODEL, FWD, l1_pages=4 * FWD.max_pages, l2_slots=8 * FWD.max_pages, l3_url=url,
                                      prefetch_policy="wait_complete", prefetch_min_tokens=FWD.page_size,
                                      pages_per_object=PAGES_PER_OBJECT), runner)
+    stack.client.detach_storage_backend()
+    stack.client.attach_storage_backend(dataclasses.replace(
+        l3_params(stack, url), query_wait_max_s=60.0, cost=CostOptions(enabled=False)))
     hits = 0
     for prompt in prompts:
         res = serve(stack, prompt, output_tokens)

@@ -21,13 +21,20 @@ Notice sources (``PreemptionSource``): the GCE metadata server (``instance/preem
 ``instance/maintenance-event``; tests run a stand-in on 127.0.0.1), a signal, or a file. A source's
 ``wait(timeout_s)`` returns a ``Notice`` or None; ``PreemptionWatcher`` polls one on a thread and
 calls back once. A Ray replica watches by itself with ``ReplicaConfig.preemption`` (a
-``PreemptionConfig``): its head actor runs the watcher and drains under its state lock.
+``PreemptionConfig``, the replica file's ``preemption:`` section): its head actor runs the watcher and
+drains round by round (below).
 
-Who runs what: ``drain`` runs on the head's control thread, inside one head call (``CacheHead.drain``),
-like any other head call: nothing else touches the tree meanwhile, so other calls (``cache_stats``,
-``hicache status``) wait until it returns; the ``hicache_drain_pages`` gauge is published every round.
-A remote caller needs a client timeout above the deadline. Sources and the watcher run on
-the caller's threads and never touch the head.
+Who runs what: a drain runs in rounds (``DrainRun``), each inside one head call, on the thread that
+owns the head then (its state lock held): nothing else touches the tree, the pools or the controller
+during a round, and each round is bounded (sends, then waits for acks at most ``ack_wait_s``). The
+embedded head runs all rounds in one call (``CacheHead.drain``: its caller owns it; a client's
+``drain`` call to a Ray head is such a call too). On a notice, the Ray head actor runs them as
+separate calls (``drive_drain``), so ``cache_stats``, ``hicache status`` and the
+finishes of running requests are served between rounds and show the progress while it runs
+(``DrainProgress``: sent, drained, left pages); the ``hicache_drain_pages`` gauge is published every
+round. Admission stops at the first round's start (``CacheHead.drain_progress`` is set under the
+lock), so no request is admitted after it. Sources and the watcher run on the caller's threads and
+never touch the head.
 """
 
 from __future__ import annotations
@@ -159,7 +166,9 @@ class FileSource(_PolledSource):
 
 class SignalSource:
     """A notice when the process gets ``signum`` (default SIGTERM, what a VM shutdown sends). Install
-    from the main thread (Python's rule for signal handlers); ``close`` restores the old handler."""
+    from the main thread (Python's rule for signal handlers); ``close`` restores the old handler. It
+    replaces the process's own handler (in a Ray worker, Ray's exit on SIGTERM): the process drains
+    instead of exiting, and goes with the VM or a SIGKILL."""
 
     def __init__(self, signum: int = signal.SIGTERM, *, deadline_s: float = GCE_NOTICE_S) -> None:
         self.signum = signal.Signals(signum)
@@ -173,7 +182,17 @@ class SignalSource:
         return None
 
     def close(self) -> None:
-        signal.signal(self.signum, self._old)
+        """Restores the old handler, from the main thread only (Python's rule; a Ray actor's ``shutdown``
+        runs elsewhere): there the handler stays, setting an event nobody waits on any more."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(self.signum, self._old)
+
+
+def _signal_named(name: str) -> signal.Signals:
+    try:
+        return signal.Signals[name or "SIGTERM"]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r} for a signal notice source (e.g. SIGTERM, SIGUSR1)") from None
 
 
 class PreemptionWatcher:
@@ -209,6 +228,7 @@ class PreemptionWatcher:
 class NoticeSourceKind(str, enum.Enum):
     GCE = "gce"  # the metadata server (``location``: its instance URL; "" = GCE_METADATA_URL)
     FILE = "file"  # a file (``location``: its path)
+    SIGNAL = "signal"  # a signal to the head's process (``location``: its name; "" = SIGTERM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +252,13 @@ class PreemptionConfig:
             raise ValueError(f"poll_s must be a number > 0, got {self.poll_s!r}")
         if self.kind is NoticeSourceKind.FILE and not self.location:
             raise ValueError("a file notice source needs its path (location)")
+        if self.kind is NoticeSourceKind.SIGNAL:
+            _signal_named(self.location)
 
     def build(self) -> PreemptionSource:
+        """The source, in the process that watches (a signal source: from its main thread)."""
+        if self.kind is NoticeSourceKind.SIGNAL:
+            return SignalSource(_signal_named(self.location), deadline_s=self.deadline_s)
         if self.kind is NoticeSourceKind.FILE:
             return FileSource(self.location, deadline_s=self.deadline_s, poll_s=self.poll_s)
         return GceMetadataSource(self.location or GCE_METADATA_URL, deadline_s=self.deadline_s, poll_s=self.poll_s)
@@ -270,7 +295,12 @@ class DrainProgress:
     candidate_pages: int = 0  # pages not in L3 when it started (L1 and L2)
     sent_pages: int = 0  # pages sent L2 -> L3 (or L1 -> L2 -> L3)
     drained_pages: int = 0  # of those, stored (acked by every host) before the deadline
-    not_fitted_pages: int = 0  # still not in L3 when it ended
+    left_pages: int = 0  # not in L3 yet (L1 or L2 holds them): updated every round
+    not_fitted_pages: int = 0  # still not in L3 when it ended (left_pages then)
+    # of those, pages of paths longer than one L2 -> L3 backup may be (``StorageParams.max_inflight_backup_pages``):
+    # they never fit, whatever the deadline
+    oversized_pages: int = 0
+    rounds: int = 0
     elapsed_s: float = 0.0
     manifest_flushed: bool = False
 
@@ -306,62 +336,144 @@ class DrainParams:
             raise TypeError(f"options must be DrainOptions, got {type(self.options).__name__}")
 
 
-def run_drain(head: CacheHead, params: DrainParams, clock: Callable[[], float] = time.monotonic) -> DrainProgress:
-    """Runs a drain on ``head`` (module docstring); returns its progress (also kept on the head)."""
-    deadline_s, options = params.deadline_s, params.options
-    ctl = head.controller
-    if ctl is None or ctl.storage is None:
-        raise RuntimeError("drain needs a host tier and an attached L3 (nothing could be stored)")
-    st = ctl.storage
-    ps = head.page_size
-    t0 = clock()
-    end = t0 + deadline_s - min(options.reserve_s, deadline_s / 4)  # a short deadline still sends
-    prog = DrainProgress(DrainState.DRAINING, deadline_s)
-    head.drain_progress = prog
-    stored_before = st.counters.backup_pages
-    st.resume_writes()  # held writes go now
-    prog.candidate_pages = _pages(_unstored(head), ps)
-    sent: set[int] = set()
-    while clock() < end:
+class DrainRun:
+    """One drain, in rounds (module docstring). Every method runs inside a head call, on the thread that
+    owns the head then (the lock holder): ``__init__`` stops admission and counts the candidates; each
+    ``round`` sends what fits the storage tier's in-flight cap, waits for acks at most
+    ``DrainOptions.ack_wait_s`` and updates the progress; the last round flushes the manifest. Between
+    rounds the owner serves other calls (``cache_stats``, finishes of running requests), so progress is
+    visible while the drain runs; the head state in between is whatever those calls made of it, so each
+    round looks at the tree afresh."""
+
+    def __init__(self, head: CacheHead, params: DrainParams, clock: Callable[[], float] = time.monotonic) -> None:
+        ctl = head.controller
+        if ctl is None or ctl.storage is None:
+            raise RuntimeError("drain needs a host tier and an attached L3 (nothing could be stored)")
+        self.head, self.params, self.clock = head, params, clock
+        self._ctl, self._st = ctl, ctl.storage  # what it drains through; another call may detach or reset them
+        self._t0 = clock()
+        self._end = self._t0 + params.deadline_s - min(params.options.reserve_s, params.deadline_s / 4)  # a short deadline still sends
+        self.progress = DrainProgress(DrainState.DRAINING, params.deadline_s)
+        head.drain_progress = self.progress  # from here on begin_request refuses
+        self._stored_before = ctl.storage.counters.backup_pages
+        self._sent: set[int] = set()
+        self._oversized: set[int] = set()  # unstored nodes on a path that never fits one backup
+        self._via_l1: dict[int, tuple[TreeNode, int]] = {}  # node id -> (node, L3 pages) of L1 -> L2 sends in flight
+        self.progress.candidate_pages = self.progress.left_pages = _pages(_unstored(head), head.page_size)
+
+    @property
+    def done(self) -> bool:
+        return self.progress.state is DrainState.DONE
+
+    def round(self) -> bool:
+        """One round; True while another is due (False: the drain is done)."""
+        if self.done:
+            return False
+        ctl = self._ctl
+        attached = self.head.controller is ctl and ctl.storage is self._st  # (a detach or reset between rounds ends it)
+        if attached:
+            self._st.resume_writes()  # writes another call held since the last round go now
+        more = False
+        if attached and self.clock() < self._end:
+            issued, waiting = self._send_what_fits()
+            ctl.flush_write_through_acks(timeout_s=max(0.0, min(self.params.options.ack_wait_s, self._end - self.clock())))
+            self._count()
+            more = bool(issued or waiting or ctl.in_flight) and self.clock() < self._end
+        if not more:
+            self._finish(attached)
+        self.progress.rounds += 1
+        self.head.publish_metrics()
+        return more
+
+    def _send_what_fits(self) -> tuple[int, bool]:
+        """Sends the unstored paths, most valuable first, until the in-flight cap; returns how many, and
+        whether one waits for acks (room under the cap, or a backup on its way)."""
+        head, prog, sent = self.head, self.progress, self._sent
+        ctl, st, ps = self._ctl, self._st, head.page_size
+        self._resend_ended()
+        # L1 -> L2 backups the drain started take their L3 room only at their D->H ack: keep it for them
+        self._via_l1 = {i: (n, k) for i, (n, k) in self._via_l1.items() if n.staged_slots is not None}
+        room = st.backup_room_pages - sum(k for _, k in self._via_l1.values())
         todo = [n for n in _unstored(head) if n.id not in sent]
         tick = max((n.last_access for n in todo), default=0)
         todo.sort(key=lambda n: expected_value(n, tick), reverse=True)
-        issued = 0
+        issued, waiting = 0, False
+        acks_due = ctl.in_flight > 0  # only acks free room or unpin a path: without any, waiting would spin
         for node in todo:
             if node.id in sent:
                 continue  # covered by a deeper node's path this round
             full = _path(node)
             path = [p for p in full if not p.stored]
+            if any(p.host_pin or p.staged_slots is not None for p in path):
+                waiting = acks_due  # a backup (write-through's) is on its way: a second one would write it twice
+                continue
             need = _pages(full, ps) - _pages([p for p in full if p.stored], ps)
             need += (_pages(full, ps) - need) % st.pages_per_object  # the op starts at an object boundary
-            if need > st.backup_room_pages:
+            if need > room:
                 if need > st.params.max_inflight_backup_pages:
+                    self._oversized.update(p.id for p in path)
                     continue  # never fits one backup (counted as not fitted)
-                break  # wait for acks: the storage tier would skip it now
-            room = st.backup_room_pages
+                return issued, acks_due  # wait for acks: the storage tier would skip it now
             if node.host_slots is not None:
+                before = st.backup_room_pages
                 st.on_host_committed([node])
-                if st.backup_room_pages == room:
+                if st.backup_room_pages == before:
                     continue  # not sent (a broken chain): left for a later round
-            elif not ctl.backup_to_host(node):
+            elif ctl.backup_to_host(node):
+                self._via_l1[node.id] = (node, need)
+            else:
                 continue
+            room -= need
             sent.update(p.id for p in path)
             prog.sent_pages += need
             issued += 1
-        ctl.flush_write_through_acks(timeout_s=max(0.0, min(options.ack_wait_s, end - clock())))
-        prog.drained_pages = st.counters.backup_pages - stored_before
-        head.publish_metrics()  # live progress (hicache_drain_pages): the head answers no call meanwhile
-        if not issued and not ctl.in_flight:
-            break
-    ctl.flush_write_through_acks(timeout_s=max(0.0, end - clock()))
-    prog.drained_pages = st.counters.backup_pages - stored_before
-    if clock() < t0 + deadline_s:
-        st.flush_manifest()
-        prog.manifest_flushed = True
-    prog.not_fitted_pages = _pages(_unstored(head), ps)
-    prog.elapsed_s = clock() - t0
-    prog.state = DrainState.DONE
-    return prog
+        return issued, waiting
+
+    def _resend_ended(self) -> None:
+        """Sent nodes with an L2 copy, still not in L3 and pinned by no backup: theirs ended without
+        storing them (skipped at the D->H ack for lack of room, or failed), so they go again."""
+        for n in _unstored(self.head):
+            if n.id in self._sent and n.host_slots is not None and n.host_pin == 0 and n.staged_slots is None:
+                self._sent.discard(n.id)
+
+    def _count(self) -> None:
+        self.progress.drained_pages = self._st.counters.backup_pages - self._stored_before
+        self.progress.left_pages = _pages(_unstored(self.head), self.head.page_size)
+        self.progress.elapsed_s = self.clock() - self._t0
+
+    def _finish(self, attached: bool) -> None:
+        prog = self.progress
+        if attached and self.clock() < self._t0 + self.params.deadline_s:
+            self._st.flush_manifest()
+            prog.manifest_flushed = True
+        self._count()
+        prog.not_fitted_pages = prog.left_pages
+        prog.oversized_pages = _pages([n for n in _unstored(self.head) if n.id in self._oversized], self.head.page_size)
+        prog.state = DrainState.DONE
+
+
+def run_drain(head: CacheHead, params: DrainParams, clock: Callable[[], float] = time.monotonic) -> DrainProgress:
+    """Runs a whole drain on ``head`` in one call (the embedded head: its caller owns it); returns its
+    progress (also kept on the head)."""
+    run = DrainRun(head, params, clock)
+    while run.round():
+        pass
+    return run.progress
+
+
+def drive_drain(on_head: Callable[[Callable[[CacheHead], Any]], Any], params: DrainParams, *,
+                between_rounds: Callable[[DrainProgress], Any] | None = None,
+                clock: Callable[[], float] = time.monotonic) -> DrainProgress:
+    """Runs a drain as a sequence of head calls, for a head that serves other callers meanwhile (the
+    Ray head actor). ``on_head(fn)`` runs ``fn(head)`` the way the head's owner runs any call (under
+    its state lock) and returns its value, or raises if the head state it started on is gone; other
+    calls run between two of them. ``between_rounds(progress)`` runs after each round, outside the
+    head (a test's hook). Returns the progress; the drain stops early when ``on_head`` raises."""
+    run: DrainRun = on_head(lambda head: DrainRun(head, params, clock))
+    while on_head(lambda head: run.round()):
+        if between_rounds is not None:
+            between_rounds(run.progress)
+    return run.progress
 
 
 def _path(node: TreeNode) -> list[TreeNode]:

@@ -45,7 +45,8 @@ class HeadMetrics:
         self.l3_available = Gauge("hicache_l3_available", "1 while the hosts' L3 breaker is closed (requests "
                                   "ask L3), 0 while it is open or probing", ("replica",))
         self.drain_pages = Gauge("hicache_drain_pages", "Preemption drain: pages L3 lacked when it started "
-                                 "(candidate), sent, stored (drained) and still missing (not_fitted)", ("replica", "kind"))
+                                 "(candidate), sent, stored (drained), not stored yet (left, every round) and not stored by "
+                                 "the deadline (not_fitted), of those on paths longer than one backup (oversized)", ("replica", "kind"))
         for metric in (self.hit_tokens, self.queried_tokens, self.miss_tokens, self.prompt_tokens, self.bytes_moved,
                        self.transfer_failures, self.evicted_tokens, self.prefetch, self.l3_backup_pages,
                        self.occupancy, self.capacity, self.in_flight, self.latency, self.l3_errors, self.l3_available,
@@ -95,7 +96,7 @@ class HeadMetrics:
             self.l3_available.set(1 if stats.get("storage_breaker", "closed") == "closed" else 0)
         drain = stats.get("drain")
         if drain is not None:
-            for kind in ("candidate", "sent", "drained", "not_fitted"):
+            for kind in ("candidate", "sent", "drained", "left", "not_fitted", "oversized"):
                 self.drain_pages.set(drain[f"{kind}_pages"], tags={"kind": kind})
 
     def observe_transfer(self, kind: str, seconds: float, host: int = 0) -> None:

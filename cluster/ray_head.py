@@ -11,8 +11,12 @@ Threads (Ray concurrency groups):
 * "health" (2 threads): ``health``, ``workers``, ``config``, ``step_channel``, ``set_step_channel``,
   ``shutdown``; read a few attributes, never the tree, so they never queue behind a transfer wait.
 * a monitor thread pings the host workers; a builder thread starts (and restarts) the gang.
+* with ``ReplicaConfig.preemption`` (the replica file's ``preemption:`` section), a watcher thread waits
+  for a notice, then drains (``hicache.cluster.drain``) round by round, each round a call under the
+  state lock, so steps and ``cache_stats`` are served between rounds and show its progress.
 * test hooks (``ReplicaConfig.test_hooks``, off in production): ``hold_control_for_test`` occupies the
-  control thread and the state lock until ``release_control_for_test`` (a step in flight on demand).
+  control thread and the state lock until ``release_control_for_test`` (a step in flight on demand);
+  ``hold_drain_for_test`` stops a drain between two rounds until ``release_drain_for_test``.
 ``_lock`` is held for a whole step by the thread that runs it (control or channel: only one step touches
 the tree, the allocators and the HiCache controller at a time) and by the others only to swap state.
 ``_channel_lock`` guards the channel server (start, stop) and nothing else.
@@ -61,7 +65,15 @@ from typing import Any
 import ray
 
 from hicache.cluster import ray_storage_record, wire
-from hicache.cluster.drain import DrainParams, Notice, PreemptionConfig, PreemptionWatcher
+from hicache.cluster.drain import (
+    DrainParams,
+    DrainProgress,
+    DrainState,
+    Notice,
+    PreemptionConfig,
+    PreemptionWatcher,
+    drive_drain,
+)
 from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.head import CacheHead, Call, CallResult, HeadConfig
 from hicache.cluster.key_history import KeyHistories
@@ -218,6 +230,11 @@ class CacheHeadActor:
         self._channel_lock = threading.Lock()
         self._test_held = threading.Event()  # (test hooks) the control thread is held
         self._test_release = threading.Event()  # (test hooks) lets it go
+        self._notice: Notice | None = None  # a preemption notice came: no state admits requests any more
+        self._drain_ended = threading.Event()
+        self._test_drain_armed = threading.Event()  # (test hooks) hold the drain between two rounds
+        self._test_drain_held = threading.Event()
+        self._test_drain_release = threading.Event()
         with warnings.catch_warnings():  # Ray 2.60 warns from inside this property
             warnings.simplefilter("ignore", DeprecationWarning)
             self._reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -231,10 +248,40 @@ class CacheHeadActor:
                          if config.preemption is not None else None)
 
     def _on_notice(self, notice: Notice) -> None:
-        """The watcher's thread: drain the current state like a client's call would (under the lock)."""
-        reply = self._serve(None, 1, lambda head: head.drain(DrainParams(notice.deadline_s)))
-        log.warning("replica %r: preemption notice (%s): drain %s", self.config.replica, notice.detail,
-                     reply.results.snapshot() if reply.status == "ok" else reply.reason)
+        """The watcher's thread: drain the current state round by round, each round one call under the
+        state lock like a client's (``drive_drain``), so other calls are served in between and show
+        its progress. A state installed after the notice (a rebuild) admits nothing either."""
+        with self._lock:
+            self._notice = notice
+        epoch: list[int | None] = [None]  # the state the drain started on; a later one is not drained
+
+        def on_head(fn: Callable[[CacheHead], Any]) -> Any:
+            reply = self._serve(epoch[0], 1, fn)
+            if reply.status != "ok":
+                raise HiCacheUnavailableError(f"the drained state is gone ({reply.status}: {reply.reason})")
+            epoch[0] = reply.epoch
+            res = reply.results
+            if type(res) is list and len(res) == 1 and type(res[0]) is CallResult and res[0].error is not None:
+                raise res[0].error
+            return res
+
+        try:
+            prog = drive_drain(on_head, DrainParams(notice.deadline_s), between_rounds=self._between_drain_rounds)
+            log.warning("replica %r: preemption notice (%s): drain %s", self.config.replica, notice.detail,
+                        prog.snapshot())
+        except Exception as e:  # no state, a lost host, L3 not attached: what L3 lacks is lost with the slice
+            log.warning("replica %r: preemption notice (%s): drain failed: %s: %s", self.config.replica,
+                        notice.detail, type(e).__name__, e)
+        finally:
+            self._drain_ended.set()
+
+    def _between_drain_rounds(self, progress: DrainProgress) -> None:
+        """(test hooks) Holds the drain between two rounds, once armed by ``hold_drain_for_test``, at the
+        first round after which something is stored and something is left (progress worth showing)."""
+        if self._test_drain_armed.is_set() and progress.drained_pages > 0 and progress.left_pages > 0:
+            self._test_drain_armed.clear()
+            self._test_drain_held.set()
+            self._test_drain_release.wait(300.0)
 
     # -- state -------------------------------------------------------------------------------------
     def _fresh_head(self, group: RayWorkerGroup | None) -> _RecordingHead:
@@ -300,6 +347,8 @@ class CacheHeadActor:
                 if group is not None:
                     group.kill()
                 return
+            if self._notice is not None and head is not None:  # a rebuild after the notice admits nothing
+                head.drain_progress = DrainProgress(DrainState.DONE, self._notice.deadline_s)
             self._head = head
             self._group = group
             self._epoch = _new_epoch()
@@ -477,6 +526,32 @@ class CacheHeadActor:
         """TEST ONLY: lets ``hold_control_for_test`` return (also if it has not started yet)."""
         self._require_test_hooks()
         self._test_release.set()
+
+    @ray.method(concurrency_group="health")
+    def hold_drain_for_test(self) -> None:
+        """TEST ONLY: the next drain stops between two rounds (outside the state lock) once something is
+        stored and something is left, until ``release_drain_for_test``; ``wait_drain_for_test("held")``
+        says when."""
+        self._require_test_hooks()
+        self._test_drain_release.clear()
+        self._test_drain_armed.set()
+
+    @ray.method(concurrency_group="health")
+    def release_drain_for_test(self) -> None:
+        """TEST ONLY: lets a held drain go on."""
+        self._require_test_hooks()
+        self._test_drain_held.clear()
+        self._test_drain_release.set()
+
+    @ray.method(concurrency_group="health")
+    def wait_drain_for_test(self, stage: str, timeout_s: float) -> bool:
+        """TEST ONLY: True once the drain on a notice is ``held`` (``hold_drain_for_test``) or has
+        ``ended`` (done or failed); False after ``timeout_s``."""
+        self._require_test_hooks()
+        events = {"held": self._test_drain_held, "ended": self._drain_ended}
+        if stage not in events:
+            raise ValueError(f"stage must be one of {sorted(events)}, got {stage!r}")
+        return events[stage].wait(timeout_s)
 
     def _close_channel(self) -> None:
         """(``_channel_lock`` held)"""

@@ -141,11 +141,14 @@ def miss_column(st: dict) -> str:
 
 def drain_column(st: dict) -> str:
     """The ``drain`` cell: ``-`` (no preemption notice), else its state, pages stored of those L3
-    lacked, and what did not fit (``hicache.cluster.drain``)."""
+    lacked, and what is left (while it drains) or did not fit (``hicache.cluster.drain``)."""
     d = st.get("drain")
     if d is None:
         return "-"
-    return f"{d['state']} {d['drained_pages']}/{d['candidate_pages']}p, {d['not_fitted_pages']}p not fitted"
+    if d["state"] == "draining":
+        return f"draining {d['drained_pages']}/{d['candidate_pages']}p, {d['left_pages']}p left"
+    oversized = f" ({d['oversized_pages']}p oversized)" if d.get("oversized_pages") else ""
+    return f"{d['state']} {d['drained_pages']}/{d['candidate_pages']}p, {d['not_fitted_pages']}p not fitted{oversized}"
 
 
 def l3_columns(st: dict) -> tuple[str, str]:

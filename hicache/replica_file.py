@@ -27,7 +27,8 @@ Example (see ``ray_configs/replicas/``)::
       storage: {max_bytes: 1099511627776}  # StorageConfig fields (file:// byte cap, io_threads, ...)
     preemption:               # absent: no watch; else the head drains to L3 on a notice from here
       kind: gce               # gce (the TPU VM's metadata server) | file (a path; its content, if a number,
-      deadline_s: 30          # is the deadline); deadline_s when the source gives none; poll_s, location
+      deadline_s: 30          # is the deadline) | signal (location: its name, default SIGTERM, to the head's
+                              # process); deadline_s when the source gives none; poll_s, location
 
 The L3 of ``l3`` is attached when the replica starts and again after every head restart or rebuild
 (``ReplicaConfig.storage``). Every problem is one ``ValueError`` naming the key and the value.

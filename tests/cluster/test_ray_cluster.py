@@ -11,7 +11,6 @@ bit; the engine test runs the reference model itself inside both host workers (`
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import numpy as np
@@ -19,8 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray.cluster_utils import Cluster  # noqa: E402
 from support.kv_pattern import page_rows  # noqa: E402
+from support.ray_cluster import loopback_cluster  # noqa: E402
 from support.token_accounting import assert_tokens_accounted  # noqa: E402
 
 import hicache  # noqa: E402
@@ -71,19 +70,8 @@ def l3_params(path) -> StorageParams:
 
 @pytest.fixture(scope="module")
 def cluster():
-    for k, v in dict(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled").items():
-        os.environ.setdefault(k, v)
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"hicache_head": 1}, "node_ip_address": "127.0.0.1",
-        "include_dashboard": False})
-    for _ in range(2):
-        c.add_node(num_cpus=2, resources={"hicache_host": 2}, node_ip_address="127.0.0.1")
-    ray.init(address=c.address, namespace="hicache", log_to_driver=False)
-    try:
+    with loopback_cluster(num_hosts=2, host_slots=2) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")

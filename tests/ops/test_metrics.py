@@ -14,6 +14,7 @@ from support.hicache_env import HiCacheEnv
 from support.net import free_loopback_port
 
 from hicache.cluster.metrics import HeadMetrics
+from hicache.cluster.storage_tier import StorageParams
 from hicache.cluster.token_account import TokenAccount
 from hicache.cluster.tree import RadixKey
 
@@ -131,3 +132,43 @@ def test_grafana_dashboard_references_only_exported_metrics():
                 "hicache_transfer_latency_seconds_bucket", "hicache_l3_errors_total"}
     assert used and used <= exported, used - exported
     assert len(dash["panels"]) >= 6
+
+
+def _wait_for_value(port: int, name: str, want: float, timeout_s: float = 30, **labels) -> float | None:
+    """The exported value once it equals ``want`` (the agent exports every 300 ms), else the last one seen."""
+    deadline, got = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        got = _value(_scrape(port), name, **labels)
+        if got == want:
+            break
+        time.sleep(0.3)
+    return got
+
+
+def test_drain_progress_is_exported_while_it_runs_and_when_it_ends(ray_metrics_port, tmp_path):
+    """``hicache_drain_pages``: between two rounds of a drain the gauge shows what is stored and what is
+    left (published every round); at its end nothing is left and nothing did not fit."""
+    from hicache.cluster.drain import DrainParams, drive_drain
+
+    env = HiCacheEnv(page_size=4, device_pages=64, host_slots=128)
+    for i in range(4):
+        env.serve(np.arange(1000 * i, 1000 * i + 24, dtype=np.int32))  # 6 pages each, no L3 yet
+    env.head.flush_write_through_acks()
+    env.head.attach_storage_backend(StorageParams(f"file://{tmp_path}/l3", env.fingerprint, pages_per_object=2,
+                                                  max_inflight_backup_pages=8))
+    env.head.attach_metrics(HeadMetrics("metrics-drain"))
+    live: dict[str, float | None] = {}
+
+    def between_rounds(prog):
+        if not live and prog.drained_pages > 0 and prog.left_pages > 0:
+            for kind in ("left", "drained"):
+                want = getattr(prog, f"{kind}_pages")
+                live[kind] = want
+                live[f"seen_{kind}"] = _wait_for_value(ray_metrics_port, "hicache_drain_pages", want,
+                                                       replica="metrics-drain", kind=kind)
+
+    prog = drive_drain(lambda fn: fn(env.head), DrainParams(60.0), between_rounds=between_rounds)
+    assert live["seen_left"] == live["left"] > 0 and live["seen_drained"] == live["drained"] > 0
+    assert prog.left_pages == prog.not_fitted_pages == 0 and prog.candidate_pages == 24
+    for kind, want in (("left", 0), ("not_fitted", 0), ("candidate", 24), ("drained", prog.drained_pages)):
+        assert _wait_for_value(ray_metrics_port, "hicache_drain_pages", want, replica="metrics-drain", kind=kind) == want
