@@ -3,7 +3,7 @@
 ``demo`` runs in-process (no cluster). The others talk to an existing Ray cluster (``--address``,
 default: ``RAY_ADDRESS`` or the local one): ``up`` starts a replica from a config file, ``status``
 prints tiers/occupancy/hit rates per replica, ``bench`` submits a benchmark as a Ray job and follows
-its logs, ``down`` stops a replica. Errors print one line and exit 1.
+its logs (``--replica R``: a benchmark that serves through the running replica R), ``down`` stops a replica. Errors print one line and exit 1.
 """
 
 from __future__ import annotations
