@@ -11,7 +11,7 @@ Why each ``sshd`` runs in a private mount namespace with the host's own director
 ``ray up`` copies ``~/ray_bootstrap_config.yaml`` and ``~/ray_bootstrap_key.pem`` to the head, and the
 head's autoscaler passes ``-i ~/ray_bootstrap_key.pem`` to ``ssh``, which expands ``~`` from the passwd
 entry (not ``$HOME``); so what runs over SSH must see a ``/root`` of its own, or it would write into this
-machine's. ``/root/.pyenv`` (this machine's Python) is bound back into it.
+machine's. The folder of /root that holds this Python (``.pyenv`` here) is bound back into it.
 
 Findings this encodes (Ray 2.60): the local provider refuses ``available_node_types``
 (top-level ``min_workers``/``max_workers`` only); its head must run the v1 autoscaler
@@ -66,9 +66,16 @@ def ray_up_unavailable_reason() -> str | None:
     for tool in ("sshd", "ssh", "ssh-keygen", "rsync", "unshare", "mount"):
         if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
             return f"{tool} not installed (apt-get install openssh-server rsync)"
-    if not os.path.isdir("/root/.pyenv") and sys.executable.startswith("/root/"):
-        return f"this Python ({sys.executable}) lives under /root but not /root/.pyenv"
     return None
+
+
+def _python_dir_under_root() -> str | None:
+    """The top folder of /root holding this Python's real executable (``.pyenv`` here), if any: what runs
+    over SSH sees a /root of its own (module docstring), with only this folder bound back into it."""
+    real = os.path.realpath(sys.executable)
+    if not real.startswith("/root/"):
+        return None
+    return real[len("/root/"):].split("/", 1)[0]
 
 
 class RayUpCluster:
@@ -144,8 +151,9 @@ class RayUpCluster:
                 """))
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
         sshd = shutil.which("sshd") or "/usr/sbin/sshd"
-        script = (f"mkdir -p {home}/.pyenv && mount --bind /root/.pyenv {home}/.pyenv && "
-                  f"mount --rbind {home} /root && exec {sshd} -D -e -f {config}")
+        keep = _python_dir_under_root()
+        script = (f"mkdir -p {home}/{keep} && mount --bind /root/{keep} {home}/{keep} && " if keep else "") + \
+            f"mount --rbind {home} /root && exec {sshd} -D -e -f {config}"
         log = open(os.path.join(self.net.host_dir(host), "sshd.log"), "w")
         self.net.popen(host, ["unshare", "--mount", "sh", "-c", script], stdout=log, stderr=subprocess.STDOUT)
         log.close()
