@@ -234,8 +234,10 @@ def main() -> None:
         from hicache.testing.rehearsal import connect_driver
 
         connect_driver()  # on the client host's own Ray node
-    elif args.address:
-        ray.init(address=args.address, namespace="hicache")
+    elif args.address or os.environ.get("RAY_ADDRESS"):
+        # --address, or the cluster of the Ray job this runs in: a private instance would lack the job's
+        # runtime env package (its working dir), which lives in that cluster's GCS, so no actor could start.
+        ray.init(address=args.address or os.environ["RAY_ADDRESS"], namespace="hicache")
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, loopback-only instance
         ray.init(address="local", num_cpus=2, resources={"hicache_head": 1}, include_dashboard=False, namespace="hicache",

@@ -42,6 +42,7 @@ import asyncio
 import dataclasses
 import heapq
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -460,8 +461,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
 
     if "ray_prefix_affinity" in routers and not ray.is_initialized():
-        # A private local instance (never a cluster already running here) for the prefix router's tree actor.
-        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+        # The prefix router's tree actor: in a Ray job, on the job's cluster (a private instance would lack
+        # the job's runtime env package, kept in that cluster's GCS); else a private local instance (never
+        # a cluster already running here).
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        else:
+            ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     runner = ModelRunner(MODEL, FWD, num_pages=args.l1_pages)
     options = StackOptions(MODEL, FWD, l1_pages=args.l1_pages, l2_slots=args.l2_slots, prefetch_min_tokens=8)
     tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))

@@ -243,7 +243,8 @@ class CacheHeadActor:
             self._install(None)
         else:
             self._start_builder(None)
-            threading.Thread(target=self._monitor, name="hicache-monitor", daemon=True).start()
+        # host worker liveness (with workers) and the metrics of an idle replica
+        threading.Thread(target=self._monitor, name="hicache-monitor", daemon=True).start()
         self._watcher = (PreemptionWatcher(config.preemption.build(), self._on_notice, poll_s=config.preemption.poll_s)
                          if config.preemption is not None else None)
 
@@ -395,6 +396,7 @@ class CacheHeadActor:
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):
+            self._publish_if_stale()
             group = self._group
             if group is None or self._state is not HeadState.READY:
                 continue
@@ -402,6 +404,21 @@ class CacheHeadActor:
                 with self._lock:
                     if self._group is group:
                         self._fail(group.lost or "host worker lost")
+
+    def _publish_if_stale(self) -> None:
+        """(monitor thread) Calls came after the last metrics snapshot: publish one now, so a replica that
+        goes idle exports its last calls' counters (the control thread publishes at most every
+        ``_METRICS_INTERVAL_S``, and only while calls come). A step in progress defers it to the next tick."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            head = self._head
+            if head is None or self._last_call is None or self._last_call <= self._last_publish:
+                return
+            self._last_publish = time.monotonic()
+            head.publish_metrics()
+        finally:
+            self._lock.release()
 
     # -- control (one thread) ---------------------------------------------------------------------------
     def _run(self, epoch_seen: int | None, calls: Sequence[Call]) -> Reply:

@@ -3,7 +3,7 @@
 ``demo`` runs in-process (no cluster). The others talk to an existing Ray cluster (``--address``,
 default: ``RAY_ADDRESS`` or the local one): ``up`` starts a replica from a config file, ``status``
 prints tiers/occupancy/hit rates per replica, ``bench`` submits a benchmark as a Ray job and follows
-its logs, ``down`` stops a replica. Errors print one line and exit 1.
+its logs (``--replica R``: a benchmark that serves through the running replica R), ``down`` stops a replica. Errors print one line and exit 1.
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 
 class CliError(Exception):
@@ -48,7 +51,7 @@ def _connect_ray(address: str | None) -> None:
                        "start one with `ray start --head` or `ray up ray_configs/...`") from None
 
 
-def _replicas() -> list[str]:
+def replica_names() -> list[str]:
     """The replicas whose head actors live in the connected cluster: asked of that cluster's GCS (the
     state API would ask a dashboard at a fixed address, another cluster's where several run)."""
     import ray.util
@@ -85,7 +88,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     try:
         stop_replica(args.replica)
     except HiCacheUnavailableError:
-        raise CliError(f"unknown replica {args.replica!r}; running: {_replicas() or 'none'}") from None
+        raise CliError(f"unknown replica {args.replica!r}; running: {replica_names() or 'none'}") from None
     print(f"replica {args.replica!r} stopped")
     return 0
 
@@ -97,9 +100,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from hicache.cluster.ray_head import get_head
 
     _connect_ray(args.address)
-    names = [args.replica] if args.replica else _replicas()
-    if args.replica and args.replica not in _replicas():
-        raise CliError(f"unknown replica {args.replica!r}; running: {_replicas() or 'none'}")
+    names = [args.replica] if args.replica else replica_names()
+    if args.replica and args.replica not in replica_names():
+        raise CliError(f"unknown replica {args.replica!r}; running: {replica_names() or 'none'}")
     rows: list[tuple[str, ...]] = []
     for name in names:
         health = ray.get(get_head(name).health.remote(), timeout=args.timeout)
@@ -167,28 +170,67 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in (header, *rows))
 
 
+# What a benchmark job ships: the repo root minus all but benchmarks/ (the same list as
+# ray_configs/runtime_env/*.yaml; "!." because Ray matches the root itself too). Entrypoints run as
+# `python benchmarks/NAME.py` and import their helpers as `benchmarks.X`; hicache is the installed copy.
+BENCH_EXCLUDES = ("/*", "!.", "!/benchmarks", "__pycache__", "*.json")
+
+
+def _serves_a_replica(script: Path) -> bool:
+    """Benchmarks that drive a running replica take ``--replica`` (``hicache bench NAME --replica R``)."""
+    return '"--replica"' in script.read_text()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import time
-    from pathlib import Path
 
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    repo = Path(__file__).resolve().parents[1]
+    bench_dir = repo / "benchmarks"
     script = bench_dir / f"{args.name}.py"
-    if not script.is_file():
-        known = sorted(p.stem for p in bench_dir.glob("*.py") if p.stem != "common")
+    if not args.name.isidentifier() or not script.is_file():
+        known = sorted(p.stem for p in bench_dir.glob("*.py"))
         raise CliError(f"unknown benchmark {args.name!r}; choose one of {known}")
+    bench_args = list(args.bench_args)
+    if args.replica is not None:
+        if not _serves_a_replica(script):
+            serving = sorted(p.stem for p in bench_dir.glob("*.py") if _serves_a_replica(p))
+            raise CliError(f"benchmark {args.name!r} does not drive a running replica; these do: {serving}")
+        bench_args += ["--replica", args.replica]
     address = args.dashboard or os.environ.get("RAY_DASHBOARD_ADDRESS") or "http://127.0.0.1:8265"
     try:
         client = JobSubmissionClient(address)
     except Exception as exc:  # noqa: BLE001 - connection problems of any kind
         raise CliError(f"no Ray job server at {address!r} ({str(exc).splitlines()[0]})") from None
-    entry = " ".join(["python", script.name, *args.bench_args])
+    entry = shlex.join(["python", f"benchmarks/{script.name}", *bench_args])
     env = {"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}}
-    job = client.submit_job(entrypoint=entry, runtime_env={"working_dir": str(bench_dir), **env})
+    runtime_env = {"working_dir": str(repo), "excludes": list(BENCH_EXCLUDES), **env}
+    deadline = time.monotonic() + args.timeout
+    job, status = _run_job(client, entry, runtime_env, deadline)
+    if status != JobStatus.SUCCEEDED:
+        message = (client.get_job_info(job).message or "").splitlines()
+        if message:
+            print(f"job {job}: {message[0]}")
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+def _run_job(client: Any, entry: str, runtime_env: dict[str, Any], deadline: float) -> tuple[str, Any]:
+    """Submits ``entry`` and prints its logs as they come until it ends (or ``deadline``: stopped)."""
+    import time
+
+    from ray.job_submission import JobStatus
+
+    while True:
+        try:
+            job = client.submit_job(entrypoint=entry, runtime_env=runtime_env)
+            break
+        except RuntimeError as exc:  # the job server answers before the head node's job agent is up
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise CliError(f"submitting the job failed: {str(exc).splitlines()[0]}") from None
+            time.sleep(2.0)  # Ray's own advice ("try again later"), bounded by the deadline
     print(f"submitted {job}: {entry}")
     printed = 0
-    deadline = time.monotonic() + args.timeout
     while True:
         logs = client.get_job_logs(job)
         sys.stdout.write(logs[printed:])
@@ -199,10 +241,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             break
         if time.monotonic() > deadline:
             client.stop_job(job)
-            raise CliError(f"job {job} did not finish within {args.timeout}s; stopped")
+            raise CliError(f"job {job} did not finish within the timeout; stopped")
         time.sleep(1.0)
     print(f"job {job}: {status.value}")
-    return 0 if status == JobStatus.SUCCEEDED else 1
+    return job, status
 
 
 DEMO_MODULES = ("rich", "matplotlib")  # the [demo] extra (pyproject.toml)
@@ -238,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("name", help="benchmark file name without .py, e.g. tree_bench")
     bench.add_argument("--dashboard", help="Ray dashboard / job server URL (default http://127.0.0.1:8265)")
     bench.add_argument("--timeout", type=float, default=3600.0)
+    bench.add_argument("--replica", help="serve the benchmark's workload through this running replica "
+                                         "(benchmarks that take --replica, e.g. replica_chat)")
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
     if "--" in argv:  # everything after `--` belongs to the benchmark (`hicache bench NAME -- ...`)

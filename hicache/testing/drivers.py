@@ -78,12 +78,18 @@ def _model(head_dim: int) -> Any:
                        hidden=32, mlp_hidden=64)
 
 
-class _Served:
+class ServedReplica:
     """The engine, client and scheduler of one replica, rebuilt after a lost host."""
 
-    def __init__(self, replica: str, timeout_s: float, gs_url: str | None, setup_timeout_s: float) -> None:
+    def __init__(self, replica: str, timeout_s: float, gs_url: str | None, setup_timeout_s: float,
+                 model: Any = None, page: int = PAGE, cache_salt: str | None = None,
+                 storage: bool | None = None) -> None:
+        """``storage``: the scheduler asks L3 per request (default: when ``gs_url`` names one to attach)."""
         self.replica, self.timeout_s, self.gs_url = replica, timeout_s, gs_url
         self.setup_timeout_s = setup_timeout_s
+        self.model = _model(8) if model is None else model
+        self.page, self.cache_salt = page, cache_salt
+        self.storage = gs_url is not None if storage is None else storage
         self.client: Any = None
         self._warm_seed = 10_000
         self.attach()
@@ -94,16 +100,17 @@ class _Served:
         from hicache.reference.ray_engine import RayEngine
         from hicache.reference.scheduler import Scheduler
 
-        self.engine = RayEngine(self.replica, _model(8), ForwardConfig(chunk_size=16, page_size=PAGE, max_pages=24),
+        self.engine = RayEngine(self.replica, self.model,
+                                ForwardConfig(chunk_size=16, page_size=self.page, max_pages=24),
                                 timeout_s=self.setup_timeout_s)
         if self.client is None:
             self.client = hicache.connect(self.replica, timeout_s=self.timeout_s)
-        self.scheduler = Scheduler(self.client, self.engine, hicache=True, storage=self.gs_url is not None,
-                                   prefill_budget=16)
+        self.scheduler = Scheduler(self.client, self.engine, hicache=True, storage=self.storage,
+                                   prefill_budget=max(16, self.page))
         # A new gang compiles its forwards on first use: that happens here, under the setup bound, on a
         # throwaway prompt; the served requests then run under the serving bound (``timeout_s``).
         self._warm_seed += 1
-        prompt = np.random.default_rng(self._warm_seed).integers(0, 256, 5 * PAGE + 1, dtype=np.int32)
+        prompt = np.random.default_rng(self._warm_seed).integers(0, 256, 5 * self.page + 1, dtype=np.int32)
         self.engine.generate_no_cache(prompt, 3)
         self.serve(prompt)
         self.engine.timeout_s = self.timeout_s
@@ -122,28 +129,29 @@ class _Served:
     def serve(self, prompt: np.ndarray) -> Any:
         from hicache.reference.serve_types import ServeRequest
 
-        return self.scheduler.serve(ServeRequest(prompt, max_new_tokens=3))
+        return self.scheduler.serve(ServeRequest(prompt, max_new_tokens=3, cache_salt=self.cache_salt))
 
 
-def _workload(served: _Served, conversations: int, turns: int, seed: int) -> list[tuple[np.ndarray, Any]]:
+def chat_workload(served: ServedReplica, conversations: int, turns: int, seed: int) -> list[tuple[np.ndarray, Any]]:
     """Prompts and their no-cache references; each turn extends the last with the reference output."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(conversations):
-        history = rng.integers(0, 256, 5 * PAGE + 1, dtype=np.int32)
+        history = rng.integers(0, 256, 5 * served.page + 1, dtype=np.int32)
         for _ in range(turns):
             ref = served.engine.generate_no_cache(history, 3)
             out.append((history, ref))
             history = np.concatenate([history, np.asarray(ref.tokens, np.int32),
-                                      rng.integers(0, 256, PAGE + 2, dtype=np.int32)])
+                                      rng.integers(0, 256, served.page + 2, dtype=np.int32)])
     return out
 
 
-def _is_right(res: Any, ref: Any) -> bool:
+def is_exact(res: Any, ref: Any) -> bool:
+    """The served output and first-token logits equal the no-cache reference's, bit for bit."""
     return tuple(res.output) == tuple(ref.tokens) and np.array_equal(res.last_logits, ref.logits[0])
 
 
-def _hit_tokens(res: Any) -> int:
+def hit_tokens(res: Any) -> int:
     return int(res.device_hit_tokens + res.loaded_tokens)
 
 
@@ -152,10 +160,10 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     from hicache.cluster.errors import HiCacheError
 
     retryable = (HiCacheError, ray.exceptions.RayError)
-    served = _Served(args.replica, args.timeout, args.gs_url, args.setup_timeout)
+    served = ServedReplica(args.replica, args.timeout, args.gs_url, args.setup_timeout)
     served.attach_l3()
     served.engine.timeout_s = args.setup_timeout  # the references: more programs to compile
-    work = _workload(served, args.conversations, args.turns, args.seed)
+    work = chat_workload(served, args.conversations, args.turns, args.seed)
     served.engine.timeout_s = args.timeout
     # turn-major order: a conversation's next turn comes after every conversation's previous one
     order = [c * args.turns + t for t in range(args.turns) for c in range(args.conversations)]
@@ -163,8 +171,8 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     wrong, results = 0, []
     for i in order[:split]:
         res = served.serve(work[i][0])
-        wrong += not _is_right(res, work[i][1])
-        results.append(_hit_tokens(res))
+        wrong += not is_exact(res, work[i][1])
+        results.append(hit_tokens(res))
     out: dict[str, Any] = {"requests": split, "wrong_outputs": wrong, "hit_tokens": sum(results)}
     if not args.drill:
         return out
@@ -196,9 +204,9 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             max_blocked = max(max_blocked, time.monotonic() - t)
             break
-        wrong += not _is_right(res, ref)
+        wrong += not is_exact(res, ref)
         storage_hits += res.storage_tokens > 0
-        if _hit_tokens(res) == 0:
+        if hit_tokens(res) == 0:
             recomputed += 1
         else:
             hit_times.append(time.monotonic())
@@ -209,7 +217,7 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _reattach(served: _Served, retryable: tuple[type[BaseException], ...], deadline: float) -> None:
+def _reattach(served: ServedReplica, retryable: tuple[type[BaseException], ...], deadline: float) -> None:
     """New engine handles and scheduler once the replica has a gang again (bounded by ``deadline``)."""
     errors: tuple[type[BaseException], ...] = (*retryable, ValueError)  # ValueError: no host workers yet
     while True:

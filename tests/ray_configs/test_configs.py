@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -407,7 +408,7 @@ def test_local_autoscaler_launches_exactly_two_hosts(local_config, monkeypatch):
 
 
 @pytest.mark.parametrize("path", _runtime_envs(), ids=_ids(_runtime_envs()))
-def test_runtime_env_is_valid_and_names_repo_paths(path, monkeypatch):
+def test_runtime_env_is_valid_and_names_repo_paths(path, monkeypatch, tmp_path):
     from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
     from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
     from ray.runtime_env import RuntimeEnv
@@ -432,18 +433,29 @@ def test_runtime_env_is_valid_and_names_repo_paths(path, monkeypatch):
     if "working_dir" in env:
         work = REPO / env["working_dir"]
         assert work.is_dir()
-        # The uploaded dir lands first on sys.path: a hicache/ folder in it would shadow the
-        # installed package (whose subpackages live in other top-level folders).
-        assert not (work / "hicache").exists(), "working_dir must not shadow the hicache package"
         # What JobSubmissionClient.submit_job does next, with the upload recorded, not sent.
         uploads = []
         packaged = upload_working_dir_if_needed(
             dict(env),
             include_gitignore=True,
-            upload_fn=lambda d, excludes, is_file=False: uploads.append(d),
+            upload_fn=lambda d, excludes, is_file=False: uploads.append((d, excludes)),
         )
-        assert uploads == [env["working_dir"]]
+        assert [d for d, _ in uploads] == [env["working_dir"]]
         assert packaged["working_dir"].startswith("gcs://_ray_pkg_")
+        # The package Ray builds from it: benchmarks/ as a folder of that name (entrypoints import
+        # `benchmarks.X`), nothing else; a hicache/ folder would shadow the installed package (whose
+        # subpackages live in other top-level folders).
+        from ray._private.runtime_env.packaging import create_package
+
+        from hicache.cli import BENCH_EXCLUDES
+
+        assert env["excludes"] == list(BENCH_EXCLUDES), "hicache bench ships what `ray job submit` does"
+        zip_path = tmp_path / "pkg.zip"
+        create_package(str(work), zip_path, include_gitignore=True, excludes=uploads[0][1])
+        names = zipfile.ZipFile(zip_path).namelist()
+        assert "benchmarks/multiturn.py" in names and "benchmarks/workload.py" in names
+        assert all(n.startswith("benchmarks/") for n in names), sorted(names)[:20]
+        assert not any("__pycache__" in n or n.endswith(".json") for n in names)
 
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "replicas").glob("*.yaml")), ids=lambda p: p.name)
