@@ -23,7 +23,7 @@ requests, ``pairing.overhead_pair``, its target on ``--clock``, both clocks repo
 checks as in ``multiturn.py``.
 
     python benchmarks/long_doc_qa.py [--quick] [--json out.json] [--png out.png]
-    ray job submit --working-dir . -- python benchmarks/long_doc_qa.py --json ldqa.json
+    ray job submit --runtime-env ray_configs/runtime_env/local.yaml -- python benchmarks/long_doc_qa.py --json ldqa.json
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits 
 ``ModelRunner.generate_no_cache``; a mismatch raises.
 
     python benchmarks/multiturn.py [--quick] [--json out.json] [--png out.png]
-    ray job submit --working-dir . -- python benchmarks/multiturn.py --json mt.json
+    ray job submit --runtime-env ray_configs/runtime_env/local.yaml -- python benchmarks/multiturn.py --json mt.json
 """
 
 from __future__ import annotations
