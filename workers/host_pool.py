@@ -180,7 +180,8 @@ class HostPool:
             pages = self._pages[k]
             held = [(i, pages[s]) for i, s in enumerate(ids) if pages[s] is not None]
             if held:
-                rows = jax.device_get([a for _, a in held])
+                # host-memory arrays: one np.asarray each (device_get's batched async copies buy nothing here)
+                rows = [np.asarray(a) for _, a in held]
                 cols = self._shard_cols(k)
                 for (i, _), row in zip(held, rows):
                     out[i, ..., cols, :] = np.asarray(row).view(self.dtype)
