@@ -302,7 +302,7 @@ class ThreadBatchIO(BatchIO):
 class InlineBatchIO(BatchIO):
     def __init__(self, store: ObjectStore, breaker: Breaker, retry: RetryPolicy) -> None:
         super().__init__(store, breaker, retry)
-        self._running = 0  # items running on callers' threads (close waits for them)
+        self._running = 0  # batches running on callers' threads (close waits for them)
         self._idle = threading.Condition()
 
     def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
