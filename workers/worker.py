@@ -320,8 +320,7 @@ class HostWorker:
 
     def _settle_readers(self, slots: np.ndarray, entry: _Pending) -> None:
         """Before a D2H: waits for pending H2S ops reading ``slots`` on their storage thread. (An H2D
-        took its slots' arrays at dispatch; an S2H runs after earlier H2S ops on the same thread and
-        writes the pool only at its ack.)"""
+        took its slots' arrays at dispatch; an S2H writes the pool only at its ack.)"""
         if entry.op.kind is not OpKind.BACKUP_D2H:
             return
         wanted: set[int] | None = None
