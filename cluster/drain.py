@@ -390,11 +390,12 @@ class DrainRun:
         whether one waits for acks (room under the cap, or a backup on its way)."""
         head, prog, sent = self.head, self.progress, self._sent
         ctl, st, ps = self._ctl, self._st, head.page_size
-        self._resend_ended()
+        unstored = _unstored(head)
+        self._resend_ended(unstored)
         # L1 -> L2 backups the drain started take their L3 room only at their D->H ack: keep it for them
         self._via_l1 = {i: (n, k) for i, (n, k) in self._via_l1.items() if n.staged_slots is not None}
         room = st.backup_room_pages - sum(k for _, k in self._via_l1.values())
-        todo = [n for n in _unstored(head) if n.id not in sent]
+        todo = [n for n in unstored if n.id not in sent]
         tick = max((n.last_access for n in todo), default=0)
         todo.sort(key=lambda n: expected_value(n, tick), reverse=True)
         issued, waiting = 0, False
@@ -429,26 +430,29 @@ class DrainRun:
             issued += 1
         return issued, waiting
 
-    def _resend_ended(self) -> None:
+    def _resend_ended(self, unstored: list[TreeNode]) -> None:
         """Sent nodes with an L2 copy, still not in L3 and pinned by no backup: theirs ended without
         storing them (skipped at the D->H ack for lack of room, or failed), so they go again."""
-        for n in _unstored(self.head):
+        for n in unstored:
             if n.id in self._sent and n.host_slots is not None and n.host_pin == 0 and n.staged_slots is None:
                 self._sent.discard(n.id)
 
-    def _count(self) -> None:
+    def _count(self) -> list[TreeNode]:
+        """Updates the progress; returns the nodes still not in L3."""
+        unstored = _unstored(self.head)
         self.progress.drained_pages = self._st.counters.backup_pages - self._stored_before
-        self.progress.left_pages = _pages(_unstored(self.head), self.head.page_size)
+        self.progress.left_pages = _pages(unstored, self.head.page_size)
         self.progress.elapsed_s = self.clock() - self._t0
+        return unstored
 
     def _finish(self, attached: bool) -> None:
         prog = self.progress
         if attached and self.clock() < self._t0 + self.params.deadline_s:
             self._st.flush_manifest()
             prog.manifest_flushed = True
-        self._count()
+        unstored = self._count()
         prog.not_fitted_pages = prog.left_pages
-        prog.oversized_pages = _pages([n for n in _unstored(self.head) if n.id in self._oversized], self.head.page_size)
+        prog.oversized_pages = _pages([n for n in unstored if n.id in self._oversized], self.head.page_size)
         prog.state = DrainState.DONE
 
 

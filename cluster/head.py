@@ -322,7 +322,7 @@ class CacheHead:
             "device_capacity_tokens": st.capacity_pages * st.page_size,
             "device_evicted_tokens": st.evicted_tokens,
             # by fate (hit tier or miss reason), each served prompt token once; plain str keys
-            "prompt_tokens": {str(getattr(k, "value", k)): v for k, v in self.prompt_tokens.items()},
+            "prompt_tokens": dict(self.prompt_tokens),
         }
         for comp in self.tree.extra_components:  # per pool: {"swa": SWAStats, "mamba": MambaStats} as dicts
             out.update((name, dataclasses.asdict(value)) for name, value in comp.stats().items())

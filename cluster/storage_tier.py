@@ -82,6 +82,7 @@ from hicache.cluster.worker_group import WorkerGroup
 from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfig, page_keys
 from hicache.workers.plan import OpKind, TransferOp
 from hicache.workers.storage_exec import StorageAttachment
+from hicache.workers.worker import run_now
 
 L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason: L3 down (query skipped, unanswered, or fetch failed)
 COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputing the pages found is faster
@@ -616,13 +617,8 @@ class StorageTier:
         a few local stat calls cost less than the hand-off to a query thread."""
         keys, first = task.keys[task.base:], task.first_page + task.base
         least = 1 if task.base else self._exists_min_pages
-        if self.workers.storage_local:
-            answered: cf.Future = cf.Future()
-            try:
-                answered.set_result(self.workers.storage_exists(keys, first, least))
-            except Exception as e:  # (a miss, as from the query thread: ``advance``)
-                answered.set_exception(e)
-            return answered
+        if self.workers.storage_local:  # (an error is a miss, as from the query thread: ``advance``)
+            return run_now(self.workers.storage_exists, keys, first, least)
         if self._query_pool is None:
             # a few threads: a query stuck until its storage deadline does not hold up the ones behind it
             self._query_pool = cf.ThreadPoolExecutor(_QUERY_THREADS, thread_name_prefix="hicache-l3-query")

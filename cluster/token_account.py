@@ -119,16 +119,9 @@ def explain_l3(tree_reason: MissReason | None, progress: PrefetchProgress | None
 
 
 def add_to(totals: dict[str, int], account: TokenAccount) -> None:
-    """Adds ``account`` to per-fate ``totals`` (a replica's running sums; once per request on the head, so
-    flat: reasons go in as their members, equal to and hashing as their values)."""
-    if account.hit_l1:
-        totals[HIT_L1] = totals.get(HIT_L1, 0) + account.hit_l1
-    if account.hit_l2:
-        totals[HIT_L2] = totals.get(HIT_L2, 0) + account.hit_l2
-    if account.hit_l3:
-        totals[HIT_L3] = totals.get(HIT_L3, 0) + account.hit_l3
-    for r, n in account.missed:
-        totals[r] = totals.get(r, 0) + n
+    """Adds ``account`` to per-fate ``totals`` (a replica's running sums, keyed as ``as_dict``)."""
+    for fate, n in account.as_dict().items():
+        totals[fate] = totals.get(fate, 0) + n
 
 
 def miss_summary(totals: Mapping[str, int], top: int = 3) -> str:

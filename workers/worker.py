@@ -64,7 +64,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -165,11 +165,12 @@ def _run_timed(fn: Callable, op: TransferOp, pool: HostPool):
     return fn(op, pool), time.perf_counter()
 
 
-def _run_here(fn: Callable, op: TransferOp, pool: HostPool) -> cf.Future:
-    """``_run_timed`` on this thread, as a finished future (its error, if any, is the op's failure)."""
+def run_now(fn: Callable[..., _T], *args: Any) -> cf.Future:
+    """``fn(*args)`` on this thread, as a finished future (its value, or the error it raised): for a call
+    that would go to another thread but is cheaper than the hand-off."""
     done: cf.Future = cf.Future()
     try:
-        done.set_result(_run_timed(fn, op, pool))
+        done.set_result(fn(*args))
     except Exception as e:
         done.set_exception(e)
     return done
@@ -355,7 +356,7 @@ class HostWorker:
                 if self.storage_executor is None:
                     raise RuntimeError(f"no storage backend attached: cannot run {op.kind.value} ops")
                 if op.kind is OpKind.PREFETCH_S2H and getattr(self.storage_executor, "inline_reads", False):
-                    entry.handle = StorageHandle(op.kind, _run_here(self.storage_executor, op, self.host_pool))
+                    entry.handle = StorageHandle(op.kind, run_now(_run_timed, self.storage_executor, op, self.host_pool))
                     return
                 lane = self._storage_lanes.get(op.kind)
                 if lane is None:
