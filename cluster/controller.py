@@ -28,7 +28,14 @@ from hicache.cluster.events import CacheCounters, KVEvent, MissReason
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.plan_outbox import PlanOutbox
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
-from hicache.cluster.storage_tier import L3_UNAVAILABLE, PrefetchParams, PrefetchProgress, StorageParams, StorageTier
+from hicache.cluster.storage_tier import (
+    L3_UNAVAILABLE,
+    PrefetchParams,
+    PrefetchProgress,
+    PrefetchState,
+    StorageParams,
+    StorageTier,
+)
 from hicache.cluster.tier_events import TierEvents
 from hicache.cluster.transfer_commit import TransferCommitter
 from hicache.cluster.tree import CacheCapacityError, MatchResult, PageOwner, RadixKey, RadixTree, TreeNode
@@ -365,9 +372,15 @@ class HiCacheController:
         self.storage.detach()
         self.commits.storage = None
 
+    def _no_storage(self, req_id: str) -> PrefetchProgress:
+        """A prefetch while no L3 is attached (its attach failed at start or rebuild, or it was detached):
+        the request goes on with L1/L2, and what L3 might have held is missed as unavailable."""
+        self.events.move_last_miss(MissReason.L3_UNAVAILABLE)
+        return PrefetchProgress(req_id, PrefetchState.NOT_STARTED, 0, True, L3_UNAVAILABLE)
+
     def prefetch_from_storage(self, params: PrefetchParams) -> PrefetchProgress:
         if self.storage is None:
-            raise RuntimeError("no storage backend attached")
+            return self._no_storage(params.req_id)
         progress = self.storage.prefetch(params)
         if progress.reason == L3_UNAVAILABLE:  # not asked: the match's missing tokens are L3's misses
             self.events.move_last_miss(MissReason.L3_UNAVAILABLE)
@@ -378,7 +391,7 @@ class HiCacheController:
         """``prefetch_from_storage`` below ``m.best_match_node``, ``m`` the tree's match of ``key`` in this
         same head call (``CacheHead.begin_request``): its node and depth are known, not checked again."""
         if self.storage is None:
-            raise RuntimeError("no storage backend attached")
+            return self._no_storage(req_id)
         progress = self.storage.prefetch_matched(req_id, key, self.tree.node(m.best_match_node),
                                                  m.device_hit_len + m.host_hit_len)
         if progress.reason == L3_UNAVAILABLE:

@@ -432,14 +432,12 @@ class CacheHead:
         l3 = params.check_prefetch is not None or params.prefetch_id is not None
         if params.hold_writes or l3:
             ctl = self._hicache()  # raises without a host tier
-            if l3 and ctl.storage is None:
-                raise RuntimeError("no storage backend attached")
             if params.hold_writes:
                 ctl.pause_storage_writes()
         fetched = 0
         checked = None
-        if params.check_prefetch is not None:
-            assert ctl is not None  # checked above
+        # (no L3 attached: no prefetch ran, and ``prefetch_matched`` answers "L3 unavailable")
+        if params.check_prefetch is not None and ctl is not None and ctl.storage is not None:
             checked = ctl.check_prefetch_progress(params.check_prefetch)
             if checked.state is PrefetchState.DONE:
                 fetched = checked.tokens

@@ -160,11 +160,14 @@ def _tail(rc: RehearsalCluster) -> str:
 
 
 def run_drill(rc: RehearsalCluster, replica: str, drill: Drill, *, timeout_s: float = 10.0,
-              deadline_s: float = 240.0, conversations: int = 3, turns: int = 4, seed: int = 0) -> DrillResult:
-    """Runs ``drill`` against ``replica`` (see the module docstring); raises if the driver fails."""
+              deadline_s: float = 240.0, conversations: int = 3, turns: int = 4, seed: int = 0,
+              wait_for_l3: bool = False) -> DrillResult:
+    """Runs ``drill`` against ``replica`` (see the module docstring); raises if the driver fails.
+    ``wait_for_l3``: the driver's requests wait for L3 (see ``ServedReplica``), for a drill that asserts
+    L3 hits on a box where the cost model might rightly prefer recompute."""
     argv = ["-m", "hicache.testing.drivers", "serve", "--replica", replica, "--gs-url", rc.gcs_url, "--drill",
             "--timeout", str(timeout_s), "--deadline", str(deadline_s * 0.8), "--conversations", str(conversations),
-            "--turns", str(turns), "--seed", str(seed)]
+            "--turns", str(turns), "--seed", str(seed), *(["--wait-for-l3"] if wait_for_l3 else [])]
     proc = rc.driver_popen(CLIENT, argv, stdin=subprocess.PIPE)
     lines = _Lines(proc)
     deadline = time.monotonic() + deadline_s

@@ -83,14 +83,18 @@ class ServedReplica:
 
     def __init__(self, replica: str, timeout_s: float, gs_url: str | None, setup_timeout_s: float,
                  model: Any = None, page: int = PAGE, cache_salt: str | None = None,
-                 storage: bool | None = None) -> None:
-        """``storage``: the scheduler asks L3 per request (default: when ``gs_url`` names one to attach)."""
+                 storage: bool | None = None, wait_for_l3: bool = False) -> None:
+        """``storage``: the scheduler asks L3 per request (default: when ``gs_url`` names one to attach).
+        ``wait_for_l3``: requests wait for their L3 query and fetch up to ``timeout_s / 2`` and the cost model
+        is off, so that what L3 holds is served from L3 however slow this box is (a drill that asserts
+        L3 hits); otherwise the replica's policy decides, as in serving."""
         self.replica, self.timeout_s, self.gs_url = replica, timeout_s, gs_url
-        self.setup_timeout_s = setup_timeout_s
+        self.setup_timeout_s, self.wait_for_l3 = setup_timeout_s, wait_for_l3
         self.model = _model(8) if model is None else model
         self.page, self.cache_salt = page, cache_salt
         self.storage = gs_url is not None if storage is None else storage
         self.client: Any = None
+        self._first = True
         self._warm_seed = 10_000
         self.attach()
 
@@ -105,6 +109,9 @@ class ServedReplica:
                                 timeout_s=self.setup_timeout_s)
         if self.client is None:
             self.client = hicache.connect(self.replica, timeout_s=self.timeout_s)
+        if self.gs_url is not None and (self._first or "storage" not in self.client.cache_stats()):
+            self.attach_l3()  # before any request asks L3; again if a rebuilt state's re-attach failed
+        self._first = False
         self.scheduler = Scheduler(self.client, self.engine, hicache=True, storage=self.storage,
                                    prefill_budget=max(16, self.page))
         # A new gang compiles its forwards on first use: that happens here, under the setup bound, on a
@@ -116,15 +123,22 @@ class ServedReplica:
         self.engine.timeout_s = self.timeout_s
 
     def attach_l3(self) -> None:
-        from hicache.cluster.storage_tier import StorageParams
+        from hicache.cluster.cost_model import CostOptions
+        from hicache.cluster.storage_tier import PrefetchPolicy, StorageParams
         from hicache.storage import StorageConfig
 
-        if self.gs_url is not None:
-            self.client.detach_storage_backend()  # the replica file's L3 (another fingerprint), if any
-            self.client.attach_storage_backend(StorageParams(
-                f"{self.gs_url}/drills", self.engine.fingerprint(), prefetch_min_tokens=PAGE,
-                storage=StorageConfig(pages_per_object=2, storage_options={"token": "anon"},
-                                      timeout_s=self.timeout_s, exists_timeout_s=self.timeout_s)))
+        if self.gs_url is None:
+            return
+        waits: dict[str, Any] = {}
+        if self.wait_for_l3:  # half the call bound: the head's answer comes back before the client's call gives up
+            wait = self.timeout_s / 2
+            waits = dict(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_wait_max_s=wait,
+                         query_wait_max_s=wait, cost=CostOptions(enabled=False))
+        self.client.detach_storage_backend()  # the replica file's L3 (another fingerprint), if any
+        self.client.attach_storage_backend(StorageParams(
+            f"{self.gs_url}/drills", self.engine.fingerprint(), prefetch_min_tokens=PAGE,
+            storage=StorageConfig(pages_per_object=2, storage_options={"token": "anon"},
+                                  timeout_s=self.timeout_s, exists_timeout_s=self.timeout_s), **waits))
 
     def serve(self, prompt: np.ndarray) -> Any:
         from hicache.reference.serve_types import ServeRequest
@@ -160,8 +174,7 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     from hicache.cluster.errors import HiCacheError
 
     retryable = (HiCacheError, ray.exceptions.RayError)
-    served = ServedReplica(args.replica, args.timeout, args.gs_url, args.setup_timeout)
-    served.attach_l3()
+    served = ServedReplica(args.replica, args.timeout, args.gs_url, args.setup_timeout, wait_for_l3=args.wait_for_l3)
     served.engine.timeout_s = args.setup_timeout  # the references: more programs to compile
     work = chat_workload(served, args.conversations, args.turns, args.seed)
     served.engine.timeout_s = args.timeout
@@ -214,6 +227,7 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     recovery = after[0] - t_fault if after else None
     out.update(wrong_outputs=wrong, requests=split + len(order), failures=failures, max_blocked_s=round(max_blocked, 3),
                recomputed_requests=recomputed, storage_hit_requests=storage_hits, recovery_s=None if recovery is None else round(recovery, 3))
+    out["l3"] = served.client.cache_stats().get("storage", {})  # why a request after the fault did not fetch
     return out
 
 
@@ -247,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--setup-timeout", type=float, default=180.0,
                    help="per call while a (new) gang compiles its forwards: the warm-up, the references")
     s.add_argument("--drill", action="store_true")
+    s.add_argument("--wait-for-l3", action="store_true",
+                   help="requests wait for L3 (up to --timeout / 2), cost model off: L3's hits are served from L3")
     s.add_argument("--deadline", type=float, default=120.0, help="drill: recovery must happen within this")
     args = parser.parse_args(argv)
     _emit(probe(args) if args.cmd == "probe" else serve(args))

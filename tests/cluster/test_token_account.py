@@ -220,3 +220,21 @@ def test_l3_unavailable_when_asked_at_arrival_and_at_the_start(runner, stored):
     (t,) = assert_tokens_accounted(res)
     _only(t, "l3_unavailable")
     stack.head.detach_storage_backend()
+
+
+def test_l3_unavailable_when_no_l3_is_attached(runner, stored):
+    """A replica whose L3 is not attached (its attach failed at start or rebuild, or it was detached)
+    serves a client that asks L3 from L1/L2: exact outputs, L3's part missed as l3_unavailable, at the
+    request's start and at arrival alike (never an error)."""
+    url, (a, b) = stored
+    stack, _ = _l3_stack(runner, url)
+    stack.head.detach_storage_backend()
+    _only(_serve(stack, runner, a), "l3_unavailable")
+    req = ServeRequest(b, 2)
+    assert not stack.scheduler.arrive(req)
+    res = stack.scheduler.serve(req)
+    assert res.output == runner.generate_no_cache(b, 2).tokens
+    (t,) = assert_tokens_accounted(res)
+    _only(t, "l3_unavailable")
+    _only(_serve(stack, runner, a), "hit_l1")  # what it computed is cached as usual
+    assert stack.head.cache_stats()["prompt_tokens"]["l3_unavailable"] == 2 * WHOLE
