@@ -250,6 +250,22 @@ class ModelRunner:
         """The sliding-window layers' pool ``[L_swa, 2, P_swa, S, Hkv, D]`` (None: they use the L1 pool)."""
         return self._swa
 
+    def component_pool(self, name: str) -> jax.Array:
+        """The extra pool a worker owns and lends (``HostWorker`` component pools): ``"swa"``, the
+        sliding-window layers' pool; valid until the next forward, like ``pool``."""
+        if name != "swa" or self._swa is None:
+            raise ValueError(f"this runner has no component pool {name!r} (it keeps: "
+                             f"{'swa' if self._swa is not None else 'none'})")
+        return self._swa
+
+    def set_component_pool(self, name: str, array: jax.Array) -> None:
+        """Hands a component pool back (after a transfer replaced it); shape and dtype must match."""
+        current = self.component_pool(name)
+        if array.shape != current.shape or array.dtype != current.dtype:
+            raise ValueError(f"component pool {name!r}: got {array.shape} {array.dtype}, want "
+                             f"{current.shape} {current.dtype}")
+        self._swa = array
+
     @property
     def state_pool(self) -> jax.Array | None:
         """The recurrent state pool ``f32[slots, R, D]`` (None without recurrent layers); like ``pool``,
