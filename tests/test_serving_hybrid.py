@@ -26,7 +26,7 @@ def chats(runner: ModelRunner, stack, rounds: int = 3, convs: int = 3, seed: int
     vocab = runner.model.vocab_size
     system = rng.integers(0, vocab, 21, dtype=np.int32)
     histories = [system.copy() for _ in range(convs)]
-    hits = requests = 0
+    hits = requests = loaded = 0
     for _ in range(rounds):
         for c in range(convs):
             prompt = np.concatenate([histories[c], rng.integers(0, vocab, 11, dtype=np.int32)])
@@ -35,9 +35,10 @@ def chats(runner: ModelRunner, stack, rounds: int = 3, convs: int = 3, seed: int
             assert res.output == ref.tokens
             np.testing.assert_array_equal(res.logits, ref.logits)
             hits += res.device_hit_tokens
+            loaded += res.loaded_tokens
             requests += 1
             histories[c] = np.concatenate([prompt, np.asarray(res.output, dtype=np.int32)])
-    return {"hits": hits, "requests": requests}
+    return {"hits": hits, "requests": requests, "loaded": loaded}
 
 
 @pytest.mark.parametrize("kind", ["swa", "mamba"])
@@ -59,6 +60,43 @@ def test_hybrid_multi_turn_under_eviction_equals_no_cache(kind):
     else:  # the engine's sliding-window layers live in the SWA pool (14 pages, L1 20): SWA KV was evicted
         assert stack.runner.swa_pool is not None and stack.runner.swa_pool.shape[2] == 14
         assert stats["swa"]["request_pages"] == 0 and stats["swa"]["evicted_tokens"] > 0
+
+
+def test_swa_multi_turn_with_l2_under_eviction_equals_no_cache():
+    """L1 holds about two conversations, the SWA pages' L2 (20 pages) less than the Full L2 (64): L1 and
+    the SWA host copies are both evicted, and L2 hits (Full pages plus the window's SWA pages) are exact."""
+    stack = build_stack(StackOptions(model=MODELS["swa"], forward=FWD, l1_pages=20, swa_tokens=112, l2_slots=64,
+                                     swa_host_tokens=160))
+    assert stack.worker.pools["swa"][1].num_slots == 20  # the worker's SWA L2 is the head's
+    out = chats(stack.runner, stack, rounds=4)
+    assert out["hits"] > 0 and out["loaded"] > 0  # L1 and L2 hits
+    stack.client.flush_write_through_acks()
+    stats = stack.head.cache_stats()
+    assert stats["device_evicted_tokens"] > 0 and stats["loaded_tokens"] > 0
+    swa = stats["swa"]
+    assert swa["host_evicted_tokens"] > 0 and 0 < swa["host_tokens"] <= swa["host_capacity_tokens"] == 160
+    stack.head.tree.check_invariants()
+    stack.head.controller.check_invariants()
+    assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"swa_host_tokens": 16}, r"swa host_tokens=16 cannot hold one window \(window=24\)"),
+        ({"l2_slots": 2}, r"swa host_tokens=16 cannot hold one window"),  # default: as many as the Full L2
+        ({"swa_host_tokens": 0}, "swa host_tokens must be a positive int or None, got 0"),
+    ],
+)
+def test_swa_l2_too_small_for_a_window_is_refused(kwargs, match):
+    options = {"model": MODELS["swa"], "forward": FWD, "l1_pages": 20, "swa_tokens": 112, "l2_slots": 64, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        build_stack(StackOptions(**options))
+
+
+def test_mamba_with_a_host_tier_is_refused_clearly():
+    with pytest.raises(ValueError, match="host tier .* mamba component is not supported yet"):
+        build_stack(StackOptions(model=MODELS["mamba"], forward=FWD, l1_pages=20, state_slots=6, l2_slots=32))
 
 
 @pytest.mark.parametrize("kind", ["swa", "mamba"])

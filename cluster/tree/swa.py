@@ -285,7 +285,8 @@ class SWAComponent(TreeComponent):
         return int(count_true(swa_of[pages] >= 0)) * self.page_size
 
     def is_evictable(self, node: TreeNode) -> bool:
-        if node.parent is None or node.loading or not self.has_live(node):
+        # ``pending``: an L1<->L2 copy of the node's SWA pages may be queued, not yet dispatched
+        if node.parent is None or node.loading or node.pending is not None or not self.has_live(node):
             return False
         return self._state(node).lock == 0
 
@@ -370,6 +371,9 @@ class SWAComponent(TreeComponent):
         st = self._state(suffix)
         pst = self._state(prefix)
         pst.lock = st.lock
+        if st.host_slots is not None:  # the host copy splits with the pages
+            k = prefix.num_tokens // self.page_size
+            pst.host_slots, st.host_slots = st.host_slots[:k].copy(), st.host_slots[k:].copy()
         if st.bounds:
             assert prefix.parent is not None  # the tree linked the prefix in before this hook
             split_at = self.tree.depth(prefix.parent) + prefix.num_tokens
@@ -612,20 +616,36 @@ class SWAComponent(TreeComponent):
                 raise ValueError(f"swa transfer for node {t.node_id} has no destination ids")
         if not ok:
             return  # BACKUP: nothing recorded; LOAD_BACK: the controller drops the chain's pages
+        covers = [self._covered(t) for t in transfers]  # (all checked before any is recorded)
         if phase is HiCachePhase.BACKUP:
-            for t in transfers:
-                n = self.tree.node(t.node_id)
-                dst = t.dst
-                assert dst is not None  # checked above
-                if n.device_pages is None or dst.shape[0] != n.device_pages.shape[0]:
-                    raise ValueError(f"swa backup of node {t.node_id}: {dst.shape[0]} host ids for {n}")
-                self._state(n).host_slots = np.asarray(dst, dtype=np.int32).copy()
+            for t, cover in zip(transfers, covers):
+                dst = np.asarray(t.dst, dtype=np.int32)
+                end = dst.shape[0]
+                for n in cover:
+                    k = n.num_tokens // self.page_size
+                    self._state(n).host_slots = dst[end - k : end].copy()
+                    end -= k
             return
         # Contract: called before the controller clears ``loading`` on the chain.
-        restored = {t.node_id for t in transfers}
+        restored = {n.id for cover in covers for n in cover}
         for n in self._loading_chain(node):
             if n.id not in restored:
                 self._tombstone(n)  # outside the window or no host SWA copy: full KV only
+
+    def _covered(self, t: ComponentTransfer) -> list[TreeNode]:
+        """The nodes whose pages ``t`` moved, deepest first: its node, and the prefixes a split cut off it
+        since ``build_hicache_transfers`` (they lie right above it; the copy keeps them locked)."""
+        n = self.tree.node(t.node_id)
+        left = t.src.shape[0] * self.page_size
+        out = []
+        while left > 0 and n.parent is not None and n.device_pages is not None:
+            out.append(n)
+            left -= n.num_tokens
+            n = n.parent
+        if left != 0:
+            raise ValueError(f"swa {t.phase.value} of node {t.node_id}: {t.src.shape[0]} pages do not end a run of "
+                             "nodes in L1 there")
+        return out
 
     def drive_host_eviction(self, num_tokens: int, tracker: HostEvictionTracker) -> int:
         if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
@@ -645,6 +665,16 @@ class SWAComponent(TreeComponent):
             st.host_slots = None
             freed += node.num_tokens
         return freed
+
+    def host_copies(self) -> list[np.ndarray]:
+        """The host ids of every SWA host copy in the tree (host tier checks)."""
+        out = []
+        for node in self.tree.iter_nodes():
+            data = node.component_data
+            st = data.get("swa") if data else None
+            if st is not None and st.host_slots is not None:
+                out.append(st.host_slots)
+        return out
 
     # -- checks and reporting ----------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -54,7 +54,9 @@ def test_a_mamba_head_begins_a_request_and_caches_its_state():
         (dict(components=SWAConfig(8)), "sequence of SWAConfig"),
         (dict(components=[SWAConfig(8, 4)]), "num_tokens=4 is smaller than one request's window"),
         (dict(components=[MambaConfig(1)]), "num_slots=1"),
-        (dict(components=[SWAConfig(8)], hicache=HiCacheConfig(16)), r"host tier .*\['swa'\] is not supported"),
+        (dict(components=[MambaConfig(4)], hicache=HiCacheConfig(16)), r"host tier .*mamba component is not supported"),
+        (dict(components=[SWAConfig(8, host_tokens=4)], hicache=HiCacheConfig(16)),
+         r"swa host_tokens=4 cannot hold one window \(window=8\)"),
     ],
 )
 def test_bad_component_configs_are_refused(kwargs, match):
