@@ -80,6 +80,52 @@ def test_swa_multi_turn_with_l2_under_eviction_equals_no_cache():
     assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
 
 
+class _FailCopiesWithSWA:
+    """The stack's real worker group, but every op of ``kind`` that carries SWA pages is acked as failed (the
+    worker did run it: only the head's view of the ack changes, as when a host loses the copy)."""
+
+    def __init__(self, inner, kind: str) -> None:
+        self.inner, self.kind, self.failed = inner, kind, set()
+        self.num_hosts = inner.num_hosts
+
+    def submit(self, plan) -> None:
+        self.failed |= {op.op_id for op in plan.ops if op.kind.value == self.kind and op.pools}
+        self.inner.submit(plan)
+
+    def _gate(self, acks):
+        from dataclasses import replace
+
+        return [replace(a, ok=False, error="lost the copy") if a.op_id in self.failed else a for a in acks]
+
+    def poll(self):
+        return self._gate(self.inner.poll())
+
+    def wait(self, timeout_s, op_ids=None):
+        return self._gate(self.inner.wait(timeout_s, op_ids))
+
+
+@pytest.mark.parametrize("kind", ["d2h", "h2d"])
+def test_failed_copies_with_swa_pages_roll_back_and_serving_stays_exact(kind):
+    """A D2H / H2D op whose SWA part is lost fails as a whole: backups leave no host copy (their SWA ids
+    freed), loads fall back to recompute; outputs stay bit-exact and nothing leaks."""
+    from hicache.cluster.tree import PageOwner
+
+    stack = build_stack(StackOptions(model=MODELS["swa"], forward=FWD, l1_pages=20, swa_tokens=112, l2_slots=64,
+                                     swa_host_tokens=160))
+    ctl = stack.head.controller
+    ctl.workers = wrapper = _FailCopiesWithSWA(ctl.workers, kind)
+    chats(stack.runner, stack, rounds=4)
+    stack.client.flush_write_through_acks()
+    assert wrapper.failed and stack.head.cache_stats()["transfer_failures"] > 0
+    pool = ctl.component_hosts["swa"]
+    assert pool.slots.count(PageOwner.REQUEST) == 0  # no SWA host id left reserved
+    if kind == "d2h":  # no backup with SWA pages ever committed: no SWA host copy, no load
+        assert pool.stats()["host_tokens"] == 0 and stack.head.cache_stats()["loaded_tokens"] == 0
+    stack.head.tree.check_invariants()
+    ctl.check_invariants()
+    assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
