@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -55,6 +55,7 @@ from hicache.cluster.tree import (
 )
 from hicache.cluster.tree.params import NO_VALUES
 from hicache.cluster.worker_group import WorkerGroup
+from hicache.workers import ComponentPool, KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,22 @@ class HeadConfig:
     def cache_config(self) -> KVCacheConfig:
         """What ``build_kv_cache`` builds this head's tree from."""
         return cache_config(self.tree, self.components)
+
+    def component_pools(self, specs: Mapping[str, KVCacheSpec]) -> tuple[ComponentPool, ...]:
+        """The component pools every host worker keeps for this head (with a host tier): per component with
+        an L2, its layout ``specs[name]`` (the engine's), its L1 pages (the head's pool ids) and L2 slots.
+        ValueError naming what is missing."""
+        out = []
+        for name, slots in self.component_host_slots().items():
+            c = next(c for c in self.components if c.kind.value == name)
+            spec = specs.get(name)
+            if spec is None:
+                raise ValueError(f"the {name} component has a host tier: its workers need a pool layout "
+                                 f"(component_specs[{name!r}], a KVCacheSpec of its layers)")
+            if not isinstance(c, SWAConfig) or c.num_tokens is None:
+                raise ValueError(f"workers hold the {name} pool: its config needs num_tokens, got {c!r}")
+            out.append(ComponentPool(name, spec, c.num_tokens // self.tree.page_size, slots))
+        return tuple(out)
 
     def component_host_slots(self) -> dict[str, int]:
         """L2 ids (pages) of each component pool with a host tier (none without ``hicache``): what the

@@ -612,10 +612,10 @@ class SWAComponent(TreeComponent):
         window = {n.id for n in self.window_nodes(node)} if node.parent is not None else set()
         out = []
         for n in reversed(self._loading_chain(node)):
-            host = self._state(n).host_slots
-            if n.id in window and host is not None:
+            host, pages = self._state(n).host_slots, n.device_pages
+            if n.id in window and host is not None and pages is not None:  # (a loading node has its pages)
                 k = host.shape[0]
-                dst = self.mapped.swa_of[n.device_pages[-k:]].copy()
+                dst = self.mapped.swa_of[pages[-k:]].copy()
                 if (dst >= 0).all():
                     out.append(ComponentTransfer(self.name, phase, n.id, host.copy(), dst, k * self.page_size))
         return tuple(out)

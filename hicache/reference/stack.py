@@ -145,16 +145,15 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
         client = CacheClient(EmbeddedTransport(head), ps)
         sched = Scheduler(client, runner, prefill_budget=options.prefill_budget, swa_tables=swa_pages > 0)
         return EmbeddedStack(options, head, client, runner, sched)
-    from hicache.workers import ComponentPool, HostWorker, KVCacheSpec
+    from hicache.workers import HostWorker, KVCacheSpec
 
     m = options.model
     hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
     config = HeadConfig(tree=tree, hicache=hicache, components=components)  # (checked before a worker starts)
     spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, ps, m.dtype)
-    host_slots = config.component_host_slots()
-    pools = () if "swa" not in host_slots else (  # the SWA layers' pool, paged like L1 (the head's SWA ids)
-        ComponentPool("swa", KVCacheSpec(len(m.swa_layers), m.num_kv_heads, m.head_dim, ps, m.dtype), swa_pages,
-                      host_slots["swa"]),)
+    # the SWA layers' pool, paged like L1 (the head's SWA page ids), with its own L2
+    pools = config.component_pools(
+        {"swa": KVCacheSpec(len(m.swa_layers), m.num_kv_heads, m.head_dim, ps, m.dtype)} if m.swa_layers else {})
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1], component_pools=pools)
     head = CacheHead(config, LocalWorkerGroup([worker]))
     params = None if runner is None else runner.params

@@ -240,10 +240,10 @@ class ModelRunner:
         self.scan_chunks = self._scan_request if one_device and self.scan_supported and not extra_pools else 1
         self._pool_signature = signature
 
-    def _make_swa_pool(self, num_pages: int) -> jax.Array:
+    def _make_swa_pool(self, num_pages: int, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
         shape = (len(self.model.swa_layers), 2, num_pages, self.fwd.page_size, self.model.num_kv_heads,
                  self.model.head_dim)
-        return jnp.zeros(shape, self.model.jnp_dtype, device=self.placement)
+        return jnp.zeros(shape, self.model.jnp_dtype, device=self.placement if sharding is None else sharding)
 
     @property
     def swa_pool(self) -> jax.Array | None:
@@ -414,7 +414,7 @@ class ModelRunner:
         if saved_swa is not None:  # the same pool shape (the same program): SWA page i for page i
             if len(table) > saved_swa.shape[2]:
                 raise ValueError(f"{len(table)} pages exceed the SWA pool ({saved_swa.shape[2]} pages)")
-            self._swa = self._make_swa_pool(saved_swa.shape[2])
+            self._swa = self._make_swa_pool(saved_swa.shape[2], saved_swa.sharding)  # (a worker's: sharded)
             swa_table = table
         try:
             return self.generate(tokens, table, max_new_tokens, 0, stop_token, slot, swa_table)
