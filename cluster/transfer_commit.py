@@ -131,7 +131,9 @@ class TransferCommitter:
                 full.unlock(nodes[-1])
             return
         host = self.host
-        for nodes, caller_lock, load_id in zip(batch.chains, batch.caller_locks, batch.load_ids):
+        for i, (nodes, caller_lock, load_id) in enumerate(zip(batch.chains, batch.caller_locks, batch.load_ids)):
+            if self.component_hosts:  # components release what their part reserved (e.g. a Mamba slot)
+                self._commit_load_parts(nodes[-1], batch.parts.get(i, ()) if batch.parts else (), ok=False)
             tokens = 0
             if not caller_lock:  # else the caller releases its lock
                 full.unlock(nodes[-1])
@@ -163,12 +165,13 @@ class TransferCommitter:
                         assert t.dst is not None  # reserved when queued
                         pool.commit(t.dst)
 
-    def _commit_load_parts(self, leaf, transfers) -> None:
-        """An acked load of the chain ending at ``leaf``: every component with a host tier restores what it
-        loaded and drops what it did not (e.g. SWA pages outside the window become tombstones)."""
+    def _commit_load_parts(self, leaf, transfers, ok: bool = True) -> None:
+        """A load of the chain ending at ``leaf`` acked (``ok``): every component with a host tier restores what
+        it loaded and drops what it did not (e.g. SWA pages outside the window become tombstones); or failed:
+        each releases what its part reserved (the chain's pages are dropped after)."""
         for name, pool in self.component_hosts.items():
             pool.component.commit_hicache_transfer(leaf, HiCachePhase.LOAD_BACK,
-                                                   [t for t in transfers if t.component == name])
+                                                   [t for t in transfers if t.component == name], ok)
 
     def complete_storage(self, p: PendingTransfer) -> None:
         """An L3 op is done on every host (acked, or failed)."""

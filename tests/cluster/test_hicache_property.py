@@ -41,8 +41,8 @@ def _stream(rng: random.Random, n: int) -> list[np.ndarray]:
 
 # Seeds 3 and 4 start their load-backs with LoadBackParams(lock=True): the load holds the request's lock.
 @pytest.mark.parametrize("seed,policy", [(0, "write_through"), (1, "write_through_selective"), (2, "write_back"),
-                                         (3, "write_through"), (4, "write_back"), (5, "write_through"),
-                                         (6, "write_back")])
+                                         (3, "write_through"), (4, "write_back"),
+                                         pytest.param(5, "write_through", marks=pytest.mark.slow), (6, "write_back")])
 def test_random_stream_with_faults(seed, policy):
     rng = random.Random(seed)
     swa = SWAConfig(window=6, num_tokens=16 * 4, host_tokens=12 * 4) if seed >= 5 else None
