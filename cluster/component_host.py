@@ -55,11 +55,11 @@ class ComponentHostPool:
         """``num_slots`` ids for a copy (REQUEST until ``commit``), evicting the component's LRU host copies
         if short; None when it cannot make room (the copy is skipped: its node gets no component copy)."""
         self.reclaim()
-        short = num_slots - self.slots.num_free
-        if short > 0:
-            self.evicted_tokens += self.component.drive_host_eviction(short * self.tree.page_size, self)
-            if self.slots.num_free < num_slots:
+        while self.slots.num_free < num_slots:  # (a copy's tokens per id differ by component: ask again)
+            freed = self.component.drive_host_eviction((num_slots - self.slots.num_free) * self.tree.page_size, self)
+            if not freed:
                 return None
+            self.evicted_tokens += freed
         try:
             return self.slots.alloc(num_slots)
         except CacheCapacityError:  # (cannot happen after the check above; kept as a miss, never an error)

@@ -290,8 +290,8 @@ class SWAComponent(TreeComponent):
         return int(count_true(swa_of[pages] >= 0)) * self.page_size
 
     def is_evictable(self, node: TreeNode) -> bool:
-        # ``pending``: an L1<->L2 copy of the node's SWA pages may be queued, not yet dispatched
-        if node.parent is None or node.loading or node.pending is not None or not self.has_live(node):
+        # ``staged_slots``: the node's L1->L2 copy (its SWA pages with it) may be queued, not yet dispatched
+        if node.parent is None or node.loading or node.staged_slots is not None or not self.has_live(node):
             return False
         return self._state(node).lock == 0
 
