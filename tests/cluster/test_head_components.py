@@ -93,6 +93,17 @@ def test_replica_file_names_components(tmp_path):
         SWAConfig(8),)
 
 
+def test_replica_file_swa_host_tier_needs_the_swa_layers_of_the_workers():
+    raw = {"page_size": 4, "l1_pages": 64, "l2_slots": 64, "workers": {"platform": "cpu", "num_hosts": 1},
+           "components": {"swa": {"window": 16, "num_tokens": 128, "host_tokens": 96}},
+           "model": {"num_layers": 4, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"}}
+    with pytest.raises(ValueError, match=r"config: the swa component has a host tier.*component_specs\['swa'\]"):
+        replica_config(raw)
+    cfg = replica_config(raw | {"model": raw["model"] | {"swa_layers": 2}})
+    (pool,) = cfg.head.component_pools(cfg.workers.component_specs)
+    assert (pool.name, pool.spec.num_layers, pool.num_device_pages, pool.host_slots) == ("swa", 2, 32, 24)
+
+
 @pytest.mark.parametrize(
     "components, match",
     [
