@@ -140,6 +140,39 @@ def test_swa_l2_too_small_for_a_window_is_refused(kwargs, match):
         build_stack(StackOptions(**options))
 
 
+def test_recurrent_states_move_through_a_workers_l2_bit_exactly():
+    """The state pool is paged like KV (one slot a page): a HostWorker keeps it as a component pool, lends it
+    to the model, and moves a state to L2 and back into another slot with the KV transfer programs; the
+    request continues from the restored slot exactly as from the original."""
+    import jax
+
+    from hicache.reference.engine import recurrent
+    from hicache.workers import ComponentPool, HostWorker, KVCacheSpec, OpKind, PoolCopy, TransferOp, TransferPlan
+
+    model = MODELS["mamba"]
+    shape = recurrent.state_shape(model, 4)  # [R, 2, slots, 1, H, d]
+    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, FWD.page_size, "float32")
+    states = ComponentPool("mamba", KVCacheSpec(shape[0], shape[4], shape[5], 1, "float32"), 4, 3)
+    worker = HostWorker(spec, 16, 8, devices=[jax.devices()[0]], component_pools=(states,))
+    runner = worker.attach_model(lambda kv: ModelRunner(model, FWD, pool=kv, state_slots=4))
+    prompt = np.arange(1, 30, dtype=np.int32)
+    worker.run_model(lambda m: m.zero_states([1]))
+    worker.run_model(lambda m: m.prefill(prompt, [0, 1, 2, 3], 0, 1))
+    ops = [TransferOp(1, OpKind.BACKUP_D2H, [0], [0], pools=(PoolCopy("mamba", [1], [2]),)),
+           TransferOp(2, OpKind.LOAD_H2D, [5], [0], pools=(PoolCopy("mamba", [3], [2]),))]
+    for seq, op in enumerate(ops, 1):
+        worker.submit(TransferPlan(seq, (op,)))
+        assert [a.ok for a in worker.wait(60)] == [True]
+    pool = np.asarray(worker.pools["mamba"][0].kv)
+    np.testing.assert_array_equal(pool[:, :, 3], pool[:, :, 1])
+    nxt = np.r_[prompt, 7].astype(np.int32)
+    from_restored = worker.run_model(lambda m: m.decode_step(nxt, [0, 1, 2, 3], 3))
+    from_original = worker.run_model(lambda m: m.decode_step(nxt, [0, 1, 2, 3], 1))
+    np.testing.assert_array_equal(from_restored, from_original)
+    assert runner.state_pool is worker.pools["mamba"][0].kv
+    worker.close()
+
+
 def test_mamba_with_a_host_tier_is_refused_clearly():
     with pytest.raises(ValueError, match="host tier .* mamba component is not supported yet"):
         build_stack(StackOptions(model=MODELS["mamba"], forward=FWD, l1_pages=20, state_slots=6, l2_slots=32))

@@ -175,7 +175,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
 def _pools(runner: ModelRunner) -> tuple[int, int, int]:
     """(L1 pages, state slots, SWA pages) of a runner's pools."""
     state, swa = runner.state_pool, runner.swa_pool
-    return runner.num_pages, 0 if state is None else state.shape[0], 0 if swa is None else swa.shape[2]
+    return runner.num_pages, 0 if state is None else state.shape[2], 0 if swa is None else swa.shape[2]
 
 
 WARM_UP_SALT = "hicache-warm-up"

@@ -252,11 +252,13 @@ class ModelRunner:
 
     def component_pool(self, name: str) -> jax.Array:
         """The extra pool a worker owns and lends (``HostWorker`` component pools): ``"swa"``, the
-        sliding-window layers' pool; valid until the next forward, like ``pool``."""
-        if name != "swa" or self._swa is None:
-            raise ValueError(f"this runner has no component pool {name!r} (it keeps: "
-                             f"{'swa' if self._swa is not None else 'none'})")
-        return self._swa
+        sliding-window layers' pool, ``"mamba"``, the recurrent state pool; valid until the next forward,
+        like ``pool``."""
+        pool = {"swa": self._swa, "mamba": self._state}.get(name)
+        if pool is None:
+            kept = [n for n, p in (("swa", self._swa), ("mamba", self._state)) if p is not None]
+            raise ValueError(f"this runner has no component pool {name!r} (it keeps: {kept or 'none'})")
+        return pool
 
     def set_component_pool(self, name: str, array: jax.Array) -> None:
         """Hands a component pool back (after a transfer replaced it); shape and dtype must match."""
@@ -264,11 +266,15 @@ class ModelRunner:
         if array.shape != current.shape or array.dtype != current.dtype:
             raise ValueError(f"component pool {name!r}: got {array.shape} {array.dtype}, want "
                              f"{current.shape} {current.dtype}")
-        self._swa = array
+        if name == "swa":
+            self._swa = array
+        else:
+            self._state = array
 
     @property
     def state_pool(self) -> jax.Array | None:
-        """The recurrent state pool ``f32[slots, R, D]`` (None without recurrent layers); like ``pool``,
+        """The recurrent state pool ``f32[R, 2, slots, 1, H, D/2H]`` (``recurrent``'s layout; None without
+        recurrent layers); like ``pool``,
         valid until the next forward."""
         return self._state
 
@@ -408,7 +414,8 @@ class ModelRunner:
                                        saved.sharding)
         slot = None
         if saved_states is not None:
-            self._state = recurrent.make_state_pool(self.model, saved_states.shape[0], self.placement)
+            self._state = recurrent.make_state_pool(self.model, recurrent.num_slots(saved_states),
+                                                    saved_states.sharding)  # (a worker's: sharded)
             slot = 0
         swa_table = None
         if saved_swa is not None:  # the same pool shape (the same program): SWA page i for page i
@@ -449,8 +456,9 @@ class ModelRunner:
             return None
         if not isinstance(state_slot, (int, np.integer)) or isinstance(state_slot, bool):
             raise ValueError(f"a model with recurrent layers needs an int state_slot, got {state_slot!r}")
-        if not 0 <= state_slot < self._state.shape[0]:
-            raise ValueError(f"state_slot {state_slot} is outside the state pool [0, {self._state.shape[0]})")
+        n = recurrent.num_slots(self._state)
+        if not 0 <= state_slot < n:
+            raise ValueError(f"state_slot {state_slot} is outside the state pool [0, {n})")
         return int(state_slot)
 
     def _check_swa_table(self, swa_table: TokenIds | None, n: int) -> np.ndarray | None:
