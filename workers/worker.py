@@ -1,5 +1,10 @@
 """HostWorker: one per host of a replica; owns that host's L1 shard, L2 pool and transfer engine.
 
+A hybrid model's other paged pools (``ComponentPool``: e.g. the sliding-window layers' KV, the recurrent
+states) are this worker's too: each an L1 ``DevicePool`` on the same mesh, an L2 ``HostPool`` and a
+``TransferEngine`` (``pools``), lent to the model with L1 (``run_model``) and moved by the ``PoolCopy``
+parts of the same D2H/H2D op as the Full pages (one ack per op for every pool).
+
 It executes ``TransferPlan``s strictly in ``seq`` order and answers one ``TransferAck`` per op; it
 never decides anything (no imports of ``hicache.cluster``). A plan is validated as a whole before
 any op runs (``ValueError``/``TypeError``, nothing touched). D2H/H2D ops are dispatched at once (JAX
