@@ -72,8 +72,14 @@ class SWAConfig:
     kind: ClassVar[ComponentKind] = ComponentKind.SWA
     window: int  # tokens of the sliding window
     num_tokens: int | None = None  # SWA pool size in tokens; None = unbounded
+    # SWA pages' L2 (with a host tier) in tokens; None = as many as the Full L2 (``HiCacheConfig.host_slots``)
+    host_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.host_tokens is not None and (
+            not isinstance(self.host_tokens, int) or isinstance(self.host_tokens, bool) or self.host_tokens <= 0
+        ):
+            raise ValueError(f"swa host_tokens must be a positive int or None, got {self.host_tokens!r}")
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window <= 0:
             raise ValueError(f"sliding window must be a positive int, got {self.window!r}")
         if self.num_tokens is not None and (

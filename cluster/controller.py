@@ -17,13 +17,15 @@ conversation stays one node.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
+from hicache.cluster.component_host import ComponentHostPool
 from hicache.cluster.events import CacheCounters, KVEvent, MissReason
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.plan_outbox import PlanOutbox
@@ -38,7 +40,16 @@ from hicache.cluster.storage_tier import (
 )
 from hicache.cluster.tier_events import TierEvents
 from hicache.cluster.transfer_commit import TransferCommitter
-from hicache.cluster.tree import CacheCapacityError, MatchResult, PageOwner, RadixKey, RadixTree, TreeNode
+from hicache.cluster.tree import (
+    CacheCapacityError,
+    ComponentTransfer,
+    HiCachePhase,
+    MatchResult,
+    PageOwner,
+    RadixKey,
+    RadixTree,
+    TreeNode,
+)
 from hicache.cluster.tree.allocator import concat
 from hicache.cluster.worker_group import WorkerGroup
 from hicache.workers.plan import OpKind, TransferAck
@@ -85,14 +96,20 @@ class LoadBackResult:
 
 
 class HiCacheController:
-    def __init__(self, tree: RadixTree, config: HiCacheConfig, workers: WorkerGroup) -> None:
+    def __init__(self, tree: RadixTree, config: HiCacheConfig, workers: WorkerGroup,
+                 component_host_slots: Mapping[str, int] | None = None) -> None:
+        """``component_host_slots``: L2 ids per component pool of a hybrid tree (``"swa"``: SWA pages), whose
+        copies ride in the Full pages' ops (``ComponentHostPool``); components without an entry keep L1 only."""
         self.tree = tree
         self.config = config
         self.counters = CacheCounters()
         self.outbox = PlanOutbox(workers, config)
         self.events = TierEvents(tree.page_size, self.counters, tree.cached_elsewhere)
         self.host = HostTier(tree, config.host_slots, self.events.log)
-        self.commits = TransferCommitter(tree, self.host, self.events, self.counters)
+        self.component_host_slots = dict(component_host_slots or {})
+        self.component_hosts = {name: ComponentHostPool(tree, tree.component(name), n)
+                                for name, n in self.component_host_slots.items()}
+        self.commits = TransferCommitter(tree, self.host, self.events, self.counters, self.component_hosts)
         self.on_transfer: Callable[[str, float, int], None] | None = None  # (op kind, seconds, host) per ack
         self._backup_hits = config.backup_hits
         # Pages of the last L1 alloc (``note_alloc``): held backups lock their nodes, so ``check_events`` sends
@@ -206,8 +223,28 @@ class HiCacheController:
                 start += k
         self.tree.full.lock(chain[-1])
         # The open batch goes as one TransferOp when sent (``submit``): nothing is built per chain.
-        self.outbox.queue_backup(chain, pages, slots)
+        self.outbox.queue_backup(chain, pages, slots, self._backup_parts(chain) if self.component_hosts else None)
         return True
+
+    def _backup_parts(self, chain: list[TreeNode]) -> list[ComponentTransfer]:
+        """The component copies that go with the backup of ``chain``, with the host ids reserved for them; a
+        copy the component's L2 cannot make room for is left out (its node gets no component copy, so L2 hits
+        stop where the component needs it)."""
+        parts = []
+        for pool in self.component_hosts.values():
+            for node in chain:
+                for t in pool.component.build_hicache_transfers(node, HiCachePhase.BACKUP):
+                    ids = pool.reserve(len(t.src))
+                    if ids is not None:
+                        parts.append(dataclasses.replace(t, dst=ids))
+        return parts
+
+    def _load_parts(self, leaf: TreeNode) -> list[ComponentTransfer]:
+        """The component copies a load of the chain ending at ``leaf`` needs (e.g. SWA: the window's pages)."""
+        parts: list[ComponentTransfer] = []
+        for pool in self.component_hosts.values():
+            parts += pool.component.build_hicache_transfers(leaf, HiCachePhase.LOAD_BACK)
+        return parts
 
     def backup_to_host(self, node: TreeNode) -> bool:
         """Starts the L1 -> L2 backup of ``node`` and its ancestors without an L2 copy (a drain's L1-only
@@ -310,7 +347,8 @@ class HiCacheController:
         slots = full.attach_loading_chain(chain, pages)
         load_id = next(self.outbox.op_ids)
         # The open batch goes as one TransferOp at the next send (``submit``): one per step, not per request.
-        self.commits.loads[load_id] = self.outbox.queue_load(chain, pages, slots, load_id, caller_lock)
+        self.commits.loads[load_id] = self.outbox.queue_load(
+            chain, pages, slots, load_id, caller_lock, self._load_parts(leaf) if self.component_hosts else None)
         return self._prefix_result(leaf, last_device, pages, tokens, load_id, None)
 
     def _prefix_result(self, last: TreeNode, last_device: TreeNode, loaded_pages: np.ndarray | None, loaded: int,
@@ -555,6 +593,8 @@ class HiCacheController:
         self._deferred.clear()
         self.host.return_block()
         dropped = 0
+        for pool in self.component_hosts.values():
+            pool.drop_all()
         # Leaves first, so every host-only node is childless when it goes.
         for node in sorted(self.tree.iter_nodes(), key=self.tree.depth, reverse=True):
             if node.host_slots is not None:
@@ -564,6 +604,8 @@ class HiCacheController:
 
     def check_invariants(self) -> None:
         self.host.check_invariants()
+        for pool in self.component_hosts.values():
+            pool.check_invariants()
         for node in self.tree.iter_nodes():
             if node.staged_slots is not None or node.loading:
                 assert node.pending is not None and node.lock_ref > 0, f"{node}: in flight but not locked"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -55,6 +55,7 @@ from hicache.cluster.tree import (
 )
 from hicache.cluster.tree.params import NO_VALUES
 from hicache.cluster.worker_group import WorkerGroup
+from hicache.workers import ComponentPool, KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,47 @@ class HeadConfig:
             if isinstance(c, MambaConfig) and c.num_slots is not None and c.num_slots < 2:
                 raise ValueError(f"mamba num_slots={c.num_slots}: a request needs 2 (its working state and "
                                  "the cached state it continues from)")
-        if self.components and self.hicache is not None:
-            kinds = [c.kind.value for c in self.components]
-            raise ValueError(f"a host tier (hicache) for the components {kinds} is not supported yet: "
-                             "hybrid models run with L1 only (hicache=None)")
+        if self.hicache is not None:
+            host_slots = self.component_host_slots()
+            for c in self.components:
+                if isinstance(c, MambaConfig):
+                    raise ValueError("a host tier (hicache) for the mamba component is not supported yet: "
+                                     "recurrent models run with L1 only (hicache=None)")
+                host_tokens = host_slots[c.kind.value] * self.tree.page_size
+                if host_tokens < c.window:  # an L2 hit needs the window's SWA pages there
+                    raise ValueError(f"swa host_tokens={host_tokens} cannot hold one window (window={c.window})")
 
     def cache_config(self) -> KVCacheConfig:
         """What ``build_kv_cache`` builds this head's tree from."""
         return cache_config(self.tree, self.components)
+
+    def component_pools(self, specs: Mapping[str, KVCacheSpec]) -> tuple[ComponentPool, ...]:
+        """The component pools every host worker keeps for this head (with a host tier): per component with
+        an L2, its layout ``specs[name]`` (the engine's), its L1 pages (the head's pool ids) and L2 slots.
+        ValueError naming what is missing."""
+        out = []
+        for name, slots in self.component_host_slots().items():
+            c = next(c for c in self.components if c.kind.value == name)
+            spec = specs.get(name)
+            if spec is None:
+                raise ValueError(f"the {name} component has a host tier: its workers need a pool layout "
+                                 f"(component_specs[{name!r}], a KVCacheSpec of its layers)")
+            if not isinstance(c, SWAConfig) or c.num_tokens is None:
+                raise ValueError(f"workers hold the {name} pool: its config needs num_tokens, got {c!r}")
+            out.append(ComponentPool(name, spec, c.num_tokens // self.tree.page_size, slots))
+        return tuple(out)
+
+    def component_host_slots(self) -> dict[str, int]:
+        """L2 ids (pages) of each component pool with a host tier (none without ``hicache``): what the
+        head's controller allocates and every worker's ``ComponentPool`` of that name must hold."""
+        if self.hicache is None:
+            return {}
+        out = {}
+        for c in self.components:
+            if isinstance(c, SWAConfig):
+                out[c.kind.value] = (self.hicache.host_slots if c.host_tokens is None
+                                     else c.host_tokens // self.tree.page_size)
+        return out
 
     @property
     def component_kinds(self) -> tuple[ComponentKind, ...]:
@@ -185,7 +219,8 @@ class CacheHead:
         if self.config.hicache is not None:
             if workers is None:
                 raise ValueError("a head with a host tier (HeadConfig.hicache) needs its workers")
-            self.controller = HiCacheController(self.tree, self.config.hicache, workers)
+            self.controller = HiCacheController(self.tree, self.config.hicache, workers,
+                                                self.config.component_host_slots())
         self.prompt_tokens: dict[str, int] = {}  # served requests' prompt tokens by fate (``report_tokens``)
         self._events = self._tier_events()
 
@@ -295,7 +330,7 @@ class CacheHead:
         if ctl is None:
             self._events = self._tier_events()
         else:
-            self.controller = HiCacheController(self.tree, ctl.config, ctl.workers)
+            self.controller = HiCacheController(self.tree, ctl.config, ctl.workers, ctl.component_host_slots)
             self._events = self.controller.events
             if self.metrics is not None:
                 self.controller.on_transfer = self.metrics.observe_transfer
@@ -335,6 +370,8 @@ class CacheHead:
                 in_flight=ctl.in_flight,
                 **ctl.counters.snapshot(),
             )
+            for name, pool in ctl.component_hosts.items():  # the component's L2 beside its L1 figures
+                out[name].update(pool.stats())
             if ctl.storage is not None:
                 out["storage"] = ctl.storage.counters.snapshot()
                 out["storage"]["cost_model"] = ctl.storage.cost.snapshot()  # the load-or-recompute estimates

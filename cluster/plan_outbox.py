@@ -21,10 +21,10 @@ import numpy as np
 
 from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.policy import HiCacheConfig
-from hicache.cluster.tree import TreeNode
+from hicache.cluster.tree import ComponentTransfer, TreeNode
 from hicache.cluster.tree.allocator import concat
 from hicache.cluster.worker_group import WorkerGroup
-from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
+from hicache.workers.plan import OpKind, PoolCopy, TransferAck, TransferOp, TransferPlan
 
 _D2H, _H2D = OpKind.BACKUP_D2H, OpKind.LOAD_H2D
 
@@ -39,7 +39,7 @@ class CopyBatch(PendingTransfer):
     lock, ``LoadBackParams.lock``, released by the caller, not by the ack). ``op`` is the merged op once
     sent, None before."""
 
-    __slots__ = ("chains", "pages", "slots", "num_pages", "load_ids", "caller_locks")
+    __slots__ = ("chains", "pages", "slots", "num_pages", "load_ids", "caller_locks", "parts")
 
     def __init__(self, kind: OpKind, num_hosts: int) -> None:
         super().__init__(None, -1, [], num_hosts, kind)
@@ -49,13 +49,21 @@ class CopyBatch(PendingTransfer):
         self.num_pages = 0
         self.load_ids: list[int] = []
         self.caller_locks: list[bool] = []
+        # Hybrid trees: chain index -> the same copy's component-pool transfers (None until one has some).
+        self.parts: dict[int, list[ComponentTransfer]] | None = None
 
     @property
     def num_transfers(self) -> int:  # type: ignore[override]  # a class constant in PendingTransfer
         return len(self.chains)
 
-    def add(self, chain: list[TreeNode], pages: np.ndarray, slots: np.ndarray) -> int:
-        """Queues the copy of ``chain`` (``pages[i] <-> slots[i]``); returns the pages now queued."""
+    def add(self, chain: list[TreeNode], pages: np.ndarray, slots: np.ndarray,
+            parts: list[ComponentTransfer] | None = None) -> int:
+        """Queues the copy of ``chain`` (``pages[i] <-> slots[i]``; ``parts``: its component pools' copies,
+        with their destinations); returns the pages now queued."""
+        if parts:
+            if self.parts is None:
+                self.parts = {}
+            self.parts[len(self.chains)] = parts
         self.chains.append(chain)
         self.pages.append(pages)
         self.slots.append(slots)
@@ -68,9 +76,23 @@ class CopyBatch(PendingTransfer):
         """The batch as one op (its copies' id pairs concatenated, in queue order). The ids are the head's
         own (allocators, nodes; never written in place): the op takes them as they are (``copy_op``)."""
         pages, slots = self.pages, self.slots
+        pools = self._pool_copies() if self.parts else ()
         if len(pages) == 1:
-            return TransferOp.copy_op(op_id, self.kind, pages[0], slots[0])
-        return TransferOp.copy_op(op_id, self.kind, concat(pages), concat(slots))
+            return TransferOp.copy_op(op_id, self.kind, pages[0], slots[0], pools)
+        return TransferOp.copy_op(op_id, self.kind, concat(pages), concat(slots), pools)
+
+    def _pool_copies(self) -> tuple[PoolCopy, ...]:
+        """One ``PoolCopy`` per component pool: every part of the batch for it, in queue order."""
+        assert self.parts is not None
+        by_pool: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        backup = self.kind is _D2H
+        for transfers in self.parts.values():
+            for t in transfers:
+                assert t.dst is not None  # the controller gives every part its destination
+                device, host = by_pool.setdefault(t.component, ([], []))
+                device.append(t.src if backup else t.dst)
+                host.append(t.dst if backup else t.src)
+        return tuple(PoolCopy(name, concat(d), concat(h)) for name, (d, h) in by_pool.items())
 
     def on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
         for chain in self.chains:
@@ -112,19 +134,20 @@ class PlanOutbox:
         self.send_due = True
         return pending
 
-    def queue_backup(self, chain: list[TreeNode], pages: np.ndarray, slots: np.ndarray) -> None:
+    def queue_backup(self, chain: list[TreeNode], pages: np.ndarray, slots: np.ndarray,
+                     parts: list[ComponentTransfer] | None = None) -> None:
         """Adds a D->H copy to the open batch; it is due once the batch holds ``backup_batch_pages``."""
         batch = self.open_backups
         if not batch.num_pages:
             self._held_calls = 0
-        if batch.add(chain, pages, slots) >= self._batch_pages:
+        if batch.add(chain, pages, slots, parts) >= self._batch_pages:
             self.send_due = True
 
     def queue_load(self, chain: list[TreeNode], pages: np.ndarray, slots: np.ndarray, load_id: int,
-                   caller_lock: bool) -> CopyBatch:
+                   caller_lock: bool, parts: list[ComponentTransfer] | None = None) -> CopyBatch:
         """Adds an H->D copy to the open batch (due at once: a request waits for it); returns the batch."""
         batch = self.open_loads
-        batch.add(chain, pages, slots)
+        batch.add(chain, pages, slots, parts)
         batch.load_ids.append(load_id)
         batch.caller_locks.append(caller_lock)
         self.send_due = True

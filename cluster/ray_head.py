@@ -135,6 +135,7 @@ class ReplicaConfig:
                 raise ValueError(f"spec.page_size {self.workers.spec.page_size} != tree page_size {self.head.tree.page_size}")
             if self.head.tree.capacity_pages is None:
                 raise ValueError("workers hold the L1 pool: TreeConfig.capacity_pages must be set")
+            self.head.component_pools(self.workers.component_specs)  # a hybrid head's pools: ValueError if unset
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
         if not self.health_interval_s > 0 or not self.rebuild_backoff_s > 0:
@@ -369,7 +370,8 @@ class CacheHeadActor:
         assert capacity is not None  # ReplicaConfig requires it with workers
         while not self._stop.is_set():
             group = RayWorkerGroup(cfg.replica, cfg.workers, capacity,
-                                   cfg.head.hicache.host_slots if cfg.head.hicache else 1, detached=cfg.detached)
+                                   cfg.head.hicache.host_slots if cfg.head.hicache else 1, detached=cfg.detached,
+                                   component_pools=cfg.head.component_pools(cfg.workers.component_specs))
             try:
                 group.start(_new_epoch())
             except Exception as e:  # placement, start or jax session failed: try again

@@ -52,7 +52,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.tpu import WorkerPlacement, cpu_placement
 from hicache.workers.plan import TransferAck, TransferPlan
-from hicache.workers.spec import KVCacheSpec
+from hicache.workers.spec import ComponentPool, KVCacheSpec
 
 if TYPE_CHECKING:  # (imported where it is built: jax loads with it)
     from hicache.workers import HostWorker
@@ -78,10 +78,18 @@ class WorkerGroupOptions:
     start_timeout_s: float = 120.0  # actors up + jax.distributed + pools
     call_timeout_s: float = 30.0  # bound on any single poll/ping answer; longer = host lost
     impl: str | None = None  # paged-copy implementation (None: per backend)
+    # A hybrid model's other paged pools by component name (e.g. "swa": its sliding-window layers' K/V);
+    # their sizes come from the head's component configs (``HeadConfig.component_pools``)
+    component_specs: Mapping[str, KVCacheSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(self.spec).__name__}")
+        object.__setattr__(self, "component_specs", dict(self.component_specs))
+        for name, cspec in self.component_specs.items():
+            if not isinstance(cspec, KVCacheSpec) or cspec.page_size != self.spec.page_size:
+                raise ValueError(f"component_specs[{name!r}] must be a KVCacheSpec with page_size "
+                                 f"{self.spec.page_size}, got {cspec!r}")
         if not isinstance(self.placement, WorkerPlacement):
             raise TypeError(f"placement must be a WorkerPlacement, got {type(self.placement).__name__}")
         if self.platform not in ("cpu", "tpu", "gpu", "cuda"):
@@ -146,8 +154,9 @@ class HostWorkerActor:
                 "local_devices": jax.local_device_count()}
 
     def begin_epoch(self, epoch: int, spec: KVCacheSpec, num_device_pages: int, host_slots: int,
-                    impl: str | None) -> dict[str, Any]:
-        """Builds fresh pools over the global mesh (every host): empty L1/L2 shards, fresh seq state."""
+                    impl: str | None, component_pools: tuple[ComponentPool, ...] = ()) -> dict[str, Any]:
+        """Builds fresh pools over the global mesh (every host): empty L1/L2 shards (and the component
+        pools' L1/L2, a hybrid model's), fresh seq state."""
         import jax
 
         from hicache.workers import HostWorker, default_mesh
@@ -161,7 +170,7 @@ class HostWorkerActor:
                 f"{jax.process_count()} hosts (the mesh would leave hosts {set(range(jax.process_count())) - procs} idle)"
             )
         worker = HostWorker(spec, num_device_pages, host_slots, host_index=self.host_index, mesh=mesh,
-                            impl=impl)
+                            impl=impl, component_pools=component_pools)
         self._worker = worker
         self._epoch = epoch
         pool = worker.device_pool
@@ -277,8 +286,9 @@ class RayWorkerGroup:
     """
 
     def __init__(self, replica: str, options: WorkerGroupOptions, num_device_pages: int, host_slots: int,
-                 *, detached: bool = False) -> None:
+                 *, detached: bool = False, component_pools: tuple[ComponentPool, ...] = ()) -> None:
         self.replica = replica
+        self.component_pools = tuple(component_pools)
         self.options = options
         self.num_device_pages = int(num_device_pages)
         self.host_slots = int(host_slots)
@@ -338,7 +348,7 @@ class RayWorkerGroup:
             coordinator = ray.get(actors[0].coordinator_address.remote(opts.coordinator_host), timeout=left())
             ray.get([a.init_jax.remote(coordinator, opts.platform, left()) for a in actors], timeout=left())
             infos = ray.get([a.begin_epoch.remote(epoch, opts.spec, self.num_device_pages, self.host_slots,
-                                                  opts.impl) for a in actors], timeout=left())
+                                                  opts.impl, self.component_pools) for a in actors], timeout=left())
         except BaseException:
             for a in actors:
                 _kill(a)

@@ -10,13 +10,14 @@ before it and frees what it reserved; an L3 op goes to the storage tier. Node st
 
 from __future__ import annotations
 
+from hicache.cluster.component_host import ComponentHostPool
 from hicache.cluster.events import CacheCounters, MissReason
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.plan_outbox import CopyBatch
 from hicache.cluster.storage_tier import StorageTier
 from hicache.cluster.tier_events import MAX_EVENTS, TierEvents
-from hicache.cluster.tree import RadixTree
+from hicache.cluster.tree import ComponentTransfer, HiCachePhase, RadixTree
 from hicache.workers.plan import OpKind
 
 _D2H = OpKind.BACKUP_D2H
@@ -25,11 +26,15 @@ _D2H = OpKind.BACKUP_D2H
 class TransferCommitter:
     """Applies finished transfers. ``loads``: load id -> the batch carrying it (queued or in flight);
     ``finished_loads``: load id -> ok, kept (bounded) until ``take_finished`` asks; ``storage``: the
-    attached L3 tier (the controller sets it), which completes L3 ops and follows acked backups up."""
+    attached L3 tier (the controller sets it), which completes L3 ops and follows acked backups up;
+    ``component_hosts``: the L2 ids of a hybrid tree's component pools, by component name (empty for Full
+    only): a copy's component parts are committed, or their ids freed, with its Full pages."""
 
-    def __init__(self, tree: RadixTree, host: HostTier, events: TierEvents, counters: CacheCounters) -> None:
+    def __init__(self, tree: RadixTree, host: HostTier, events: TierEvents, counters: CacheCounters,
+                 component_hosts: dict[str, ComponentHostPool] | None = None) -> None:
         self.tree = tree
         self.host = host
+        self.component_hosts = component_hosts or {}
         self.events = events
         self.counters = counters
         self.storage: StorageTier | None = None
@@ -63,6 +68,8 @@ class TransferCommitter:
         (``RadixTree.merge_backed_up``)."""
         chains = batch.chains
         assert batch.op is not None  # acked: it was sent
+        if batch.parts:
+            self._commit_backup_parts(batch.chains, batch.parts)
         self.counters.backed_up_tokens += self.host.commit_chains(chains, batch.op.host_slots)  # clears ``pending``
         unlock, merge = self.tree.full.unlock, self.tree.merge_backed_up
         if self.storage is None:
@@ -84,7 +91,9 @@ class TransferCommitter:
         maybe_push = self.host.maybe_push
         loads, finished = self.loads, self.finished_loads
         tokens = 0
-        for nodes, caller_lock, load_id in zip(batch.chains, batch.caller_locks, batch.load_ids):
+        for i, (nodes, caller_lock, load_id) in enumerate(zip(batch.chains, batch.caller_locks, batch.load_ids)):
+            if self.component_hosts:  # (before ``loading`` clears: the components find the chain by it)
+                self._commit_load_parts(nodes[-1], batch.parts.get(i, ()) if batch.parts else ())
             for n in nodes:
                 n.pending = None
                 n.loading = False
@@ -109,6 +118,10 @@ class TransferCommitter:
         full = self.tree.full
         if batch.kind is _D2H:
             unreserve = self.host.unreserve
+            for parts in (batch.parts or {}).values():
+                for t in parts:
+                    assert t.dst is not None  # reserved when queued
+                    self.component_hosts[t.component].unreserve(t.dst)
             for nodes in batch.chains:
                 for n in nodes:
                     n.pending = None
@@ -118,7 +131,9 @@ class TransferCommitter:
                 full.unlock(nodes[-1])
             return
         host = self.host
-        for nodes, caller_lock, load_id in zip(batch.chains, batch.caller_locks, batch.load_ids):
+        for i, (nodes, caller_lock, load_id) in enumerate(zip(batch.chains, batch.caller_locks, batch.load_ids)):
+            if self.component_hosts:  # components release what their part reserved (e.g. a Mamba slot)
+                self._commit_load_parts(nodes[-1], batch.parts.get(i, ()) if batch.parts else (), ok=False)
             tokens = 0
             if not caller_lock:  # else the caller releases its lock
                 full.unlock(nodes[-1])
@@ -137,6 +152,26 @@ class TransferCommitter:
             del self.loads[load_id]
             self.finished_loads[load_id] = False
         self._bound_finished_loads()
+
+    def _commit_backup_parts(self, chains: list, parts: dict[int, list[ComponentTransfer]]) -> None:
+        """The component copies of acked backups: each component records its host copies (on the chain's
+        nodes, split since or not), their ids become committed."""
+        for i, transfers in parts.items():
+            for name, pool in self.component_hosts.items():
+                mine = [t for t in transfers if t.component == name]
+                if mine:
+                    pool.component.commit_hicache_transfer(chains[i][-1], HiCachePhase.BACKUP, mine)
+                    for t in mine:
+                        assert t.dst is not None  # reserved when queued
+                        pool.commit(t.dst)
+
+    def _commit_load_parts(self, leaf, transfers, ok: bool = True) -> None:
+        """A load of the chain ending at ``leaf`` acked (``ok``): every component with a host tier restores what
+        it loaded and drops what it did not (e.g. SWA pages outside the window become tombstones); or failed:
+        each releases what its part reserved (the chain's pages are dropped after)."""
+        for name, pool in self.component_hosts.items():
+            pool.component.commit_hicache_transfer(leaf, HiCachePhase.LOAD_BACK,
+                                                   [t for t in transfers if t.component == name], ok)
 
     def complete_storage(self, p: PendingTransfer) -> None:
         """An L3 op is done on every host (acked, or failed)."""

@@ -8,9 +8,10 @@ Example (see ``ray_configs/replicas/``)::
     l2_slots: 65536           # L2 slots; 0 or absent: no host tier
     write_policy: write_through
     eviction_policy: lru
-    model: {num_layers: 32, num_kv_heads: 8, head_dim: 128, dtype: bfloat16}
+    model: {num_layers: 32, num_kv_heads: 8, head_dim: 128, dtype: bfloat16}  # (+ swa_layers: N with an
+                              # swa component and a host tier: the workers keep those layers' pool)
     components:               # absent: full attention only; else the model's other cache components
-      swa: {window: 4096, num_tokens: 262144}   # SWAConfig fields
+      swa: {window: 4096, num_tokens: 262144, host_tokens: 1048576}   # SWAConfig fields
       mamba: {num_slots: 512, state_shapes: [[4, 128], [16, 64]], dtype: float32}  # MambaConfig fields
     workers:                  # absent: control plane only (a head without data plane)
       platform: cpu           # cpu (fake hosts) | tpu
@@ -54,7 +55,7 @@ from hicache.storage import ModelFingerprint, StorageConfig
 _TOP = {"replica", "page_size", "l1_pages", "l2_slots", "write_policy", "eviction_policy", "model", "workers",
         "max_restarts", "detached", "l3", "components", "preemption"}
 _PREEMPTION = {"kind", "location", "deadline_s", "poll_s"}
-_MODEL = {"num_layers", "num_kv_heads", "head_dim", "dtype"}
+_MODEL = {"num_layers", "num_kv_heads", "head_dim", "dtype", "swa_layers"}
 _WORKERS = {"platform", "num_hosts", "devices_per_host", "topology", "accelerator", "start_timeout_s", "call_timeout_s"}
 
 
@@ -106,6 +107,8 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
                                page_size, str(model.get("dtype", "bfloat16")))
             platform = w.get("platform", "cpu")
             extra: dict[str, Any] = {k: float(w[k]) for k in ("start_timeout_s", "call_timeout_s") if k in w}
+            if "swa_layers" in model:  # the sliding-window layers' pool, paged like L1
+                extra["component_specs"] = {"swa": dataclasses.replace(spec, num_layers=int(model["swa_layers"]))}
             if platform == "cpu":
                 workers = WorkerGroupOptions.fake_cpu_hosts(spec, int(w.get("num_hosts", 1)),
                                                             int(w.get("devices_per_host", 1)), **extra)

@@ -26,7 +26,7 @@ def chats(runner: ModelRunner, stack, rounds: int = 3, convs: int = 3, seed: int
     vocab = runner.model.vocab_size
     system = rng.integers(0, vocab, 21, dtype=np.int32)
     histories = [system.copy() for _ in range(convs)]
-    hits = requests = 0
+    hits = requests = loaded = 0
     for _ in range(rounds):
         for c in range(convs):
             prompt = np.concatenate([histories[c], rng.integers(0, vocab, 11, dtype=np.int32)])
@@ -35,9 +35,10 @@ def chats(runner: ModelRunner, stack, rounds: int = 3, convs: int = 3, seed: int
             assert res.output == ref.tokens
             np.testing.assert_array_equal(res.logits, ref.logits)
             hits += res.device_hit_tokens
+            loaded += res.loaded_tokens
             requests += 1
             histories[c] = np.concatenate([prompt, np.asarray(res.output, dtype=np.int32)])
-    return {"hits": hits, "requests": requests}
+    return {"hits": hits, "requests": requests, "loaded": loaded}
 
 
 @pytest.mark.parametrize("kind", ["swa", "mamba"])
@@ -59,6 +60,122 @@ def test_hybrid_multi_turn_under_eviction_equals_no_cache(kind):
     else:  # the engine's sliding-window layers live in the SWA pool (14 pages, L1 20): SWA KV was evicted
         assert stack.runner.swa_pool is not None and stack.runner.swa_pool.shape[2] == 14
         assert stats["swa"]["request_pages"] == 0 and stats["swa"]["evicted_tokens"] > 0
+
+
+def test_swa_multi_turn_with_l2_under_eviction_equals_no_cache():
+    """L1 holds about two conversations, the SWA pages' L2 (20 pages) less than the Full L2 (64): L1 and
+    the SWA host copies are both evicted, and L2 hits (Full pages plus the window's SWA pages) are exact."""
+    stack = build_stack(StackOptions(model=MODELS["swa"], forward=FWD, l1_pages=20, swa_tokens=112, l2_slots=64,
+                                     swa_host_tokens=160))
+    assert stack.worker.pools["swa"][1].num_slots == 20  # the worker's SWA L2 is the head's
+    out = chats(stack.runner, stack, rounds=4)
+    assert out["hits"] > 0 and out["loaded"] > 0  # L1 and L2 hits
+    stack.client.flush_write_through_acks()
+    stats = stack.head.cache_stats()
+    assert stats["device_evicted_tokens"] > 0 and stats["loaded_tokens"] > 0
+    swa = stats["swa"]
+    assert swa["host_evicted_tokens"] > 0 and 0 < swa["host_tokens"] <= swa["host_capacity_tokens"] == 160
+    stack.head.tree.check_invariants()
+    stack.head.controller.check_invariants()
+    assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
+
+
+class _FailCopiesWithSWA:
+    """The stack's real worker group, but every op of ``kind`` that carries SWA pages is acked as failed (the
+    worker did run it: only the head's view of the ack changes, as when a host loses the copy)."""
+
+    def __init__(self, inner, kind: str) -> None:
+        self.inner, self.kind, self.failed = inner, kind, set()
+        self.num_hosts = inner.num_hosts
+
+    def submit(self, plan) -> None:
+        self.failed |= {op.op_id for op in plan.ops if op.kind.value == self.kind and op.pools}
+        self.inner.submit(plan)
+
+    def _gate(self, acks):
+        from dataclasses import replace
+
+        return [replace(a, ok=False, error="lost the copy") if a.op_id in self.failed else a for a in acks]
+
+    def poll(self):
+        return self._gate(self.inner.poll())
+
+    def wait(self, timeout_s, op_ids=None):
+        return self._gate(self.inner.wait(timeout_s, op_ids))
+
+
+@pytest.mark.parametrize("kind", ["d2h", "h2d"])
+def test_failed_copies_with_swa_pages_roll_back_and_serving_stays_exact(kind):
+    """A D2H / H2D op whose SWA part is lost fails as a whole: backups leave no host copy (their SWA ids
+    freed), loads fall back to recompute; outputs stay bit-exact and nothing leaks."""
+    from hicache.cluster.tree import PageOwner
+
+    stack = build_stack(StackOptions(model=MODELS["swa"], forward=FWD, l1_pages=20, swa_tokens=112, l2_slots=64,
+                                     swa_host_tokens=160))
+    ctl = stack.head.controller
+    ctl.workers = wrapper = _FailCopiesWithSWA(ctl.workers, kind)
+    chats(stack.runner, stack, rounds=4)
+    stack.client.flush_write_through_acks()
+    assert wrapper.failed and stack.head.cache_stats()["transfer_failures"] > 0
+    pool = ctl.component_hosts["swa"]
+    assert pool.slots.count(PageOwner.REQUEST) == 0  # no SWA host id left reserved
+    if kind == "d2h":  # no backup with SWA pages ever committed: no SWA host copy, no load
+        assert pool.stats()["host_tokens"] == 0 and stack.head.cache_stats()["loaded_tokens"] == 0
+    stack.head.tree.check_invariants()
+    ctl.check_invariants()
+    assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"swa_host_tokens": 16}, r"swa host_tokens=16 cannot hold one window \(window=24\)"),
+        ({"l2_slots": 2}, r"swa host_tokens=16 cannot hold one window"),  # default: as many as the Full L2
+        ({"swa_host_tokens": 0}, "swa host_tokens must be a positive int or None, got 0"),
+    ],
+)
+def test_swa_l2_too_small_for_a_window_is_refused(kwargs, match):
+    options = {"model": MODELS["swa"], "forward": FWD, "l1_pages": 20, "swa_tokens": 112, "l2_slots": 64, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        build_stack(StackOptions(**options))
+
+
+def test_recurrent_states_move_through_a_workers_l2_bit_exactly():
+    """The state pool is paged like KV (one slot a page): a HostWorker keeps it as a component pool, lends it
+    to the model, and moves a state to L2 and back into another slot with the KV transfer programs; the
+    request continues from the restored slot exactly as from the original."""
+    import jax
+
+    from hicache.reference.engine import recurrent
+    from hicache.workers import ComponentPool, HostWorker, KVCacheSpec, OpKind, PoolCopy, TransferOp, TransferPlan
+
+    model = MODELS["mamba"]
+    shape = recurrent.state_shape(model, 4)  # [R, 2, slots, 1, H, d]
+    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, FWD.page_size, "float32")
+    states = ComponentPool("mamba", KVCacheSpec(shape[0], shape[4], shape[5], 1, "float32"), 4, 3)
+    worker = HostWorker(spec, 16, 8, devices=[jax.devices()[0]], component_pools=(states,))
+    runner = worker.attach_model(lambda kv: ModelRunner(model, FWD, pool=kv, state_slots=4))
+    prompt = np.arange(1, 30, dtype=np.int32)
+    worker.run_model(lambda m: m.zero_states([1]))
+    worker.run_model(lambda m: m.prefill(prompt, [0, 1, 2, 3], 0, 1))
+    ops = [TransferOp(1, OpKind.BACKUP_D2H, [0], [0], pools=(PoolCopy("mamba", [1], [2]),)),
+           TransferOp(2, OpKind.LOAD_H2D, [5], [0], pools=(PoolCopy("mamba", [3], [2]),))]
+    for seq, op in enumerate(ops, 1):
+        worker.submit(TransferPlan(seq, (op,)))
+        assert [a.ok for a in worker.wait(60)] == [True]
+    pool = np.asarray(worker.pools["mamba"][0].kv)
+    np.testing.assert_array_equal(pool[:, :, 3], pool[:, :, 1])
+    nxt = np.r_[prompt, 7].astype(np.int32)
+    from_restored = worker.run_model(lambda m: m.decode_step(nxt, [0, 1, 2, 3], 3))
+    from_original = worker.run_model(lambda m: m.decode_step(nxt, [0, 1, 2, 3], 1))
+    np.testing.assert_array_equal(from_restored, from_original)
+    assert runner.state_pool is worker.pools["mamba"][0].kv
+    worker.close()
+
+
+def test_mamba_with_a_host_tier_is_refused_clearly():
+    with pytest.raises(ValueError, match="host tier .* mamba component is not supported yet"):
+        build_stack(StackOptions(model=MODELS["mamba"], forward=FWD, l1_pages=20, state_slots=6, l2_slots=32))
 
 
 @pytest.mark.parametrize("kind", ["swa", "mamba"])

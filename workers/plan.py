@@ -5,6 +5,9 @@ Plain numpy/int/str data (no ``jax.Array``): these cross Ray boundaries. The hea
 ``HostWorker`` executes it on its own shards (its KV heads) and answers one ``TransferAck`` per op.
 ``device_pages`` are global L1 page ids (identical on every host); ``host_slots`` are L2 slot ids,
 allocated by the head and identical on every host (each host stores its heads of the page there).
+A hybrid model's other pools (e.g. the sliding-window layers' KV pool, ``"swa"``) ride in the same D2H /
+H2D op as ``PoolCopy`` entries (``TransferOp.pools``): one op, one ack per host for every pool, so a
+copy's state changes on the head only when every pool's part of it is done on every host.
 """
 
 from __future__ import annotations
@@ -42,6 +45,36 @@ def _as_id_array(value: object, name: str) -> np.ndarray:
 
 
 @dataclass(frozen=True, eq=False, slots=True)
+class PoolCopy:
+    """The part of a D2H / H2D op that moves pages of a component pool (``pool``: its name, e.g. "swa");
+    ids are that pool's own (its device pages, its host slots), paired positionally."""
+
+    pool: str
+    device_pages: np.ndarray  # i32[n]
+    host_slots: np.ndarray  # i32[n]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool, str) or not self.pool or self.pool == MAIN_POOL:
+            raise ValueError(f"PoolCopy.pool must name a component pool (not {MAIN_POOL!r}), got {self.pool!r}")
+        object.__setattr__(self, "device_pages", _as_id_array(self.device_pages, "device_pages"))
+        object.__setattr__(self, "host_slots", _as_id_array(self.host_slots, "host_slots"))
+        if self.device_pages.size != self.host_slots.size:
+            raise ValueError(f"pool {self.pool!r}: {self.device_pages.size} device_pages vs "
+                             f"{self.host_slots.size} host_slots")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PoolCopy):
+            return NotImplemented
+        return self.pool == other.pool and np.array_equal(self.device_pages, other.device_pages) and np.array_equal(
+            self.host_slots, other.host_slots)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+MAIN_POOL = "kv"  # the Full attention KV pool: ``TransferOp.device_pages`` / ``host_slots`` themselves
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class TransferOp:
     """One copy between tiers. Pairs are positional: ``device_pages[i] <-> host_slots[i]``
     (and ``host_slots[i] <-> storage_keys[i]`` for storage ops)."""
@@ -52,9 +85,20 @@ class TransferOp:
     host_slots: np.ndarray  # i32[n]
     storage_keys: tuple[str, ...] = ()
     first_page: int = 0  # storage ops: chain index of the first key (chunk layout of L3 objects)
+    pools: tuple[PoolCopy, ...] = ()  # D2H / H2D: the same copy's pages of component pools (one per pool)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
+        object.__setattr__(self, "pools", tuple(self.pools))
+        names = []
+        for copy in self.pools:
+            if not isinstance(copy, PoolCopy):
+                raise TypeError(f"TransferOp.pools must hold PoolCopy, got {type(copy).__name__}")
+            names.append(copy.pool)
+        if len(set(names)) != len(names):
+            raise ValueError(f"op {self.op_id}: a pool appears twice in {names}")
+        if names and self.kind not in (OpKind.BACKUP_D2H, OpKind.LOAD_H2D):
+            raise ValueError(f"op {self.op_id}: component pools {names} in a {self.kind.value} op (D2H/H2D only)")
         object.__setattr__(self, "device_pages", _as_id_array(self.device_pages, "device_pages"))
         object.__setattr__(self, "host_slots", _as_id_array(self.host_slots, "host_slots"))
         object.__setattr__(self, "storage_keys", tuple(self.storage_keys))
@@ -74,7 +118,8 @@ class TransferOp:
             )
 
     @classmethod
-    def copy_op(cls, op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray) -> TransferOp:
+    def copy_op(cls, op_id: int, kind: OpKind, device_pages: np.ndarray, host_slots: np.ndarray,
+                pools: tuple[PoolCopy, ...] = ()) -> TransferOp:
         """An L1<->L2 copy op from ids the caller owns and trusts: the head's own ``int32`` 1-D arrays, of
         equal length, never written in place after (its allocators and nodes replace arrays, they never
         write into them). Built without the checks and private copies of the constructor (one op per sent
@@ -82,7 +127,7 @@ class TransferOp:
         off the wire) still goes through ``TransferOp(...)``, and the worker checks every id of a plan."""
         op = object.__new__(cls)
         for name, value in (("op_id", op_id), ("kind", kind), ("device_pages", device_pages),
-                            ("host_slots", host_slots), ("storage_keys", ()), ("first_page", 0)):
+                            ("host_slots", host_slots), ("storage_keys", ()), ("first_page", 0), ("pools", pools)):
             object.__setattr__(op, name, value)  # the frozen class's own way to set a field
         return op
 
@@ -93,7 +138,8 @@ class TransferOp:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TransferOp):
             return NotImplemented
-        return (self.op_id, self.kind, self.storage_keys) == (other.op_id, other.kind, other.storage_keys) and (
+        return (self.op_id, self.kind, self.storage_keys, self.pools) == (
+            other.op_id, other.kind, other.storage_keys, other.pools) and (
             np.array_equal(self.device_pages, other.device_pages) and np.array_equal(self.host_slots, other.host_slots)
         )
 

@@ -63,3 +63,26 @@ class KVCacheSpec:
     def pool_shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
         """The L1 pool: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``."""
         return (self.num_layers, 2, int(num_pages), self.page_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class ComponentPool:
+    """A hybrid model's pool besides the Full KV pool, as paged as it (e.g. ``"swa"``: the sliding-window
+    layers' K/V, ``spec.num_layers`` of them): ``num_device_pages`` in L1 (the head's component pool ids)
+    and ``host_slots`` in L2 on every host. The worker moves its pages with the same transfer code as the
+    Full pool's."""
+
+    name: str
+    spec: KVCacheSpec
+    num_device_pages: int
+    host_slots: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or self.name == "kv":
+            raise ValueError(f"ComponentPool.name must name a component pool (not 'kv'), got {self.name!r}")
+        if not isinstance(self.spec, KVCacheSpec):
+            raise TypeError(f"ComponentPool.spec must be a KVCacheSpec, got {type(self.spec).__name__}")
+        for field_name in ("num_device_pages", "host_slots"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"ComponentPool {self.name!r}: {field_name} must be a positive int, got {value!r}")

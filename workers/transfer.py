@@ -270,7 +270,7 @@ class TransferEngine:
             for part in parts:
                 part.abort()
             raise
-        return _joined(kind, parts)
+        return join_handles(kind, parts)
 
     def _load_batch(self, slots: np.ndarray, pages: np.ndarray) -> TransferHandle:
         n = pages.size
@@ -286,9 +286,9 @@ class TransferEngine:
                               _noop, release)
 
 
-def _joined(kind: OpKind, parts: list[TransferHandle]) -> TransferHandle:
-    """One handle over the batches of a cut transfer: ready when all are, committed together (a
-    failure before the commit changes nothing, as for one batch)."""
+def join_handles(kind: OpKind, parts: list[TransferHandle]) -> TransferHandle:
+    """One handle over the batches of a cut transfer (or the pools of one copy): ready when all are,
+    committed together (a failure before the commit changes nothing, as for one batch)."""
     handle = TransferHandle(kind, sum(p.num_pages for p in parts), sum(p.bytes_moved for p in parts),
                             _all_ready([p.is_ready for p in parts]),
                             _each([functools.partial(p.block_until_ready, None) for p in parts]),

@@ -1,5 +1,10 @@
 """HostWorker: one per host of a replica; owns that host's L1 shard, L2 pool and transfer engine.
 
+A hybrid model's other paged pools (``ComponentPool``: e.g. the sliding-window layers' KV, the recurrent
+states) are this worker's too: each an L1 ``DevicePool`` on the same mesh, an L2 ``HostPool`` and a
+``TransferEngine`` (``pools``), lent to the model with L1 (``run_model``) and moved by the ``PoolCopy``
+parts of the same D2H/H2D op as the Full pages (one ack per op for every pool).
+
 It executes ``TransferPlan``s strictly in ``seq`` order and answers one ``TransferAck`` per op; it
 never decides anything (no imports of ``hicache.cluster``). A plan is validated as a whole before
 any op runs (``ValueError``/``TypeError``, nothing touched). D2H/H2D ops are dispatched at once (JAX
@@ -75,8 +80,8 @@ from hicache.workers.device_pool import DevicePool, default_mesh
 from hicache.workers.fused_pool import FusedLayerPool
 from hicache.workers.host_pool import HostPool, HostPoolConfig, size_host_pool
 from hicache.workers.plan import OpKind, TransferAck, TransferOp, TransferPlan
-from hicache.workers.spec import KVCacheSpec
-from hicache.workers.transfer import TransferEngine, TransferHandle
+from hicache.workers.spec import ComponentPool, KVCacheSpec
+from hicache.workers.transfer import TransferEngine, TransferHandle, join_handles
 
 # (op, host_pool) -> bytes moved, or (bytes moved, commit) where ``commit()`` does the op's pool
 # writes on the owner thread at ack time; raise to fail the op. Runs on the worker's storage thread:
@@ -97,6 +102,18 @@ class PoolModel(Protocol):
 
     def set_pool(self, kv_pool: jax.Array) -> None: ...
 
+
+class ComponentPoolModel(PoolModel, Protocol):
+    """A ``PoolModel`` of a hybrid model whose component pools (``ComponentPool``) the worker owns too:
+    ``component_pool(name)`` / ``set_component_pool(name, array)`` as ``pool`` / ``set_pool``."""
+
+    def component_pool(self, name: str) -> jax.Array: ...
+
+    def set_component_pool(self, name: str, array: jax.Array) -> None: ...
+
+
+# Checked ids of a D2H/H2D op's component pools: (that pool's engine, device pages, host slots) each.
+_PoolIds = list[tuple[TransferEngine, np.ndarray, np.ndarray]]
 
 _T = TypeVar("_T")
 
@@ -197,10 +214,14 @@ class HostWorker:
         impl: CopyImpl | str | None = None,
         storage_executor: StorageOpFn | None = None,
         device_pool: FusedLayerPool | None = None,
+        component_pools: tuple[ComponentPool, ...] = (),
     ) -> None:
         """``impl``: the paged-copy kernel implementation (default: ``select_impl()`` per backend);
         ``device_pool``: L1 is an engine's own arrays (``FusedLayerPool`` of ``spec`` and
-        ``num_device_pages``, on its own mesh) instead of a ``DevicePool`` this worker allocates."""
+        ``num_device_pages``, on its own mesh) instead of a ``DevicePool`` this worker allocates;
+        ``component_pools``: a hybrid model's other paged pools (``ComponentPool``, e.g. its sliding-window
+        layers' KV), each a ``DevicePool`` on the same mesh with an L2 pool of its own, moved by the ops'
+        ``PoolCopy`` parts with the same transfer code."""
         if device_pool is not None:
             if device_pool.spec != spec or device_pool.num_pages != num_device_pages or mesh or devices:
                 raise ValueError(f"device_pool ({device_pool.spec}, {device_pool.num_pages} pages) must match spec "
@@ -221,6 +242,18 @@ class HostWorker:
         self.host_pool = HostPool(self.device_pool, num_slots)
         self.engine = TransferEngine(self.device_pool, self.host_pool, impl=impl)
         self.storage_executor = storage_executor
+        # name -> (L1 pool, L2 pool, transfer engine) of each component pool
+        self.pools: dict[str, tuple[DevicePool, HostPool, TransferEngine]] = {}
+        for cp in component_pools:
+            if not isinstance(cp, ComponentPool):
+                raise TypeError(f"component_pools must hold ComponentPool, got {type(cp).__name__}")
+            if cp.name in self.pools:
+                raise ValueError(f"component pool {cp.name!r} given twice")
+            if not isinstance(self.device_pool, DevicePool):
+                raise ValueError("component pools need an L1 DevicePool of this worker (not an engine's own arrays)")
+            dp = DevicePool(cp.spec, cp.num_device_pages, mesh=self.device_pool.mesh)
+            hp = HostPool(dp, cp.host_slots)
+            self.pools[cp.name] = (dp, hp, TransferEngine(dp, hp, impl=impl))
         self._last_seq: int | None = None
         self._pending: deque[_Pending] = deque()
         # one thread per direction: a prefetch (on a waiting request's path) never queues behind write-backs
@@ -232,9 +265,10 @@ class HostWorker:
         """Builds the engine's per-host model runner over this worker's L1 array (``factory(kv)``)
         and keeps it; replaces any earlier one. Returns it."""
         model = factory(self._allocated_pool().kv)
-        for name in ("pool", "set_pool"):
+        for name in ("pool", "set_pool", *(("component_pool", "set_component_pool") if self.pools else ())):
             if not hasattr(model, name):
-                raise TypeError(f"attach_model: {type(model).__name__} has no {name!r} (not a PoolModel)")
+                raise TypeError(f"attach_model: {type(model).__name__} has no {name!r} (not a PoolModel"
+                                f"{' of component pools ' + str(sorted(self.pools)) if self.pools else ''})")
         self._model = model
         return model
 
@@ -254,12 +288,35 @@ class HostWorker:
         lent = pool.kv
         if model.pool is not lent:  # a transfer replaced the array since the model last held it
             model.set_pool(lent)
+        if self.pools:
+            return self._run_with_components(model, fn, pool, lent)
         try:
             return fn(model)
         finally:
             back = model.pool
             if back is not lent:  # forwards donated the lent array: ``back`` is the last one's output
                 pool.set_kv(back)
+
+    def _run_with_components(self, model: PoolModel, fn: Callable[[PoolModel], _T], pool: DevicePool,
+                             lent: jax.Array) -> _T:
+        """``run_model`` lending the component pools too (each as the L1 array)."""
+        assert hasattr(model, "component_pool")  # attach_model checked it
+        cmodel: ComponentPoolModel = model  # type: ignore[assignment]  # (checked by attach_model)
+        lent_parts = {}
+        for name, (dp, _, _) in self.pools.items():
+            arr = lent_parts[name] = dp.kv
+            if cmodel.component_pool(name) is not arr:
+                cmodel.set_component_pool(name, arr)
+        try:
+            return fn(model)
+        finally:
+            back = model.pool
+            if back is not lent:
+                pool.set_kv(back)
+            for name, (dp, _, _) in self.pools.items():
+                part = cmodel.component_pool(name)
+                if part is not lent_parts[name]:
+                    dp.set_kv(part)
 
     def _allocated_pool(self) -> DevicePool:
         """L1 as this worker allocated it; an engine that owns its arrays (``FusedLayerPool``) runs its own
@@ -273,30 +330,47 @@ class HostWorker:
         """Raises ``ValueError``/``TypeError`` naming the bad value; touches nothing."""
         self._check(plan)
 
-    def _check(self, plan: TransferPlan) -> list[tuple[np.ndarray, np.ndarray] | None]:
-        """``validate``, returning the checked (int32, in range, unique) ids of each D2H/H2D op."""
+    def _check(self, plan: TransferPlan) -> tuple[list[tuple[np.ndarray, np.ndarray] | None], dict[int, _PoolIds]]:
+        """``validate``, returning the checked (int32, in range, unique) ids of each D2H/H2D op, and those of
+        the component pools of the ops that have some (by op id)."""
         if not isinstance(plan, TransferPlan):
             raise TypeError(f"expected a TransferPlan, got {type(plan).__name__}")
         if self._last_seq is not None and plan.seq <= self._last_seq:
             raise ValueError(f"plan seq {plan.seq} must be > last submitted seq {self._last_seq}")
         checked: list[tuple[np.ndarray, np.ndarray] | None] = []
+        parts: dict[int, _PoolIds] = {}
         for op in plan.ops:
             try:
                 if op.kind in _DEVICE_OPS:
                     checked.append(self.engine.check(op.device_pages, op.host_slots))
+                    if op.pools:
+                        parts[op.op_id] = self._check_pools(op)
                 else:
                     self.host_pool.check_slots(op.host_slots)
                     checked.append(None)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"plan {plan.seq} op {op.op_id} ({op.kind.value}): {e}") from None
-        return checked
+        return checked, parts
+
+    def _check_pools(self, op: TransferOp) -> _PoolIds:
+        out: _PoolIds = []
+        for copy in op.pools:
+            entry = self.pools.get(copy.pool)
+            if entry is None:
+                raise ValueError(f"unknown component pool {copy.pool!r} (this worker has {sorted(self.pools)})")
+            engine = entry[2]
+            try:
+                out.append((engine, *engine.check(copy.device_pages, copy.host_slots)))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"pool {copy.pool!r}: {e}") from None
+        return out
 
     def submit(self, plan: TransferPlan) -> None:
         """Validates the whole plan, then dispatches its ops in order (non-blocking for D2H/H2D)."""
-        checked = self._check(plan)
+        checked, parts = self._check(plan)
         self._last_seq = plan.seq
         for op, ids in zip(plan.ops, checked):
-            self._dispatch(plan.seq, op, ids)
+            self._dispatch(plan.seq, op, ids, parts.get(op.op_id) if parts else None)
 
     @staticmethod
     def _overlaps(p: _Pending, wanted: set[int]) -> bool:
@@ -335,7 +409,8 @@ class HostWorker:
             if self._overlaps(p, wanted):
                 p.handle.block_until_ready(None)
 
-    def _dispatch(self, seq: int, op: TransferOp, ids: tuple[np.ndarray, np.ndarray] | None) -> None:
+    def _dispatch(self, seq: int, op: TransferOp, ids: tuple[np.ndarray, np.ndarray] | None,
+                  parts: _PoolIds | None = None) -> None:
         entry = _Pending(seq, op, None, None)
         self._pending.append(entry)
         t0 = time.perf_counter()
@@ -348,10 +423,14 @@ class HostWorker:
             if op.kind is OpKind.BACKUP_D2H:
                 assert ids is not None
                 entry.handle = self.engine.backup_checked(*ids)
+                if parts:
+                    entry.handle = self._with_parts(op.kind, entry.handle, parts)
             elif op.kind is OpKind.LOAD_H2D:
                 assert ids is not None
                 pages, slots = ids
                 entry.handle = self.engine.load_checked(slots, pages)
+                if parts:
+                    entry.handle = self._with_parts(op.kind, entry.handle, parts)
             else:
                 if self.storage_executor is None:
                     raise RuntimeError(f"no storage backend attached: cannot run {op.kind.value} ops")
@@ -366,6 +445,21 @@ class HostWorker:
                 entry.handle = StorageHandle(op.kind, future)
         except Exception as e:  # the op fails; pools unchanged (commit is the last step)
             entry.ack = self._ack(entry, False, f"{type(e).__name__}: {e}", 0, time.perf_counter() - t0)
+
+    @staticmethod
+    def _with_parts(kind: OpKind, main: TransferHandle, parts: _PoolIds) -> TransferHandle:
+        """``main`` joined with the same copy in each component pool: one handle, committed together; a
+        part that fails to dispatch aborts those dispatched before it (the op fails, no pool changed)."""
+        handles = [main]
+        try:
+            for engine, pages, slots in parts:
+                handles.append(engine.backup_checked(pages, slots) if kind is OpKind.BACKUP_D2H
+                               else engine.load_checked(slots, pages))
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
+        return join_handles(kind, handles)
 
     def _ack(self, p: _Pending, ok: bool, error: str | None, moved: int, duration: float) -> TransferAck:
         return TransferAck(p.seq, p.op.op_id, self.host_index, ok, error, moved, duration)

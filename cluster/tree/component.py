@@ -197,6 +197,14 @@ class TreeComponent(ABC):
         """Drops this component's host copies until ``num_tokens`` were freed; returns tokens freed."""
         return 0
 
+    def take_released_host_copies(self) -> list[tuple[str, int, np.ndarray]]:
+        """(component, node id, host ids) of the host copies of nodes removed since the last call."""
+        return []
+
+    def host_copies(self) -> list[np.ndarray]:
+        """The host ids of every host copy this component records (host tier checks)."""
+        return []
+
     # -- match -----------------------------------------------------------------------------------
     def limit_match(self, path: list[TreeNode]) -> int:
         """How many nodes of the matched L1 path this component can serve (default: all)."""

@@ -38,10 +38,14 @@ conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p -
   ``bounds``: the topmost (partially covered) node records the lock's window start ``q``, and a split
   gives the prefix exactly the locks that reach into it. No unlock handle is needed.
 
-HiCache (see ``component.py``): BACKUP copies the SWA pages of a wholly live node (a node with a
-tombstoned head gets no SWA host copy: conservative) to host ids the host tier chooses; LOAD_BACK restores SWA only for loading host-only nodes within the window before the loaded
-node's end (those without a host SWA copy, and those outside the window, become tombstones on commit);
-host eviction drops SWA host copies in LRU order, independently of the Full host chain.
+HiCache (see ``component.py``): a node's SWA host copy is a *host tail*: its last ``k`` pages, at most the
+``window_pages`` a hit at its end reads (the window before a node end lies in that node's tail and, when
+the node is shorter than the window, in its ancestors' tails), so L2 holds only what hits need. BACKUP
+copies the live tail of a node in L1, capped at ``window_pages``, to host ids the host tier chooses;
+LOAD_BACK restores the host tails of the loading nodes within the window before the loaded node's end
+(on commit, the pages not restored become a tombstoned head, or the whole node a tombstone); an L2 hit
+needs a window of host tails (``limit_host_match``); host eviction drops host tails in LRU order,
+independently of the Full host chain. Splits divide a host tail between the two nodes.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class _SWANode(QueuedValue):
         self.queued = False
         self.lock = 0  # SWA locks covering (part of) this node
         self.bounds: dict[int, int] | None = None  # window start q -> locks whose topmost node is this one
-        self.host_slots: np.ndarray | None = None  # i32[pages]: host copy of the SWA pages
+        self.host_slots: np.ndarray | None = None  # i32[k]: host copy of the node's last k SWA pages
         self.end = -1  # the node's end position (depth), once known: fixed for the node's life (a split
         # moves the node's start, never its end; the prefix is a new node)
 
@@ -253,6 +257,7 @@ class SWAComponent(TreeComponent):
         super().attach(tree)
         self.queue.tree = tree
         self.page_size = ps
+        self.window_pages = -(-self.window // ps)  # pages a hit at a (page-aligned) node end reads
         self.allocator = SWAPagePool(None if self.num_tokens is None else self.num_tokens // ps, self)
         self.mapped = MappedPageAllocator(old.capacity if old.bounded else None, self)
         tree.full.allocator = self.mapped
@@ -285,7 +290,8 @@ class SWAComponent(TreeComponent):
         return int(count_true(swa_of[pages] >= 0)) * self.page_size
 
     def is_evictable(self, node: TreeNode) -> bool:
-        if node.parent is None or node.loading or not self.has_live(node):
+        # ``staged_slots``: the node's L1->L2 copy (its SWA pages with it) may be queued, not yet dispatched
+        if node.parent is None or node.loading or node.staged_slots is not None or not self.has_live(node):
             return False
         return self._state(node).lock == 0
 
@@ -370,6 +376,12 @@ class SWAComponent(TreeComponent):
         st = self._state(suffix)
         pst = self._state(prefix)
         pst.lock = st.lock
+        host = st.host_slots
+        if host is not None:  # the host tail splits with the pages: the prefix keeps what reaches into it
+            n = suffix.num_tokens // self.page_size  # the whole node: its key is cut after the hooks ran
+            into_prefix = host.shape[0] - (n - prefix.num_tokens // self.page_size)
+            if into_prefix > 0:
+                pst.host_slots, st.host_slots = host[:into_prefix].copy(), host[into_prefix:].copy()
         if st.bounds:
             assert prefix.parent is not None  # the tree linked the prefix in before this hook
             split_at = self.tree.depth(prefix.parent) + prefix.num_tokens
@@ -480,13 +492,15 @@ class SWAComponent(TreeComponent):
             else:
                 run, from_root = self._live_tail(node), False
         best = 0
+        ps = self.page_size
         for j, node in enumerate(host_path):
             data = node.component_data
             st = data.get("swa") if data else None
-            if st is not None and st.host_slots is not None:
-                run += node.num_tokens
-            else:
-                run, from_root = 0, False
+            tail = 0 if st is None or st.host_slots is None else st.host_slots.shape[0] * ps
+            if tail == node.num_tokens:
+                run += tail
+            else:  # a host tail (or none) ends the run behind it
+                run, from_root = tail, False
             if from_root or run >= self.window:
                 best = j + 1
         return best
@@ -588,18 +602,22 @@ class SWAComponent(TreeComponent):
             raise TypeError(f"phase must be a HiCachePhase, got {phase!r}")
         if phase is HiCachePhase.BACKUP:
             st = self._state(node)
-            if node.parent is None or not self.is_live(node) or st.host_slots is not None:
+            if node.parent is None or node.device_pages is None or node.loading or st.host_slots is not None:
                 return ()
-            src = self.mapped.swa_of[node.device_pages].copy()
-            return (ComponentTransfer(self.name, phase, node.id, src, None, node.num_tokens),)
+            k = min(self._live_tail(node) // self.page_size, self.window_pages)
+            if k == 0:
+                return ()
+            src = self.mapped.swa_of[node.device_pages[-k:]].copy()
+            return (ComponentTransfer(self.name, phase, node.id, src, None, k * self.page_size),)
         window = {n.id for n in self.window_nodes(node)} if node.parent is not None else set()
         out = []
         for n in reversed(self._loading_chain(node)):
-            st = self._state(n)
-            if n.id in window and st.host_slots is not None:
-                dst = self.mapped.swa_of[n.device_pages].copy()
+            host, pages = self._state(n).host_slots, n.device_pages
+            if n.id in window and host is not None and pages is not None:  # (a loading node has its pages)
+                k = host.shape[0]
+                dst = self.mapped.swa_of[pages[-k:]].copy()
                 if (dst >= 0).all():
-                    out.append(ComponentTransfer(self.name, phase, n.id, st.host_slots.copy(), dst, n.num_tokens))
+                    out.append(ComponentTransfer(self.name, phase, n.id, host.copy(), dst, k * self.page_size))
         return tuple(out)
 
     def commit_hicache_transfer(
@@ -612,20 +630,40 @@ class SWAComponent(TreeComponent):
                 raise ValueError(f"swa transfer for node {t.node_id} has no destination ids")
         if not ok:
             return  # BACKUP: nothing recorded; LOAD_BACK: the controller drops the chain's pages
+        covers = [self._covered(t) for t in transfers]  # (all checked before any is recorded)
         if phase is HiCachePhase.BACKUP:
-            for t in transfers:
-                n = self.tree.node(t.node_id)
-                dst = t.dst
-                assert dst is not None  # checked above
-                if n.device_pages is None or dst.shape[0] != n.device_pages.shape[0]:
-                    raise ValueError(f"swa backup of node {t.node_id}: {dst.shape[0]} host ids for {n}")
-                self._state(n).host_slots = np.asarray(dst, dtype=np.int32).copy()
+            for t, cover in zip(transfers, covers):
+                dst = np.asarray(t.dst, dtype=np.int32)
+                end = dst.shape[0]
+                for n, k in cover:
+                    self._state(n).host_slots = dst[end - k : end].copy()
+                    end -= k
             return
         # Contract: called before the controller clears ``loading`` on the chain.
-        restored = {t.node_id for t in transfers}
+        restored = {n.id: k for cover in covers for n, k in cover}
         for n in self._loading_chain(node):
-            if n.id not in restored:
-                self._tombstone(n)  # outside the window or no host SWA copy: full KV only
+            pages = n.device_pages
+            assert pages is not None  # a loading node has its pages attached
+            head = pages.shape[0] - restored.get(n.id, 0)
+            if head:  # outside the window or no host SWA copy: full KV only there (a tombstoned head)
+                self.mapped.unmap(pages[:head].astype(np.intp))
+
+    def _covered(self, t: ComponentTransfer) -> list[tuple[TreeNode, int]]:
+        """``(node, pages)`` for the nodes whose last pages ``t`` moved, deepest first: its node, and the
+        prefixes a split cut off it since ``build_hicache_transfers`` (they lie right above it; the copy
+        keeps them locked); the topmost may be covered in part (a host tail)."""
+        n = self.tree.node(t.node_id)
+        left = t.src.shape[0]
+        out = []
+        while left > 0 and n.parent is not None and n.device_pages is not None:
+            k = min(left, n.device_pages.shape[0])
+            out.append((n, k))
+            left -= k
+            n = n.parent
+        if left:
+            raise ValueError(f"swa {t.phase.value} of node {t.node_id}: {t.src.shape[0]} pages do not end a run of "
+                             "nodes in L1 there")
+        return out
 
     def drive_host_eviction(self, num_tokens: int, tracker: HostEvictionTracker) -> int:
         if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
@@ -641,10 +679,21 @@ class SWAComponent(TreeComponent):
         for _, _, node, st in victims:
             if freed >= num_tokens:
                 break
-            tracker.release(self.name, node.id, st.host_slots, node.num_tokens)
+            tokens = st.host_slots.shape[0] * self.page_size
+            tracker.release(self.name, node.id, st.host_slots, tokens)
             st.host_slots = None
-            freed += node.num_tokens
+            freed += tokens
         return freed
+
+    def host_copies(self) -> list[np.ndarray]:
+        """The host ids of every SWA host copy in the tree (host tier checks)."""
+        out = []
+        for node in self.tree.iter_nodes():
+            data = node.component_data
+            st = data.get("swa") if data else None
+            if st is not None and st.host_slots is not None:
+                out.append(st.host_slots)
+        return out
 
     # -- checks and reporting ----------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -37,16 +37,19 @@ from hicache.reference.engine_adapters import RemoteModelEngine
 from hicache.storage import ModelFingerprint
 
 
-def build_runner(model: ModelConfig, forward: ForwardConfig, kv_pool: Any) -> ModelRunner:
-    """The per-host model runner over a worker's L1 array (runs inside the host worker)."""
-    return ModelRunner(model, forward, pool=kv_pool)
+def build_runner(model: ModelConfig, forward: ForwardConfig, kv_pool: Any, swa_pages: int = 0) -> ModelRunner:
+    """The per-host model runner over a worker's L1 array (runs inside the host worker); ``swa_pages``: its
+    sliding-window layers' pool (the worker's ``"swa"`` component pool, lent by ``run_model``)."""
+    return ModelRunner(model, forward, pool=kv_pool, swa_pages=swa_pages)
 
 
 class RayEngine(RemoteModelEngine):
     """The engine of Ray replica ``replica``: a ``ModelRunner`` in each of its host workers."""
 
     def __init__(self, replica: str, model: ModelConfig, forward: ForwardConfig = ForwardConfig(),
-                 *, timeout_s: float = 120.0) -> None:
+                 *, timeout_s: float = 120.0, swa_pages: int = 0) -> None:
+        """``swa_pages``: the SWA pool's pages (the head's ``SWAConfig.num_tokens // page_size``) for a model
+        whose sliding-window layers keep their K/V there; 0: in the L1 pool."""
         if not isinstance(model, ModelConfig) or not isinstance(forward, ForwardConfig):
             raise TypeError(f"need a ModelConfig and a ForwardConfig, got {type(model).__name__}, "
                             f"{type(forward).__name__}")
@@ -57,6 +60,7 @@ class RayEngine(RemoteModelEngine):
         self.forward = forward
         self.page_size = forward.page_size
         self.timeout_s = float(timeout_s)
+        self.swa_pages = int(swa_pages)
         self.workers: list[Any] = []
         self.epoch: int | None = None
         self.mesh_shape: tuple[int, ...] = ()
@@ -69,7 +73,7 @@ class RayEngine(RemoteModelEngine):
         epoch, workers, _ = worker_handles(self.replica, self.timeout_s)
         if not workers:
             raise ValueError(f"replica {self.replica!r} has no host workers: the model needs a data plane")
-        factory = functools.partial(build_runner, self.model, self.forward)
+        factory = functools.partial(build_runner, self.model, self.forward, swa_pages=self.swa_pages)
         infos = self._get([w.attach_model.remote(factory) for w in workers], "attach_model")
         self.epoch, self.workers = epoch, workers
         self.mesh_shape, self.backend = tuple(infos[0]["mesh_shape"]), str(infos[0]["backend"])

@@ -49,6 +49,7 @@ class StackOptions:
     # with ``sliding_window``, sized ``swa_tokens``; Mamba for one with ``recurrent_layers``, ``state_slots``).
     components: tuple[ComponentConfig, ...] | None = None
     swa_tokens: int | None = None  # SWA pool tokens (None: as many as L1 holds)
+    swa_host_tokens: int | None = None  # the SWA pages' L2 in tokens, with l2_slots (None: as many as Full's L2)
     state_slots: int | None = None  # recurrent state slots (None: l1_pages)
 
     def __post_init__(self) -> None:
@@ -63,17 +64,18 @@ class StackOptions:
         if self.components is not None:
             return tuple(self.components)
         swa_tokens = self.l1_pages * self.forward.page_size if self.swa_tokens is None else self.swa_tokens
-        return model_components(self.model, swa_tokens, self.l1_pages if self.state_slots is None else self.state_slots)
+        return model_components(self.model, swa_tokens, self.l1_pages if self.state_slots is None else self.state_slots,
+                                self.swa_host_tokens)
 
 
-def model_components(model: ModelConfig, swa_tokens: int | None = None,
-                     state_slots: int | None = None) -> tuple[ComponentConfig, ...]:
+def model_components(model: ModelConfig, swa_tokens: int | None = None, state_slots: int | None = None,
+                     swa_host_tokens: int | None = None) -> tuple[ComponentConfig, ...]:
     """The cache components a reference model needs besides Full: SWA (the model's window) for sliding-
     window layers, Mamba (one f32[R, hidden] state per slot) for recurrent layers."""
     out: list[ComponentConfig] = []
     if model.swa_layers:
         assert model.sliding_window is not None  # swa_layers are those with a window
-        out.append(SWAConfig(model.sliding_window, swa_tokens))
+        out.append(SWAConfig(model.sliding_window, swa_tokens, swa_host_tokens))
     if model.recurrent_layers:
         out.append(MambaConfig(state_slots, ((len(model.recurrent_layers), model.hidden),), "float32"))
     return tuple(out)
@@ -130,12 +132,12 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     ps = options.forward.page_size
     tree = TreeConfig(page_size=ps, capacity_pages=options.l1_pages)
     components = options.head_components
+    by_kind = components_of(components)
+    mamba, swa = by_kind.get(ComponentKind.MAMBA), by_kind.get(ComponentKind.SWA)
+    swa_pages = swa.num_tokens // ps if isinstance(swa, SWAConfig) and swa.num_tokens else 0
     if options.l2_slots == 0:
         head = CacheHead(HeadConfig(tree=tree, components=components))
-        by_kind = components_of(components)
-        mamba, swa = by_kind.get(ComponentKind.MAMBA), by_kind.get(ComponentKind.SWA)
         slots = mamba.num_slots if isinstance(mamba, MambaConfig) and mamba.num_slots else 0
-        swa_pages = swa.num_tokens // ps if isinstance(swa, SWAConfig) and swa.num_tokens else 0
         if runner is None or _pools(runner) != (options.l1_pages, slots, swa_pages):
             runner = ModelRunner(options.model, options.forward, num_pages=options.l1_pages,
                                  params=None if runner is None else runner.params, state_slots=slots,
@@ -149,10 +151,14 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
     config = HeadConfig(tree=tree, hicache=hicache, components=components)  # (checked before a worker starts)
     spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, ps, m.dtype)
-    worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1])
+    # the SWA layers' pool, paged like L1 (the head's SWA page ids), with its own L2
+    pools = config.component_pools(
+        {"swa": KVCacheSpec(len(m.swa_layers), m.num_kv_heads, m.head_dim, ps, m.dtype)} if m.swa_layers else {})
+    worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1], component_pools=pools)
     head = CacheHead(config, LocalWorkerGroup([worker]))
     params = None if runner is None else runner.params
-    attached = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params))
+    attached = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params,
+                                                          swa_pages=swa_pages))
     assert isinstance(attached, ModelRunner)
     if options.l3_url is not None:
         mesh_shape = tuple(worker.device_pool.mesh.devices.shape)
@@ -162,14 +168,14 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     client = CacheClient(EmbeddedTransport(head), ps)
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
-                      l3_min_tokens=options.prefetch_min_tokens, hold_storage_writes=True)
+                      l3_min_tokens=options.prefetch_min_tokens, hold_storage_writes=True, swa_tables=swa_pages > 0)
     return EmbeddedStack(options, head, client, attached, sched, worker)
 
 
 def _pools(runner: ModelRunner) -> tuple[int, int, int]:
     """(L1 pages, state slots, SWA pages) of a runner's pools."""
     state, swa = runner.state_pool, runner.swa_pool
-    return runner.num_pages, 0 if state is None else state.shape[0], 0 if swa is None else swa.shape[2]
+    return runner.num_pages, 0 if state is None else state.shape[2], 0 if swa is None else swa.shape[2]
 
 
 WARM_UP_SALT = "hicache-warm-up"

@@ -54,7 +54,9 @@ def test_a_mamba_head_begins_a_request_and_caches_its_state():
         (dict(components=SWAConfig(8)), "sequence of SWAConfig"),
         (dict(components=[SWAConfig(8, 4)]), "num_tokens=4 is smaller than one request's window"),
         (dict(components=[MambaConfig(1)]), "num_slots=1"),
-        (dict(components=[SWAConfig(8)], hicache=HiCacheConfig(16)), r"host tier .*\['swa'\] is not supported"),
+        (dict(components=[MambaConfig(4)], hicache=HiCacheConfig(16)), r"host tier .*mamba component is not supported"),
+        (dict(components=[SWAConfig(8, host_tokens=4)], hicache=HiCacheConfig(16)),
+         r"swa host_tokens=4 cannot hold one window \(window=8\)"),
     ],
 )
 def test_bad_component_configs_are_refused(kwargs, match):
@@ -89,6 +91,17 @@ def test_replica_file_names_components(tmp_path):
     assert CacheHead(head).tree.component_names == ("full", "swa", "mamba")
     assert replica_config({"components": {"swa": None}} | {"components": {"swa": {"window": 8}}}).head.components == (
         SWAConfig(8),)
+
+
+def test_replica_file_swa_host_tier_needs_the_swa_layers_of_the_workers():
+    raw = {"page_size": 4, "l1_pages": 64, "l2_slots": 64, "workers": {"platform": "cpu", "num_hosts": 1},
+           "components": {"swa": {"window": 16, "num_tokens": 128, "host_tokens": 96}},
+           "model": {"num_layers": 4, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"}}
+    with pytest.raises(ValueError, match=r"config: the swa component has a host tier.*component_specs\['swa'\]"):
+        replica_config(raw)
+    cfg = replica_config(raw | {"model": raw["model"] | {"swa_layers": 2}})
+    (pool,) = cfg.head.component_pools(cfg.workers.component_specs)
+    assert (pool.name, pool.spec.num_layers, pool.num_device_pages, pool.host_slots) == ("swa", 2, 32, 24)
 
 
 @pytest.mark.parametrize(

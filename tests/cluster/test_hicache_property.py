@@ -5,7 +5,8 @@ from the root, in-flight nodes locked and pinned), no request-held pages left ov
 their bounds. Requests come one at a time (``serve``) or a few per scheduler step (``serve_step``: their
 load-backs travel as one op, which the faults may fail as a whole). Every hit is checked to return
 exactly the KV written for its tokens, and at the end everything cached in either tier is loaded and
-checked once more.
+checked once more. Seeds 5 and 6 run a hybrid SWA+Full head (an SWA pool smaller than L1, an SWA L2
+smaller than the Full L2): every hit also needs exactly the right SWA KV in the window before its end.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from support.hicache_env import HiCacheEnv
 
+from hicache.cluster.builder import SWAConfig
 from hicache.cluster.tree import RadixKey
 from hicache.workers import OpKind
 
@@ -39,12 +41,14 @@ def _stream(rng: random.Random, n: int) -> list[np.ndarray]:
 
 # Seeds 3 and 4 start their load-backs with LoadBackParams(lock=True): the load holds the request's lock.
 @pytest.mark.parametrize("seed,policy", [(0, "write_through"), (1, "write_through_selective"), (2, "write_back"),
-                                         (3, "write_through"), (4, "write_back")])
+                                         (3, "write_through"), (4, "write_back"),
+                                         pytest.param(5, "write_through", marks=pytest.mark.slow), (6, "write_back")])
 def test_random_stream_with_faults(seed, policy):
     rng = random.Random(seed)
+    swa = SWAConfig(window=6, num_tokens=16 * 4, host_tokens=12 * 4) if seed >= 5 else None
     env = HiCacheEnv(page_size=4, device_pages=24, host_slots=20, write_policy=policy,
                      faults={"fail_kinds": (OpKind.BACKUP_D2H, OpKind.LOAD_H2D), "fail_rate": 0.25,
-                             "delay_polls": 3, "seed": seed}, load_lock=seed >= 3)
+                             "delay_polls": 3, "seed": seed}, load_lock=seed >= 3, swa=swa)
     head = env.head
     stream = _stream(rng, 45)
     while stream:
@@ -90,3 +94,5 @@ def test_random_stream_with_faults(seed, policy):
     c = head.cache_stats()
     assert c["transfer_failures"] > 0  # the faults really happened
     assert c["loaded_tokens"] > 0 and c["backed_up_tokens"] > 0
+    if swa is not None:  # SWA host tails were made, and L2 stayed within its bound
+        assert 0 < c["swa"]["host_tokens"] <= c["swa"]["host_capacity_tokens"] == 48

@@ -323,10 +323,10 @@ def test_swa_hicache_backup_loads_only_the_window_and_host_eviction_records():
     serve(tree, range(8), trim=False)  # nodes [0,4) and [4,8), both live
     a, b = sorted(tree.iter_nodes(), key=tree.depth)
     host = RecordingHost()
-    for node in (a, b):
+    for node in (a, b):  # host tails: the last window_pages (3) of each node, what a hit at its end reads
         t = swa.build_hicache_transfers(node, HiCachePhase.BACKUP)
-        assert len(t) == 1 and t[0].dst is None
-        np.testing.assert_array_equal(t[0].src, swa.translate(node.device_pages))
+        assert len(t) == 1 and t[0].dst is None and t[0].num_tokens == 3
+        np.testing.assert_array_equal(t[0].src, swa.translate(node.device_pages[1:]))
         swa.commit_hicache_transfer(node, HiCachePhase.BACKUP, host.place(t))
     assert swa.build_hicache_transfers(a, HiCachePhase.BACKUP) == ()  # already on the host
     _host_only(tree, [a.id, b.id])
@@ -334,21 +334,42 @@ def test_swa_hicache_backup_loads_only_the_window_and_host_eviction_records():
     assert a.device_pages is None and b.device_pages is None
     m = tree.match_prefix(RadixKey(np.arange(9)))
     assert m.host_hit_len == 8
+    # a hit at a's end (4) needs [1, 4): a's tail; a hit at 3 is not a node end, so [0, 4) + 9 stops at a
+    assert tree.match_prefix(RadixKey(np.r_[np.arange(4), 9])).host_hit_len == 4
     chain = _load(tree, b)
     transfers = swa.build_hicache_transfers(b, HiCachePhase.LOAD_BACK)
     assert [t.node_id for t in transfers] == [b.id]  # window [5, 8) lies in b: a (ends at 4) needs no SWA
-    np.testing.assert_array_equal(transfers[0].src, np.arange(1004, 1008))
-    np.testing.assert_array_equal(transfers[0].dst, swa.translate(b.device_pages))
+    np.testing.assert_array_equal(transfers[0].src, np.arange(1003, 1006))
+    np.testing.assert_array_equal(transfers[0].dst, swa.translate(b.device_pages[1:]))
     swa.commit_hicache_transfer(b, HiCachePhase.LOAD_BACK, host.run(transfers))
     for c in chain:
         c.loading = False
     tree.check_invariants()
-    assert not swa.is_live(a) and swa.is_live(b)  # a came back as a tombstone: full KV only
+    assert not swa.has_live(a)  # a came back as a tombstone: full KV only
+    assert swa.has_live(b) and not swa.is_live(b)  # b: a tombstoned head (page 4), the window live
     assert tree.match_prefix(RadixKey(np.arange(9))).device_hit_len == 8
     assert tree.match_prefix(RadixKey(np.r_[np.arange(4), 9])).device_hit_len == 0
     tracker = RecordingTracker(pinned_ids={b.id})
-    assert swa.drive_host_eviction(100, tracker) == 4
-    assert tracker.released == [("swa", a.id, tuple(range(1000, 1004)), 4)]
+    assert swa.drive_host_eviction(100, tracker) == 3
+    assert tracker.released == [("swa", a.id, tuple(range(1000, 1003)), 3)]
+
+
+def test_swa_host_tail_splits_with_its_node():
+    tree = swa_tree(window=3)
+    swa = tree.component("swa")
+    serve(tree, range(8), trim=False)
+    (a,) = tree.iter_nodes()
+    host = RecordingHost()
+    swa.commit_hicache_transfer(a, HiCachePhase.BACKUP, host.place(swa.build_hicache_transfers(a, HiCachePhase.BACKUP)))
+    np.testing.assert_array_equal(a.component_data["swa"].host_slots, [1000, 1001, 1002])  # pages 5, 6, 7
+    tree.match_prefix(RadixKey(np.r_[np.arange(6), 99]))  # splits a at 6: the tail reaches 1 page into [0, 6)
+    prefix = a.parent
+    np.testing.assert_array_equal(prefix.component_data["swa"].host_slots, [1000])
+    np.testing.assert_array_equal(a.component_data["swa"].host_slots, [1001, 1002])
+    tree.match_prefix(RadixKey(np.r_[np.arange(3), 99]))  # splits [0, 6) at 3: nothing of the tail above 5
+    assert prefix.parent.component_data["swa"].host_slots is None
+    np.testing.assert_array_equal(prefix.component_data["swa"].host_slots, [1000])
+    tree.check_invariants()
 
 
 def test_mamba_hicache_single_state_restore_then_copy_on_write():

@@ -225,6 +225,51 @@ def test_two_replicas_side_by_side(replica_x, env_x):
         hicache.connect("y")
 
 
+def test_swa_engine_on_two_hosts_is_exact_with_l2_hits_of_full_and_swa_pages(replica_x):
+    """A hybrid SWA+Full replica on two hosts: every host worker keeps the SWA pool (sharded on KV heads like
+    L1) and its L2; the reference engine's sliding-window layers read it. After L1 is emptied, a turn loads
+    its prefix back (Full pages and the window's SWA pages, one op per host) and equals the no-cache run."""
+    from hicache.cluster.builder import SWAConfig
+    from hicache.reference.engine import ForwardConfig, ModelConfig
+    from hicache.reference.ray_engine import RayEngine
+    from hicache.reference.scheduler import Scheduler
+    from hicache.reference.serve_types import ServeRequest
+
+    model = ModelConfig(vocab_size=256, num_layers=3, num_q_heads=8, num_kv_heads=SPEC.num_kv_heads,
+                        head_dim=SPEC.head_dim, hidden=32, mlp_hidden=64, sliding_window=12)  # layers 0, 2 local
+    spec = KVCacheSpec(3, SPEC.num_kv_heads, SPEC.head_dim, PS, "float32")
+    swa_spec = KVCacheSpec(len(model.swa_layers), SPEC.num_kv_heads, SPEC.head_dim, PS, "float32")
+    head = HeadConfig("s", TreeConfig(PS, 64), HiCacheConfig(256, ack_timeout_s=10.0, backup_batch_pages=4),
+                      components=(SWAConfig(12, 48 * PS, host_tokens=64 * PS),))
+    with pytest.raises(ValueError, match=r"need a pool layout \(component_specs\['swa'\]"):
+        ReplicaConfig(head, WorkerGroupOptions.fake_cpu_hosts(spec, num_hosts=2, devices_per_host=2))
+    handle = hicache.start_replica(ReplicaConfig(  # noqa: F841  # a non-detached head lives as long as its handle
+        head, WorkerGroupOptions.fake_cpu_hosts(spec, num_hosts=2, devices_per_host=2, component_specs={"swa": swa_spec}),
+        detached=False, health_interval_s=0.25))
+    try:
+        engine = RayEngine("s", model, ForwardConfig(chunk_size=16, page_size=PS, max_pages=16), swa_pages=48)
+        c = hicache.connect("s", timeout_s=30.0)
+        sched = Scheduler(c, engine, hicache=True, swa_tables=True)
+        rng = np.random.default_rng(3)
+        history = rng.integers(0, model.vocab_size, 29, dtype=np.int32)
+        loaded = 0
+        for i in range(3):
+            res = sched.serve(ServeRequest(history, max_new_tokens=3))
+            ref = engine.generate_no_cache(history, 3)
+            assert res.output == ref.tokens
+            np.testing.assert_array_equal(res.last_logits, ref.logits[0])
+            loaded += res.loaded_tokens
+            history = np.concatenate([history, np.asarray(res.output, np.int32),
+                                      rng.integers(0, model.vocab_size, 6, dtype=np.int32)])
+            c.flush_write_through_acks()
+            assert c.evict(10_000).evicted_tokens > 0  # the next turn's prefix comes from L2
+        assert loaded >= 32
+        swa = c.cache_stats()["swa"]
+        assert 0 < swa["host_tokens"] <= swa["host_capacity_tokens"] == 64 * PS
+    finally:
+        stop_replica("s")
+
+
 def test_the_test_hooks_are_refused_unless_the_replica_enables_them(replica_x):
     with pytest.raises(RuntimeError, match="test_hooks"):
         ray.get(get_head(replica_x).hold_control_for_test.remote(1.0), timeout=30)

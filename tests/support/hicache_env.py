@@ -4,6 +4,9 @@
 (``kv_pattern``) into the pages the request computed, so loaded-back bytes can be checked exactly;
 ``serve_step`` does the same for a batch of requests in one scheduler step (their load-backs travel as
 one op; a failed one falls back to recomputing).
+With ``swa=SWAConfig(...)`` the head is a hybrid SWA+Full head and the worker keeps the SWA pool
+(``ComponentPool("swa")``): requests write the pattern into their SWA pages too, and a hit is checked to
+have exactly the right SWA KV in the window before its end (what an SWA layer reads).
 ``FaultyWorkers`` wraps the real worker group to delay acks and turn chosen acks into failures (a
 host that failed its copy); the bytes still move on the real pools.
 """
@@ -17,13 +20,14 @@ import numpy as np
 from support.kv_pattern import page_rows
 
 from hicache.cluster import CacheHead, HeadConfig
+from hicache.cluster.builder import SWAConfig
 from hicache.cluster.controller import LoadBackParams
 from hicache.cluster.policy import HiCacheConfig
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
 from hicache.cluster.tree import RadixKey, RequestState, TreeConfig
 from hicache.cluster.worker_group import LocalWorkerGroup
 from hicache.storage import ModelFingerprint
-from hicache.workers import HostWorker, KVCacheSpec, OpKind, TransferAck, TransferPlan
+from hicache.workers import ComponentPool, HostWorker, KVCacheSpec, OpKind, TransferAck, TransferPlan
 
 
 def make_spec(page_size: int) -> KVCacheSpec:
@@ -86,18 +90,26 @@ class HiCacheEnv:
     def __init__(self, page_size: int = 4, device_pages: int = 32, host_slots: int = 64,
                  write_policy: str = "write_through", load_back_threshold: int = 0, faults: dict | None = None,
                  storage_url: str | None = None, model_id: str = "test-model", storage_kwargs: dict | None = None,
-                 load_lock: bool = False):
+                 load_lock: bool = False, swa: SWAConfig | None = None):
         self.ps = page_size
         self.load_lock = load_lock  # load-backs lock the prefix they return (LoadBackParams.lock)
         self.spec = make_spec(page_size)
-        self.worker = HostWorker(self.spec, device_pages, host_slots)
-        group = LocalWorkerGroup([self.worker])
-        self.workers = FaultyWorkers(group, **faults) if faults else group
         config = HeadConfig(
             tree=TreeConfig(page_size=page_size, capacity_pages=device_pages),
             hicache=HiCacheConfig(host_slots=host_slots, write_policy=write_policy,
                                   load_back_threshold=load_back_threshold, ack_timeout_s=10.0),
+            components=() if swa is None else (swa,),
         )
+        pools = ()
+        self.swa = swa
+        if swa is not None:
+            assert swa.num_tokens is not None
+            self.swa_spec = KVCacheSpec(1, 2, 4, page_size, "float32")  # one sliding-window layer
+            pools = (ComponentPool("swa", self.swa_spec, swa.num_tokens // page_size,
+                                   config.component_host_slots()["swa"]),)
+        self.worker = HostWorker(self.spec, device_pages, host_slots, component_pools=pools)
+        group = LocalWorkerGroup([self.worker])
+        self.workers = FaultyWorkers(group, **faults) if faults else group
         self.head = CacheHead(config, self.workers)
         self.row_shape = self.spec.page_shape
         self.fingerprint = ModelFingerprint(model_id, "float32", page_size, self.spec.num_layers,
@@ -117,6 +129,27 @@ class HiCacheEnv:
 
     def rows(self, tokens: np.ndarray, first_page: int, num_pages: int) -> np.ndarray:
         return page_rows(tokens, first_page, num_pages, self.row_shape, self.ps)
+
+    def _write(self, tokens: np.ndarray, own: np.ndarray, first_page: int) -> None:
+        """'Computes' the request's own pages: Full KV, and SWA KV in their SWA pages (hybrid)."""
+        self.worker.device_pool.write_pages(own, self.rows(tokens, first_page, own.size))
+        if self.swa is not None:
+            swa_pages = self.head.swa_pages(own)
+            assert (swa_pages >= 0).all()  # a request's own pages all map an SWA page
+            self.worker.pools["swa"][0].write_pages(
+                swa_pages, page_rows(tokens, first_page, own.size, self.swa_spec.page_shape, self.ps))
+
+    def _check_hit(self, tokens: np.ndarray, pages: np.ndarray, hit: int) -> None:
+        """The cached prefix holds exactly the KV of these tokens (and, hybrid, the window's SWA KV)."""
+        ps = self.ps
+        np.testing.assert_array_equal(self.worker.device_pool.read_pages(pages), self.rows(tokens, 0, hit // ps))
+        if self.swa is not None:
+            first = max(0, hit - self.swa.window) // ps
+            swa_pages = self.head.swa_pages(pages[first:])
+            assert (swa_pages >= 0).all(), f"SWA KV of the window before {hit} is gone: {swa_pages}"
+            np.testing.assert_array_equal(
+                self.worker.pools["swa"][0].read_pages(swa_pages),
+                page_rows(tokens, first, hit // ps - first, self.swa_spec.page_shape, ps))
 
     def serve(self, tokens, load_back: bool = True):
         """Match (+ load-back), lock, alloc, 'compute' the missing pages, finish. Returns stats."""
@@ -151,10 +184,10 @@ class HiCacheEnv:
             head.inc_lock_ref(node)
         # The cached prefix must hold exactly the KV of these tokens.
         if hit:
-            np.testing.assert_array_equal(self.worker.device_pool.read_pages(pages), self.rows(tokens, 0, hit // ps))
+            self._check_hit(tokens, pages, hit)
         own = head.alloc(len(tokens) - hit)
         if own.size:
-            self.worker.device_pool.write_pages(own, self.rows(tokens, hit // ps, own.size))
+            self._write(tokens, own, hit // ps)
         head.cache_finished_req(RequestState(key, np.concatenate([pages, own]), hit, node))
         return {"device_hit": hit - loaded, "loaded": loaded, "load_failed": load_failed,
                 "host_hit": m.host_hit_len, "prefetched": prefetched}
@@ -190,9 +223,9 @@ class HiCacheEnv:
                 own = np.concatenate([head.alloc(hit - m.device_hit_len), own])
                 pages, hit, node, loaded = m.device_pages, m.device_hit_len, m.last_device_node, 0
             if hit:
-                np.testing.assert_array_equal(self.worker.device_pool.read_pages(pages), self.rows(tokens, 0, hit // ps))
+                self._check_hit(tokens, pages, hit)
             if own.size:
-                self.worker.device_pool.write_pages(own, self.rows(tokens, hit // ps, own.size))
+                self._write(tokens, own, hit // ps)
             head.cache_finished_req(RequestState(RadixKey(tokens), np.concatenate([pages, own]), hit, node))
             out.append({"device_hit": hit - loaded, "loaded": loaded, "load_failed": failed,
                         "host_hit": m.host_hit_len})

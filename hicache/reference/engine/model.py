@@ -280,7 +280,7 @@ def forward_chunk(
     *,
     cfg: ModelConfig,
     chunk_size: int,
-    state_pool: jax.Array | None = None,  # f32[slots, R, D] (``recurrent``), with recurrent layers only
+    state_pool: jax.Array | None = None,  # f32[R, 2, slots, 1, H, D/2H] (``recurrent``), recurrent layers only
     swa_pool: jax.Array | None = None,  # [L_swa, 2, P_swa, S, Hkv, D]: the sliding-window layers' own pool
 ) -> tuple[jax.Array, ...]:
     """One chunk of one request: write its K/V into the request's pages and return its logits.
@@ -328,7 +328,7 @@ def forward_chunk(
         if state_pool is None:
             raise ValueError("a model with recurrent layers needs its state pool")
         slot = step[STEP_HEADER]
-        states = state_pool[slot]  # f32[R, D]: the state after position lo - 1
+        states = recurrent.read_state(state_pool, slot)  # f32[R, D]: the state after position lo - 1
     x = params["embed"][tokens]  # [C, H]
     for layer, lp in enumerate(params["layers"]):
         window = cfg.window_of(layer)
@@ -370,7 +370,7 @@ def forward_chunk(
     if states is None:
         return results
     assert state_pool is not None
-    return (*results, state_pool.at[step[STEP_HEADER]].set(states))
+    return (*results, recurrent.write_state(state_pool, step[STEP_HEADER], states))
 
 
 @functools.cache

@@ -9,9 +9,12 @@ Mamba / linear-attention / RG-LRU layers): for the normalised input row ``h_t``,
 
 so a layer's whole context is one state vector: a request continuing at position ``p`` needs the state
 after exactly ``p`` tokens, nothing else (no KV of earlier positions). The pool holds one such state per
-slot and recurrent layer:
+slot and recurrent layer, laid out as a paged KV pool whose page is one slot (``page_size`` 1) and whose
+"K/V" halves and "heads" are the state vector's parts, so the data plane moves states with the very
+programs that move KV pages (``hicache.workers``' ``ComponentPool``, sharded on the head axis like L1):
 
-    state_pool: jax.Array  # f32[num_slots, num_recurrent_layers, hidden]
+    state_pool: jax.Array  # f32[num_recurrent_layers, 2, num_slots, 1, num_kv_heads, hidden // (2 * num_kv_heads)]
+    # the state of layer r in slot s: state_pool[r, :, s, 0].reshape(hidden)
 
 Slots are the head's Mamba component's ids (``MambaComponent``: a slot is a cached node end's state or a
 running request's working state). The pool's owner is the L1 owner (a ``ModelRunner``); the forward
@@ -39,8 +42,24 @@ from hicache.reference.engine.config import ModelConfig
 STATE_DTYPE = jnp.float32
 
 
-def state_shape(cfg: ModelConfig, num_slots: int) -> tuple[int, int, int]:
-    return (num_slots, len(cfg.recurrent_layers), cfg.hidden)
+def state_shape(cfg: ModelConfig, num_slots: int) -> tuple[int, int, int, int, int, int]:
+    """The pool's shape (the module docstring's layout); ``hidden`` must split into 2 x num_kv_heads parts."""
+    heads = cfg.num_kv_heads
+    if cfg.hidden % (2 * heads):
+        raise ValueError(f"hidden={cfg.hidden} must split into 2 x num_kv_heads={heads} parts (the state pool's layout)")
+    return (len(cfg.recurrent_layers), 2, num_slots, 1, heads, cfg.hidden // (2 * heads))
+
+
+def read_state(pool: jax.Array, slot: jax.Array) -> jax.Array:
+    """f32[R, hidden]: every recurrent layer's state in ``slot`` (inside the jitted forward)."""
+    part = pool[:, :, slot, 0]  # [R, 2, H, d]
+    return part.reshape(part.shape[0], -1)
+
+
+def write_state(pool: jax.Array, slot: jax.Array, states: jax.Array) -> jax.Array:
+    """``pool`` with ``slot`` := ``states`` (f32[R, hidden]; in place when the pool is donated)."""
+    r, two, _, _, heads, d = pool.shape
+    return pool.at[:, :, slot, 0].set(states.reshape(r, two, heads, d))
 
 
 def make_state_pool(cfg: ModelConfig, num_slots: int,
@@ -73,19 +92,24 @@ def mix(h: jax.Array, w_rec: jax.Array, w_rec_out: jax.Array, state: jax.Array,
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    return pool.at[dst].set(pool[src])
+    return pool.at[:, :, dst].set(pool[:, :, src])
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _zero(pool: jax.Array, slots: jax.Array) -> jax.Array:
-    return pool.at[slots].set(0.0)
+    return pool.at[:, :, slots].set(0.0)
+
+
+def num_slots(pool: jax.Array) -> int:
+    return int(pool.shape[2])
 
 
 def _slot_array(pool: jax.Array, slots: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     arr = np.asarray(slots, dtype=np.int64).reshape(-1)
-    if arr.size and (arr.min() < 0 or arr.max() >= pool.shape[0]):
-        bad = arr[(arr < 0) | (arr >= pool.shape[0])][0]
-        raise ValueError(f"{what} slot {int(bad)} is outside the state pool [0, {pool.shape[0]})")
+    n = num_slots(pool)
+    if arr.size and (arr.min() < 0 or arr.max() >= n):
+        bad = arr[(arr < 0) | (arr >= n)][0]
+        raise ValueError(f"{what} slot {int(bad)} is outside the state pool [0, {n})")
     return arr.astype(np.int32)
 
 

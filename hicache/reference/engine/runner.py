@@ -240,19 +240,41 @@ class ModelRunner:
         self.scan_chunks = self._scan_request if one_device and self.scan_supported and not extra_pools else 1
         self._pool_signature = signature
 
-    def _make_swa_pool(self, num_pages: int) -> jax.Array:
+    def _make_swa_pool(self, num_pages: int, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
         shape = (len(self.model.swa_layers), 2, num_pages, self.fwd.page_size, self.model.num_kv_heads,
                  self.model.head_dim)
-        return jnp.zeros(shape, self.model.jnp_dtype, device=self.placement)
+        return jnp.zeros(shape, self.model.jnp_dtype, device=self.placement if sharding is None else sharding)
 
     @property
     def swa_pool(self) -> jax.Array | None:
         """The sliding-window layers' pool ``[L_swa, 2, P_swa, S, Hkv, D]`` (None: they use the L1 pool)."""
         return self._swa
 
+    def component_pool(self, name: str) -> jax.Array:
+        """The extra pool a worker owns and lends (``HostWorker`` component pools): ``"swa"``, the
+        sliding-window layers' pool, ``"mamba"``, the recurrent state pool; valid until the next forward,
+        like ``pool``."""
+        pool = {"swa": self._swa, "mamba": self._state}.get(name)
+        if pool is None:
+            kept = [n for n, p in (("swa", self._swa), ("mamba", self._state)) if p is not None]
+            raise ValueError(f"this runner has no component pool {name!r} (it keeps: {kept or 'none'})")
+        return pool
+
+    def set_component_pool(self, name: str, array: jax.Array) -> None:
+        """Hands a component pool back (after a transfer replaced it); shape and dtype must match."""
+        current = self.component_pool(name)
+        if array.shape != current.shape or array.dtype != current.dtype:
+            raise ValueError(f"component pool {name!r}: got {array.shape} {array.dtype}, want "
+                             f"{current.shape} {current.dtype}")
+        if name == "swa":
+            self._swa = array
+        else:
+            self._state = array
+
     @property
     def state_pool(self) -> jax.Array | None:
-        """The recurrent state pool ``f32[slots, R, D]`` (None without recurrent layers); like ``pool``,
+        """The recurrent state pool ``f32[R, 2, slots, 1, H, D/2H]`` (``recurrent``'s layout; None without
+        recurrent layers); like ``pool``,
         valid until the next forward."""
         return self._state
 
@@ -392,13 +414,14 @@ class ModelRunner:
                                        saved.sharding)
         slot = None
         if saved_states is not None:
-            self._state = recurrent.make_state_pool(self.model, saved_states.shape[0], self.placement)
+            self._state = recurrent.make_state_pool(self.model, recurrent.num_slots(saved_states),
+                                                    saved_states.sharding)  # (a worker's: sharded)
             slot = 0
         swa_table = None
         if saved_swa is not None:  # the same pool shape (the same program): SWA page i for page i
             if len(table) > saved_swa.shape[2]:
                 raise ValueError(f"{len(table)} pages exceed the SWA pool ({saved_swa.shape[2]} pages)")
-            self._swa = self._make_swa_pool(saved_swa.shape[2])
+            self._swa = self._make_swa_pool(saved_swa.shape[2], saved_swa.sharding)  # (a worker's: sharded)
             swa_table = table
         try:
             return self.generate(tokens, table, max_new_tokens, 0, stop_token, slot, swa_table)
@@ -433,8 +456,9 @@ class ModelRunner:
             return None
         if not isinstance(state_slot, (int, np.integer)) or isinstance(state_slot, bool):
             raise ValueError(f"a model with recurrent layers needs an int state_slot, got {state_slot!r}")
-        if not 0 <= state_slot < self._state.shape[0]:
-            raise ValueError(f"state_slot {state_slot} is outside the state pool [0, {self._state.shape[0]})")
+        n = recurrent.num_slots(self._state)
+        if not 0 <= state_slot < n:
+            raise ValueError(f"state_slot {state_slot} is outside the state pool [0, {n})")
         return int(state_slot)
 
     def _check_swa_table(self, swa_table: TokenIds | None, n: int) -> np.ndarray | None:
