@@ -8,13 +8,14 @@ output is bit-identical to the no-cache reference, and the estimates are in ``ca
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import numpy as np
 import pytest
 
 from benchmarks.faulty_l3 import attach_faulty_l3
-from hicache.cluster.cost_model import CostModel, CostOptions, PrefillReport
+from hicache.cluster.cost_model import CostModel, CostOptions, PendingFetch, PrefillReport
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.serve_types import ServeRequest
@@ -80,6 +81,25 @@ def test_fetch_when_faster_skip_when_slower_and_cut_to_the_wait():
     assert per_page.choose(10, PS, 4, budget_s=0.36).pages == 0  # under the least worth a fetch
 
 
+def test_an_unacked_fetch_older_than_its_estimate_is_a_lower_bound_on_latency():
+    """No fetch measured yet, a prefill measured (1 ms per token: 5 pages recompute in 40 ms): a fetch sent
+    1 s ago and still unacked says L3 takes at least ~1 s, so a second request recomputes; one as young as
+    its estimate says nothing (fetch, and measure); with the model off it never matters."""
+    m = CostModel(CostOptions(explore_every=0))
+    for tokens in (8, 80):
+        m.report_prefill(PrefillReport(tokens, 0.001 * tokens))
+    assert m.choose(5, PS, 1, budget_s=None).pages == 5  # nothing in flight: the defaults alone never skip
+    young = PendingFetch(5, m.fetch_s(5) * 0.5)
+    assert m.choose(5, PS, 1, budget_s=None, pending=young).pages == 5
+    plan = m.choose(5, PS, 1, budget_s=None, pending=PendingFetch(5, 1.0))
+    assert plan.pages == 0 and plan.fetch_s >= 1.0 - 5 * 8192 / 400e6 - 1e-9
+    # a fast L3 with its bound still under the recompute: the bound alone does not skip
+    assert m.choose(5, PS, 1, budget_s=None, pending=PendingFetch(5, 0.025)).pages == 5
+    off = CostModel(CostOptions(enabled=False))
+    off.report_prefill(PrefillReport(40, 0.001))
+    assert off.choose(5, PS, 1, budget_s=None, pending=PendingFetch(5, 10.0)).pages == 5
+
+
 def test_every_nth_skip_explores():
     m = CostModel(CostOptions(explore_every=3))
     m.observe_fetch(5, 5 * 8192, 1.0)
@@ -90,10 +110,14 @@ def test_every_nth_skip_explores():
 
 
 def test_a_request_waits_for_a_fetch_at_most_wait_factor_times_its_recompute():
-    m = CostModel(CostOptions(wait_factor=2.0))
-    assert m.wait_bound_s(5, PS) is None  # no prefill measured: StorageParams' bounds only
+    m = CostModel(CostOptions(wait_factor=2.0, prefill_tokens_per_s=2000.0))
+    assert m.wait_bound_s(5, PS) == pytest.approx(2.0 * 40 / 2000)  # no prefill measured: the default rate
+    fast_l3 = CostModel(CostOptions(wait_factor=2.0, l3_latency_s=0.001))  # no fetch measured: nor its estimate
+    assert fast_l3.wait_bound_s(5, PS) == pytest.approx(2.0 * (fast_l3.fetch_s(5) + fast_l3.load_s(5)))
     for tokens in (8, 80):  # 1 ms per token
         m.report_prefill(PrefillReport(tokens, 0.001 * tokens))
+    assert m.wait_bound_s(5, PS) == pytest.approx(2.0 * min(0.040, m.fetch_s(5) + m.load_s(5)))
+    m.observe_fetch(5, 5 * 8192, 0.001)  # measured: the recompute alone bounds the wait
     assert m.wait_bound_s(5, PS) == pytest.approx(2.0 * 0.040)
     assert CostModel(CostOptions(wait_factor=0.0)).wait_bound_s(5, PS) is None
 
@@ -196,7 +220,9 @@ def test_a_prefetch_started_in_the_queue_fetches_even_when_slow(runner, stored):
 def test_fast_l3_loads(runner, stored):
     url, prompts = stored
     stack = build_stack(_options(), runner)
-    attach_faulty_l3(stack, url, FaultPlan(), cost=COST)
+    # no wait bound of the model's: the first fetch is waited for however loaded the box (its estimate
+    # before a measured prefill would be the default rate's)
+    attach_faulty_l3(stack, url, FaultPlan(), cost=dataclasses.replace(COST, wait_factor=0.0))
     for p in prompts:
         res = _serve_exact(stack, runner, p)
         assert res.storage_tokens == 40
