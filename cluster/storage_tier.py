@@ -74,7 +74,7 @@ from enum import Enum
 
 import numpy as np
 
-from hicache.cluster.cost_model import CostModel, CostOptions
+from hicache.cluster.cost_model import CostModel, CostOptions, PendingFetch
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
@@ -86,6 +86,7 @@ from hicache.workers.worker import run_now
 
 L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason: L3 down (query skipped, unanswered, or fetch failed)
 COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputing the pages found is faster
+NO_ANCHOR_COPY = "matched prefix has no L2 copy to hang fetched pages below"  # its L1->L2 copy could not start
 _QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
 _QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
 
@@ -191,6 +192,7 @@ class _Prefetch:
     op_id: int = -1  # the fetch's op, once the query answered (-1: not sent)
     slots: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     deadline: float = 0.0  # the TIMEOUT policy's, set when the fetch starts
+    fetch_started: float = 0.0  # monotonic time the fetch was queued (its age bounds L3's speed: ``_pending_fetch``)
     state: PrefetchState = PrefetchState.RUNNING
     reason: str = ""  # why nothing was fetched (NOT_STARTED after the query)
     queued: bool = False  # started when its request entered the queue (``prefetch``), not at its start
@@ -233,6 +235,7 @@ class StorageCounters:
     cost_skipped_pages: int = 0  # pages L3 held that those skips left to recompute
     cost_partial: int = 0  # fetches cut to a leading part (the rest would be back after the request's wait)
     cost_explored: int = 0  # fetches sent although the model said recompute (``CostOptions.explore_every``)
+    prefetch_parked: int = 0  # fetches acked before their anchor's L2 copy: held until that copy's ack
 
     def snapshot(self) -> dict:
         return dataclasses.asdict(self)
@@ -240,12 +243,18 @@ class StorageCounters:
 
 class StorageTier:
     def __init__(self, tree: RadixTree, host: HostTier, workers: WorkerGroup, params: StorageParams,
-                 queue_op: Callable[[TransferOp, list[TreeNode]], PendingTransfer], op_ids: itertools.count) -> None:
+                 queue_op: Callable[[TransferOp, list[TreeNode]], PendingTransfer], op_ids: itertools.count,
+                 back_up: Callable[[TreeNode], bool] | None = None) -> None:
+        """``back_up``: starts the L1 -> L2 copy of a node and its ancestors without one (the controller's);
+        a fetch below a match that ends on an L1-only node asks it (its pages hang below that node's L2
+        copy). None: such a fetch is not sent."""
         if params.fingerprint.page_size != tree.page_size:
             raise ValueError(f"fingerprint page_size {params.fingerprint.page_size} != tree page_size {tree.page_size}")
         self.tree, self.host, self.workers, self.params = tree, host, workers, params
         self._queue_op = queue_op
         self._op_ids = op_ids
+        self._back_up = back_up
+        self._parked: list[_Prefetch] = []  # fetched, waiting for their anchor's L2 copy (``_settle_parked``)
         self.counters = StorageCounters()
         self.cost = CostModel(params.cost)
         self._backups: dict[int, _Backup] = {}
@@ -417,7 +426,12 @@ class StorageTier:
 
     # -- L2 -> L3 backups ----------------------------------------------------------------------------
     def on_host_committed(self, nodes: list[TreeNode]) -> None:
-        """A chain of nodes just got its L2 copy: store what L3 does not have yet."""
+        """A chain of nodes just got its L2 copy: store what L3 does not have yet; fetches parked below one
+        of them hang their pages below it now."""
+        self._back_up_to_l3(nodes)
+        self._settle_parked()
+
+    def _back_up_to_l3(self, nodes: list[TreeNode]) -> None:
         last = nodes[-1]
         if last.parent is None or last.host_slots is None:
             return
@@ -558,8 +572,6 @@ class StorageTier:
         if not self._available():  # down: no request waits on it (module docstring)
             self.counters.unavailable_skips += 1
             return skip(req_id, L3_UNAVAILABLE)
-        if anchor.parent is not None and anchor.host_slots is None:
-            return skip(req_id, "matched prefix has no L2 copy to hang fetched pages below")
         ns = Namespace(self.params.fingerprint, key.extra_key, key.cache_salt)
         prev = None
         if depth:
@@ -628,6 +640,7 @@ class StorageTier:
         """Applies answered existence queries (head thread): a query that found enough starts its fetch
         (queued with the next plan), one that found too little is a remembered miss. A query past the
         storage's existence deadline (plus the ack slack) counts as a miss. Returns fetches started."""
+        self._settle_parked()
         if not self._querying:
             return 0
         started = 0
@@ -683,6 +696,9 @@ class StorageTier:
         found = self._worth_fetching(task, found)
         if not found:
             return False
+        if not self._l2_copy_coming(task.anchor, start=True):
+            self._end_without_fetch(task, NO_ANCHOR_COPY)
+            return False
         slots = self.host.reserve(found)
         if slots is None:
             self._end_without_fetch(task, "no L2 room")
@@ -692,7 +708,8 @@ class StorageTier:
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
                         tuple(task.keys), first_page=task.first_page)
         task.op_id = op.op_id
-        task.deadline = time.monotonic() + self.params.prefetch_timeout_s(found * ps)
+        task.fetch_started = time.monotonic()
+        task.deadline = task.fetch_started + self.params.prefetch_timeout_s(found * ps)
         self._prefetches[op.op_id] = task
         self._inflight_prefetch_pages += found
         self.counters.prefetch_started += 1
@@ -718,7 +735,7 @@ class StorageTier:
             if bound is not None:
                 task.wait_until = min(task.wait_until, time.monotonic() + bound)
             return found
-        plan = self.cost.choose(found, ps, self._exists_min_pages, budget)
+        plan = self.cost.choose(found, ps, self._exists_min_pages, budget, self._pending_fetch())
         c = self.counters
         if plan.explored:
             c.cost_explored += 1
@@ -732,6 +749,12 @@ class StorageTier:
         if bound is not None:  # waiting longer than this is slower than recomputing: the request goes on
             task.wait_until = min(task.wait_until, time.monotonic() + bound)
         return plan.pages
+
+    def _pending_fetch(self) -> PendingFetch | None:
+        """The oldest fetch in flight (dicts keep insertion order: the first one is the oldest sent)."""
+        for task in self._prefetches.values():
+            return PendingFetch(len(task.keys), time.monotonic() - task.fetch_started)
+        return None
 
     def observe_ack(self, kind: OpKind, num_pages: int, nbytes: int, duration_s: float) -> None:
         """One host's ack of an L3 -> L2 fetch or an L2 -> L1 load: a sample for the cost model."""
@@ -873,6 +896,8 @@ class StorageTier:
         task = self._by_req.get(req_id)
         if task is None or task.state is not PrefetchState.RUNNING or task.op_id < 0:
             return None
+        if task.op_id not in self._prefetches:  # acked, parked: its anchor's L1->L2 copy is what it waits on
+            return self._copy_op(task.anchor)
         return task.op_id
 
     def query_budget_s(self, req_id: str) -> float:
@@ -913,22 +938,83 @@ class StorageTier:
         task = self._prefetches.pop(op_id)
         self._inflight_prefetch_pages -= len(task.keys)
         anchor = task.anchor
+        if p.ok and anchor.parent is not None and anchor.host_slots is None and self._l2_copy_coming(anchor):
+            # fetched below an L1-only match: its pages hang below the anchor's L2 copy once that is acked
+            self.counters.prefetch_parked += 1
+            self._parked.append(task)
+            return
+        self._finish_fetch(task, p.ok)
+
+    def _l2_copy_coming(self, anchor: TreeNode, *, start: bool = False) -> bool:
+        """Whether ``anchor`` has an L2 copy or one is on its way (its own or an ancestor's L1->L2 copy in
+        flight: the controller backs up the rest after that ack). ``start``: if none is, starts one."""
+        if anchor.parent is None:
+            return self.tree.is_root(anchor)
+        if anchor.host_slots is not None:
+            return True
+        if start and anchor.staged_slots is None and self._back_up is not None:
+            self._back_up(anchor)
+        node: TreeNode | None = anchor
+        while node is not None and node.parent is not None and node.host_slots is None:
+            if node.staged_slots is not None:
+                return True
+            node = node.parent
+        return False
+
+    def _settle_parked(self) -> None:
+        """Fetches parked until their anchor's L2 copy: adopted once it is acked, dropped (their slots
+        freed, a redundant fetch) once none is on its way any more or past their deadline."""
+        if not self._parked:
+            return
+        now = time.monotonic()
+        keep: list[_Prefetch] = []
+        for task in self._parked:
+            anchor = task.anchor
+            if anchor.host_slots is None and anchor.parent is not None and now < task.deadline + _QUERY_SLACK_S \
+                    and self._l2_copy_coming(anchor):
+                keep.append(task)
+            else:
+                self._finish_fetch(task, True)
+        self._parked = keep
+
+    def fetch_parked(self, req_id: str) -> bool:
+        """Whether ``req_id``'s fetch is back and waits for its anchor's L1->L2 copy (``fetch_op`` is then
+        that copy's op: the controller sends it at once)."""
+        task = self._by_req.get(req_id)
+        return task is not None and task.state is PrefetchState.RUNNING and any(t is task for t in self._parked)
+
+    @staticmethod
+    def _copy_op(anchor: TreeNode) -> int | None:
+        """The op id of the L1->L2 copy that ``anchor``'s L2 copy waits on (its own or the nearest
+        ancestor's in flight), once sent."""
+        node: TreeNode | None = anchor
+        while node is not None and node.parent is not None and node.host_slots is None:
+            p = node.pending
+            if node.staged_slots is not None and p is not None and p.op is not None:
+                return p.op.op_id
+            node = node.parent
+        return None
+
+    def _finish_fetch(self, task: _Prefetch, ok: bool) -> None:
+        """Applies an acked (``ok``) or failed fetch to the tree: its pages become host-only nodes below its
+        anchor (if the anchor still has an L2 copy to hang them below), or its slots are freed."""
+        anchor = task.anchor
         anchor.host_pin -= 1
         alive = anchor.parent is not None or self.tree.is_root(anchor)
-        usable = p.ok and alive and (anchor.parent is None or anchor.host_slots is not None)
+        usable = ok and alive and (anchor.parent is None or anchor.host_slots is not None)
         nodes = self.tree.storage_only.adopt(anchor, task.tokens) if usable else None
-        if not p.ok and alive:  # a missing or corrupt object: what the tree thought stored is not
+        if not ok and alive:  # a missing or corrupt object: what the tree thought stored is not
             self.counters.storage_only_dropped_tokens += self.tree.storage_only.drop_path(anchor, task.tokens)
         if nodes is None:
             self.host.unreserve(task.slots)
-            if p.ok:
+            if ok:
                 self.counters.prefetch_redundant_pages += len(task.keys)
             else:
                 self.counters.prefetch_failures += 1
                 # the request's miss reason (token_account): L3 went down, else the objects were unreadable
                 task.reason = L3_UNAVAILABLE if self.workers.storage_breaker_state() != "closed" else "fetch failed"
-            task.state = PrefetchState.DONE if p.ok else PrefetchState.FAILED
-            if p.ok:
+            task.state = PrefetchState.DONE if ok else PrefetchState.FAILED
+            if ok:
                 task.tokens = task.tokens[:0]
             return
         k = 0
@@ -967,6 +1053,9 @@ class StorageTier:
         for task in self._querying:  # unanswered: nothing was reserved; the answer is dropped
             self._end_without_fetch(task, "storage detached")
         self._querying = []
+        parked, self._parked = self._parked, []
+        for task in parked:  # the fetch is valid: adopted if the anchor's L2 copy came meanwhile, else freed
+            self._finish_fetch(task, True)
         self.flush_manifest()
         self._stopped.set()  # background work still running ends at its next step, unapplied
         self.tree.storage_only.drop_all()  # nothing left to fetch them from
