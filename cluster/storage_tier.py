@@ -46,7 +46,13 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   L3) is remembered for ``negative_cache_ttl_s`` in a bounded LRU keyed by the chain key of the
   first page after the matched prefix, so repeated misses skip the existence lookup; a remembered
   miss is dropped early when this head stores that page. Hits are never cached: a prefetch always
-  asks storage.
+  asks storage. A miss of the very first candidate page is checked once more, in the same query
+  thread, under ``previous_fingerprints`` (the object holding that page): found there, the miss (and
+  its remembered entry) reads "fingerprint differs" instead of "never cached".
+  The match may end on a node with no L2 copy yet (L1 only, or its L1->L2 copy in flight): L3 is asked
+  all the same. When the fetch starts, that node's L1->L2 copy is started unless one is on its way
+  (``back_up``, the controller's); a fetch acked before the copy is parked and its pages hang below the
+  node at the copy's ack (``on_host_committed``), so L2 copies stay a chain from the root.
 - Availability (L3 on a failing network): the workers' storage clients keep a breaker per location
   (``FsspecStorage.breaker``); before every L3 query the head asks their worst state
   (``WorkerGroup.storage_breaker_state``, no storage I/O). Not closed: the query is skipped at once,
@@ -64,6 +70,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -86,6 +93,8 @@ from hicache.workers.worker import run_now
 
 L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason: L3 down (query skipped, unanswered, or fetch failed)
 COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputing the pages found is faster
+FINGERPRINT_DIFFERS = "L3 holds it under a previous fingerprint"  # PrefetchProgress.reason (previous_fingerprints)
+NOT_ENOUGH = "not enough pages in L3"  # PrefetchProgress.reason: L3 answered, short of prefetch_min_tokens
 NO_ANCHOR_COPY = "matched prefix has no L2 copy to hang fetched pages below"  # its L1->L2 copy could not start
 _QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
 _QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
@@ -121,6 +130,11 @@ class StorageParams:
     # fetch or a query that outlived this wait (the query goes on: what it finds is still fetched into L2)
     query_wait_max_s: float = 0.05
     cost: CostOptions = field(default_factory=CostOptions)  # load or recompute (``hicache.cluster.cost_model``)
+    # fingerprints this model's KV was stored under before (an earlier model version, another dtype): on an L3
+    # miss, one existence check of the first missing page under them tells "fingerprint differs" from "never
+    # cached" (off the head's thread, remembered with the miss; never loaded). Same page size, shard layout
+    # and pages_per_object as ``fingerprint``; others are never found.
+    previous_fingerprints: tuple[ModelFingerprint, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -143,6 +157,16 @@ class StorageParams:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not isinstance(self.cost, CostOptions):
             raise TypeError(f"cost must be a CostOptions, got {type(self.cost).__name__}")
+        if isinstance(self.previous_fingerprints, ModelFingerprint) or not isinstance(
+                self.previous_fingerprints, (tuple, list)):
+            raise TypeError(f"previous_fingerprints must be a tuple of ModelFingerprint, got {self.previous_fingerprints!r}")
+        previous = tuple(self.previous_fingerprints)
+        for fp in previous:
+            if not isinstance(fp, ModelFingerprint):
+                raise TypeError(f"previous_fingerprints must hold ModelFingerprints, got {fp!r}")
+            if fp == self.fingerprint or fp.page_size != self.fingerprint.page_size:
+                raise ValueError(f"previous_fingerprints: {fp!r} is the fingerprint itself or has another page size")
+        object.__setattr__(self, "previous_fingerprints", previous)
 
     def attachment(self) -> StorageAttachment:
         return StorageAttachment(self.url, self.fingerprint, self.storage, self.pages_per_object)
@@ -196,6 +220,8 @@ class _Prefetch:
     state: PrefetchState = PrefetchState.RUNNING
     reason: str = ""  # why nothing was fetched (NOT_STARTED after the query)
     queued: bool = False  # started when its request entered the queue (``prefetch``), not at its start
+    # on a miss from the first candidate page: whether L3 holds it under a previous fingerprint (query thread)
+    elsewhere: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -241,6 +267,21 @@ class StorageCounters:
         return dataclasses.asdict(self)
 
 
+def _stored_elsewhere(exists: Callable[..., int], fingerprints: tuple[ModelFingerprint, ...], extra_key: str | None,
+                      cache_salt: str | None, tokens: np.ndarray, first: int) -> bool:
+    """Whether L3 holds page ``first`` of ``tokens`` (whole pages up to the end of that page's object) under
+    one of ``fingerprints``: one existence check each, keys in that fingerprint's namespace. Runs on the query
+    thread after a miss; a diagnostic only, so storage trouble is a no."""
+    for fp in fingerprints:
+        try:
+            keys = ChainKeys(Namespace(fp, extra_key, cache_salt), tokens)[first:]
+            if exists(keys, first, 1, fp) > 0:
+                return True
+        except Exception:
+            continue
+    return False
+
+
 class StorageTier:
     def __init__(self, tree: RadixTree, host: HostTier, workers: WorkerGroup, params: StorageParams,
                  queue_op: Callable[[TransferOp, list[TreeNode]], PendingTransfer], op_ids: itertools.count,
@@ -262,7 +303,7 @@ class StorageTier:
         self._by_req: dict[str, _Prefetch] = {}
         self._inflight_backup_pages = 0
         self._inflight_prefetch_pages = 0
-        self._misses: OrderedDict[str, float] = OrderedDict()  # first-page chain key -> expiry
+        self._misses: OrderedDict[str, tuple[float, str]] = OrderedDict()  # first-page chain key -> (expiry, reason)
         self._querying: list[_Prefetch] = []  # prefetches whose existence query is unanswered, in start order
         self._query_pool: cf.ThreadPoolExecutor | None = None
         # an unanswered query past this is a miss (the storage's own deadline ends it; the slack covers the hop)
@@ -585,9 +626,11 @@ class StorageTier:
         known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps if anchor.children else 0
         if known * ps < self.params.prefetch_min_tokens:
             known = 0
-        if not known and first_key in self._misses and self._recent_miss(first_key):
-            self.counters.prefetch_negative_hits += 1
-            return skip(req_id, "not enough pages in L3 (recent miss)")
+        if not known and first_key in self._misses:
+            why = self._recent_miss(first_key)
+            if why:
+                self.counters.prefetch_negative_hits += 1
+                return skip(req_id, why)
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
         if room < len(keys):
             keys = keys[: max(0, room)]
@@ -610,6 +653,11 @@ class StorageTier:
                 self._start_fetch(task, known)
                 return self.progress(req_id)
             task.keys, task.tokens = task.keys[:known], task.tokens[: known * ps]
+        if self.params.previous_fingerprints and not task.base:
+            end = min(whole // ps, (first // self.pages_per_object + 1) * self.pages_per_object)
+            task.elsewhere = functools.partial(_stored_elsewhere, self.workers.storage_exists,
+                                               self.params.previous_fingerprints, key.extra_key, key.cache_salt,
+                                               tokens[: end * ps], first)
         task.query = self._ask(task)
         self.counters.l3_queries += 1
         # waiting on the answer longer than recomputing its candidates would take is a loss whatever it says;
@@ -629,12 +677,18 @@ class StorageTier:
         a few local stat calls cost less than the hand-off to a query thread."""
         keys, first = task.keys[task.base:], task.first_page + task.base
         least = 1 if task.base else self._exists_min_pages
+        exists, elsewhere = self.workers.storage_exists, task.elsewhere
+
+        def query() -> tuple[int, bool]:  # (pages found, a miss of the first page held under a previous fingerprint)
+            found = exists(keys, first, least)
+            return found, not found and elsewhere is not None and elsewhere()
+
         if self.workers.storage_local:  # (an error is a miss, as from the query thread: ``advance``)
-            return run_now(self.workers.storage_exists, keys, first, least)
+            return run_now(query)
         if self._query_pool is None:
             # a few threads: a query stuck until its storage deadline does not hold up the ones behind it
             self._query_pool = cf.ThreadPoolExecutor(_QUERY_THREADS, thread_name_prefix="hicache-l3-query")
-        return self._query_pool.submit(self.workers.storage_exists, keys, first, least)
+        return self._query_pool.submit(query)
 
     def advance(self) -> int:
         """Applies answered existence queries (head thread): a query that found enough starts its fetch
@@ -654,17 +708,19 @@ class StorageTier:
                 waiting.append(task)
                 continue
             task.query = None
-            found, failed = 0, not q.done()
+            found, failed, elsewhere = 0, not q.done(), False
             if q.done():
                 try:
-                    found = task.base + int(q.result())
+                    answer, elsewhere = q.result()
+                    found = task.base + int(answer)
                 except Exception:  # storage trouble is a miss, never an error for a request
                     found, failed = task.base, True
             if found < self._exists_min_pages:
-                self._note_miss(task.keys[0])
                 # the request's miss reason (token_account): L3 did not answer, or its breaker opened meanwhile
                 down = failed or self.workers.storage_breaker_state() != "closed"
-                self._end_without_fetch(task, L3_UNAVAILABLE if down else "not enough pages in L3")
+                why = L3_UNAVAILABLE if down else FINGERPRINT_DIFFERS if elsewhere else NOT_ENOUGH
+                self._note_miss(task.keys[0], FINGERPRINT_DIFFERS if elsewhere else f"{NOT_ENOUGH} (recent miss)")
+                self._end_without_fetch(task, why)
             else:
                 started += self._start_fetch(task, found)
         return started
@@ -764,21 +820,22 @@ class StorageTier:
             self.cost.observe_load(num_pages, nbytes, duration_s)
 
     # -- negative cache ------------------------------------------------------------------------------
-    def _recent_miss(self, key: str) -> bool:
-        expiry = self._misses.get(key)
-        if expiry is None:
-            return False
-        if time.monotonic() >= expiry:
+    def _recent_miss(self, key: str) -> str:
+        """The reason of a remembered miss of ``key`` ("": none, or expired)."""
+        entry = self._misses.get(key)
+        if entry is None:
+            return ""
+        if time.monotonic() >= entry[0]:
             del self._misses[key]
-            return False
+            return ""
         self._misses.move_to_end(key)
-        return True
+        return entry[1]
 
-    def _note_miss(self, key: str) -> None:
+    def _note_miss(self, key: str, reason: str) -> None:
         ttl, cap = self.params.negative_cache_ttl_s, self.params.negative_cache_size
         if ttl <= 0 or cap <= 0:
             return
-        self._misses[key] = time.monotonic() + ttl
+        self._misses[key] = (time.monotonic() + ttl, reason)
         self._misses.move_to_end(key)
         while len(self._misses) > cap:
             self._misses.popitem(last=False)

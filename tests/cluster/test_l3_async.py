@@ -46,9 +46,9 @@ def test_negative_cache_skips_repeated_misses_and_expires(tmp_path):
     assert _prefetch(reader, a, "r2").state is PrefetchState.NOT_STARTED  # still within the TTL
     assert counters.prefetch_negative_hits == 2
     misses = reader.head.controller.storage._misses
-    assert misses and all(expiry > time.monotonic() + 200 for expiry in misses.values())
-    for key in misses:
-        misses[key] -= 301.0
+    assert misses and all(expiry > time.monotonic() + 200 for expiry, _ in misses.values())
+    for key, (expiry, reason) in misses.items():
+        misses[key] = (expiry - 301.0, reason)
     assert _prefetch(reader, a, "r3").state is not PrefetchState.NOT_STARTED  # expired: storage asked
     assert counters.prefetch_negative_hits == 2
     reader.head.flush_write_through_acks()
