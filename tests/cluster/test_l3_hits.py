@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
+import pytest
 from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.cost_model import CostOptions
@@ -27,8 +28,10 @@ def check(env: HiCacheEnv) -> None:
     env.head.controller.check_invariants()
 
 
-def test_l1_match_without_l2_copy_still_gets_its_l3_extension():
-    url = f"memory://l3ask-l1only-{uuid.uuid4().hex[:8]}"
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_l1_match_without_l2_copy_still_gets_its_l3_extension(scheme, tmp_path):
+    """memory:// asks L3 on a query thread, file:// (a local disk) in the head's call: both fetch."""
+    url = f"memory://l3ask-l1only-{uuid.uuid4().hex[:8]}" if scheme == "memory" else f"file://{tmp_path}/l3"
     writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=_DETERMINED)
     a = seq(0, 40)
     writer.serve(a)
