@@ -15,6 +15,7 @@ from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.cost_model import CostOptions
 from hicache.cluster.tree import RadixKey
+from hicache.workers import OpKind
 
 _DETERMINED = {"prefetch_policy": "wait_complete", "prefetch_wait_max_s": 30.0, "cost": CostOptions(enabled=False)}
 
@@ -51,4 +52,30 @@ def test_l1_match_without_l2_copy_still_gets_its_l3_extension(scheme, tmp_path):
     assert (r["device_hit"], r["prefetched"], r["loaded"]) == (16, 24, 24)
     assert anchor.host_slots is not None  # the fetch had the match copied to L2 to hang below it
     env.head.flush_write_through_acks()
+    check(env)
+
+
+def test_failed_l1_to_l2_copy_under_a_fetch_frees_its_slots_and_recomputes():
+    """The fetch below an L1-only match is back, but the match's L1->L2 copy fails on the host: the fetched
+    pages have nothing to hang below, so their L2 slots are freed and the request computes them (exactly);
+    nothing stays pinned or reserved."""
+    url = f"memory://l3ask-l1fail-{uuid.uuid4().hex[:8]}"
+    writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=_DETERMINED)
+    a = seq(0, 40)
+    writer.serve(a)
+    writer.head.flush_write_through_acks()
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, write_policy="write_through_selective",
+                     storage_url=url, storage_kwargs=_DETERMINED,
+                     faults={"fail_kinds": (OpKind.BACKUP_D2H,), "fail_rate": 1.0})
+    env.storage = False
+    env.serve(a[:16])
+    env.storage = True
+    free = env.head.controller.host.num_free
+    r = env.serve(a)
+    assert (r["device_hit"], r["prefetched"], r["loaded"]) == (16, 0, 0)
+    st = env.head.cache_stats()["storage"]
+    assert st["prefetch_redundant_pages"] == 6 and st["prefetch_pages"] == 0
+    env.head.flush_write_through_acks()
+    assert env.head.controller.host.num_free == free  # the fetch's slots went back (the copies failed too)
+    assert not any(n.host_pin for n in env.head.tree.iter_nodes())
     check(env)
