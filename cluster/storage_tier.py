@@ -47,8 +47,10 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   first page after the matched prefix, so repeated misses skip the existence lookup; a remembered
   miss is dropped early when this head stores that page. Hits are never cached: a prefetch always
   asks storage. A miss of the very first candidate page is checked once more, in the same query
-  thread, under ``previous_fingerprints`` (the object holding that page): found there, the miss (and
-  its remembered entry) reads "fingerprint differs" instead of "never cached".
+  thread right after the query's own answer, under ``previous_fingerprints`` (the object holding that
+  page): found there, the miss (and its remembered entry) reads "fingerprint differs" instead of "never
+  cached". A request waits for that check only while it would wait for its query; past that it goes on
+  as a plain miss and the remembered entry takes the check's answer when it comes.
   The match may end on a node with no L2 copy yet (L1 only, or its L1->L2 copy in flight): L3 is asked
   all the same. When the fetch starts, that node's L1->L2 copy is started unless one is on its way
   (``back_up``, the controller's); a fetch acked before the copy is parked and its pages hang below the
@@ -222,6 +224,7 @@ class _Prefetch:
     queued: bool = False  # started when its request entered the queue (``prefetch``), not at its start
     # on a miss from the first candidate page: whether L3 holds it under a previous fingerprint (query thread)
     elsewhere: Callable[[], bool] | None = None
+    elsewhere_answer: cf.Future | None = None  # its answer (set after the query's own: a miss is known first)
 
 
 @dataclass
@@ -304,6 +307,8 @@ class StorageTier:
         self._inflight_backup_pages = 0
         self._inflight_prefetch_pages = 0
         self._misses: OrderedDict[str, tuple[float, str]] = OrderedDict()  # first-page chain key -> (expiry, reason)
+        # remembered misses whose previous-fingerprint check answers after their request went on
+        self._late_reasons: list[tuple[str, cf.Future]] = []
         self._querying: list[_Prefetch] = []  # prefetches whose existence query is unanswered, in start order
         self._query_pool: cf.ThreadPoolExecutor | None = None
         # an unanswered query past this is a miss (the storage's own deadline ends it; the slack covers the hop)
@@ -387,7 +392,7 @@ class StorageTier:
         """Waits up to ``timeout_s`` for the background job (attach's warm restart, a probe) and the
         existence queries, and applies them; True if none is left running. For callers that want them
         done before they go on (tests, a benchmark's setup); serving never waits on them."""
-        jobs = [t.query for t in self._querying if t.query is not None]
+        jobs = [f for t in self._querying for f in (t.query, t.elsewhere_answer) if f is not None]
         if self._bg_job is not None:
             jobs.append(self._bg_job)
         if jobs:
@@ -627,6 +632,8 @@ class StorageTier:
         if known * ps < self.params.prefetch_min_tokens:
             known = 0
         if not known and first_key in self._misses:
+            if self._late_reasons:
+                self._apply_late_reasons()
             why = self._recent_miss(first_key)
             if why:
                 self.counters.prefetch_negative_hits += 1
@@ -678,17 +685,37 @@ class StorageTier:
         keys, first = task.keys[task.base:], task.first_page + task.base
         least = 1 if task.base else self._exists_min_pages
         exists, elsewhere = self.workers.storage_exists, task.elsewhere
+        if elsewhere is None:
+            if self.workers.storage_local:  # (an error is a miss, as from the query thread: ``advance``)
+                return run_now(exists, keys, first, least)
+            return self._query_threads().submit(exists, keys, first, least)
+        answer: cf.Future = cf.Future()
+        other = task.elsewhere_answer = cf.Future()
 
-        def query() -> tuple[int, bool]:  # (pages found, a miss of the first page held under a previous fingerprint)
-            found = exists(keys, first, least)
-            return found, not found and elsewhere is not None and elsewhere()
+        def query() -> None:  # the query's answer first, then (on a miss of every page) the previous fingerprints'
+            try:
+                found = exists(keys, first, least)
+            except BaseException as e:
+                other.set_result(False)
+                answer.set_exception(e)
+                return
+            answer.set_result(found)
+            try:
+                other.set_result(not found and elsewhere())
+            except BaseException:  # (a diagnostic: never an error)
+                other.set_result(False)
 
-        if self.workers.storage_local:  # (an error is a miss, as from the query thread: ``advance``)
-            return run_now(query)
+        if self.workers.storage_local:
+            query()
+        else:
+            self._query_threads().submit(query)
+        return answer
+
+    def _query_threads(self) -> cf.ThreadPoolExecutor:
         if self._query_pool is None:
             # a few threads: a query stuck until its storage deadline does not hold up the ones behind it
             self._query_pool = cf.ThreadPoolExecutor(_QUERY_THREADS, thread_name_prefix="hicache-l3-query")
-        return self._query_pool.submit(query)
+        return self._query_pool
 
     def advance(self) -> int:
         """Applies answered existence queries (head thread): a query that found enough starts its fetch
@@ -702,28 +729,48 @@ class StorageTier:
         waiting: list[_Prefetch] = []
         tasks, self._querying = self._querying, waiting
         for task in tasks:
-            q = task.query
+            q, other = task.query, task.elsewhere_answer
             assert q is not None
             if not q.done() and now < task.started + self._query_deadline_s:
                 waiting.append(task)
                 continue
-            task.query = None
-            found, failed, elsewhere = 0, not q.done(), False
+            # a miss whose previous-fingerprint check still runs waits for it while its request may wait
+            if other is not None and not other.done() and q.done() and q.exception() is None and not q.result() \
+                    and now < task.query_until and now < task.started + self._query_deadline_s:
+                waiting.append(task)
+                continue
+            task.query = task.elsewhere_answer = None
+            found, failed = 0, not q.done()
             if q.done():
                 try:
-                    answer, elsewhere = q.result()
-                    found = task.base + int(answer)
+                    found = task.base + int(q.result())
                 except Exception:  # storage trouble is a miss, never an error for a request
                     found, failed = task.base, True
             if found < self._exists_min_pages:
                 # the request's miss reason (token_account): L3 did not answer, or its breaker opened meanwhile
                 down = failed or self.workers.storage_breaker_state() != "closed"
+                elsewhere = other is not None and other.done() and other.result()
                 why = L3_UNAVAILABLE if down else FINGERPRINT_DIFFERS if elsewhere else NOT_ENOUGH
-                self._note_miss(task.keys[0], FINGERPRINT_DIFFERS if elsewhere else f"{NOT_ENOUGH} (recent miss)")
+                first_key = task.keys[0]
+                self._note_miss(first_key, FINGERPRINT_DIFFERS if elsewhere else f"{NOT_ENOUGH} (recent miss)")
+                if other is not None and not other.done() and not down:  # later requests get its answer
+                    self._late_reasons.append((first_key, other))
+                    del self._late_reasons[: -self.params.negative_cache_size or None]
                 self._end_without_fetch(task, why)
             else:
                 started += self._start_fetch(task, found)
         return started
+
+    def _apply_late_reasons(self) -> None:
+        """Remembered misses whose previous-fingerprint check answered after their request went on: a found
+        one now reads "fingerprint differs" for the requests that hit the remembered miss."""
+        keep = []
+        for key, other in self._late_reasons:
+            if not other.done():
+                keep.append((key, other))
+            elif other.result() and key in self._misses:
+                self._misses[key] = (self._misses[key][0], FINGERPRINT_DIFFERS)
+        self._late_reasons = keep
 
     @property
     def querying(self) -> bool:
@@ -734,7 +781,11 @@ class StorageTier:
         """Waits up to ``timeout_s`` for the existence query of ``req_id``'s prefetch (if one runs)."""
         task = self._by_req.get(req_id)
         if task is not None and task.query is not None and timeout_s > 0:
+            until = time.monotonic() + timeout_s
             cf.wait([task.query], timeout=timeout_s)
+            other = task.elsewhere_answer
+            if other is not None and task.query.done() and time.monotonic() < until:
+                cf.wait([other], timeout=until - time.monotonic())  # (answered at once unless it was a miss)
         self.advance()
 
     def _end_without_fetch(self, task: _Prefetch, reason: str) -> None:
@@ -1110,6 +1161,7 @@ class StorageTier:
         for task in self._querying:  # unanswered: nothing was reserved; the answer is dropped
             self._end_without_fetch(task, "storage detached")
         self._querying = []
+        self._late_reasons = []
         parked, self._parked = self._parked, []
         for task in parked:  # the fetch is valid: adopted if the anchor's L2 copy came meanwhile, else freed
             self._finish_fetch(task, True)
