@@ -43,9 +43,9 @@ class CostOptions:
     page_bytes: float = 64 * 1024  # one page's bytes on one host, until an ack tells
     margin: float = 1.0  # load only if margin * expected load time < expected recompute time
     explore_every: int = 16  # every Nth skip fetches anyway: L3 that got fast again is measured (0: never)
-    # a request waits for its fetch at most this many times the recompute of its pages (at
-    # ``prefill_tokens_per_s`` until a prefill was measured; 0: no bound but StorageParams'): a fetch slower
-    # than expected costs a bounded wait, then the request recomputes while the fetch goes on (and is measured)
+    # a request waits for its fetch at most this many times the recompute of its pages (once a prefill was
+    # measured; 0: no bound but StorageParams'): a fetch slower than expected costs a bounded wait, then the
+    # request recomputes while the fetch goes on (and is measured)
     wait_factor: float = 2.0
 
     def __post_init__(self) -> None:
@@ -251,17 +251,11 @@ class CostModel:
         return bool(self._fetch.samples and self._prefill.samples)
 
     def wait_bound_s(self, pages: int, page_size: int) -> float | None:
-        """How long a request may wait for a fetch of ``pages`` pages (None: no bound of the model's):
-        ``wait_factor`` times their recompute (at the default rate until a prefill was measured) and, until a
-        fetch was measured, times the fetch's own estimate too: a first fetch that slow proves the defaults
-        wrong, and the request recomputes while the fetch goes on and is measured."""
+        """How long a request may wait for a fetch of ``pages`` pages (None: no bound of the model's)."""
         o = self.options
-        if not (o.enabled and o.wait_factor):
+        if not (o.enabled and o.wait_factor and self._prefill.samples):
             return None
-        bound = self.recompute_s(pages * page_size)
-        if not self._fetch.samples:
-            bound = min(bound, self.fetch_s(pages) + self.load_s(pages))
-        return o.wait_factor * bound
+        return o.wait_factor * self.recompute_s(pages * page_size)
 
     def snapshot(self) -> dict:
         """The current estimates (``cache_stats()["storage"]["cost_model"]``) and their sample counts."""
