@@ -13,6 +13,11 @@ a time; every output is compared with the reference:
 - ``cost_aware``: the stack with the cost model on (``CostOptions()`` defaults; it learns during
   the run: its first fetch at every point is always taken and measured).
 
+Every stack runs ``warm_up`` (its own namespace) after L3 is attached and before the stream, as a
+replica does when it starts; the fill stack's warm-up stored its requests in L3, so every warm-up
+also fetches from L3 at the point's latency: each stack's cost model starts the stream having measured
+the engine's prefill and (where its warm-up waited for one) an L3 fetch.
+
 JSON: ``{"points": [{"latency_s", "no_cache_ttft_mean_s", "always_load_ttft_mean_s",
 "cost_aware_ttft_mean_s", ...}], "targets": {...}}``. Targets: at every point cost_aware mean TTFT
 <= 1.05 x min(no_cache, always_load); at latency 0, >= 2x faster than no_cache.
@@ -34,7 +39,7 @@ from benchmarks.report import jsonable
 from benchmarks.workload import Stream, log
 from hicache.cluster.cost_model import CostOptions
 from hicache.reference.engine.runner import ModelRunner
-from hicache.reference.stack import build_stack
+from hicache.reference.stack import build_stack, warm_up
 from hicache.storage.fault_injection import FaultPlan, OpFaults
 
 SEED = 27
@@ -46,6 +51,7 @@ CONFIGS = {"always_load": CostOptions(enabled=False), "cost_aware": CostOptions(
 def run_config(cost: CostOptions, plan: FaultPlan, runner: ModelRunner, stream: Stream, options, url: str) -> dict:
     stack = build_stack(options, runner)
     attach_faulty_l3(stack, url, plan, cost=cost)
+    warm_up(stack)  # as a replica starts (module docstring)
     wrong, ttfts, l3 = serve_stream(stack, stream)
     st = stack.head.cache_stats()["storage"]
     close_stack(stack)
@@ -69,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log("fill: a healthy stack stores the stream in L3")
     fill = build_stack(options, runner)
     attach_faulty_l3(fill, url, cost=CostOptions(enabled=False))
+    warm_up(fill)  # its namespace's objects too: every point's warm-up meets the same L3
     wrong_fill, _, _ = serve_stream(fill, stream)
     close_stack(fill)
     points = []

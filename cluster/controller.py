@@ -398,7 +398,7 @@ class HiCacheController:
         if self.in_flight:
             raise RuntimeError(f"cannot attach storage with {self.in_flight} transfers in flight")
         self.commits.storage = StorageTier(self.tree, self.host, self.workers, params, self.outbox.queue_storage,
-                                           self.outbox.op_ids)
+                                           self.outbox.op_ids, back_up=self._backup_chain)
 
     def detach_storage_backend(self) -> None:
         """Drains in-flight work (bounded by ``ack_timeout_s``), then detaches L3."""
@@ -447,9 +447,13 @@ class HiCacheController:
         self._apply(self.workers.poll())
         storage.wait_query(req_id, storage.query_budget_s(req_id))  # its answer may start the fetch:
         self.submit()  # sent now
-        budget = storage.wait_budget_s(req_id, self.config.ack_timeout_s)
-        op = storage.fetch_op(req_id)
-        if budget > 0 and op is not None:  # its own fetch only: never behind write-backs or D2H copies
+        for _ in range(2):  # its fetch, then (fetched below an L1-only match) its anchor's L1->L2 copy
+            if storage.fetch_parked(req_id):
+                self.submit(force=True)  # that copy goes now, not after the batching of backups
+            budget = storage.wait_budget_s(req_id, self.config.ack_timeout_s)
+            op = storage.fetch_op(req_id)
+            if budget <= 0 or op is None:  # its own transfers only: never behind other write-backs
+                break
             self._apply(self.workers.wait(budget, (op,)))
         return storage.progress(req_id)
 

@@ -15,6 +15,11 @@ Hosts work in parallel on their own shards, so every estimate is per host: an op
 ``choose`` decides, when an existence query answered, how many of the pages found to fetch: all, a
 leading part that is back before the request stops waiting for it, or none (recompute). With the
 model off (``CostOptions.enabled``) every page found is fetched, as before.
+
+A fetch still unacked is evidence too: its age is a lower bound on its time (``PendingFetch``). While
+no fetch was measured yet, a fetch older than the model's estimate for it tells that L3 is slower than
+the defaults say, so requests that start while a slow first fetch is in flight decide on that bound
+instead of fetching (and waiting) too.
 """
 
 from __future__ import annotations
@@ -129,6 +134,14 @@ class PrefillReport:
 
 
 @dataclass(frozen=True)
+class PendingFetch:
+    """The oldest L3 -> L2 fetch still unacked: ``pages`` pages sent ``age_s`` seconds ago."""
+
+    pages: int
+    age_s: float
+
+
+@dataclass(frozen=True)
 class FetchPlan:
     """``pages`` of the found ones to fetch (0: recompute them all) and the estimates behind it."""
 
@@ -183,6 +196,15 @@ class CostModel:
         intercept, slope = self._fetch_line()
         return intercept + slope * pages * self.page_bytes()
 
+    def _latency_floor(self, pending: PendingFetch | None) -> float:
+        """The least first-byte latency an unacked fetch's age implies (0.0: it says nothing beyond the
+        estimate): its age minus its bytes at the estimated rate, when that exceeds the estimate."""
+        if pending is None or pending.pages <= 0:
+            return 0.0
+        intercept, slope = self._fetch_line()
+        floor = pending.age_s - slope * pending.pages * self.page_bytes()
+        return floor if floor > intercept else 0.0
+
     def load_s(self, pages: int) -> float:
         return pages * self.page_bytes() / self._load_rate.get(self.options.load_bytes_per_s)
 
@@ -192,30 +214,36 @@ class CostModel:
     def recompute_s(self, tokens: int) -> float:
         return tokens * self._prefill_line()[1]
 
-    def choose(self, found: int, page_size: int, least: int, budget_s: float | None) -> FetchPlan:
+    def choose(self, found: int, page_size: int, least: int, budget_s: float | None,
+               pending: PendingFetch | None = None) -> FetchPlan:
         """How many of ``found`` leading pages to fetch. Loading n pages costs latency + n * per-page
         time; recomputing them n * per-token time: when a page loads faster than it computes, the more
         the better, up to what is back within ``budget_s`` (the request's wait; None: no request waits,
         the pages are for later ones); a part under ``least`` pages is not worth a fetch. Until a fetch
-        and a prefill were measured, every page found is fetched (the defaults alone never skip one)."""
+        and a prefill were measured, every page found is fetched (the defaults alone never skip one); an
+        unacked fetch older than its estimate (``pending``) stands in for a measured one, its age a lower
+        bound on the latency."""
         recompute = self.recompute_s(found * page_size)
-        if not self.options.enabled or not (self._fetch.samples and self._prefill.samples):
+        floor = self._latency_floor(pending) if self.options.enabled else 0.0
+        if not self.options.enabled or not ((self._fetch.samples or floor) and self._prefill.samples):
             # the model skips on measured evidence only: until both sides were measured, fetch (and measure)
             return FetchPlan(found, self.fetch_s(found), self.load_s(found), recompute)
         intercept, slope = self._fetch_line()
+        lift = max(0.0, floor - intercept)  # what the unacked fetch adds to the estimated latency
+        intercept += lift
         per_page = slope * self.page_bytes() + self.load_s(1)
         gain = self.recompute_s(page_size) - self.options.margin * per_page
         n = found
         if budget_s is not None and per_page > 0:
             n = min(n, max(0, int((budget_s - intercept) / per_page)))
-        load = self.options.margin * (self.fetch_s(n) + self.load_s(n))
+        load = self.options.margin * (self.fetch_s(n) + lift * (n > 0) + self.load_s(n))
         if gain <= 0 or n < least or load >= self.recompute_s(n * page_size):
             self._skips += 1
             every = self.options.explore_every
             if every and self._skips % every == 0 and found >= least:
-                return FetchPlan(found, self.fetch_s(found), self.load_s(found), recompute, explored=True)
-            return FetchPlan(0, self.fetch_s(n), self.load_s(n), recompute)
-        return FetchPlan(n, self.fetch_s(n), self.load_s(n), recompute)
+                return FetchPlan(found, self.fetch_s(found) + lift, self.load_s(found), recompute, explored=True)
+            return FetchPlan(0, self.fetch_s(n) + lift * (n > 0), self.load_s(n), recompute)
+        return FetchPlan(n, self.fetch_s(n) + lift, self.load_s(n), recompute)
 
     @property
     def measured(self) -> bool:

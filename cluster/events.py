@@ -39,6 +39,7 @@ class MissReason(str, Enum):
     NAMESPACE_DIFFERS = "namespace_differs"  # the same tokens are cached under another extra_key / cache_salt
     L3_UNREADABLE = "l3_unreadable"  # L3 had the object but its fetch failed (corrupt, short read, gone)
     COST_SKIPPED = "cost_skipped"  # L3 had the pages; the cost model chose recomputing them
+    FINGERPRINT_DIFFERS = "fingerprint_differs"  # L3 holds them under a previous model fingerprint only
     PARTIAL_PAGE = "partial_page"  # past the key's last whole page (the last prompt token included): never cached
 
 

@@ -55,6 +55,7 @@ from hicache.workers.plan import TransferAck, TransferPlan
 from hicache.workers.spec import ComponentPool, KVCacheSpec
 
 if TYPE_CHECKING:  # (imported where it is built: jax loads with it)
+    from hicache.storage import ModelFingerprint
     from hicache.workers import HostWorker
 
 log = logging.getLogger(__name__)
@@ -244,8 +245,9 @@ class HostWorkerActor:
     def storage_pages_per_object(self) -> int:
         return self._storage().pages_per_object()
 
-    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
-        return self._storage().batch_exists(keys, first_page=first_page, min_pages=min_pages)
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1,
+                       fingerprint: ModelFingerprint | None = None) -> int:
+        return self._storage().batch_exists(keys, first_page=first_page, min_pages=min_pages, fingerprint=fingerprint)
 
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         self._storage().record_prefix(namespace, tokens)
@@ -447,10 +449,11 @@ class RayWorkerGroup:
     def storage_local(self) -> bool:
         return False  # every question is a remote call to the host actors
 
-    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1,
+                       fingerprint: ModelFingerprint | None = None) -> int:
         """MIN over hosts of the stored prefix length; a host that cannot answer counts as 0 (a miss)."""
         try:
-            found = ray.get([a.storage_exists.remote(keys, first_page, min_pages) for a in self.actors],
+            found = ray.get([a.storage_exists.remote(keys, first_page, min_pages, fingerprint) for a in self.actors],
                             timeout=self.options.call_timeout_s)
         except Exception as e:  # storage trouble is a miss, never an error for the request
             log.warning("replica %s: L3 existence check failed: %s", self.replica, e)

@@ -46,7 +46,15 @@ head asks them for existence (MIN over hosts) and never touches bytes.
   L3) is remembered for ``negative_cache_ttl_s`` in a bounded LRU keyed by the chain key of the
   first page after the matched prefix, so repeated misses skip the existence lookup; a remembered
   miss is dropped early when this head stores that page. Hits are never cached: a prefetch always
-  asks storage.
+  asks storage. A miss of the very first candidate page is checked once more, in the same query
+  thread right after the query's own answer, under ``previous_fingerprints`` (the object holding that
+  page): found there, the miss (and its remembered entry) reads "fingerprint differs" instead of "never
+  cached". A request waits for that check only while it would wait for its query; past that it goes on
+  as a plain miss and the remembered entry takes the check's answer when it comes.
+  The match may end on a node with no L2 copy yet (L1 only, or its L1->L2 copy in flight): L3 is asked
+  all the same. When the fetch starts, that node's L1->L2 copy is started unless one is on its way
+  (``back_up``, the controller's); a fetch acked before the copy is parked and its pages hang below the
+  node at the copy's ack (``on_host_committed``), so L2 copies stay a chain from the root.
 - Availability (L3 on a failing network): the workers' storage clients keep a breaker per location
   (``FsspecStorage.breaker``); before every L3 query the head asks their worst state
   (``WorkerGroup.storage_breaker_state``, no storage I/O). Not closed: the query is skipped at once,
@@ -64,6 +72,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -74,7 +83,7 @@ from enum import Enum
 
 import numpy as np
 
-from hicache.cluster.cost_model import CostModel, CostOptions
+from hicache.cluster.cost_model import CostModel, CostOptions, PendingFetch
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.inflight import PendingTransfer
 from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
@@ -86,6 +95,9 @@ from hicache.workers.worker import run_now
 
 L3_UNAVAILABLE = "L3 unavailable"  # PrefetchProgress.reason: L3 down (query skipped, unanswered, or fetch failed)
 COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputing the pages found is faster
+FINGERPRINT_DIFFERS = "L3 holds it under a previous fingerprint"  # PrefetchProgress.reason (previous_fingerprints)
+NOT_ENOUGH = "not enough pages in L3"  # PrefetchProgress.reason: L3 answered, short of prefetch_min_tokens
+NO_ANCHOR_COPY = "matched prefix has no L2 copy to hang fetched pages below"  # its L1->L2 copy could not start
 _QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
 _QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
 
@@ -120,6 +132,11 @@ class StorageParams:
     # fetch or a query that outlived this wait (the query goes on: what it finds is still fetched into L2)
     query_wait_max_s: float = 0.05
     cost: CostOptions = field(default_factory=CostOptions)  # load or recompute (``hicache.cluster.cost_model``)
+    # fingerprints this model's KV was stored under before (an earlier model version, another dtype): on an L3
+    # miss, one existence check of the first missing page under them tells "fingerprint differs" from "never
+    # cached" (off the head's thread, remembered with the miss; never loaded). Same page size, shard layout
+    # and pages_per_object as ``fingerprint``; others are never found.
+    previous_fingerprints: tuple[ModelFingerprint, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -142,6 +159,16 @@ class StorageParams:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not isinstance(self.cost, CostOptions):
             raise TypeError(f"cost must be a CostOptions, got {type(self.cost).__name__}")
+        if isinstance(self.previous_fingerprints, ModelFingerprint) or not isinstance(
+                self.previous_fingerprints, (tuple, list)):
+            raise TypeError(f"previous_fingerprints must be a tuple of ModelFingerprint, got {self.previous_fingerprints!r}")
+        previous = tuple(self.previous_fingerprints)
+        for fp in previous:
+            if not isinstance(fp, ModelFingerprint):
+                raise TypeError(f"previous_fingerprints must hold ModelFingerprints, got {fp!r}")
+            if fp == self.fingerprint or fp.page_size != self.fingerprint.page_size:
+                raise ValueError(f"previous_fingerprints: {fp!r} is the fingerprint itself or has another page size")
+        object.__setattr__(self, "previous_fingerprints", previous)
 
     def attachment(self) -> StorageAttachment:
         return StorageAttachment(self.url, self.fingerprint, self.storage, self.pages_per_object)
@@ -191,9 +218,13 @@ class _Prefetch:
     op_id: int = -1  # the fetch's op, once the query answered (-1: not sent)
     slots: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     deadline: float = 0.0  # the TIMEOUT policy's, set when the fetch starts
+    fetch_started: float = 0.0  # monotonic time the fetch was queued (its age bounds L3's speed: ``_pending_fetch``)
     state: PrefetchState = PrefetchState.RUNNING
     reason: str = ""  # why nothing was fetched (NOT_STARTED after the query)
     queued: bool = False  # started when its request entered the queue (``prefetch``), not at its start
+    # on a miss from the first candidate page: whether L3 holds it under a previous fingerprint (query thread)
+    elsewhere: Callable[[], bool] | None = None
+    elsewhere_answer: cf.Future | None = None  # its answer (set after the query's own: a miss is known first)
 
 
 @dataclass
@@ -233,19 +264,41 @@ class StorageCounters:
     cost_skipped_pages: int = 0  # pages L3 held that those skips left to recompute
     cost_partial: int = 0  # fetches cut to a leading part (the rest would be back after the request's wait)
     cost_explored: int = 0  # fetches sent although the model said recompute (``CostOptions.explore_every``)
+    prefetch_parked: int = 0  # fetches acked before their anchor's L2 copy: held until that copy's ack
 
     def snapshot(self) -> dict:
         return dataclasses.asdict(self)
 
 
+def _stored_elsewhere(exists: Callable[..., int], fingerprints: tuple[ModelFingerprint, ...], extra_key: str | None,
+                      cache_salt: str | None, tokens: np.ndarray, first: int) -> bool:
+    """Whether L3 holds page ``first`` of ``tokens`` (whole pages up to the end of that page's object) under
+    one of ``fingerprints``: one existence check each, keys in that fingerprint's namespace. Runs on the query
+    thread after a miss; a diagnostic only, so storage trouble is a no."""
+    for fp in fingerprints:
+        try:
+            keys = ChainKeys(Namespace(fp, extra_key, cache_salt), tokens)[first:]
+            if exists(keys, first, 1, fp) > 0:
+                return True
+        except Exception:
+            continue
+    return False
+
+
 class StorageTier:
     def __init__(self, tree: RadixTree, host: HostTier, workers: WorkerGroup, params: StorageParams,
-                 queue_op: Callable[[TransferOp, list[TreeNode]], PendingTransfer], op_ids: itertools.count) -> None:
+                 queue_op: Callable[[TransferOp, list[TreeNode]], PendingTransfer], op_ids: itertools.count,
+                 back_up: Callable[[TreeNode], bool] | None = None) -> None:
+        """``back_up``: starts the L1 -> L2 copy of a node and its ancestors without one (the controller's);
+        a fetch below a match that ends on an L1-only node asks it (its pages hang below that node's L2
+        copy). None: such a fetch is not sent."""
         if params.fingerprint.page_size != tree.page_size:
             raise ValueError(f"fingerprint page_size {params.fingerprint.page_size} != tree page_size {tree.page_size}")
         self.tree, self.host, self.workers, self.params = tree, host, workers, params
         self._queue_op = queue_op
         self._op_ids = op_ids
+        self._back_up = back_up
+        self._parked: list[_Prefetch] = []  # fetched, waiting for their anchor's L2 copy (``_settle_parked``)
         self.counters = StorageCounters()
         self.cost = CostModel(params.cost)
         self._backups: dict[int, _Backup] = {}
@@ -253,7 +306,9 @@ class StorageTier:
         self._by_req: dict[str, _Prefetch] = {}
         self._inflight_backup_pages = 0
         self._inflight_prefetch_pages = 0
-        self._misses: OrderedDict[str, float] = OrderedDict()  # first-page chain key -> expiry
+        self._misses: OrderedDict[str, tuple[float, str]] = OrderedDict()  # first-page chain key -> (expiry, reason)
+        # remembered misses whose previous-fingerprint check answers after their request went on
+        self._late_reasons: list[tuple[str, cf.Future]] = []
         self._querying: list[_Prefetch] = []  # prefetches whose existence query is unanswered, in start order
         self._query_pool: cf.ThreadPoolExecutor | None = None
         # an unanswered query past this is a miss (the storage's own deadline ends it; the slack covers the hop)
@@ -337,7 +392,7 @@ class StorageTier:
         """Waits up to ``timeout_s`` for the background job (attach's warm restart, a probe) and the
         existence queries, and applies them; True if none is left running. For callers that want them
         done before they go on (tests, a benchmark's setup); serving never waits on them."""
-        jobs = [t.query for t in self._querying if t.query is not None]
+        jobs = [f for t in self._querying for f in (t.query, t.elsewhere_answer) if f is not None]
         if self._bg_job is not None:
             jobs.append(self._bg_job)
         if jobs:
@@ -417,7 +472,12 @@ class StorageTier:
 
     # -- L2 -> L3 backups ----------------------------------------------------------------------------
     def on_host_committed(self, nodes: list[TreeNode]) -> None:
-        """A chain of nodes just got its L2 copy: store what L3 does not have yet."""
+        """A chain of nodes just got its L2 copy: store what L3 does not have yet; fetches parked below one
+        of them hang their pages below it now."""
+        self._back_up_to_l3(nodes)
+        self._settle_parked()
+
+    def _back_up_to_l3(self, nodes: list[TreeNode]) -> None:
         last = nodes[-1]
         if last.parent is None or last.host_slots is None:
             return
@@ -558,8 +618,6 @@ class StorageTier:
         if not self._available():  # down: no request waits on it (module docstring)
             self.counters.unavailable_skips += 1
             return skip(req_id, L3_UNAVAILABLE)
-        if anchor.parent is not None and anchor.host_slots is None:
-            return skip(req_id, "matched prefix has no L2 copy to hang fetched pages below")
         ns = Namespace(self.params.fingerprint, key.extra_key, key.cache_salt)
         prev = None
         if depth:
@@ -573,9 +631,13 @@ class StorageTier:
         known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps if anchor.children else 0
         if known * ps < self.params.prefetch_min_tokens:
             known = 0
-        if not known and first_key in self._misses and self._recent_miss(first_key):
-            self.counters.prefetch_negative_hits += 1
-            return skip(req_id, "not enough pages in L3 (recent miss)")
+        if not known and first_key in self._misses:
+            if self._late_reasons:
+                self._apply_late_reasons()
+            why = self._recent_miss(first_key)
+            if why:
+                self.counters.prefetch_negative_hits += 1
+                return skip(req_id, why)
         room = self.params.max_inflight_prefetch_pages - self._inflight_prefetch_pages
         if room < len(keys):
             keys = keys[: max(0, room)]
@@ -598,6 +660,11 @@ class StorageTier:
                 self._start_fetch(task, known)
                 return self.progress(req_id)
             task.keys, task.tokens = task.keys[:known], task.tokens[: known * ps]
+        if self.params.previous_fingerprints and not task.base:
+            end = min(whole // ps, (first // self.pages_per_object + 1) * self.pages_per_object)
+            task.elsewhere = functools.partial(_stored_elsewhere, self.workers.storage_exists,
+                                               self.params.previous_fingerprints, key.extra_key, key.cache_salt,
+                                               tokens[: end * ps], first)
         task.query = self._ask(task)
         self.counters.l3_queries += 1
         # waiting on the answer longer than recomputing its candidates would take is a loss whatever it says;
@@ -617,17 +684,44 @@ class StorageTier:
         a few local stat calls cost less than the hand-off to a query thread."""
         keys, first = task.keys[task.base:], task.first_page + task.base
         least = 1 if task.base else self._exists_min_pages
-        if self.workers.storage_local:  # (an error is a miss, as from the query thread: ``advance``)
-            return run_now(self.workers.storage_exists, keys, first, least)
+        exists, elsewhere = self.workers.storage_exists, task.elsewhere
+        if elsewhere is None:
+            if self.workers.storage_local:  # (an error is a miss, as from the query thread: ``advance``)
+                return run_now(exists, keys, first, least)
+            return self._query_threads().submit(exists, keys, first, least)
+        answer: cf.Future = cf.Future()
+        other = task.elsewhere_answer = cf.Future()
+
+        def query() -> None:  # the query's answer first, then (on a miss of every page) the previous fingerprints'
+            try:
+                found = exists(keys, first, least)
+            except BaseException as e:
+                other.set_result(False)
+                answer.set_exception(e)
+                return
+            answer.set_result(found)
+            try:
+                other.set_result(not found and elsewhere())
+            except BaseException:  # (a diagnostic: never an error)
+                other.set_result(False)
+
+        if self.workers.storage_local:
+            query()
+        else:
+            self._query_threads().submit(query)
+        return answer
+
+    def _query_threads(self) -> cf.ThreadPoolExecutor:
         if self._query_pool is None:
             # a few threads: a query stuck until its storage deadline does not hold up the ones behind it
             self._query_pool = cf.ThreadPoolExecutor(_QUERY_THREADS, thread_name_prefix="hicache-l3-query")
-        return self._query_pool.submit(self.workers.storage_exists, keys, first, least)
+        return self._query_pool
 
     def advance(self) -> int:
         """Applies answered existence queries (head thread): a query that found enough starts its fetch
         (queued with the next plan), one that found too little is a remembered miss. A query past the
         storage's existence deadline (plus the ack slack) counts as a miss. Returns fetches started."""
+        self._settle_parked()
         if not self._querying:
             return 0
         started = 0
@@ -635,12 +729,17 @@ class StorageTier:
         waiting: list[_Prefetch] = []
         tasks, self._querying = self._querying, waiting
         for task in tasks:
-            q = task.query
+            q, other = task.query, task.elsewhere_answer
             assert q is not None
             if not q.done() and now < task.started + self._query_deadline_s:
                 waiting.append(task)
                 continue
-            task.query = None
+            # a miss whose previous-fingerprint check still runs waits for it while its request may wait
+            if other is not None and not other.done() and q.done() and q.exception() is None and not q.result() \
+                    and now < task.query_until and now < task.started + self._query_deadline_s:
+                waiting.append(task)
+                continue
+            task.query = task.elsewhere_answer = None
             found, failed = 0, not q.done()
             if q.done():
                 try:
@@ -648,13 +747,30 @@ class StorageTier:
                 except Exception:  # storage trouble is a miss, never an error for a request
                     found, failed = task.base, True
             if found < self._exists_min_pages:
-                self._note_miss(task.keys[0])
                 # the request's miss reason (token_account): L3 did not answer, or its breaker opened meanwhile
                 down = failed or self.workers.storage_breaker_state() != "closed"
-                self._end_without_fetch(task, L3_UNAVAILABLE if down else "not enough pages in L3")
+                elsewhere = other is not None and other.done() and other.result()
+                why = L3_UNAVAILABLE if down else FINGERPRINT_DIFFERS if elsewhere else NOT_ENOUGH
+                first_key = task.keys[0]
+                self._note_miss(first_key, FINGERPRINT_DIFFERS if elsewhere else f"{NOT_ENOUGH} (recent miss)")
+                if other is not None and not other.done() and not down:  # later requests get its answer
+                    self._late_reasons.append((first_key, other))
+                    del self._late_reasons[: -self.params.negative_cache_size or None]
+                self._end_without_fetch(task, why)
             else:
                 started += self._start_fetch(task, found)
         return started
+
+    def _apply_late_reasons(self) -> None:
+        """Remembered misses whose previous-fingerprint check answered after their request went on: a found
+        one now reads "fingerprint differs" for the requests that hit the remembered miss."""
+        keep = []
+        for key, other in self._late_reasons:
+            if not other.done():
+                keep.append((key, other))
+            elif other.result() and key in self._misses:
+                self._misses[key] = (self._misses[key][0], FINGERPRINT_DIFFERS)
+        self._late_reasons = keep
 
     @property
     def querying(self) -> bool:
@@ -665,7 +781,11 @@ class StorageTier:
         """Waits up to ``timeout_s`` for the existence query of ``req_id``'s prefetch (if one runs)."""
         task = self._by_req.get(req_id)
         if task is not None and task.query is not None and timeout_s > 0:
+            until = time.monotonic() + timeout_s
             cf.wait([task.query], timeout=timeout_s)
+            other = task.elsewhere_answer
+            if other is not None and task.query.done() and time.monotonic() < until:
+                cf.wait([other], timeout=until - time.monotonic())  # (answered at once unless it was a miss)
         self.advance()
 
     def _end_without_fetch(self, task: _Prefetch, reason: str) -> None:
@@ -683,6 +803,9 @@ class StorageTier:
         found = self._worth_fetching(task, found)
         if not found:
             return False
+        if not self._l2_copy_coming(task.anchor, start=True):
+            self._end_without_fetch(task, NO_ANCHOR_COPY)
+            return False
         slots = self.host.reserve(found)
         if slots is None:
             self._end_without_fetch(task, "no L2 room")
@@ -692,7 +815,8 @@ class StorageTier:
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
                         tuple(task.keys), first_page=task.first_page)
         task.op_id = op.op_id
-        task.deadline = time.monotonic() + self.params.prefetch_timeout_s(found * ps)
+        task.fetch_started = time.monotonic()
+        task.deadline = task.fetch_started + self.params.prefetch_timeout_s(found * ps)
         self._prefetches[op.op_id] = task
         self._inflight_prefetch_pages += found
         self.counters.prefetch_started += 1
@@ -718,7 +842,7 @@ class StorageTier:
             if bound is not None:
                 task.wait_until = min(task.wait_until, time.monotonic() + bound)
             return found
-        plan = self.cost.choose(found, ps, self._exists_min_pages, budget)
+        plan = self.cost.choose(found, ps, self._exists_min_pages, budget, self._pending_fetch())
         c = self.counters
         if plan.explored:
             c.cost_explored += 1
@@ -733,6 +857,12 @@ class StorageTier:
             task.wait_until = min(task.wait_until, time.monotonic() + bound)
         return plan.pages
 
+    def _pending_fetch(self) -> PendingFetch | None:
+        """The oldest fetch in flight (dicts keep insertion order: the first one is the oldest sent)."""
+        for task in self._prefetches.values():
+            return PendingFetch(len(task.keys), time.monotonic() - task.fetch_started)
+        return None
+
     def observe_ack(self, kind: OpKind, num_pages: int, nbytes: int, duration_s: float) -> None:
         """One host's ack of an L3 -> L2 fetch or an L2 -> L1 load: a sample for the cost model."""
         if kind is OpKind.PREFETCH_S2H:
@@ -741,21 +871,22 @@ class StorageTier:
             self.cost.observe_load(num_pages, nbytes, duration_s)
 
     # -- negative cache ------------------------------------------------------------------------------
-    def _recent_miss(self, key: str) -> bool:
-        expiry = self._misses.get(key)
-        if expiry is None:
-            return False
-        if time.monotonic() >= expiry:
+    def _recent_miss(self, key: str) -> str:
+        """The reason of a remembered miss of ``key`` ("": none, or expired)."""
+        entry = self._misses.get(key)
+        if entry is None:
+            return ""
+        if time.monotonic() >= entry[0]:
             del self._misses[key]
-            return False
+            return ""
         self._misses.move_to_end(key)
-        return True
+        return entry[1]
 
-    def _note_miss(self, key: str) -> None:
+    def _note_miss(self, key: str, reason: str) -> None:
         ttl, cap = self.params.negative_cache_ttl_s, self.params.negative_cache_size
         if ttl <= 0 or cap <= 0:
             return
-        self._misses[key] = time.monotonic() + ttl
+        self._misses[key] = (time.monotonic() + ttl, reason)
         self._misses.move_to_end(key)
         while len(self._misses) > cap:
             self._misses.popitem(last=False)
@@ -873,6 +1004,8 @@ class StorageTier:
         task = self._by_req.get(req_id)
         if task is None or task.state is not PrefetchState.RUNNING or task.op_id < 0:
             return None
+        if task.op_id not in self._prefetches:  # acked, parked: its anchor's L1->L2 copy is what it waits on
+            return self._copy_op(task.anchor)
         return task.op_id
 
     def query_budget_s(self, req_id: str) -> float:
@@ -913,22 +1046,83 @@ class StorageTier:
         task = self._prefetches.pop(op_id)
         self._inflight_prefetch_pages -= len(task.keys)
         anchor = task.anchor
+        if p.ok and anchor.parent is not None and anchor.host_slots is None and self._l2_copy_coming(anchor):
+            # fetched below an L1-only match: its pages hang below the anchor's L2 copy once that is acked
+            self.counters.prefetch_parked += 1
+            self._parked.append(task)
+            return
+        self._finish_fetch(task, p.ok)
+
+    def _l2_copy_coming(self, anchor: TreeNode, *, start: bool = False) -> bool:
+        """Whether ``anchor`` has an L2 copy or one is on its way (its own or an ancestor's L1->L2 copy in
+        flight: the controller backs up the rest after that ack). ``start``: if none is, starts one."""
+        if anchor.parent is None:
+            return self.tree.is_root(anchor)
+        if anchor.host_slots is not None:
+            return True
+        if start and anchor.staged_slots is None and self._back_up is not None:
+            self._back_up(anchor)
+        node: TreeNode | None = anchor
+        while node is not None and node.parent is not None and node.host_slots is None:
+            if node.staged_slots is not None:
+                return True
+            node = node.parent
+        return False
+
+    def _settle_parked(self) -> None:
+        """Fetches parked until their anchor's L2 copy: adopted once it is acked, dropped (their slots
+        freed, a redundant fetch) once none is on its way any more or past their deadline."""
+        if not self._parked:
+            return
+        now = time.monotonic()
+        keep: list[_Prefetch] = []
+        for task in self._parked:
+            anchor = task.anchor
+            if anchor.host_slots is None and anchor.parent is not None and now < task.deadline + _QUERY_SLACK_S \
+                    and self._l2_copy_coming(anchor):
+                keep.append(task)
+            else:
+                self._finish_fetch(task, True)
+        self._parked = keep
+
+    def fetch_parked(self, req_id: str) -> bool:
+        """Whether ``req_id``'s fetch is back and waits for its anchor's L1->L2 copy (``fetch_op`` is then
+        that copy's op: the controller sends it at once)."""
+        task = self._by_req.get(req_id)
+        return task is not None and task.state is PrefetchState.RUNNING and any(t is task for t in self._parked)
+
+    @staticmethod
+    def _copy_op(anchor: TreeNode) -> int | None:
+        """The op id of the L1->L2 copy that ``anchor``'s L2 copy waits on (its own or the nearest
+        ancestor's in flight), once sent."""
+        node: TreeNode | None = anchor
+        while node is not None and node.parent is not None and node.host_slots is None:
+            p = node.pending
+            if node.staged_slots is not None and p is not None and p.op is not None:
+                return p.op.op_id
+            node = node.parent
+        return None
+
+    def _finish_fetch(self, task: _Prefetch, ok: bool) -> None:
+        """Applies an acked (``ok``) or failed fetch to the tree: its pages become host-only nodes below its
+        anchor (if the anchor still has an L2 copy to hang them below), or its slots are freed."""
+        anchor = task.anchor
         anchor.host_pin -= 1
         alive = anchor.parent is not None or self.tree.is_root(anchor)
-        usable = p.ok and alive and (anchor.parent is None or anchor.host_slots is not None)
+        usable = ok and alive and (anchor.parent is None or anchor.host_slots is not None)
         nodes = self.tree.storage_only.adopt(anchor, task.tokens) if usable else None
-        if not p.ok and alive:  # a missing or corrupt object: what the tree thought stored is not
+        if not ok and alive:  # a missing or corrupt object: what the tree thought stored is not
             self.counters.storage_only_dropped_tokens += self.tree.storage_only.drop_path(anchor, task.tokens)
         if nodes is None:
             self.host.unreserve(task.slots)
-            if p.ok:
+            if ok:
                 self.counters.prefetch_redundant_pages += len(task.keys)
             else:
                 self.counters.prefetch_failures += 1
                 # the request's miss reason (token_account): L3 went down, else the objects were unreadable
                 task.reason = L3_UNAVAILABLE if self.workers.storage_breaker_state() != "closed" else "fetch failed"
-            task.state = PrefetchState.DONE if p.ok else PrefetchState.FAILED
-            if p.ok:
+            task.state = PrefetchState.DONE if ok else PrefetchState.FAILED
+            if ok:
                 task.tokens = task.tokens[:0]
             return
         k = 0
@@ -967,6 +1161,10 @@ class StorageTier:
         for task in self._querying:  # unanswered: nothing was reserved; the answer is dropped
             self._end_without_fetch(task, "storage detached")
         self._querying = []
+        self._late_reasons = []
+        parked, self._parked = self._parked, []
+        for task in parked:  # the fetch is valid: adopted if the anchor's L2 copy came meanwhile, else freed
+            self._finish_fetch(task, True)
         self.flush_manifest()
         self._stopped.set()  # background work still running ends at its next step, unapplied
         self.tree.storage_only.drop_all()  # nothing left to fetch them from

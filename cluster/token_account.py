@@ -19,7 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hicache.cluster.events import MissReason
-from hicache.cluster.storage_tier import COST_SKIPPED, L3_UNAVAILABLE, PrefetchProgress, PrefetchState
+from hicache.cluster.storage_tier import (
+    COST_SKIPPED,
+    FINGERPRINT_DIFFERS,
+    L3_UNAVAILABLE,
+    PrefetchProgress,
+    PrefetchState,
+)
 
 HIT_L1, HIT_L2, HIT_L3 = "hit_l1", "hit_l2", "hit_l3"  # the hit fates' names beside the MissReason values
 FATES = (HIT_L1, HIT_L2, HIT_L3, *(r.value for r in MissReason))  # every name a record's ``as_dict`` may hold
@@ -105,7 +111,9 @@ def account_request(prompt_len: int, page_size: int, *, hit_l1: int, hit_l2: int
 def explain_l3(tree_reason: MissReason | None, progress: PrefetchProgress | None) -> MissReason | None:
     """Why the whole pages past a match are missed, once L3 was asked (``progress``: its answer; None:
     not asked): L3's own reason when it has one, else the tree's (``tree_reason``; None: nothing missed).
-    L3 found nothing of pages the tree remembers storing there: they were evicted from L3."""
+    L3 found nothing of pages the tree remembers storing there: they were evicted from L3. Pages the tree
+    never saw that L3 holds under a previous fingerprint only (``StorageParams.previous_fingerprints``):
+    the fingerprint differs."""
     if progress is None or tree_reason is None:
         return tree_reason
     state, why = progress.state, progress.reason
@@ -115,6 +123,8 @@ def explain_l3(tree_reason: MissReason | None, progress: PrefetchProgress | None
         return MissReason.L3_UNREADABLE
     if why == COST_SKIPPED:
         return MissReason.COST_SKIPPED
+    if why == FINGERPRINT_DIFFERS and tree_reason is _NOT_CACHED:
+        return MissReason.FINGERPRINT_DIFFERS
     return tree_reason
 
 

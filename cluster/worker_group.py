@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from hicache.storage import Namespace
+from hicache.storage import ModelFingerprint, Namespace
 from hicache.workers.plan import TransferAck, TransferPlan
 from hicache.workers.storage_exec import StorageAttachment, StorageExecutor
 
@@ -40,8 +40,10 @@ class WorkerGroup(Protocol):
     @property
     def storage_local(self) -> bool: ...
 
-    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int: ...  # MIN over hosts
-    # min_pages: exact at or above it, below it any smaller count (FsspecStorage.batch_exists)
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1,
+                       fingerprint: ModelFingerprint | None = None) -> int: ...  # MIN over hosts
+    # min_pages: exact at or above it, below it any smaller count; fingerprint: pages stored under another
+    # model fingerprint (a miss's diagnostic, never loaded) (FsspecStorage.batch_exists)
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
 
@@ -132,11 +134,13 @@ class LocalWorkerGroup:
     def storage_local(self) -> bool:
         return all(e.storage.runs_inline for e in self._executors())
 
-    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1) -> int:
+    def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1,
+                       fingerprint: ModelFingerprint | None = None) -> int:
         execs = self._executors()
-        found = execs[0].storage.batch_exists(keys, first_page=first_page, min_pages=min_pages)
+        found = execs[0].storage.batch_exists(keys, first_page=first_page, min_pages=min_pages, fingerprint=fingerprint)
         for e in execs[1:]:  # MIN over hosts
-            found = min(found, e.storage.batch_exists(keys, first_page=first_page, min_pages=min_pages))
+            found = min(found, e.storage.batch_exists(keys, first_page=first_page, min_pages=min_pages,
+                                                      fingerprint=fingerprint))
         return found
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:

@@ -197,5 +197,17 @@ def _storage_params(l3: Any, model: Any, page_size: int, where: str) -> StorageP
     _require_backend(str(l3["url"]))
     fingerprint = ModelFingerprint(str(l3["model_id"]), str(model.get("dtype", "bfloat16")), page_size,
                                    int(model["num_layers"]), int(model["num_kv_heads"]), int(model["head_dim"]))
-    return StorageParams(str(l3["url"]), fingerprint, storage=StorageConfig(**config),
-                         **{k: v for k, v in l3.items() if k in scalar})
+    fields = {k: v for k, v in l3.items() if k in scalar}
+    if "previous_fingerprints" in fields:  # [{model_id, dtype?}]: this model's earlier versions (same shape)
+        fields["previous_fingerprints"] = tuple(
+            _previous_fingerprint(e, fingerprint, f"{where}: l3.previous_fingerprints[{i}]")
+            for i, e in enumerate(fields["previous_fingerprints"] or ()))
+    return StorageParams(str(l3["url"]), fingerprint, storage=StorageConfig(**config), **fields)
+
+
+def _previous_fingerprint(entry: Any, current: ModelFingerprint, where: str) -> ModelFingerprint:
+    """``{model_id, dtype?}`` -> the fingerprint ``current``'s model had under that id (and dtype)."""
+    if not isinstance(entry, Mapping) or "model_id" not in entry:
+        raise ValueError(f"{where} must be a mapping with a model_id (and optionally a dtype), got {entry!r}")
+    _check_keys(where, entry, {"model_id", "dtype"})
+    return dataclasses.replace(current, model_id=str(entry["model_id"]), dtype=str(entry.get("dtype", current.dtype)))

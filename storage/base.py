@@ -181,13 +181,18 @@ class HiCacheStorage(abc.ABC):
         pool: PoolKind = PoolKind.KV,
         timeout_s: float | None = None,
         min_pages: int = 1,
+        fingerprint: ModelFingerprint | None = None,
     ) -> int:
         """Number of consecutive pages, from ``keys[0]``, that ``batch_get`` can load now.
 
         ``min_pages``: the caller has no use for a hit shorter than this (a prefetch below its
         minimum). The answer is exact when it is ``>= min_pages``; below, it is some smaller number,
         so a store may leave out the objects that could only make such a hit (fewer existence
-        checks on a miss). A query of fewer than ``min_pages`` keys is 0 without I/O."""
+        checks on a miss). A query of fewer than ``min_pages`` keys is 0 without I/O.
+
+        ``fingerprint``: count the pages stored under another model fingerprint instead (``keys``
+        computed in its namespace; this host's shard and chunk size): what explains a miss as
+        "fingerprint differs". Such pages are never loaded."""
 
     @abc.abstractmethod
     def batch_get_pools(

@@ -405,15 +405,24 @@ class FsspecStorage(HiCacheStorage):
         pool: PoolKind = PoolKind.KV,
         timeout_s: float | None = None,
         min_pages: int = 1,
+        fingerprint: ModelFingerprint | None = None,
     ) -> int:
         reg = self._reg(pool)
         keys = check_keys(keys)
         first = check_first_page(first_page)
         least = check_min_pages(min_pages)
+        if fingerprint is not None and not isinstance(fingerprint, ModelFingerprint):
+            raise TypeError(f"fingerprint must be a ModelFingerprint or None, got {type(fingerprint).__name__}")
         deadline = self._deadline(timeout_s, self._exists_timeout())
         self._count(exists_calls=1)
         if len(keys) < least:  # no hit could reach min_pages (also: no keys)
             return 0
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            # the other fingerprint's objects of this shard, chunked alike (its own shard only: a diagnostic)
+            base = f"{self._root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
+            other = dataclasses.replace(reg, chunking=Chunking(
+                f"{base}/{reg.kind.value}/{reg.shard.tag()}/c{reg.ppo}", reg.ppo))
+            return sum(o.m for o in self._resolve([_Transfer(other, keys, _NO_SLOTS, first)], deadline, least)[0])
         return sum(seg.pages for seg in self._covered([_Transfer(reg, keys, _NO_SLOTS, first)], deadline, least)[2][0])
 
     def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from benchmarks.faulty_l3 import attach_faulty_l3
-from hicache.cluster.cost_model import CostModel, CostOptions, PrefillReport
+from hicache.cluster.cost_model import CostModel, CostOptions, PendingFetch, PrefillReport
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.serve_types import ServeRequest
@@ -78,6 +78,25 @@ def test_fetch_when_faster_skip_when_slower_and_cut_to_the_wait():
     assert per_page.choose(10, PS, 1, budget_s=None).pages == 10
     assert per_page.choose(10, PS, 1, budget_s=0.36).pages == 3
     assert per_page.choose(10, PS, 4, budget_s=0.36).pages == 0  # under the least worth a fetch
+
+
+def test_an_unacked_fetch_older_than_its_estimate_is_a_lower_bound_on_latency():
+    """No fetch measured yet, a prefill measured (1 ms per token: 5 pages recompute in 40 ms): a fetch sent
+    1 s ago and still unacked says L3 takes at least ~1 s, so a second request recomputes; one as young as
+    its estimate says nothing (fetch, and measure); with the model off it never matters."""
+    m = CostModel(CostOptions(explore_every=0))
+    for tokens in (8, 80):
+        m.report_prefill(PrefillReport(tokens, 0.001 * tokens))
+    assert m.choose(5, PS, 1, budget_s=None).pages == 5  # nothing in flight: the defaults alone never skip
+    young = PendingFetch(5, m.fetch_s(5) * 0.5)
+    assert m.choose(5, PS, 1, budget_s=None, pending=young).pages == 5
+    plan = m.choose(5, PS, 1, budget_s=None, pending=PendingFetch(5, 1.0))
+    assert plan.pages == 0 and plan.fetch_s >= 1.0 - 5 * 8192 / 400e6 - 1e-9
+    # a fast L3 with its bound still under the recompute: the bound alone does not skip
+    assert m.choose(5, PS, 1, budget_s=None, pending=PendingFetch(5, 0.025)).pages == 5
+    off = CostModel(CostOptions(enabled=False))
+    off.report_prefill(PrefillReport(40, 0.001))
+    assert off.choose(5, PS, 1, budget_s=None, pending=PendingFetch(5, 10.0)).pages == 5
 
 
 def test_every_nth_skip_explores():

@@ -46,9 +46,9 @@ def test_negative_cache_skips_repeated_misses_and_expires(tmp_path):
     assert _prefetch(reader, a, "r2").state is PrefetchState.NOT_STARTED  # still within the TTL
     assert counters.prefetch_negative_hits == 2
     misses = reader.head.controller.storage._misses
-    assert misses and all(expiry > time.monotonic() + 200 for expiry in misses.values())
-    for key in misses:
-        misses[key] -= 301.0
+    assert misses and all(expiry > time.monotonic() + 200 for expiry, _ in misses.values())
+    for key, (expiry, reason) in misses.items():
+        misses[key] = (expiry - 301.0, reason)
     assert _prefetch(reader, a, "r3").state is not PrefetchState.NOT_STARTED  # expired: storage asked
     assert counters.prefetch_negative_hits == 2
     reader.head.flush_write_through_acks()
@@ -366,3 +366,54 @@ def test_prefetch_at_the_inflight_cap_is_no_remembered_miss(tmp_path):
         p = _prefetch(env, seq(0, 32), f"c{i}")
         assert p.state is PrefetchState.NOT_STARTED and "max_inflight_prefetch_pages" in p.reason
     assert env.head.controller.storage.counters.prefetch_negative_hits == 0 and not env.head.controller.storage._misses
+
+
+class _HeldPreviousFingerprints:
+    """The real worker group, but existence checks under another fingerprint wait for ``gate`` (a
+    deterministic hook: the previous-fingerprint check is slow)."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def storage_exists(self, keys, first_page, min_pages=1, fingerprint=None):
+        if fingerprint is not None:
+            assert self.gate.wait(60)
+        return self.inner.storage_exists(keys, first_page, min_pages, fingerprint)
+
+
+def test_a_slow_previous_fingerprint_check_never_holds_a_miss_and_answers_later_requests():
+    """L3 holds the prompt under the previous model's fingerprint only. Its check runs after the query's
+    own miss; while it is held, the request's wait for its query ends (moved past its bound here, as the
+    clock would) with a plain miss, never "L3 unavailable"; once the check answers, a later request that
+    hits the remembered miss reads "fingerprint differs"."""
+    import concurrent.futures as cf
+
+    from hicache.cluster.storage_tier import FINGERPRINT_DIFFERS, NOT_ENOUGH
+
+    url = f"memory://l3ask-fp-{time.monotonic_ns()}"
+    writer = HiCacheEnv(storage_url=url, model_id="model-v1")
+    a = seq(0, 32)
+    writer.serve(a)
+    writer.head.flush_write_through_acks()
+    reader = HiCacheEnv(storage_url=url, model_id="model-v2", storage_kwargs={
+        "previous_fingerprints": (writer.fingerprint,), "query_wait_max_s": 30.0, "negative_cache_ttl_s": 300.0})
+    tier = reader.head.controller.storage
+    gate = threading.Event()
+    tier.workers = _HeldPreviousFingerprints(tier.workers, gate)
+    key = RadixKey(a)
+    root = reader.head.match_prefix(key).best_match_node
+    assert reader.head.prefetch_from_storage(PrefetchParams("r0", key, root)).state is PrefetchState.RUNNING
+    task = tier._by_req["r0"]
+    cf.wait([task.query], timeout=60)  # the query's own answer: nothing under model-v2
+    task.query_until = 0.0  # the request's wait for its query is over
+    p = reader.head.check_prefetch_progress("r0")
+    assert (p.state, p.reason) == (PrefetchState.NOT_STARTED, NOT_ENOUGH)
+    gate.set()
+    ((_, late),) = tier._late_reasons
+    assert late.result(timeout=60) is True  # found under model-v1
+    p = reader.head.prefetch_from_storage(PrefetchParams("r1", key, root))
+    assert (p.state, p.reason) == (PrefetchState.NOT_STARTED, FINGERPRINT_DIFFERS)
+    assert tier.counters.prefetch_negative_hits == 1 and tier.counters.l3_queries == 1

@@ -14,12 +14,20 @@ from benchmarks.faulty_l3 import attach_faulty_l3
 from hicache.cli import miss_column
 from hicache.cluster.cost_model import CostOptions
 from hicache.cluster.events import MissReason
-from hicache.cluster.storage_tier import COST_SKIPPED, L3_UNAVAILABLE, PrefetchProgress, PrefetchState
+from hicache.cluster.storage_tier import (
+    COST_SKIPPED,
+    FINGERPRINT_DIFFERS,
+    L3_UNAVAILABLE,
+    PrefetchProgress,
+    PrefetchState,
+    StorageParams,
+)
 from hicache.cluster.token_account import FATES, TokenAccount, account_request, explain_l3, miss_summary
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.serve_types import ServeRequest
 from hicache.reference.stack import StackOptions, build_stack
+from hicache.storage import ModelFingerprint
 from hicache.storage.fault_injection import FaultPlan, OpFaults
 
 MODEL = ModelConfig()
@@ -77,6 +85,10 @@ def test_l3_reasons_replace_the_trees_only_when_l3_says_why():
     assert explain_l3(tree, p(PrefetchState.NOT_STARTED, COST_SKIPPED)) is MissReason.COST_SKIPPED
     assert explain_l3(tree, p(PrefetchState.NOT_STARTED, "not enough pages in L3")) is tree
     assert explain_l3(tree, p(PrefetchState.DONE)) is tree
+    # held under a previous fingerprint: explains what the tree never saw, not what it remembers losing
+    assert explain_l3(MissReason.NOT_CACHED, p(PrefetchState.NOT_STARTED, FINGERPRINT_DIFFERS)) is \
+        MissReason.FINGERPRINT_DIFFERS
+    assert explain_l3(tree, p(PrefetchState.NOT_STARTED, FINGERPRINT_DIFFERS)) is tree
 
 
 def test_summary_lists_the_largest_misses_as_shares_of_the_prompt_tokens():
@@ -178,6 +190,35 @@ def test_skipped_by_the_cost_model(runner, stored):
     stack.client.flush_write_through_acks()
     _only(_serve(stack, runner, b), "cost_skipped")
     stack.head.detach_storage_backend()
+
+
+def test_fingerprint_differs(runner, stored):
+    """The prompts were stored by this model under its fingerprint F; a head serving "the next version"
+    (fingerprint F') that lists F among its previous fingerprints misses them for fingerprint_differs;
+    without that list, or for a prompt L3 never held under F, they are not_cached."""
+    url, (a, b) = stored
+    stack, _ = _l3_stack(runner, url)
+    old = stack.head.controller.storage.params.fingerprint
+    new = dataclasses.replace(old, model_id=old.model_id + "-v2")
+    attach_faulty_l3(stack, url, fingerprint=new, previous_fingerprints=(old,), cost=NO_COST)
+    _only(_serve(stack, runner, a), "fingerprint_differs")
+    _only(_serve(stack, runner, _prompt(99)), "not_cached")  # nowhere in L3
+    attach_faulty_l3(stack, url, fingerprint=dataclasses.replace(old, model_id=old.model_id + "-v3"),
+                     previous_fingerprints=(), cost=NO_COST)
+    _only(_serve(stack, runner, b), "not_cached")  # no previous fingerprints listed: not asked
+    stack.head.detach_storage_backend()
+
+
+def test_previous_fingerprints_must_be_other_fingerprints_of_the_same_page_size():
+    fp = ModelFingerprint("m", "float32", 8, 2, 2, 4)
+    with pytest.raises(ValueError, match="previous_fingerprints"):
+        StorageParams("memory://x", fp, previous_fingerprints=(fp,))
+    with pytest.raises(ValueError, match="previous_fingerprints"):
+        StorageParams("memory://x", fp, previous_fingerprints=(dataclasses.replace(fp, page_size=16),))
+    with pytest.raises(TypeError, match="previous_fingerprints"):
+        StorageParams("memory://x", fp, previous_fingerprints=fp)
+    other = dataclasses.replace(fp, dtype="bfloat16")
+    assert StorageParams("memory://x", fp, previous_fingerprints=[other]).previous_fingerprints == (other,)
 
 
 def test_evicted_from_l3(runner):

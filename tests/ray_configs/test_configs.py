@@ -533,3 +533,23 @@ def test_replica_file_preemption_section(tmp_path):
                        ("gce", "preemption must be a mapping")):
         with pytest.raises(ValueError, match=match):
             replica_config({**raw, "preemption": bad})
+
+
+def test_replica_file_l3_previous_fingerprints(tmp_path):
+    """``l3.previous_fingerprints: [{model_id, dtype?}]``: the model's earlier fingerprints (same KV shape) that
+    explain a miss as fingerprint_differs; a bad entry is a ValueError naming it."""
+    from hicache.replica_file import replica_config
+    from hicache.storage import ModelFingerprint
+
+    raw = {"replica": "r", "page_size": 4, "l1_pages": 8, "l2_slots": 16, "workers": {"platform": "cpu", "num_hosts": 1},
+           "model": {"num_layers": 2, "num_kv_heads": 4, "head_dim": 4, "dtype": "bfloat16"},
+           "l3": {"url": "memory://kv", "model_id": "m-v2",
+                  "previous_fingerprints": [{"model_id": "m-v1"}, {"model_id": "m-v2", "dtype": "float32"}]}}
+    st = replica_config(raw).storage
+    assert st.fingerprint == ModelFingerprint("m-v2", "bfloat16", 4, 2, 4, 4)
+    assert st.previous_fingerprints == (ModelFingerprint("m-v1", "bfloat16", 4, 2, 4, 4),
+                                        ModelFingerprint("m-v2", "float32", 4, 2, 4, 4))
+    for bad, match in (([{"dtype": "float32"}], r"previous_fingerprints\[0\]"), (["m-v1"], "model_id"),
+                       ([{"model_id": "m-v1", "shape": 1}], "shape"), ([{"model_id": "m-v2"}], "itself")):
+        with pytest.raises(ValueError, match=match):
+            replica_config({**raw, "l3": {**raw["l3"], "previous_fingerprints": bad}})

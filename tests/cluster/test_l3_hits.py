@@ -1,0 +1,81 @@
+"""More L3 hits where they are free (issue #27 item 3): L3 is asked whatever the L2 state of the L1 match.
+
+A request whose L1 match ends on a node with no L2 copy yet still gets its L3 extension: the fetch starts
+that node's L1->L2 copy and hangs the fetched pages below it once the copy is acked. Every served request's
+KV is checked exactly by ``HiCacheEnv.serve``. The stop policy waits for completion (a bound of seconds, not
+the policy's judgment) and the cost model is off, so the outcome does not depend on timing."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+from support.hicache_env import HiCacheEnv
+
+from hicache.cluster.cost_model import CostOptions
+from hicache.cluster.tree import RadixKey
+from hicache.workers import OpKind
+
+_DETERMINED = {"prefetch_policy": "wait_complete", "prefetch_wait_max_s": 30.0, "cost": CostOptions(enabled=False)}
+
+
+def seq(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def check(env: HiCacheEnv) -> None:
+    env.head.tree.check_invariants()
+    env.head.controller.check_invariants()
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_l1_match_without_l2_copy_still_gets_its_l3_extension(scheme, tmp_path):
+    """memory:// asks L3 on a query thread, file:// (a local disk) in the head's call: both fetch."""
+    url = f"memory://l3ask-l1only-{uuid.uuid4().hex[:8]}" if scheme == "memory" else f"file://{tmp_path}/l3"
+    writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=_DETERMINED)
+    a = seq(0, 40)
+    writer.serve(a)
+    writer.head.flush_write_through_acks()
+    assert writer.head.cache_stats()["storage"]["backup_pages"] == 10
+    # write_through_selective backs a node up at its second hit: the first serve leaves it in L1 only
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, write_policy="write_through_selective",
+                     storage_url=url, storage_kwargs=_DETERMINED)
+    env.storage = False  # no L3 for this one: its 16 tokens are computed into L1
+    env.serve(a[:16])
+    env.storage = True
+    m = env.head.match_prefix(RadixKey(a))
+    anchor = env.head.tree.node(m.best_match_node)
+    assert m.device_hit_len == 16 and m.host_hit_len == 0
+    assert anchor.host_slots is None and anchor.staged_slots is None  # no L2 copy, none on its way
+    r = env.serve(a)
+    assert (r["device_hit"], r["prefetched"], r["loaded"]) == (16, 24, 24)
+    assert anchor.host_slots is not None  # the fetch had the match copied to L2 to hang below it
+    env.head.flush_write_through_acks()
+    check(env)
+
+
+def test_failed_l1_to_l2_copy_under_a_fetch_frees_its_slots_and_recomputes():
+    """The fetch below an L1-only match is back, but the match's L1->L2 copy fails on the host: the fetched
+    pages have nothing to hang below, so their L2 slots are freed and the request computes them (exactly);
+    nothing stays pinned or reserved."""
+    url = f"memory://l3ask-l1fail-{uuid.uuid4().hex[:8]}"
+    writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=_DETERMINED)
+    a = seq(0, 40)
+    writer.serve(a)
+    writer.head.flush_write_through_acks()
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, write_policy="write_through_selective",
+                     storage_url=url, storage_kwargs=_DETERMINED,
+                     faults={"fail_kinds": (OpKind.BACKUP_D2H,), "fail_rate": 1.0})
+    env.storage = False
+    env.serve(a[:16])
+    env.storage = True
+    free = env.head.controller.host.num_free
+    r = env.serve(a)
+    assert (r["device_hit"], r["prefetched"], r["loaded"]) == (16, 0, 0)
+    st = env.head.cache_stats()["storage"]
+    assert st["prefetch_redundant_pages"] == 6 and st["prefetch_pages"] == 0
+    env.head.flush_write_through_acks()
+    assert env.head.controller.host.num_free == free  # the fetch's slots went back (the copies failed too)
+    assert not any(n.host_pin for n in env.head.tree.iter_nodes())
+    check(env)
