@@ -83,7 +83,13 @@ class _History(Generic[_Entry]):
 
 
 class KeyHistory(_History[np.ndarray]):
-    """The head's copy of one session: entries are int32 token vectors."""
+    """The head's copy of one session: entries are token vectors. ``unchecked``: ids of the entries holding
+    tokens that were not checked to be valid ids (a step whose buffer failed the check; normally none), so a
+    key that refers to one is checked in full (``hicache.cluster.wire``)."""
+
+    def __init__(self, session: int, cap_tokens: int) -> None:
+        super().__init__(session, cap_tokens)
+        self.unchecked: set[int] = set()
 
     def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
         """The first ``num_tokens`` tokens of entry ``entry_id``; None if it is gone or shorter."""
@@ -92,9 +98,17 @@ class KeyHistory(_History[np.ndarray]):
             return None
         return entry[:num_tokens]
 
-    def commit(self, keys: list[np.ndarray]) -> None:
-        """Appends a step's keys (private copies) in order and counts the step."""
+    def commit(self, keys: list[np.ndarray], unchecked: list[int] | None = None) -> None:
+        """Appends a step's keys (private copies) in order and counts the step; ``unchecked``: the positions
+        in ``keys`` of those whose tokens were not all checked."""
+        first = self._next
+        if unchecked:
+            self.unchecked.update(first + i for i in unchecked)
         self._append(keys)
+
+    def _removed(self, entry_id: int, entry: np.ndarray) -> None:
+        if self.unchecked:
+            self.unchecked.discard(entry_id)
 
     @staticmethod
     def _size(entry: np.ndarray) -> int:
