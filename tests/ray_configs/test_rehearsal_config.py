@@ -63,7 +63,7 @@ def test_start_commands_keep_the_harness_rules(config):
     for cmd in (head, worker):
         assert "ray stop" not in cmd  # it would stop every Ray process on the machine
         assert "RAY_AUTH_MODE=token" in cmd and "--node-ip-address=$(hostname -I" in cmd
-        assert "--temp-dir=/root/ray" in cmd  # each host's own /root (its sshd's mount namespace)
+        assert "--temp-dir=$RAY_TMPDIR/ray" in cmd  # each host's own folder (its login environment)
     assert "RAY_enable_autoscaler_v2=0" in head and "--autoscaling-config=~/ray_bootstrap_config.yaml" in head
     assert re.search(r"--resources='\{\"hicache_head\": 1\}'", head)
     assert re.search(r"--resources='\{\"hicache_host\": 1\}'", worker) and "--address=$RAY_HEAD_IP:6379" in worker
@@ -82,3 +82,17 @@ def test_a_file_that_is_not_a_local_provider_file_is_refused(tmp_path, config):
     path.write_text(yaml.safe_dump(bad))
     with pytest.raises(ValueError, match="ssh_private_key"):
         load_config(path)
+
+
+def test_the_rehearsal_starts_through_ray_up_only_with_the_files_hosts():
+    """``Launcher.RAY_UP`` (constructor only): the file's TPU hosts and addresses, nothing else."""
+    from hicache.testing.rehearsal import Launcher
+
+    rc = RehearsalCluster(RehearsalOptions(launcher="ray_up"))
+    assert rc.options.launcher is Launcher.RAY_UP and rc.tpu_hosts == ["tpu0", "tpu1"]
+    with pytest.raises(ValueError, match="TPU hosts"):
+        RehearsalCluster(RehearsalOptions(tpu_hosts=3, launcher=Launcher.RAY_UP))
+    with pytest.raises(ValueError, match="addresses"):
+        RehearsalCluster(RehearsalOptions(subnet="10.213.9.0/24", launcher=Launcher.RAY_UP))
+    with pytest.raises(ValueError, match="launcher"):
+        RehearsalOptions(launcher="ssh")
