@@ -17,7 +17,8 @@ and the head's autoscaler passes ``-i ~/ray_bootstrap_key.pem`` to ``ssh``, whic
 passwd entry (not ``$HOME``); so what runs over SSH must see a ``/root`` of its own, or it would write into
 this machine's. The folder of /root that holds this Python (``.pyenv`` here) is bound back into it. That
 ``/root`` holds a ``.bashrc`` (Ray's command runner sources it) that puts this venv's ``ray`` first on
-PATH and exports the host's environment (``host_env``: the rehearsal's JAX/L3 settings).
+PATH and exports the host's environment (``RAY_TMPDIR``: a folder of its own under the workdir, where its
+Ray node keeps its files; ``host_env``: e.g. the rehearsal's JAX/L3 settings).
 
 Findings this encodes (Ray 2.60): the local provider refuses ``available_node_types``
 (top-level ``min_workers``/``max_workers`` only); its head must run the v1 autoscaler
@@ -25,9 +26,10 @@ Findings this encodes (Ray 2.60): the local provider refuses ``available_node_ty
 run ``ray stop`` (it would kill every Ray process on this machine, other clusters' included).
 
 Ownership: the caller owns the network (every namespace, link and process: ``sshd``, every Ray process
-started over SSH); the launcher owns the files Ray's launcher leaves outside the workdir (the provider's
-``/tmp/ray/cluster-<name>.{state,lock}``, the SSH control directory), removed by ``cleanup()``, also on
-failure. Everything here runs in the calling process, once.
+started over SSH) and its workdir, where the hosts' homes and temp folders are (the provider's cluster
+state too: ``RAY_TMPDIR`` of ``ray up``); the launcher owns what Ray's launcher leaves outside it (the SSH
+control directory), removed by ``cleanup()``, also on failure. Everything here runs in the calling
+process, once.
 """
 
 from __future__ import annotations
@@ -155,11 +157,6 @@ class RayUpLauncher:
 
     def cleanup(self) -> None:
         """Removes what Ray's launcher left outside the network's workdir (call after closing the network)."""
-        for suffix in ("state", "lock"):
-            try:
-                os.remove(f"/tmp/ray/cluster-{self.cluster_name}.{suffix}")
-            except FileNotFoundError:
-                pass
         control = self._ssh_control_dir()
         shutil.rmtree(control, ignore_errors=True)
         try:
@@ -195,7 +192,8 @@ class RayUpLauncher:
         scratch = os.path.join(self.net.host_dir(CLIENT), "tmp")
         os.makedirs(scratch, exist_ok=True)
         os.makedirs(self.client_home, exist_ok=True)
-        env.update({"HOME": self.client_home, "TMPDIR": scratch, "RAY_USAGE_STATS_ENABLED": "0"})
+        # RAY_TMPDIR: `ray up` keeps the provider's cluster state there (not in this machine's /tmp/ray)
+        env.update({"HOME": self.client_home, "TMPDIR": scratch, "RAY_TMPDIR": scratch, "RAY_USAGE_STATS_ENABLED": "0"})
         env.update(self.auth_env())
         return env
 
@@ -207,8 +205,11 @@ class RayUpLauncher:
             raise RuntimeError(f"`ray get-auth-token --generate` wrote no {self.token}")
 
     def _bashrc(self, host: str) -> str:
-        """The host's login environment: this venv's ``ray`` first on PATH, then ``host_env``."""
-        env = {"RAY_USAGE_STATS_ENABLED": "0", **self.host_env(host)}
+        """The host's login environment: this venv's ``ray`` first on PATH, a temp folder of its own (Ray's
+        files of each host apart, at paths every namespace sees), then ``host_env``."""
+        scratch = os.path.join(self.net.host_dir(host), "tmp")
+        os.makedirs(scratch, exist_ok=True)
+        env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": scratch, **self.host_env(host)}
         lines = [f"export PATH={shlex.quote(self._bin)}:\"$PATH\""]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items() if k not in ("PATH", "HOME")]
         return "\n".join(lines) + "\n"
@@ -267,14 +268,12 @@ class RayUpLauncher:
             raise RuntimeError(f"ray up exited {res.returncode}:\n{self.up_output[-4000:]}")
 
     def nodes(self) -> list[dict[str, Any]]:
-        """The live Ray nodes, asked by a driver on the head host (its raylet's sockets are under the head's
-        own /root): address and resources."""
+        """The live Ray nodes, asked by a driver on the client host: address and resources."""
         code = ("import json, ray\n"
                 f"ray.init(address='{self.net.address(HEAD)}:{RAY_PORT}', log_to_driver=False)\n"
                 "print(json.dumps([{'ip': n['NodeManagerAddress'], 'resources': n['Resources']} "
                 "for n in ray.nodes() if n['Alive']]))\n")
-        env = {**self.client_env(), "HOME": "/root"}
-        res = self.net.run(HEAD, self._with_own_root(HEAD, [sys.executable, "-c", code]), env, timeout_s=120)
+        res = self.net.run(CLIENT, [sys.executable, "-c", code], self.client_env(), timeout_s=120)
         out: list[dict[str, Any]] = json.loads(res.stdout.strip().splitlines()[-1])
         return out
 
@@ -288,7 +287,7 @@ class RayUpLauncher:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nodes {sorted(want - got)} did not join within {self.options.join_timeout_s}s "
                                    f"(live: {sorted(got)}); the head's autoscaler log: "
-                                   f"{self.net.host_dir(HEAD)}/home/ray/session_latest/logs/monitor.*")
+                                   f"{self.net.host_dir(HEAD)}/tmp/ray/session_latest/logs/monitor.*")
             time.sleep(2.0)  # the head's autoscaler starts the hosts over SSH on its own schedule
 
     def _ssh_control_dir(self) -> str:

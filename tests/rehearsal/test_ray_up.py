@@ -44,6 +44,8 @@ def test_ray_up_of_the_rehearsal_file_brings_up_head_and_tpu_hosts_at_their_addr
         assert os.path.exists(os.path.join(head_home, "ray_bootstrap_key.pem"))
         assert os.path.exists(os.path.join(head_home, ".ray", "auth_token"))
         assert not os.path.exists("/root/ray_bootstrap_key.pem")
+        # the provider's cluster state went to the client host's folder, not this machine's /tmp/ray
+        assert os.path.exists(os.path.join(rc.net.host_dir("client"), "tmp", "ray", f"cluster-{rc.cluster_name}.state"))
         namespaces = [h.namespace for h in rc.net.hosts.values()]
     assert not set(namespaces) & set(list_namespaces())
     assert not os.path.exists(f"/tmp/ray/cluster-{rc.cluster_name}.state")
