@@ -198,7 +198,8 @@ class RayUpLauncher:
         return env
 
     def _token(self) -> None:
-        env = {k: v for k, v in self.client_env().items() if k != "RAY_AUTH_TOKEN_PATH"}  # (it must exist): ~ it is
+        # without RAY_AUTH_TOKEN_PATH (Ray refuses one that does not exist yet): it writes ~/.ray/auth_token
+        env = {k: v for k, v in self.client_env().items() if k != "RAY_AUTH_TOKEN_PATH"}
         self.net.run(CLIENT, [sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"], env,
                      timeout_s=120)
         if not os.path.isfile(self.token):
