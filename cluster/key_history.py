@@ -30,12 +30,10 @@ import numpy as np
 
 BLOCK = 16  # references cover whole blocks of an entry (a multiple of every usual page size)
 MAX_SCAN_BLOCKS = 128  # a key looks for an entry ending at most this many blocks (2048 tokens) before its end
-NEAR_BLOCKS = 32  # ... first among the last 32 (a turn's new tokens), then further back
 DEFAULT_CAP_TOKENS = 4 << 20  # per session: 16 MiB of int32 on each side
 MAX_CAP_TOKENS = 4 << 20
 MAX_SESSIONS = 16  # per head
 _BLOCK_NBYTES = BLOCK * 4
-_BLOCK_BYTES = np.dtype((np.void, _BLOCK_NBYTES))  # one block of int32 tokens as one bytes object
 _Entry = TypeVar("_Entry")
 _SentEntry = tuple[bytes, bytes | None]  # (token bytes, its last whole block: the index key)
 
@@ -83,7 +81,13 @@ class _History(Generic[_Entry]):
 
 
 class KeyHistory(_History[np.ndarray]):
-    """The head's copy of one session: entries are int32 token vectors."""
+    """The head's copy of one session: entries are token vectors. ``unchecked``: ids of the entries holding
+    tokens that were not checked to be valid ids (a step whose buffer failed the check; normally none), so a
+    key that refers to one is checked in full (``hicache.cluster.wire``)."""
+
+    def __init__(self, session: int, cap_tokens: int) -> None:
+        super().__init__(session, cap_tokens)
+        self.unchecked: set[int] = set()
 
     def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
         """The first ``num_tokens`` tokens of entry ``entry_id``; None if it is gone or shorter."""
@@ -92,9 +96,17 @@ class KeyHistory(_History[np.ndarray]):
             return None
         return entry[:num_tokens]
 
-    def commit(self, keys: list[np.ndarray]) -> None:
-        """Appends a step's keys (private copies) in order and counts the step."""
+    def commit(self, keys: list[np.ndarray], unchecked: list[int] | None = None) -> None:
+        """Appends a step's keys (private copies) in order and counts the step; ``unchecked``: the positions
+        in ``keys`` of those whose tokens were not all checked."""
+        first = self._next
+        if unchecked:
+            self.unchecked.update(first + i for i in unchecked)
         self._append(keys)
+
+    def _removed(self, entry_id: int, entry: np.ndarray) -> None:
+        if self.unchecked:
+            self.unchecked.discard(entry_id)
 
     @staticmethod
     def _size(entry: np.ndarray) -> int:
@@ -137,23 +149,21 @@ class SentKeys(_History[_SentEntry]):
         (contiguous int32; ``data``: its ``tobytes()`` if the caller has it) starts with, among entries
         ending in its last ``MAX_SCAN_BLOCKS`` blocks; (-1, 0) when there is none."""
         top = tokens.shape[0] // BLOCK
-        low = max(0, top - MAX_SCAN_BLOCKS)
         index = self._index
         if top == 0 or not index:
             return -1, 0
-        entries = self._entries
-        near = max(low, top - NEAR_BLOCKS)
-        for first, last in ((near, top), (low, near)):  # the usual hit ends near the key's end: look there first
-            blocks = tokens[first * BLOCK : last * BLOCK].view(_BLOCK_BYTES).tolist()  # bytes objects, one numpy call
-            for block in filter(index.__contains__, reversed(blocks)):  # longest first; the lookups run in C
-                entry_id = index[block]
-                entry = entries[entry_id][0]
-                n = len(entry) // _BLOCK_NBYTES  # the entry ends with ``block``: at this block of ``tokens``?
-                if first < n <= last and blocks[n - first - 1] == block:
-                    if data is None:
-                        data = tokens.tobytes()
-                    if data.startswith(memoryview(entry)[: n * _BLOCK_NBYTES]):  # memcmp, no copy
-                        return entry_id, n * BLOCK
+        if data is None:
+            data = tokens.tobytes()
+        entries, get, size = self._entries, index.get, _BLOCK_NBYTES
+        # Longest first: the usual hit ends a few blocks before the key's end (a turn's new tokens), and a
+        # probe is one slice and one dict lookup.
+        for n in range(top, max(0, top - MAX_SCAN_BLOCKS), -1):
+            entry_id = get(data[(n - 1) * size : n * size])
+            if entry_id is None:
+                continue
+            entry = entries[entry_id][0]
+            if len(entry) // size == n and data.startswith(memoryview(entry)[: n * size]):  # memcmp, no copy
+                return entry_id, n * BLOCK
         return -1, 0
 
     def commit(self, keys: list[bytes | np.ndarray]) -> None:

@@ -16,7 +16,9 @@ the header, unchanged.
 
 The head runs the decoded calls as ``CacheHead.dispatch`` does (its methods looked up once per step; no
 ``Call`` per call), catching what ``CacheHead.step`` catches, so every answer is the one the head gives
-the same ``Call`` in process (every decoded key is built by ``RadixKey``, which checks its ids).
+the same ``Call`` in process. Every decoded key holds checked ids: a request buffer is scanned once per
+step (all words valid ids: the usual case), and only a key with ids that scan did not cover (a bad
+buffer, or a key-history entry built from one) is built by ``RadixKey``'s own checks, which fail its call.
 
 Buffers: ``encode_*`` copy into a new buffer the caller owns and sends; decoded arrays are views of
 the received (unpickled, writable) buffer, which belongs to the decoding side alone, so result arrays
@@ -52,6 +54,10 @@ _R_GENERIC, _R_MATCH, _R_PAGES, _R_STATE, _R_FINISH, _R_VALUE, _R_BEGIN = range(
 _FROM_PATH = -2  # (request states only) the path from the root to ``last_node``
 
 Header = list[tuple]
+# a step's resolved keys: per header entry (tokens or None, checked), and in call order (keys, unchecked positions)
+_Resolved = tuple[list[np.ndarray | None], list[bool], list[np.ndarray], list[int]]
+_NONE_TAINTED: frozenset[int] = frozenset()
+_min_reduce = np.minimum.reduce  # the ufunc itself (ndarray.min wraps it in Python code)
 
 
 class _Packer:
@@ -157,45 +163,71 @@ def path_tokens(tree: RadixTree, node_id: int, prefix_len: int) -> np.ndarray:
     return np.concatenate(parts[::-1]) if parts else np.empty(0, _I32)
 
 
-def _history_keys(header: Header, buf: np.ndarray,
-                  history: KeyHistory | None) -> tuple[list[np.ndarray | None], list[np.ndarray]] | None:
-    """(tokens, keys): the token ids of every key of a step that does not come from the tree (references
-    resolved), per header entry (None for the others), and the same keys in call order (what the step
-    commits to the key history). None if one refers to an entry ``history`` does not hold (the client
-    must resync). Each key is its own new array (one step-wide array would be mmapped fresh every step,
-    and its page faults cost more than the per-key copies it saves)."""
+def _history_keys(header: Header, buf: np.ndarray, history: KeyHistory | None) -> _Resolved | None:
+    """The token ids of every key of a step that does not come from the tree (references resolved), per
+    header entry (None for the others), whether each is checked (every id valid: ``_checked_buffer`` and
+    the entry it refers to), and the same keys in call order with the positions of the unchecked ones
+    (what the step commits to the key history). None if one refers to an entry ``history`` does not hold
+    (the client must resync). Each key is its own new array (one step-wide array would be mmapped fresh
+    every step, and its page faults cost more than the per-key copies it saves)."""
     tokens: list[np.ndarray | None] = []
+    checked: list[bool] = []
     keys: list[np.ndarray] = []
+    unchecked: list[int] = []
     get = history.get if history is not None else None
+    tainted = history.unchecked if history is not None else _NONE_TAINTED
     concatenate = np.concatenate
+    all_checked = _checked_buffer(buf)
     for entry in header:
         kind = entry[0]
         if (kind != _KEY and kind != _STATE and kind != _BEGIN) or entry[2] == _FROM_PATH:
             tokens.append(None)
+            checked.append(all_checked)  # (a request state's literal tokens; its prefix comes from the tree)
             continue
         ref_id, ref_len, off, n = entry[2:6]
         if ref_id < 0:
             key = buf[off : off + n].copy()  # history entries must not pin the whole step buffer
+            ok = all_checked
         else:
             prefix = get(ref_id, ref_len) if get is not None else None
             if prefix is None:
                 return None
             key = concatenate((prefix, buf[off : off + n]))
+            ok = all_checked and ref_id not in tainted
+        if not ok:
+            unchecked.append(len(keys))
         tokens.append(key)
+        checked.append(ok)
         keys.append(key)
-    return tokens, keys
+    return tokens, checked, keys, unchecked
 
 
-def _decode_state(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None) -> RequestState:
+def _checked_buffer(buf: Any) -> bool:
+    """Whether every word of a request buffer is a valid token id (a 1-D int32 array, all >= 0): then no key
+    built from it, or from history entries built the same way, needs its own scan (``RadixKey.from_checked``)."""
+    return type(buf) is np.ndarray and buf.dtype == _I32 and buf.ndim == 1 and (buf.shape[0] == 0 or _min_reduce(buf) >= 0)
+
+
+def _radix_key(tokens: np.ndarray, checked: bool, extra_key: Any, cache_salt: Any) -> RadixKey:
+    """The key of a decoded entry: ids already checked are not scanned again; anything else goes through
+    ``RadixKey``'s own checks (and fails the call with its error)."""
+    if checked and (extra_key is None or type(extra_key) is str) and (cache_salt is None or type(cache_salt) is str):
+        return RadixKey.from_checked(tokens, extra_key, cache_salt)
+    return RadixKey(tokens, extra_key, cache_salt)
+
+
+def _decode_state(entry: tuple, buf: np.ndarray, tree: RadixTree, tokens: np.ndarray | None,
+                  checked: bool) -> RequestState:
     """The ``RequestState`` of a request-state entry, as the head runs it: ``tokens`` is the key's resolved
-    token ids (None: its prefix comes from ``tree``, read now). ``ValueError``/``TypeError`` when the
-    entry names nothing valid."""
+    token ids (None: its prefix comes from ``tree``, read now; the tree holds checked ids), ``checked``
+    whether the ids that came from the client are. ``ValueError``/``TypeError`` when the entry names
+    nothing valid."""
     if entry[0] != _STATE:
         raise ValueError(f"unknown wire entry kind {entry[0]!r}")
     _, _, ref_id, ref_len, t_off, t_n, extra_key, cache_salt, p_off, p_n, prefix_len, last_node, priority = entry
     if tokens is None:
         tokens = np.concatenate([path_tokens(tree, last_node, ref_len), buf[t_off : t_off + t_n]])
-    key = RadixKey(tokens, extra_key, cache_salt)
+    key = _radix_key(tokens, checked, extra_key, cache_salt)
     return RequestState(key, buf[p_off : p_off + p_n], prefix_len, last_node, priority)
 
 
@@ -208,16 +240,16 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
     resolved = _history_keys(header, buf, history)
     if resolved is None:
         return None
-    tokens, keys = resolved
+    tokens, checked, keys, unchecked = resolved
     if history is not None:
-        history.commit(keys)
+        history.commit(keys, unchecked)
     args: list[Any] = []
     run = StepRun()
     values, errors = run.values, run.errors
     add_arg, add_value, add_error, resolve = args.append, values.append, errors.append, run.resolve
     fns = [getattr(head, m.value) for m in _METHODS]  # the head's bound methods, by method code
     tree = head.tree
-    for entry, key_tokens in zip(header, tokens):
+    for entry, key_tokens, key_checked in zip(header, tokens, checked):
         kind, code = entry[0], entry[1]
         try:  # decode: what fails here fails the call as the head's own step would (CALL_ERRORS)
             if kind == _REF:
@@ -228,10 +260,10 @@ def run_step(head: CacheHead, header: Header, buf: np.ndarray,
             elif kind == _KEY or kind == _BEGIN:
                 if key_tokens is None:  # (a key entry that names the tree path: only request states may)
                     raise ValueError(f"wire entry {entry[:4]!r} has no key tokens")
-                key = RadixKey(key_tokens, entry[6], entry[7])
+                key = _radix_key(key_tokens, key_checked, entry[6], entry[7])
                 arg = key if kind == _KEY else BeginParams(key, *entry[8:])  # match_prefix takes the key itself
             else:
-                arg = _decode_state(entry, buf, tree, key_tokens)
+                arg = _decode_state(entry, buf, tree, key_tokens, key_checked)
         except CALL_ERRORS as e:
             add_arg(None)
             add_value(None)

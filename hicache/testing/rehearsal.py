@@ -8,7 +8,11 @@ Hosts (``hicache.testing.netns``, one network namespace each, on a private /24):
 * ``storage``: the GCS emulator (``gcp-storage-emulator``, in memory) on its own address: L3 at ``gs://``;
 * ``client``: a Ray node with no CPUs where serving processes and ``hicache up`` run as drivers.
 
-Every Ray node has its own ``--node-ip-address`` and its own temp dir (``RAY_TMPDIR`` too, so no
+How the Ray nodes start (``RehearsalOptions.launcher``): ``Launcher.RAY_START`` runs ``ray start`` in each
+host's namespace; ``Launcher.RAY_UP`` brings the head and TPU hosts up with ``ray up`` of
+``ray_configs/rehearsal.yaml`` over SSH (``hicache.testing.ray_up``: token auth on, a TPU host whose node
+dies is started again by the head's autoscaler once its sshd is back), the client host joining with
+``ray start``. Every Ray node has its own ``--node-ip-address`` and its own temp dir (``RAY_TMPDIR`` too, so no
 ``/tmp/ray`` file of this machine's other clusters is touched). Ray's loopback-only switch
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) is removed from every process started in the namespaces:
 with it Ray would bind 127.0.0.1 there. Drivers run as subprocesses in a host's namespace
@@ -29,8 +33,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
+from hicache.testing import ray_up
 from hicache.testing.netns import DEFAULT_SUBNET, NamespaceNetwork
 
 RAY_PORT = 6379
@@ -46,6 +52,13 @@ _DROPPED_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS", "RAY_TMPDIR"
                 "STORAGE_EMULATOR_HOST", "PYTEST_CURRENT_TEST")
 
 
+class Launcher(str, Enum):
+    """How the rehearsal's Ray nodes are started (module docstring)."""
+
+    RAY_START = "ray_start"
+    RAY_UP = "ray_up"
+
+
 @dataclass(frozen=True)
 class RehearsalOptions:
     tpu_hosts: int = 2
@@ -55,8 +68,13 @@ class RehearsalOptions:
     object_store_bytes: int = 80 * 1024 * 1024  # per node: the drills move KiB, not GiB
     start_timeout_s: float = 120.0  # per ``ray start`` and for the emulator
     extra_env: Mapping[str, str] | None = None  # added to every namespace process's environment
+    launcher: Launcher = Launcher.RAY_START  # RAY_UP: tpu_hosts and subnet must be ray_configs/rehearsal.yaml's
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "launcher", Launcher(self.launcher))
+        except ValueError:
+            raise ValueError(f"launcher must be one of {[m.value for m in Launcher]}, got {self.launcher!r}") from None
         if type(self.tpu_hosts) is not int or not 1 <= self.tpu_hosts <= 8:
             raise ValueError(f"tpu_hosts must be an int in [1, 8], got {self.tpu_hosts!r}")
         if type(self.devices_per_host) is not int or self.devices_per_host < 1:
@@ -77,6 +95,13 @@ class RehearsalCluster:
         self.tpu_hosts = tpu_host_names(options.tpu_hosts)
         self.net = NamespaceNetwork([HEAD, *self.tpu_hosts, STORAGE, CLIENT], options.subnet)
         self.start_s: dict[str, float] = {}  # what each start step took (benchmarks report it)
+        self._up: ray_up.RayUpLauncher | None = None
+        if options.launcher is Launcher.RAY_UP:
+            config = ray_up.load_config()
+            if ray_up.tpu_hosts(config) != self.tpu_hosts:
+                raise ValueError(f"launcher ray_up brings up the TPU hosts of {ray_up.REHEARSAL_CONFIG} "
+                                 f"({ray_up.tpu_hosts(config)}), not {self.tpu_hosts}")
+            self._up = ray_up.RayUpLauncher(self.net, config, host_env=self._node_env)  # checks the addresses
 
     # -- addresses -------------------------------------------------------------------------------------------
     def address(self, host: str) -> str:
@@ -110,9 +135,15 @@ class RehearsalCluster:
             # that short, so a first forward does not outlast the workers' call timeouts
             "JAX_COMPILATION_CACHE_DIR": os.path.join(self.net.workdir, "jax-cache"),
         })
+        if self._up is not None:
+            env.update(self._up.auth_env())
         env.update(self.options.extra_env or {})
         env.update(extra)
         return env
+
+    def _node_env(self, host: str) -> dict[str, str]:
+        """What ``env`` adds to this process's environment: a ray-up host's login environment (``ray_up``)."""
+        return {k: v for k, v in self.env(host).items() if os.environ.get(k) != v}
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def __enter__(self) -> RehearsalCluster:
@@ -123,6 +154,8 @@ class RehearsalCluster:
 
     def close(self) -> None:
         self.net.close()
+        if self._up is not None:
+            self._up.cleanup()
 
     def start(self) -> RehearsalCluster:
         t0 = time.monotonic()
@@ -130,27 +163,42 @@ class RehearsalCluster:
         try:
             self.start_s["network"] = time.monotonic() - t0
             emulator = self._start_emulator()
-            t = time.monotonic()
-            self._ray_start(HEAD, head=True)
-            self.start_s["ray_head"] = time.monotonic() - t
-            t = time.monotonic()
-            joins = [self._ray_start_async(h) for h in [*self.tpu_hosts, CLIENT]]
-            failed = []
-            for host, proc in joins:
-                try:
-                    self._wait_ray_start(host, proc)
-                except RuntimeError:  # Ray waits 30 s (fixed) for a raylet to register: a loaded box misses it
-                    failed.append(host)
-            for host in failed:  # once more, one at a time, from a clean namespace
-                self.net.kill_host(host)
-                self._ray_start(host)
-            self.start_s["ray_nodes"] = time.monotonic() - t
+            if self._up is not None:
+                self._start_with_ray_up()
+            else:
+                self._start_with_ray_start()
             self._wait_emulator(emulator)
             self.start_s["total"] = time.monotonic() - t0
         except BaseException:
             self.close()
             raise
         return self
+
+    def _start_with_ray_up(self) -> None:
+        assert self._up is not None
+        t = time.monotonic()
+        self._up.start()  # the head and TPU hosts, until every TPU host joined
+        self.start_s["ray_up"] = time.monotonic() - t
+        t = time.monotonic()
+        self._ray_start(CLIENT)
+        self.start_s["ray_nodes"] = time.monotonic() - t
+
+    def _start_with_ray_start(self) -> None:
+        t = time.monotonic()
+        self._ray_start(HEAD, head=True)
+        self.start_s["ray_head"] = time.monotonic() - t
+        t = time.monotonic()
+        joins = [self._ray_start_async(h) for h in [*self.tpu_hosts, CLIENT]]
+        failed = []
+        for host, proc in joins:
+            try:
+                self._wait_ray_start(host, proc)
+            except RuntimeError:  # Ray waits 30 s (fixed) for a raylet to register: a loaded box misses it
+                failed.append(host)
+        for host in failed:  # once more, one at a time, from a clean namespace
+            self.net.kill_host(host)
+            self._ray_start(host)
+        self.start_s["ray_nodes"] = time.monotonic() - t
 
     def _ray_argv(self, host: str, head: bool) -> list[str]:
         a = self.address(host)
@@ -192,8 +240,14 @@ class RehearsalCluster:
                 self.net.kill_host(host)
 
     def restart_node(self, host: str) -> None:
-        """Starts ``host``'s Ray node again (after ``kill_host``): a TPU host that rebooted."""
-        self._ray_start(host)
+        """Starts ``host``'s Ray node again (after ``kill_host``): a TPU host that rebooted. Launched by
+        ``ray up``: its sshd starts again and the head's autoscaler starts its node over SSH (returns at once)."""
+        if self._up is not None and host in self.tpu_hosts:
+            self._up.start_sshd(host)
+        elif self._up is not None and host == HEAD:
+            raise ValueError("the head of a ray-up rehearsal starts through `ray up` only")
+        else:
+            self._ray_start(host)
 
     def restart_emulator(self) -> None:
         """Starts the GCS emulator again (after ``kill_host(STORAGE)``); it starts empty (in memory)."""
