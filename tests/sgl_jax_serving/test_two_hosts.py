@@ -81,7 +81,7 @@ def assert_same_decisions(log: Path) -> list[str]:
     header1, follower = decisions(log / "rank1.log")
     assert "leader (head)" in header0 and "follower of rank 0 (no head)" in header1
     assert follower == leader[: len(follower)]
-    last_request_decision = max(i for i, line in enumerate(leader) if line.split()[1] == "cache_finished_req")
+    last_request_decision = max(i for i, line in enumerate(leader) if "cache_finished_req" in line.split()[1])
     assert len(follower) > last_request_decision
     return [line.split()[1] for line in follower]
 
@@ -95,7 +95,8 @@ def test_two_hosts_one_head_exact_and_same_decisions(tiny_model: Path, tmp_path:
     assert served["outputs"] == reference["outputs"]
     assert served["cached"] > 0
     applied = set(assert_same_decisions(tmp_path))
-    assert {"match_prefix", "alloc", "cache_finished_req", "inc_lock_ref"} <= applied
+    # every finish carries the request's TokenAccount, built alike on both ranks (the same step)
+    assert {"match_prefix", "alloc", "step:cache_finished_req,report_tokens", "inc_lock_ref"} <= applied
 
 
 def test_two_hosts_with_l2_and_l3_exact_with_tier_hits(tiny_model: Path, tmp_path: Path,
@@ -111,6 +112,9 @@ def test_two_hosts_with_l2_and_l3_exact_with_tier_hits(tiny_model: Path, tmp_pat
     tiers, stats = served["tiers"], served["stats"]
     assert tiers["L1"] > 0 and tiers["L2"] > 0 and tiers["L3"] > 0, tiers
     assert stats["in_flight"] == 0 and stats["transfer_failures"] == 0
+    fates = stats["prompt_tokens"]  # every request's TokenAccount reached the head
+    assert sum(fates.values()) == sum(len(p) for prompts in rounds() for p in prompts)
+    assert fates["hit_l1"] + fates["hit_l2"] + fates["hit_l3"] == served["cached"], fates
     kinds = assert_same_decisions(log)
     assert kinds.count("plan") > 0 and "init_load_back" in " ".join(kinds)
     # each rank wrote its own shard of every stored page (KV heads 0..1 and 1..2 of 2)
