@@ -240,15 +240,15 @@ class LeaderTransport:
         return value
 
     def call(self, call: Call) -> Any:
-        if call.method in REPEATABLE_READS:
-            key = canonical(call)
-            if self._last_read is not None and self._last_read[0] == key:
-                return self._last_read[1]  # nothing ran on the head since: the followers reuse it too
-            value = self._run(call, self.inner.call)
+        key = canonical(call) if call.method in REPEATABLE_READS else None
+        last, self._last_read = self._last_read, None
+        if key is not None and last is not None and last[0] == key:
+            self._last_read = last
+            return last[1]  # nothing ran on the head since: the followers reuse it too
+        value = self._run(call, self.inner.call)
+        if key is not None:
             self._last_read = (key, value)
-            return value
-        self._last_read = None
-        return self._run(call, self.inner.call)
+        return value
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
         self._last_read = None
@@ -298,17 +298,16 @@ class FollowerTransport:
         return ok, value
 
     def call(self, call: Call) -> Any:
-        if call.method in REPEATABLE_READS:
-            key = canonical(call)
-            if self._last_read is not None and self._last_read[0] == key:
-                return self._last_read[1]  # rank 0 sent nothing for it: the same rule (LeaderTransport.call)
-            ok, value = self._answer(call)
-            self._last_read = (key, value) if ok else None
-        else:
-            self._last_read = None
-            ok, value = self._answer(call)
+        key = canonical(call) if call.method in REPEATABLE_READS else None
+        last, self._last_read = self._last_read, None
+        if key is not None and last is not None and last[0] == key:
+            self._last_read = last
+            return last[1]  # rank 0 sent nothing for it: the same rule (LeaderTransport.call)
+        ok, value = self._answer(call)
         if not ok:
             raise value
+        if key is not None:
+            self._last_read = (key, value)
         return value
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
