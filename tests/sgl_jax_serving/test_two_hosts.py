@@ -34,6 +34,9 @@ from hicache.sgl_jax.ranks import (
 
 ROUNDS = 3  # the shared-prefix rounds: L1 hits on both hosts
 L3_PAGES_PER_OBJECT = 8  # as test_tiers: a 40-token prefix ends on an object boundary
+# Sent after the workload: its forward runs on both ranks, so rank 1 has finished every workload request (and
+# logged each decision) before it, whatever the timing (the decision logs are compared up to there).
+SYNC_PROMPT = [3]
 
 
 def decisions(log: Path) -> tuple[str, list[str]]:
@@ -66,6 +69,7 @@ def serve_two_hosts(model: Path, mode: str, workload: list[list[list[int]]], hic
             if mode == "hicache":
                 with running(Engine, **kwargs, hicache=HiCacheOptions(**(hicache or {}))) as engine:
                     outputs, cached = generate(engine, workload)
+                    generate(engine, [[SYNC_PROMPT]])
                     return {"outputs": outputs, "cached": cached, "stats": engine.hicache_stats(),
                             "tiers": engine.hit_tokens_by_tier(cached)}
             with running(SglEngine, **kwargs) as engine:
@@ -74,14 +78,15 @@ def serve_two_hosts(model: Path, mode: str, workload: list[list[list[int]]], hic
 
 
 def assert_same_decisions(log: Path) -> list[str]:
-    """Rank 1 applied exactly rank 0's decisions and plans, in order, every one up to the last request's finish
-    (after it, the idle loops', the stats' and the shutdown's calls may still be on their way when the test
-    stops rank 1); returns rank 1's method names."""
+    """Rank 1 applied exactly rank 0's decisions and plans, in order, every one up to the workload's last finish
+    (``SYNC_PROMPT``'s forward came after it on both ranks; what came after that may still be on its way when
+    the test stops rank 1); returns rank 1's method names."""
     header0, leader = decisions(log / "rank0.log")
     header1, follower = decisions(log / "rank1.log")
     assert "leader (head)" in header0 and "follower of rank 0 (no head)" in header1
     assert follower == leader[: len(follower)]
-    last_request_decision = max(i for i, line in enumerate(leader) if "cache_finished_req" in line.split()[1])
+    finishes = [i for i, line in enumerate(leader) if "cache_finished_req" in line.split()[1]]
+    last_request_decision = finishes[-2]  # the workload's last (the last one is SYNC_PROMPT's)
     assert len(follower) > last_request_decision
     return [line.split()[1] for line in follower]
 
@@ -113,7 +118,7 @@ def test_two_hosts_with_l2_and_l3_exact_with_tier_hits(tiny_model: Path, tmp_pat
     assert tiers["L1"] > 0 and tiers["L2"] > 0 and tiers["L3"] > 0, tiers
     assert stats["in_flight"] == 0 and stats["transfer_failures"] == 0
     fates = stats["prompt_tokens"]  # every request's TokenAccount reached the head
-    assert sum(fates.values()) == sum(len(p) for prompts in rounds() for p in prompts)
+    assert sum(fates.values()) == sum(len(p) for prompts in rounds() for p in prompts) + len(SYNC_PROMPT)
     assert fates["hit_l1"] + fates["hit_l2"] + fates["hit_l3"] == served["cached"], fates
     kinds = assert_same_decisions(log)
     assert kinds.count("plan") > 0 and "init_load_back" in " ".join(kinds)
