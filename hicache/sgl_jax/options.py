@@ -25,8 +25,9 @@ class HiCacheOptions:
     for prompts whose whole pages past the L1+L2 match hold >= ``l3_min_tokens`` tokens, under the
     namespace ``model_id`` (default: a fingerprint of the model's files, ``hicache.sgl_jax.tiers``).
 
-    Several hosts (sgl-jax's ``nnodes`` > 1, L1 only for now): rank 0 holds the head and sends its decisions to
-    the other ranks (``hicache.sgl_jax.ranks``), which wait up to ``decision_timeout_s`` for each;
+    Several hosts (sgl-jax's ``nnodes`` > 1): rank 0 holds the head and sends its decisions and transfer plans
+    to the other ranks (``hicache.sgl_jax.ranks``), each of which moves its own shard of L2/L3; they wait up
+    to ``decision_timeout_s`` for each;
     ``decision_log`` (a folder) makes every rank log the decisions it applied there (tests, debugging).
     """
 
@@ -92,9 +93,6 @@ def unsupported_server_args(server_args: Any, options: HiCacheOptions | None = N
     need(server_args.speculative_algorithm is None, "speculative_algorithm", "speculative decoding is not supported yet")
     need(not server_args.enable_single_process, "enable_single_process",
          "the scheduler must run in its own process (the head lives there)")
-    if server_args.nnodes > 1 and options is not None and options.host_pages:
-        reasons.append(f"nnodes={server_args.nnodes} with host_pages={options.host_pages}: on several hosts "
-                       "hicache serves L1 only for now (each host's L2 worker would need the head's plans)")
     need(server_args.nnodes == 1 or server_args.dist_init_addr is not None, "dist_init_addr",
          "several hosts need dist_init_addr (host:port of rank 0): hicache's decisions go to its port + 7")
     need(server_args.dp_size == 1, "dp_size", "data parallelism is not supported yet")

@@ -6,11 +6,20 @@ scheduler process for one host). The "tree nodes" sgl-jax holds on its requests 
 the head's node ids. Page ids are sgl-jax's own (``hicache.sgl_jax.page_map``); the slots a request
 holds are listed in sgl-jax's ``req_to_token_pool``, which this object reads and rewrites as
 ``RadixCache`` does. Owned by sgl-jax's scheduler, one per scheduler process; single-threaded.
+
+Token accounting (``hicache.cluster.token_account``, as the reference scheduler does it): the request's last
+match before it is scheduled (sgl-jax matches with ``req`` set then, and ``init_load_back`` follows for that
+request) and its load-back are kept per request (``_Served``), and its finish reports the request's
+``TokenAccount`` to the head in the same step as ``cache_finished_req``. Built from call results only, so every
+rank of several hosts builds the same record (the follower checks it is rank 0's call). The reason of the
+missed part is L3's when L3 was asked (``explain_l3``), else ``NOT_CACHED``: a plain match does not return the
+tree's reason (evicted, other namespace).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,11 +36,30 @@ from sgl_jax.srt.mem_cache.base_prefix_cache import (
 from hicache.cluster import CacheClient
 from hicache.cluster.client import ResultRef
 from hicache.cluster.controller import LoadBackParams
+from hicache.cluster.events import MissReason
 from hicache.cluster.head import Call, Method
-from hicache.cluster.storage_tier import PrefetchParams, PrefetchState
+from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, PrefetchState
+from hicache.cluster.token_account import TokenAccount, account_request, explain_l3
 from hicache.cluster.tree import RadixKey, RequestState
 from hicache.sgl_jax.allocator import HeadPageAllocator
 from hicache.sgl_jax.page_map import SLOT_DTYPE, pages_to_slots, slots_to_pages
+
+
+@dataclass
+class _Served:
+    """What the cache did for one request so far: its last match before scheduling and its load-back."""
+
+    key_len: int
+    device_hit: int
+    host_hit: int
+    node: int  # the match's best node (``init_load_back`` of this request names it)
+    fetched: int = 0  # tokens L3 brought into L2 for it
+    l3: PrefetchProgress | None = None  # L3's answer, when asked
+    loaded: int = 0
+    refused: tuple[MissReason | None, int] = (None, 0)  # the L2 part not loaded back, and why
+
+
+MAX_SERVED = 1 << 14  # requests whose record is kept between their match and their finish
 
 
 class HiCachePrefixCache(BasePrefixCache):
@@ -53,6 +81,8 @@ class HiCachePrefixCache(BasePrefixCache):
         # Load-backs sgl-jax's own HiCache would have dropped (more tokens than free L1 slots, the
         # ``mem_quota`` it passes): the head evicted L1 and loaded them. Tokens.
         self.loaded_past_free_tokens = 0
+        self._served: dict[str, _Served] = {}  # by sgl-jax's request id, from its match to its finish
+        self._last_matched: _Served | None = None  # the request sgl-jax matched last (it loads back next)
 
     @staticmethod
     def _key(token_ids: Any, extra_key: str | None) -> RadixKey:
@@ -65,8 +95,19 @@ class HiCachePrefixCache(BasePrefixCache):
         returns it as a host hit that ``init_load_back`` loads."""
         key = self._key(params.key.token_ids, params.key.extra_key)
         m = self.client.match_prefix(key)
-        if self.storage and getattr(params, "req", None) is not None:
-            m = self._fetch_from_l3(key, m)
+        req = getattr(params, "req", None)
+        if req is not None:
+            earlier = self._served.get(req.rid)
+            served = _Served(len(key), m.device_hit_len, 0, m.best_match_node,
+                             fetched=0 if earlier is None else earlier.fetched)
+            if self.storage:
+                m = self._fetch_from_l3(key, m, served)
+            served.host_hit = m.host_hit_len if self.hicache_enabled else 0
+            served.node = m.best_match_node
+            self._served.pop(req.rid, None)  # (re-inserted last: the oldest entry goes first below)
+            self._served[req.rid] = self._last_matched = served
+            if len(self._served) > MAX_SERVED:  # requests aborted while waiting never finish
+                del self._served[next(iter(self._served))]
         return MatchResult(
             device_indices=pages_to_slots(m.device_pages, self.page_size),
             last_device_node=m.last_device_node,
@@ -76,20 +117,22 @@ class HiCachePrefixCache(BasePrefixCache):
             host_hit_length=m.host_hit_len if self.hicache_enabled else 0,
         )
 
-    def _fetch_from_l3(self, key: RadixKey, m: Any) -> Any:
+    def _fetch_from_l3(self, key: RadixKey, m: Any, served: _Served) -> Any:
         """Prefetches L3's pages past the match ``m`` of ``key`` into L2 and matches again (one step); ``m``
-        when L3 is not worth asking or holds nothing more."""
+        when L3 is not worth asking or holds nothing more. Notes L3's answer and what it fetched in ``served``."""
         whole = len(key) - len(key) % self.page_size
         if whole - m.device_hit_len - m.host_hit_len < self.l3_min_tokens:
             return m
         req_id = f"sgl-{next(self._prefetch_ids)}"
-        started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
+        served.l3 = started = self.client.prefetch_from_storage(PrefetchParams(req_id, key, m.best_match_node))
         if started.state is PrefetchState.NOT_STARTED:
             return m
         # matched again in the same step: applying the prefetch's acks may merge nodes of the first match
         checked, matched = self.client.step([Call(Method.CHECK_PREFETCH_PROGRESS, req_id),
                                              Call(Method.MATCH_PREFIX, key)])
-        checked.unwrap()
+        served.l3 = progress = checked.unwrap()
+        if progress.state is PrefetchState.DONE:
+            served.fetched += progress.tokens
         return matched.unwrap()
 
     def inc_lock_ref(self, node: int) -> IncLockRefResult:
@@ -110,12 +153,32 @@ class HiCachePrefixCache(BasePrefixCache):
         ``is_insert=False`` (a retracted request): frees its own pages and unlocks."""
         committed = req.pop_committed_kv_cache()
         state = self._state(req, (req.origin_input_ids + req.output_ids)[:committed])
+        account = self._account(req)
         if is_insert:
-            self.client.cache_finished_req(state)
+            if account is None:
+                self.client.cache_finished_req(state)
+                return
+            finished, reported = self.client.step([Call(Method.CACHE_FINISHED_REQ, state),
+                                                   Call(Method.REPORT_TOKENS, account)])
+            finished.unwrap()
+            reported.unwrap()
             return
         own = state.device_pages[state.prefix_len // self.page_size :]
         self.client.free(own)
         self.client.dec_lock_ref(state.last_node)
+
+    def _account(self, req: Any) -> TokenAccount | None:
+        """The finished request's ``TokenAccount`` (module docstring); None when it was not matched as a prompt
+        (a retracted request matched again with its output, or an aborted one never matched)."""
+        served = self._served.pop(req.rid, None)
+        prompt_len = len(req.origin_input_ids)
+        if served is None or served.key_len != prompt_len - 1:
+            return None
+        loaded = served.loaded
+        fetched = min(served.fetched, loaded)
+        rest = explain_l3(MissReason.NOT_CACHED, served.l3)
+        return account_request(prompt_len, self.page_size, hit_l1=served.device_hit, hit_l2=loaded - fetched,
+                               hit_l3=fetched, refused=served.refused, rest=rest)
 
     def cache_unfinished_req(self, req: Any, **kwargs: Any) -> None:
         """Chunked prefill: caches what the request computed so far; the request continues on the tree's
@@ -147,8 +210,18 @@ class HiCachePrefixCache(BasePrefixCache):
             Call(Method.INIT_LOAD_BACK, LoadBackParams(last_host_node, host_hit_length)),
             Call(Method.WAIT_LOAD_BACK, ResultRef(0, "load_id"))])
         r = started.unwrap()
+        served, self._last_matched = self._last_matched, None
+        if served is not None and served.node != last_host_node:
+            served = None  # (not the request matched last: its record keeps no load-back)
         if r.load_id == -1 or not done.unwrap():  # nothing loaded (no room) or the load failed: recomputed
+            if served is not None:
+                why = r.miss_reason if r.load_id == -1 else MissReason.LOAD_FAILED
+                served.refused = (why, host_hit_length)
             return none, last_host_node, []  # (sgl-jax keeps the request's L1 prefix and lock)
+        if served is not None:
+            served.loaded = r.loaded_tokens
+            if r.loaded_tokens < host_hit_length:
+                served.refused = (r.miss_reason, host_hit_length - r.loaded_tokens)
         if mem_quota is not None and r.loaded_tokens > mem_quota:
             self.loaded_past_free_tokens += r.loaded_tokens
         loaded = pages_to_slots(r.device_pages[-(r.loaded_tokens // self.page_size):], self.page_size)
@@ -191,6 +264,8 @@ class HiCachePrefixCache(BasePrefixCache):
         if self.hicache_enabled:
             self.client.flush_write_through_acks()
         self.client.reset()
+        self._served.clear()
+        self._last_matched = None
         self.token_to_kv_pool_allocator.take_padding_page()
 
     def pretty_print(self) -> None:

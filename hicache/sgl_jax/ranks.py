@@ -23,12 +23,18 @@ ZeroMQ channel (sgl-jax's dependency): rank 0 binds a ROUTER at the host of ``di
 ``+ DECISION_PORT_OFFSET`` (sgl-jax uses ``+1..+6``), each other rank connects a DEALER and says hello, and rank
 0 waits for all of them at start (bounded).
 
-Only the control plane crosses hosts. L1 pages are the device pool's global page ids, identical on every host;
-the host tiers (L2/L3) would need each host's worker to run the head's transfer plans on its own shard, which
-this channel does not carry yet: several hosts are served with L1 only (``options.check_server_args``).
+L1 pages are the device pool's global page ids, identical on every host. The host tiers (L2, L3) are per host:
+each rank's ``HostWorker`` moves its own shard, and the head's transfer plans reach the followers' workers on the
+same channel (``hicache.sgl_jax.rank_workers``), so every rank runs the same L2 writes, loads and L3 fetches at
+the same point of its call sequence, and the head applies a transfer once every rank acked it.
 
-``decision_log`` (a folder, for tests and debugging): each rank appends one line per decision (sequence
-number, method, a digest of call and result) to ``rank<i>.log`` there, so two ranks' logs can be compared.
+A repeat of a pure read (``REPEATABLE_READS``: the sizes sgl-jax asks in every scheduler iteration, idle ones
+included) with no other call between is answered from the last answer on every rank, and nothing is sent: the
+rule depends only on the call sequence, which the ranks share, and the head's state changes only in calls.
+
+``decision_log`` (a folder, for tests and debugging): each rank appends one line per decision and per transfer
+plan (sequence number, method or ``plan``, a digest of what rank 0 sent) to ``rank<i>.log`` there, so two
+ranks' logs can be compared.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pickle
+import time
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
@@ -46,10 +53,16 @@ import zmq
 
 from hicache.cluster import CacheClient, CacheHead
 from hicache.cluster.client import DoneStep, EmbeddedTransport
-from hicache.cluster.head import Call, CallResult
+from hicache.cluster.head import Call, CallResult, Method
+from hicache.cluster.worker_group import LocalWorkerGroup
+from hicache.sgl_jax.rank_workers import PLAN, RankWorkerGroup, serve_worker_message
 
 DECISION_PORT_OFFSET = 7  # past sgl-jax's own ports (dist_init_addr's port + 1 .. + 6)
 HELLO = b"hicache-follower"
+DECISION = "decision"  # a call and the head's answer (the other kinds: ``rank_workers``)
+# Pure reads of the head's state: a repeat of the same call with no other call between gets the same answer,
+# which no rank sends or waits for (sgl-jax asks the sizes several times in every scheduler iteration).
+REPEATABLE_READS = frozenset({Method.STATS, Method.CACHE_STATS})
 
 
 def decision_address(dist_init_addr: str) -> tuple[str, int]:
@@ -101,42 +114,27 @@ def _method(calls: Call | Sequence[Call]) -> str:
     return "step:" + ",".join(c.method.value for c in calls)
 
 
-class _Channel:
-    """What both ends share: a ZeroMQ socket, and ``submit`` as a step that has run when it returns."""
+class LeaderChannel:
+    """Rank 0's end of the channel: a ROUTER bound at ``address`` that waits (bounded) for ``followers`` hellos,
+    then sends every message to every follower, in order, and collects their replies (``gather``)."""
 
-    _context: zmq.Context
-    _socket: zmq.Socket
-
-    def step(self, calls: Sequence[Call]) -> list[CallResult]:
-        raise NotImplementedError
-
-    def submit(self, calls: Sequence[Call]) -> DoneStep:
-        return DoneStep(self.step(calls))
-
-    def close(self) -> None:
-        self._socket.close(linger=0)
-        self._context.term()
-
-
-class LeaderTransport(_Channel):
-    """Rank 0: the head's transport that sends every call and its answer to the other ranks (module docstring)."""
-
-    def __init__(self, inner: EmbeddedTransport, address: tuple[str, int], followers: int, *,
-                 timeout_s: float, log_folder: str | None = None) -> None:
+    def __init__(self, address: tuple[str, int], followers: int, *, timeout_s: float,
+                 log_folder: str | None = None) -> None:
         if followers < 1:
             raise ValueError(f"a leader needs >= 1 follower, got {followers}")
-        self.inner = inner
-        self.head = inner.head
+        self.timeout_s = timeout_s
+        self._address = address
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.SNDHWM, 0)  # never drop a decision: the followers read every one
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(f"tcp://{address[0]}:{address[1]}")
         self._followers: list[bytes] = []
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._asked = 0  # sequence number of the last ``gather`` (a late reply to an earlier one is dropped)
         while len(self._followers) < followers:
-            if not poller.poll(int(timeout_s * 1000)):
+            if not self._poller.poll(int(timeout_s * 1000)):
                 self.close()
                 raise TimeoutError(f"hicache: {len(self._followers)} of {followers} sgl-jax ranks connected to the "
                                    f"decision channel at {address[0]}:{address[1]} within {timeout_s} s")
@@ -145,53 +143,62 @@ class LeaderTransport(_Channel):
                 self._followers.append(identity)
         for identity in self._followers:
             self._socket.send_multipart([identity, b"ready"])
-        self._log = _DecisionLog(log_folder, 0, f"leader (head) of {followers} follower(s)")
+        self.log = _DecisionLog(log_folder, 0, f"leader (head) of {followers} follower(s)")
 
-    def _publish(self, calls: Call | Sequence[Call], ok: bool, value: Any) -> None:
-        payload = pickle.dumps((calls, ok, value))
-        self._log.record(_method(calls), payload)  # before sending: no follower logs a decision rank 0 has not
+    @property
+    def followers(self) -> int:
+        return len(self._followers)
+
+    def broadcast(self, kind: str, *body: Any, log_as: str | None = None) -> None:
+        """Sends the message ``(kind, *body)`` to every follower; ``log_as``: logged under that name first (no
+        follower logs a message rank 0 has not)."""
+        payload = pickle.dumps((kind, *body))
+        if log_as is not None:
+            self.log.record(log_as, payload)
         for identity in self._followers:
             self._socket.send_multipart([identity, payload])
 
-    def _run(self, calls: Any, run: Any) -> Any:
-        """``run(calls)`` on the head; its answer, or its error, goes to every follower before the caller gets it."""
-        try:
-            value = run(calls)
-        except Exception as e:
-            self._publish(calls, False, e)
-            raise
-        self._publish(calls, True, value)
-        return value
+    def gather(self, kind: str, *body: Any, timeout_s: float) -> list[Any]:
+        """Sends ``(kind, number, *body)`` to every follower and returns each one's reply body; TimeoutError
+        when some follower has not replied within ``timeout_s`` (it is gone or stuck)."""
+        self._asked += 1
+        number = self._asked
+        self.broadcast(kind, number, *body)
+        replies: dict[bytes, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(self._followers):
+            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            if not self._poller.poll(left_ms):
+                raise TimeoutError(f"hicache: {len(self._followers) - len(replies)} sgl-jax rank(s) did not answer "
+                                   f"{kind!r} on {self._address[0]}:{self._address[1]} within {timeout_s} s")
+            identity, payload = self._socket.recv_multipart()
+            answered, value = pickle.loads(payload)
+            if answered == number:
+                replies[identity] = value
+        return [replies[i] for i in self._followers]
 
-    def call(self, call: Call) -> Any:
-        return self._run(call, self.inner.call)
-
-    def step(self, calls: Sequence[Call]) -> list[CallResult]:
-        return self._run(list(calls), self.inner.step)
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
 
 
-
-class RankDivergedError(RuntimeError):
-    """This rank made another cache call than rank 0 at the same point: their schedulers diverged."""
-
-
-class FollowerTransport(_Channel):
-    """Ranks >= 1: answers each call with rank 0's answer to the same call (module docstring); holds no head."""
+class FollowerChannel:
+    """A rank >= 1's end: a DEALER connected to rank 0's channel (hello, then ``ready``, bounded)."""
 
     def __init__(self, address: tuple[str, int], rank: int, *, timeout_s: float,
                  log_folder: str | None = None) -> None:
         self.rank = rank
         self._timeout_s = timeout_s
+        self._address = address
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(f"tcp://{address[0]}:{address[1]}")
         self._socket.send(HELLO)
-        self._address = address
         if self._receive() != b"ready":
             raise RuntimeError(f"hicache rank {rank}: unexpected greeting from rank 0 at {address}")
-        self._log = _DecisionLog(log_folder, rank, "follower of rank 0 (no head)")
+        self.log = _DecisionLog(log_folder, rank, "follower of rank 0 (no head)")
 
     def _receive(self) -> bytes:
         try:
@@ -200,40 +207,145 @@ class FollowerTransport(_Channel):
             raise TimeoutError(f"hicache rank {self.rank}: no decision from rank 0 at {self._address[0]}:"
                                f"{self._address[1]} within {self._timeout_s} s (is rank 0 gone?)") from None
 
-    def _answer(self, calls: Call | Sequence[Call]) -> tuple[bool, Any]:
+    def receive(self) -> tuple[bytes, tuple]:
+        """The next message from rank 0: its bytes (what the logs digest) and the message."""
         payload = self._receive()
-        leader_calls, ok, value = pickle.loads(payload)
-        if canonical(leader_calls) != canonical(calls):
-            raise RankDivergedError(f"hicache rank {self.rank} made call {calls!r} where rank 0 made "
-                                    f"{leader_calls!r} (decision {self._log.seq + 1})")
-        self._log.record(_method(calls), payload)
-        return ok, value
+        return payload, pickle.loads(payload)
+
+    def reply(self, number: int, value: Any) -> None:
+        self._socket.send(pickle.dumps((number, value)))
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+
+
+class LeaderTransport:
+    """Rank 0: the head's transport that sends every call and its answer to the other ranks (module docstring)."""
+
+    def __init__(self, inner: EmbeddedTransport, channel: LeaderChannel) -> None:
+        self.inner = inner
+        self.head = inner.head
+        self.channel = channel
+        self._last_read: tuple[Any, Any] | None = None  # (canonical call, answer) of the last repeated read
+
+    def _run(self, calls: Any, run: Any) -> Any:
+        """``run(calls)`` on the head; its answer, or its error, goes to every follower before the caller gets it."""
+        try:
+            value = run(calls)
+        except Exception as e:
+            self.channel.broadcast(DECISION, calls, False, e, log_as=_method(calls))
+            raise
+        self.channel.broadcast(DECISION, calls, True, value, log_as=_method(calls))
+        return value
 
     def call(self, call: Call) -> Any:
-        ok, value = self._answer(call)
-        if not ok:
-            raise value
+        key = canonical(call) if call.method in REPEATABLE_READS else None
+        last, self._last_read = self._last_read, None
+        if key is not None and last is not None and last[0] == key:
+            self._last_read = last
+            return last[1]  # nothing ran on the head since: the followers reuse it too
+        value = self._run(call, self.inner.call)
+        if key is not None:
+            self._last_read = (key, value)
         return value
 
     def step(self, calls: Sequence[Call]) -> list[CallResult]:
+        self._last_read = None
+        return self._run(list(calls), self.inner.step)
+
+    def submit(self, calls: Sequence[Call]) -> DoneStep:
+        return DoneStep(self.step(calls))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RankDivergedError(RuntimeError):
+    """This rank made another cache call than rank 0 at the same point: their schedulers diverged."""
+
+
+class FollowerTransport:
+    """Ranks >= 1: answers each call with rank 0's answer to the same call (module docstring); holds no head.
+    While it waits for a decision it also runs what rank 0's head asked of this rank's host worker
+    (``serve_worker_message``; ``workers``: None with L1 only)."""
+
+    def __init__(self, channel: FollowerChannel, workers: LocalWorkerGroup | None = None) -> None:
+        self.channel = channel
+        self.rank = channel.rank
+        self.workers = workers
+        self._last_read: tuple[Any, Any] | None = None
+
+    def _answer(self, calls: Call | Sequence[Call]) -> tuple[bool, Any]:
+        log = self.channel.log
+        while True:
+            payload, message = self.channel.receive()
+            if message[0] == DECISION:
+                break
+            if self.workers is None:
+                raise RuntimeError(f"hicache rank {self.rank}: rank 0 sent {message[0]!r} for a host worker, "
+                                   "and this rank has none (L1 only): the ranks were started with other options")
+            if message[0] == PLAN:
+                log.record(PLAN, payload)
+            reply = serve_worker_message(self.workers, message)
+            if reply is not None:
+                self.channel.reply(*reply)
+        _, leader_calls, ok, value = message
+        if canonical(leader_calls) != canonical(calls):
+            raise RankDivergedError(f"hicache rank {self.rank} made call {calls!r} where rank 0 made "
+                                    f"{leader_calls!r} (decision {log.seq + 1})")
+        log.record(_method(calls), payload)
+        return ok, value
+
+    def call(self, call: Call) -> Any:
+        key = canonical(call) if call.method in REPEATABLE_READS else None
+        last, self._last_read = self._last_read, None
+        if key is not None and last is not None and last[0] == key:
+            self._last_read = last
+            return last[1]  # rank 0 sent nothing for it: the same rule (LeaderTransport.call)
+        ok, value = self._answer(call)
+        if not ok:
+            raise value
+        if key is not None:
+            self._last_read = (key, value)
+        return value
+
+    def step(self, calls: Sequence[Call]) -> list[CallResult]:
+        self._last_read = None
         ok, value = self._answer(list(calls))
         if not ok:
             raise value
         return value
 
+    def submit(self, calls: Sequence[Call]) -> DoneStep:
+        return DoneStep(self.step(calls))
+
+    def close(self) -> None:
+        self.channel.close()
 
 
-def multi_host_client(options: Any, server_args: Any, *, page_size: int, num_pages: int) -> CacheClient:
+def multi_host_client(options: Any, server_args: Any, *, page_size: int, num_pages: int,
+                      worker: Any = None, attach: Any = None) -> CacheClient:
     """This rank's ``CacheClient`` on sgl-jax's ``nnodes`` > 1 hosts: rank 0's over the head (created here, in
-    rank 0's scheduler process only), the others' over rank 0's decisions. Blocks until every rank is connected
+    rank 0's scheduler process only), the others' over rank 0's decisions. ``worker``: this rank's
+    ``HostWorker`` (host index = rank) when the head has a host tier, which rank 0's head drives on every rank
+    (``rank_workers``); ``attach(head)``: rank 0 attaches L3 with it. Blocks until every rank is connected
     (at most ``options.decision_timeout_s``)."""
     address = decision_address(server_args.dist_init_addr)
     timeout, log = float(options.decision_timeout_s), options.decision_log
     transport: LeaderTransport | FollowerTransport
     if server_args.node_rank == 0:
-        head = CacheHead(options.head_config(page_size=page_size, num_pages=num_pages))
-        transport = LeaderTransport(EmbeddedTransport(head), address, server_args.nnodes - 1, timeout_s=timeout,
-                                    log_folder=log)
+        channel = LeaderChannel(address, server_args.nnodes - 1, timeout_s=timeout, log_folder=log)
+        try:
+            group = None if worker is None else RankWorkerGroup(worker, channel)
+            head = CacheHead(options.head_config(page_size=page_size, num_pages=num_pages), group)
+            if attach is not None:
+                attach(head)
+        except BaseException:
+            channel.close()
+            raise
+        transport = LeaderTransport(EmbeddedTransport(head), channel)
     else:
-        transport = FollowerTransport(address, server_args.node_rank, timeout_s=timeout, log_folder=log)
+        channel_f = FollowerChannel(address, server_args.node_rank, timeout_s=timeout, log_folder=log)
+        transport = FollowerTransport(channel_f, None if worker is None else LocalWorkerGroup([worker]))
     return CacheClient(transport, page_size)

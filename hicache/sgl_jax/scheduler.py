@@ -20,7 +20,7 @@ from hicache.sgl_jax.options import HiCacheOptions
 from hicache.sgl_jax.prefix_cache import HiCachePrefixCache
 from hicache.sgl_jax.ranks import multi_host_client
 from hicache.sgl_jax.seams import SglJaxSeamError, sgl_jax_version
-from hicache.sgl_jax.tiers import build_client
+from hicache.sgl_jax.tiers import attach_storage, build_client, rank_worker
 
 STATS_KEY = "hicache"  # the key of the head's statistics in the scheduler's internal state
 
@@ -38,8 +38,14 @@ def build_hicache_kv_cache(options: HiCacheOptions, *, server_args: Any, req_to_
         raise ValueError(f"allocator page_size {device_allocator.page_size} != scheduler page_size {page_size}")
     num_pages = device_allocator.size // page_size
     kvcache = device_allocator.get_kvcache()
-    if server_args.nnodes > 1:  # one head, on rank 0; the other ranks apply its decisions (L1 only)
-        client, worker = multi_host_client(options, server_args, page_size=page_size, num_pages=num_pages), None
+    if server_args.nnodes > 1:  # one head, on rank 0; the other ranks apply its decisions and plans
+        worker = attach = None
+        if options.host_pages:
+            worker = rank_worker(options, kvcache, page_size=page_size, num_pages=num_pages,
+                                 rank=server_args.node_rank)
+            attach = attach_storage(options, worker, server_args.model_path, tp_size)
+        client = multi_host_client(options, server_args, page_size=page_size, num_pages=num_pages, worker=worker,
+                                   attach=attach)
     else:
         client, worker = build_client(options, kvcache, page_size=page_size, num_pages=num_pages,
                                       model_path=server_args.model_path, tp_size=tp_size)

@@ -75,22 +75,37 @@ def fingerprint(options: HiCacheOptions, spec: KVCacheSpec, model_path: str, tp_
                             LAYOUT_VERSION)
 
 
+def rank_worker(options: HiCacheOptions, kvcache: Any, *, page_size: int, num_pages: int,
+                rank: int = 0) -> HostWorker:
+    """This process's host worker over its shard of sgl-jax's pool (``num_pages`` pages plus the padding page)
+    with ``options.host_pages`` L2 slots; ``rank``: its host index (sgl-jax's ``node_rank``)."""
+    spec = kv_spec(kvcache, page_size)
+    pool = fused_pool(kvcache, spec)
+    if pool.num_pages != num_pages + 1:
+        raise ValueError(f"sgl-jax's KV pool has {pool.num_pages} pages, expected {num_pages} + its padding page")
+    return HostWorker(spec, pool.num_pages, options.host_pages, host_index=rank, device_pool=pool)
+
+
+def attach_storage(options: HiCacheOptions, worker: HostWorker, model_path: str, tp_size: int) -> Any:
+    """``attach(head)``: attaches ``options.l3_url`` as the head's L3 (None without one)."""
+    if options.l3_url is None:
+        return None
+    params = StorageParams(options.l3_url, fingerprint(options, worker.device_pool.spec, model_path, tp_size),
+                           prefetch_policy="wait_complete", prefetch_min_tokens=options.l3_min_tokens,
+                           pages_per_object=options.l3_pages_per_object)
+    return lambda head: head.attach_storage_backend(params)
+
+
 def build_client(options: HiCacheOptions, kvcache: Any, *, page_size: int, num_pages: int, model_path: str,
                  tp_size: int) -> tuple[CacheClient, HostWorker | None]:
     """The embedded head over sgl-jax's ``num_pages`` pages (ids 1..num_pages; see ``HiCacheOptions``), with
     L2 and L3 as ``options`` say, and its host worker (None for L1 only)."""
     config = options.head_config(page_size=page_size, num_pages=num_pages)
     if not options.host_pages:
-        head = CacheHead(config)
-        return CacheClient(EmbeddedTransport(head), page_size), None
-    spec = kv_spec(kvcache, page_size)
-    pool = fused_pool(kvcache, spec)
-    if pool.num_pages != num_pages + 1:
-        raise ValueError(f"sgl-jax's KV pool has {pool.num_pages} pages, expected {num_pages} + its padding page")
-    worker = HostWorker(spec, pool.num_pages, options.host_pages, device_pool=pool)
+        return CacheClient(EmbeddedTransport(CacheHead(config)), page_size), None
+    worker = rank_worker(options, kvcache, page_size=page_size, num_pages=num_pages)
     head = CacheHead(config, LocalWorkerGroup([worker]))
-    if options.l3_url is not None:
-        head.attach_storage_backend(StorageParams(
-            options.l3_url, fingerprint(options, spec, model_path, tp_size), prefetch_policy="wait_complete",
-            prefetch_min_tokens=options.l3_min_tokens, pages_per_object=options.l3_pages_per_object))
+    attach = attach_storage(options, worker, model_path, tp_size)
+    if attach is not None:
+        attach(head)
     return CacheClient(EmbeddedTransport(head), page_size), worker

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.sgl_jax_env import HOST_PAGES, engine_kwargs, run, running
+from support.sgl_jax_env import HOST_PAGES, engine_kwargs, rounds, run, running
 
 from hicache.sgl_jax import Engine, HiCacheOptions
 
@@ -25,7 +25,16 @@ def serve(tiny_model: Path, options: HiCacheOptions) -> dict[str, Any]:
         outputs, cached = run(engine)
         stats = engine.hicache_stats()
         tiers = engine.hit_tokens_by_tier(cached)
-    return {"outputs": outputs, "stats": stats, "tiers": tiers}
+    return {"outputs": outputs, "stats": stats, "tiers": tiers, "cached": cached}
+
+
+def assert_every_prompt_token_accounted(result: dict[str, Any]) -> None:
+    """Every request reported its ``TokenAccount`` to the head: the head's per-fate sums hold every prompt
+    token of the workload once, and the hits are the tokens sgl-jax did not compute."""
+    fates = result["stats"]["prompt_tokens"]
+    assert sum(fates.values()) == sum(len(p) for prompts in rounds() for p in prompts)
+    assert fates.get("hit_l1", 0) + fates.get("hit_l2", 0) + fates.get("hit_l3", 0) == result["cached"], fates
+    assert fates.get("partial_page", 0) == sum(len(prompts) for prompts in rounds())  # each prompt's last token
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +61,9 @@ def test_l1_l2_l3_exact_with_hits_from_every_tier(l1_l2_l3: dict[str, Any], no_c
     assert stats["host_evicted_tokens"] > 0 and stats["device_evicted_tokens"] > 0  # both tiers overflowed
     assert stats["storage"]["backup_pages"] > 0
     assert_no_leak(stats)
+    assert_every_prompt_token_accounted(l1_l2_l3)
+    fates = stats["prompt_tokens"]
+    assert fates["hit_l1"] > 0 and fates["hit_l2"] > 0 and 0 < fates["hit_l3"] <= tiers["L3"], fates
 
 
 def test_load_backs_past_free_slots_are_loaded_not_recomputed(l1_l2_l3: dict[str, Any]) -> None:

@@ -50,9 +50,9 @@ def free_port_range(width: int = 8) -> int:
 
 @contextmanager
 def other_ranks(model: Path, nnodes: int, dist_init_addr: str, mode: str, overrides: dict[str, Any],
-                log: Path | None = None) -> Iterator[None]:
-    """Ranks 1 .. nnodes - 1 (``mode``: "sgl-jax" or "hicache"; ``overrides``: server args, which must be rank 0's
-    too) while the block runs; rank 0 is the caller's."""
+                hicache: dict[str, Any] | None = None) -> Iterator[None]:
+    """Ranks 1 .. nnodes - 1 (``mode``: "sgl-jax" or "hicache"; ``overrides``: server args, ``hicache``:
+    ``HiCacheOptions`` fields, both rank 0's too) while the block runs; rank 0 is the caller's."""
     procs = []
     with single_device_env():
         with pytest.MonkeyPatch.context() as mp:
@@ -60,7 +60,7 @@ def other_ranks(model: Path, nnodes: int, dist_init_addr: str, mode: str, overri
             for rank in range(1, nnodes):
                 args = [sys.executable, str(RANK_SCRIPT), str(model), str(rank), str(nnodes), dist_init_addr, mode,
                         json.dumps(overrides)]
-                procs.append(subprocess.Popen([*args, *([str(log)] if log else [])], stdin=subprocess.PIPE,
+                procs.append(subprocess.Popen([*args, json.dumps(hicache or {})], stdin=subprocess.PIPE,
                                               env=dict(os.environ), text=True))
     try:
         yield

@@ -1,7 +1,7 @@
 """One sgl-jax host of a multi-host test: starts an Engine with ``node_rank`` >= 1 in this process and keeps it
 until stdin closes (then stops its own subprocesses). Run as a script by ``sgl_jax_hosts.other_ranks``.
 
-    python sgl_jax_rank.py MODEL RANK NNODES DIST_INIT_ADDR {sgl-jax,hicache} OVERRIDES_JSON [DECISION_LOG]
+    python sgl_jax_rank.py MODEL RANK NNODES DIST_INIT_ADDR {sgl-jax,hicache} OVERRIDES_JSON [HICACHE_OPTIONS_JSON]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 def main() -> None:
     model, rank, nnodes, dist, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     overrides = json.loads(sys.argv[6])  # server args beyond host_kwargs': the same on every rank
-    log = sys.argv[7] if len(sys.argv) > 7 else None
+    hicache = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}  # HiCacheOptions' fields: rank 0's
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # the Engine returns once its scheduler is ready
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from support.sgl_jax_hosts import host_kwargs
@@ -25,7 +25,7 @@ def main() -> None:
     if mode == "hicache":
         from hicache.sgl_jax import Engine, HiCacheOptions
 
-        options = HiCacheOptions(decision_log=log)
+        options = HiCacheOptions(**hicache)
         _, processes = start_recording_processes(lambda: Engine(**kwargs, hicache=options))
     else:
         from sgl_jax.srt.entrypoints.engine import Engine as SglEngine
