@@ -15,6 +15,7 @@ from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.cost_model import CostOptions
 from hicache.cluster.tree import RadixKey
+from hicache.storage import StorageConfig
 from hicache.workers import OpKind
 
 _DETERMINED = {"prefetch_policy": "wait_complete", "prefetch_wait_max_s": 30.0, "cost": CostOptions(enabled=False)}
@@ -81,15 +82,18 @@ def test_failed_l1_to_l2_copy_under_a_fetch_frees_its_slots_and_recomputes():
     check(env)
 
 
-@pytest.mark.xfail(strict=True, reason="#27 item 3b not built yet: an L3 object is named by its last page's key, "
-                   "so a prompt ending or diverging inside it cannot name it")
+_NOT_BY_DEFAULT = pytest.mark.xfail(strict=True, reason="#27 item 3b: off by default (leading_page_index); an "
+                                    "L3 object is named by its last page's key, which such a prompt cannot compute")
+
+
+@pytest.mark.parametrize("index", [pytest.param(False, marks=_NOT_BY_DEFAULT), True], ids=["default", "leading_page_index"])
 @pytest.mark.parametrize("scheme", ["memory", "file"])
-def test_prompt_ending_or_diverging_inside_an_object_gets_its_leading_pages(scheme, tmp_path):
+def test_prompt_ending_or_diverging_inside_an_object_gets_its_leading_pages(scheme, index, tmp_path):
     """Target of #27 item 3b, pinned before it is built: with 4 pages per object, a replica with an empty
     L1/L2 serving a prompt that ends inside a stored object, or diverges from the stored chain inside it,
     loads the object's matching leading pages from L3 (today: only the whole objects before it)."""
     url = f"memory://objfmt-{uuid.uuid4().hex[:8]}" if scheme == "memory" else f"file://{tmp_path}/l3"
-    kw = {**_DETERMINED, "pages_per_object": 4}
+    kw = {**_DETERMINED, "pages_per_object": 4, "storage": StorageConfig(leading_page_index=index)}
     writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=kw)
     a = seq(0, 40)  # 10 pages: objects [0, 4), [4, 8), partial [8, 10)
     writer.serve(a)
