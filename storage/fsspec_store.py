@@ -304,6 +304,8 @@ class FsspecStorage(HiCacheStorage):
             names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in paths})
             cands += [(a, fk, lk) for lk in names[: leading_index.MAX_CANDIDATES] if leading_index.is_key(lk)]
         best: list[ObjectRef | None] = [None] * len(asks)
+        if not cands:
+            return best
 
         def entry(i: int, raw: Any) -> list[bytes] | None:
             a, fk, lk = cands[i]
