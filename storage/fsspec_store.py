@@ -291,7 +291,10 @@ class FsspecStorage(HiCacheStorage):
                  deadline: Deadline) -> list[ObjectRef | None]:
         """Per ask ``(t, start, have)`` of ``resolve``: the stored object of that chunk whose leading
         pages match query ``t`` furthest (``leading_index``): one listing of the chunk's first-page
-        folder per ask, one round of entry reads, one existence round for the chosen objects."""
+        folder per ask, one round of entry reads, one existence round for the chosen objects. It
+        gets at most half of the call's time left (and the existence bound): a hung listing costs
+        only the leading pages, never the reads of the objects found before them."""
+        deadline = Deadline(min(deadline.left() / 2, self._exists_timeout()))
         cands: list[tuple[int, str, str]] = []  # (ask, first key, last key)
         for a, (t, start, _) in enumerate(asks):
             q = queries[t]
