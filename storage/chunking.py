@@ -17,7 +17,8 @@ stores with different chunk sizes never misread each other.
   round, at most ``C-1`` names) and the longest one extends the hit. Consequences: (a) a prefix
   stored mid-chunk (partial object) is found by any later *longer* query through the probe; (b) a
   later *shorter* query that ends inside a chunk stored only as a full object cannot name that
-  object (its name is the key of a page beyond the query) and loses at most ``C-1`` pages; (c)
+  object (its name is the key of a page beyond the query) and loses at most ``C-1`` pages, unless
+  the store keeps a leading-page index (``leading_index``, opt-in: ``resolve``'s ``leading``); (c)
   the later longer sequence writes the full chunk, the partial object stays until evicted or
   deleted (bounded duplication, ``<= C-1`` pages per sequence).
 
