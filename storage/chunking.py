@@ -17,7 +17,8 @@ stores with different chunk sizes never misread each other.
   round, at most ``C-1`` names) and the longest one extends the hit. Consequences: (a) a prefix
   stored mid-chunk (partial object) is found by any later *longer* query through the probe; (b) a
   later *shorter* query that ends inside a chunk stored only as a full object cannot name that
-  object (its name is the key of a page beyond the query) and loses at most ``C-1`` pages; (c)
+  object (its name is the key of a page beyond the query) and loses at most ``C-1`` pages, unless
+  the store keeps a leading-page index (``leading_index``, opt-in: ``resolve``'s ``leading``); (c)
   the later longer sequence writes the full chunk, the partial object stays until evicted or
   deleted (bounded duplication, ``<= C-1`` pages per sequence).
 
@@ -41,6 +42,11 @@ class ObjectRef(NamedTuple):
     m: int
     key: str
     path: str
+    use: int = 0  # its leading pages the query uses, where fewer than ``m`` (found by ``leading``)
+
+    def stop(self) -> int:
+        """One past the last page of it the query uses."""
+        return self.start + (self.use or self.m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,14 @@ class Chunking:
 
     def path(self, key: str) -> str:
         return f"{self.prefix}/{key[0]}/{key}"
+
+    def index_path(self, first_key: str, last_key: str) -> str:
+        """Leading-page index entry of the object from the page keyed ``first_key`` to the page
+        keyed ``last_key`` (``leading_index``); ``i`` is no hex digit, so no object folder."""
+        return f"{self.index_dir(first_key)}/{last_key}"
+
+    def index_dir(self, first_key: str) -> str:
+        return f"{self.prefix}/i/{first_key}"
 
     def spans(self, n: int, first: int) -> Iterator[tuple[int, int]]:
         """``(start, pages)`` of the natural candidate of every chunk intersecting pages
@@ -84,11 +98,17 @@ def resolve(
     queries: Sequence[tuple[Chunking, Sequence[str], int]],
     exists: Callable[[list[ObjectRef]], list[bool]],
     min_pages: int = 1,
+    leading: Callable[[list[tuple[int, int, int]]], list[ObjectRef | None]] | None = None,
 ) -> list[list[ObjectRef]]:
     """Objects that cover the longest stored prefix of each query ``(chunking, keys, first)``, in
     chain order, with at most two calls of ``exists`` (one flag per object asked). ``min_pages``:
     shorter partial objects that would end a hit before the query's page ``min_pages - 1`` are not
-    asked about (the answer is then short of ``min_pages`` anyway)."""
+    asked about (the answer is then short of ``min_pages`` anyway).
+
+    ``leading`` (optional, one call): asked ``(t, start, have)`` for every query whose hit stops
+    ``have`` pages into the chunk at ``start``, short of the query's pages there, where the query
+    holds that chunk's first page; answers, per ask, an object of that chunk whose leading pages
+    (``ObjectRef.use`` of them, more than ``have``) match the query's chain, or None."""
     nats = [ch.naturals(t, keys, first) for t, (ch, keys, first) in enumerate(queries)]
     flags = iter(exists([o for ns in nats for o in ns]))
     found: list[list[ObjectRef]] = []
@@ -108,4 +128,30 @@ def resolve(
             fl = [next(pflags) for _ in ps]
             if True in fl:
                 found[t].append(ps[fl.index(True)])
+    if leading is not None:
+        _extend_by_leading(queries, nats, found, leading, min_pages)
     return found
+
+
+def _extend_by_leading(queries: Sequence[tuple[Chunking, Sequence[str], int]], nats: list[list[ObjectRef]],
+                       found: list[list[ObjectRef]], leading: Callable[[list[tuple[int, int, int]]], list[ObjectRef | None]],
+                       min_pages: int) -> None:
+    """Where a query's hit ends inside a chunk whose first page it holds, let ``leading`` extend it
+    (``found[t]``: the naturals before the cut chunk, then possibly one partial object of it)."""
+    asks: list[tuple[int, int, int]] = []
+    for t, ns in enumerate(nats):
+        first = queries[t][2]
+        cut = next((i for i, o in enumerate(found[t]) if o.start != ns[i].start or o.m != ns[i].m), len(found[t]))
+        if cut >= len(ns) or ns[cut].start < first:  # all found, or the chunk's first key is not the query's
+            continue
+        have = found[t][cut].m if cut < len(found[t]) else 0
+        if have < ns[cut].m and ns[cut].start + ns[cut].m - first >= min_pages:
+            asks.append((t, ns[cut].start, have))
+    if not asks:
+        return
+    for (t, start, have), o in zip(asks, leading(asks)):
+        if o is None or o.stop() - start <= have or o.stop() - queries[t][2] < min_pages:
+            continue
+        if have:
+            found[t].pop()
+        found[t].append(o)

@@ -16,7 +16,8 @@ It puts together (one module per concept):
 - ``slot_access``: copies between objects and the host pool's slots, and when I/O threads may
   make them;
 - ``lru``: the optional byte cap of a file:// root;
-- ``manifest``: stored prefixes for warm restart.
+- ``manifest``: stored prefixes for warm restart;
+- ``leading_index``: opt-in, the leading pages of an object a query ends or diverges inside.
 
 Schemes
 -------
@@ -38,6 +39,10 @@ Object names (topology-free, content-addressed)::
 
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}/{key[0]}/{key}
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tag}
+    {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}/i/{first key}/{key}
+
+The last: leading-page index entries (``leading_index``), only with
+``StorageConfig.leading_page_index`` (off by default).
 
 Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds; where other
 layouts hold this host's heads, over them too, and two more rounds per layout switch along the
@@ -90,7 +95,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hicache.storage import shard_cover, slot_access
+from hicache.storage import leading_index, shard_cover, slot_access
 from hicache.storage.base import (
     HiCacheStorage,
     HostSlots,
@@ -154,7 +159,7 @@ class _Transfer(NamedTuple):
 
     def slots_of(self, o: ObjectRef) -> np.ndarray:
         """The slots of the pages of ``o`` that lie inside this transfer."""
-        lo, hi = max(o.start, self.first), min(o.start + o.m, self.first + len(self.keys))
+        lo, hi = max(o.start, self.first), min(o.stop(), self.first + len(self.keys))
         return self.slots[lo - self.first : hi - self.first]
 
 
@@ -277,8 +282,55 @@ class FsspecStorage(HiCacheStorage):
         return flags
 
     def _resolve(self, queries: list[_Transfer], deadline: Deadline, min_pages: int = 1) -> list[list[ObjectRef]]:
+        leading = (functools.partial(self._leading, queries, deadline=deadline)
+                   if self.config.leading_page_index else None)
         return resolve([(q.reg.chunking, q.keys, q.first) for q in queries],
-                       lambda objs: self._exists_flags(objs, deadline), min_pages)
+                       lambda objs: self._exists_flags(objs, deadline), min_pages, leading)
+
+    def _leading(self, queries: list[_Transfer], asks: list[tuple[int, int, int]], *,
+                 deadline: Deadline) -> list[ObjectRef | None]:
+        """Per ask ``(t, start, have)`` of ``resolve``: the stored object of that chunk whose leading
+        pages match query ``t`` furthest (``leading_index``): one listing of the chunk's first-page
+        folder per ask, one round of entry reads, one existence round for the chosen objects. It
+        gets at most half of the call's time left (and the existence bound): a hung listing costs
+        only the leading pages, never the reads of the objects found before them."""
+        deadline = Deadline(min(deadline.left() / 2, self._exists_timeout()))
+        cands: list[tuple[int, str, str]] = []  # (ask, first key, last key)
+        for a, (t, start, _) in enumerate(asks):
+            q = queries[t]
+            fk = q.keys[start - q.first]
+            try:
+                paths = self._io.list(q.reg.chunking.index_dir(fk), deadline)
+            except Exception as e:  # a failed listing: no leading pages (counted)
+                self._count_exc(e, on_root=True)
+                continue
+            names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in paths})
+            cands += [(a, fk, lk) for lk in names[: leading_index.MAX_CANDIDATES] if leading_index.is_key(lk)]
+        best: list[ObjectRef | None] = [None] * len(asks)
+        if not cands:
+            return best
+
+        def entry(i: int, raw: Any) -> list[bytes] | None:
+            a, fk, lk = cands[i]
+            return leading_index.decode(raw, fk, lk, queries[asks[a][0]].reg.ppo)
+
+        reads = self._io.read_many([queries[asks[a][0]].reg.chunking.index_path(fk, lk) for a, fk, lk in cands],
+                                   entry, deadline)
+        for (a, _, lk), keys in zip(cands, reads):
+            if isinstance(keys, BaseException):
+                self._count_exc(keys)
+                continue
+            if keys is None:
+                continue
+            t, start, have = asks[a]
+            q = queries[t]
+            use = leading_index.matching(keys, q.keys, start - q.first)
+            b = best[a]
+            if use > have and (b is None or use > b.use):
+                best[a] = ObjectRef(t, start, len(keys), lk, q.reg.chunking.path(lk), use)
+        chosen = [o for o in best if o is not None]
+        stored = dict(zip(chosen, self._exists_flags(chosen, deadline))) if chosen else {}
+        return [o if o is not None and stored[o] else None for o in best]
 
     def _other_layouts(self, reg: _PoolReg, deadline: Deadline) -> tuple[_PoolReg, ...]:
         """Shards of other layouts holding some of ``reg``'s heads (``shard_cover``), each as a pool
@@ -422,7 +474,7 @@ class FsspecStorage(HiCacheStorage):
             base = f"{self._root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
             other = dataclasses.replace(reg, chunking=Chunking(
                 f"{base}/{reg.kind.value}/{reg.shard.tag()}/c{reg.ppo}", reg.ppo))
-            return sum(o.m for o in self._resolve([_Transfer(other, keys, _NO_SLOTS, first)], deadline, least)[0])
+            return sum(o.stop() - o.start for o in self._resolve([_Transfer(other, keys, _NO_SLOTS, first)], deadline, least)[0])
         return sum(seg.pages for seg in self._covered([_Transfer(reg, keys, _NO_SLOTS, first)], deadline, least)[2][0])
 
     def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:
@@ -504,7 +556,7 @@ class FsspecStorage(HiCacheStorage):
         q = queries[o.t]
         if r is not True:
             self._scatter(q, o, r)  # calling thread, before the call returns
-        for p in range(max(o.start, q.first), min(o.start + o.m, q.first + len(q.keys))):
+        for p in range(max(o.start, q.first), min(o.stop(), q.first + len(q.keys))):
             results[o.t][p - q.first] = True
         self._count(objects_read=1, bytes_read=q.reg.object_bytes(o.m))
         return True
@@ -592,6 +644,7 @@ class FsspecStorage(HiCacheStorage):
                     pages = functools.partial(np.asarray, slot_access.gather(q.reg.pool, q.slots_of(o), None))
                 items.append((o.path, functools.partial(_with_header, header, pages)))
             tally: dict[str, int] = {}
+            published = []
             for o, r in zip(group, self._io.write_many(items, deadline)):
                 if isinstance(r, BaseException):
                     self._count_exc(r, on_root=True)
@@ -603,9 +656,28 @@ class FsspecStorage(HiCacheStorage):
                     size = queries[o.t].reg.object_bytes(o.m)
                     tally["bytes_written"] = tally.get("bytes_written", 0) + size
                     written.append((o.t, o.start, o.path, size))
+                    published.append(o)
             self._count(**tally)
+            if self.config.leading_page_index and published:
+                self._write_index(queries, published, deadline, written)
         if gi < len(todo):
             self._count(timeouts=len(todo) - gi)
+
+    def _write_index(self, queries: list[_Transfer], objs: list[ObjectRef], deadline: Deadline,
+                     written: list[tuple[int, int, str, int]]) -> None:
+        """The leading-page index entries of objects just published (``leading_index``), after them,
+        so an entry never names an object not yet there; a failed one only costs leading hits."""
+        items = []
+        for o in objs:
+            q = queries[o.t]
+            keys = list(q.keys[o.start - q.first : o.start - q.first + o.m])
+            data = np.frombuffer(leading_index.encode(keys), np.uint8)
+            items.append((q.reg.chunking.index_path(keys[0], o.key), functools.partial(_as_object, data)))
+        for (path, make), r in zip(items, self._io.write_many(items, deadline)):
+            if isinstance(r, BaseException):
+                self._count_exc(r, on_root=True)
+            elif r:
+                written.append((objs[0].t, -1, path, len(make.args[0])))
 
     def used_bytes(self) -> int:
         """Bytes of page objects under the root (file:// only; rescans the directory)."""
@@ -709,6 +781,11 @@ def _scheme_and_options(url: str, storage_options: Any) -> tuple[str, dict[str, 
         if len(protocols) > 1:
             opts[scheme] = inner
     return scheme, opts
+
+
+def _as_object(data: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """``(header, payload)`` of an object stored as ``data`` alone."""
+    return b"", data
 
 
 def _with_header(header: Any, pages: Any) -> tuple[bytes, np.ndarray]:

@@ -192,7 +192,7 @@ def plan(queries: Sequence[Any], others: Callable[[Any], Sequence[Any]],
         todo = []
         for i, offset, i0, k in spans:
             q = flat[i0]
-            hits = [min(objs[-1].start + objs[-1].m - q.first, len(q.keys)) if objs else 0 for objs in found[i0 : i0 + 1 + k]]
+            hits = [min(objs[-1].stop() - q.first, len(q.keys)) if objs else 0 for objs in found[i0 : i0 + 1 + k]]
             if not k:
                 n, chosen = hits[0], [0]
             else:

@@ -15,6 +15,7 @@ from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.cost_model import CostOptions
 from hicache.cluster.tree import RadixKey
+from hicache.storage import StorageConfig
 from hicache.workers import OpKind
 
 _DETERMINED = {"prefetch_policy": "wait_complete", "prefetch_wait_max_s": 30.0, "cost": CostOptions(enabled=False)}
@@ -79,3 +80,28 @@ def test_failed_l1_to_l2_copy_under_a_fetch_frees_its_slots_and_recomputes():
     assert env.head.controller.host.num_free == free  # the fetch's slots went back (the copies failed too)
     assert not any(n.host_pin for n in env.head.tree.iter_nodes())
     check(env)
+
+
+_NOT_BY_DEFAULT = pytest.mark.xfail(strict=True, reason="#27 item 3b: off by default (leading_page_index); an "
+                                    "L3 object is named by its last page's key, which such a prompt cannot compute")
+
+
+@pytest.mark.parametrize("index", [pytest.param(False, marks=_NOT_BY_DEFAULT), True], ids=["default", "leading_page_index"])
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_prompt_ending_or_diverging_inside_an_object_gets_its_leading_pages(scheme, index, tmp_path):
+    """Target of #27 item 3b, pinned before it is built: with 4 pages per object, a replica with an empty
+    L1/L2 serving a prompt that ends inside a stored object, or diverges from the stored chain inside it,
+    loads the object's matching leading pages from L3 (today: only the whole objects before it)."""
+    url = f"memory://objfmt-{uuid.uuid4().hex[:8]}" if scheme == "memory" else f"file://{tmp_path}/l3"
+    kw = {**_DETERMINED, "pages_per_object": 4, "storage": StorageConfig(leading_page_index=index)}
+    writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=kw)
+    a = seq(0, 40)  # 10 pages: objects [0, 4), [4, 8), partial [8, 10)
+    writer.serve(a)
+    writer.head.flush_write_through_acks()
+    assert writer.head.cache_stats()["storage"]["backup_pages"] == 10
+    diverged = np.concatenate([a[:26], seq(1000, 14)])  # page 6 differs from its token 26 on
+    for prompt in (a[:24], diverged):  # both share pages 0..5 (24 tokens) with a, then end or differ
+        env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=kw)
+        r = env.serve(prompt)
+        assert (r["device_hit"], r["prefetched"], r["loaded"]) == (0, 24, 24)
+        check(env)

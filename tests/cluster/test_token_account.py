@@ -18,6 +18,7 @@ from hicache.cluster.storage_tier import (
     COST_SKIPPED,
     FINGERPRINT_DIFFERS,
     L3_UNAVAILABLE,
+    PrefetchPolicy,
     PrefetchProgress,
     PrefetchState,
     StorageParams,
@@ -27,7 +28,7 @@ from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.serve_types import ServeRequest
 from hicache.reference.stack import StackOptions, build_stack
-from hicache.storage import ModelFingerprint
+from hicache.storage import ModelFingerprint, StorageConfig
 from hicache.storage.fault_injection import FaultPlan, OpFaults
 
 MODEL = ModelConfig()
@@ -180,6 +181,26 @@ def test_l3_hits_and_objects_unreadable(runner, stored):
     stack, fs = _l3_stack(runner, url, FaultPlan(read=OpFaults(corrupt_p=1.0)))
     _only(_serve(stack, runner, b), "l3_unreadable")  # found, fetched, every page failed its checksum
     stack.head.detach_storage_backend()
+
+
+def test_l3_hits_of_an_objects_leading_pages_are_accounted(runner):
+    """#27 item 3b (``StorageConfig.leading_page_index``): a prompt diverging inside a stored 4-page
+    object loads the object's 2 matching leading pages from L3 (exact output, every token accounted)."""
+    url = f"memory://acct-lead-{uuid.uuid4().hex[:10]}"
+    kw = {"storage": StorageConfig(leading_page_index=True), "pages_per_object": 4, "cost": NO_COST,
+          "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, "prefetch_wait_max_s": 30.0}
+    a = _prompt(30)
+    b = np.concatenate([a[:20], _prompt(31)[20:]])  # pages 0-1 (16 tokens) shared, page 2 differs
+    writer, _ = _l3_stack(runner, url)
+    attach_faulty_l3(writer, url, **kw)
+    _serve(writer, runner, a)
+    writer.client.flush_write_through_acks()
+    writer.head.detach_storage_backend()
+    reader, _ = _l3_stack(runner, url)
+    attach_faulty_l3(reader, url, **kw)
+    t = _serve(reader, runner, b)
+    assert t.hit_l3 == 16 and t.hit_l1 == t.hit_l2 == 0, t
+    reader.head.detach_storage_backend()
 
 
 def test_skipped_by_the_cost_model(runner, stored):
