@@ -165,6 +165,37 @@ def test_follower_applies_the_head_decisions(tmp_path: Path) -> None:
         follower[0].close()
 
 
+def _channel_pair(timeout_s: float) -> tuple[LeaderChannel, FollowerChannel]:
+    address = ("127.0.0.1", decision_address(f"127.0.0.1:{free_port_range()}")[1])
+    follower: list[FollowerChannel] = []
+    joined = threading.Thread(target=lambda: follower.append(FollowerChannel(address, 1, timeout_s=timeout_s)))
+    joined.start()
+    leader = LeaderChannel(address, 1, timeout_s=30)
+    joined.join(timeout=30)
+    return leader, follower[0]
+
+
+def test_a_rank_whose_peer_is_gone_stops_with_a_clear_error() -> None:
+    """Rank 0 (the head) gone: a follower's next cache call raises TimeoutError naming rank 0 after its decision
+    timeout, never a hang and never an answer of its own. A follower gone: rank 0's next gather (a transfer
+    poll) raises TimeoutError naming the ranks that did not answer."""
+    leader, follower = _channel_pair(timeout_s=3)
+    leader.close()  # rank 0 is gone
+    try:
+        client = CacheClient(FollowerTransport(follower), 4)
+        with pytest.raises(TimeoutError, match="is rank 0 gone"):
+            client.match_prefix(RadixKey(np.arange(8, dtype=np.int32)))
+    finally:
+        follower.close()
+    leader, follower = _channel_pair(timeout_s=30)
+    follower.close()  # rank 1 is gone
+    try:
+        with pytest.raises(TimeoutError, match="1 sgl-jax rank.* did not answer 'poll'"):
+            leader.gather("poll", timeout_s=1.0)
+    finally:
+        leader.close()
+
+
 def _error(fn: object) -> BaseException | None:
     try:
         fn()  # type: ignore[operator]
