@@ -658,7 +658,7 @@ class StorageTier:
             task.base = max(first, end - end % self.pages_per_object) - first
             if task.base == known:
                 self._start_fetch(task, known)
-                return self.progress(req_id)
+                return self.progress(req_id, expire=not queued)
             task.keys, task.tokens = task.keys[:known], task.tokens[: known * ps]
         if self.params.previous_fingerprints and not task.base:
             end = min(whole // ps, (first // self.pages_per_object + 1) * self.pages_per_object)
@@ -674,7 +674,7 @@ class StorageTier:
         wait = self.params.query_wait_max_s if bound is None else min(self.params.query_wait_max_s, bound)
         task.query_until = now + wait
         self._querying.append(task)
-        return self.progress(req_id)
+        return self.progress(req_id, expire=not queued)
 
     def _ask(self, task: _Prefetch) -> cf.Future:
         """Starts the existence query of ``task``'s candidates past its certain base, off the head's thread:
@@ -963,7 +963,10 @@ class StorageTier:
             node = node.parent
         return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int32)
 
-    def progress(self, req_id: str) -> PrefetchProgress:
+    def progress(self, req_id: str, *, expire: bool = True) -> PrefetchProgress:
+        """Where ``req_id``'s prefetch stands; a result other than RUNNING, or RUNNING once the request may go
+        on without it, is reported once. ``expire=False`` (the arrival's own report: no request waits yet)
+        never ends the wait, so the request's check at its start reports why it went on."""
         self.advance()
         task = self._by_req.get(req_id)
         if task is None:
@@ -976,8 +979,8 @@ class StorageTier:
         policy = self.params.prefetch_policy
         now = time.monotonic()
         querying = task.query is not None
-        may = policy is PrefetchPolicy.BEST_EFFORT or now >= task.wait_until or (
-            now >= task.query_until if querying else policy is PrefetchPolicy.TIMEOUT and now >= task.deadline)
+        may = expire and (policy is PrefetchPolicy.BEST_EFFORT or now >= task.wait_until or (
+            now >= task.query_until if querying else policy is PrefetchPolicy.TIMEOUT and now >= task.deadline))
         if may:
             del self._by_req[req_id]  # the request goes on without it; what its fetch finds still lands in L2
             if querying and policy is not PrefetchPolicy.BEST_EFFORT:

@@ -173,16 +173,19 @@ def test_a_dead_endpoint_never_holds_a_request_and_hits_resume_when_it_returns(r
     stack.head.detach_storage_backend()
 
 
-def test_a_hung_existence_query_holds_no_request_and_its_answer_still_fetches(runner, l3_url):
+@pytest.mark.parametrize("query_wait_s", [0.05, 0.0])
+def test_a_hung_existence_query_holds_no_request_and_its_answer_still_fetches(runner, l3_url, query_wait_s):
     """The L3 existence query runs off the head's thread: with every L3 call hanging (a deadline longer
     than the test), a request that arrived is served at once by recompute, exact, while its query still
-    hangs; once the endpoint answers, the query's answer starts the fetch of what L3 holds."""
+    hangs; once the endpoint answers, the query's answer starts the fetch of what L3 holds. A query wait
+    of 0 stands for a loaded box where the wait has passed before ``arrive`` even returns: the arrival's
+    report must not end the wait, or the request's own check finds no prefetch and says "not cached"."""
     prompt = _prompts(6, 1)[0]
     _fill(runner, l3_url, [prompt])
     stack = build_stack(_options(), runner)
     patient = StorageConfig(timeout_s=60.0, exists_timeout_s=60.0)
     fs = attach_faulty_l3(stack, l3_url, FaultPlan.every(OpFaults(hang_p=1.0), hang_max_s=120.0), settle=False,
-                          storage=patient, cost=NO_COST)
+                          storage=patient, cost=NO_COST, query_wait_max_s=query_wait_s)
     tier = stack.head.controller.storage
     req = ServeRequest(prompt, NEW_TOKENS)
     assert stack.scheduler.arrive(req)  # asked, returned at once
