@@ -58,7 +58,8 @@ def warm(stack, seed: int, convs: int = 3, turns: int = 2) -> list[np.ndarray]:
 def l3_params(stack, url: str, **kw) -> StorageParams:
     mesh = tuple(stack.worker.device_pool.mesh.devices.shape)
     return StorageParams(url, fingerprint_for(MODEL, FWD, mesh), prefetch_policy="wait_complete",
-                         prefetch_wait_max_s=30.0, prefetch_min_tokens=8, pages_per_object=4, **kw)
+                         prefetch_wait_max_s=30.0, query_wait_max_s=30.0, prefetch_min_tokens=8, pages_per_object=4,
+                         **kw)
 
 
 def served_exactly(stack, runner, prompts: list[np.ndarray]) -> int:

@@ -18,7 +18,8 @@ from hicache.cluster.tree import RadixKey
 from hicache.storage import StorageConfig
 from hicache.workers import OpKind
 
-_DETERMINED = {"prefetch_policy": "wait_complete", "prefetch_wait_max_s": 30.0, "cost": CostOptions(enabled=False)}
+_DETERMINED = {"prefetch_policy": "wait_complete", "prefetch_wait_max_s": 30.0, "query_wait_max_s": 30.0,
+               "cost": CostOptions(enabled=False)}
 
 
 def seq(start: int, n: int) -> np.ndarray:

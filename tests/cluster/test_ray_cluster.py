@@ -26,6 +26,7 @@ import hicache  # noqa: E402
 from hicache.cluster import HeadConfig, embedded, ray_storage_record  # noqa: E402
 from hicache.cluster.client import ResultRef  # noqa: E402
 from hicache.cluster.controller import LoadBackParams  # noqa: E402
+from hicache.cluster.cost_model import CostOptions  # noqa: E402
 from hicache.cluster.errors import (  # noqa: E402
     HiCacheError,
     HiCacheReplicaResetError,
@@ -62,10 +63,16 @@ def replica_config(name: str, device_pages: int = 64, host_slots: int = 256) -> 
     )
 
 
+# Hits counted, not this VM's speed: a Ray replica's existence query and fetch go through the worker actors,
+# which on a loaded CI box can outlast the default waits (50 ms, 0.5 s) or lose to recompute in the cost model.
+DETERMINED = dict(prefetch_policy="wait_complete", prefetch_wait_max_s=30.0, query_wait_max_s=30.0,
+                  cost=CostOptions(enabled=False))
+
+
 def l3_params(path) -> StorageParams:
     """L3 on a local directory, for SPEC's KV (every replica using ``path`` shares it)."""
     fp = ModelFingerprint("ray-test", "float32", PS, SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim)
-    return StorageParams(f"file://{path}/l3", fp, prefetch_min_tokens=PS, pages_per_object=2)
+    return StorageParams(f"file://{path}/l3", fp, prefetch_min_tokens=PS, pages_per_object=2, **DETERMINED)
 
 
 @pytest.fixture(scope="module")
@@ -476,7 +483,8 @@ def test_engine_in_the_host_workers_is_exact_with_l1_l2_l3_hits(replica_x, env_x
     engine = RayEngine("x", model, ForwardConfig(chunk_size=16, page_size=PS, max_pages=16))
     assert engine.mesh_shape == (4,)  # 2 hosts x 2 devices: the forward spans both processes
     c = env_x.client
-    l3 = StorageParams(f"file://{tmp_path}/l3", engine.fingerprint(), prefetch_min_tokens=PS, pages_per_object=2)
+    l3 = StorageParams(f"file://{tmp_path}/l3", engine.fingerprint(), prefetch_min_tokens=PS, pages_per_object=2,
+                       **DETERMINED)
     c.attach_storage_backend(l3)
     sched = Scheduler(c, engine, hicache=True, storage=True, prefill_budget=16)
     rng = np.random.default_rng(8)
@@ -843,7 +851,7 @@ def test_engines_of_another_host_count_are_exact_with_each_others_l3_hits(replic
     engines = {name: RayEngine(name, model, fwd) for name in ("x", replica_one)}
     assert engines["x"].fingerprint() == engines[replica_one].fingerprint()
     l3 = StorageParams(f"file://{tmp_path}/l3", engines["x"].fingerprint(), prefetch_min_tokens=PS, pages_per_object=2,
-                       prefetch_policy="wait_complete", prefetch_wait_max_s=30.0)  # count hits, not this VM's speed
+                       **DETERMINED)
     clients = {"x": env_x.client, replica_one: RayEnv(replica_one).client}
     for c in clients.values():
         c.flush_write_through_acks()

@@ -188,7 +188,7 @@ def test_l3_hits_of_an_objects_leading_pages_are_accounted(runner):
     object loads the object's 2 matching leading pages from L3 (exact output, every token accounted)."""
     url = f"memory://acct-lead-{uuid.uuid4().hex[:10]}"
     kw = {"storage": StorageConfig(leading_page_index=True), "pages_per_object": 4, "cost": NO_COST,
-          "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, "prefetch_wait_max_s": 30.0}
+          "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, "prefetch_wait_max_s": 30.0, "query_wait_max_s": 30.0}
     a = _prompt(30)
     b = np.concatenate([a[:20], _prompt(31)[20:]])  # pages 0-1 (16 tokens) shared, page 2 differs
     writer, _ = _l3_stack(runner, url)
