@@ -94,7 +94,6 @@ class ServedReplica:
         self.page, self.cache_salt = page, cache_salt
         self.storage = gs_url is not None if storage is None else storage
         self.client: Any = None
-        self._first = True
         self._warm_seed = 10_000
         self.attach()
 
@@ -107,11 +106,11 @@ class ServedReplica:
         self.engine = RayEngine(self.replica, self.model,
                                 ForwardConfig(chunk_size=16, page_size=self.page, max_pages=24),
                                 timeout_s=self.setup_timeout_s)
-        if self.client is None:
+        first = self.client is None
+        if first:
             self.client = hicache.connect(self.replica, timeout_s=self.timeout_s)
-        if self.gs_url is not None and (self._first or "storage" not in self.client.cache_stats()):
+        if self.gs_url is not None and (first or "storage" not in self.client.cache_stats()):
             self.attach_l3()  # before any request asks L3; again if a rebuilt state's re-attach failed
-        self._first = False
         self.scheduler = Scheduler(self.client, self.engine, hicache=True, storage=self.storage,
                                    prefill_budget=max(16, self.page))
         # A new gang compiles its forwards on first use: that happens here, under the setup bound, on a
