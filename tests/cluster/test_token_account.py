@@ -251,6 +251,7 @@ def test_evicted_from_l3(runner):
     stack.client.flush_write_through_acks()  # in L2 and L3
     stack.client.evict(10_000)
     assert stack.head.controller.host.evict(64) > 0
+    stack.head.controller.storage.flush_manifest()  # its background write would land in the middle of the rm
     fs.rm(url, recursive=True)
     _only(_serve(stack, runner, a), "evicted_l3")
     stack.head.detach_storage_backend()
