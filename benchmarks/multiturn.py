@@ -16,6 +16,9 @@ iteration) + service TTFT (that iteration). The bare engine and the no-reuse pai
 time under the FCFS whole-request model (``workload.simulate_arrivals``; the record's
 ``notes.queue_model`` says which). Sizes: L1 = ``--l1-fraction`` (25%) of the working set (distinct full
 KV pages the stream writes), L2 = ``--l2-fraction`` (50%), L3 a local directory without cap.
+``--model`` (``workload.MODELS``): ``small`` by default, ``tiny`` the tests' model, whose prefill per
+token is so cheap that the data path's fixed work per request weighs like a page's prefill (the
+comment at ``MODELS`` says why neither is a real model's ratio).
 
 Configs (same request stream, fresh stack each, one compiled engine):
   bare_engine      the engine alone: never caches (no tree, no transfers)
@@ -105,7 +108,7 @@ from benchmarks.stacks import (  # noqa: E402
     in_scratch_dir,
     stack_options,
 )
-from benchmarks.workload import FWD, MODEL, Item, Stream, log, poisson_ticks, tier_sizes  # noqa: E402
+from benchmarks.workload import FWD, MODELS, Item, Stream, log, poisson_ticks, tier_sizes  # noqa: E402
 from hicache.reference.engine import batched  # noqa: E402
 from hicache.reference.engine.runner import ModelRunner  # noqa: E402
 from hicache.reference.serve_types import ServeRequest  # noqa: E402
@@ -134,7 +137,7 @@ class Workload:
 
 def make_workload(args: argparse.Namespace) -> Workload:
     rng = np.random.default_rng(args.seed)
-    vocab = MODEL.vocab_size
+    vocab = MODELS[args.model].vocab_size
 
     def tokens(lo: int, hi: int) -> np.ndarray:
         return rng.integers(0, vocab, size=int(rng.integers(lo, hi + 1)), dtype=np.int32)
@@ -167,6 +170,8 @@ def build_stream(engine: BareEngine, wl: Workload, args: argparse.Namespace) -> 
 
 def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small", choices=sorted(MODELS),
+                   help="benchmarks/workload.py MODELS: small (default) or tiny (the tests' model)")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--system-prompts", type=int, default=4, help="shared system prompts (0: none)")
@@ -217,9 +222,11 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     est = wl.working_set_pages(args.clients, args.rounds, args.output_tokens)
     longest = max(wl.final_len(c, args) for c in range(args.clients))
     l1_pages, l2_slots = tier_sizes(est, longest, args.l1_fraction, args.l2_fraction)
-    base = ModelRunner(MODEL, FWD, num_pages=l1_pages)
+    model = MODELS[args.model]
+    base = ModelRunner(model, FWD, num_pages=l1_pages)
     bare = BareEngine(base, l1_pages)
-    log(f"multiturn: {args.clients} clients x {args.rounds} rounds; reference pass (no cache; compiles) ...")
+    log(f"multiturn: model {args.model} ({model}), {args.clients} clients x {args.rounds} rounds; reference pass "
+        "(no cache; compiles) ...")
     stream = build_stream(bare, wl, args)
     items, ref = stream.items, stream.outputs
     acc, working = working_set(items, ref)
@@ -237,7 +244,8 @@ def _rate(args: argparse.Namespace, bare: list) -> float:
 
 def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start) -> list[ConfigRecord]:
     ps = FWD.page_size
-    full = lambda d: stack_options(l1_pages, l2_slots, tmp / d)  # noqa: E731
+    model = MODELS[args.model]
+    full = lambda d: stack_options(l1_pages, l2_slots, tmp / d, model)  # noqa: E731
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
     from hicache.reference.stack import build_stack
 
@@ -272,7 +280,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     names = ("bare_engine", "l1_only", "l1_l2", "l1_l2_l3")
     runs: list[dict] = []
     for rep in range(args.ttft_reps):
-        opts = {"l1_only": stack_options(l1_pages), "l1_l2": stack_options(l1_pages, l2_slots),
+        opts = {"l1_only": stack_options(l1_pages, model=model), "l1_l2": stack_options(l1_pages, l2_slots, model=model),
                 "l1_l2_l3": full("l3" if rep == 0 else f"l3-rep{rep}")}
         stacks = {n: build_stack(o, base) for n, o in opts.items()}
         clocks = {n: VirtualTimeRun(items, ticks, ServingLoop(st.scheduler, loop_options), ref, n, clock=clock)
@@ -327,7 +335,7 @@ def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_
     records = []
     for name in CONFIGS:
         l1, l2, l3 = caps[name]
-        notes = {"working_set_tokens": working * ps, "cache_stats": jsonable(stats[name])}
+        notes = {"model": args.model, "working_set_tokens": working * ps, "cache_stats": jsonable(stats[name])}
         if name in ("bare_engine", "no_cache"):
             notes["overhead_vs_bare"] = overhead
         records.append(make_record(name, served[name], ticks, rate, l1_tokens=l1 * ps, l2_tokens=l2 * ps, l3=l3,

@@ -24,6 +24,7 @@ import numpy as np
 from benchmarks.oracle import ExactnessError, serve_items, spot_check
 from benchmarks.report import jsonable
 from benchmarks.workload import FWD, MODEL, Item, Served, Timing
+from hicache.reference.engine.config import ModelConfig
 from hicache.reference.engine.runner import ModelRunner, pages_needed
 from hicache.reference.serve_types import ServePhases, ServeRequest, ServeResult
 
@@ -144,11 +145,11 @@ class VirtualTimeRun:
         self._done[j] = Served(it, res, Timing(sent, start - sent, first - sent, self.now))
 
 
-def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = None):
+def stack_options(l1_pages: int, l2_slots: int = 0, l3_dir: str | Path | None = None, model: ModelConfig = MODEL):
     from hicache.reference.stack import StackOptions
 
     url = None if l3_dir is None else f"file://{Path(l3_dir).resolve()}"
-    return StackOptions(MODEL, FWD, l1_pages=l1_pages, l2_slots=l2_slots, l3_url=url,
+    return StackOptions(model, FWD, l1_pages=l1_pages, l2_slots=l2_slots, l3_url=url,
                         prefetch_min_tokens=2 * FWD.page_size)
 
 

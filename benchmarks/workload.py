@@ -1,6 +1,7 @@
 """The request stream of the end-to-end benchmarks (``multiturn.py``, ``long_doc_qa.py``).
 
-The model and forward shapes every config shares (``MODEL``, ``FWD``), a stream's records (``Item`` in,
+The model and forward shapes every config shares (``MODEL``, ``FWD``; ``MODELS`` by name for the
+benchmarks that choose), a stream's records (``Item`` in,
 ``Served`` out, ``Timing`` in virtual time), and arrivals: request i is sent at a Poisson tick ``t_i``
 (rate ``request_rate``), or later if the same client's previous request has not finished yet (a chat
 client sends its next turn after the answer). ``simulate_arrivals`` is the queue model of requests
@@ -24,6 +25,12 @@ from hicache.reference.engine.config import ForwardConfig, ModelConfig  # noqa: 
 from hicache.reference.serve_types import ServeResult  # noqa: E402
 
 MODEL = ModelConfig()
+
+# "tiny" (MODEL) is sized for tests; "small" has 8x the MLP work per token over the same KV bytes. A
+# real LLM computes ~10^5 FLOPs per KV byte it caches (Llama-3-8B: 16 GFLOP per token over 128 KiB of
+# KV); tiny computes ~10^3, small ~7x10^3. On tiny a page's prefill costs about what the data path's
+# fixed per-request work does, which no deployment sees; small is still far below a real model.
+MODELS: dict[str, ModelConfig] = {"tiny": MODEL, "small": ModelConfig(hidden=256, mlp_hidden=2048)}
 
 
 FWD = ForwardConfig(chunk_size=16, page_size=8, max_pages=64)  # max context 512 tokens

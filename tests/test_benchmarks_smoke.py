@@ -155,6 +155,7 @@ def test_multiturn_and_long_doc_qa_tiny(tmp_path):
     by = _check(mt, tmp_path / "mt.png")
     _check_no_reuse_pair(by, requests=6, segment=4, reps=2)
     assert "targets" in by["l1_l2_l3"]["notes"]
+    assert {r["notes"]["model"] for r in by.values()} == {"small"}  # the default model
     for name in ("bare_engine", "l1_only", "l1_l2", "l1_l2_l3"):  # served one config at a time, accounted
         stats = by[name]["notes"]["cache_stats"]
         assert stats["cpu_ms_per_request"]["serving"] > 0, name
