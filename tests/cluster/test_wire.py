@@ -322,3 +322,28 @@ def test_the_heads_history_keys_are_private_copies_of_the_request():
     assert res.ok and res.value.device_hit_len == 0
     buf[:] = 0
     np.testing.assert_array_equal(history.get(2, longer.shape[0]), longer)
+
+
+def test_find_picks_the_longest_of_entries_that_share_an_anchor_and_checks_each():
+    """Entries are indexed at their last block at a multiple of ``ANCHOR``: a prompt and its finished
+    sequence share one, as do conversations with a common system prompt; a find checks each candidate
+    (longest valid wins) and an entry dropped from a full anchor list is never used, never wrong."""
+    from hicache.cluster.key_history import ANCHOR, BLOCK, MAX_CANDIDATES
+
+    sent = SentKeys()
+    system = np.arange(1, 1 + 4 * ANCHOR * BLOCK, dtype=np.int32)  # 4 anchors' worth of shared prefix
+    prompt = np.r_[system, np.arange(5000, 5000 + 2 * BLOCK, dtype=np.int32)]  # 2 blocks past the last anchor
+    seq = np.r_[prompt, np.arange(6000, 6000 + 3 * BLOCK, dtype=np.int32)]  # same anchor as ``prompt``
+    other = np.r_[system, np.arange(7000, 7000 + 4 * BLOCK, dtype=np.int32)]  # same anchor block, other tokens
+    sent.commit_copies([prompt, seq, other])
+    assert sent.find(np.r_[seq, 1, 2, 3]) == (1, seq.size)
+    assert sent.find(np.r_[prompt, 9, 9]) == (0, prompt.size)
+    assert sent.find(np.r_[other, np.arange(40 * BLOCK, dtype=np.int32)]) == (2, other.size)  # 5 anchors back
+    assert sent.find(np.r_[system, 3, 3]) == (-1, 0)  # no entry ends inside ``system``
+    # A full anchor list: the oldest candidates leave the index (they may still be entries).
+    twins = [np.r_[system, np.full(BLOCK, 100, np.int32), np.full(BLOCK, 200 + i, np.int32)]  # one anchor block
+              for i in range(MAX_CANDIDATES + 2)]
+    sent.commit_copies(twins)
+    first, last = 3, 3 + MAX_CANDIDATES + 1
+    assert sent.find(np.r_[twins[0], 5]) == (-1, 0) and sent.get(first, 4) is not None
+    assert sent.find(np.r_[twins[-1], 5]) == (last, twins[-1].size)
