@@ -3,9 +3,9 @@
 A multi-turn prompt is the previous turn's prompt plus a few hundred new tokens; sending it whole
 every turn makes the token ids dominate a Ray ``step``. Client and head therefore keep the same
 bounded, ordered history of the match keys of one client *session*: every step appends its match
-keys (in call order, after resolving references), oldest entries leave first once the history holds
-more than ``cap_tokens`` tokens. A new key is sent as (entry id, tokens of that entry it starts
-with) + its remaining tokens.
+keys (in call order, after resolving references), oldest entries leave first once the entries' charge
+(their tokens plus ``ENTRY_TOKENS`` each) exceeds ``cap_tokens``. A new key is sent as (entry id,
+tokens of that entry it starts with) + its remaining tokens.
 
 The copies stay identical because both sides commit a step's keys together with a step counter:
 the client commits when it gets the step's answer, the head when it runs the step. The client
@@ -15,9 +15,19 @@ session and sends the step without references. Any lost or failed call also star
 Same session and same count therefore means the same entries, so an entry id never names other
 tokens on the head than on the client.
 
+Why a reference is never a wrong key: entry ids are assigned in commit order on both sides and an entry
+never changes, so an id the head still holds names the tokens the client sent under it; an id it does not
+hold (evicted by another rule, a head restarted or a session dropped) makes the head answer "resync",
+never a guess. The two sides need not evict alike for this: a difference only costs a resync.
+
+Memory (both bounds in int32 tokens, 4 bytes each): a session holds at most ``cap_tokens`` of charge
+(default ``DEFAULT_CAP_TOKENS``: 16 MiB of token bytes, plus the per-entry objects the charge covers);
+the client keeps one session per transport, the head at most ``MAX_SESSIONS`` sessions of at most
+``MAX_CAP_TOKENS`` each (256 MiB of tokens in all), least recently used leaving first.
+
 Ownership: ``SentKeys`` belongs to one ``RayTransport`` (serving process, not thread-safe) and holds
 private copies of the keys; ``KeyHistories`` belongs to the head actor (control thread) and bounds
-the sessions it keeps (``MAX_SESSIONS`` x ``MAX_CAP_TOKENS`` int32 tokens at most).
+the sessions it keeps.
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ MAX_CANDIDATES = 8  # entries kept per anchor block (the newest): what one probe
 DEFAULT_CAP_TOKENS = 4 << 20  # per session: 16 MiB of int32 on each side
 MAX_CAP_TOKENS = 4 << 20
 MAX_SESSIONS = 16  # per head
+# An entry is charged its tokens plus this many (256 bytes: about the Python objects holding it on either
+# side), so a history of short or empty keys stays within its cap too: at most cap_tokens / ENTRY_TOKENS entries.
+ENTRY_TOKENS = 64
 _BLOCK_NBYTES = BLOCK * 4
 _Entry = TypeVar("_Entry")
 _SentEntry = tuple[bytes, bytes | None]  # (token bytes, its anchor block: the index key)
@@ -50,7 +63,7 @@ class _History(Generic[_Entry]):
         self.session = session
         self.cap_tokens = cap_tokens
         self.steps = 0  # steps committed
-        self.tokens = 0
+        self.tokens = 0  # what the entries are charged: their tokens plus ENTRY_TOKENS each
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
 
@@ -112,7 +125,7 @@ class KeyHistory(_History[np.ndarray]):
 
     @staticmethod
     def _size(entry: np.ndarray) -> int:
-        return len(entry)
+        return len(entry) + ENTRY_TOKENS
 
 
 class SentKeys(_History[_SentEntry]):
@@ -206,7 +219,7 @@ class SentKeys(_History[_SentEntry]):
 
     @staticmethod
     def _size(entry: _SentEntry) -> int:
-        return len(entry[0]) >> 2
+        return (len(entry[0]) >> 2) + ENTRY_TOKENS
 
 
 class KeyHistories:

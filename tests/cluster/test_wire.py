@@ -347,3 +347,24 @@ def test_find_picks_the_longest_of_entries_that_share_an_anchor_and_checks_each(
     first, last = 3, 3 + MAX_CANDIDATES + 1
     assert sent.find(np.r_[twins[0], 5]) == (-1, 0) and sent.get(first, 4) is not None
     assert sent.find(np.r_[twins[-1], 5]) == (last, twins[-1].size)
+
+
+def test_a_history_of_short_or_empty_keys_stays_within_its_cap_on_both_sides():
+    """Every entry is charged ``ENTRY_TOKENS`` besides its tokens, so empty keys cannot grow either side's
+    history past ``cap_tokens / ENTRY_TOKENS`` entries; both sides keep the same ids."""
+    from hicache.cluster.key_history import ENTRY_TOKENS
+
+    cap = 10 * ENTRY_TOKENS
+    sent, history = SentKeys(cap), KeyHistory(0, cap)
+    empty = np.empty(0, np.int32)
+    for _ in range(100):
+        sent.commit_copies([empty, empty])
+        history.commit([empty, empty])
+    assert len(sent._entries) == len(history._entries) == 10 and sent.tokens == history.tokens == cap
+    assert list(sent._entries) == list(history._entries) == list(range(190, 200))
+    tokens = np.arange(1, 2 * ENTRY_TOKENS + 1, dtype=np.int32)
+    sent.commit_copies([tokens])
+    history.commit([tokens])
+    assert sent.tokens == history.tokens <= cap and list(sent._entries) == list(history._entries)
+    assert sent.find(np.r_[tokens, 5]) == (200, tokens.size)
+    np.testing.assert_array_equal(history.get(200, tokens.size), tokens)
