@@ -3,9 +3,9 @@
 A multi-turn prompt is the previous turn's prompt plus a few hundred new tokens; sending it whole
 every turn makes the token ids dominate a Ray ``step``. Client and head therefore keep the same
 bounded, ordered history of the match keys of one client *session*: every step appends its match
-keys (in call order, after resolving references), oldest entries leave first once the history holds
-more than ``cap_tokens`` tokens. A new key is sent as (entry id, tokens of that entry it starts
-with) + its remaining tokens.
+keys (in call order, after resolving references), oldest entries leave first once the entries' charge
+(their tokens plus ``ENTRY_TOKENS`` each) exceeds ``cap_tokens``. A new key is sent as (entry id,
+tokens of that entry it starts with) + its remaining tokens.
 
 The copies stay identical because both sides commit a step's keys together with a step counter:
 the client commits when it gets the step's answer, the head when it runs the step. The client
@@ -15,9 +15,19 @@ session and sends the step without references. Any lost or failed call also star
 Same session and same count therefore means the same entries, so an entry id never names other
 tokens on the head than on the client.
 
+Why a reference is never a wrong key: entry ids are assigned in commit order on both sides and an entry
+never changes, so an id the head still holds names the tokens the client sent under it; an id it does not
+hold (evicted by another rule, a head restarted or a session dropped) makes the head answer "resync",
+never a guess. The two sides need not evict alike for this: a difference only costs a resync.
+
+Memory (both bounds in int32 tokens, 4 bytes each): a session holds at most ``cap_tokens`` of charge
+(default ``DEFAULT_CAP_TOKENS``: 16 MiB of token bytes, plus the per-entry objects the charge covers);
+the client keeps one session per transport, the head at most ``MAX_SESSIONS`` sessions of at most
+``MAX_CAP_TOKENS`` each (256 MiB of tokens in all), least recently used leaving first.
+
 Ownership: ``SentKeys`` belongs to one ``RayTransport`` (serving process, not thread-safe) and holds
 private copies of the keys; ``KeyHistories`` belongs to the head actor (control thread) and bounds
-the sessions it keeps (``MAX_SESSIONS`` x ``MAX_CAP_TOKENS`` int32 tokens at most).
+the sessions it keeps.
 """
 
 from __future__ import annotations
@@ -30,12 +40,17 @@ import numpy as np
 
 BLOCK = 16  # references cover whole blocks of an entry (a multiple of every usual page size)
 MAX_SCAN_BLOCKS = 128  # a key looks for an entry ending at most this many blocks (2048 tokens) before its end
+ANCHOR = 8  # blocks between the positions an entry is indexed at (a find probes once per ANCHOR new blocks)
+MAX_CANDIDATES = 8  # entries kept per anchor block (the newest): what one probe checks at most
 DEFAULT_CAP_TOKENS = 4 << 20  # per session: 16 MiB of int32 on each side
 MAX_CAP_TOKENS = 4 << 20
 MAX_SESSIONS = 16  # per head
+# An entry is charged its tokens plus this many (256 bytes: about the Python objects holding it on either
+# side), so a history of short or empty keys stays within its cap too: at most cap_tokens / ENTRY_TOKENS entries.
+ENTRY_TOKENS = 64
 _BLOCK_NBYTES = BLOCK * 4
 _Entry = TypeVar("_Entry")
-_SentEntry = tuple[bytes, bytes | None]  # (token bytes, its last whole block: the index key)
+_SentEntry = tuple[bytes, bytes | None]  # (token bytes, its anchor block: the index key)
 
 
 class _History(Generic[_Entry]):
@@ -48,7 +63,7 @@ class _History(Generic[_Entry]):
         self.session = session
         self.cap_tokens = cap_tokens
         self.steps = 0  # steps committed
-        self.tokens = 0
+        self.tokens = 0  # what the entries are charged: their tokens plus ENTRY_TOKENS each
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
 
@@ -110,31 +125,52 @@ class KeyHistory(_History[np.ndarray]):
 
     @staticmethod
     def _size(entry: np.ndarray) -> int:
-        return len(entry)
+        return len(entry) + ENTRY_TOKENS
 
 
 class SentKeys(_History[_SentEntry]):
     """The client's copy, indexed to find an entry that is a prefix of a new key. Entries are the keys'
     token bytes (``tokens.tobytes()``: the one private copy a key needs, made while encoding it, also
-    used to verify a match; committing copies nothing) with their last whole block (the index key)."""
+    used to verify a match; committing copies nothing) with their anchor block (the index key).
+
+    Anchors: an entry of ``n`` whole blocks is indexed under the content of its block ``(n - 1) // ANCHOR
+    * ANCHOR`` (the last block at a multiple of ``ANCHOR``). A key that extends an entry by ``k`` blocks
+    finds it at one of the key's own anchor positions at most ``k // ANCHOR + 1`` probes from its end: a
+    probe per ``ANCHOR`` blocks of new tokens, not one per block. Several entries can share an anchor (a
+    turn's prompt and its finished sequence, conversations that share a system prompt); each probe checks
+    the newest ``MAX_CANDIDATES`` of them byte by byte (the index only narrows candidates)."""
 
     def __init__(self, cap_tokens: int = DEFAULT_CAP_TOKENS) -> None:
         super().__init__(int.from_bytes(os.urandom(8), "little") >> 1, cap_tokens)
-        self._index: dict[bytes, int] = {}  # an entry's last whole block -> the newest entry ending with it
+        self._index: dict[bytes, list[int]] = {}  # an anchor block -> entries indexed under it, oldest first
 
     @staticmethod
-    def _last_block(data: bytes) -> bytes | None:
-        end = len(data) // _BLOCK_NBYTES * _BLOCK_NBYTES
-        return data[end - _BLOCK_NBYTES : end] if end else None
+    def _anchor(data: bytes) -> bytes | None:
+        n = len(data) // _BLOCK_NBYTES
+        if n == 0:
+            return None
+        a = (n - 1) // ANCHOR * ANCHOR * _BLOCK_NBYTES
+        return data[a : a + _BLOCK_NBYTES]
 
     def _added(self, entry_id: int, entry: _SentEntry) -> None:
-        if entry[1] is not None:
-            self._index[entry[1]] = entry_id
+        anchor = entry[1]
+        if anchor is not None:
+            ids = self._index.get(anchor)
+            if ids is None:
+                self._index[anchor] = [entry_id]
+            else:
+                ids.append(entry_id)
+                if len(ids) > MAX_CANDIDATES:
+                    del ids[0]  # the oldest one is no longer a candidate (it stays an entry)
 
     def _removed(self, entry_id: int, entry: _SentEntry) -> None:
-        last = entry[1]
-        if last is not None and self._index.get(last) == entry_id:
-            del self._index[last]
+        anchor = entry[1]
+        if anchor is not None:
+            ids = self._index.get(anchor)
+            if ids is not None and ids[0] == entry_id:  # entries leave oldest first
+                del ids[0]
+                if not ids:
+                    del self._index[anchor]
 
     def get(self, entry_id: int, num_tokens: int) -> np.ndarray | None:
         """The first ``num_tokens`` tokens of entry ``entry_id`` (a read-only view of its bytes); None if it
@@ -155,29 +191,35 @@ class SentKeys(_History[_SentEntry]):
         if data is None:
             data = tokens.tobytes()
         entries, get, size = self._entries, index.get, _BLOCK_NBYTES
-        # Longest first: the usual hit ends a few blocks before the key's end (a turn's new tokens), and a
-        # probe is one slice and one dict lookup.
-        for n in range(top, max(0, top - MAX_SCAN_BLOCKS), -1):
-            entry_id = get(data[(n - 1) * size : n * size])
-            if entry_id is None:
+        low = max(1, top - MAX_SCAN_BLOCKS)  # fewest whole blocks an entry may have
+        # Anchor positions from the key's end: an entry found at a higher one is longer than any below it.
+        for a in range((top - 1) // ANCHOR * ANCHOR, (low - 1) // ANCHOR * ANCHOR - 1, -ANCHOR):
+            ids = get(data[a * size : (a + 1) * size])
+            if ids is None:
                 continue
-            entry = entries[entry_id][0]
-            if len(entry) // size == n and data.startswith(memoryview(entry)[: n * size]):  # memcmp, no copy
-                return entry_id, n * BLOCK
+            best_id, best_n = -1, 0
+            for entry_id in ids:
+                entry = entries[entry_id][0]
+                n = len(entry) // size
+                if (best_n < n <= top and n >= low and (n - 1) // ANCHOR * ANCHOR == a
+                        and data.startswith(memoryview(entry)[: n * size])):  # memcmp, no copy
+                    best_id, best_n = entry_id, n
+            if best_id >= 0:
+                return best_id, best_n * BLOCK
         return -1, 0
 
     def commit(self, keys: list[bytes | np.ndarray]) -> None:
         """Appends a step's keys in order and counts the step, as private copies: token bytes as they are
         (``encode_calls`` made them), arrays (serving code may reuse them) as their int32 bytes."""
-        last_block = self._last_block
+        anchor = self._anchor
         data = [k if type(k) is bytes else np.asarray(k, np.int32).tobytes() for k in keys]
-        self._append([(d, last_block(d)) for d in data])
+        self._append([(d, anchor(d)) for d in data])
 
     commit_copies = commit
 
     @staticmethod
     def _size(entry: _SentEntry) -> int:
-        return len(entry[0]) >> 2
+        return (len(entry[0]) >> 2) + ENTRY_TOKENS
 
 
 class KeyHistories:

@@ -105,8 +105,16 @@ class ChannelAddress:
         return not self.node_local or node_id == self.node_id
 
 
-def _frame(payload: bytes) -> bytes:
-    return _LEN.pack(len(payload)) + payload
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    """Writes one frame: its length and ``payload`` in one ``sendmsg`` (no copy of the payload into a
+    frame), the rest with ``sendall`` when the kernel took only part; the socket's timeout bounds each."""
+    head = _LEN.pack(len(payload))
+    sent = sock.sendmsg([head, payload])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent - len(head) < len(payload):
+        sock.sendall(memoryview(payload)[sent - len(head) :])
 
 
 class _FrameReader:
@@ -274,7 +282,7 @@ class StepChannelServer:
     @staticmethod
     def _send(conn: socket.socket, payload: bytes) -> None:
         conn.settimeout(SEND_TIMEOUT_S)
-        conn.sendall(_frame(payload))
+        _send_frame(conn, payload)
 
 
 def _shut(sock: socket.socket) -> None:
@@ -349,7 +357,7 @@ class StepChannel:
     def _write(self, payload: bytes) -> None:
         self._sock.settimeout(self._send_timeout)
         try:
-            self._sock.sendall(_frame(payload))
+            _send_frame(self._sock, payload)
         except OSError as e:  # a timeout too: part of the frame may be out, the stream is unusable
             self.close(f"send failed: {type(e).__name__}: {e}")
             raise ChannelClosedError(self.closed) from e

@@ -668,6 +668,54 @@ def test_step_channel_answers_exactly_as_the_embedded_head(client_c):
     assert ray_only._transport.channel_steps == 0 and ray_only._transport._channel is None
 
 
+def test_two_clients_bounded_key_histories_over_the_step_channel_answer_as_embedded(cluster):
+    """Two schedulers on one head send the same chat workload, step for step interleaved, over the step
+    channel, each with a key history of 96 tokens (entries leave while later keys would extend them): every
+    answer equals an embedded head's that got the same steps in the same order (a reference resolved against
+    the other client's history, or against an entry one side dropped, would show as another key), and both
+    sides keep each history within its bound."""
+    from hicache.cluster.ray_client import RayTransport
+
+    cap = 400
+    config = HeadConfig("kh", TreeConfig(PS, 1024))
+    handle = hicache.start_replica(ReplicaConfig(config, detached=False))
+    try:
+        head = get_head("kh")
+        transports = [RayTransport(head, "kh", history_tokens=cap) for _ in range(2)]
+        clients = [hicache.CacheClient(t, PS) for t in transports]
+        local = embedded(config)
+        turns, finishes, steps = _workload(), [[], []], 0
+        for i in range(0, len(turns), 4):
+            group = turns[i : i + 4]
+            for c, client in enumerate(clients):
+                nf = len(finishes[c])
+                calls = finishes[c] + [Call(Method.MATCH_PREFIX, RadixKey(t.prompt)) for t in group]
+                for j, t in enumerate(group):
+                    calls += [Call(Method.INC_LOCK_REF, ResultRef(nf + j, "last_device_node")),
+                              Call(Method.ALLOC, ResultRef(nf + j, "device_hit_len", -1, len(t.sequence)))]
+                want = local.step(calls)
+                _same(client.step(calls), want)
+                finishes[c] = [Call(Method.CACHE_FINISHED_REQ, RequestState(
+                    RadixKey(t.sequence), np.concatenate([want[nf + j].value.device_pages,
+                                                          want[nf + len(group) + 2 * j + 1].value]),
+                    want[nf + j].value.device_hit_len, want[nf + j].value.last_device_node)) for j, t in enumerate(group)]
+            steps += 1
+        for c, client in enumerate(clients):
+            _same(client.step(finishes[c]), local.step(finishes[c]))
+        assert local.stats().matched_tokens > 0
+        for t in transports:
+            assert (t.channel_steps, t.ray_steps) == (steps + 1, 0)
+            assert 0 < t._sent.tokens <= cap and t._sent._next > len(t._sent._entries)  # entries left
+        sessions = [t._sent.session for t in transports]
+        assert sessions[0] != sessions[1]
+        kept = ray.get(head.__ray_call__.remote(
+            lambda a, ids: [(a._histories._sessions[s].steps, a._histories._sessions[s].tokens) for s in ids], sessions))
+        assert kept == [(t._sent.steps, t._sent.tokens) for t in transports]
+    finally:
+        stop_replica("kh")
+        del handle
+
+
 def test_steps_of_two_channels_and_ray_calls_never_run_at_once(replica_c, client_c):
     """Three schedulers at the same time (two over their own channels, one as Ray calls), each in its own
     namespace: each gets exactly the hits it gets alone (one step at a time in the head), and the tree

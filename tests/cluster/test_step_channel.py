@@ -14,7 +14,7 @@ from hicache.cluster.step_channel import (
     ChannelClosedError,
     StepChannel,
     StepChannelServer,
-    _frame,
+    _send_frame,
 )
 
 
@@ -52,6 +52,14 @@ def test_requests_in_flight_get_their_own_replies_in_order(server):
     for t, p in zip(tickets, payloads):
         assert ch.recv(t, 5.0) == p[::-1]
     assert ch.in_flight == 0 and server.frames == 5 and ch.usable()
+
+
+def test_frames_larger_than_the_socket_buffers_arrive_whole_both_ways(server):
+    """A frame the kernel takes in parts (``sendmsg`` of length + payload, then the rest) arrives whole."""
+    ch = StepChannel(server.address, 30.0)
+    payload = bytes(range(256)) * (12 << 12)  # 12 MiB: three times SOCKET_BUFFER_BYTES
+    assert ch.recv(ch.send(payload), 30.0) == payload[::-1]
+    assert server.gate.seen == [payload] and ch.usable()
 
 
 def test_replies_can_be_collected_out_of_order(server):
@@ -94,7 +102,7 @@ def test_a_wrong_token_is_refused_and_nothing_runs(server):
     with pytest.raises(ChannelClosedError, match="refused"):
         StepChannel(bad, 5.0)
     raw = socket.create_connection((LOOPBACK, server.address.port), timeout=5)  # an oversized first frame
-    raw.sendall(_frame(b"y" * 1000))
+    _send_frame(raw, b"y" * 1000)
     assert raw.recv(1) == b""  # closed without an answer
     raw.close()
     assert server.gate.seen == [] and server.frames == 0 and server.refused == 1

@@ -322,3 +322,49 @@ def test_the_heads_history_keys_are_private_copies_of_the_request():
     assert res.ok and res.value.device_hit_len == 0
     buf[:] = 0
     np.testing.assert_array_equal(history.get(2, longer.shape[0]), longer)
+
+
+def test_find_picks_the_longest_of_entries_that_share_an_anchor_and_checks_each():
+    """Entries are indexed at their last block at a multiple of ``ANCHOR``: a prompt and its finished
+    sequence share one, as do conversations with a common system prompt; a find checks each candidate
+    (longest valid wins) and an entry dropped from a full anchor list is never used, never wrong."""
+    from hicache.cluster.key_history import ANCHOR, BLOCK, MAX_CANDIDATES
+
+    sent = SentKeys()
+    system = np.arange(1, 1 + 4 * ANCHOR * BLOCK, dtype=np.int32)  # 4 anchors' worth of shared prefix
+    prompt = np.r_[system, np.arange(5000, 5000 + 2 * BLOCK, dtype=np.int32)]  # 2 blocks past the last anchor
+    seq = np.r_[prompt, np.arange(6000, 6000 + 3 * BLOCK, dtype=np.int32)]  # same anchor as ``prompt``
+    other = np.r_[system, np.arange(7000, 7000 + 4 * BLOCK, dtype=np.int32)]  # same anchor block, other tokens
+    sent.commit_copies([prompt, seq, other])
+    assert sent.find(np.r_[seq, 1, 2, 3]) == (1, seq.size)
+    assert sent.find(np.r_[prompt, 9, 9]) == (0, prompt.size)
+    assert sent.find(np.r_[other, np.arange(40 * BLOCK, dtype=np.int32)]) == (2, other.size)  # 5 anchors back
+    assert sent.find(np.r_[system, 3, 3]) == (-1, 0)  # no entry ends inside ``system``
+    # A full anchor list: the oldest candidates leave the index (they may still be entries).
+    twins = [np.r_[system, np.full(BLOCK, 100, np.int32), np.full(BLOCK, 200 + i, np.int32)]  # one anchor block
+              for i in range(MAX_CANDIDATES + 2)]
+    sent.commit_copies(twins)
+    first, last = 3, 3 + MAX_CANDIDATES + 1
+    assert sent.find(np.r_[twins[0], 5]) == (-1, 0) and sent.get(first, 4) is not None
+    assert sent.find(np.r_[twins[-1], 5]) == (last, twins[-1].size)
+
+
+def test_a_history_of_short_or_empty_keys_stays_within_its_cap_on_both_sides():
+    """Every entry is charged ``ENTRY_TOKENS`` besides its tokens, so empty keys cannot grow either side's
+    history past ``cap_tokens / ENTRY_TOKENS`` entries; both sides keep the same ids."""
+    from hicache.cluster.key_history import ENTRY_TOKENS
+
+    cap = 10 * ENTRY_TOKENS
+    sent, history = SentKeys(cap), KeyHistory(0, cap)
+    empty = np.empty(0, np.int32)
+    for _ in range(100):
+        sent.commit_copies([empty, empty])
+        history.commit([empty, empty])
+    assert len(sent._entries) == len(history._entries) == 10 and sent.tokens == history.tokens == cap
+    assert list(sent._entries) == list(history._entries) == list(range(190, 200))
+    tokens = np.arange(1, 2 * ENTRY_TOKENS + 1, dtype=np.int32)
+    sent.commit_copies([tokens])
+    history.commit([tokens])
+    assert sent.tokens == history.tokens <= cap and list(sent._entries) == list(history._entries)
+    assert sent.find(np.r_[tokens, 5]) == (200, tokens.size)
+    np.testing.assert_array_equal(history.get(200, tokens.size), tokens)
