@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     model = MODELS[args.model]
     base = ModelRunner(model, FWD, num_pages=l1_pages)
     bare = BareEngine(base, l1_pages)
-    log(f"multiturn: model {args.model} ({model}), {args.clients} clients x {args.rounds} rounds; reference pass "
-        "(no cache; compiles) ...")
+    log(f"multiturn: model {args.model} (hidden {model.hidden}, MLP {model.mlp_hidden}, {model.num_layers} layers), "
+        f"{args.clients} clients x {args.rounds} rounds; reference pass (no cache; compiles) ...")
     stream = build_stream(bare, wl, args)
     items, ref = stream.items, stream.outputs
     acc, working = working_set(items, ref)
