@@ -29,6 +29,7 @@ from hicache.reference.engine_adapters import WorkerEngine
 from hicache.reference.scheduler import Scheduler
 from hicache.reference.serve_types import ServeRequest
 from hicache.storage import ModelFingerprint
+from hicache.workers.storage_exec import OpenStorage
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class StackOptions:
     swa_tokens: int | None = None  # SWA pool tokens (None: as many as L1 holds)
     swa_host_tokens: int | None = None  # the SWA pages' L2 in tokens, with l2_slots (None: as many as Full's L2)
     state_slots: int | None = None  # recurrent state slots (None: l1_pages)
+    # How the worker opens L3 (None: ``FsspecStorage``); a replay passes a subclass that gates what this
+    # replica sees of other replicas' writes by its virtual clock (benchmarks/routing_bench.py).
+    open_storage: OpenStorage | None = None
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:
@@ -155,7 +159,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     pools = config.component_pools(
         {"swa": KVCacheSpec(len(m.swa_layers), m.num_kv_heads, m.head_dim, ps, m.dtype)} if m.swa_layers else {})
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1], component_pools=pools)
-    head = CacheHead(config, LocalWorkerGroup([worker]))
+    head = CacheHead(config, LocalWorkerGroup([worker], options.open_storage))
     params = None if runner is None else runner.params
     attached = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params,
                                                           swa_pages=swa_pages))

@@ -1,0 +1,39 @@
+"""The routing replay's L3 follows its virtual clock: a page one replica stores is seen by another only
+once, in virtual time, the writing request has finished and its write time has passed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support.reference_shapes import FWD, MODEL
+
+from benchmarks import routing_bench
+from hicache.reference.stack import StackOptions
+from hicache.routing import TTFTModel
+
+COST = TTFTModel(compute_s_per_token=1e-3, l2_s_per_token=1e-4, l3_s_per_token=2e-4, request_s=1e-3, service_s=0.1)
+RNG = np.random.default_rng(5)
+PROMPT = RNG.integers(0, MODEL.vocab_size, 8 * FWD.page_size + 1, dtype=np.int32)
+OTHERS = [RNG.integers(0, MODEL.vocab_size, 2 * FWD.page_size + 1, dtype=np.int32) for _ in range(4)]
+KEY_TOKENS = PROMPT.size - 1  # every prompt token but the last is matched (whole pages here)
+
+
+@pytest.mark.parametrize("write_s_per_token", [0.0, 1.0])
+def test_replay_shows_l3_writes_from_their_virtual_completion(tmp_path, runner, write_s_per_token):
+    # Round robin over 4 replicas. Request 0 (replica 0) stores PROMPT in L3 and finishes at ~0.066 s
+    # virtual; requests 1-4 are short others (4 puts replica 0 to work again, in real time right away);
+    # request 5 (replica 1) asks for PROMPT at ~0.019 s, when replica 1 is done with request 1 but
+    # request 0 still runs; request 6 (replica 2) long after. With no write time only request 6 may
+    # fetch PROMPT from L3; with 1 s per token (64 s) not even request 6.
+    options = StackOptions(MODEL, FWD, l1_pages=32, l2_slots=64, prefetch_min_tokens=8)
+    clock = routing_bench.ServiceClock("model", COST, 1e-3, write_s_per_token)
+    prompts = [PROMPT, *OTHERS, PROMPT, PROMPT]
+    sends = [0.0, 1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 10.0]
+    streams = [[routing_bench.Request(i, t, p, "", 1)] for i, (p, t) in enumerate(zip(prompts, sends))]
+    out = routing_bench.replay("round_robin", streams, 1.0, options, runner, clock, tmp_path)
+    rec = out["record"]
+    assert rec["requests_per_replica"] == [2, 2, 2, 1]
+    seen = KEY_TOKENS if write_s_per_token == 0 else 0
+    assert rec["reused_tokens"] == {"l1": 0, "l2_loaded": 0, "l3_fetched": seen}
+    assert rec["prefill_tokens_computed"] == sum(p.size for p in prompts) - seen
+    assert out["outputs"][0] == out["outputs"][5] == out["outputs"][6]
