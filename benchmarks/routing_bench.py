@@ -62,6 +62,7 @@ import numpy as np
 
 from benchmarks.report import jsonable
 from benchmarks.workload import MODEL, log, poisson_ticks
+from hicache.cluster.cost_model import CostOptions
 from hicache.cluster.route_query import RouteQuery, TierHits
 from hicache.cluster.tree import RadixKey
 from hicache.reference.engine.config import ForwardConfig
@@ -402,6 +403,7 @@ class Replicas:
         return res, ttft_s, finish
 
     def negative_cache_hits(self) -> int:
+        """L3 lookups the heads skipped for a recent miss (a real-time TTL: the replay wants none)."""
         return sum(int(s.client.cache_stats().get("storage", {}).get("prefetch_negative_hits", 0))
                    for s in self.stacks)
 
@@ -443,6 +445,7 @@ def replay(name: str, streams: Sequence[Sequence[Request]], scale: float, option
     route_of: dict[int, float] = {}
     computed, prompt_tokens, served = 0, 0, [0] * REPLICAS
     tiers = {"l1": 0, "l2_loaded": 0, "l3_fetched": 0}
+    missed: dict[str, int] = {}  # computed prompt tokens by why they were not reused
     outputs: dict[int, tuple[int, ...]] = {}
 
     def start(r: int, k: int, j: int, at: float) -> None:
@@ -456,6 +459,8 @@ def replay(name: str, streams: Sequence[Sequence[Request]], scale: float, option
         tiers["l1"] += res.device_hit_tokens
         tiers["l2_loaded"] += res.loaded_tokens - res.storage_tokens
         tiers["l3_fetched"] += res.storage_tokens
+        for reason, n in res.tokens.missed if res.tokens is not None else ():
+            missed[reason.value] = missed.get(reason.value, 0) + n
         served[r] += 1
         outputs[req.index] = res.output
         heapq.heappush(events, (finish, _FREE, req.index, r, 0))
@@ -509,6 +514,7 @@ def replay(name: str, streams: Sequence[Sequence[Request]], scale: float, option
         "route_latency_p99_s": float(np.percentile(lat, 99)),
         "ttft_mean_excl_route_s": float(bare.mean()),  # the same requests, the routing call not counted
         "ttft_p90_excl_route_s": float(np.percentile(bare, 90)),
+        "missed_tokens": missed,
         "l3_negative_cache_hits": negative,
     }
     if isinstance(router, TierAwareRouter):
@@ -662,7 +668,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     runner = ModelRunner(MODEL, FWD, num_pages=args.l1_pages)
-    options = StackOptions(MODEL, FWD, l1_pages=args.l1_pages, l2_slots=args.l2_slots, prefetch_min_tokens=8)
+    # On the model clock the head's load-or-recompute choice for L3 hits is off (always load: what that
+    # clock's costs say); on, it would decide by this shared box's wall times, differently per router.
+    options = StackOptions(MODEL, FWD, l1_pages=args.l1_pages, l2_slots=args.l2_slots, prefetch_min_tokens=8,
+                           l3_cost=CostOptions(enabled=False) if args.clock == "model" else None)
     tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     try:
         log("warm-up (compiles)")

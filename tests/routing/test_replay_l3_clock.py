@@ -8,6 +8,7 @@ import pytest
 from support.reference_shapes import FWD, MODEL
 
 from benchmarks import routing_bench
+from hicache.cluster.cost_model import CostOptions
 from hicache.reference.stack import StackOptions
 from hicache.routing import TTFTModel
 
@@ -25,7 +26,8 @@ def test_replay_shows_l3_writes_from_their_virtual_completion(tmp_path, runner, 
     # request 5 (replica 1) asks for PROMPT at ~0.019 s, when replica 1 is done with request 1 but
     # request 0 still runs; request 6 (replica 2) long after. With no write time only request 6 may
     # fetch PROMPT from L3; with 1 s per token (64 s) not even request 6.
-    options = StackOptions(MODEL, FWD, l1_pages=32, l2_slots=64, prefetch_min_tokens=8)
+    options = StackOptions(MODEL, FWD, l1_pages=32, l2_slots=64, prefetch_min_tokens=8,
+                           l3_cost=CostOptions(enabled=False))  # L3 hits are loaded, however busy the box
     clock = routing_bench.ServiceClock("model", COST, 1e-3, write_s_per_token)
     prompts = [PROMPT, *OTHERS, PROMPT, PROMPT]
     sends = [0.0, 1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 10.0]
