@@ -322,7 +322,13 @@ class VirtualTimeStorage(FsspecStorage):
                      fingerprint: ModelFingerprint | None = None) -> int:
         found = super().batch_exists(keys, first_page=first_page, pool=pool, timeout_s=timeout_s,
                                      min_pages=min_pages, fingerprint=fingerprint)
-        return self.l3.visible_pages(keys, found)
+        seen = self.l3.visible_pages(keys, found)
+        if seen == found or seen < min_pages:
+            return seen
+        # Asked again up to what is visible: a fetch of fewer pages than an object holds cannot name that
+        # object (it is named by its last page), so the answer ends where the readable objects end.
+        return super().batch_exists(keys[:seen], first_page=first_page, pool=pool, timeout_s=timeout_s,
+                                    min_pages=min_pages, fingerprint=fingerprint)
 
     def batch_get_pools(self, transfers: Sequence[PoolTransfer], *,
                         timeout_s: float | None = None) -> list[list[bool]]:
