@@ -546,8 +546,8 @@ def calibrate(options: StackOptions, runner: ModelRunner, tmp: Path, reps: int =
     n = 256
     rows: dict[str, list[float]] = {"compute": [], "l2": [], "l3": [], "fixed": [], "decode": [], "write": []}
     for i in range(reps):
-        l3 = tmp / f"calib-{i}"
-        opts = dataclasses.replace(options, l3_url=f"file://{l3}")
+        l3_dir = tmp / f"calib-{i}"
+        opts = dataclasses.replace(options, l3_url=f"file://{l3_dir}")
         a, b = build_stack(opts, runner), build_stack(opts, runner)
         small = ServeRequest(rng.integers(0, MODEL.vocab_size, 9, dtype=np.int32), 1)
         rows["fixed"].append(a.scheduler.serve(small).ttft_s)
@@ -563,7 +563,7 @@ def calibrate(options: StackOptions, runner: ModelRunner, tmp: Path, reps: int =
         a.client.flush_write_through_acks()
         rows["l3"].append(b.scheduler.serve(p).ttft_s / n)
         b.client.flush_write_through_acks()
-        shutil.rmtree(l3, ignore_errors=True)
+        shutil.rmtree(l3_dir, ignore_errors=True)
     med = {k: float(np.min(v)) for k, v in rows.items()}
     l2 = max(0.0, med["l2"] - med["fixed"] / n)
     l3 = max(0.0, med["l3"] - med["fixed"] / n - l2)
