@@ -14,9 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
-from hicache.storage import ModelFingerprint, Namespace
+from hicache.storage import FsspecStorage, ModelFingerprint, Namespace
 from hicache.workers.plan import TransferAck, TransferPlan
-from hicache.workers.storage_exec import StorageAttachment, StorageExecutor
+from hicache.workers.storage_exec import OpenStorage, StorageAttachment, StorageExecutor
 
 
 class WorkerGroup(Protocol):
@@ -82,12 +82,14 @@ def worst_breaker_state(states) -> str:  # Iterable[str] -> the worst (an open b
 
 
 class LocalWorkerGroup:
-    """Workers living in this process (embedded mode; tests)."""
+    """Workers living in this process (embedded mode; tests). ``open_storage``: how each host opens its L3
+    client (default ``FsspecStorage``; a replay passes one that gates visibility by its virtual clock)."""
 
-    def __init__(self, workers: Sequence) -> None:  # Sequence[HostWorker]
+    def __init__(self, workers: Sequence, open_storage: OpenStorage | None = None) -> None:  # Sequence[HostWorker]
         if not workers:
             raise ValueError("a worker group needs at least one worker")
         self.workers = list(workers)
+        self._open_storage: OpenStorage = FsspecStorage if open_storage is None else open_storage
         self._next_seq = 0  # as RayWorkerGroup's wire seq: outlives a head reset's new controller
 
     @property
@@ -118,7 +120,8 @@ class LocalWorkerGroup:
         for worker in self.workers:
             if isinstance(worker.storage_executor, StorageExecutor):
                 worker.storage_executor.close()
-            worker.storage_executor = None if attachment is None else StorageExecutor(attachment, worker.host_pool)
+            worker.storage_executor = (None if attachment is None
+                                       else StorageExecutor(attachment, worker.host_pool, self._open_storage))
 
     def _executors(self) -> list[StorageExecutor]:
         execs = [w.storage_executor for w in self.workers]

@@ -21,12 +21,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import numpy as np
 
 from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
 from hicache.workers.host_pool import HostPool
 from hicache.workers.plan import OpKind, TransferOp
+
+# How a host opens its L3 client: ``FsspecStorage`` itself, or (embedded stacks only) a subclass that
+# observes it, as a replay that gates what each replica sees of the others' writes by its own clock.
+OpenStorage: TypeAlias = Callable[[str, ModelFingerprint, StorageConfig], FsspecStorage]
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,9 @@ class _DeferredWrites:
 
 
 class StorageExecutor:
-    def __init__(self, attachment: StorageAttachment, pool: HostPool) -> None:
+    def __init__(self, attachment: StorageAttachment, pool: HostPool, open_storage: OpenStorage = FsspecStorage) -> None:
         self.attachment = attachment
-        self.storage = FsspecStorage(attachment.url, attachment.fingerprint, attachment.config)
+        self.storage = open_storage(attachment.url, attachment.fingerprint, attachment.config)
         self._view = _DeferredWrites(pool)
         self.storage.register_host_pool(
             self._view, shard=host_shard(pool, attachment.fingerprint), pages_per_object=attachment.pages_per_object

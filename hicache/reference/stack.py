@@ -18,6 +18,7 @@ import numpy as np
 from hicache.cluster import CacheHead, HeadConfig
 from hicache.cluster.builder import ComponentConfig, ComponentKind, MambaConfig, SWAConfig, components_of
 from hicache.cluster.client import CacheClient, EmbeddedTransport
+from hicache.cluster.cost_model import CostOptions
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import PrefetchPolicy, StorageParams
 from hicache.cluster.tree import TreeConfig
@@ -29,6 +30,7 @@ from hicache.reference.engine_adapters import WorkerEngine
 from hicache.reference.scheduler import Scheduler
 from hicache.reference.serve_types import ServeRequest
 from hicache.storage import ModelFingerprint
+from hicache.workers.storage_exec import OpenStorage
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class StackOptions:
     # Pages per L3 object: fewer objects than one per page (L3 round trips are per object), but a
     # query that ends inside an object cannot name it, so small objects keep those misses short.
     pages_per_object: int = 4
+    # The head's load-or-recompute choice for what L3 holds (None: ``CostOptions()``, measured on this
+    # machine); a replay on a virtual clock turns it off, as its wall times are not that clock's.
+    l3_cost: CostOptions | None = None
     prefill_budget: int = 0
     # The head's cache components besides Full; None: the model's (``model_components``: SWA for a model
     # with ``sliding_window``, sized ``swa_tokens``; Mamba for one with ``recurrent_layers``, ``state_slots``).
@@ -51,6 +56,9 @@ class StackOptions:
     swa_tokens: int | None = None  # SWA pool tokens (None: as many as L1 holds)
     swa_host_tokens: int | None = None  # the SWA pages' L2 in tokens, with l2_slots (None: as many as Full's L2)
     state_slots: int | None = None  # recurrent state slots (None: l1_pages)
+    # How the worker opens L3 (None: ``FsspecStorage``); a replay passes a subclass that gates what this
+    # replica sees of other replicas' writes by its virtual clock (benchmarks/routing_bench.py).
+    open_storage: OpenStorage | None = None
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1 or self.l2_slots < 0:
@@ -155,7 +163,7 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     pools = config.component_pools(
         {"swa": KVCacheSpec(len(m.swa_layers), m.num_kv_heads, m.head_dim, ps, m.dtype)} if m.swa_layers else {})
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1], component_pools=pools)
-    head = CacheHead(config, LocalWorkerGroup([worker]))
+    head = CacheHead(config, LocalWorkerGroup([worker], options.open_storage))
     params = None if runner is None else runner.params
     attached = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params,
                                                           swa_pages=swa_pages))
@@ -164,7 +172,8 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
         mesh_shape = tuple(worker.device_pool.mesh.devices.shape)
         head.attach_storage_backend(StorageParams(
             options.l3_url, fingerprint_for(m, options.forward, mesh_shape), prefetch_policy=options.prefetch_policy,
-            prefetch_min_tokens=options.prefetch_min_tokens, pages_per_object=options.pages_per_object))
+            prefetch_min_tokens=options.prefetch_min_tokens, pages_per_object=options.pages_per_object,
+            cost=CostOptions() if options.l3_cost is None else options.l3_cost))
     client = CacheClient(EmbeddedTransport(head), ps)
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
