@@ -108,8 +108,9 @@ from benchmarks.stacks import (  # noqa: E402
     in_scratch_dir,
     stack_options,
 )
-from benchmarks.workload import FWD, MODELS, Item, Stream, log, poisson_ticks, tier_sizes  # noqa: E402
+from benchmarks.workload import FWD, MODEL, MODELS, Item, Stream, log, poisson_ticks, tier_sizes  # noqa: E402
 from hicache.reference.engine import batched  # noqa: E402
+from hicache.reference.engine.config import ModelConfig  # noqa: E402
 from hicache.reference.engine.runner import ModelRunner  # noqa: E402
 from hicache.reference.serve_types import ServeRequest  # noqa: E402
 from hicache.reference.serving_loop import LoopOptions, SchedulePolicy, ServingLoop  # noqa: E402
@@ -135,9 +136,9 @@ class Workload:
         return system + sum(len(u) for u in self.user[c]) + args.rounds * args.output_tokens
 
 
-def make_workload(args: argparse.Namespace) -> Workload:
+def make_workload(args: argparse.Namespace, model: ModelConfig = MODEL) -> Workload:
     rng = np.random.default_rng(args.seed)
-    vocab = MODELS[args.model].vocab_size
+    vocab = model.vocab_size
 
     def tokens(lo: int, hi: int) -> np.ndarray:
         return rng.integers(0, vocab, size=int(rng.integers(lo, hi + 1)), dtype=np.int32)
@@ -218,11 +219,11 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
         raise SystemExit(f"--ttft-reps and --overhead-reps must be >= 1, got {args.ttft_reps}, {args.overhead_reps}")
     t_start = time.perf_counter()
     ps = FWD.page_size
-    wl = make_workload(args)
+    model = MODELS[args.model]
+    wl = make_workload(args, model)
     est = wl.working_set_pages(args.clients, args.rounds, args.output_tokens)
     longest = max(wl.final_len(c, args) for c in range(args.clients))
     l1_pages, l2_slots = tier_sizes(est, longest, args.l1_fraction, args.l2_fraction)
-    model = MODELS[args.model]
     base = ModelRunner(model, FWD, num_pages=l1_pages)
     bare = BareEngine(base, l1_pages)
     log(f"multiturn: model {args.model} (hidden {model.hidden}, MLP {model.mlp_hidden}, {model.num_layers} layers), "
