@@ -18,6 +18,8 @@ Backends:
   listed; a crashed writer's leftovers are removed by the byte-capped LRU's scan (``lru``).
 - ``AsyncFsspecObjectStore`` (async filesystems: gcsfs): the same primitives as coroutines
   (``aexists`` ...) for ``batch_io.LoopBatchIO``, which runs them on the filesystem's event loop.
+  A listing of a folder is one ``objects.list`` request (``_do_list_objects``; gcsfs' ``_find``
+  sends a second, "as a file", when the folder is empty: every miss's index folder).
   Existence and ``stat`` of an object are one metadata request on gcsfs (``_get_object``: ``GET
   b/{bucket}/o/{name}``), not fsspec's ``_exists`` / gcsfs' ``_info``, which also list the
   object's prefix (a listing per check, slow on a large bucket); gcsfs itself falls back to a
@@ -260,6 +262,10 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
             await fs._rm_file(path)
 
     async def alist(self, prefix: str) -> list[str]:
+        if self._object_get:  # one objects.list request (pages of 5000); ``_find`` sends a second one when empty
+            folder = prefix.rstrip("/") + "/"
+            items, _ = await self.fs._do_list_objects(prefix, delimiter="")
+            return _visible([o["name"] for o in items if o["name"].startswith(folder)])
         return _visible(await self.fs._find(prefix))
 
     async def alist_dirs(self, prefix: str) -> tuple[str, ...]:
