@@ -263,7 +263,7 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
 
     async def alist(self, prefix: str) -> list[str]:
         if self._object_get:  # one objects.list request (pages of 5000); ``_find`` sends a second one when empty
-            folder = prefix.rstrip("/") + "/"
+            folder = self.fs._strip_protocol(prefix).rstrip("/") + "/"  # (as listed names are)
             items, _ = await self.fs._do_list_objects(prefix, delimiter="")
             return _visible([o["name"] for o in items if o["name"].startswith(folder)])
         return _visible(await self.fs._find(prefix))
