@@ -31,7 +31,8 @@ reports its outcome (any answer; any timeout or connection error; every item ref
 
 Mixed rounds (``mixed``): existence checks, reads and listings of one call that do not depend on
 each other go out as one round (``IoItem`` each; an item may end earlier than the round, so a slow
-listing beside a round's existence checks costs only its own answer).
+listing beside a round's existence checks costs only its own answer, and its running out of that
+earlier end is a slow answer, not a failure: it does not count toward the breaker).
 
 ``read_many``'s ``post(i, bytes)`` (verification, and landing pages in a pool that allows it) runs
 where the read finished: on an I/O thread, or on the loop. Everything else of a call runs on the
@@ -131,7 +132,10 @@ class BatchIO(abc.ABC):
         try:
             out = self._map(fn, afn, items, deadline, ends)
         finally:
-            kinds = [classify(r) if isinstance(r, BaseException) else None for r in out]
+            # an item that ran out its own earlier end is slow, not failed: it never trips the breaker
+            kinds = [classify(r) if isinstance(r, BaseException) and not (
+                ends is not None and isinstance(r, TimeoutError) and ends[i].end < deadline.end) else None
+                for i, r in enumerate(out)]
             self.breaker.record(answered=any(k not in TRIPS_BREAKER and k is not ErrorKind.UNAVAILABLE for k in kinds),
                                 tripped=not out or any(k in TRIPS_BREAKER for k in kinds),
                                 refused=bool(kinds) and all(k is ErrorKind.REFUSED for k in kinds))

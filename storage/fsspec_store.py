@@ -793,7 +793,8 @@ class _Leading:
                              functools.partial(leading_index.decode, first_key=fk, last_key=lk, max_pages=reg.ppo)),
                       IoItem(IoKind.EXISTS, reg.chunking.path(lk))]
         st._count(index_reads=len(cands))
-        out = st._io.mixed(items, Deadline(min(self.deadline.left() / 2, st._exists_timeout())))
+        end = Deadline(min(self.deadline.left() / 2, st._exists_timeout()))
+        out = st._io.mixed([it._replace(end=end) for it in items], self.deadline)
         for i, (a, _, lk) in enumerate(cands):
             keys, there = out[2 * i], out[2 * i + 1]
             if isinstance(keys, BaseException):

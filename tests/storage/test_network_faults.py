@@ -328,19 +328,22 @@ def test_listing_has_its_own_deadline(scheme, make):
 
 @pytest.mark.parametrize("fault", ["error", "hang"])
 def test_a_failed_leading_page_listing_is_a_counted_miss_of_those_pages_only(scheme, make, fault):
-    """``leading_page_index``: the listing of a chunk's first-page folder goes through the same deadline
-    and breaker as the call's other operations; failing (an error, or a hang past the call's deadline)
-    it costs only the leading pages, counted, and the whole objects before them still load."""
-    writer = make(scheme, leading_page_index=True)
+    """The leading-page index: the listing of a chunk's first-page folder goes through the same breaker
+    as the call's other operations, and ends by half the call's time left; failing (an error, or a
+    hang past that end) it costs only the leading pages, counted, and the whole objects before them
+    still load. A listing that runs out its own end is slow, not down: the breaker stays closed
+    (threshold 1 here: one tripped round would open it)."""
+    writer = make(scheme)
     _fill_store(writer)
     faults = OpFaults(error_p=1.0) if fault == "error" else OpFaults(hang_p=1.0)
-    st = make(scheme, url=writer.url_, plan=FaultPlan(listing=faults, hang_max_s=60.0), leading_page_index=True,
+    st = make(scheme, url=writer.url_, plan=FaultPlan(listing=faults, hang_max_s=60.0), breaker_threshold=1,
               retries=0, layout_refresh_s=None)
     _, _, keys = _chains()[0]
     assert st.batch_exists(keys[:6], timeout_s=2.0) == 4  # the first object; pages 4, 5 only via the listing
     assert st.batch_get(keys[:6], S(20, 26), timeout_s=2.0) == [True] * 4 + [False] * 2
     s = st.stats()
     assert (s.timeouts if fault == "hang" else s.errors) >= 1
+    assert s.breaker_opens == 0 and s.breaker_state == "closed"
     st.faulty.set_plan(FaultPlan())  # the listing answers again: the leading pages come back
     st.faulty.release_hangs()
     assert st.batch_exists(keys[:6]) == 6
