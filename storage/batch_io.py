@@ -93,6 +93,7 @@ class IoItem(NamedTuple):
     path: str
     post: Callable[[Any], Any] | None = None
     end: Deadline | None = None
+    first: int | None = None  # listings: only the first that many paths in name order (``ObjectStore.list``)
 
 
 class RetryPolicy(NamedTuple):
@@ -197,14 +198,14 @@ class BatchIO(abc.ABC):
         acalls: dict[IoKind, AsyncCall] = {
             IoKind.EXISTS: self._aretrying(lambda p: self._astore().aexists(p), deadline),
             IoKind.READ: self._aretrying(lambda p: self._astore().aread(p), deadline),
-            IoKind.LIST: self._aretrying(lambda p: self._astore().alist(p), deadline)}
+            IoKind.LIST: self._aretrying(lambda p, n: self._astore().alist(p, n), deadline)}
 
         def one(it: IoItem) -> Any:
-            r = calls[it.kind](it.path)
+            r = calls[it.kind](*((it.path,) if it.kind is not IoKind.LIST else (it.path, it.first)))
             return r if it.post is None else it.post(r)
 
         async def aone(it: IoItem) -> Any:
-            r = await acalls[it.kind](it.path)
+            r = await acalls[it.kind](*((it.path,) if it.kind is not IoKind.LIST else (it.path, it.first)))
             return r if it.post is None else it.post(r)
 
         ends = [deadline if it.end is None or it.end.end > deadline.end else it.end for it in items]

@@ -303,13 +303,15 @@ class FsspecStorage(HiCacheStorage):
     def _probe(self, objs: list[ObjectRef], folders: list[str], deadline: Deadline) -> tuple[list[bool], list[Any]]:
         """One round: existence of ``objs`` and, beside them, listings of the index ``folders`` (a
         listing ends by half the call's time left, within the existence bound: a hung one costs only
-        the leading pages, never the reads of the objects found before them)."""
+        the leading pages, never the reads of the objects found before them; it lists the first
+        names only, enough for ``leading_index.candidates``: one request for a folder of thousands)."""
         if not folders:
             return self._exists_flags(objs, deadline), []
         end = Deadline(min(deadline.left() / 2, self._exists_timeout()))
         self._count(index_lookups=len(folders))
+        most = leading_index.MAX_CANDIDATES + max(r.ppo for r in self._pools.values())  # (own objects are skipped)
         out = self._io.mixed([IoItem(IoKind.EXISTS, o.path) for o in objs]
-                             + [IoItem(IoKind.LIST, f, end=end) for f in folders], deadline)
+                             + [IoItem(IoKind.LIST, f, end=end, first=most) for f in folders], deadline)
         return [self._flag(r) for r in out[: len(objs)]], out[len(objs):]
 
     def _other_layouts(self, reg: _PoolReg, deadline: Deadline) -> tuple[_PoolReg, ...]:

@@ -19,8 +19,9 @@ entry that fails its checks (length, checksum, first or last key against its nam
 the chunk) is no candidate. Old objects have no entry: they just give no leading pages (L3 is a
 cache). Pure functions; the store does the I/O, under the call's deadline and breaker.
 
-Bounds per chunk a hit stops inside: one listing (every entry name under the folder), at most
-``MAX_CANDIDATES`` entry reads of ``32 * C + 8`` bytes each and as many existence checks. A folder
+Bounds per chunk a hit stops inside: one listing of the folder's first ``MAX_CANDIDATES + C``
+names in name order (one request on gcs whatever the folder holds), at most ``MAX_CANDIDATES``
+entry reads of ``32 * C + 8`` bytes each and as many existence checks. A folder
 with more siblings (many chains diverging inside one chunk) gets the best of the first
 ``MAX_CANDIDATES`` in name order: at least the pages they all share, never pages of another chain.
 Capacity: the file:// byte cap deletes an entry with its object (and any orphaned entry first,

@@ -24,6 +24,7 @@ from hicache.storage import (
     leading_index,
     page_keys,
 )
+from hicache.storage.batch_io import Deadline, IoItem, IoKind
 from hicache.storage.format import FORMAT_VERSION, ObjectKind, ObjectMeta, encode_header
 from hicache.storage.testing import NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
@@ -199,6 +200,10 @@ def test_more_siblings_than_candidates_bounded_reads_never_another_chains_pages(
         assert st.batch_set(keys, S(0, 8)) == [True] * 8
         chains.append(keys)
     assert len({k[4] for k in chains}) == 1 and len({k[5] for k in chains}) == 12
+    # the folder's listing asks for its first names only (in name order, on every scheme alike)
+    folder = st._pools[PoolKind.KV].chunking.index_dir(chains[0][4])
+    every, first3 = st._io.mixed([IoItem(IoKind.LIST, folder), IoItem(IoKind.LIST, folder, first=3)], Deadline(20.0))
+    assert len(every) == 12 and first3 == sorted(every)[:3]
     for s in (0, 11):
         before = st.stats()
         n = st.batch_exists(chains[s][:7])
