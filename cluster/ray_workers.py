@@ -246,8 +246,9 @@ class HostWorkerActor:
         return self._storage().pages_per_object()
 
     def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1,
-                       fingerprint: ModelFingerprint | None = None) -> int:
-        return self._storage().batch_exists(keys, first_page=first_page, min_pages=min_pages, fingerprint=fingerprint)
+                       fingerprint: ModelFingerprint | None = None, chunk_start_key: str | None = None) -> int:
+        return self._storage().batch_exists(keys, first_page=first_page, min_pages=min_pages, fingerprint=fingerprint,
+                                            chunk_start_key=chunk_start_key)
 
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         self._storage().record_prefix(namespace, tokens)
@@ -450,10 +451,11 @@ class RayWorkerGroup:
         return False  # every question is a remote call to the host actors
 
     def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1,
-                       fingerprint: ModelFingerprint | None = None) -> int:
+                       fingerprint: ModelFingerprint | None = None, chunk_start_key: str | None = None) -> int:
         """MIN over hosts of the stored prefix length; a host that cannot answer counts as 0 (a miss)."""
         try:
-            found = ray.get([a.storage_exists.remote(keys, first_page, min_pages, fingerprint) for a in self.actors],
+            found = ray.get([a.storage_exists.remote(keys, first_page, min_pages, fingerprint, chunk_start_key)
+                             for a in self.actors],
                             timeout=self.options.call_timeout_s)
         except Exception as e:  # storage trouble is a miss, never an error for the request
             log.warning("replica %s: L3 existence check failed: %s", self.replica, e)

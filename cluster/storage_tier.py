@@ -225,6 +225,8 @@ class _Prefetch:
     # on a miss from the first candidate page: whether L3 holds it under a previous fingerprint (query thread)
     elsewhere: Callable[[], bool] | None = None
     elsewhere_answer: cf.Future | None = None  # its answer (set after the query's own: a miss is known first)
+    # first_page inside an L3 object's chunk: the key of that chunk's first page (the leading-page index's folder)
+    chunk_key: str | None = None
 
 
 @dataclass
@@ -470,6 +472,19 @@ class StorageTier:
             page += n
         return out
 
+    def _page_key(self, path: list[TreeNode], ns: Namespace, page: int) -> str:
+        """Chain key of page ``page`` of ``path``, whose nodes' last-page keys are cached (``_page_keys``):
+        only the pages of its node up to it are hashed."""
+        ps = self.tree.page_size
+        prev, at = None, 0
+        for node in path:
+            n = node.num_tokens // ps
+            if page < at + n:
+                return node.chain_key if page == at + n - 1 and node.chain_key else ChainKeys(
+                    ns, node.key[: (page - at + 1) * ps], parent=prev)[page - at]
+            prev, at = node.chain_key, at + n
+        raise ValueError(f"page {page} is past the path's {at} pages")
+
     # -- L2 -> L3 backups ----------------------------------------------------------------------------
     def on_host_committed(self, nodes: list[TreeNode]) -> None:
         """A chain of nodes just got its L2 copy: store what L3 does not have yet; fetches parked below one
@@ -647,6 +662,8 @@ class StorageTier:
         now = time.monotonic()
         task = _Prefetch(req_id, anchor, tokens[depth : depth + len(keys) * ps].copy(), keys, first, now,
                          now + self.params.prefetch_wait_max_s, queued=queued)
+        if first % self.pages_per_object:  # L3 can find that chunk's objects by its first page (``leading_index``)
+            task.chunk_key = self._page_key(path, ns, first - first % self.pages_per_object)
         anchor.host_pin += 1  # (a root too: it stays while the query and fetch run, RadixTree._drop_idle_roots)
         self._by_req[req_id] = task
         if known:
@@ -684,7 +701,8 @@ class StorageTier:
         a few local stat calls cost less than the hand-off to a query thread."""
         keys, first = task.keys[task.base:], task.first_page + task.base
         least = 1 if task.base else self._exists_min_pages
-        exists, elsewhere = self.workers.storage_exists, task.elsewhere
+        exists = functools.partial(self.workers.storage_exists, chunk_start_key=None if task.base else task.chunk_key)
+        elsewhere = task.elsewhere
         if elsewhere is None:
             if self.workers.storage_local:  # (an error is a miss, as from the query thread: ``advance``)
                 return run_now(exists, keys, first, least)
@@ -813,7 +831,7 @@ class StorageTier:
         ps = self.tree.page_size
         task.keys, task.tokens, task.slots = task.keys[:found], task.tokens[: found * ps], slots
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
-                        tuple(task.keys), first_page=task.first_page)
+                        tuple(task.keys), first_page=task.first_page, chunk_start_key=task.chunk_key)
         task.op_id = op.op_id
         task.fetch_started = time.monotonic()
         task.deadline = task.fetch_started + self.params.prefetch_timeout_s(found * ps)

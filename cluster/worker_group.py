@@ -41,9 +41,10 @@ class WorkerGroup(Protocol):
     def storage_local(self) -> bool: ...
 
     def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1,
-                       fingerprint: ModelFingerprint | None = None) -> int: ...  # MIN over hosts
-    # min_pages: exact at or above it, below it any smaller count; fingerprint: pages stored under another
-    # model fingerprint (a miss's diagnostic, never loaded) (FsspecStorage.batch_exists)
+                       fingerprint: ModelFingerprint | None = None, chunk_start_key: str | None = None) -> int: ...
+    # MIN over hosts. min_pages: exact at or above it, below it any smaller count; fingerprint: pages stored
+    # under another model fingerprint (a miss's diagnostic, never loaded); chunk_start_key: the key of the
+    # first page of first_page's chunk where it lies inside one (FsspecStorage.batch_exists)
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
 
@@ -138,12 +139,13 @@ class LocalWorkerGroup:
         return all(e.storage.runs_inline for e in self._executors())
 
     def storage_exists(self, keys: Sequence[str], first_page: int, min_pages: int = 1,
-                       fingerprint: ModelFingerprint | None = None) -> int:
+                       fingerprint: ModelFingerprint | None = None, chunk_start_key: str | None = None) -> int:
         execs = self._executors()
-        found = execs[0].storage.batch_exists(keys, first_page=first_page, min_pages=min_pages, fingerprint=fingerprint)
+        found = execs[0].storage.batch_exists(keys, first_page=first_page, min_pages=min_pages, fingerprint=fingerprint,
+                                              chunk_start_key=chunk_start_key)
         for e in execs[1:]:  # MIN over hosts
             found = min(found, e.storage.batch_exists(keys, first_page=first_page, min_pages=min_pages,
-                                                      fingerprint=fingerprint))
+                                                      fingerprint=fingerprint, chunk_start_key=chunk_start_key))
         return found
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:

@@ -83,12 +83,17 @@ class PoolTransfer:
     """Pages ``first_page .. first_page+len(keys)-1`` of one chain, for one pool.
 
     ``keys[i]`` is the chain key of page ``first_page + i``; ``host_slots[i]`` its slot.
+    ``chunk_start_key``: where ``first_page`` lies inside a chunk, the chain key of that chunk's
+    first page (``first_page - first_page % pages_per_object(pool)``), which the caller holds: with
+    it the store can find that chunk's objects by their first page (the leading-page index); None:
+    not known, so a hit that stops inside that chunk gets no leading pages.
     """
 
     pool: PoolKind
     keys: Sequence[str]
     host_slots: np.ndarray  # i32[len(keys)]
     first_page: int = 0
+    chunk_start_key: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +138,14 @@ class StorageStats:
     breaker_opens: int = 0  # times the breaker opened
     breaker_state: str = "closed"  # now: "closed", "open" or "half_open" (a call would probe)
     evicted_objects: int = 0
-    evicted_bytes: int = 0
+    evicted_bytes: int = 0  # page objects and their index entries
+    # leading-page index (``leading_index``): entries are not counted as objects above
+    index_written: int = 0  # entries published (beside objects written or raced)
+    index_bytes_written: int = 0
+    index_deleted: int = 0  # entries deleted by the byte cap, with their objects or orphaned
+    index_lookups: int = 0  # index folders listed (a hit stopped inside a chunk)
+    index_reads: int = 0  # entries read after a listing (at most leading_index.MAX_CANDIDATES per folder)
+    index_hits: int = 0  # lookups that extended a hit with an object's leading pages
     used_bytes: int = -1  # -1: not tracked (only file:// with a byte cap tracks it)
 
     def error_counts(self) -> dict[str, int]:
@@ -182,8 +194,10 @@ class HiCacheStorage(abc.ABC):
         timeout_s: float | None = None,
         min_pages: int = 1,
         fingerprint: ModelFingerprint | None = None,
+        chunk_start_key: str | None = None,
     ) -> int:
-        """Number of consecutive pages, from ``keys[0]``, that ``batch_get`` can load now.
+        """Number of consecutive pages, from ``keys[0]``, that ``batch_get`` can load now
+        (``chunk_start_key``: as ``PoolTransfer``'s; pass ``batch_get`` the same).
 
         ``min_pages``: the caller has no use for a hit shorter than this (a prefetch below its
         minimum). The answer is exact when it is ``>= min_pages``; below, it is some smaller number,
@@ -222,8 +236,10 @@ class HiCacheStorage(abc.ABC):
         first_page: int = 0,
         pool: PoolKind = PoolKind.KV,
         timeout_s: float | None = None,
+        chunk_start_key: str | None = None,
     ) -> list[bool]:
-        return self.batch_get_pools([PoolTransfer(pool, keys, host_slots, first_page)], timeout_s=timeout_s)[0]
+        return self.batch_get_pools([PoolTransfer(pool, keys, host_slots, first_page, chunk_start_key)],
+                                    timeout_s=timeout_s)[0]
 
     def batch_set(
         self,

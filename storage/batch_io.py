@@ -29,6 +29,11 @@ Breaker (``breaker.Breaker``, one per store): a batch the open breaker does not 
 with ``StorageUnavailableError`` per item, without touching the network; every batch let through
 reports its outcome (any answer; any timeout or connection error; every item refused).
 
+Mixed rounds (``mixed``): existence checks, reads and listings of one call that do not depend on
+each other go out as one round (``IoItem`` each; an item may end earlier than the round, so a slow
+listing beside a round's existence checks costs only its own answer, and its running out of that
+earlier end is a slow answer, not a failure: it does not count toward the breaker).
+
 ``read_many``'s ``post(i, bytes)`` (verification, and landing pages in a pool that allows it) runs
 where the read finished: on an I/O thread, or on the loop. Everything else of a call runs on the
 calling thread, which waits at most until the deadline (plus twice ``LOOP_GRACE_S`` on gcsfs' loop:
@@ -40,6 +45,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures as cf
+import enum
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -71,6 +77,25 @@ class Deadline:
         return max(0.0, self.end - time.monotonic())
 
 
+class IoKind(str, enum.Enum):
+    """What one item of a mixed round does (``BatchIO.mixed``)."""
+
+    EXISTS = "exists"  # -> bool
+    READ = "read"  # -> post(bytes)
+    LIST = "list"  # -> paths under the item's path
+
+
+class IoItem(NamedTuple):
+    """One item of a mixed round: ``post`` (reads) runs where the read finished; ``end``: this item
+    gives up by then (None: the round's deadline), e.g. a listing that may only cost itself."""
+
+    kind: IoKind
+    path: str
+    post: Callable[[Any], Any] | None = None
+    end: Deadline | None = None
+    first: int | None = None  # listings: only the first that many paths in name order (``ObjectStore.list``)
+
+
 class RetryPolicy(NamedTuple):
     retries: int  # extra attempts after a transient error
     backoff_s: float  # before the first retry; doubles per retry
@@ -87,11 +112,14 @@ class BatchIO(abc.ABC):
         self._closed = False
 
     @abc.abstractmethod
-    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
+    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline,
+             ends: Sequence[Deadline] | None = None) -> list[Any]:
         """``fn(*item)`` (sync backends) or ``await afn(*item)`` (async) for every item: results
-        or exceptions, in item order."""
+        or exceptions, in item order. ``ends[i]``: item ``i``'s own deadline (none past
+        ``deadline``)."""
 
-    def _run(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
+    def _run(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline,
+             ends: Sequence[Deadline] | None = None) -> list[Any]:
         """``_map`` behind the breaker: fail fast if it is open, else report the outcome to it."""
         if not items:
             return []
@@ -103,9 +131,12 @@ class BatchIO(abc.ABC):
             return [StorageUnavailableError("storage location marked unavailable (breaker open)")] * len(items)
         out: list[Any] = []
         try:
-            out = self._map(fn, afn, items, deadline)
+            out = self._map(fn, afn, items, deadline, ends)
         finally:
-            kinds = [classify(r) if isinstance(r, BaseException) else None for r in out]
+            # an item that ran out its own earlier end is slow, not failed: it never trips the breaker
+            kinds = [classify(r) if isinstance(r, BaseException) and not (
+                ends is not None and isinstance(r, TimeoutError) and ends[i].end < deadline.end) else None
+                for i, r in enumerate(out)]
             self.breaker.record(answered=any(k not in TRIPS_BREAKER and k is not ErrorKind.UNAVAILABLE for k in kinds),
                                 tripped=not out or any(k in TRIPS_BREAKER for k in kinds),
                                 refused=bool(kinds) and all(k is ErrorKind.REFUSED for k in kinds))
@@ -157,6 +188,28 @@ class BatchIO(abc.ABC):
         exists = self._retrying(self.store.exists, deadline)
         aexists = self._aretrying(lambda p: self._astore().aexists(p), deadline)
         return self._run(exists, aexists, [(p,) for p in paths], deadline)
+
+    def mixed(self, items: Sequence[IoItem], deadline: Deadline) -> list[Any]:
+        """One round of existence checks, reads and listings (``IoItem``), each retried by our
+        policy: per item its answer or exception, in item order."""
+        calls: dict[IoKind, SyncCall] = {IoKind.EXISTS: self._retrying(self.store.exists, deadline),
+                                         IoKind.READ: self._retrying(self.store.read, deadline),
+                                         IoKind.LIST: self._retrying(self.store.list, deadline)}
+        acalls: dict[IoKind, AsyncCall] = {
+            IoKind.EXISTS: self._aretrying(lambda p: self._astore().aexists(p), deadline),
+            IoKind.READ: self._aretrying(lambda p: self._astore().aread(p), deadline),
+            IoKind.LIST: self._aretrying(lambda p, n: self._astore().alist(p, n), deadline)}
+
+        def one(it: IoItem) -> Any:
+            r = calls[it.kind](*((it.path,) if it.kind is not IoKind.LIST else (it.path, it.first)))
+            return r if it.post is None else it.post(r)
+
+        async def aone(it: IoItem) -> Any:
+            r = await acalls[it.kind](*((it.path,) if it.kind is not IoKind.LIST else (it.path, it.first)))
+            return r if it.post is None else it.post(r)
+
+        ends = [deadline if it.end is None or it.end.end > deadline.end else it.end for it in items]
+        return self._run(one, aone, [(it,) for it in items], deadline, ends)
 
     def read_many(self, paths: Sequence[str], post: Callable[[int, Any], Any], deadline: Deadline) -> list[Any]:
         """Read each path and apply ``post(i, bytes)`` where the read finished."""
@@ -255,7 +308,8 @@ class ThreadBatchIO(BatchIO):
         self._inflight: set[cf.Future] = set()  # every submitted item not finished yet
         self._plock = threading.Lock()
 
-    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
+    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline,
+             ends: Sequence[Deadline] | None = None) -> list[Any]:
         with self._plock:
             saturated = self._abandoned >= self._max_abandoned
         if saturated:
@@ -268,7 +322,11 @@ class ThreadBatchIO(BatchIO):
             self._inflight.update(futs)
         for f in futs:  # (outside the lock: a finished future runs its callback right here)
             f.add_done_callback(self._finished)
-        done, _ = cf.wait(futs, timeout=deadline.left())
+        done: set[cf.Future] = set()
+        # items with an earlier end are waited for first, each group until its own end
+        for end in sorted({id(e): e for e in ends or (deadline,)}.values(), key=lambda e: e.end):
+            group = futs if ends is None else [f for f, e in zip(futs, ends) if e is end]
+            done |= cf.wait(group, timeout=end.left())[0]
         out: list[Any] = []
         for f in futs:
             if f in done:
@@ -305,13 +363,14 @@ class InlineBatchIO(BatchIO):
         self._running = 0  # batches running on callers' threads (close waits for them)
         self._idle = threading.Condition()
 
-    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
+    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline,
+             ends: Sequence[Deadline] | None = None) -> list[Any]:
         out: list[Any] = []
         with self._idle:
             self._running += 1
         try:
-            for it in items:
-                if deadline.left() <= 0:
+            for i, it in enumerate(items):
+                if (deadline if ends is None else ends[i]).left() <= 0:
                     out.append(TimeoutError("storage operation did not start before the deadline"))
                     continue
                 try:
@@ -338,17 +397,20 @@ class LoopBatchIO(BatchIO):
         self._active: set[cf.Future] = set()  # batches running on the loop
         self._alock = threading.Lock()
 
-    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline) -> list[Any]:
+    def _map(self, fn: SyncCall, afn: AsyncCall, items: Sequence[tuple], deadline: Deadline,
+             ends: Sequence[Deadline] | None = None) -> list[Any]:
         limit = self._limit
 
         async def run() -> list[Any]:
             sem = asyncio.Semaphore(limit)
 
-            async def one(it: tuple) -> Any:
+            async def one(it: tuple, end: Deadline | None) -> Any:
                 async with sem:
-                    return await afn(*it)
+                    if end is None or end is deadline:
+                        return await afn(*it)
+                    return await asyncio.wait_for(afn(*it), end.left())  # its own end: a TimeoutError
 
-            tasks = [asyncio.ensure_future(one(it)) for it in items]
+            tasks = [asyncio.ensure_future(one(it, None if ends is None else ends[i])) for i, it in enumerate(items)]
             try:
                 done, pending = await asyncio.wait(tasks, timeout=deadline.left())
             finally:  # also when the caller gave up and cancelled this batch

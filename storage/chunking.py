@@ -18,7 +18,7 @@ stores with different chunk sizes never misread each other.
   stored mid-chunk (partial object) is found by any later *longer* query through the probe; (b) a
   later *shorter* query that ends inside a chunk stored only as a full object cannot name that
   object (its name is the key of a page beyond the query) and loses at most ``C-1`` pages, unless
-  the store keeps a leading-page index (``leading_index``, opt-in: ``resolve``'s ``leading``); (c)
+  the store keeps a leading-page index (``leading_index``: ``resolve``'s ``leading``); (c)
   the later longer sequence writes the full chunk, the partial object stays until evicted or
   deleted (bounded duplication, ``<= C-1`` pages per sequence).
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 
 class ObjectRef(NamedTuple):
@@ -67,6 +67,15 @@ class Chunking:
     def index_dir(self, first_key: str) -> str:
         return f"{self.prefix}/i/{first_key}"
 
+    @staticmethod
+    def object_of_index_entry(path: str) -> str | None:
+        """The object an index entry at ``path`` names (``index_path``), or None if ``path`` is
+        no index entry (a listing's or a directory walk's path, ``/`` separated)."""
+        parts = path.rsplit("/", 3)
+        if len(parts) != 4 or parts[1] != "i" or len(parts[3]) < 2:
+            return None
+        return f"{parts[0]}/{parts[3][0]}/{parts[3]}"
+
     def spans(self, n: int, first: int) -> Iterator[tuple[int, int]]:
         """``(start, pages)`` of the natural candidate of every chunk intersecting pages
         ``[first, first + n)``, in order (no key read)."""
@@ -94,63 +103,80 @@ class Chunking:
         return [self.object(t, keys, first, start, mm) for mm in range(m - 1, shortest - 1, -1)]
 
 
+class LeadingPages(Protocol):
+    """The leading-page index as ``resolve`` uses it (``leading_index``; the store does the I/O)."""
+
+    def folder(self, t: int, start: int) -> str | None:
+        """The index folder of query ``t``'s chunk at page ``start`` (None: the key of that chunk's
+        first page is unknown, so no lookup)."""
+
+    def find(self, asks: list[tuple[int, int, int]], listed: list[Any]) -> list[ObjectRef | None]:
+        """Per ask ``(t, start, have)`` and its folder's listing (paths, or the exception it
+        raised): an object of that chunk whose leading pages (``ObjectRef.use`` of them, more than
+        ``have`` from ``start``) match query ``t``'s chain, or None."""
+
+
+# one probe round: a flag per object asked, and per folder asked its listing (paths or an exception)
+Probe = Callable[[list[ObjectRef], list[str]], tuple[list[bool], list[Any]]]
+
+
 def resolve(
     queries: Sequence[tuple[Chunking, Sequence[str], int]],
-    exists: Callable[[list[ObjectRef]], list[bool]],
+    probe: Probe,
     min_pages: int = 1,
-    leading: Callable[[list[tuple[int, int, int]]], list[ObjectRef | None]] | None = None,
+    leading: LeadingPages | None = None,
 ) -> list[list[ObjectRef]]:
     """Objects that cover the longest stored prefix of each query ``(chunking, keys, first)``, in
-    chain order, with at most two calls of ``exists`` (one flag per object asked). ``min_pages``:
+    chain order, with at most two calls of ``probe`` (one flag per object asked). ``min_pages``:
     shorter partial objects that would end a hit before the query's page ``min_pages - 1`` are not
     asked about (the answer is then short of ``min_pages`` anyway).
 
-    ``leading`` (optional, one call): asked ``(t, start, have)`` for every query whose hit stops
-    ``have`` pages into the chunk at ``start``, short of the query's pages there, where the query
-    holds that chunk's first page; answers, per ask, an object of that chunk whose leading pages
-    (``ObjectRef.use`` of them, more than ``have``) match the query's chain, or None."""
+    ``leading`` (optional): where a query's hit stops inside a chunk (short of its pages there)
+    whose index folder it names, that folder is listed in the second ``probe`` round, beside the
+    partial objects, so a miss costs no extra round; ``leading.find`` then may extend the hit with
+    an object's matching leading pages (one more round of its own, only where something is listed)."""
     nats = [ch.naturals(t, keys, first) for t, (ch, keys, first) in enumerate(queries)]
-    flags = iter(exists([o for ns in nats for o in ns]))
+    flags = iter(probe([o for ns in nats for o in ns], [])[0])
     found: list[list[ObjectRef]] = []
     probes: list[tuple[int, list[ObjectRef]]] = []
+    asks: list[tuple[int, int]] = []  # (query, index of its cut chunk)
+    folders: list[str] = []
     for t, ns in enumerate(nats):
         fl = [next(flags) for _ in ns]
         cut = fl.index(False) if False in fl else len(ns)
         found.append(ns[:cut])
-        if cut < len(ns):
-            ch, keys, first = queries[t]
-            parts = ch.partials(t, keys, first, ns[cut].start, ns[cut].m, min_pages)
-            if parts:
-                probes.append((t, parts))
-    if probes:
-        pflags = iter(exists([o for _, ps in probes for o in ps]))
-        for t, ps in probes:
-            fl = [next(pflags) for _ in ps]
-            if True in fl:
-                found[t].append(ps[fl.index(True)])
-    if leading is not None:
-        _extend_by_leading(queries, nats, found, leading, min_pages)
+        if cut == len(ns):
+            continue
+        ch, keys, first = queries[t]
+        c = ns[cut]
+        parts = ch.partials(t, keys, first, c.start, c.m, min_pages)
+        if parts:
+            probes.append((t, parts))
+        folder = leading.folder(t, c.start) if leading is not None and c.stop() - first >= min_pages else None
+        if folder is not None:
+            asks.append((t, cut))
+            folders.append(folder)
+    if not probes and not folders:
+        return found
+    pflags, listed = probe([o for _, ps in probes for o in ps], folders)
+    it = iter(pflags)
+    for t, ps in probes:
+        fl = [next(it) for _ in ps]
+        if True in fl:
+            found[t].append(ps[fl.index(True)])
+    if asks:
+        assert leading is not None
+        _extend_by_leading(nats, found, leading, asks, listed)
     return found
 
 
-def _extend_by_leading(queries: Sequence[tuple[Chunking, Sequence[str], int]], nats: list[list[ObjectRef]],
-                       found: list[list[ObjectRef]], leading: Callable[[list[tuple[int, int, int]]], list[ObjectRef | None]],
-                       min_pages: int) -> None:
-    """Where a query's hit ends inside a chunk whose first page it holds, let ``leading`` extend it
-    (``found[t]``: the naturals before the cut chunk, then possibly one partial object of it)."""
-    asks: list[tuple[int, int, int]] = []
-    for t, ns in enumerate(nats):
-        first = queries[t][2]
-        cut = next((i for i, o in enumerate(found[t]) if o.start != ns[i].start or o.m != ns[i].m), len(found[t]))
-        if cut >= len(ns) or ns[cut].start < first:  # all found, or the chunk's first key is not the query's
-            continue
-        have = found[t][cut].m if cut < len(found[t]) else 0
-        if have < ns[cut].m and ns[cut].start + ns[cut].m - first >= min_pages:
-            asks.append((t, ns[cut].start, have))
-    if not asks:
-        return
-    for (t, start, have), o in zip(asks, leading(asks)):
-        if o is None or o.stop() - start <= have or o.stop() - queries[t][2] < min_pages:
+def _extend_by_leading(nats: list[list[ObjectRef]], found: list[list[ObjectRef]], leading: LeadingPages,
+                       asks: list[tuple[int, int]], listed: list[Any]) -> None:
+    """Let ``leading`` extend each asked query's hit inside its cut chunk (``found[t]``: the naturals
+    before the cut chunk, then possibly one partial object of it)."""
+    full = [(t, nats[t][cut].start, found[t][cut].m if len(found[t]) > cut else 0) for t, cut in asks]
+    for (t, start, have), o in zip(full, leading.find(full, listed)):
+        if o is None or o.stop() - start <= have:
             continue
         if have:
             found[t].pop()

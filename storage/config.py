@@ -65,8 +65,9 @@ class StorageConfig:
     pages_per_object: int | None = None  # overrides target_object_bytes for every pool
     write_partial_chunks: bool = True  # store the tail of a sequence that ends mid-chunk
     # write a leading-page index entry beside each object and look there when a query's hit stops
-    # inside a chunk whose first page it holds (``leading_index``; off: not built out yet, #27 3b)
-    leading_page_index: bool = False
+    # inside a chunk whose first page's key it knows (``leading_index``); off: such a query loses
+    # up to C-1 pages of that chunk, and a miss saves the listing (no extra round: it joins a probe)
+    leading_page_index: bool = True
     max_bytes: int | None = None  # file:// only: byte cap over the whole root, LRU eviction
     evict_low_watermark: float = 0.9  # evict down to this fraction of max_bytes
     max_inflight_bytes: int = 256 * MiB  # batch_set gathers from the pool in groups this large

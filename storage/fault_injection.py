@@ -682,6 +682,10 @@ class AsyncFaultyFileSystem(FaultyFileSystem, AsyncFileSystem):
         faults; ``FileNotFoundError`` if there is no such object."""
         return await self._acall(Op.METADATA, path, "_get_object")
 
+    async def _do_list_objects(self, path: str, **kwargs: Any) -> Any:
+        """gcsfs' one-request objects listing, under the listing faults."""
+        return await self._acall(Op.LIST, path, "_do_list_objects", **kwargs)
+
     async def _exists(self, path: str, **kwargs: Any) -> bool:
         if self.faults.plan.bucket_deleted:  # fsspec's exists answers False for a missing bucket
             self.faults.missing_root(path)

@@ -17,7 +17,7 @@ It puts together (one module per concept):
   make them;
 - ``lru``: the optional byte cap of a file:// root;
 - ``manifest``: stored prefixes for warm restart;
-- ``leading_index``: opt-in, the leading pages of an object a query ends or diverges inside.
+- ``leading_index``: the leading pages of an object a query ends or diverges inside.
 
 Schemes
 -------
@@ -41,10 +41,12 @@ Object names (topology-free, content-addressed)::
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/manifest/{namespace[0]}/{namespace[:32]}-{tag}
     {root}/v{FORMAT_VERSION}/{fingerprint[:16]}/{pool}/{shard.tag()}/c{C}/i/{first key}/{key}
 
-The last: leading-page index entries (``leading_index``), only with
-``StorageConfig.leading_page_index`` (off by default).
+The last: leading-page index entries (``leading_index``), with ``StorageConfig.leading_page_index``
+(on by default).
 
-Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds; where other
+Call flow. ``batch_exists``: ``chunking.resolve`` (at most two batched existence rounds, the second
+with the leading-page index listing beside it, and one round of index entry reads where that
+listing shows entries; where other
 layouts hold this host's heads, over them too, and two more rounds per layout switch along the
 chain: ``shard_cover.plan``).
 ``batch_get``: resolve, then read and verify the objects concurrently; objects that fail
@@ -109,7 +111,7 @@ from hicache.storage.base import (
     check_pool_kind,
     check_slots,
 )
-from hicache.storage.batch_io import Deadline, InlineBatchIO, RetryPolicy, make_batch_io
+from hicache.storage.batch_io import Deadline, InlineBatchIO, IoItem, IoKind, RetryPolicy, make_batch_io
 from hicache.storage.breaker import Breaker, BreakerState
 from hicache.storage.chunking import Chunking, ObjectRef, resolve
 from hicache.storage.config import LocalIO, StorageConfig
@@ -150,12 +152,21 @@ class _PoolReg:
 
 
 class _Transfer(NamedTuple):
-    """A validated ``PoolTransfer``: ``keys[i]`` is page ``first + i``, in slot ``slots[i]``."""
+    """A validated ``PoolTransfer``: ``keys[i]`` is page ``first + i``, in slot ``slots[i]``;
+    ``before``: ``(page, key)`` of one page before ``first`` the caller knows (its
+    ``chunk_start_key``), or None."""
 
     reg: _PoolReg
     keys: Sequence[str]
     slots: np.ndarray
     first: int
+    before: tuple[int, str] | None = None
+
+    def key_at(self, page: int) -> str | None:
+        """The chain key of ``page`` where this transfer knows it."""
+        if self.first <= page < self.first + len(self.keys):
+            return self.keys[page - self.first]
+        return self.before[1] if self.before is not None and self.before[0] == page else None
 
     def slots_of(self, o: ObjectRef) -> np.ndarray:
         """The slots of the pages of ``o`` that lie inside this transfer."""
@@ -261,6 +272,9 @@ class FsspecStorage(HiCacheStorage):
             keys = check_keys(tr.keys)
             slots = check_slots(tr.host_slots, len(keys))
             first = check_first_page(tr.first_page)
+            before = None
+            if tr.chunk_start_key is not None:
+                before = (first - first % reg.ppo, check_key(tr.chunk_start_key, what=f"transfers[{ti}].chunk_start_key"))
             if for_set and first % reg.ppo:
                 raise ValueError(
                     f"first_page={first} is not a multiple of pages_per_object={reg.ppo} for pool "
@@ -268,69 +282,37 @@ class FsspecStorage(HiCacheStorage):
                 )
             if not for_set and len(np.unique(slots)) != len(slots):
                 raise ValueError(f"transfers[{ti}].host_slots has duplicate slots: {slots.tolist()}")
-            out.append(_Transfer(reg, keys, slots, first))
+            out.append(_Transfer(reg, keys, slots, first, before))
         return out
 
     def _exists_flags(self, objs: list[ObjectRef], deadline: Deadline) -> list[bool]:
-        flags = []
-        for r in self._io.exists_many([o.path for o in objs], deadline):
-            if isinstance(r, BaseException):
-                self._count_exc(r)
-                flags.append(False)
-            else:
-                flags.append(bool(r))
-        return flags
+        return [self._flag(r) for r in self._io.exists_many([o.path for o in objs], deadline)]
+
+    def _flag(self, r: Any) -> bool:
+        """An existence check's answer: an error is a miss (counted)."""
+        if isinstance(r, BaseException):
+            self._count_exc(r)
+            return False
+        return bool(r)
 
     def _resolve(self, queries: list[_Transfer], deadline: Deadline, min_pages: int = 1) -> list[list[ObjectRef]]:
-        leading = (functools.partial(self._leading, queries, deadline=deadline)
-                   if self.config.leading_page_index else None)
+        leading = _Leading(self, queries, deadline) if self.config.leading_page_index else None
         return resolve([(q.reg.chunking, q.keys, q.first) for q in queries],
-                       lambda objs: self._exists_flags(objs, deadline), min_pages, leading)
+                       lambda objs, folders: self._probe(objs, folders, deadline), min_pages, leading)
 
-    def _leading(self, queries: list[_Transfer], asks: list[tuple[int, int, int]], *,
-                 deadline: Deadline) -> list[ObjectRef | None]:
-        """Per ask ``(t, start, have)`` of ``resolve``: the stored object of that chunk whose leading
-        pages match query ``t`` furthest (``leading_index``): one listing of the chunk's first-page
-        folder per ask, one round of entry reads, one existence round for the chosen objects. It
-        gets at most half of the call's time left (and the existence bound): a hung listing costs
-        only the leading pages, never the reads of the objects found before them."""
-        deadline = Deadline(min(deadline.left() / 2, self._exists_timeout()))
-        cands: list[tuple[int, str, str]] = []  # (ask, first key, last key)
-        for a, (t, start, _) in enumerate(asks):
-            q = queries[t]
-            fk = q.keys[start - q.first]
-            try:
-                paths = self._io.list(q.reg.chunking.index_dir(fk), deadline)
-            except Exception as e:  # a failed listing: no leading pages (counted)
-                self._count_exc(e, on_root=True)
-                continue
-            names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in paths})
-            cands += [(a, fk, lk) for lk in names[: leading_index.MAX_CANDIDATES] if leading_index.is_key(lk)]
-        best: list[ObjectRef | None] = [None] * len(asks)
-        if not cands:
-            return best
-
-        def entry(i: int, raw: Any) -> list[bytes] | None:
-            a, fk, lk = cands[i]
-            return leading_index.decode(raw, fk, lk, queries[asks[a][0]].reg.ppo)
-
-        reads = self._io.read_many([queries[asks[a][0]].reg.chunking.index_path(fk, lk) for a, fk, lk in cands],
-                                   entry, deadline)
-        for (a, _, lk), keys in zip(cands, reads):
-            if isinstance(keys, BaseException):
-                self._count_exc(keys)
-                continue
-            if keys is None:
-                continue
-            t, start, have = asks[a]
-            q = queries[t]
-            use = leading_index.matching(keys, q.keys, start - q.first)
-            b = best[a]
-            if use > have and (b is None or use > b.use):
-                best[a] = ObjectRef(t, start, len(keys), lk, q.reg.chunking.path(lk), use)
-        chosen = [o for o in best if o is not None]
-        stored = dict(zip(chosen, self._exists_flags(chosen, deadline))) if chosen else {}
-        return [o if o is not None and stored[o] else None for o in best]
+    def _probe(self, objs: list[ObjectRef], folders: list[str], deadline: Deadline) -> tuple[list[bool], list[Any]]:
+        """One round: existence of ``objs`` and, beside them, listings of the index ``folders`` (a
+        listing ends by half the call's time left, within the existence bound: a hung one costs only
+        the leading pages, never the reads of the objects found before them; it lists the first
+        names only, enough for ``leading_index.candidates``: one request for a folder of thousands)."""
+        if not folders:
+            return self._exists_flags(objs, deadline), []
+        end = Deadline(min(deadline.left() / 2, self._exists_timeout()))
+        self._count(index_lookups=len(folders))
+        most = leading_index.MAX_CANDIDATES + max(r.ppo for r in self._pools.values())  # (own objects are skipped)
+        out = self._io.mixed([IoItem(IoKind.EXISTS, o.path) for o in objs]
+                             + [IoItem(IoKind.LIST, f, end=end, first=most) for f in folders], deadline)
+        return [self._flag(r) for r in out[: len(objs)]], out[len(objs):]
 
     def _other_layouts(self, reg: _PoolReg, deadline: Deadline) -> tuple[_PoolReg, ...]:
         """Shards of other layouts holding some of ``reg``'s heads (``shard_cover``), each as a pool
@@ -458,11 +440,13 @@ class FsspecStorage(HiCacheStorage):
         timeout_s: float | None = None,
         min_pages: int = 1,
         fingerprint: ModelFingerprint | None = None,
+        chunk_start_key: str | None = None,
     ) -> int:
         reg = self._reg(pool)
         keys = check_keys(keys)
         first = check_first_page(first_page)
         least = check_min_pages(min_pages)
+        before = None if chunk_start_key is None else (first - first % reg.ppo, check_key(chunk_start_key, what="chunk_start_key"))
         if fingerprint is not None and not isinstance(fingerprint, ModelFingerprint):
             raise TypeError(f"fingerprint must be a ModelFingerprint or None, got {type(fingerprint).__name__}")
         deadline = self._deadline(timeout_s, self._exists_timeout())
@@ -475,7 +459,7 @@ class FsspecStorage(HiCacheStorage):
             other = dataclasses.replace(reg, chunking=Chunking(
                 f"{base}/{reg.kind.value}/{reg.shard.tag()}/c{reg.ppo}", reg.ppo))
             return sum(o.stop() - o.start for o in self._resolve([_Transfer(other, keys, _NO_SLOTS, first)], deadline, least)[0])
-        return sum(seg.pages for seg in self._covered([_Transfer(reg, keys, _NO_SLOTS, first)], deadline, least)[2][0])
+        return sum(seg.pages for seg in self._covered([_Transfer(reg, keys, _NO_SLOTS, first, before)], deadline, least)[2][0])
 
     def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:
         reg = self._reg(pool)
@@ -614,7 +598,8 @@ class FsspecStorage(HiCacheStorage):
         if self._lru is not None:
             written.sort()  # chain order
             evicted = self._lru.add([(p, n) for _, _, p, n in written])
-            self._count(evicted_objects=evicted.objects, evicted_bytes=evicted.bytes, errors=evicted.errors)
+            self._count(evicted_objects=evicted.objects, evicted_bytes=evicted.bytes, errors=evicted.errors,
+                        index_deleted=evicted.entries)
         return results
 
     def _write_groups(self, queries: list[_Transfer], todo: list[ObjectRef], guard: slot_access.CallGuard,
@@ -652,11 +637,11 @@ class FsspecStorage(HiCacheStorage):
                 mark(o)
                 name = "objects_written" if r else "objects_raced"
                 tally[name] = tally.get(name, 0) + 1
+                published.append(o)  # (raced too: its winner may not have written the entry yet)
                 if r:
                     size = queries[o.t].reg.object_bytes(o.m)
                     tally["bytes_written"] = tally.get("bytes_written", 0) + size
                     written.append((o.t, o.start, o.path, size))
-                    published.append(o)
             self._count(**tally)
             if self.config.leading_page_index and published:
                 self._write_index(queries, published, deadline, written)
@@ -665,19 +650,25 @@ class FsspecStorage(HiCacheStorage):
 
     def _write_index(self, queries: list[_Transfer], objs: list[ObjectRef], deadline: Deadline,
                      written: list[tuple[int, int, str, int]]) -> None:
-        """The leading-page index entries of objects just published (``leading_index``), after them,
-        so an entry never names an object not yet there; a failed one only costs leading hits."""
+        """The leading-page index entries of objects just stored (``leading_index``), after them,
+        so an entry never names an object not yet there (the byte cap deletes it with its object:
+        ``lru``); a failed one only costs leading hits. Write-once: an entry is a pure function of
+        its object's keys, so a raced writer's is the same bytes."""
         items = []
         for o in objs:
             q = queries[o.t]
             keys = list(q.keys[o.start - q.first : o.start - q.first + o.m])
             data = np.frombuffer(leading_index.encode(keys), np.uint8)
             items.append((q.reg.chunking.index_path(keys[0], o.key), functools.partial(_as_object, data)))
-        for (path, make), r in zip(items, self._io.write_many(items, deadline)):
+        n = nbytes = 0
+        for o, (path, make), r in zip(objs, items, self._io.write_many(items, deadline)):
             if isinstance(r, BaseException):
                 self._count_exc(r, on_root=True)
             elif r:
-                written.append((objs[0].t, -1, path, len(make.args[0])))
+                size = len(make.args[0])
+                n, nbytes = n + 1, nbytes + size
+                written.append((o.t, o.start, path, size))
+        self._count(index_written=n, index_bytes_written=nbytes)
 
     def used_bytes(self) -> int:
         """Bytes of page objects under the root (file:// only; rescans the directory)."""
@@ -765,6 +756,62 @@ class FsspecStorage(HiCacheStorage):
     def __repr__(self) -> str:
         pools = {k.value: r.ppo for k, r in self._pools.items()}
         return f"FsspecStorage({self.url!r}, model={self.fingerprint.model_id!r}, pages_per_object={pools})"
+
+
+class _Leading:
+    """``chunking.LeadingPages`` over one call's queries (``leading_index``): the folders are listed
+    in ``resolve``'s probe round; ``find`` reads at most ``leading_index.MAX_CANDIDATES`` listed
+    entries per folder and checks their objects' existence, together in one round, within half the
+    call's time left and the existence bound."""
+
+    def __init__(self, store: FsspecStorage, queries: list[_Transfer], deadline: Deadline) -> None:
+        self.store, self.queries, self.deadline = store, queries, deadline
+
+    def folder(self, t: int, start: int) -> str | None:
+        q = self.queries[t]
+        first_key = q.key_at(start)
+        return None if first_key is None else q.reg.chunking.index_dir(first_key)
+
+    def find(self, asks: list[tuple[int, int, int]], listed: list[Any]) -> list[ObjectRef | None]:
+        st = self.store
+        cands: list[tuple[int, str, str]] = []  # (ask, first key, last key)
+        for a, ((t, start, _), paths) in enumerate(zip(asks, listed)):
+            if isinstance(paths, BaseException):  # a failed listing: no leading pages (counted)
+                st._count_exc(paths, on_root=True)
+                continue
+            q = self.queries[t]
+            # objects ending inside the query were probed by name already
+            own = {q.keys[p - q.first] for p in range(max(start, q.first), min(start + q.reg.ppo, q.first + len(q.keys)))}
+            first_key = q.key_at(start)
+            assert first_key is not None  # (``folder`` named it)
+            cands += [(a, first_key, lk) for lk in leading_index.candidates(paths, own)]
+        best: list[ObjectRef | None] = [None] * len(asks)
+        if not cands:
+            return best
+        items = []
+        for a, fk, lk in cands:
+            reg = self.queries[asks[a][0]].reg
+            items += [IoItem(IoKind.READ, reg.chunking.index_path(fk, lk),
+                             functools.partial(leading_index.decode, first_key=fk, last_key=lk, max_pages=reg.ppo)),
+                      IoItem(IoKind.EXISTS, reg.chunking.path(lk))]
+        st._count(index_reads=len(cands))
+        end = Deadline(min(self.deadline.left() / 2, st._exists_timeout()))
+        out = st._io.mixed([it._replace(end=end) for it in items], self.deadline)
+        for i, (a, _, lk) in enumerate(cands):
+            keys, there = out[2 * i], out[2 * i + 1]
+            if isinstance(keys, BaseException):
+                st._count_exc(keys)
+                continue
+            if not st._flag(there) or keys is None:  # a dangling or bad entry: no candidate
+                continue
+            t, start, have = asks[a]
+            q = self.queries[t]
+            use = leading_index.matching(keys, q.keys, start - q.first)
+            b = best[a]
+            if use > have and (b is None or use > b.stop() - start):
+                best[a] = ObjectRef(t, start, len(keys), lk, q.reg.chunking.path(lk), use if use < len(keys) else 0)
+        st._count(index_hits=sum(b is not None for b in best))
+        return best
 
 
 def _scheme_and_options(url: str, storage_options: Any) -> tuple[str, dict[str, Any]]:

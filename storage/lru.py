@@ -6,7 +6,10 @@ that most requests share; a read makes its objects newer than any write before i
 objects under the root exceed ``max_bytes`` after a write, the directory is rescanned (other
 processes sharing the root write too) and the oldest objects are deleted down to
 ``low_watermark * max_bytes``. Manifest entries are not counted (tiny); temp files of crashed
-writers (``object_store.TMP_PREFIX``, over an hour old) are removed by the scan.
+writers (``object_store.TMP_PREFIX``, over an hour old) are removed by the scan. A leading-page
+index entry (``leading_index``) is counted and evicted with the object it names (one unit, the
+object's recency); an entry whose object is gone (deleted by another process, or as corrupt) is
+evicted before any object, so no entry outlives the eviction pass that finds it orphaned.
 
 gs:// has no byte cap here: use bucket lifecycle rules (``fsspec_store``'s docstring).
 
@@ -22,6 +25,7 @@ import threading
 import time
 from typing import NamedTuple
 
+from hicache.storage.chunking import Chunking
 from hicache.storage.object_store import TMP_PREFIX
 
 STALE_TMP_S = 3600.0  # a temp file this old belongs to a crashed writer
@@ -36,13 +40,25 @@ def chain_order_mtimes(n: int) -> list[int]:
 
 class Evicted(NamedTuple):
     objects: int = 0
-    bytes: int = 0
+    bytes: int = 0  # objects' and index entries'
     errors: int = 0  # objects that could not be deleted
+    entries: int = 0  # index entries deleted (with their objects, or orphaned)
 
 
-def scan(top: str) -> tuple[dict[str, tuple[int, int]], int]:
-    """Every page object under ``top``: ``({path: (bytes, mtime_ns)}, total bytes)``."""
-    idx: dict[str, tuple[int, int]] = {}
+class Unit(NamedTuple):
+    """What eviction deletes at once: a page object and its index entries, or an orphaned entry
+    (``objects == 0``: the path itself is the entry; recency 0, so evicted first)."""
+
+    bytes: int
+    mtime_ns: int
+    entries: tuple[str, ...] = ()
+    objects: int = 1
+
+
+def scan(top: str) -> tuple[dict[str, Unit], int]:
+    """Every page object under ``top`` with its index entries: ``({path: Unit}, total bytes)``."""
+    idx: dict[str, Unit] = {}
+    entries: list[tuple[str, str, int]] = []  # (entry, its object, bytes)
     used = 0
     now = time.time()
     for d, _, files in os.walk(top):
@@ -61,8 +77,16 @@ def scan(top: str) -> tuple[dict[str, tuple[int, int]], int]:
                     except OSError:
                         pass
                 continue
-            idx[p] = (st.st_size, st.st_mtime_ns)
             used += st.st_size
+            obj = Chunking.object_of_index_entry(p)
+            if obj is None:
+                idx[p] = Unit(st.st_size, st.st_mtime_ns)
+            else:
+                entries.append((p, obj, st.st_size))
+    for p, obj, size in entries:
+        u = idx.get(obj)
+        idx[obj if u is not None else p] = (u._replace(bytes=u.bytes + size, entries=u.entries + (p,))
+                                            if u is not None else Unit(size, 0, (), 0))
     return idx, used
 
 
@@ -74,7 +98,7 @@ class ByteCapLRU:
         self.max_bytes = max_bytes
         self.low_watermark = low_watermark
         self._lock = threading.Lock()
-        self._index: dict[str, tuple[int, int]] | None = None  # path -> (bytes, mtime_ns); built lazily
+        self._index: dict[str, Unit] | None = None  # object path -> its unit; built lazily
         self._used = 0
 
     def touch(self, paths: list[str]) -> None:
@@ -97,7 +121,7 @@ class ByteCapLRU:
                 for p, size in written:
                     if p not in self._index:
                         self._used += size
-                    self._index[p] = (size, now)
+                    self._index[p] = Unit(size, now)  # (bytes only: eviction rescans first)
             if self._used <= self.max_bytes:
                 return Evicted()
             self._index, self._used = scan(self.top)  # other processes' writes, read bumps
@@ -106,9 +130,9 @@ class ByteCapLRU:
     def _evict_locked(self) -> Evicted:
         assert self._index is not None
         goal = int(self.max_bytes * self.low_watermark)
-        n = freed = errors = 0
-        for p, (size, _) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
-            if self._used <= goal:
+        n = freed = errors = entries = 0
+        for p, u in sorted(self._index.items(), key=lambda kv: kv[1].mtime_ns):
+            if self._used <= goal and u.objects:
                 break
             try:
                 os.unlink(p)
@@ -117,17 +141,23 @@ class ByteCapLRU:
             except OSError:
                 errors += 1
                 continue
+            for e in u.entries:  # after the object: an entry never names a missing object for long
+                try:
+                    os.unlink(e)
+                except OSError:  # (a leftover entry dangles: a miss, removed by the next pass)
+                    pass
             del self._index[p]
-            self._used -= size
-            n += 1
-            freed += size
-        return Evicted(n, freed, errors)
+            self._used -= u.bytes
+            n += u.objects
+            entries += len(u.entries) + 1 - u.objects
+            freed += u.bytes
+        return Evicted(n, freed, errors, entries)
 
     def forget(self, path: str) -> None:
         """``path`` was deleted by someone else (a corrupt object)."""
         with self._lock:
             if self._index is not None and path in self._index:
-                self._used -= self._index.pop(path)[0]
+                self._used -= self._index.pop(path).bytes
 
     def rescan(self) -> int:
         """Bytes of page objects under the root now (rescans the directory)."""

@@ -18,6 +18,8 @@ Backends:
   listed; a crashed writer's leftovers are removed by the byte-capped LRU's scan (``lru``).
 - ``AsyncFsspecObjectStore`` (async filesystems: gcsfs): the same primitives as coroutines
   (``aexists`` ...) for ``batch_io.LoopBatchIO``, which runs them on the filesystem's event loop.
+  A listing of a folder is one ``objects.list`` request (``_do_list_objects``; gcsfs' ``_find``
+  sends a second, "as a file", when the folder is empty: every miss's index folder).
   Existence and ``stat`` of an object are one metadata request on gcsfs (``_get_object``: ``GET
   b/{bucket}/o/{name}``), not fsspec's ``_exists`` / gcsfs' ``_info``, which also list the
   object's prefix (a listing per check, slow on a large bucket); gcsfs itself falls back to a
@@ -86,9 +88,10 @@ class ObjectStore(abc.ABC):
         return int(info["size"]), _generation(info)
 
     @abc.abstractmethod
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, first: int | None = None) -> list[str]:
         """Paths of the objects under directory ``prefix`` (recursive; [] if there is none;
-        ``FileNotFoundError`` if the bucket is gone)."""
+        ``FileNotFoundError`` if the bucket is gone); ``first``: only the first that many in name
+        order (on gcsfs: that many listed, so one request for a folder of thousands)."""
 
     @abc.abstractmethod
     def delete_tree(self, prefix: str) -> None:
@@ -120,8 +123,8 @@ class FsspecObjectStore(ObjectStore):
     def delete(self, path: str, generation: str | None = None) -> None:
         self.fs.rm_file(path)
 
-    def list(self, prefix: str) -> list[str]:
-        return _visible(self.fs.find(prefix))  # (FileNotFoundError: the bucket is gone)
+    def list(self, prefix: str, first: int | None = None) -> list[str]:
+        return _first(_visible(self.fs.find(prefix)), first)  # (FileNotFoundError: the bucket is gone)
 
     def delete_tree(self, prefix: str) -> None:
         try:
@@ -134,6 +137,11 @@ class FsspecObjectStore(ObjectStore):
 def _dir_names(entries: list[dict[str, Any]]) -> tuple[str, ...]:
     """Base names of the folder entries of an ``ls(detail=True)``."""
     return tuple(e["name"].rstrip("/").rpartition("/")[2] for e in entries if e.get("type") == "directory")
+
+
+def _first(paths: list[str], first: int | None) -> list[str]:
+    """``paths`` (all), or the first ``first`` of them in name order."""
+    return paths if first is None else sorted(paths)[:first]
 
 
 def _visible(paths: list[str]) -> list[str]:
@@ -205,11 +213,11 @@ class LocalObjectStore(FsspecObjectStore):
     def stat(self, path: str) -> tuple[int, str | None]:
         return os.stat(path).st_size, None
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, first: int | None = None) -> list[str]:
         out: list[str] = []
         for d, _, files in os.walk(prefix):
             out += [os.path.join(d, f) for f in files if not f.startswith(TMP_PREFIX)]
-        return out
+        return _first(out, first)
 
     def delete_tree(self, prefix: str) -> None:
         shutil.rmtree(prefix, ignore_errors=True)
@@ -259,8 +267,12 @@ class AsyncFsspecObjectStore(FsspecObjectStore):
         else:
             await fs._rm_file(path)
 
-    async def alist(self, prefix: str) -> list[str]:
-        return _visible(await self.fs._find(prefix))
+    async def alist(self, prefix: str, first: int | None = None) -> list[str]:
+        if self._object_get:  # one objects.list request per 1000 names (``_find`` sends a second one when empty)
+            folder = self.fs._strip_protocol(prefix).rstrip("/") + "/"  # (as listed names are)
+            items, _ = await self.fs._do_list_objects(prefix, delimiter="", max_results=first)  # (in name order)
+            return _first(_visible([o["name"] for o in items if o["name"].startswith(folder)]), first)
+        return _first(_visible(await self.fs._find(prefix)), first)
 
     async def alist_dirs(self, prefix: str) -> tuple[str, ...]:
         try:

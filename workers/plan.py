@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hicache.storage.keys import check_key
+
 
 class OpKind(str, enum.Enum):
     BACKUP_D2H = "d2h"  # L1 pages -> L2 slots
@@ -86,9 +88,14 @@ class TransferOp:
     storage_keys: tuple[str, ...] = ()
     first_page: int = 0  # storage ops: chain index of the first key (chunk layout of L3 objects)
     pools: tuple[PoolCopy, ...] = ()  # D2H / H2D: the same copy's pages of component pools (one per pool)
+    # a fetch (S2H) whose first_page lies inside an L3 object's chunk: the chain key of that chunk's first
+    # page, so storage can find the chunk's objects by it (``PoolTransfer.chunk_start_key``)
+    chunk_start_key: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
+        if self.chunk_start_key is not None:
+            check_key(self.chunk_start_key, what=f"op {self.op_id}: chunk_start_key")
         object.__setattr__(self, "pools", tuple(self.pools))
         names = []
         for copy in self.pools:
@@ -127,7 +134,8 @@ class TransferOp:
         off the wire) still goes through ``TransferOp(...)``, and the worker checks every id of a plan."""
         op = object.__new__(cls)
         for name, value in (("op_id", op_id), ("kind", kind), ("device_pages", device_pages),
-                            ("host_slots", host_slots), ("storage_keys", ()), ("first_page", 0), ("pools", pools)):
+                            ("host_slots", host_slots), ("storage_keys", ()), ("first_page", 0), ("pools", pools),
+                            ("chunk_start_key", None)):
             object.__setattr__(op, name, value)  # the frozen class's own way to set a field
         return op
 

@@ -111,7 +111,8 @@ class StorageExecutor:
         elif op.kind is OpKind.PREFETCH_S2H:
             writes = self._view.begin()
             try:
-                done = self.storage.batch_get(keys, op.host_slots, first_page=op.first_page)
+                done = self.storage.batch_get(keys, op.host_slots, first_page=op.first_page,
+                                              chunk_start_key=op.chunk_start_key)
             finally:
                 self._view.end()
 

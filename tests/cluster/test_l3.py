@@ -15,6 +15,7 @@ from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.storage_tier import PrefetchParams, PrefetchState, StorageParams
 from hicache.cluster.tree import InsertParams, RadixKey, RequestState
+from hicache.storage import StorageConfig
 
 
 def seq(start, n):
@@ -73,21 +74,25 @@ def test_write_through_to_l3_and_restart_from_l3(tmp_path):
     assert r["prefetched"] == 28 and r["loaded"] == 28
 
 
-def test_cold_head_reads_a_divergent_prefix_bit_identical(tmp_path):
+@pytest.mark.parametrize("index", [True, False], ids=["default", "no_index"])
+def test_cold_head_reads_a_divergent_prefix_bit_identical(tmp_path, index):
     """Another head whose request diverges from a stored sequence inside its second object reads
-    the whole objects before the divergence; serve() checks the bytes exactly."""
+    the whole objects before the divergence, and with the leading-page index (default) the second
+    object's 2 pages its prompt shares; serve() checks the bytes exactly."""
     url = f"file://{tmp_path}/l3"
     a = seq(0, 48)  # 12 pages: three objects of 4 pages
-    warm = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 4})
+    kw = {"pages_per_object": 4, "storage": StorageConfig(leading_page_index=index)}
+    warm = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=kw)
     warm.serve(a)
     warm.head.flush_write_through_acks()
-    cold = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs={"pages_per_object": 4})
+    cold = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=kw)
     q = np.r_[a[:26], seq(900, 14)].astype(np.int32)  # shares 6 whole pages: the second object's first 2
     r = cold.serve(q)
-    assert r["prefetched"] == 16 and r["loaded"] == 16  # pages 0..3: the first object
+    shared = 24 if index else 16  # pages 0..5 (from both objects), or 0..3: the first object
+    assert r["prefetched"] == shared and r["loaded"] == shared
     assert cold.head.cache_stats()["storage"]["prefetch_failures"] == 0
     cold.head.flush_write_through_acks()  # (fetched pages hang below a prefix with an L2 copy)
-    r = cold.serve(a)  # the rest: pages 6, 7 of the second object, then the third
+    r = cold.serve(a)  # the rest: pages 6, 7 of the second object, then the third (from inside the chunk)
     assert r["device_hit"] == 24 and r["prefetched"] == 24 and r["loaded"] == 24
     check(cold)
 
@@ -341,10 +346,13 @@ def test_warm_restart_corrupt_object_is_a_counted_miss_and_drops_the_entry(tmp_p
     check(env)
 
 
-def test_warm_restart_request_ending_inside_a_stored_object_reads_the_whole_objects_before_it(tmp_path):
-    """A request that diverges from a stored path inside an L3 object (2 pages per object here) cannot read
-    that object: the known-stored prefetch takes the whole objects before it and never fails or drops."""
-    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=f"file://{tmp_path}/l3")
+@pytest.mark.parametrize("index", [True, False], ids=["default", "no_index"])
+def test_warm_restart_request_ending_inside_a_stored_object_reads_the_whole_objects_before_it(tmp_path, index):
+    """A request that diverges from a stored path inside an L3 object (2 pages per object here): the
+    known-stored prefetch takes the whole objects before it, and asks L3 for the rest, which with the
+    leading-page index (default) gives that object's first page; it never fails or drops."""
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=f"file://{tmp_path}/l3",
+                     storage_kwargs={"storage": StorageConfig(leading_page_index=index)})
     a = seq(0, 32)  # 8 pages = 4 objects
     env.serve(a)
     env.head.flush_write_through_acks()
@@ -354,7 +362,7 @@ def test_warm_restart_request_ending_inside_a_stored_object_reads_the_whole_obje
     assert env.head.match_prefix(RadixKey(q)).storage_hit_len == 20
     r = env.serve(q)  # serve() checks the bytes exactly
     st = env.head.cache_stats()["storage"]
-    assert r["prefetched"] == 16 and st["prefetch_known_stored"] == 1
+    assert r["prefetched"] == (20 if index else 16) and st["prefetch_known_stored"] == 1
     assert st["prefetch_failures"] == 0 and st["storage_only_dropped_tokens"] == 0
     m = env.head.match_prefix(RadixKey(a))  # q computed page 5 itself; a's last 3 pages stay known in L3
     assert (m.device_hit_len, m.storage_hit_len) == (20, 12)

@@ -378,10 +378,10 @@ class _HeldPreviousFingerprints:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def storage_exists(self, keys, first_page, min_pages=1, fingerprint=None):
+    def storage_exists(self, keys, first_page, min_pages=1, fingerprint=None, chunk_start_key=None):
         if fingerprint is not None:
             assert self.gate.wait(60)
-        return self.inner.storage_exists(keys, first_page, min_pages, fingerprint)
+        return self.inner.storage_exists(keys, first_page, min_pages, fingerprint, chunk_start_key)
 
 
 def test_a_slow_previous_fingerprint_check_never_holds_a_miss_and_answers_later_requests():

@@ -83,18 +83,13 @@ def test_failed_l1_to_l2_copy_under_a_fetch_frees_its_slots_and_recomputes():
     check(env)
 
 
-_NOT_BY_DEFAULT = pytest.mark.xfail(strict=True, reason="#27 item 3b: off by default (leading_page_index); an "
-                                    "L3 object is named by its last page's key, which such a prompt cannot compute")
-
-
-@pytest.mark.parametrize("index", [pytest.param(False, marks=_NOT_BY_DEFAULT), True], ids=["default", "leading_page_index"])
 @pytest.mark.parametrize("scheme", ["memory", "file"])
-def test_prompt_ending_or_diverging_inside_an_object_gets_its_leading_pages(scheme, index, tmp_path):
-    """Target of #27 item 3b, pinned before it is built: with 4 pages per object, a replica with an empty
-    L1/L2 serving a prompt that ends inside a stored object, or diverges from the stored chain inside it,
-    loads the object's matching leading pages from L3 (today: only the whole objects before it)."""
+def test_prompt_ending_or_diverging_inside_an_object_gets_its_leading_pages(scheme, tmp_path):
+    """#27 item 3b, by default: with 4 pages per object, a replica with an empty L1/L2 serving a prompt that
+    ends inside a stored object, or diverges from the stored chain inside it, loads the object's matching
+    leading pages from L3 (without the leading-page index: only the whole objects before it)."""
     url = f"memory://objfmt-{uuid.uuid4().hex[:8]}" if scheme == "memory" else f"file://{tmp_path}/l3"
-    kw = {**_DETERMINED, "pages_per_object": 4, "storage": StorageConfig(leading_page_index=index)}
+    kw = {**_DETERMINED, "pages_per_object": 4}
     writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=kw)
     a = seq(0, 40)  # 10 pages: objects [0, 4), [4, 8), partial [8, 10)
     writer.serve(a)
@@ -106,3 +101,29 @@ def test_prompt_ending_or_diverging_inside_an_object_gets_its_leading_pages(sche
         r = env.serve(prompt)
         assert (r["device_hit"], r["prefetched"], r["loaded"]) == (0, 24, 24)
         check(env)
+        off = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url,
+                         storage_kwargs={**kw, "storage": StorageConfig(leading_page_index=False)})
+        r = off.serve(prompt)
+        assert (r["device_hit"], r["prefetched"], r["loaded"]) == (0, 16, 16)  # object [0, 4) only
+        check(off)
+
+
+@pytest.mark.parametrize("index", [True, False], ids=["default", "no_index"])
+def test_an_l3_query_from_inside_an_object_gets_its_leading_pages(index):
+    """The head's L1 match ends inside a stored object's chunk (page 5 of [4, 8)): its L3 query starts
+    there, and the head passes the key of the chunk's first page (page 4) with the query and the fetch,
+    so L3 finds the object by it and the prompt's pages 5 and 6 come from L3 (exact KV). Without the
+    index they are recomputed."""
+    url = f"memory://objfmt-mid-{uuid.uuid4().hex[:8]}"
+    kw = {**_DETERMINED, "pages_per_object": 4, "storage": StorageConfig(leading_page_index=index)}
+    writer = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=kw)
+    a = seq(0, 40)
+    writer.serve(a)
+    writer.head.flush_write_through_acks()
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64, storage_url=url, storage_kwargs=kw)
+    r = env.serve(a[:20])  # pages 0..3 from L3's object [0, 4), page 4 from [4, 8) or computed
+    assert r["prefetched"] == (20 if index else 16)
+    r = env.serve(a[:28])  # L1 holds pages 0..4; L3 asked for pages 5, 6 from inside object [4, 8)
+    assert r["device_hit"] == 20
+    assert (r["prefetched"], r["loaded"]) == ((8, 8) if index else (0, 0))
+    check(env)

@@ -28,7 +28,7 @@ from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.serve_types import ServeRequest
 from hicache.reference.stack import StackOptions, build_stack
-from hicache.storage import ModelFingerprint, StorageConfig
+from hicache.storage import ModelFingerprint
 from hicache.storage.fault_injection import FaultPlan, OpFaults
 
 MODEL = ModelConfig()
@@ -184,10 +184,10 @@ def test_l3_hits_and_objects_unreadable(runner, stored):
 
 
 def test_l3_hits_of_an_objects_leading_pages_are_accounted(runner):
-    """#27 item 3b (``StorageConfig.leading_page_index``): a prompt diverging inside a stored 4-page
+    """#27 item 3b (the leading-page index, on by default): a prompt diverging inside a stored 4-page
     object loads the object's 2 matching leading pages from L3 (exact output, every token accounted)."""
     url = f"memory://acct-lead-{uuid.uuid4().hex[:10]}"
-    kw = {"storage": StorageConfig(leading_page_index=True), "pages_per_object": 4, "cost": NO_COST,
+    kw = {"pages_per_object": 4, "cost": NO_COST,
           "prefetch_policy": PrefetchPolicy.WAIT_COMPLETE, "prefetch_wait_max_s": 30.0, "query_wait_max_s": 30.0}
     a = _prompt(30)
     b = np.concatenate([a[:20], _prompt(31)[20:]])  # pages 0-1 (16 tokens) shared, page 2 differs

@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from hicache.storage import FsspecStorage, ModelFingerprint, Namespace, ShardCoord, StorageConfig, page_keys
+from hicache.storage import (
+    FsspecStorage,
+    ModelFingerprint,
+    Namespace,
+    ShardCoord,
+    StorageConfig,
+    leading_index,
+    page_keys,
+)
+from hicache.storage.chunking import Chunking
 from hicache.storage.errors import StorageUnavailableError
 from hicache.storage.testing import ManualClock, NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
@@ -181,11 +190,14 @@ else:
         if reads >= n:
             break
 s = st.stats()
-print(s.objects_written, s.objects_raced, s.objects_skipped_existing, s.corrupt_objects, s.hit_pages)
+print(s.objects_written, s.objects_raced, s.objects_skipped_existing, s.corrupt_objects, s.hit_pages, s.index_written)
 """
 
 
 def test_two_process_writers_one_valid_object(tmp_path):
+    """Two processes write the same chains with different bytes: each object is published once,
+    whole, by one of them; beside each, one leading-page index entry (a function of the keys alone,
+    so whichever writer publishes it, it is the same bytes) naming that object."""
     url = f"file://{tmp_path}/shared"
     go = tmp_path / "go"
     n = 20
@@ -201,13 +213,16 @@ def test_two_process_writers_one_valid_object(tmp_path):
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
         outs.append([int(x) for x in out.split()])
-    (w1, r1, s1, c1, _), (w2, r2, s2, c2, _), (_, _, _, c3, reader_hits) = outs
+    (w1, r1, s1, c1, _, i1), (w2, r2, s2, c2, _, i2), (_, _, _, c3, reader_hits, _) = outs
     assert w1 + w2 == n  # every object written exactly once
+    assert i1 + i2 == n  # and its index entry
     assert w1 + r1 + s1 == n and w2 + r2 + s2 == n  # the other writer saw it stored (or lost the race)
     assert c1 == c2 == c3 == 0  # nobody ever saw a torn or mixed object
     assert reader_hits > 0
     files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "shared") for f in fs]  # objects, temp files
-    assert len(files) == n and not [f for f in files if os.path.basename(f).startswith(".tmp")]
+    assert len(files) == 2 * n and not [f for f in files if os.path.basename(f).startswith(".tmp")]
+    entries = {f: Chunking.object_of_index_entry(f) for f in files if Chunking.object_of_index_entry(f)}
+    assert len(entries) == n and set(entries.values()) == set(files) - set(entries)
     # each object is entirely one writer's bytes
     st = FsspecStorage(url, FP, StorageConfig(pages_per_object=64))
     pool = NumpyHostPool(64, (2, 2, 4, 2, 8, 16))
@@ -219,6 +234,8 @@ def test_two_process_writers_one_valid_object(tmp_path):
         refs.append(ref.buf)
     for c in range(n):
         keys = page_keys(Namespace(FP, cache_salt=str(c)), np.arange(256))
+        (entry,) = [f for f, obj in entries.items() if obj == st.object_path(keys[63])]
+        assert leading_index.decode(open(entry, "rb").read(), keys[0], keys[63], 64) == [bytes.fromhex(k) for k in keys]
         assert st.batch_get(keys, S(0, 64)) == [True] * 64
         assert same_bytes(pool.buf, refs[0]) or same_bytes(pool.buf, refs[1])
     st.close()

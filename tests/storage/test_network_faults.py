@@ -186,26 +186,35 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def test_existence_checks_are_object_metadata_requests_never_listings(scheme, make):
+@pytest.mark.parametrize("index", [True, False], ids=["default", "no_index"])
+def test_existence_checks_are_object_metadata_requests_never_listings(scheme, make, index):
     """Counted through the wrapper: its calls, and on gs:// every HTTP request gcsfs sends (a
     listing gcsfs makes inside ``_info`` shows there, which the control at the end proves). The
     reader keeps to its own shard (``layout_refresh_s=None``): finding other layouts' shard folders
-    is a listing of its own, at most every ``layout_refresh_s`` (tests/storage/test_shard_cover.py)."""
+    is a listing of its own, at most every ``layout_refresh_s`` (tests/storage/test_shard_cover.py).
+    A hit is object metadata requests only, with or without the leading-page index; a miss with the
+    index (default) also lists the one index folder of the chunk it stopped in (in the round of its
+    partial-object probes), which finds no entry here."""
     writer = make(scheme)
     _fill_store(writer)
-    st = make(scheme, url=writer.url_, layout_refresh_s=None)
+    st = make(scheme, url=writer.url_, layout_refresh_s=None, leading_page_index=index)
     fs = st.faulty
     calls, reqs = fs.calls(), fs.requests()
     _, _, keys = _chains()[0]
     assert st.batch_exists(keys) == PAGES  # two stored objects
-    assert st.batch_exists([k[::-1] for k in keys]) == 0  # none stored: naturals, then partials
+    assert st.batch_exists(keys[:4]) == 4  # ends on the first object's last page
     assert st.batch_set(keys, S(0, PAGES)) == [True] * PAGES  # skipped: its existence round says stored
     dc, dr = _delta(fs.calls(), calls), _delta(fs.requests(), reqs)
-    assert dc["list"] == 0 and dc["read"] == 0 and dc["write"] == 0
-    asked = 2 + 2 + 3 + 2  # objects asked about: stored pair; missing pair, then 3 partials; the set's pair
+    assert dc["list"] == 0 and dc["read"] == 0 and dc["write"] == 0 and dc["metadata"] == 2 + 1 + 2
+    assert st.batch_exists([k[::-1] for k in keys]) == 0  # none stored: naturals, then partials
+    listings = 1 if index else 0  # beside the partials: the first chunk's folder
+    dc, dr = _delta(fs.calls(), calls), _delta(fs.requests(), reqs)
+    assert dc["list"] == listings and dc["read"] == 0 and dc["write"] == 0
+    asked = 2 + 1 + 2 + 2 + 3  # objects asked about: stored pair; one; the set's pair; missing pair, then 3 partials
     assert dc["metadata"] == asked
+    assert st.stats().index_lookups == listings
     if scheme == "gs":
-        assert dr == {"read": 0, "write": 0, "metadata": asked, "list": 0, "delete": 0}
+        assert dr == {"read": 0, "write": 0, "metadata": asked, "list": listings, "delete": 0}
         before = fs.requests()["list"]
         assert fs.exists(st.object_path(keys[3]))  # fsspec's exists: gcsfs' _info lists the prefix too
         assert fs.requests()["list"] > before
@@ -319,19 +328,22 @@ def test_listing_has_its_own_deadline(scheme, make):
 
 @pytest.mark.parametrize("fault", ["error", "hang"])
 def test_a_failed_leading_page_listing_is_a_counted_miss_of_those_pages_only(scheme, make, fault):
-    """``leading_page_index``: the listing of a chunk's first-page folder goes through the same deadline
-    and breaker as the call's other operations; failing (an error, or a hang past the call's deadline)
-    it costs only the leading pages, counted, and the whole objects before them still load."""
-    writer = make(scheme, leading_page_index=True)
+    """The leading-page index: the listing of a chunk's first-page folder goes through the same breaker
+    as the call's other operations, and ends by half the call's time left; failing (an error, or a
+    hang past that end) it costs only the leading pages, counted, and the whole objects before them
+    still load. A listing that runs out its own end is slow, not down: the breaker stays closed
+    (threshold 1 here: one tripped round would open it)."""
+    writer = make(scheme)
     _fill_store(writer)
     faults = OpFaults(error_p=1.0) if fault == "error" else OpFaults(hang_p=1.0)
-    st = make(scheme, url=writer.url_, plan=FaultPlan(listing=faults, hang_max_s=60.0), leading_page_index=True,
+    st = make(scheme, url=writer.url_, plan=FaultPlan(listing=faults, hang_max_s=60.0), breaker_threshold=1,
               retries=0, layout_refresh_s=None)
     _, _, keys = _chains()[0]
     assert st.batch_exists(keys[:6], timeout_s=2.0) == 4  # the first object; pages 4, 5 only via the listing
     assert st.batch_get(keys[:6], S(20, 26), timeout_s=2.0) == [True] * 4 + [False] * 2
     s = st.stats()
     assert (s.timeouts if fault == "hang" else s.errors) >= 1
+    assert s.breaker_opens == 0 and s.breaker_state == "closed"
     st.faulty.set_plan(FaultPlan())  # the listing answers again: the leading pages come back
     st.faulty.release_hangs()
     assert st.batch_exists(keys[:6]) == 6

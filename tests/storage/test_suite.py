@@ -21,8 +21,10 @@ from hicache.storage import (
     PoolTransfer,
     ShardCoord,
     StorageConfig,
+    leading_index,
     page_keys,
 )
+from hicache.storage.batch_io import Deadline, IoItem, IoKind
 from hicache.storage.format import FORMAT_VERSION, ObjectKind, ObjectMeta, encode_header
 from hicache.storage.testing import NumpyHostPool, same_bytes
 from hicache.storage.testing import slot_range as S
@@ -77,10 +79,13 @@ def test_exists_is_prefix_ordered(scheme, make_store, fp):
     assert st.stats().miss_pages == 8
 
 
-def test_prefix_ending_mid_chunk_then_longer_sequence(scheme, make_store, fp):
+@pytest.mark.parametrize("index", [True, False], ids=["default", "no_index"])
+def test_prefix_ending_mid_chunk_then_longer_sequence(scheme, make_store, fp, index):
     """Documented chunking rule: a partial tail is found by a later longer query via the probe;
-    the longer sequence then stores the full chunk."""
-    st = make_store(scheme)
+    the longer sequence then stores the full chunk. A later shorter query ending inside a chunk
+    stored only in full gets the chunk's leading pages from the leading-page index (default); with
+    the index off it loses them (at most C-1 pages) unless a partial object ends there."""
+    st = make_store(scheme) if index else make_store(scheme, leading_page_index=False)
     _, _, keys = _chain(fp, 11)
     _fill(st, 0, 11)
     assert st.batch_set(keys[:6], S(0, 6)) == [True] * 6  # chunk 0 full + partial (pages 4,5)
@@ -92,29 +97,24 @@ def test_prefix_ending_mid_chunk_then_longer_sequence(scheme, make_store, fp):
     assert st.batch_set(keys, S(0, 11)) == [True] * 11
     after = st.stats()
     assert after.objects_written - before.objects_written == 2
+    assert after.index_written - before.index_written == (2 if index else 0)
     assert st.batch_exists(keys) == 11
-    # a shorter query ending inside a chunk only stored in full loses the chunk's head pages,
-    # unless a partial object ends there (pages 4,5 do):
-    assert st.batch_exists(keys[:7]) == 6
-    assert st.batch_exists(keys[:6]) == 6
-    assert st.batch_exists(keys[:5]) == 4  # at most C-1 pages lost
+    if index:  # pages 4..6 of the full object [4, 8), pages 4, 5 of the partial one
+        assert [st.batch_exists(keys[:n]) for n in (7, 6, 5)] == [7, 6, 5]
+        assert st.batch_get(keys[:7], S(30, 37)) == [True] * 7
+        assert same_bytes(st.pool.buf[0:7], st.pool.buf[30:37])
+    else:  # pages 4, 5 only where the partial object ends
+        assert [st.batch_exists(keys[:n]) for n in (7, 6, 5)] == [6, 6, 4]
 
 
-_NOT_BY_DEFAULT = pytest.mark.xfail(strict=True, reason="#27 item 3b: off by default (leading_page_index); "
-                                    "an object is named by its last page's key, which such a query cannot compute")
-_INDEX = pytest.mark.parametrize("index", [pytest.param(False, marks=_NOT_BY_DEFAULT), True],
-                                 ids=["default", "leading_page_index"])
-
-
-@_INDEX
-def test_prefix_ending_or_diverging_inside_an_object_gets_its_leading_pages(scheme, make_store, fp, index):
-    """Target of #27 item 3b, pinned before it is built: a query that reaches an object's first page
+def test_prefix_ending_or_diverging_inside_an_object_gets_its_leading_pages(scheme, make_store, fp):
+    """#27 item 3b: a query that reaches an object's first page
     but ends (or diverges from the stored chain) inside the object still gets the object's leading
     pages that match its own chain, on every scheme alike; a corrupt object is a miss. Written
-    against the public API only (no object names), so it holds for any object layout; the
-    queries start at a chunk boundary (a query starting inside a chunk cannot compute the key of
-    the chunk's first page: it needs the caller to pass it, an API extension)."""
-    st = make_store(scheme, leading_page_index=index)
+    against the public API only (no object names), so it holds for any object layout. A query
+    starting inside a chunk cannot compute the key of the chunk's first page: the caller passes it
+    (``chunk_start_key``), or that chunk gives no leading pages."""
+    st = make_store(scheme)  # the defaults: the leading-page index on
     ns, toks, keys = _chain(fp, 8)  # objects [0, 4) and [4, 8), full
     _fill(st, 0, 8, seed=5)
     assert st.batch_set(keys, S(0, 8)) == [True] * 8
@@ -126,6 +126,11 @@ def test_prefix_ending_or_diverging_inside_an_object_gets_its_leading_pages(sche
     assert st.batch_exists(keys[4:7], first_page=4) == 3
     assert st.batch_get(keys[4:7], S(30, 33), first_page=4) == [True] * 3
     assert same_bytes(st.pool.buf[4:7], st.pool.buf[30:33])
+    # from inside the object (a query after an L2 hit of pages 0..4)
+    assert st.batch_exists(keys[5:7], first_page=5) == 0
+    assert st.batch_exists(keys[5:7], first_page=5, chunk_start_key=keys[4]) == 2
+    assert st.batch_get(keys[5:7], S(34, 36), first_page=5, chunk_start_key=keys[4]) == [True] * 2
+    assert same_bytes(st.pool.buf[5:7], st.pool.buf[34:36])
     # diverges at page 6: only pages 4 and 5 of the object match this chain
     other = toks.copy()
     other[6 * fp.page_size :] += 1
@@ -134,14 +139,15 @@ def test_prefix_ending_or_diverging_inside_an_object_gets_its_leading_pages(sche
     assert st.batch_exists(diverged) == 6
     assert st.batch_get(diverged, S(40, 48)) == [True] * 6 + [False] * 2
     assert same_bytes(st.pool.buf[0:6], st.pool.buf[40:46])
+    assert st.batch_exists(diverged[5:8], first_page=5, chunk_start_key=keys[4]) == 1  # page 5 only
+    assert st.batch_exists(diverged[6:8], first_page=6, chunk_start_key=keys[4]) == 0  # shares no page
 
 
-@_INDEX
-def test_corrupt_object_gives_no_leading_pages(scheme, make_store, fp, index):
+def test_corrupt_object_gives_no_leading_pages(scheme, make_store, fp):
     """An object found for its leading pages is verified whole first: corrupt, it is a miss (and its
     good sibling still loads). The store holds only object [4, 8), written alone; the query ends
     inside it."""
-    st = make_store(scheme, leading_page_index=index)
+    st = make_store(scheme)  # the defaults: the leading-page index on
     _, _, keys = _chain(fp, 8)
     _fill(st, 0, 8, seed=6)
     assert st.batch_set(keys[4:], S(4, 8), first_page=4) == [True] * 4
@@ -175,6 +181,37 @@ def test_leading_page_index_entry_bad_or_dangling_gives_no_leading_pages(scheme,
     st.fs.rm_file(st.object_path(keys[7]))  # the entry dangles
     assert st.batch_exists(keys[:6]) == 4
     assert st.batch_get(keys[:6], S(20, 26)) == [True] * 4 + [False] * 2
+
+
+def test_more_siblings_than_candidates_bounded_reads_never_another_chains_pages(scheme, make_store, fp):
+    """Twelve chains share pages 0..4 and diverge at page 5, so chunk [4, 8) has twelve objects with
+    the same first page. A query of one of them ending at page 6 reads at most
+    ``MAX_CANDIDATES`` index entries: it gets its own object's pages 4..6 if its entry is among
+    those read, else the shared page 4 from a sibling, and never a sibling's page 5 or 6."""
+    st = make_store(scheme)
+    ns = Namespace(fp)
+    chains = []
+    for s in range(12):
+        toks = np.arange(8 * fp.page_size, dtype=np.int64)
+        toks[5 * fp.page_size :] += 1000 * (s + 1)
+        keys = page_keys(ns, toks)
+        _fill(st, 0, 5, seed=1)  # the shared pages: the same KV whichever chain stores them
+        _fill(st, 5, 8, seed=100 + s)
+        assert st.batch_set(keys, S(0, 8)) == [True] * 8
+        chains.append(keys)
+    assert len({k[4] for k in chains}) == 1 and len({k[5] for k in chains}) == 12
+    # the folder's listing asks for its first names only (in name order, on every scheme alike)
+    folder = st._pools[PoolKind.KV].chunking.index_dir(chains[0][4])
+    every, first3 = st._io.mixed([IoItem(IoKind.LIST, folder), IoItem(IoKind.LIST, folder, first=3)], Deadline(20.0))
+    assert len(every) == 12 and first3 == sorted(every)[:3]
+    for s in (0, 11):
+        before = st.stats()
+        n = st.batch_exists(chains[s][:7])
+        assert st.stats().index_reads - before.index_reads <= leading_index.MAX_CANDIDATES
+        assert n in (5, 7)
+        assert st.batch_get(chains[s][:7], S(20, 27)) == [True] * n + [False] * (7 - n)
+        _fill(st, 5, 8, seed=100 + s)
+        assert same_bytes(st.pool.buf[0:n], st.pool.buf[20 : 20 + n])
 
 
 def test_the_same_writes_give_the_same_hits_on_every_scheme(make_store, fp):
