@@ -106,18 +106,56 @@ def unsupported_server_args(server_args: Any, options: HiCacheOptions | None = N
     return reasons
 
 
+# sgl-jax's model_runner.py:169 and model_runner_kv_cache_mixin.py:851 (commit cddbf6f) name these hybrids; the
+# reasons below say which sgl-jax piece stops each (docs/perf_notes_sglhyb.md has the file:line detail).
+SWA_BLOCKER = (
+    "sgl-jax keeps a sliding-window model's local layers in a separate pool (SWAKVPool) whose allocator "
+    "(SWATokenToKVPoolAllocator, the only holder of its full->SWA slot mapping) runs only with sgl-jax's own "
+    "SWARadixCache or ChunkCache as the tree (ScheduleBatch.init_new asserts it), so hicache cannot be its prefix "
+    "cache; set disable_hybrid_swa_memory=True to keep full-size KV on every layer, which hicache serves as "
+    "full attention")
+RECURRENT_BLOCKER = (
+    "sgl-jax caches recurrent (linear-attention / Mamba) states only in its own UnifiedRadixCache (RECURRENT "
+    "component), and its model runner refuses any other tree for these models (it requires "
+    "enable_unified_radix_tree or disable_radix_cache, and hicache_storage='disable'), so hicache cannot be "
+    "their prefix cache")
+
+
+def recurrent_model_type(hf_config: Any) -> str | None:
+    """The model type when sgl-jax runs ``hf_config`` as a linear-recurrent hybrid (its own three detectors,
+    as its model runner asks them), else None."""
+    from sgl_jax.srt.configs.bailing_hybrid import get_bailing_hybrid_config
+    from sgl_jax.srt.configs.kimi_linear import get_kimi_linear_config
+    from sgl_jax.srt.configs.qwen3_5 import get_qwen3_5_hybrid_config
+
+    detectors = (get_kimi_linear_config, get_qwen3_5_hybrid_config, get_bailing_hybrid_config)
+    if any(detect(hf_config) is not None for detect in detectors):
+        return str(getattr(hf_config, "model_type", "unknown"))
+    return None
+
+
 def unsupported_kv_layout(server_args: Any) -> list[str]:
-    """Reasons the model's KV cache is not one hicache's pools hold (full-attention MHA layers only), read from
-    its config as sgl-jax reads it; empty when it is."""
+    """Reasons the model's KV cache is not one hicache's pools hold (MHA layers in one full-size pool), read
+    from its config as sgl-jax reads it; empty when it is. A sliding-window model fits with
+    ``disable_hybrid_swa_memory=True`` (sgl-jax then masks the window over full-size KV on every layer)."""
     from sgl_jax.srt.configs.model_config import AttentionArch, ModelConfig
 
     config = ModelConfig.from_server_args(server_args)
     reasons = []
+    kind = recurrent_model_type(config.hf_config)
+    if kind is not None:
+        return [f"a linear-recurrent hybrid ({kind}): {RECURRENT_BLOCKER}"]
     if config.attention_arch != AttentionArch.MHA:
         reasons.append(f"attention_arch={config.attention_arch.name}: hicache's pools hold MHA KV pages only")
     layer_types = set(getattr(config.hf_text_config, "layer_types", None) or ())
-    if layer_types - {"full_attention"}:
-        reasons.append(f"layer_types={sorted(layer_types)}: hicache serves full-attention layers only")
+    # sgl-jax's own rule for a hybrid SWA pool (model_runner.py:164): a window in the config, not disabled
+    hybrid_swa = bool(config.sliding_window) and config.sliding_window > 0
+    if (hybrid_swa or "sliding_attention" in layer_types) and not server_args.disable_hybrid_swa_memory:
+        reasons.append(f"a sliding-window (local/global attention) model, layer_types={sorted(layer_types)}, "
+                       f"sliding_window={config.sliding_window}: {SWA_BLOCKER}")
+    elif layer_types - {"full_attention", "sliding_attention"}:
+        reasons.append(f"layer_types={sorted(layer_types)}: hicache serves full- and sliding-window attention "
+                       "layers only")
     return reasons
 
 

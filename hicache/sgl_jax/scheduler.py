@@ -31,8 +31,8 @@ def build_hicache_kv_cache(options: HiCacheOptions, *, server_args: Any, req_to_
     """``build_kv_cache`` for hicache: an embedded head over sgl-jax's device pool (its pages, its ids), with
     the host tiers ``options`` ask for (``hicache.sgl_jax.tiers``)."""
     if is_hybrid or is_hybrid_recurrent:
-        raise ValueError("hicache serves full-attention models only for now (this model has sliding-window "
-                         "or recurrent layers)")
+        raise ValueError("hicache cannot page sgl-jax's hybrid pools (a sliding-window model needs "
+                         "disable_hybrid_swa_memory=True; recurrent hybrids are not supported: see options.py)")
     device_allocator = token_to_kv_pool_allocator
     if device_allocator.page_size != page_size:
         raise ValueError(f"allocator page_size {device_allocator.page_size} != scheduler page_size {page_size}")

@@ -1,4 +1,5 @@
-"""A tiny random Qwen3 in HF layout (config.json + safetensors), written locally: no download.
+"""A tiny random Qwen3, and a tiny random Gemma-2 (local/global attention), in HF layout (config.json +
+safetensors), written locally: no download.
 
 For tests, benchmarks and the docs of ``hicache.sgl_jax``. The weights come from a seeded numpy RNG, so
 two folders written with the same seed hold the same model (and give the same greedy tokens). Serve it
@@ -118,4 +119,39 @@ def write_tiny_qwen3(path: str | Path, model: TinyQwen3 | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.hf_config(), indent=2))
     write_safetensors(folder / "model.safetensors", model.weights())
+    return folder
+
+
+def write_tiny_gemma2(path: str | Path, sliding_window: int = 8, seed: int = 0) -> Path:
+    """A tiny random Gemma-2 (``TinyQwen3``'s sizes, tied embeddings, softcaps) whose even layers attend to the
+    last ``sliding_window`` tokens and odd layers to all: a local/global hybrid. The post-norm gains are 3 (Gemma
+    norms scale by 1 + weight) so that the layers, not the tied embedding, pick the next token. Written to the
+    folder ``path`` (created); returns it."""
+    if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
+    sizes = TinyQwen3(seed=seed)
+    config = {k: v for k, v in sizes.hf_config().items() if k not in ("hidden_act", "attention_bias")}
+    layers = sizes.num_hidden_layers
+    config.update({
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": sizes.head_dim, "sliding_window": sliding_window, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "attention_bias": False, "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+    })
+    weights = sizes.weights()
+    h = sizes.hidden_size
+    weights["model.embed_tokens.weight"] *= 0.02
+    weights["model.norm.weight"] = np.zeros(h, np.float32)
+    del weights["lm_head.weight"]
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        del weights[f"{p}.self_attn.q_norm.weight"], weights[f"{p}.self_attn.k_norm.weight"]
+        for norm in ("input_layernorm", "pre_feedforward_layernorm"):
+            weights[f"{p}.{norm}.weight"] = np.zeros(h, np.float32)
+        for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
+            weights[f"{p}.{norm}.weight"] = np.full(h, 2.0, np.float32)
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_safetensors(folder / "model.safetensors", weights)
     return folder
