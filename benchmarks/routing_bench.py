@@ -319,16 +319,16 @@ class VirtualTimeStorage(FsspecStorage):
 
     def batch_exists(self, keys: Sequence[str], *, first_page: int = 0, pool: PoolKind = PoolKind.KV,
                      timeout_s: float | None = None, min_pages: int = 1,
-                     fingerprint: ModelFingerprint | None = None) -> int:
+                     fingerprint: ModelFingerprint | None = None, chunk_start_key: str | None = None) -> int:
         found = super().batch_exists(keys, first_page=first_page, pool=pool, timeout_s=timeout_s,
-                                     min_pages=min_pages, fingerprint=fingerprint)
+                                     min_pages=min_pages, fingerprint=fingerprint, chunk_start_key=chunk_start_key)
         seen = self.l3.visible_pages(keys, found)
         if seen == found or seen < min_pages:
             return seen
         # Asked again up to what is visible: a fetch of fewer pages than an object holds cannot name that
         # object (it is named by its last page), so the answer ends where the readable objects end.
         return super().batch_exists(keys[:seen], first_page=first_page, pool=pool, timeout_s=timeout_s,
-                                    min_pages=min_pages, fingerprint=fingerprint)
+                                    min_pages=min_pages, fingerprint=fingerprint, chunk_start_key=chunk_start_key)
 
     def batch_get_pools(self, transfers: Sequence[PoolTransfer], *,
                         timeout_s: float | None = None) -> list[list[bool]]:

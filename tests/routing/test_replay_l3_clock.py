@@ -43,10 +43,11 @@ def test_replay_shows_l3_writes_from_their_virtual_completion(tmp_path, runner, 
     assert out["outputs"][0] == out["outputs"][5] == out["outputs"][6]
 
 
-def test_virtual_time_storage_answers_only_what_is_visible_and_readable(tmp_path):
+@pytest.mark.parametrize("leading_page_index", [True, False])
+def test_virtual_time_storage_answers_only_what_is_visible_and_readable(tmp_path, leading_page_index):
     fp = ModelFingerprint("tiny-test", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
     l3 = routing_bench.VirtualL3(write_s_per_token=0.0, page_size=4)
-    st = l3.open(f"file://{tmp_path}/l3", fp, StorageConfig(pages_per_object=4))
+    st = l3.open(f"file://{tmp_path}/l3", fp, StorageConfig(pages_per_object=4, leading_page_index=leading_page_index))
     pool = NumpyHostPool(16, (2, 2, 2, 4, 8))
     st.register_host_pool(pool, shard=ShardCoord.full(fp))
     try:
@@ -60,12 +61,14 @@ def test_virtual_time_storage_answers_only_what_is_visible_and_readable(tmp_path
             l3.now = now
             assert st.batch_exists(keys) == seen
             assert st.batch_get(keys, slot_range(8, 16)) == [True] * seen + [False] * (8 - seen)
-        # Pages 4-5 seen earlier (as another replica's write of them would make them): a fetch of 6 pages
-        # could not name the object of pages 4-7, so the answer stops at the readable 4.
+        # Pages 4-5 seen earlier (as another replica's write of them would make them): with the leading-page
+        # index a fetch of 6 pages reads them from the object of pages 4-7; without it, it could not name
+        # that object, so the answer stops at the readable 4.
         l3.visible_at.update({keys[4]: 1.0, keys[5]: 1.0})
         l3.now = 2.0
-        assert st.batch_exists(keys) == 4
-        assert st.batch_get(keys[:4], slot_range(8, 12)) == [True] * 4
-        assert same_bytes(pool.read_slots(slot_range(8, 12)), pool.read_slots(slot_range(0, 4)))
+        n = 6 if leading_page_index else 4
+        assert st.batch_exists(keys) == n
+        assert st.batch_get(keys[:n], slot_range(8, 8 + n)) == [True] * n
+        assert same_bytes(pool.read_slots(slot_range(8, 8 + n)), pool.read_slots(slot_range(0, n)))
     finally:
         st.close()
