@@ -52,6 +52,12 @@ class CopyBatch(PendingTransfer):
         # Hybrid trees: chain index -> the same copy's component-pool transfers (None until one has some).
         self.parts: dict[int, list[ComponentTransfer]] | None = None
 
+    def add_parts(self, index: int, parts: list[ComponentTransfer]) -> None:
+        """More component-pool copies of chain ``index`` (with their destinations), before the op is built."""
+        if self.parts is None:
+            self.parts = {}
+        self.parts.setdefault(index, []).extend(parts)
+
     @property
     def num_transfers(self) -> int:  # type: ignore[override]  # a class constant in PendingTransfer
         return len(self.chains)
@@ -61,9 +67,7 @@ class CopyBatch(PendingTransfer):
         """Queues the copy of ``chain`` (``pages[i] <-> slots[i]``; ``parts``: its component pools' copies,
         with their destinations); returns the pages now queued."""
         if parts:
-            if self.parts is None:
-                self.parts = {}
-            self.parts[len(self.chains)] = parts
+            self.add_parts(len(self.chains), parts)
         self.chains.append(chain)
         self.pages.append(pages)
         self.slots.append(slots)
@@ -123,6 +127,8 @@ class PlanOutbox:
         self._batch_pages = config.backup_batch_pages
         self._hold_calls = config.backup_hold_calls
         self._held_calls = 0  # hold_call calls since the oldest queued backup was queued
+        # Called with the backup batch right before its op is built (the controller's send-time component copies)
+        self.before_backup_send: Callable[[CopyBatch], None] | None = None
 
     # -- queueing --------------------------------------------------------------------------------------
     def queue_storage(self, op: TransferOp, nodes: list[TreeNode]) -> PendingTransfer:
@@ -204,6 +210,8 @@ class PlanOutbox:
             loads.op = loads.merged_op(next(self.op_ids))
             sent = [*sent, loads]
         if send_backups:
+            if self.before_backup_send is not None:
+                self.before_backup_send(backups)
             backups.op = backups.merged_op(next(self.op_ids))
             sent = [*sent, backups]
         pending = self.pending

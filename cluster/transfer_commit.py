@@ -118,10 +118,13 @@ class TransferCommitter:
         full = self.tree.full
         if batch.kind is _D2H:
             unreserve = self.host.unreserve
-            for parts in (batch.parts or {}).values():
+            for i, parts in (batch.parts or {}).items():
                 for t in parts:
                     assert t.dst is not None  # reserved when queued
-                    self.component_hosts[t.component].unreserve(t.dst)
+                    pool = self.component_hosts[t.component]
+                    pool.unreserve(t.dst)
+                    # (the component releases what it holds for the copy: e.g. Mamba, the state it kept in L1)
+                    pool.component.commit_hicache_transfer(batch.chains[i][-1], HiCachePhase.BACKUP, [t], ok=False)
             for nodes in batch.chains:
                 for n in nodes:
                     n.pending = None

@@ -104,23 +104,31 @@ class _FailCopiesWithSWA:
         return self._gate(self.inner.wait(timeout_s, op_ids))
 
 
+L2_OPTIONS = {  # L1 for about two conversations, component L2s smaller than the Full L2 (64 pages)
+    "swa": {"swa_tokens": 112, "swa_host_tokens": 160},
+    "mamba": {"state_slots": 6, "state_host_slots": 6},
+}
+
+
+@pytest.mark.parametrize("model_kind", ["swa", "mamba"])
 @pytest.mark.parametrize("kind", ["d2h", "h2d"])
-def test_failed_copies_with_swa_pages_roll_back_and_serving_stays_exact(kind):
-    """A D2H / H2D op whose SWA part is lost fails as a whole: backups leave no host copy (their SWA ids
-    freed), loads fall back to recompute; outputs stay bit-exact and nothing leaks."""
+def test_failed_copies_with_component_parts_roll_back_and_serving_stays_exact(kind, model_kind):
+    """A D2H / H2D op whose SWA pages or Mamba states are lost fails as a whole: backups leave no host copy
+    (their component ids freed), loads fall back to recompute from what L1 serves; outputs stay bit-exact and
+    nothing leaks."""
     from hicache.cluster.tree import PageOwner
 
-    stack = build_stack(StackOptions(model=MODELS["swa"], forward=FWD, l1_pages=20, swa_tokens=112, l2_slots=64,
-                                     swa_host_tokens=160))
+    stack = build_stack(StackOptions(model=MODELS[model_kind], forward=FWD, l1_pages=20, l2_slots=64,
+                                     **L2_OPTIONS[model_kind]))
     ctl = stack.head.controller
     ctl.workers = wrapper = _FailCopiesWithSWA(ctl.workers, kind)
     chats(stack.runner, stack, rounds=4)
     stack.client.flush_write_through_acks()
     assert wrapper.failed and stack.head.cache_stats()["transfer_failures"] > 0
-    pool = ctl.component_hosts["swa"]
-    assert pool.slots.count(PageOwner.REQUEST) == 0  # no SWA host id left reserved
-    if kind == "d2h":  # no backup with SWA pages ever committed: no SWA host copy, no load
-        assert pool.stats()["host_tokens"] == 0 and stack.head.cache_stats()["loaded_tokens"] == 0
+    pool = ctl.component_hosts[model_kind]
+    assert pool.slots.count(PageOwner.REQUEST) == 0  # no component host id left reserved
+    if kind == "d2h":  # no backup with component parts ever committed: no component host copy, no load
+        assert pool.slots.count(PageOwner.TREE) == 0 and stack.head.cache_stats()["loaded_tokens"] == 0
     stack.head.tree.check_invariants()
     ctl.check_invariants()
     assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
@@ -173,9 +181,37 @@ def test_recurrent_states_move_through_a_workers_l2_bit_exactly():
     worker.close()
 
 
-def test_mamba_with_a_host_tier_is_refused_clearly():
-    with pytest.raises(ValueError, match="host tier .* mamba component is not supported yet"):
-        build_stack(StackOptions(model=MODELS["mamba"], forward=FWD, l1_pages=20, state_slots=6, l2_slots=32))
+def test_mamba_multi_turn_with_l2_under_eviction_equals_no_cache():
+    """L1 holds about two conversations, 6 state slots fewer, the states' L2 (6) fewer than the Full L2's
+    pages (64): L1 states and L2 states are both evicted, and L2 hits (Full pages plus the state at the
+    hit's end, loaded with them) are exact."""
+    stack = build_stack(StackOptions(model=MODELS["mamba"], forward=FWD, l1_pages=20, state_slots=6, l2_slots=64,
+                                     state_host_slots=6))
+    assert stack.worker.pools["mamba"][1].num_slots == 6  # the worker's state L2 is the head's
+    out = chats(stack.runner, stack, rounds=4)
+    assert out["hits"] > 0 and out["loaded"] > 0  # L1 and L2 hits
+    stack.client.flush_write_through_acks()
+    stats = stack.head.cache_stats()
+    assert stats["device_evicted_tokens"] > 0 and stats["loaded_tokens"] > 0
+    mamba = stats["mamba"]
+    assert mamba["evicted_states"] > 0 and mamba["request_slots"] == 0
+    assert mamba["host_evicted_tokens"] > 0 and 0 < mamba["host_states"] <= mamba["host_capacity_states"] == 6
+    stack.head.tree.check_invariants()
+    stack.head.controller.check_invariants()
+    assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"state_host_slots": 0}, "mamba host_slots must be a positive int or None, got 0"),
+        ({"state_slots": 1}, r"mamba num_slots=1: a request needs 2"),
+    ],
+)
+def test_mamba_l2_bad_sizes_are_refused(kwargs, match):
+    options = {"model": MODELS["mamba"], "forward": FWD, "l1_pages": 20, "state_slots": 6, "l2_slots": 32, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        build_stack(StackOptions(**options))
 
 
 @pytest.mark.parametrize("kind", ["swa", "mamba"])

@@ -179,6 +179,10 @@ class TreeComponent(ABC):
         """The request is abandoned (``RadixTree.abandon_request``): release its values, cache nothing."""
 
     evict_param: str = ""  # keyword of RadixTree.evict that drives this component's own eviction
+    # HiCache: build this component's BACKUP transfers when the D2H op is sent, not when its chain is queued
+    # (a value set on the chain's nodes in between, e.g. a Mamba state cached at a node end, still goes)
+    backup_at_send: bool = False
+    host_id_is_page: bool = True  # an L2 id holds one page of the node's tokens (False: one value per node)
 
     def evict_component(self, amount: int) -> int:
         """Component-own eviction (SWA tokens, Mamba states); returns what was freed in the same unit."""
