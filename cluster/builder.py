@@ -191,7 +191,7 @@ class ChunkCache(RadixTree):
     Keeps the allocator, locks-as-no-ops and the request flows so scheduler code is the same.
     """
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey, use_host: bool = True) -> MatchResult:
         if not isinstance(key, RadixKey):
             raise TypeError(f"match_prefix expects a RadixKey, got {type(key).__name__}")
         root = self._root_for(key.namespace)

@@ -276,6 +276,12 @@ class HiCacheController:
             parts = self._reserved_parts(self._send_time_hosts, chain)
             if parts:
                 batch.add_parts(i, parts)
+        for pool in self._send_time_hosts:  # values cached on nodes already backed up (e.g. a branch's state)
+            for node in pool.component.take_late_backups():
+                parts = self._reserved_parts([pool], [node])
+                if parts:
+                    self.tree.full.lock(node)  # (its value stays in L1 until the ack)
+                    batch.add_loose(node, parts)
 
     def _load_parts(self, leaf: TreeNode) -> list[ComponentTransfer]:
         """The component copies a load of the chain ending at ``leaf`` needs (e.g. SWA: the window's pages)."""

@@ -205,6 +205,11 @@ class TreeComponent(ABC):
         """(component, node id, host ids) of the host copies of nodes removed since the last call."""
         return []
 
+    def take_late_backups(self) -> list[TreeNode]:
+        """Nodes whose value (with ``backup_at_send``) should be copied to L2 by the next D2H op on its own:
+        set after the node's Full KV was backed up, so no backup chain carries it."""
+        return []
+
     def host_copies(self) -> list[np.ndarray]:
         """The host ids of every host copy this component records (host tier checks)."""
         return []

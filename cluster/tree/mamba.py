@@ -9,7 +9,7 @@ Runs on the head, inside the replica's radix tree (DESIGN.md §1); workers and t
   state at the split point was never materialised). A match is truncated to the deepest L1 node with a
   state; ``MatchResult.components["mamba"]`` is ``MambaMatch(state_slot, branching_seqlen)``:
   ``state_slot`` is the state of exactly ``device_hit_len`` tokens (-1: start from the zero state) and
-  ``branching_seqlen`` is where the key leaves the tree's L1 KV (>= device_hit_len). A scheduler that
+  ``branching_seqlen`` is where the key leaves the tree, L1 or L2 (>= device_hit_len). A scheduler that
   ends a prefill chunk there (``cache_unfinished_req``) gives that branch point a state.
 - Copy-on-write: cached states are immutable. ``RadixTree.begin_request(match)`` (after locking the
   match's node) gives the request a fresh working slot and the copy ``(cached, working)``; only request
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class MambaMatch:
     state_slot: int  # state after exactly device_hit_len tokens; -1 = zero state (nothing matched)
-    branching_seqlen: int  # tokens of the key the tree holds in L1 (full KV), before state truncation
+    branching_seqlen: int  # tokens of the key the tree holds (full KV in L1 or L2), before state truncation
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,9 @@ class MambaComponent(TreeComponent):
         self.queue = ComponentQueue(self.name, self.is_evictable)
         self.evicted_states = 0
         self.released_host_copies: list[tuple[str, int, np.ndarray]] = []
+        # States cached at node ends whose Full KV already has (or is getting) an L2 copy: no backup chain
+        # will carry them, so the next D2H op does (``take_late_backups``)
+        self.late_states: dict[int, TreeNode] = {}
 
     def attach(self, tree: RadixTree) -> None:
         super().attach(tree)
@@ -188,6 +191,7 @@ class MambaComponent(TreeComponent):
             self._free_state(node, st)
 
     def on_remove(self, node: TreeNode) -> None:
+        self.late_states.pop(node.id, None)
         st = node.component_data["mamba"]
         if st.slot >= 0:
             self._free_state(node, st)
@@ -283,6 +287,23 @@ class MambaComponent(TreeComponent):
         st.slot = slot
         if st.lock == 0:
             self.queue.push(node)
+        if st.host_slot < 0 and (node.host_slots is not None or node.staged_slots is not None):
+            self.late_states[node.id] = node
+
+    def take_late_backups(self) -> list[TreeNode]:
+        """Nodes whose L1 state should go to L2 on its own now: their Full KV is in L2 (committed), the state
+        is not. Nodes whose Full copy is still in flight wait for a later call."""
+        out, keep = [], {}
+        for node_id, node in self.late_states.items():
+            st = self._state(node)
+            if st.slot < 0 or st.host_slot >= 0 or st.backing_up or node.host_slots is None and node.staged_slots is None:
+                continue  # (evicted, copied meanwhile, or its Full copy is gone)
+            if node.staged_slots is not None:
+                keep[node_id] = node
+            else:
+                out.append(node)
+        self.late_states = keep
+        return out
 
     # -- eviction --------------------------------------------------------------------------------------
     def evict_component(self, amount: int) -> int:
@@ -406,3 +427,4 @@ class MambaComponent(TreeComponent):
         self.queue.clear()
         self.evicted_states = 0
         self.released_host_copies = []
+        self.late_states = {}

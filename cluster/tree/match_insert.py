@@ -162,7 +162,8 @@ class MatchInsert(TreeStructure):
         (the load-back continues it). Only when no L2 node qualifies do the components cut the L1 part
         (``limit_match``: e.g. Mamba, the deepest node whose state is in L1)."""
         hooks = self.hooks
-        branch_len = sum(n.num_tokens for n in device_path) if hooks.match_value else 0
+        # where the key leaves the tree, any tier: a request that caches a state there serves its siblings
+        branch_len = sum(n.num_tokens for n in path) if hooks.match_value else 0
         host_path = []
         for node in path[len(device_path) :]:
             if node.host_slots is None or node.loading:

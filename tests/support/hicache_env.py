@@ -213,11 +213,16 @@ class HiCacheEnv:
             self._write(tokens, own, hit // ps)
         table = np.concatenate([pages, own])
         whole = len(tokens) - len(tokens) % ps
-        if whole > hit:  # the request's state after its last whole page, cached at that node end
-            self._states().write_pages([value.slot], self.state_rows(tokens, whole))
-            state = head.cache_unfinished_req(RequestState(RadixKey(tokens[:whole]), table, hit, node, 0, comps))
+        # the request's state where its key leaves the tree (siblings share it) and after its last whole page,
+        # each cached at that node end (as the scheduler's ``_state_cuts``)
+        for cut in sorted({value.branching_seqlen // ps * ps, whole}):
+            if not hit < cut <= whole:
+                continue
+            self._states().write_pages([value.slot], self.state_rows(tokens, cut))
+            state = head.cache_unfinished_req(RequestState(RadixKey(tokens[:cut]), table, hit, node, 0, comps))
             self._copy_states(state.components["mamba"].copies)
             table, hit, node, comps = state.device_pages, state.prefix_len, state.last_node, state.components
+            value = comps["mamba"]
         head.cache_finished_req(RequestState(key, table, hit, node, 0, comps))
         return {"device_hit": b.match.device_hit_len - loaded, "loaded": loaded, "load_failed": load_failed,
                 "host_hit": m.host_hit_len, "prefetched": 0}
