@@ -62,19 +62,34 @@ def test_hybrid_multi_turn_under_eviction_equals_no_cache(kind):
         assert stats["swa"]["request_pages"] == 0 and stats["swa"]["evicted_tokens"] > 0
 
 
-def test_swa_multi_turn_with_l2_under_eviction_equals_no_cache():
-    """L1 holds about two conversations, the SWA pages' L2 (20 pages) less than the Full L2 (64): L1 and
-    the SWA host copies are both evicted, and L2 hits (Full pages plus the window's SWA pages) are exact."""
-    stack = build_stack(StackOptions(model=MODELS["swa"], forward=FWD, l1_pages=20, swa_tokens=112, l2_slots=64,
-                                     swa_host_tokens=160))
-    assert stack.worker.pools["swa"][1].num_slots == 20  # the worker's SWA L2 is the head's
+L2_OPTIONS = {  # L1 for about two conversations, component L2s smaller than the Full L2 (64 pages)
+    "swa": {"swa_tokens": 112, "swa_host_tokens": 160},
+    "mamba": {"state_slots": 6, "state_host_slots": 6},
+}
+
+
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_multi_turn_with_l2_under_eviction_equals_no_cache(kind):
+    """L1 holds about two conversations, the component's L2 less than the Full L2 (64 pages; SWA: 20 pages,
+    Mamba: 6 states, fewer than its 6 L1 slots hold with requests running): L1 and the component's host copies
+    are both evicted, and L2 hits (Full pages plus the window's SWA pages / the state at the hit's end,
+    loaded with them) are exact."""
+    stack = build_stack(StackOptions(model=MODELS[kind], forward=FWD, l1_pages=20, l2_slots=64, **L2_OPTIONS[kind]))
+    host_ids = {"swa": 20, "mamba": 6}[kind]
+    assert stack.worker.pools[kind][1].num_slots == host_ids  # the worker's component L2 is the head's
     out = chats(stack.runner, stack, rounds=4)
     assert out["hits"] > 0 and out["loaded"] > 0  # L1 and L2 hits
     stack.client.flush_write_through_acks()
     stats = stack.head.cache_stats()
     assert stats["device_evicted_tokens"] > 0 and stats["loaded_tokens"] > 0
-    swa = stats["swa"]
-    assert swa["host_evicted_tokens"] > 0 and 0 < swa["host_tokens"] <= swa["host_capacity_tokens"] == 160
+    comp = stats[kind]
+    if kind == "swa":
+        assert comp["host_evicted_tokens"] > 0 and 0 < comp["host_tokens"] <= comp["host_capacity_tokens"] == 160
+    else:
+        assert comp["evicted_states"] > 0 and comp["request_slots"] == 0
+        assert comp["host_evicted_tokens"] > 0 and 0 < comp["host_states"] <= comp["host_capacity_states"] == 6
     stack.head.tree.check_invariants()
     stack.head.controller.check_invariants()
     assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
@@ -102,12 +117,6 @@ class _FailCopiesWithSWA:
 
     def wait(self, timeout_s, op_ids=None):
         return self._gate(self.inner.wait(timeout_s, op_ids))
-
-
-L2_OPTIONS = {  # L1 for about two conversations, component L2s smaller than the Full L2 (64 pages)
-    "swa": {"swa_tokens": 112, "swa_host_tokens": 160},
-    "mamba": {"state_slots": 6, "state_host_slots": 6},
-}
 
 
 @pytest.mark.parametrize("kind, model_kind", [("d2h", "swa"), ("h2d", "swa"), pytest.param("d2h", "mamba", marks=pytest.mark.slow),
@@ -179,26 +188,6 @@ def test_recurrent_states_move_through_a_workers_l2_bit_exactly():
     np.testing.assert_array_equal(from_restored, from_original)
     assert runner.state_pool is worker.pools["mamba"][0].kv
     worker.close()
-
-
-def test_mamba_multi_turn_with_l2_under_eviction_equals_no_cache():
-    """L1 holds about two conversations, 6 state slots fewer, the states' L2 (6) fewer than the Full L2's
-    pages (64): L1 states and L2 states are both evicted, and L2 hits (Full pages plus the state at the
-    hit's end, loaded with them) are exact."""
-    stack = build_stack(StackOptions(model=MODELS["mamba"], forward=FWD, l1_pages=20, state_slots=6, l2_slots=64,
-                                     state_host_slots=6))
-    assert stack.worker.pools["mamba"][1].num_slots == 6  # the worker's state L2 is the head's
-    out = chats(stack.runner, stack, rounds=4)
-    assert out["hits"] > 0 and out["loaded"] > 0  # L1 and L2 hits
-    stack.client.flush_write_through_acks()
-    stats = stack.head.cache_stats()
-    assert stats["device_evicted_tokens"] > 0 and stats["loaded_tokens"] > 0
-    mamba = stats["mamba"]
-    assert mamba["evicted_states"] > 0 and mamba["request_slots"] == 0
-    assert mamba["host_evicted_tokens"] > 0 and 0 < mamba["host_states"] <= mamba["host_capacity_states"] == 6
-    stack.head.tree.check_invariants()
-    stack.head.controller.check_invariants()
-    assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
 
 
 @pytest.mark.parametrize(
