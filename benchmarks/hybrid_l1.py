@@ -9,10 +9,11 @@ only that pool); the recurrent state pool ``--state-slots``. Every output is com
 run (tokens and logits, bit for bit): a mismatch raises. Reported per config: prompt tokens, tokens
 prefilled (computed past the reused prefix), the ratio, L1 hit tokens, and each pool's bytes.
 
-With ``--l2-fraction f`` (f x the stream's distinct pages of L2; write-through), the full and swa configs
+With ``--l2-fraction f`` (f x the stream's distinct pages of L2; write-through), the full, swa and mamba configs
 are also served with L1+L2 (the swa model's SWA pages get ``--swa-host-fraction`` x the Full L2, as host
-tails: only the window a hit reads); the record adds L2 hit tokens (loaded back) and the L2 bytes. Mamba
-has no host tier yet: its record stays L1 only.
+tails: only the window a hit reads; the mamba model its states at node ends in an L2 of as many
+states as the Full L2 has pages, loaded back with an L2 hit's Full pages); the record adds L2 hit tokens
+(loaded back) and the L2 bytes.
 
     python benchmarks/hybrid_l1.py [--quick] [--json out.json] [--l2-fraction 1.0]
 """
@@ -123,7 +124,7 @@ def main() -> None:
     parser.add_argument("--state-slots", type=int, default=0, help="recurrent state slots (0: L1 pages / 4)")
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--l2-fraction", type=float, default=0.0,
-                        help="L2 pages / the stream's distinct pages (0: L1 only); full and swa run with it too")
+                        help="L2 pages / the stream's distinct pages (0: L1 only); every kind runs with it too")
     parser.add_argument("--swa-host-fraction", type=float, default=1.0, help="the SWA pages' L2 / the Full L2")
     args = parser.parse_args()
     rounds = multi_turn(spec(args.quick))
@@ -137,6 +138,7 @@ def main() -> None:
         records.append(run("full", rounds, l1_pages, 1.0, slots, args.new_tokens, l2))
         records += [run("swa", rounds, l1_pages, float(f), slots, args.new_tokens, l2, args.swa_host_fraction)
                     for f in args.swa_fractions.split(",")]
+        records.append(run("mamba", rounds, l1_pages, 1.0, slots, args.new_tokens, l2))
     for r in records:
         print(f"{r.model_kind:6s} swa_frac={r.swa_fraction:.2f} requests={r.requests} prompt={r.prompt_tokens} "
               f"prefilled={r.prefilled_tokens} reduction={r.prefill_reduction:.2f}x hits={r.hit_tokens} "

@@ -67,12 +67,17 @@ per config (those with the most L3 / L2 / L1 hits) are compared tokens + logits 
 ``ModelRunner.generate_no_cache``; a mismatch raises.
 
     python benchmarks/multiturn.py [--quick] [--json out.json] [--png out.png]
+    python benchmarks/multiturn.py --model-kind swa|mamba [--quick] [--json out.json]
+
+``--model-kind swa|mamba``: the same workload through a hybrid model's stack (``benchmarks.multiturn_hybrid``:
+reuse, prefill tokens and pool sizes, every output exact; its own JSON); the default ``full`` is the run above.
     ray job submit --runtime-env ray_configs/runtime_env/local.yaml -- python benchmarks/multiturn.py --json mt.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -87,7 +92,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import multiturn_hybrid  # noqa: E402
 from benchmarks.clocks import CLOCKS  # noqa: E402
+from benchmarks.multiturn_hybrid import MODEL_KINDS  # noqa: E402
 from benchmarks.oracle import accesses, belady_hit_tokens, working_set  # noqa: E402
 from benchmarks.pairing import (  # noqa: E402
     best_of_reps,
@@ -212,6 +219,11 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     p.add_argument("--json")
     p.add_argument("--png")
     p.add_argument("--quick", action="store_true", help="6 clients x 3 rounds, 1 overhead rep, 1 TTFT rep")
+    p.add_argument("--model-kind", default="full", choices=MODEL_KINDS,
+                   help="full: the run above; swa / mamba: the hybrid model's path (benchmarks.multiturn_hybrid)")
+    p.add_argument("--window", type=int, default=64, help="--model-kind swa: the local layers' window (tokens)")
+    p.add_argument("--swa-fractions", default="1.0,0.75,0.5,0.25",
+                   help="--model-kind swa: SWA pool sizes (x the Full pool) of the l1_only pool sweep")
     args = p.parse_args(argv)
     if args.quick:
         args.clients, args.rounds, args.overhead_reps, args.ttft_reps = 6, 3, 1, 1
@@ -224,6 +236,14 @@ def main(argv: list[str] | None = None) -> list[ConfigRecord]:
     est = wl.working_set_pages(args.clients, args.rounds, args.output_tokens)
     longest = max(wl.final_len(c, args) for c in range(args.clients))
     l1_pages, l2_slots = tier_sizes(est, longest, args.l1_fraction, args.l2_fraction)
+    if args.model_kind != "full":
+        out = multiturn_hybrid.run(args, wl, l1_pages, l2_slots, model)
+        out["model"] = args.model
+        out["seconds"] = round(time.perf_counter() - t_start, 1)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        log(f"  targets: {out['targets']}")
+        return []
     base = ModelRunner(model, FWD, num_pages=l1_pages)
     bare = BareEngine(base, l1_pages)
     log(f"multiturn: model {args.model} (hidden {model.hidden}, MLP {model.mlp_hidden}, {model.num_layers} layers), "

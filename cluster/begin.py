@@ -36,7 +36,10 @@ class BeginParams:
     match is shorter than ``l3_below`` (what an arrival's query covered: L3 had nothing past it); then,
     unless a prefetch started or the match has an L2 part, lock the L1 prefix
     (``match.last_device_node``) and allocate pages for ``total_tokens - device_hit_len`` tokens
-    (``total_tokens``: the request's prompt and new tokens, >= ``len(key)``)."""
+    (``total_tokens``: the request's prompt and new tokens, >= ``len(key)``). ``l1_only``: the match
+    takes no L2 part (the components limit its L1 part as when nothing follows in L2) and is not counted as
+    a request's match: a request whose L2 part was just loaded back starts from it (Mamba: its working state
+    copies the loaded state; a failed load leaves the deepest L1 node with a state); no L3 with it."""
 
     key: RadixKey
     total_tokens: int
@@ -45,6 +48,7 @@ class BeginParams:
     prefetch_id: str | None = None
     l3_min_tokens: int = 0
     l3_below: int = NO_LIMIT
+    l1_only: bool = False
 
     def __post_init__(self) -> None:
         # checked here, before the head changes anything
@@ -64,6 +68,10 @@ class BeginParams:
             v = getattr(self, name)
             if v is not None and type(v) is not str:
                 raise TypeError(f"BeginParams.{name} must be a str or None, got {v!r}")
+        if type(self.l1_only) is not bool:
+            raise TypeError(f"BeginParams.l1_only must be a bool, got {self.l1_only!r}")
+        if self.l1_only and (self.check_prefetch is not None or self.prefetch_id is not None):
+            raise ValueError("BeginParams.l1_only takes no L3 prefetch (check_prefetch, prefetch_id must be None)")
 
 
 @dataclass(slots=True, eq=False)

@@ -96,9 +96,16 @@ class MambaConfig:
     num_slots: int | None = None  # state slots; None = unbounded
     state_shapes: tuple[tuple[int, ...], ...] = ((1,),)  # one entry per Mamba layer (conv, ssm, ...)
     dtype: str = "float32"
+    # states' L2 (with a host tier) in slots, one state each; None = as many as the Full L2's pages
+    # (``HiCacheConfig.host_slots``: a node holds at least one page, so at most that many node ends)
+    host_slots: int | None = None
 
     def __post_init__(self) -> None:
         check_state_layout(self.num_slots, self.state_shapes, self.dtype)  # ValueError naming the value
+        if self.host_slots is not None and (
+            not isinstance(self.host_slots, int) or isinstance(self.host_slots, bool) or self.host_slots <= 0
+        ):
+            raise ValueError(f"mamba host_slots must be a positive int or None, got {self.host_slots!r}")
 
     @property
     def bytes_per_slot(self) -> int:
@@ -184,7 +191,7 @@ class ChunkCache(RadixTree):
     Keeps the allocator, locks-as-no-ops and the request flows so scheduler code is the same.
     """
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey, use_host: bool = True) -> MatchResult:
         if not isinstance(key, RadixKey):
             raise TypeError(f"match_prefix expects a RadixKey, got {type(key).__name__}")
         root = self._root_for(key.namespace)

@@ -1,4 +1,5 @@
-"""L2 of a hybrid model's component pools on the head: the host ids of one component (SWA pages), its capacity.
+"""L2 of a hybrid model's component pools on the head: the host ids of one component (SWA pages, Mamba
+states), its capacity.
 
 The head decides, the workers store: every host worker keeps a ``ComponentPool`` of the same name whose L2
 slots these ids name. One ``ComponentHostPool`` per component with a host tier, owned by the replica's
@@ -80,9 +81,13 @@ class ComponentHostPool:
 
     # -- checks and reporting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
+        used = self.slots.count(PageOwner.TREE)
+        if not self.component.host_id_is_page:  # (Mamba: an id holds one state, whatever its node's length)
+            return {"host_states": used, "host_capacity_states": self.num_slots,
+                    "host_evicted_tokens": self.evicted_tokens}
         ps = self.tree.page_size
         return {
-            "host_tokens": self.slots.count(PageOwner.TREE) * ps,
+            "host_tokens": used * ps,
             "host_capacity_tokens": self.num_slots * ps,
             "host_evicted_tokens": self.evicted_tokens,
         }

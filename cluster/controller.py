@@ -28,7 +28,7 @@ import numpy as np
 from hicache.cluster.component_host import ComponentHostPool
 from hicache.cluster.events import CacheCounters, KVEvent, MissReason
 from hicache.cluster.host_tier import HostTier
-from hicache.cluster.plan_outbox import PlanOutbox
+from hicache.cluster.plan_outbox import CopyBatch, PlanOutbox
 from hicache.cluster.policy import HiCacheConfig, WritePolicy
 from hicache.cluster.storage_tier import (
     L3_UNAVAILABLE,
@@ -110,6 +110,11 @@ class HiCacheController:
         self.component_hosts = {name: ComponentHostPool(tree, tree.component(name), n)
                                 for name, n in self.component_host_slots.items()}
         self.commits = TransferCommitter(tree, self.host, self.events, self.counters, self.component_hosts)
+        # Component pools whose backups are built when the D2H op is sent (``TreeComponent.backup_at_send``)
+        self._send_time_hosts = [p for p in self.component_hosts.values() if p.component.backup_at_send]
+        self._queue_time_hosts = [p for p in self.component_hosts.values() if not p.component.backup_at_send]
+        if self._send_time_hosts:
+            self.outbox.before_backup_send = self._add_send_time_parts
         self.on_transfer: Callable[[str, float, int], None] | None = None  # (op kind, seconds, host) per ack
         self._backup_hits = config.backup_hits
         # Pages of the last L1 alloc (``note_alloc``): held backups lock their nodes, so ``check_events`` sends
@@ -189,9 +194,16 @@ class HiCacheController:
         else:
             chain, blocker = self.tree.full.backup_chain(node)
             if blocker is not None:
-                if blocker.staged_slots is not None and blocker is not node:
+                if blocker.staged_slots is None or blocker is node:
+                    return False
+                # Hybrid trees: when the ancestor's backup is still queued, the nodes below it join the same op
+                # (one ack commits both chains, ancestors first; a failed op rolls both back): a recurrent
+                # request caches several node ends per prefill, and deferred ones were evicted before the ack.
+                # (Full-only trees keep deferring: their serving figures stay comparable; see the perf notes.)
+                if not self.component_hosts or blocker.pending is not self.outbox.open_backups:
                     self._deferred[node.id] = node  # an ancestor's backup is in flight: after its ack
-                return False
+                    return False
+                chain = self._chain_below(node, blocker)
             if not chain:
                 return False
             parts = []
@@ -226,18 +238,50 @@ class HiCacheController:
         self.outbox.queue_backup(chain, pages, slots, self._backup_parts(chain) if self.component_hosts else None)
         return True
 
+    @staticmethod
+    def _chain_below(node: TreeNode, ancestor: TreeNode) -> list[TreeNode]:
+        """``node`` and its ancestors below ``ancestor``, root first (none has an L2 copy or a staged one)."""
+        chain = []
+        while node is not ancestor:
+            assert node.parent is not None and node.host_slots is None and node.staged_slots is None
+            assert node.device_pages is not None and not node.loading
+            chain.append(node)
+            node = node.parent
+        chain.reverse()
+        return chain
+
     def _backup_parts(self, chain: list[TreeNode]) -> list[ComponentTransfer]:
         """The component copies that go with the backup of ``chain``, with the host ids reserved for them; a
         copy the component's L2 cannot make room for is left out (its node gets no component copy, so L2 hits
         stop where the component needs it)."""
+        return self._reserved_parts(self._queue_time_hosts, chain)
+
+    @staticmethod
+    def _reserved_parts(pools: list[ComponentHostPool], chain: list[TreeNode]) -> list[ComponentTransfer]:
         parts = []
-        for pool in self.component_hosts.values():
+        for pool in pools:
             for node in chain:
                 for t in pool.component.build_hicache_transfers(node, HiCachePhase.BACKUP):
                     ids = pool.reserve(len(t.src))
                     if ids is not None:
                         parts.append(dataclasses.replace(t, dst=ids))
+                    else:  # no room: the component releases what it holds for the copy
+                        pool.component.commit_hicache_transfer(node, HiCachePhase.BACKUP, [t], ok=False)
         return parts
+
+    def _add_send_time_parts(self, batch: CopyBatch) -> None:
+        """The backup batch goes now: the copies of the send-time components (Mamba states) join it, built from
+        what its chains' nodes hold at this moment (the op reads them at dispatch; the nodes stay locked)."""
+        for i, chain in enumerate(batch.chains):
+            parts = self._reserved_parts(self._send_time_hosts, chain)
+            if parts:
+                batch.add_parts(i, parts)
+        for pool in self._send_time_hosts:  # values cached on nodes already backed up (e.g. a branch's state)
+            for node in pool.component.take_late_backups():
+                parts = self._reserved_parts([pool], [node])
+                if parts:
+                    self.tree.full.lock(node)  # (its value stays in L1 until the ack)
+                    batch.add_loose(node, parts)
 
     def _load_parts(self, leaf: TreeNode) -> list[ComponentTransfer]:
         """The component copies a load of the chain ending at ``leaf`` needs (e.g. SWA: the window's pages)."""
@@ -300,9 +344,10 @@ class HiCacheController:
             return self._start_load(chain, last_device, tokens, caller_lock)
         if reason is not None:
             self.counters.miss_tokens[reason] += tokens
+        served = self.tree.servable_end(last_device)  # (hybrid trees: the L2 part was what the components needed)
         if caller_lock:
-            self.tree.lock_path(last_device)
-        return self._prefix_result(last_device, last_device, None, 0, -1, reason)
+            self.tree.lock_path(served)
+        return self._prefix_result(served, served, None, 0, -1, reason)
 
     def _start_load(self, chain: list[TreeNode], last_device: TreeNode, tokens: int,
                     caller_lock: bool) -> LoadBackResult:
@@ -335,15 +380,16 @@ class HiCacheController:
         except CacheCapacityError:
             for c in chain:
                 c.host_pin -= 1
+            served = self.tree.servable_end(last_device)
             if caller_lock:  # the caller's lock moves to the prefix it gets
                 self.tree.dec_lock_ref(leaf.id)
-                self.tree.lock_path(last_device)
+                self.tree.lock_path(served)
             else:
                 full.unlock(leaf)
                 if last_device.parent is not None:
                     full.maybe_push(last_device)  # an eviction pass may have dropped its queue entry meanwhile
             self.counters.miss_tokens[MissReason.NO_SPACE] += tokens
-            return self._prefix_result(last_device, last_device, None, 0, -1, MissReason.NO_SPACE)
+            return self._prefix_result(served, served, None, 0, -1, MissReason.NO_SPACE)
         slots = full.attach_loading_chain(chain, pages)
         load_id = next(self.outbox.op_ids)
         # The open batch goes as one TransferOp at the next send (``submit``): one per step, not per request.

@@ -86,8 +86,7 @@ class HeadConfig:
             host_slots = self.component_host_slots()
             for c in self.components:
                 if isinstance(c, MambaConfig):
-                    raise ValueError("a host tier (hicache) for the mamba component is not supported yet: "
-                                     "recurrent models run with L1 only (hicache=None)")
+                    continue  # (one state is all an L2 hit needs: any positive host_slots holds it)
                 host_tokens = host_slots[c.kind.value] * self.tree.page_size
                 if host_tokens < c.window:  # an L2 hit needs the window's SWA pages there
                     raise ValueError(f"swa host_tokens={host_tokens} cannot hold one window (window={c.window})")
@@ -107,14 +106,20 @@ class HeadConfig:
             if spec is None:
                 raise ValueError(f"the {name} component has a host tier: its workers need a pool layout "
                                  f"(component_specs[{name!r}], a KVCacheSpec of its layers)")
-            if not isinstance(c, SWAConfig) or c.num_tokens is None:
+            if isinstance(c, MambaConfig):
+                if c.num_slots is None:
+                    raise ValueError(f"workers hold the {name} pool: its config needs num_slots, got {c!r}")
+                out.append(ComponentPool(name, spec, c.num_slots, slots))  # (a state is one page of its pool)
+                continue
+            if c.num_tokens is None:
                 raise ValueError(f"workers hold the {name} pool: its config needs num_tokens, got {c!r}")
             out.append(ComponentPool(name, spec, c.num_tokens // self.tree.page_size, slots))
         return tuple(out)
 
     def component_host_slots(self) -> dict[str, int]:
-        """L2 ids (pages) of each component pool with a host tier (none without ``hicache``): what the
-        head's controller allocates and every worker's ``ComponentPool`` of that name must hold."""
+        """L2 ids of each component pool with a host tier (none without ``hicache``; SWA: pages, Mamba:
+        states): what the head's controller allocates and every worker's ``ComponentPool`` of that name must
+        hold."""
         if self.hicache is None:
             return {}
         out = {}
@@ -122,6 +127,8 @@ class HeadConfig:
             if isinstance(c, SWAConfig):
                 out[c.kind.value] = (self.hicache.host_slots if c.host_tokens is None
                                      else c.host_tokens // self.tree.page_size)
+            else:
+                out[c.kind.value] = self.hicache.host_slots if c.host_slots is None else c.host_slots
         return out
 
     @property
@@ -479,8 +486,12 @@ class CacheHead:
             if checked.state is PrefetchState.DONE:
                 fetched = checked.tokens
         key = params.key
-        m = self.match_prefix(key)
-        why = self._events.last_miss_reason
+        if params.l1_only:  # (a request's start after its load-back: its match was recorded before the load)
+            m = self.tree.match_prefix(key, use_host=False)
+            why = None
+        else:
+            m = self.match_prefix(key)
+            why = self._events.last_miss_reason
         if checked is not None and checked.state is not PrefetchState.DONE:
             why = explain_l3(why, checked)
         l3_s = 0.0

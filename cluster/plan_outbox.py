@@ -39,7 +39,7 @@ class CopyBatch(PendingTransfer):
     lock, ``LoadBackParams.lock``, released by the caller, not by the ack). ``op`` is the merged op once
     sent, None before."""
 
-    __slots__ = ("chains", "pages", "slots", "num_pages", "load_ids", "caller_locks", "parts")
+    __slots__ = ("chains", "pages", "slots", "num_pages", "load_ids", "caller_locks", "parts", "loose")
 
     def __init__(self, kind: OpKind, num_hosts: int) -> None:
         super().__init__(None, -1, [], num_hosts, kind)
@@ -51,6 +51,20 @@ class CopyBatch(PendingTransfer):
         self.caller_locks: list[bool] = []
         # Hybrid trees: chain index -> the same copy's component-pool transfers (None until one has some).
         self.parts: dict[int, list[ComponentTransfer]] | None = None
+        # Component copies of nodes outside the chains (their Full KV is in L2 already), each node locked
+        self.loose: list[tuple[TreeNode, list[ComponentTransfer]]] | None = None
+
+    def add_parts(self, index: int, parts: list[ComponentTransfer]) -> None:
+        """More component-pool copies of chain ``index`` (with their destinations), before the op is built."""
+        if self.parts is None:
+            self.parts = {}
+        self.parts.setdefault(index, []).extend(parts)
+
+    def add_loose(self, node: TreeNode, parts: list[ComponentTransfer]) -> None:
+        """Component copies of ``node`` without Full pages (its Full KV is in L2), before the op is built."""
+        if self.loose is None:
+            self.loose = []
+        self.loose.append((node, parts))
 
     @property
     def num_transfers(self) -> int:  # type: ignore[override]  # a class constant in PendingTransfer
@@ -61,9 +75,7 @@ class CopyBatch(PendingTransfer):
         """Queues the copy of ``chain`` (``pages[i] <-> slots[i]``; ``parts``: its component pools' copies,
         with their destinations); returns the pages now queued."""
         if parts:
-            if self.parts is None:
-                self.parts = {}
-            self.parts[len(self.chains)] = parts
+            self.add_parts(len(self.chains), parts)
         self.chains.append(chain)
         self.pages.append(pages)
         self.slots.append(slots)
@@ -76,17 +88,17 @@ class CopyBatch(PendingTransfer):
         """The batch as one op (its copies' id pairs concatenated, in queue order). The ids are the head's
         own (allocators, nodes; never written in place): the op takes them as they are (``copy_op``)."""
         pages, slots = self.pages, self.slots
-        pools = self._pool_copies() if self.parts else ()
+        pools = self._pool_copies() if self.parts or self.loose else ()
         if len(pages) == 1:
             return TransferOp.copy_op(op_id, self.kind, pages[0], slots[0], pools)
         return TransferOp.copy_op(op_id, self.kind, concat(pages), concat(slots), pools)
 
     def _pool_copies(self) -> tuple[PoolCopy, ...]:
         """One ``PoolCopy`` per component pool: every part of the batch for it, in queue order."""
-        assert self.parts is not None
         by_pool: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         backup = self.kind is _D2H
-        for transfers in self.parts.values():
+        groups = list((self.parts or {}).values()) + [parts for _, parts in self.loose or ()]
+        for transfers in groups:
             for t in transfers:
                 assert t.dst is not None  # the controller gives every part its destination
                 device, host = by_pool.setdefault(t.component, ([], []))
@@ -123,6 +135,8 @@ class PlanOutbox:
         self._batch_pages = config.backup_batch_pages
         self._hold_calls = config.backup_hold_calls
         self._held_calls = 0  # hold_call calls since the oldest queued backup was queued
+        # Called with the backup batch right before its op is built (the controller's send-time component copies)
+        self.before_backup_send: Callable[[CopyBatch], None] | None = None
 
     # -- queueing --------------------------------------------------------------------------------------
     def queue_storage(self, op: TransferOp, nodes: list[TreeNode]) -> PendingTransfer:
@@ -204,6 +218,8 @@ class PlanOutbox:
             loads.op = loads.merged_op(next(self.op_ids))
             sent = [*sent, loads]
         if send_backups:
+            if self.before_backup_send is not None:
+                self.before_backup_send(backups)
             backups.op = backups.merged_op(next(self.op_ids))
             sent = [*sent, backups]
         pending = self.pending

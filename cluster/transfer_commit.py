@@ -70,6 +70,8 @@ class TransferCommitter:
         assert batch.op is not None  # acked: it was sent
         if batch.parts:
             self._commit_backup_parts(batch.chains, batch.parts)
+        if batch.loose:
+            self._end_loose(batch, ok=True)
         self.counters.backed_up_tokens += self.host.commit_chains(chains, batch.op.host_slots)  # clears ``pending``
         unlock, merge = self.tree.full.unlock, self.tree.merge_backed_up
         if self.storage is None:
@@ -118,10 +120,15 @@ class TransferCommitter:
         full = self.tree.full
         if batch.kind is _D2H:
             unreserve = self.host.unreserve
-            for parts in (batch.parts or {}).values():
+            for i, parts in (batch.parts or {}).items():
                 for t in parts:
                     assert t.dst is not None  # reserved when queued
-                    self.component_hosts[t.component].unreserve(t.dst)
+                    pool = self.component_hosts[t.component]
+                    pool.unreserve(t.dst)
+                    # (the component releases what it holds for the copy: e.g. Mamba, the state it kept in L1)
+                    pool.component.commit_hicache_transfer(batch.chains[i][-1], HiCachePhase.BACKUP, [t], ok=False)
+            if batch.loose:
+                self._end_loose(batch, ok=False)
             for nodes in batch.chains:
                 for n in nodes:
                     n.pending = None
@@ -164,6 +171,18 @@ class TransferCommitter:
                     for t in mine:
                         assert t.dst is not None  # reserved when queued
                         pool.commit(t.dst)
+
+    def _end_loose(self, batch: CopyBatch, ok: bool) -> None:
+        """The copies of ``batch.loose`` are acked (``ok``: the components record them, their ids are committed)
+        or failed (ids freed, components roll back); each node's lock is released."""
+        assert batch.loose is not None
+        for node, parts in batch.loose:
+            for t in parts:
+                assert t.dst is not None  # reserved when sent
+                pool = self.component_hosts[t.component]
+                pool.component.commit_hicache_transfer(node, HiCachePhase.BACKUP, [t], ok=ok)
+                (pool.commit if ok else pool.unreserve)(t.dst)
+            self.tree.full.unlock(node)
 
     def _commit_load_parts(self, leaf, transfers, ok: bool = True) -> None:
         """A load of the chain ending at ``leaf`` acked (``ok``): every component with a host tier restores what

@@ -121,7 +121,7 @@ def encode_calls(calls: Sequence[Call], sent: SentKeys | None = None) -> tuple[H
                                       k.cache_salt)
             if kind is BeginParams:  # the key as a match's, then the scalars
                 entry = (_BEGIN, *entry[1:], arg.total_tokens, arg.hold_writes, arg.check_prefetch, arg.prefetch_id,
-                         arg.l3_min_tokens, arg.l3_below)
+                         arg.l3_min_tokens, arg.l3_below, arg.l1_only)
             header.append(entry)
         elif kind is RequestState and method in _STATE_METHODS and _compact_state(arg):
             k = arg.key

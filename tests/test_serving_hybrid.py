@@ -62,19 +62,34 @@ def test_hybrid_multi_turn_under_eviction_equals_no_cache(kind):
         assert stats["swa"]["request_pages"] == 0 and stats["swa"]["evicted_tokens"] > 0
 
 
-def test_swa_multi_turn_with_l2_under_eviction_equals_no_cache():
-    """L1 holds about two conversations, the SWA pages' L2 (20 pages) less than the Full L2 (64): L1 and
-    the SWA host copies are both evicted, and L2 hits (Full pages plus the window's SWA pages) are exact."""
-    stack = build_stack(StackOptions(model=MODELS["swa"], forward=FWD, l1_pages=20, swa_tokens=112, l2_slots=64,
-                                     swa_host_tokens=160))
-    assert stack.worker.pools["swa"][1].num_slots == 20  # the worker's SWA L2 is the head's
+L2_OPTIONS = {  # L1 for about two conversations, component L2s smaller than the Full L2 (64 pages)
+    "swa": {"swa_tokens": 112, "swa_host_tokens": 160},
+    "mamba": {"state_slots": 6, "state_host_slots": 6},
+}
+
+
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_multi_turn_with_l2_under_eviction_equals_no_cache(kind):
+    """L1 holds about two conversations, the component's L2 less than the Full L2 (64 pages; SWA: 20 pages,
+    Mamba: 6 states, fewer than its 6 L1 slots hold with requests running): L1 and the component's host copies
+    are both evicted, and L2 hits (Full pages plus the window's SWA pages / the state at the hit's end,
+    loaded with them) are exact."""
+    stack = build_stack(StackOptions(model=MODELS[kind], forward=FWD, l1_pages=20, l2_slots=64, **L2_OPTIONS[kind]))
+    host_ids = {"swa": 20, "mamba": 6}[kind]
+    assert stack.worker.pools[kind][1].num_slots == host_ids  # the worker's component L2 is the head's
     out = chats(stack.runner, stack, rounds=4)
     assert out["hits"] > 0 and out["loaded"] > 0  # L1 and L2 hits
     stack.client.flush_write_through_acks()
     stats = stack.head.cache_stats()
     assert stats["device_evicted_tokens"] > 0 and stats["loaded_tokens"] > 0
-    swa = stats["swa"]
-    assert swa["host_evicted_tokens"] > 0 and 0 < swa["host_tokens"] <= swa["host_capacity_tokens"] == 160
+    comp = stats[kind]
+    if kind == "swa":
+        assert comp["host_evicted_tokens"] > 0 and 0 < comp["host_tokens"] <= comp["host_capacity_tokens"] == 160
+    else:
+        assert comp["evicted_states"] > 0 and comp["request_slots"] == 0
+        assert comp["host_evicted_tokens"] > 0 and 0 < comp["host_states"] <= comp["host_capacity_states"] == 6
     stack.head.tree.check_invariants()
     stack.head.controller.check_invariants()
     assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
@@ -104,23 +119,25 @@ class _FailCopiesWithSWA:
         return self._gate(self.inner.wait(timeout_s, op_ids))
 
 
-@pytest.mark.parametrize("kind", ["d2h", "h2d"])
-def test_failed_copies_with_swa_pages_roll_back_and_serving_stays_exact(kind):
-    """A D2H / H2D op whose SWA part is lost fails as a whole: backups leave no host copy (their SWA ids
-    freed), loads fall back to recompute; outputs stay bit-exact and nothing leaks."""
+@pytest.mark.parametrize("kind, model_kind", [("d2h", "swa"), ("h2d", "swa"), pytest.param("d2h", "mamba", marks=pytest.mark.slow),
+                                              ("h2d", "mamba")])
+def test_failed_copies_with_component_parts_roll_back_and_serving_stays_exact(kind, model_kind):
+    """A D2H / H2D op whose SWA pages or Mamba states are lost fails as a whole: backups leave no host copy
+    (their component ids freed), loads fall back to recompute from what L1 serves; outputs stay bit-exact and
+    nothing leaks."""
     from hicache.cluster.tree import PageOwner
 
-    stack = build_stack(StackOptions(model=MODELS["swa"], forward=FWD, l1_pages=20, swa_tokens=112, l2_slots=64,
-                                     swa_host_tokens=160))
+    stack = build_stack(StackOptions(model=MODELS[model_kind], forward=FWD, l1_pages=20, l2_slots=64,
+                                     **L2_OPTIONS[model_kind]))
     ctl = stack.head.controller
     ctl.workers = wrapper = _FailCopiesWithSWA(ctl.workers, kind)
     chats(stack.runner, stack, rounds=4)
     stack.client.flush_write_through_acks()
     assert wrapper.failed and stack.head.cache_stats()["transfer_failures"] > 0
-    pool = ctl.component_hosts["swa"]
-    assert pool.slots.count(PageOwner.REQUEST) == 0  # no SWA host id left reserved
-    if kind == "d2h":  # no backup with SWA pages ever committed: no SWA host copy, no load
-        assert pool.stats()["host_tokens"] == 0 and stack.head.cache_stats()["loaded_tokens"] == 0
+    pool = ctl.component_hosts[model_kind]
+    assert pool.slots.count(PageOwner.REQUEST) == 0  # no component host id left reserved
+    if kind == "d2h":  # no backup with component parts ever committed: no component host copy, no load
+        assert pool.slots.count(PageOwner.TREE) == 0 and stack.head.cache_stats()["loaded_tokens"] == 0
     stack.head.tree.check_invariants()
     ctl.check_invariants()
     assert stack.head.tree.stats().request_pages == 0 and stack.head.tree.stats().protected_tokens == 0
@@ -173,9 +190,17 @@ def test_recurrent_states_move_through_a_workers_l2_bit_exactly():
     worker.close()
 
 
-def test_mamba_with_a_host_tier_is_refused_clearly():
-    with pytest.raises(ValueError, match="host tier .* mamba component is not supported yet"):
-        build_stack(StackOptions(model=MODELS["mamba"], forward=FWD, l1_pages=20, state_slots=6, l2_slots=32))
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"state_host_slots": 0}, "mamba host_slots must be a positive int or None, got 0"),
+        ({"state_slots": 1}, r"mamba num_slots=1: a request needs 2"),
+    ],
+)
+def test_mamba_l2_bad_sizes_are_refused(kwargs, match):
+    options = {"model": MODELS["mamba"], "forward": FWD, "l1_pages": 20, "state_slots": 6, "l2_slots": 32, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        build_stack(StackOptions(**options))
 
 
 @pytest.mark.parametrize("kind", ["swa", "mamba"])

@@ -179,6 +179,10 @@ class TreeComponent(ABC):
         """The request is abandoned (``RadixTree.abandon_request``): release its values, cache nothing."""
 
     evict_param: str = ""  # keyword of RadixTree.evict that drives this component's own eviction
+    # HiCache: build this component's BACKUP transfers when the D2H op is sent, not when its chain is queued
+    # (a value set on the chain's nodes in between, e.g. a Mamba state cached at a node end, still goes)
+    backup_at_send: bool = False
+    host_id_is_page: bool = True  # an L2 id holds one page of the node's tokens (False: one value per node)
 
     def evict_component(self, amount: int) -> int:
         """Component-own eviction (SWA tokens, Mamba states); returns what was freed in the same unit."""
@@ -199,6 +203,11 @@ class TreeComponent(ABC):
 
     def take_released_host_copies(self) -> list[tuple[str, int, np.ndarray]]:
         """(component, node id, host ids) of the host copies of nodes removed since the last call."""
+        return []
+
+    def take_late_backups(self) -> list[TreeNode]:
+        """Nodes whose value (with ``backup_at_send``) should be copied to L2 by the next D2H op on its own:
+        set after the node's Full KV was backed up, so no backup chain carries it."""
         return []
 
     def host_copies(self) -> list[np.ndarray]:

@@ -9,7 +9,7 @@ Runs on the head, inside the replica's radix tree (DESIGN.md §1); workers and t
   state at the split point was never materialised). A match is truncated to the deepest L1 node with a
   state; ``MatchResult.components["mamba"]`` is ``MambaMatch(state_slot, branching_seqlen)``:
   ``state_slot`` is the state of exactly ``device_hit_len`` tokens (-1: start from the zero state) and
-  ``branching_seqlen`` is where the key leaves the tree's L1 KV (>= device_hit_len). A scheduler that
+  ``branching_seqlen`` is where the key leaves the tree, L1 or L2 (>= device_hit_len). A scheduler that
   ends a prefill chunk there (``cache_unfinished_req``) gives that branch point a state.
 - Copy-on-write: cached states are immutable. ``RadixTree.begin_request(match)`` (after locking the
   match's node) gives the request a fresh working slot and the copy ``(cached, working)``; only request
@@ -22,9 +22,13 @@ Runs on the head, inside the replica's radix tree (DESIGN.md §1); workers and t
 - Eviction: ``evict(mamba_num=n)`` frees n unlocked states in LRU order (nodes keep their full KV); a
   request slot allocation evicts when the pool is full. Full eviction frees the node's state too.
 
-HiCache (see ``component.py``): BACKUP copies a node's state slot to one host id; LOAD_BACK restores the
-single state of the loaded node into a fresh slot (reserved by ``build``, the node's on commit), from
-which requests copy-on-write as after any match; host eviction drops host states in LRU order.
+HiCache (see ``component.py``): BACKUP copies a node's state slot to one host id, built when the D2H op is
+sent (``backup_at_send``: a state adopted after the chain was queued still goes, and a queued chain pins
+no state); a state whose copy was sent stays in L1 until the ack or failure (the op reads the slot). LOAD_BACK restores the single state of
+the loaded node into a fresh slot (reserved by ``build``, the node's on commit), from which requests
+copy-on-write as after any match; host eviction drops host states in LRU order. A match with an L2 part
+ends at the deepest host-only node whose state is in L2 (``limit_host_match``); its Mamba value is only
+valid for its L1 part when it has none: a request starts after the load with a match of L1 only.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class MambaMatch:
     state_slot: int  # state after exactly device_hit_len tokens; -1 = zero state (nothing matched)
-    branching_seqlen: int  # tokens of the key the tree holds in L1 (full KV), before state truncation
+    branching_seqlen: int  # tokens of the key the tree holds (full KV in L1 or L2), before state truncation
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class MambaStats:
 
 
 class _MambaNode(QueuedValue):
-    __slots__ = ("slot", "lock", "host_slot")
+    __slots__ = ("slot", "lock", "host_slot", "backing_up")
 
     def __init__(self) -> None:
         self.version = 0  # ``QueuedValue`` fields, set here (no super call per node)
@@ -80,6 +84,7 @@ class _MambaNode(QueuedValue):
         self.slot = -1  # device state slot (TREE) or -1
         self.lock = 0  # requests that copy from this node's state
         self.host_slot = -1  # host copy of the state or -1
+        self.backing_up = False  # a D2H op reads ``slot``: not evictable until it is acked or failed
 
 
 def check_state_layout(num_slots: Any, state_shapes: Any, dtype: Any) -> tuple[str, int]:
@@ -113,6 +118,8 @@ class MambaComponent(TreeComponent):
     name = "mamba"
     evict_param = "mamba_num"
     value_type = _MambaNode
+    backup_at_send = True
+    host_id_is_page = False
 
     def __init__(
         self,
@@ -126,6 +133,9 @@ class MambaComponent(TreeComponent):
         self.queue = ComponentQueue(self.name, self.is_evictable)
         self.evicted_states = 0
         self.released_host_copies: list[tuple[str, int, np.ndarray]] = []
+        # States cached at node ends whose Full KV already has (or is getting) an L2 copy: no backup chain
+        # will carry them, so the next D2H op does (``take_late_backups``)
+        self.late_states: dict[int, TreeNode] = {}
 
     def attach(self, tree: RadixTree) -> None:
         super().attach(tree)
@@ -144,7 +154,7 @@ class MambaComponent(TreeComponent):
 
     def is_evictable(self, node: TreeNode) -> bool:
         st = node.component_data["mamba"]
-        return node.parent is not None and st.slot >= 0 and st.lock == 0
+        return node.parent is not None and st.slot >= 0 and st.lock == 0 and not st.backing_up
 
     def _free_state(self, node: TreeNode, st: _MambaNode) -> None:
         self.allocator.release_one(st.slot)
@@ -181,6 +191,7 @@ class MambaComponent(TreeComponent):
             self._free_state(node, st)
 
     def on_remove(self, node: TreeNode) -> None:
+        self.late_states.pop(node.id, None)
         st = node.component_data["mamba"]
         if st.slot >= 0:
             self._free_state(node, st)
@@ -223,6 +234,9 @@ class MambaComponent(TreeComponent):
         mm = match.components.get(self.name)
         if not isinstance(mm, MambaMatch):
             raise ValueError("the MatchResult has no Mamba part: it does not come from this tree's match_prefix")
+        if match.host_hit_len:
+            raise ValueError(f"the match has an L2 part ({match.host_hit_len} tokens): load it back, then start the "
+                             "request from a match of L1 only")
         src = mm.state_slot
         if src >= 0:
             node = self.tree.node(match.last_device_node)
@@ -273,6 +287,23 @@ class MambaComponent(TreeComponent):
         st.slot = slot
         if st.lock == 0:
             self.queue.push(node)
+        if st.host_slot < 0 and (node.host_slots is not None or node.staged_slots is not None):
+            self.late_states[node.id] = node
+
+    def take_late_backups(self) -> list[TreeNode]:
+        """Nodes whose L1 state should go to L2 on its own now: their Full KV is in L2 (committed), the state
+        is not. Nodes whose Full copy is still in flight wait for a later call."""
+        out, keep = [], {}
+        for node_id, node in self.late_states.items():
+            st = self._state(node)
+            if st.slot < 0 or st.host_slot >= 0 or st.backing_up or node.host_slots is None and node.staged_slots is None:
+                continue  # (evicted, copied meanwhile, or its Full copy is gone)
+            if node.staged_slots is not None:
+                keep[node_id] = node
+            else:
+                out.append(node)
+        self.late_states = keep
+        return out
 
     # -- eviction --------------------------------------------------------------------------------------
     def evict_component(self, amount: int) -> int:
@@ -300,8 +331,9 @@ class MambaComponent(TreeComponent):
         st = self._state(node)
         one = np.array([0], dtype=np.int32)
         if phase is HiCachePhase.BACKUP:
-            if st.slot < 0 or st.host_slot >= 0:
+            if st.slot < 0 or st.host_slot >= 0 or st.backing_up:
                 return ()
+            st.backing_up = True  # until ``commit_hicache_transfer`` (acked, failed or not sent)
             return (ComponentTransfer(self.name, phase, node.id, one + st.slot, None, node.num_tokens),)
         if st.host_slot < 0 or st.slot >= 0:
             return ()
@@ -327,6 +359,10 @@ class MambaComponent(TreeComponent):
             n = self.tree.node(t.node_id)
             st = self._state(n)
             dst = t.dst
+            if phase is HiCachePhase.BACKUP and st.backing_up:
+                st.backing_up = False
+                if st.slot >= 0 and st.lock == 0:
+                    self.queue.push(n)  # (an eviction pass may have dropped its entry meanwhile)
             if dst is None:  # a failed backup the host tier gave no slot: nothing to record or free
                 continue
             if phase is HiCachePhase.BACKUP:
@@ -355,6 +391,11 @@ class MambaComponent(TreeComponent):
             st.host_slot = -1
             freed += node.num_tokens
         return freed
+
+    def host_copies(self) -> list[np.ndarray]:
+        """The host id of every state in L2 (host tier checks)."""
+        return [np.array([st.host_slot], dtype=np.int32) for node in self.tree.iter_nodes()
+                if (st := self._state(node)).host_slot >= 0]
 
     # -- checks and reporting ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -386,3 +427,4 @@ class MambaComponent(TreeComponent):
         self.queue.clear()
         self.evicted_states = 0
         self.released_host_copies = []
+        self.late_states = {}

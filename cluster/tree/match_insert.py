@@ -24,7 +24,9 @@ from hicache.cluster.tree.structure import EMPTY_PAGES, TreeStructure, l1_pages
 class MatchInsert(TreeStructure):
     """``match_prefix`` and ``insert`` of ``RadixTree``; see the module docstring."""
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey, use_host: bool = True) -> MatchResult:
+        """``use_host=False``: the L1 part only (no L2 part; the components limit it as when nothing follows
+        in L2), e.g. a request's start right after its load-back, which must not be offered the load again."""
         if not isinstance(key, RadixKey):
             raise TypeError(f"match_prefix expects a RadixKey, got {type(key).__name__}")
         ps = self.page_size
@@ -51,6 +53,8 @@ class MatchInsert(TreeStructure):
             else:
                 counting = False
         device_path = path[:device_nodes]
+        if not use_host:
+            path = device_path
         values = NO_VALUES
         if self.extra_components:
             device_path, path, values = self._component_match(device_path, path)
@@ -130,17 +134,36 @@ class MatchInsert(TreeStructure):
                 return True
         return False
 
+    def servable_end(self, node: TreeNode) -> TreeNode:
+        """The deepest node of the L1 path root..``node`` every extra component can serve a request from (as
+        a match of L1 only ends: Mamba, a node whose state is in L1; SWA, a live window), or the namespace
+        root. ``node`` itself for Full-only trees."""
+        limits = self.hooks.limit_match
+        if not limits or node.parent is None:
+            return node
+        path = []
+        n = node
+        while n.parent is not None:
+            path.append(n)
+            n = n.parent
+        root = n
+        path.reverse()
+        for limit_match in limits:
+            path = path[: limit_match(path)]
+        return path[-1] if path else root
+
     def _component_match(
         self, device_path: list[TreeNode], path: list[TreeNode]
     ) -> tuple[list[TreeNode], list[TreeNode], Any]:
-        """Lets every extra component shorten the L1 and L2 parts of a match and add its own result."""
+        """Lets every extra component shorten the L1 and L2 parts of a match and add its own result.
+
+        A match with an L2 part ends at the deepest L2 node every component can serve from there
+        (``limit_host_match``: e.g. Mamba, a node whose state is in L2); the L1 part before it stays whole
+        (the load-back continues it). Only when no L2 node qualifies do the components cut the L1 part
+        (``limit_match``: e.g. Mamba, the deepest node whose state is in L1)."""
         hooks = self.hooks
-        branch_len = sum(n.num_tokens for n in device_path) if hooks.match_value else 0
-        for limit_match in hooks.limit_match:
-            allowed = limit_match(device_path)
-            if allowed < len(device_path):
-                device_path = device_path[:allowed]
-                path = device_path  # a component that cannot serve L1 cannot serve L2 beyond it either
+        # where the key leaves the tree, any tier: a request that caches a state there serves its siblings
+        branch_len = sum(n.num_tokens for n in path) if hooks.match_value else 0
         host_path = []
         for node in path[len(device_path) :]:
             if node.host_slots is None or node.loading:
@@ -151,8 +174,13 @@ class MatchInsert(TreeStructure):
                 allowed = limit_host_match(device_path, host_path)
                 if allowed < len(host_path):
                     host_path = host_path[:allowed]
+        if host_path:
             path = device_path + host_path
         else:
+            for limit_match in hooks.limit_match:
+                allowed = limit_match(device_path)
+                if allowed < len(device_path):
+                    device_path = device_path[:allowed]
             path = device_path
         if not hooks.match_value:
             return device_path, path, NO_VALUES

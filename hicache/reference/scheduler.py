@@ -143,7 +143,7 @@ class _AfterFirstToken:
 class Scheduler:
     def __init__(self, client: CacheClient, engine: Engine, *, hicache: bool = False, storage: bool = False,
                  prefill_budget: int = 0, l3_min_tokens: int = 0, hold_storage_writes: bool = False,
-                 swa_tables: bool = False) -> None:
+                 swa_tables: bool = False, recurrent: bool = False) -> None:
         """``prefill_budget`` > 0 splits long prefills into pieces of that many tokens (a page multiple),
         caching each finished piece with ``cache_unfinished_req`` as a chunked-prefill scheduler does.
 
@@ -158,7 +158,11 @@ class Scheduler:
 
         ``swa_tables``: the engine keeps sliding-window KV in the head's SWA pool (``ModelRunner(swa_pages=)``):
         each forward gets the request's SWA page table, asked from the head (``swa_pages``) whenever its page
-        table changes (start, each ``cache_unfinished_req``)."""
+        table changes (start, each ``cache_unfinished_req``).
+
+        ``recurrent``: the engine keeps recurrent states in the head's Mamba pool (``ModelRunner(state_slots=)``).
+        With either (a hybrid model), a request whose match has an L2 part starts, after the load-back, from
+        a match of L1 only (``BeginParams.l1_only``: Mamba, the working state slot copying the loaded state)."""
         ps = client.page_size
         if ps != engine.page_size:
             raise ValueError(f"cache page_size {ps} != engine page_size {engine.page_size}")
@@ -177,6 +181,9 @@ class Scheduler:
         if not isinstance(swa_tables, bool):
             raise TypeError(f"swa_tables must be a bool, got {swa_tables!r}")
         self.swa_tables = swa_tables
+        if not isinstance(recurrent, bool):
+            raise TypeError(f"recurrent must be a bool, got {recurrent!r}")
+        self.recurrent = recurrent
         self.l3_min_tokens = max(l3_min_tokens, ps)
         self._req_ids = itertools.count()
         self._arrived: dict[int, _Arrival] = {}  # arrive()d requests not served yet, by id(request)
@@ -269,6 +276,32 @@ class Scheduler:
         unlocked.unwrap()
         return _table(m.device_pages, more.unwrap(), own), m.device_hit_len, m.last_device_node, 0, True, None
 
+    def _reuse_then_begin(self, m, key: RadixKey,
+                          total: int) -> tuple[np.ndarray, int, int, int, bool, MissReason | None, Mapping[str, Any]]:
+        """``_reuse`` for a hybrid model (its match's L1 part alone may not serve it: its L2 part ends where
+        every component can): loads the L2 part back (with the Mamba state at its end, the SWA window's
+        pages), then drops the load's lock and starts the request from a match of L1 only (lock, alloc and,
+        recurrent, its working state slot copying the state at the match's end), in one step. A load that was refused
+        or failed leaves what the components can serve from L1 (the deepest node with a state, a live
+        window): the request recomputes from there. Returns ``_reuse``'s values and the request's component
+        values."""
+        started, done = self.client.step([
+            Call(Method.INIT_LOAD_BACK, LoadBackParams(m.best_match_node, m.host_hit_len, lock=True)),
+            Call(Method.WAIT_LOAD_BACK, ResultRef(0, "load_id"))])
+        r = started.unwrap()
+        loaded_ok = bool(done.ok and done.unwrap())
+        # (the load's lock goes first: what the request's own lock does not cover, e.g. a loaded chain past the
+        # deepest state, may be evicted by its alloc; nothing runs between the two calls of a step)
+        unlocked, begun = self.client.step([Call(Method.DEC_LOCK_REF, r.last_node),
+                                            Call(Method.BEGIN_REQUEST, BeginParams(key, total, l1_only=True))])
+        b = begun.unwrap()
+        unlocked.unwrap()
+        assert b.pages is not None  # (an L1-only match has nothing to load or fetch)
+        hit = b.match.device_hit_len
+        loaded = max(0, min(r.loaded_tokens, hit - m.device_hit_len)) if loaded_ok else 0
+        table = _table(b.match.device_pages, b.pages) if hit else b.pages
+        return table, hit, b.match.last_device_node, loaded, not loaded_ok, r.miss_reason, b.components
+
     def _begin_params(self, key: RadixKey, total: int, arrival: _Arrival | None) -> BeginParams:
         """The request's first head call. With L3: L3 is asked when the whole pages past the L1+L2 match
         hold >= ``l3_min_tokens``; for a request that ``arrive``d, its prefetch (if any) is checked first,
@@ -308,9 +341,13 @@ class Scheduler:
             table = _table(m.device_pages, r.pages) if hit else r.pages
             p = _Prefix(table, hit, m.last_device_node, components=r.components, rest=rest)
         else:
-            table, hit, node, loaded, failed, refused = self._reuse(m, total)
+            comps: Mapping[str, Any] = NO_VALUES
+            if (self.recurrent or self.swa_tables) and m.host_hit_len > 0:
+                table, hit, node, loaded, failed, refused, comps = self._reuse_then_begin(m, key, total)
+            else:
+                table, hit, node, loaded, failed, refused = self._reuse(m, total)
             not_loaded = m.device_hit_len + m.host_hit_len - hit  # the L2 part the load-back refused or failed
-            p = _Prefix(table, hit, node, loaded, min(fetched, loaded), failed,
+            p = _Prefix(table, hit, node, loaded, min(fetched, loaded), failed, comps,
                         refused=(MissReason.LOAD_FAILED if failed else refused, not_loaded), rest=rest)
         marks.append(time.perf_counter())
         return p, marks

@@ -56,6 +56,7 @@ class StackOptions:
     swa_tokens: int | None = None  # SWA pool tokens (None: as many as L1 holds)
     swa_host_tokens: int | None = None  # the SWA pages' L2 in tokens, with l2_slots (None: as many as Full's L2)
     state_slots: int | None = None  # recurrent state slots (None: l1_pages)
+    state_host_slots: int | None = None  # the states' L2 in slots, with l2_slots (None: as many as Full's L2 pages)
     # How the worker opens L3 (None: ``FsspecStorage``); a replay passes a subclass that gates what this
     # replica sees of other replicas' writes by its virtual clock (benchmarks/routing_bench.py).
     open_storage: OpenStorage | None = None
@@ -73,11 +74,12 @@ class StackOptions:
             return tuple(self.components)
         swa_tokens = self.l1_pages * self.forward.page_size if self.swa_tokens is None else self.swa_tokens
         return model_components(self.model, swa_tokens, self.l1_pages if self.state_slots is None else self.state_slots,
-                                self.swa_host_tokens)
+                                self.swa_host_tokens, self.state_host_slots)
 
 
 def model_components(model: ModelConfig, swa_tokens: int | None = None, state_slots: int | None = None,
-                     swa_host_tokens: int | None = None) -> tuple[ComponentConfig, ...]:
+                     swa_host_tokens: int | None = None,
+                     state_host_slots: int | None = None) -> tuple[ComponentConfig, ...]:
     """The cache components a reference model needs besides Full: SWA (the model's window) for sliding-
     window layers, Mamba (one f32[R, hidden] state per slot) for recurrent layers."""
     out: list[ComponentConfig] = []
@@ -85,7 +87,8 @@ def model_components(model: ModelConfig, swa_tokens: int | None = None, state_sl
         assert model.sliding_window is not None  # swa_layers are those with a window
         out.append(SWAConfig(model.sliding_window, swa_tokens, swa_host_tokens))
     if model.recurrent_layers:
-        out.append(MambaConfig(state_slots, ((len(model.recurrent_layers), model.hidden),), "float32"))
+        out.append(MambaConfig(state_slots, ((len(model.recurrent_layers), model.hidden),), "float32",
+                               state_host_slots))
     return tuple(out)
 
 
@@ -159,14 +162,15 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     hicache = HiCacheConfig(host_slots=options.l2_slots, write_policy=options.write_policy)
     config = HeadConfig(tree=tree, hicache=hicache, components=components)  # (checked before a worker starts)
     spec = KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, ps, m.dtype)
-    # the SWA layers' pool, paged like L1 (the head's SWA page ids), with its own L2
-    pools = config.component_pools(
-        {"swa": KVCacheSpec(len(m.swa_layers), m.num_kv_heads, m.head_dim, ps, m.dtype)} if m.swa_layers else {})
+    # the SWA layers' pool, paged like L1 (the head's SWA page ids), and the recurrent state pool (a state is
+    # one page of it: ``recurrent.state_shape``), each with its own L2
+    pools = config.component_pools(component_specs(m, ps))
     worker = HostWorker(spec, options.l1_pages, options.l2_slots, devices=jax.devices()[:1], component_pools=pools)
     head = CacheHead(config, LocalWorkerGroup([worker], options.open_storage))
     params = None if runner is None else runner.params
+    slots = mamba.num_slots if isinstance(mamba, MambaConfig) and mamba.num_slots else 0
     attached = worker.attach_model(lambda kv: ModelRunner(m, options.forward, pool=kv, params=params,
-                                                          swa_pages=swa_pages))
+                                                          swa_pages=swa_pages, state_slots=slots))
     assert isinstance(attached, ModelRunner)
     if options.l3_url is not None:
         mesh_shape = tuple(worker.device_pool.mesh.devices.shape)
@@ -177,8 +181,24 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     client = CacheClient(EmbeddedTransport(head), ps)
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,
-                      l3_min_tokens=options.prefetch_min_tokens, hold_storage_writes=True, swa_tables=swa_pages > 0)
+                      l3_min_tokens=options.prefetch_min_tokens, hold_storage_writes=True, swa_tables=swa_pages > 0,
+                      recurrent=slots > 0)
     return EmbeddedStack(options, head, client, attached, sched, worker)
+
+
+def component_specs(model: ModelConfig, page_size: int) -> dict:
+    """The layouts of a reference model's component pools as a worker keeps them (``KVCacheSpec`` by name):
+    ``"swa"``, its sliding-window layers' pages; ``"mamba"``, its recurrent states, one state a page."""
+    from hicache.reference.engine.recurrent import state_shape
+    from hicache.workers import KVCacheSpec
+
+    out = {}
+    if model.swa_layers:
+        out["swa"] = KVCacheSpec(len(model.swa_layers), model.num_kv_heads, model.head_dim, page_size, model.dtype)
+    if model.recurrent_layers:
+        r, _, _, one, heads, part = state_shape(model, 1)
+        out["mamba"] = KVCacheSpec(r, heads, part, one, "float32")
+    return out
 
 
 def _pools(runner: ModelRunner) -> tuple[int, int, int]:

@@ -54,7 +54,6 @@ def test_a_mamba_head_begins_a_request_and_caches_its_state():
         (dict(components=SWAConfig(8)), "sequence of SWAConfig"),
         (dict(components=[SWAConfig(8, 4)]), "num_tokens=4 is smaller than one request's window"),
         (dict(components=[MambaConfig(1)]), "num_slots=1"),
-        (dict(components=[MambaConfig(4)], hicache=HiCacheConfig(16)), r"host tier .*mamba component is not supported"),
         (dict(components=[SWAConfig(8, host_tokens=4)], hicache=HiCacheConfig(16)),
          r"swa host_tokens=4 cannot hold one window \(window=8\)"),
     ],
@@ -62,6 +61,19 @@ def test_a_mamba_head_begins_a_request_and_caches_its_state():
 def test_bad_component_configs_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         HeadConfig(**kwargs)
+
+
+@pytest.mark.parametrize("host_slots", [0, -1, True, 2.0])
+def test_a_mamba_l2_of_no_state_is_refused(host_slots):
+    with pytest.raises(ValueError, match=f"mamba host_slots must be a positive int or None, got {host_slots!r}"):
+        MambaConfig(4, host_slots=host_slots)
+
+
+def test_a_mamba_l2_defaults_to_the_full_l2s_pages():
+    cfg = HeadConfig(components=(MambaConfig(4),), hicache=HiCacheConfig(16))
+    assert cfg.component_host_slots() == {"mamba": 16}
+    cfg = HeadConfig(components=(MambaConfig(4, host_slots=3),), hicache=HiCacheConfig(16))
+    assert cfg.component_host_slots() == {"mamba": 3}
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,10 @@ from the root, in-flight nodes locked and pinned), no request-held pages left ov
 their bounds. Requests come one at a time (``serve``) or a few per scheduler step (``serve_step``: their
 load-backs travel as one op, which the faults may fail as a whole). Every hit is checked to return
 exactly the KV written for its tokens, and at the end everything cached in either tier is loaded and
-checked once more. Seeds 5 and 6 run a hybrid SWA+Full head (an SWA pool smaller than L1, an SWA L2
+checked once more. Seeds 6 and 13 run a hybrid SWA+Full head (an SWA pool smaller than L1, an SWA L2
 smaller than the Full L2): every hit also needs exactly the right SWA KV in the window before its end.
+Seeds 7 and 8 run a hybrid Mamba+Full head (fewer state slots than L1 pages, a state L2 smaller than the
+Full L2): every hit also needs exactly the state of its tokens, loaded back with its L2 part.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 from support.hicache_env import HiCacheEnv
 
-from hicache.cluster.builder import SWAConfig
+from hicache.cluster.builder import MambaConfig, SWAConfig
 from hicache.cluster.tree import RadixKey
 from hicache.workers import OpKind
 
@@ -42,13 +44,16 @@ def _stream(rng: random.Random, n: int) -> list[np.ndarray]:
 # Seeds 3 and 4 start their load-backs with LoadBackParams(lock=True): the load holds the request's lock.
 @pytest.mark.parametrize("seed,policy", [(0, "write_through"), (1, "write_through_selective"), (2, "write_back"),
                                          (3, "write_through"), (4, "write_back"),
-                                         pytest.param(5, "write_through", marks=pytest.mark.slow), (6, "write_back")])
+                                         pytest.param(13, "write_through", marks=pytest.mark.slow), (6, "write_back"),
+                                         (7, "write_through"), pytest.param(8, "write_back", marks=pytest.mark.slow)])
 def test_random_stream_with_faults(seed, policy):
     rng = random.Random(seed)
-    swa = SWAConfig(window=6, num_tokens=16 * 4, host_tokens=12 * 4) if seed >= 5 else None
+    swa = SWAConfig(window=6, num_tokens=16 * 4, host_tokens=12 * 4) if seed in (6, 13) else None
+    mamba = MambaConfig(num_slots=10, host_slots=6) if seed in (7, 8) else None
     env = HiCacheEnv(page_size=4, device_pages=24, host_slots=20, write_policy=policy,
                      faults={"fail_kinds": (OpKind.BACKUP_D2H, OpKind.LOAD_H2D), "fail_rate": 0.25,
-                             "delay_polls": 3, "seed": seed}, load_lock=seed >= 3, swa=swa)
+                             "delay_polls": 3, "seed": seed}, load_lock=seed >= 3, swa=swa, mamba=mamba,
+                     ack_timeout_s=60.0)  # (a loaded box: a first copy of a new shape compiles before its ack)
     head = env.head
     stream = _stream(rng, 45)
     while stream:
@@ -96,3 +101,5 @@ def test_random_stream_with_faults(seed, policy):
     assert c["loaded_tokens"] > 0 and c["backed_up_tokens"] > 0
     if swa is not None:  # SWA host tails were made, and L2 stayed within its bound
         assert 0 < c["swa"]["host_tokens"] <= c["swa"]["host_capacity_tokens"] == 48
+    if mamba is not None:  # states went to L2 within its bound and came back with loads
+        assert 0 < c["mamba"]["host_states"] <= c["mamba"]["host_capacity_states"] == 6
