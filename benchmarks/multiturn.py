@@ -265,7 +265,7 @@ def _rate(args: argparse.Namespace, bare: list) -> float:
 
 def _run(args, items, ref, acc, l1_pages, l2_slots, working, base, bare, tmp, t_start) -> list[ConfigRecord]:
     ps = FWD.page_size
-    model = MODELS[args.model]
+    model = base.model  # (--model's, which the reference pass ran)
     full = lambda d: stack_options(l1_pages, l2_slots, tmp / d, model)  # noqa: E731
     served, spots, stats, overhead = warm_up_and_baselines(args, items, ref, base, bare, full)
     from hicache.reference.stack import build_stack
