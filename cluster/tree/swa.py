@@ -68,6 +68,7 @@ from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, Host
 from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams, RequestState
+from hicache.cluster.tree.swa_window import plan_trims
 
 if TYPE_CHECKING:
     from hicache.cluster.tree.radix import RadixTree
@@ -538,8 +539,13 @@ class SWAComponent(TreeComponent):
 
     # -- eviction --------------------------------------------------------------------------------------
     def evict_component(self, amount: int) -> int:
+        """Frees at least ``amount`` SWA tokens if it can, cheapest first: spare request pages, then cached
+        pages no hit point needs, then pages only secondary hit points need (``swa_window``), then whole
+        live tails in LRU order (each followed by the pages only its hit point needed)."""
         ps = self.page_size
         freed = self.release_spare(-(-amount // ps)) * ps if amount > 0 else 0
+        if freed < amount:
+            freed += self.trim_unneeded(amount - freed, with_secondary=True)
         rebuilt = False
         while freed < amount:
             node = self.queue.pop()
@@ -551,8 +557,28 @@ class SWAComponent(TreeComponent):
                 continue
             freed += self._tombstone(node) * ps
             self._drop_dead_leaves(node)  # a tombstoned leaf goes entirely (full pages too)
+            if freed < amount:  # the window pages in its ancestors and children only its hit point read
+                freed += self.trim_unneeded(amount - freed, with_secondary=False)
         self.evicted_tokens += freed
         self.queue.maybe_compact(self.tree)
+        return freed
+
+    def trim_unneeded(self, amount: int, with_secondary: bool) -> int:
+        """Frees the heads of cached nodes that no hit point needs (``with_secondary``: then those only
+        secondary hit points need), in ``swa_window.plan_trims``' order, until ``amount`` tokens; returns
+        the tokens freed. A node trimmed to nothing is a tombstone (a tombstoned leaf goes entirely)."""
+        ps, freed = self.page_size, 0
+        for trim in plan_trims(self, with_secondary):
+            node = trim.node
+            pages = node.device_pages
+            if node.parent is None or pages is None:
+                continue  # dropped as a dead leaf by an earlier trim of this plan
+            cut = pages.shape[0] - trim.keep
+            freed += self.mapped.unmap(pages[:cut].astype(np.intp)) * ps
+            if trim.keep == 0:
+                self._drop_dead_leaves(node)
+            if freed >= amount:
+                break
         return freed
 
     def _drop_dead_leaves(self, node: TreeNode) -> int:

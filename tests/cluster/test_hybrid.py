@@ -206,11 +206,66 @@ def test_component_queues_hold_one_entry_per_node_across_lock_cycles():
             tree.dec_lock_ref(m.last_device_node)
     assert (len(swa.queue), len(mamba.queue)) == entries
     assert tree.evict(0, mamba_num=1).components == {"mamba_num": 1}  # 10..'s state
-    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 6}  # and then its window
+    # SWA: first the heads no hit reads (window 2: 4 of each node's 6 tokens), 10..'s first (LRU)
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 4}
+    assert tree.evict(0, swa_num_tokens=8).components == {"swa_num_tokens": 8}  # the other two heads
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 2}  # and then 10..'s window
     assert tree.stats().num_nodes == 2  # a tombstoned leaf goes entirely
     assert tree.match_prefix(RadixKey(np.arange(10, 16))).device_hit_len == 0
     for base in (0, 20):
         assert tree.match_prefix(RadixKey(np.arange(base, base + 6))).device_hit_len == 6
+    tree.check_invariants()
+
+
+def test_swa_pool_short_trims_a_head_no_hit_reads_and_keeps_the_lru_window():
+    """The old eviction tombstoned the LRU node whole (its window too: a miss); now its head goes first."""
+    tree = swa_tree(window=4, swa_tokens=30)
+    swa = tree.component("swa")
+    serve(tree, range(12), trim=False)  # A: one live node [0, 12), the least recently used
+    serve(tree, range(100, 112), trim=False)  # B
+    assert swa.allocator.num_free == 6
+    m, state = start(tree, range(200, 212))  # 12 SWA pages, 6 free: 6 come from the cache
+    (a,) = (n for n in tree.iter_nodes() if n.key[0] == 0)
+    np.testing.assert_array_equal(swa.translate(a.device_pages) >= 0, np.arange(12) >= 8)  # A's window stays
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+    for base in (0, 100, 200):  # every conversation still continues from its end
+        assert tree.match_prefix(RadixKey(np.arange(base, base + 13))).device_hit_len == 12
+
+
+def test_swa_eviction_drops_past_turn_ends_before_any_conversation_end():
+    """Two chats of two turns, leaf shorter than the window: a short pool frees the pages only the first
+    turns' ends read (secondary hit points) of both chats; the old LRU tombstone took chat A's first turn
+    whole and with it the window of A's end."""
+    tree = swa_tree(window=6, swa_tokens=24)
+    swa = tree.component("swa")
+    for base in (0, 100):
+        serve(tree, range(base, base + 6), trim=False)  # turn 1: [0, 6)
+        serve(tree, range(base, base + 10), trim=False)  # turn 2 continues it: [6, 10) reads [4, 6)
+    tree.match_prefix(RadixKey(np.arange(100, 111)))  # B used last: A is the least recently used
+    assert swa.allocator.num_free == 4
+    m, state = start(tree, range(200, 210))  # 10 pages, 4 free
+    tree.trim_request(state)  # [200, 204) out of its window: spare, and reclaimed first
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+    for base in (0, 100):
+        first, second = sorted((n for n in tree.iter_nodes() if n.key[0] in (base, base + 6)), key=tree.depth)
+        np.testing.assert_array_equal(swa.translate(first.device_pages) >= 0, np.arange(6) >= 4)  # [4, 6) kept
+        assert swa.is_live(second)
+        assert tree.match_prefix(RadixKey(np.arange(base, base + 11))).device_hit_len == 10  # the chat goes on
+        assert tree.match_prefix(RadixKey(np.r_[np.arange(base, base + 6), 99])).device_hit_len == 0  # turn 1's end
+    # the pool is short again: first the head of the third chat that no hit reads (its spare pages were
+    # cached live), then A's end, the LRU hit point: its window goes
+    for base in (200, 100):
+        tree.match_prefix(RadixKey(np.arange(base, base + 11)))
+    assert tree.evict(0, swa_num_tokens=5).components == {"swa_num_tokens": 4 + 4}
+    assert tree.match_prefix(RadixKey(np.arange(11))).device_hit_len == 0
+    # A's first turn keeps [4, 6), which only A's end read: the first pages the next eviction frees, and the
+    # node, a tombstoned leaf then, leaves L1
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 2}
+    assert not any(n.key[0] == 0 for n in tree.iter_nodes())
+    assert tree.match_prefix(RadixKey(np.arange(100, 111))).device_hit_len == 10
+    assert tree.match_prefix(RadixKey(np.arange(200, 211))).device_hit_len == 10
     tree.check_invariants()
 
 
