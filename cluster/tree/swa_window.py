@@ -11,6 +11,8 @@ window is live now) come in two ranks:
 
 - primary: a leaf, a branch point (several children), or a node whose one child is not live in L1 (a
   tombstone, an L2- or L3-only node, a load in flight): where a conversation continues or branches;
+  a child outside L1 counts as a hit point at its start's side too (an L2 hit at its end reads the tail
+  of the L1 node above it when it is shorter than the window), whatever its host tail;
 - secondary: a node with one live L1 child: a past turn's end inside a chain that went on (a hit there
   means going back and branching, which is rarer than continuing).
 
@@ -79,6 +81,7 @@ def plan_trims(swa: SWAComponent, with_secondary: bool) -> list[Trim]:
     live: list[int] = []  # live tail, pages
     run: list[int] = []  # live tokens ending at the node's end (capped at the window)
     from_root: list[bool] = []
+    below: list[int] = []  # tokens the node's children outside L1 (L2/L3 hits to come) may read above them
     for root in tree.roots().values():
         stack = [(c, -1) for c in root.children.values() if c.device_pages is not None]
         while stack:
@@ -103,9 +106,13 @@ def plan_trims(swa: SWAComponent, with_secondary: bool) -> list[Trim]:
             live.append(t)
             run.append(min(r, w))
             from_root.append(fr)
+            reach = NO_NEED
             for c in node.children.values():
                 if c.device_pages is not None:
                     stack.append((c, i))
+                elif w - c.num_tokens > reach:  # a hit at its end (or below) may come back through L2 or L3
+                    reach = w - c.num_tokens
+            below.append(reach)
     size = len(order)
     need_all = [NO_NEED] * size  # max over the children's hit points of the tokens they read above
     need_primary = [NO_NEED] * size  # the node's end (filled in from the children first)
@@ -114,7 +121,7 @@ def plan_trims(swa: SWAComponent, with_secondary: bool) -> list[Trim]:
         node = order[i]
         t = live[i]
         hit = t > 0 and (run[i] >= w or from_root[i])
-        a, b = need_all[i], need_primary[i]
+        a, b = max(need_all[i], below[i]), max(need_primary[i], below[i])
         if hit:
             a = w
             if is_primary(node, swa_of):

@@ -409,6 +409,28 @@ def test_swa_hicache_backup_loads_only_the_window_and_host_eviction_records():
     assert tracker.released == [("swa", a.id, tuple(range(1000, 1003)), 3)]
 
 
+def test_swa_trim_keeps_the_l1_tail_an_l2_hit_below_reads():
+    """A node whose own end is no hit (its window broken) keeps the tail that the window of its L2-only child
+    reads: trimming frees only the rest, and the L2 hit stays."""
+    tree = swa_tree(window=6)
+    swa = tree.component("swa")
+    serve(tree, range(8), trim=False)
+    serve(tree, range(12), trim=False)  # a = [0, 8), b = [8, 12): b's window [6, 12) reads a's last 2 tokens
+    a, b = sorted(tree.iter_nodes(), key=tree.depth)
+    (t,) = swa.build_hicache_transfers(b, HiCachePhase.BACKUP)
+    swa.commit_hicache_transfer(b, HiCachePhase.BACKUP, RecordingHost().place((t,)))
+    _host_only(tree, [b.id])
+    tree.evict(4)
+    assert b.device_pages is None and a.device_pages is not None
+    swa.mapped.unmap(a.device_pages[:4].astype(np.intp))  # a's live tail [4, 8): a's own end is no hit now
+    assert tree.match_prefix(RadixKey(np.r_[np.arange(8), 99])).device_hit_len == 0
+    assert tree.match_prefix(RadixKey(np.arange(13))).host_hit_len == 4
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 2}  # [4, 6): no hit reads them
+    np.testing.assert_array_equal(swa.translate(a.device_pages) >= 0, np.arange(8) >= 6)
+    assert tree.match_prefix(RadixKey(np.arange(13))).host_hit_len == 4
+    tree.check_invariants()
+
+
 def test_swa_host_tail_splits_with_its_node():
     tree = swa_tree(window=3)
     swa = tree.component("swa")
