@@ -30,9 +30,11 @@ conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p -
   request's SWA pages (``swa_of`` is re-pointed, no data moves).
 - Match: accepted only at node ends whose window ``[p - window, p)`` is live (or live back to the root).
 - Eviction: ``evict(swa_num_tokens=n)`` (and SWA allocation when short) first frees spare request pages,
-  then tombstones unlocked nodes with a live tail in LRU order; a tombstoned leaf is deleted outright, and
-  so is a parent left as an unlocked tombstone leaf after a Full eviction (it could never end a match).
-  Full eviction frees SWA with the full pages.
+  then is window-aware (``swa_window``): it frees the heads of cached nodes that no hit point reads, then
+  the pages only past turns' ends read (nodes with one live child), and only then tombstones unlocked
+  nodes with a live tail in LRU order, each followed by the pages only its window read. A tombstoned
+  leaf is deleted outright, and so is a parent left as an unlocked tombstone leaf after a Full eviction
+  (it could never end a match). Full eviction frees SWA with the full pages.
 - Locks: a request lock on node N (position p) locks, for SWA, only the nodes intersecting
   ``[p - window, p)``. Unlock recomputes the same walk; exactness across later splits comes from
   ``bounds``: the topmost (partially covered) node records the lock's window start ``q``, and a split
