@@ -70,7 +70,7 @@ from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, Host
 from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams, RequestState
-from hicache.cluster.tree.swa_window import plan_trims
+from hicache.cluster.tree.swa_window import WindowTrims
 
 if TYPE_CHECKING:
     from hicache.cluster.tree.radix import RadixTree
@@ -247,6 +247,7 @@ class SWAComponent(TreeComponent):
         self.window = int(window)
         self.num_tokens = None if num_tokens is None else int(num_tokens)
         self.queue = ComponentQueue(self.name, self.is_evictable)
+        self.trims = WindowTrims(self)  # window-aware eviction's candidates (pages no hit point reads)
         self.evicted_tokens = 0
         self.released_host_copies: list[tuple[str, int, np.ndarray]] = []
 
@@ -337,10 +338,12 @@ class SWAComponent(TreeComponent):
         assert pages is not None  # the tree attached the new node's pages first
         if self.mapped.swa_of.item(pages.item(-1)) >= 0:  # a live tail: an SWA candidate
             self.queue.push(node)
+        self.trims.mark_up(node)  # its parent's end may be a past turn's now
 
     def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         pages = node.device_pages
         assert pages is not None  # the tree attached the revived node's pages first
+        self.trims.mark_up(node)
         c = count_true(self.mapped.swa_of[pages.astype(np.intp)] >= 0)
         if c == pages.shape[0]:
             self.queue.push(node)
@@ -372,6 +375,7 @@ class SWAComponent(TreeComponent):
         swa_of[node.device_pages] = sp
         swa_of[idx] = -1
         self.mapped.spare[idx] = False
+        self.trims.mark(node)
         if self._state(node).lock == 0:
             self.queue.push(node)
 
@@ -395,8 +399,11 @@ class SWAComponent(TreeComponent):
             st.bounds = rest or None
         if pst.lock == 0 and self.has_live(prefix):
             self.queue.push(prefix)
+        self.trims.mark(prefix)
+        self.trims.mark(suffix)
 
     def on_remove(self, node: TreeNode) -> None:
+        self.trims.forget(node)  # and the hit points it was gone (ancestors may read less now)
         st = node.component_data["swa"]
         if st.host_slots is not None:
             self.released_host_copies.append((self.name, node.id, st.host_slots))
@@ -433,10 +440,13 @@ class SWAComponent(TreeComponent):
                         del bounds[q]
                         if not bounds:
                             st.bounds = None
-            if lock == 0 and not st.queued:
-                pages = node.device_pages
-                if pages is not None and swa_of.item(pages.item(-1)) >= 0:
-                    self.queue.push(node)  # unlocked with a live tail: an SWA eviction candidate
+            if lock == 0:
+                if delta < 0:
+                    self.trims.marked.add(node.id)  # no longer kept whole for the lock
+                if not st.queued:
+                    pages = node.device_pages
+                    if pages is not None and swa_of.item(pages.item(-1)) >= 0:
+                        self.queue.push(node)  # unlocked with a live tail: an SWA eviction candidate
             if start <= q:
                 return
             end = start
@@ -558,8 +568,10 @@ class SWAComponent(TreeComponent):
                 rebuilt = True
                 continue
             freed += self._tombstone(node) * ps
+            self.trims.mark_up(node)  # the window pages in its ancestors and children only its hit read
+            self.trims.mark_down(node)
             self._drop_dead_leaves(node)  # a tombstoned leaf goes entirely (full pages too)
-            if freed < amount:  # the window pages in its ancestors and children only its hit point read
+            if freed < amount:
                 freed += self.trim_unneeded(amount - freed, with_secondary=False)
         self.evicted_tokens += freed
         self.queue.maybe_compact(self.tree)
@@ -567,20 +579,23 @@ class SWAComponent(TreeComponent):
 
     def trim_unneeded(self, amount: int, with_secondary: bool) -> int:
         """Frees the heads of cached nodes that no hit point needs (``with_secondary``: then those only
-        secondary hit points need), in ``swa_window.plan_trims``' order, until ``amount`` tokens; returns
-        the tokens freed. A node trimmed to nothing is a tombstone (a tombstoned leaf goes entirely)."""
-        ps, freed = self.page_size, 0
-        for trim in plan_trims(self, with_secondary):
-            node = trim.node
-            pages = node.device_pages
-            if node.parent is None or pages is None:
-                continue  # dropped as a dead leaf by an earlier trim of this plan
-            cut = pages.shape[0] - trim.keep
-            freed += self.mapped.unmap(pages[:cut].astype(np.intp)) * ps
-            if trim.keep == 0:
-                self._drop_dead_leaves(node)
-            if freed >= amount:
+        secondary hit points need), in ``WindowTrims.pop``'s order, until ``amount`` tokens; returns the
+        tokens freed. A node trimmed to nothing is a tombstone (a tombstoned leaf goes entirely)."""
+        ps, freed, trims = self.page_size, 0, self.trims
+        while freed < amount:
+            got = trims.pop(with_secondary)
+            if got is None:
                 break
+            node, phase, keep = got
+            pages = node.device_pages
+            assert pages is not None  # ``pop`` checked it
+            freed += self.mapped.unmap(pages[: pages.shape[0] - keep].astype(np.intp)) * ps
+            trims.mark(node)  # (its phase-2 trim next)
+            if phase == 2:  # its end is no hit now: what only that window read, above and below, goes next
+                trims.mark_up(node)
+                trims.mark_down(node)
+            if keep == 0:
+                self._drop_dead_leaves(node)
         return freed
 
     def _drop_dead_leaves(self, node: TreeNode) -> int:
@@ -615,6 +630,8 @@ class SWAComponent(TreeComponent):
 
     def after_device_evict(self, parent: TreeNode) -> int:
         """A child of ``parent`` left L1: ``parent`` may be a dead leaf now."""
+        if parent.parent is not None:
+            self.trims.mark_up(parent)
         return self._drop_dead_leaves(parent)
 
     # -- HiCache ---------------------------------------------------------------------------------------
@@ -669,7 +686,9 @@ class SWAComponent(TreeComponent):
             return
         # Contract: called before the controller clears ``loading`` on the chain.
         restored = {n.id: k for cover in covers for n, k in cover}
+        self.trims.mark_up(node)  # no longer kept whole for the load
         for n in self._loading_chain(node):
+            self.trims.mark(n)
             pages = n.device_pages
             assert pages is not None  # a loading node has its pages attached
             head = pages.shape[0] - restored.get(n.id, 0)
@@ -768,5 +787,6 @@ class SWAComponent(TreeComponent):
     def reset(self) -> None:
         self.allocator.reset()
         self.queue.clear()
+        self.trims.clear()
         self.evicted_tokens = 0
         self.released_host_copies = []

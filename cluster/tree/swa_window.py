@@ -1,37 +1,38 @@
 """Window-aware SWA eviction: which cached SWA pages no hit point needs, and in what order they go.
 
-Runs on the head, inside the replica's radix tree (the SWA component calls it when its pool is short);
-it only reads node pages and ``swa_of`` and returns a plan, the component frees the pages.
+Runs on the head, inside the replica's radix tree (the SWA component owns one ``WindowTrims`` and calls it
+when its pool is short); it only reads node pages and ``swa_of``, the component frees the pages.
 
 A match ends at a node end ``p`` (a split point becomes one) and reads the SWA KV of ``[p - window, p)``:
 the end of its own node and, when that node is shorter than the window, the tails of its ancestors. So a
 node's SWA pages before its last ``window`` tokens serve no hit at its end, and an ancestor's pages serve
 a descendant's hit only within ``window`` tokens of that descendant's end. Hit points (node ends whose
-window is live now) come in two ranks:
+window is live now, ``limit_match``'s rule) come in two ranks:
 
 - primary: a leaf, a branch point (several children), or a node whose one child is not live in L1 (a
-  tombstone, an L2- or L3-only node, a load in flight): where a conversation continues or branches;
-  a child outside L1 counts as a hit point at its start's side too (an L2 hit at its end reads the tail
-  of the L1 node above it when it is shorter than the window), whatever its host tail;
+  tombstone, an L2- or L3-only node, a load in flight): where a conversation continues or branches. A
+  child outside L1 also counts as a hit point at its own end (an L2 hit there reads the tail of the L1
+  node above it when it is shorter than the window), whatever its host tail;
 - secondary: a node with one live L1 child: a past turn's end inside a chain that went on (a hit there
   means going back and branching, which is rarer than continuing).
 
-``plan_trims`` computes, in one pass over the L1 tree, for every node the suffix that the hit points of
-each rank need (a max over its own end and its descendants' ends within reach) and returns the pages
-beyond it: phase 1, pages no hit point needs (heads of long nodes, the tails of windows whose hit point
-went); phase 2, pages only secondary hit points need. The component frees phase 1, then phase 2, each in
-LRU order of the nodes, and only then tombstones whole tails in LRU order (the last hit points go).
-Live pages stay a suffix of every node (a trim frees a node's head), so the match rule and the L2 host
-tails read partially trimmed nodes as they read the trimmed requests' nodes. Nodes a lock covers, nodes
-being loaded and nodes with a D->H copy queued keep all their pages (the copy reads them).
+A node's *keeps* are the pages at its end that the hit points of each rank read (its own end and its
+descendants' ends within reach: a bounded walk, ``keeps``). Eviction frees, in LRU order of the nodes,
+phase 1: pages no hit point reads (heads of long nodes, tails whose hit points went); phase 2: pages only
+secondary hit points read; the component then tombstones whole tails in LRU order (the last hit points
+go). Live pages stay a suffix of every node (a trim frees a node's head), so the match rule and the L2
+host tails read trimmed nodes as they read trimmed requests' nodes. Nodes a lock covers, nodes being
+loaded and nodes with a D->H copy queued keep all their pages (the copy reads them).
+
+Candidates are kept incrementally: the component marks the nodes whose keeps may have dropped (the
+structure hooks, unlocks, tombstones, trims, removals), and ``pop`` computes the keeps of marked nodes
+only, so an eviction costs the nodes near what changed, not the tree.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from hicache.cluster.tree.allocator import count_true
 from hicache.cluster.tree.node import TreeNode
@@ -39,111 +40,203 @@ from hicache.cluster.tree.node import TreeNode
 if TYPE_CHECKING:
     from hicache.cluster.tree.swa import SWAComponent
 
-NO_NEED = -(1 << 62)  # "no hit point needs any of this node" (below any real need)
+NO_NEED = -(1 << 62)  # "no hit point reads any of this node" (below any real need)
 
 
-@dataclass(frozen=True)
-class Trim:
-    """Free the SWA pages of ``node`` before its last ``keep`` pages (phase 1: no hit point needs them;
-    phase 2: only secondary hit points do)."""
+class WindowTrims:
+    """The trim candidates of one SWA component: marked nodes, and a lazy heap of
+    ``(phase, last_access, node id)`` whose current entry per node ``keys`` records."""
 
-    phase: int
-    last_access: int
-    node_id: int
-    node: TreeNode
-    keep: int
+    def __init__(self, swa: SWAComponent) -> None:
+        self.swa = swa
+        self.marked: set[int] = set()  # node ids whose keeps may have dropped since they were computed
+        self.deferred: set[int] = set()  # nodes skipped while their D->H copy was queued (no hook clears it)
+        self.keys: dict[int, tuple[int, int, int]] = {}
+        self.heap: list[tuple[int, int, int]] = []
 
-    def order(self) -> tuple[int, int, int]:
-        return self.phase, self.last_access, self.node_id
+    def clear(self) -> None:
+        self.marked.clear()
+        self.deferred.clear()
+        self.keys.clear()
+        self.heap = []
 
+    # -- marking (cheap: the component calls these on its hooks) --------------------------------------
+    def mark(self, node: TreeNode) -> None:
+        self.marked.add(node.id)
 
-def is_primary(node: TreeNode, swa_of: np.ndarray) -> bool:
-    """Whether ``node``'s end is a primary hit point (see the module docstring): not one live L1 child."""
-    kids = node.children
-    if len(kids) != 1:
-        return True
-    (child,) = kids.values()
-    pages = child.device_pages
-    return pages is None or child.loading or swa_of.item(pages.item(-1)) < 0
+    def forget(self, node: TreeNode) -> None:
+        """``node`` leaves the tree: drop its entries, mark the ancestors its hits read."""
+        node_id = node.id
+        self.marked.discard(node_id)
+        self.deferred.discard(node_id)
+        self.keys.pop(node_id, None)
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+            self.mark_up(parent)
 
+    def mark_up(self, node: TreeNode) -> None:
+        """``node`` and the ancestors a hit at or below it could read (within the window above its start)."""
+        self.marked.add(node.id)
+        w, d = self.swa.window, 0
+        n = node.parent
+        while n is not None and n.parent is not None and d < w:
+            self.marked.add(n.id)
+            d += n.num_tokens
+            n = n.parent
 
-def plan_trims(swa: SWAComponent, with_secondary: bool) -> list[Trim]:
-    """The trims of phase 1 (and of phase 2 when ``with_secondary``), in the order they should be applied.
-
-    One pass over the L1 nodes: pre-order for the live run ending at each node end (does its window hold
-    live SWA KV: ``limit_match``'s rule), post-order for the need of each rank (tokens before the node's
-    end that hit points at or below it read)."""
-    tree = swa.tree
-    w, ps = swa.window, swa.page_size
-    swa_of = swa.mapped.swa_of
-    order: list[TreeNode] = []
-    parent_of: list[int] = []
-    live: list[int] = []  # live tail, pages
-    run: list[int] = []  # live tokens ending at the node's end (capped at the window)
-    from_root: list[bool] = []
-    below: list[int] = []  # tokens the node's children outside L1 (L2/L3 hits to come) may read above them
-    for root in tree.roots().values():
-        stack = [(c, -1) for c in root.children.values() if c.device_pages is not None]
+    def mark_down(self, node: TreeNode) -> None:
+        """The descendants whose window could reach ``node`` (ends within the window below its end)."""
+        w = self.swa.window
+        stack = [(c, c.num_tokens) for c in node.children.values()]
         while stack:
-            node, pi = stack.pop()
-            pages = node.device_pages
-            assert pages is not None  # only L1 nodes are pushed (an L1 node's parent is in L1)
-            n = pages.shape[0]
-            if swa_of.item(pages.item(0)) >= 0:
-                t = n
-            elif swa_of.item(pages.item(-1)) < 0:
-                t = 0
-            else:
-                t = count_true(swa_of[pages] >= 0)
-            if t == n:
-                r = t * ps + (run[pi] if pi >= 0 else 0)
-                fr = from_root[pi] if pi >= 0 else True
-            else:
-                r, fr = t * ps, False
-            i = len(order)
-            order.append(node)
-            parent_of.append(pi)
-            live.append(t)
-            run.append(min(r, w))
-            from_root.append(fr)
-            reach = NO_NEED
-            for c in node.children.values():
-                if c.device_pages is not None:
-                    stack.append((c, i))
-                elif w - c.num_tokens > reach:  # a hit at its end (or below) may come back through L2 or L3
-                    reach = w - c.num_tokens
-            below.append(reach)
-    size = len(order)
-    need_all = [NO_NEED] * size  # max over the children's hit points of the tokens they read above
-    need_primary = [NO_NEED] * size  # the node's end (filled in from the children first)
-    out: list[Trim] = []
-    for i in range(size - 1, -1, -1):  # children come after their parent in ``order``
-        node = order[i]
-        t = live[i]
-        hit = t > 0 and (run[i] >= w or from_root[i])
-        a, b = max(need_all[i], below[i]), max(need_primary[i], below[i])
-        if hit:
-            a = w
-            if is_primary(node, swa_of):
-                b = w
-        if node.loading:  # its window is being loaded: as if a primary hit point read it
-            a = b = w
-        pi = parent_of[i]
-        n_tokens = node.num_tokens
-        if pi >= 0:
-            if a - n_tokens > need_all[pi]:
-                need_all[pi] = a - n_tokens
-            if b - n_tokens > need_primary[pi]:
-                need_primary[pi] = b - n_tokens
-        if t == 0 or node.loading or node.staged_slots is not None or swa._state(node).lock:
-            continue
-        n = n_tokens // ps
-        keep_all = min(n, -(-a // ps)) if a > 0 else 0
-        if t > keep_all:
-            out.append(Trim(1, node.last_access, node.id, node, keep_all))
-        if with_secondary:
-            keep_primary = min(n, -(-b // ps)) if b > 0 else 0
-            if min(t, keep_all) > keep_primary:
-                out.append(Trim(2, node.last_access, node.id, node, keep_primary))
-    out.sort(key=Trim.order)
-    return out
+            c, d = stack.pop()
+            self.marked.add(c.id)
+            if d < w:
+                stack.extend((g, d + g.num_tokens) for g in c.children.values())
+
+    # -- keeps ---------------------------------------------------------------------------------------
+    def _live_pages(self, pages) -> int:
+        swa_of = self.swa.mapped.swa_of
+        if swa_of.item(pages.item(0)) >= 0:
+            return int(pages.shape[0])
+        if swa_of.item(pages.item(-1)) < 0:
+            return 0
+        return count_true(swa_of[pages] >= 0)
+
+    def is_primary(self, node: TreeNode) -> bool:
+        """Whether ``node``'s end is a primary hit point (see the module docstring): not one live L1 child."""
+        kids = node.children
+        if len(kids) != 1:
+            return True
+        (child,) = kids.values()
+        pages = child.device_pages
+        return pages is None or child.loading or self.swa.mapped.swa_of.item(pages.item(-1)) < 0
+
+    def _run_above(self, node: TreeNode) -> tuple[int, bool]:
+        """(live SWA tokens ending at ``node``'s end, capped at the window; live back to the root)."""
+        w, ps = self.swa.window, self.swa.page_size
+        total, n = 0, node
+        while n.parent is not None:
+            pages = n.device_pages
+            assert pages is not None  # an L1 node's ancestors are in L1
+            t = self._live_pages(pages)
+            if t < pages.shape[0]:
+                return min(total + t * ps, w), False
+            total += n.num_tokens
+            if total >= w:
+                return w, False
+            n = n.parent
+        return total, True
+
+    def keeps(self, node: TreeNode) -> tuple[int, int, int]:
+        """(live pages, pages hit points of any rank read, pages primary hit points read) of an L1 node."""
+        pages = node.device_pages
+        assert pages is not None, f"{node} is not in L1"
+        w, ps = self.swa.window, self.swa.page_size
+        swa_of = self.swa.mapped.swa_of
+        live = self._live_pages(pages)
+        run, from_root = self._run_above(node) if live else (0, False)
+        need_all = need_primary = NO_NEED
+        if live and (run >= w or from_root):
+            need_all = w
+            if self.is_primary(node):
+                need_primary = w
+        if need_primary < w:  # hit points below may read more of it
+            stack = [(c, 0) for c in node.children.values()]
+            while stack:
+                c, above = stack.pop()
+                d = above + c.num_tokens  # from ``node``'s end to ``c``'s end
+                cp = c.device_pages
+                if cp is None or c.loading:  # an L2/L3 hit at its end, a load in flight: may read up to here
+                    need_all = max(need_all, w - d)
+                    need_primary = max(need_primary, w - d)
+                    continue
+                if not live or swa_of.item(cp.item(0)) < 0:
+                    continue  # a dead head between: no window through it is live
+                if run + d >= w or from_root:
+                    need_all = max(need_all, w - d)
+                    if self.is_primary(c):
+                        need_primary = max(need_primary, w - d)
+                if d < w:
+                    stack.extend((g, d) for g in c.children.values())
+        n = pages.shape[0]
+        keep_all = min(n, -(-need_all // ps)) if need_all > 0 else 0
+        keep_primary = min(n, -(-need_primary // ps)) if need_primary > 0 else 0
+        return live, keep_all, keep_primary
+
+    def trim_of(self, node: TreeNode) -> tuple[int, int] | None:
+        """(phase, pages to keep) of ``node``'s next trim, or None (nothing to free, or it must stay whole)."""
+        if node.parent is None or node.device_pages is None or node.loading or self.swa._state(node).lock:
+            return None  # (an unlock, a load's commit marks it again)
+        if node.staged_slots is not None:
+            self.deferred.add(node.id)
+            return None
+        live, keep_all, keep_primary = self.keeps(node)
+        if live > keep_all:
+            return 1, keep_all
+        if live > keep_primary:
+            return 2, keep_primary
+        return None
+
+    # -- candidates ------------------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Computes the trims of the marked (and deferred) nodes into the heap."""
+        if self.deferred:
+            self.marked |= self.deferred
+            self.deferred = set()
+        if not self.marked:
+            return
+        nodes = self.swa.tree._nodes
+        keys, heap = self.keys, self.heap
+        for node_id in self.marked:
+            node = nodes.get(node_id)
+            trim = self.trim_of(node) if node is not None else None
+            if trim is None:
+                keys.pop(node_id, None)
+                continue
+            key = (trim[0], node.last_access, node_id)
+            if keys.get(node_id) != key:
+                keys[node_id] = key
+                heapq.heappush(heap, key)
+        self.marked = set()
+        if len(heap) > 4 * len(keys) + 64:  # stale entries dominate
+            self.heap = heap = sorted(keys.values())
+
+    def pop(self, with_secondary: bool) -> tuple[TreeNode, int, int] | None:
+        """(node, phase, pages to keep) of the best trim now (phase 1 first, LRU within a phase; phase 2 only
+        ``with_secondary``), checked against the node's current keeps; None when there is none."""
+        self._refresh()
+        heap, keys = self.heap, self.keys
+        nodes = self.swa.tree._nodes
+        while heap:
+            key = heap[0]
+            if not with_secondary and key[0] == 2:
+                return None
+            heapq.heappop(heap)
+            node_id = key[2]
+            if keys.get(node_id) != key:
+                continue  # superseded
+            del keys[node_id]
+            node = nodes.get(node_id)
+            trim = self.trim_of(node) if node is not None else None
+            if trim is None:
+                continue
+            current = (trim[0], node.last_access, node_id)
+            if current != key:  # touched, or its phase changed, since it was queued: requeue in its place
+                keys[node_id] = current
+                heapq.heappush(heap, current)
+                continue
+            return node, trim[0], trim[1]
+        return None
+
+    def scan(self) -> list[tuple[TreeNode, int, int, int]]:
+        """(node, live pages, keep of phase 1, keep of phase 2) of every trimmable L1 node (O(nodes); for
+        checks and tests)."""
+        out = []
+        for node in self.swa.tree.iter_nodes():
+            if node.device_pages is None or node.loading or node.staged_slots is not None or self.swa._state(node).lock:
+                continue
+            live, keep_all, keep_primary = self.keeps(node)
+            if live > keep_primary:
+                out.append((node, live, keep_all, keep_primary))
+        return out

@@ -32,7 +32,6 @@ from hicache.cluster.tree import (
     RequestState,
     TreeConfig,
 )
-from hicache.cluster.tree.swa_window import plan_trims
 
 NAMESPACES = [(None, None), ("lora", None)]
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=16)
@@ -194,12 +193,9 @@ class HybridMachine(RuleBasedStateMachine):
         (pages no hit point reads) keeps every node end that was a hit a hit; freeing at most what the
         first two offer (also pages only secondary hit points read) keeps every primary end a hit."""
         swa, ps = self.swa, self.ps
-        plan = plan_trims(swa, with_secondary=secondary)
-        cut: dict[int, int] = {}  # node id -> pages the plan frees at most (its smallest keep)
-        for trim in plan:
-            n = trim.node.device_pages.shape[0]
-            cut[trim.node_id] = max(cut.get(trim.node_id, 0), n - trim.keep)
-        offered = sum(int((swa.translate(self.tree.node(i).device_pages[:c]) >= 0).sum()) for i, c in cut.items())
+        offered = 0  # pages the first phase (or the first two) may free: live pages beyond the keep
+        for _node, live, keep_all, keep_primary in swa.trims.scan():
+            offered += max(0, live - (keep_primary if secondary else keep_all))
         if not offered:
             return
         amount = data.draw(st.integers(1, offered * ps))
