@@ -403,7 +403,7 @@ class SWAComponent(TreeComponent):
         self.trims.mark(suffix)
 
     def on_remove(self, node: TreeNode) -> None:
-        self.trims.forget(node)  # and the hit points it was gone (ancestors may read less now)
+        self.trims.forget(node)  # (the ancestors its hits read may keep less now)
         st = node.component_data["swa"]
         if st.host_slots is not None:
             self.released_host_copies.append((self.name, node.id, st.host_slots))
@@ -442,7 +442,7 @@ class SWAComponent(TreeComponent):
                             st.bounds = None
             if lock == 0:
                 if delta < 0:
-                    self.trims.marked.add(node.id)  # no longer kept whole for the lock
+                    self.trims.mark(node)  # no longer kept whole for the lock
                 if not st.queued:
                     pages = node.device_pages
                     if pages is not None and swa_of.item(pages.item(-1)) >= 0:

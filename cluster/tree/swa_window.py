@@ -34,6 +34,8 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from hicache.cluster.tree.allocator import count_true
 from hicache.cluster.tree.node import TreeNode
 
@@ -95,13 +97,13 @@ class WindowTrims:
                 stack.extend((g, d + g.num_tokens) for g in c.children.values())
 
     # -- keeps ---------------------------------------------------------------------------------------
-    def _live_pages(self, pages) -> int:
+    def _live_pages(self, pages: np.ndarray) -> int:
         swa_of = self.swa.mapped.swa_of
         if swa_of.item(pages.item(0)) >= 0:
             return int(pages.shape[0])
         if swa_of.item(pages.item(-1)) < 0:
             return 0
-        return count_true(swa_of[pages] >= 0)
+        return int(count_true(swa_of[pages] >= 0))
 
     def is_primary(self, node: TreeNode) -> bool:
         """Whether ``node``'s end is a primary hit point (see the module docstring): not one live L1 child."""
@@ -191,7 +193,7 @@ class WindowTrims:
         for node_id in self.marked:
             node = nodes.get(node_id)
             trim = self.trim_of(node) if node is not None else None
-            if trim is None:
+            if node is None or trim is None:
                 keys.pop(node_id, None)
                 continue
             key = (trim[0], node.last_access, node_id)
@@ -219,7 +221,7 @@ class WindowTrims:
             del keys[node_id]
             node = nodes.get(node_id)
             trim = self.trim_of(node) if node is not None else None
-            if trim is None:
+            if node is None or trim is None:
                 continue
             current = (trim[0], node.last_access, node_id)
             if current != key:  # touched, or its phase changed, since it was queued: requeue in its place
