@@ -442,7 +442,7 @@ class SWAComponent(TreeComponent):
                             st.bounds = None
             if lock == 0:
                 if delta < 0:
-                    self.trims.mark(node)  # no longer kept whole for the lock
+                    self.trims.unlocked(node)  # no longer kept whole for the lock
                 if not st.queued:
                     pages = node.device_pages
                     if pages is not None and swa_of.item(pages.item(-1)) >= 0:

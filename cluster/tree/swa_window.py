@@ -9,12 +9,13 @@ node's SWA pages before its last ``window`` tokens serve no hit at its end, and 
 a descendant's hit only within ``window`` tokens of that descendant's end. Hit points (node ends whose
 window is live now, ``limit_match``'s rule) come in two ranks:
 
-- primary: a leaf, a branch point (several children), or a node whose one child is not live in L1 (a
-  tombstone, an L2- or L3-only node, a load in flight): where a conversation continues or branches. A
+- primary: a leaf, a branch point (several children), or a node whose one child does not go on in L1
+  (a tombstoned leaf, an L2- or L3-only node, a load in flight): where a conversation continues, branches
+  or, its deeper windows gone, can still be served from. A
   child outside L1 also counts as a hit point at its own end (an L2 hit there reads the tail of the L1
   node above it when it is shorter than the window), whatever its host tail;
-- secondary: a node with one live L1 child: a past turn's end inside a chain that went on (a hit there
-  means going back and branching, which is rarer than continuing).
+- secondary: a node with one L1 child that goes on (live SWA pages or children of its own): a past
+  turn's end inside a chain (a hit there means going back and branching, rarer than continuing).
 
 A node's *keeps* are the pages at its end that the hit points of each rank read (its own end and its
 descendants' ends within reach: a bounded walk, ``keeps``). Eviction frees, in LRU order of the nodes,
@@ -53,12 +54,14 @@ class WindowTrims:
         self.swa = swa
         self.marked: set[int] = set()  # node ids whose keeps may have dropped since they were computed
         self.deferred: set[int] = set()  # nodes skipped while their D->H copy was queued (no hook clears it)
+        self.locked: set[int] = set()  # nodes skipped while a lock covered them (their unlock marks them)
         self.keys: dict[int, tuple[int, int, int]] = {}
         self.heap: list[tuple[int, int, int]] = []
 
     def clear(self) -> None:
         self.marked.clear()
         self.deferred.clear()
+        self.locked.clear()
         self.keys.clear()
         self.heap = []
 
@@ -66,11 +69,19 @@ class WindowTrims:
     def mark(self, node: TreeNode) -> None:
         self.marked.add(node.id)
 
+    def unlocked(self, node: TreeNode) -> None:
+        """The last lock covering ``node`` went: mark it if a trim skipped it for the lock."""
+        locked = self.locked
+        if locked and node.id in locked:
+            locked.discard(node.id)
+            self.marked.add(node.id)
+
     def forget(self, node: TreeNode) -> None:
         """``node`` leaves the tree: drop its entries, mark the ancestors its hits read."""
         node_id = node.id
         self.marked.discard(node_id)
         self.deferred.discard(node_id)
+        self.locked.discard(node_id)
         self.keys.pop(node_id, None)
         parent = node.parent
         if parent is not None and parent.parent is not None:
@@ -106,13 +117,17 @@ class WindowTrims:
         return int(count_true(swa_of[pages] >= 0))
 
     def is_primary(self, node: TreeNode) -> bool:
-        """Whether ``node``'s end is a primary hit point (see the module docstring): not one live L1 child."""
+        """Whether ``node``'s end is a primary hit point (see the module docstring): not one L1 child that
+        goes on (has live SWA pages, or children: a trim that freed the child's pages whole leaves its
+        parent's rank as it was, so trims in any order free the same pages)."""
         kids = node.children
         if len(kids) != 1:
             return True
         (child,) = kids.values()
         pages = child.device_pages
-        return pages is None or child.loading or self.swa.mapped.swa_of.item(pages.item(-1)) < 0
+        if pages is None or child.loading:
+            return True
+        return not child.children and self.swa.mapped.swa_of.item(pages.item(-1)) < 0
 
     def _run_above(self, node: TreeNode) -> tuple[int, bool]:
         """(live SWA tokens ending at ``node``'s end, capped at the window; live back to the root)."""
@@ -137,7 +152,9 @@ class WindowTrims:
         w, ps = self.swa.window, self.swa.page_size
         swa_of = self.swa.mapped.swa_of
         live = self._live_pages(pages)
-        run, from_root = self._run_above(node) if live else (0, False)
+        if not live:
+            return 0, 0, 0
+        run, from_root = self._run_above(node)
         need_all = need_primary = NO_NEED
         if live and (run >= w or from_root):
             need_all = w
@@ -153,7 +170,7 @@ class WindowTrims:
                     need_all = max(need_all, w - d)
                     need_primary = max(need_primary, w - d)
                     continue
-                if not live or swa_of.item(cp.item(0)) < 0:
+                if swa_of.item(cp.item(0)) < 0:
                     continue  # a dead head between: no window through it is live
                 if run + d >= w or from_root:
                     need_all = max(need_all, w - d)
@@ -168,8 +185,11 @@ class WindowTrims:
 
     def trim_of(self, node: TreeNode) -> tuple[int, int] | None:
         """(phase, pages to keep) of ``node``'s next trim, or None (nothing to free, or it must stay whole)."""
-        if node.parent is None or node.device_pages is None or node.loading or self.swa._state(node).lock:
-            return None  # (an unlock, a load's commit marks it again)
+        if node.parent is None or node.device_pages is None or node.loading:
+            return None  # (a load's commit marks it again)
+        if self.swa._state(node).lock:
+            self.locked.add(node.id)
+            return None
         if node.staged_slots is not None:
             self.deferred.add(node.id)
             return None

@@ -207,8 +207,8 @@ class HybridMachine(RuleBasedStateMachine):
         assert not lost, f"an SWA eviction of {amount} tokens that no {'primary ' if secondary else ''}hit needed lost {lost}"
 
     def _node_ends(self):
-        """(node, its end is a hit: the window before it has SWA KV, its end is primary: not one live L1
-        child) for every L1 node (brute force over the path's pages)."""
+        """(node, its end is a hit: the window before it has SWA KV, its end is primary: not one L1 child
+        that goes on, with live SWA pages or children) for every L1 node (brute force over the path's pages)."""
         out = []
         for ns, root in self.tree.roots().items():
             stack = [(c, np.empty(0, np.int32)) for c in root.children.values()]
@@ -219,9 +219,10 @@ class HybridMachine(RuleBasedStateMachine):
                 pages = np.r_[above, node.device_pages].astype(np.int32)
                 end = pages.size * self.ps
                 hit = window_live(self.swa, pages, end, self.ps) and self.swa.translate(pages[-1:])[0] >= 0
-                kids = [c for c in node.children.values()]
-                primary = not (len(kids) == 1 and kids[0].device_pages is not None and not kids[0].loading
-                               and self.swa.translate(kids[0].device_pages[-1:])[0] >= 0)
+                kids = list(node.children.values())
+                goes_on = len(kids) == 1 and kids[0].device_pages is not None and not kids[0].loading and (
+                    bool(kids[0].children) or self.swa.translate(kids[0].device_pages[-1:])[0] >= 0)
+                primary = not goes_on
                 out.append((node, hit, primary))
                 stack.extend((c, pages) for c in kids)
         return out
