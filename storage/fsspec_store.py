@@ -656,8 +656,10 @@ class FsspecStorage(HiCacheStorage):
                     tally["bytes_written"] = tally.get("bytes_written", 0) + size
                     written.append((o.t, o.start, o.path, size))
             self._count(**tally)
-            if self.config.leading_page_index and published:
-                self._write_index(queries, published, deadline, written)
+            # (a pool of one page per object needs no entry: each object is found by its own page's key)
+            indexed = [o for o in published if queries[o.t].reg.ppo > 1]
+            if self.config.leading_page_index and indexed:
+                self._write_index(queries, indexed, deadline, written)
         if gi < len(todo):
             self._count(timeouts=len(todo) - gi)
 
