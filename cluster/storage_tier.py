@@ -359,7 +359,7 @@ class StorageTier:
         self._bg_lists = False  # the running job lists the manifest (else: a probe only)
         workers.attach_storage(params.attachment())  # builds clients (no storage I/O)
         self.pages_per_object = workers.storage_pages_per_object()
-        tree.storage_only.cap_tokens = params.warm_restart_max_tokens if not tree.extra_components else 0
+        tree.storage_only.cap_tokens = params.warm_restart_max_tokens
         tree.storage_only.trim()
         self._warm_due = bool(tree.storage_only.cap_tokens)  # a warm restart is still to be done
         if self._warm_due:
@@ -676,7 +676,9 @@ class StorageTier:
         # lazy: a miss hashes only the pages storage asks about (a few), not the whole prompt's
         keys = ChainKeys(ns, tokens[depth:whole], parent=prev)
         first_key = keys[0]
-        known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps if anchor.children else 0
+        # (a hybrid tree still asks: the manifest knows the Full pages, not which component values are stored)
+        known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps \
+            if anchor.children and not self.values else 0
         if known * ps < self.params.prefetch_min_tokens:
             known = 0
         if not known and first_key in self._misses:

@@ -126,3 +126,21 @@ def test_a_deleted_component_object_shortens_the_l3_hit(tmp_path, kind):
         got[name] = serve_all(build_stack(options(kind, root)), [prompt])
     assert got["intact"]["prefetch_pages"] == end
     assert got["damaged"]["prefetch_pages"] < end
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_a_restarted_hybrid_head_reads_the_manifest_and_its_l3_hits_stay_exact(tmp_path, kind):
+    """Warm restart as for a Full head: the manifest's stored prefixes become storage-only tree entries (reported
+    as L3 hits by a match), and a fetch over them still asks which component values are stored."""
+    from hicache.cluster.tree import RadixKey
+
+    reqs = fill(kind, tmp_path)
+    fresh = build_stack(options(kind, tmp_path))
+    assert fresh.head.controller.storage.settle(60.0)  # the background manifest listing, applied
+    storage = fresh.head.cache_stats()["storage"]
+    assert storage["warm_restart_prefixes"] > 0 and storage["warm_restart_tokens"] > 0
+    assert fresh.head.match_prefix(RadixKey(reqs[-1])).storage_hit_len > 0
+    fresh.head.tree.check_invariants()
+    out = serve_all(fresh, reqs[::-1])
+    assert out["prefetch_pages"] > 0 and out["component_values"]["values_fetched"] > 0
+    assert out["prefetch_known_stored"] == 0  # (never sized by the manifest alone in a hybrid tree)

@@ -49,8 +49,6 @@ class StorageOnlyEntries:
         tokens added (existing nodes on the path are left as they are)."""
         tree = self.tree
         ps = tree.page_size
-        if tree.extra_components:
-            raise ValueError("storage-only entries need a Full-only tree")
         end = tokens.shape[0] - tokens.shape[0] % ps
         tb = np.ascontiguousarray(tokens[:end], dtype=np.int32).tobytes()
         path, partial = tree._walk(root, tb, 0, end)
@@ -149,8 +147,12 @@ class StorageOnlyEntries:
             return anchor, depth
         tb = np.ascontiguousarray(tokens[:end], dtype=np.int32).tobytes()
         path, partial = self.tree._walk(anchor, tb, depth, end)
+        for i, node in enumerate(path):
+            if is_storage_only(node):  # (in L3 only: a fetch covers it; the fetch hangs above it)
+                path, partial = path[:i], 0
+                break
         partial -= partial % ps
-        if path and (partial or path[-1].num_tokens + depth > end):
+        if path and (partial or sum(n.num_tokens for n in path) + depth > end):
             last = path.pop()
             if partial and last.pending is None and not last.loading:
                 path.append(self.tree._split(last, partial))
