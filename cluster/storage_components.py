@@ -152,14 +152,22 @@ class ComponentObjects:
             out.parts.append(StoragePart(pool.name, first_page + found - k, tuple(keys[found - k : found]), ids))
         return out
 
-    def adopt(self, node: TreeNode | None, fetched: FetchParts) -> None:
-        """The fetch was acked: ``node`` (the new host-only node ending where it ended) holds the values; None:
-        the pages were redundant or unusable (their ids are freed)."""
-        if node is None:
+    def adopt(self, nodes: list[TreeNode] | None, fetched: FetchParts) -> None:
+        """The fetch was acked: ``nodes`` (the host-only nodes it made, root first, ending where it ended) hold
+        the values, each node the part within its own pages (the fetch may end in former storage-only nodes
+        shorter than a window); None: the pages were redundant or unusable (their ids are freed)."""
+        if not nodes:
             self.release(fetched)
             return
+        ps = self.page_size
         for pool, ids in fetched.reserved:
-            pool.component.adopt_host_copy(node, ids)
+            end = int(ids.size)
+            for node in reversed(nodes):
+                if end <= 0:
+                    break
+                k = min(end, node.num_tokens // ps)
+                pool.component.adopt_host_copy(node, ids[end - k : end])
+                end -= k
             pool.commit(ids)
             self.counters.values_fetched += int(ids.size)
 

@@ -1194,7 +1194,7 @@ class StorageTier:
         if not ok and alive:  # a missing or corrupt object: what the tree thought stored is not
             self.counters.storage_only_dropped_tokens += self.tree.storage_only.drop_path(anchor, task.tokens)
         if task.values is not None:  # the values' ids: the new last node's host copies, or freed
-            self.values.adopt(nodes[-1] if nodes else None, task.values)
+            self.values.adopt(nodes, task.values)
             task.values = None
         if nodes is None:
             self.host.unreserve(task.slots)

@@ -25,3 +25,34 @@ T, F = True, False
 ])
 def test_servable_end(flags, pages, found, least, want):
     assert servable_end(flags, pages, found, least) == want
+
+
+def test_fetched_swa_window_is_split_over_the_nodes_it_ends_in():
+    """A fetch over storage-only entries may end in a node shorter than the window: each node of the fetch
+    gets the part of the window's pages within its own pages (the last node its last ones)."""
+    import numpy as np
+
+    from hicache.cluster.component_host import ComponentHostPool
+    from hicache.cluster.storage_components import ComponentObjects, FetchParts
+    from hicache.cluster.tree import RadixTree, SWAComponent, TreeConfig
+
+    tree = RadixTree(TreeConfig(page_size=8), [SWAComponent(24)])  # a window of 3 pages
+    tree.storage_only.cap_tokens = 1 << 10
+    tokens = np.arange(96, dtype=np.int32)
+    root = tree.default_root
+    assert tree.storage_only.add_path(root, tokens[:80]) == 80
+    assert tree.storage_only.add_path(root, tokens) == 16  # a 2-page child below the 10-page entry
+    (a,) = root.children.values()
+    (b,) = a.children.values()
+    nodes = tree.storage_only.adopt(root, tokens)
+    assert nodes == [a, b]
+    pool = ComponentHostPool(tree, tree.component("swa"), 8)
+    values = ComponentObjects({"swa": pool}, 8)
+    fetched = values.reserve({"swa": [True] * 12}, 12, 0, [f"{i:064x}" for i in range(12)])
+    assert isinstance(fetched, FetchParts) and fetched.parts[0].first_page == 9
+    ids = fetched.reserved[0][1].copy()
+    values.adopt(nodes, fetched)
+    swa = tree.component("swa")
+    np.testing.assert_array_equal(swa.host_copy(b), ids[1:])
+    np.testing.assert_array_equal(swa.host_copy(a), ids[:1])
+    assert pool.stats()["host_tokens"] == 24 and values.counters.values_fetched == 3
