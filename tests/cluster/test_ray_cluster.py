@@ -242,21 +242,24 @@ def hybrid_model(kind: str):
                        head_dim=SPEC.head_dim, hidden=32, mlp_hidden=64, **extra)
 
 
-def hybrid_replica(name: str, kind: str, num_hosts: int, l1_pages: int = 16) -> ReplicaConfig:
-    """L1 of ``l1_pages`` (a conversation or two of the chat below: later turns come back from L2), the
-    component's pool about as large and its L2 smaller than the Full L2; pool layouts from the model."""
-    from hicache.cluster.builder import MambaConfig, SWAConfig
-    from hicache.reference.stack import component_specs
+def hybrid_replica(name: str, kind: str, num_hosts: int) -> ReplicaConfig:
+    from hicache.replica_file import replica_config
 
+    return dataclasses.replace(replica_config(hybrid_replica_file(name, kind, num_hosts)), health_interval_s=0.25)
+
+
+def hybrid_replica_file(name: str, kind: str, num_hosts: int, l1_pages: int = 16) -> dict:
+    """A replica file (``hicache up``'s path): L1 of ``l1_pages`` (a conversation or two of the chat below:
+    later turns come back from L2), the component's L1 pool about as large and its L2 smaller than the Full
+    L2; the workers' component pool layouts come from the file's model and components."""
     model = hybrid_model(kind)
-    components = {"swa": (SWAConfig(12, l1_pages * PS, host_tokens=64 * PS),),
-                  "mamba": (MambaConfig(8, ((1, model.hidden),), "float32", host_slots=24),)}[kind]
-    head = HeadConfig(name, TreeConfig(PS, l1_pages), HiCacheConfig(128, ack_timeout_s=10.0, backup_batch_pages=4),
-                      components=components)
-    spec = dataclasses.replace(SPEC, num_layers=model.num_layers)
-    workers = WorkerGroupOptions.fake_cpu_hosts(spec, num_hosts=num_hosts, devices_per_host=4 // num_hosts,
-                                                component_specs=component_specs(model, PS))
-    return ReplicaConfig(head, workers, detached=False, health_interval_s=0.25)
+    components = {"swa": {"swa": {"window": 12, "num_tokens": l1_pages * PS, "host_tokens": 64 * PS}},
+                  "mamba": {"mamba": {"num_slots": 8, "state_shapes": [[1, model.hidden]], "host_slots": 24}}}[kind]
+    layers = {"num_layers": model.num_layers, "num_kv_heads": SPEC.num_kv_heads, "head_dim": SPEC.head_dim,
+              "dtype": "float32"} | ({"swa_layers": len(model.swa_layers)} if kind == "swa" else {})
+    return {"replica": name, "page_size": PS, "l1_pages": l1_pages, "l2_slots": 128, "detached": False,
+            "model": layers, "components": components,
+            "workers": {"num_hosts": num_hosts, "devices_per_host": 4 // num_hosts}}
 
 
 def serve_hybrid_chat(name: str, kind: str, conversations: int = 2, turns: int = 4) -> dict:
@@ -330,11 +333,23 @@ def test_hybrid_replica_config_names_missing_or_foreign_component_pools():
     from hicache.reference.stack import component_specs
 
     for kind in ("swa", "mamba"):
+        assert hybrid_replica("ok", kind, 2).workers.component_specs == component_specs(hybrid_model(kind), PS)
         cfg = hybrid_replica("bad", kind, 2)
         with pytest.raises(ValueError, match=rf"need a pool layout \(component_specs\['{kind}'\]"):
             dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, component_specs={}))
         with pytest.raises(ValueError, match=rf"component_specs \['{kind}'\] name pools the head keeps no host tier"):
             ReplicaConfig(HeadConfig("bad", cfg.head.tree, cfg.head.hicache), cfg.workers)
+    from hicache.replica_file import replica_config
+
+    raw = hybrid_replica_file("bad", "mamba", 2)
+    for shapes in ([[1, 32], [2]], [[1, 12]]):  # not one [layers, hidden] state; hidden not split over 2 x 4 heads
+        raw["components"]["mamba"]["state_shapes"] = shapes
+        with pytest.raises(ValueError, match=r"config: components.mamba.state_shapes .* workers keep one state shape"):
+            replica_config(raw)
+    raw = hybrid_replica_file("bad", "swa", 2)
+    del raw["model"]["swa_layers"]
+    with pytest.raises(ValueError, match=r"config: the swa component has a host tier: .*component_specs\['swa'\]"):
+        replica_config(raw)
     specs = component_specs(hybrid_model("mamba"), PS)
     with pytest.raises(ValueError, match=r"component_specs\['mamba'\] must be a KVCacheSpec with page_size 1"):
         WorkerGroupOptions.fake_cpu_hosts(SPEC, 2, component_specs={"mamba": dataclasses.replace(specs["mamba"], page_size=PS)})
