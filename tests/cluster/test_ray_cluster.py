@@ -268,7 +268,7 @@ def serve_hybrid_chat(name: str, kind: str, conversations: int = 2, turns: int =
     returns every pool (Full L1, the component's L1) to free."""
     from hicache.testing.drivers import ServedReplica, chat_workload
 
-    served = ServedReplica(name, 60.0, None, 180.0, model=hybrid_model(kind), page=PS)
+    served = ServedReplica(name, 120.0, None, 300.0, model=hybrid_model(kind), page=PS)  # per call: a loaded CI box
     assert (served.engine.swa_tables, served.engine.recurrent) == (kind == "swa", kind == "mamba")
     assert served.engine.mesh_shape == (4,)
     work = chat_workload(served, conversations, turns, seed=5)
