@@ -311,6 +311,7 @@ def test_hybrid_multi_turn_on_a_ray_replica_equals_no_cache(replica_x, kind, num
     name, fwd = f"hyb-{kind}-{num_hosts}", ForwardConfig(chunk_size=16, page_size=PS, max_pages=24)
     handle = hicache.start_replica(hybrid_replica(name, kind, num_hosts))  # noqa: F841  # lives with its handle
     try:
+        assert worker_handles(name)[2] == ([(0, 2), (2, 4)] if num_hosts == 2 else [(0, 4)])  # KV heads per host
         hits = serve_hybrid_chat(name, kind)
         assert hits["l1"] > 0 and hits["l2"] > 0, hits
         # a model the replica's components or pool layouts do not fit: refused before anything is attached
