@@ -49,6 +49,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hicache.cluster.builder import ComponentKind
 from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.tpu import WorkerPlacement, cpu_placement
 from hicache.workers.plan import TransferAck, TransferPlan
@@ -79,8 +80,9 @@ class WorkerGroupOptions:
     start_timeout_s: float = 120.0  # actors up + jax.distributed + pools
     call_timeout_s: float = 30.0  # bound on any single poll/ping answer; longer = host lost
     impl: str | None = None  # paged-copy implementation (None: per backend)
-    # A hybrid model's other paged pools by component name (e.g. "swa": its sliding-window layers' K/V);
-    # their sizes come from the head's component configs (``HeadConfig.component_pools``)
+    # A hybrid model's other paged pools by component name ("swa": its sliding-window layers' K/V, pages of
+    # ``spec.page_size``; "mamba": its recurrent states, one a page of size 1); their sizes come from the
+    # head's component configs (``HeadConfig.component_pools``)
     component_specs: Mapping[str, KVCacheSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,9 +90,10 @@ class WorkerGroupOptions:
             raise TypeError(f"spec must be a KVCacheSpec, got {type(self.spec).__name__}")
         object.__setattr__(self, "component_specs", dict(self.component_specs))
         for name, cspec in self.component_specs.items():
-            if not isinstance(cspec, KVCacheSpec) or cspec.page_size != self.spec.page_size:
-                raise ValueError(f"component_specs[{name!r}] must be a KVCacheSpec with page_size "
-                                 f"{self.spec.page_size}, got {cspec!r}")
+            # a paged pool (SWA) has L1's pages; the state pool's page is one state (``ComponentPool``)
+            page = 1 if name == ComponentKind.MAMBA.value else self.spec.page_size
+            if not isinstance(cspec, KVCacheSpec) or cspec.page_size != page:
+                raise ValueError(f"component_specs[{name!r}] must be a KVCacheSpec with page_size {page}, got {cspec!r}")
         if not isinstance(self.placement, WorkerPlacement):
             raise TypeError(f"placement must be a WorkerPlacement, got {type(self.placement).__name__}")
         if self.platform not in ("cpu", "tpu", "gpu", "cuda"):
