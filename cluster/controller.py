@@ -444,7 +444,8 @@ class HiCacheController:
         if self.in_flight:
             raise RuntimeError(f"cannot attach storage with {self.in_flight} transfers in flight")
         self.commits.storage = StorageTier(self.tree, self.host, self.workers, params, self.outbox.queue_storage,
-                                           self.outbox.op_ids, back_up=self._backup_chain)
+                                           self.outbox.op_ids, back_up=self._backup_chain,
+                                           component_hosts=self.component_hosts)
 
     def detach_storage_backend(self) -> None:
         """Drains in-flight work (bounded by ``ack_timeout_s``), then detaches L3."""

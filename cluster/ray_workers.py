@@ -235,7 +235,10 @@ class HostWorkerActor:
         w = self._w()
         if isinstance(w.storage_executor, StorageExecutor):
             w.storage_executor.close()
-        w.storage_executor = None if attachment is None else StorageExecutor(attachment, w.host_pool)
+        from hicache.cluster.worker_group import component_host_pools
+
+        w.storage_executor = None if attachment is None else StorageExecutor(attachment, w.host_pool,
+                                                                             component_pools=component_host_pools(w))
 
     def _storage(self) -> Any:
         from hicache.workers.storage_exec import StorageExecutor
@@ -252,6 +255,11 @@ class HostWorkerActor:
                        fingerprint: ModelFingerprint | None = None, chunk_start_key: str | None = None) -> int:
         return self._storage().batch_exists(keys, first_page=first_page, min_pages=min_pages, fingerprint=fingerprint,
                                             chunk_start_key=chunk_start_key)
+
+    def storage_exists_each(self, pool: str, keys: Sequence[str]) -> list[bool]:
+        from hicache.storage import PoolKind
+
+        return self._storage().exists_each(keys, pool=PoolKind(pool))
 
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         self._storage().record_prefix(namespace, tokens)
@@ -464,6 +472,16 @@ class RayWorkerGroup:
             log.warning("replica %s: L3 existence check failed: %s", self.replica, e)
             return 0
         return min(found)
+
+    def storage_exists_each(self, pool: str, keys: Sequence[str]) -> list[bool]:
+        """AND over hosts; a host that cannot answer holds none (a shorter hit)."""
+        try:
+            per_host = ray.get([a.storage_exists_each.remote(pool, list(keys)) for a in self.actors],
+                               timeout=self.options.call_timeout_s)
+        except Exception as e:  # storage trouble is a miss, never an error for the request
+            log.warning("replica %s: L3 existence check of %s failed: %s", self.replica, pool, e)
+            return [False] * len(keys)
+        return [all(flags) for flags in zip(*per_host)] if per_host else []
 
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         try:

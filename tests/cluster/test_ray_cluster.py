@@ -328,6 +328,37 @@ def test_hybrid_multi_turn_on_a_ray_replica_equals_no_cache(replica_x, kind, num
         stop_replica(name)
 
 
+@pytest.mark.slow  # (two hybrid replicas start and compile one after the other: about a minute here)
+@pytest.mark.parametrize("kind", ["mamba", "swa"])
+def test_a_second_hybrid_replica_serves_from_the_l3_the_first_filled(replica_x, kind, tmp_path):
+    """L3 per component pool on the Ray path: a hybrid replica's hosts store their shards of the Full pages and of
+    the component values (SWA pages / recurrent states) as objects of each pool; a second replica (new head, new
+    workers: nothing in L1 or L2) serves the same chat from them, exact, with L3 hits whose values it fetched."""
+    from hicache.testing.drivers import ServedReplica, chat_workload
+
+    work = None
+    for n, name in enumerate((f"l3a-{kind}", f"l3b-{kind}")):
+        handle = hicache.start_replica(hybrid_replica(name, kind, 2))  # noqa: F841  # lives with its handle
+        try:
+            served = ServedReplica(name, 120.0, f"file://{tmp_path}", 300.0, model=hybrid_model(kind), page=PS,
+                                   wait_for_l3=True)
+            work = work or chat_workload(served, 2, 3, seed=7)
+            fetched = 0
+            for prompt, ref in work[::-1] if n else work:  # (the second: the longest turns first, from L3)
+                res = served.serve(prompt)
+                assert res.output == ref.tokens
+                np.testing.assert_array_equal(res.logits, ref.logits)
+                fetched += res.storage_tokens
+                served.client.flush_write_through_acks()
+            values = served.client.cache_stats()["storage"]["component_values"]
+            if n:
+                assert fetched > 0 and values["values_fetched"] > 0, values
+            else:
+                assert values["values_stored"] > 0, values
+        finally:
+            stop_replica(name)
+
+
 def test_hybrid_replica_config_names_missing_or_foreign_component_pools():
     """A hybrid head's workers need each component's pool layout; a layout for a pool the head does not keep,
     or a state pool paged like KV, is refused too: one ValueError at start, naming it."""
