@@ -38,13 +38,32 @@ import numpy as np
 CACHE_SALT = "hicache-bench/replica_chat"  # this benchmark's namespace in the replica's tiers and L3
 
 
-def model_for(spec: Any) -> Any:
-    """A reference model whose KV matches the replica's page layout (``KVCacheSpec``)."""
+def model_for(config: Any) -> Any:
+    """A reference model whose KV matches the replica's page layout (its workers' ``KVCacheSpec``) and whose
+    hybrid layers match its components (``ReplicaConfig.head.components``): sliding-window layers, the first
+    ones (as many as the workers' ``swa`` pool keeps, else every other layer), with the SWA window; recurrent
+    layers, the last ones, as many and as wide as the ``mamba`` component's one ``[layers, hidden]`` state."""
+    from hicache.cluster.builder import ComponentKind, components_of
     from hicache.reference.engine import ModelConfig
 
+    spec, specs = config.workers.spec, config.workers.component_specs
+    by_kind = components_of(config.head.components)
+    swa, mamba = by_kind.get(ComponentKind.SWA), by_kind.get(ComponentKind.MAMBA)
+    extra: dict[str, Any] = {}
+    hidden = 32
+    if swa is not None:
+        extra["sliding_window"] = swa.window
+        if "swa" in specs:
+            extra["sliding_window_layers"] = tuple(range(specs["swa"].num_layers))
+    if mamba is not None:
+        if len(mamba.state_shapes) != 1 or len(mamba.state_shapes[0]) != 2:
+            raise ValueError(f"replica_chat: the reference model keeps one [layers, hidden] state; the replica's "
+                             f"mamba component has state_shapes={mamba.state_shapes}")
+        layers, hidden = mamba.state_shapes[0]
+        extra["recurrent_layers"] = tuple(range(spec.num_layers - layers, spec.num_layers))
     return ModelConfig(vocab_size=256, num_layers=spec.num_layers, num_q_heads=2 * spec.num_kv_heads,
-                       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, hidden=32, mlp_hidden=64,
-                       dtype=spec.dtype)
+                       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, hidden=hidden, mlp_hidden=64,
+                       dtype=spec.dtype, **extra)
 
 
 def _connect(address: str | None) -> None:
@@ -77,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"replica_chat: replica {args.replica!r} has no host workers: the engine needs a data plane")
     spec = config.workers.spec
     client = hicache.connect(args.replica, timeout_s=args.timeout)
-    served = ServedReplica(args.replica, args.timeout, None, args.setup_timeout, model=model_for(spec),
+    served = ServedReplica(args.replica, args.timeout, None, args.setup_timeout, model=model_for(config),
                            page=spec.page_size, cache_salt=CACHE_SALT,
                            storage="storage" in client.cache_stats())  # L3 attached (its file's ``l3``)
     before = _head_hits(served.client)

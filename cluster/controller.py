@@ -444,7 +444,8 @@ class HiCacheController:
         if self.in_flight:
             raise RuntimeError(f"cannot attach storage with {self.in_flight} transfers in flight")
         self.commits.storage = StorageTier(self.tree, self.host, self.workers, params, self.outbox.queue_storage,
-                                           self.outbox.op_ids, back_up=self._backup_chain)
+                                           self.outbox.op_ids, back_up=self._backup_chain,
+                                           component_hosts=self.component_hosts)
 
     def detach_storage_backend(self) -> None:
         """Drains in-flight work (bounded by ``ack_timeout_s``), then detaches L3."""
@@ -546,7 +547,9 @@ class HiCacheController:
 
     def flush_write_through_acks(self, timeout_s: float | None = None) -> int:
         """Waits (bounded by ``timeout_s``, default ``ack_timeout_s``) until every in-flight transfer is
-        acked, and applies them."""
+        acked, and applies them. The manifest entries of prefixes these acks stored in L3 are written on the
+        storage tier's background thread and may land after this returns: a caller that lists or deletes L3
+        objects next flushes them first (``StorageTier.flush_manifest``, or a detach)."""
         if self.storage is not None:
             self.storage.resume_writes()  # a flush sends everything, held writes included
         deadline = time.monotonic() + (self.config.ack_timeout_s if timeout_s is None else timeout_s)

@@ -294,7 +294,9 @@ class DrainProgress:
     deadline_s: float = 0.0
     candidate_pages: int = 0  # pages not in L3 when it started (L1 and L2)
     sent_pages: int = 0  # pages sent L2 -> L3 (or L1 -> L2 -> L3)
-    drained_pages: int = 0  # of those, stored (acked by every host) before the deadline
+    # pages the drain's L3 writes stored (acked by every host) before the deadline; an op starts at an object
+    # boundary, so the stored pages before a path's first unstored one count again: it can exceed candidate_pages
+    drained_pages: int = 0
     left_pages: int = 0  # not in L3 yet (L1 or L2 holds them): updated every round
     not_fitted_pages: int = 0  # still not in L3 when it ended (left_pages then)
     # of those, pages of paths longer than one L2 -> L3 backup may be (``StorageParams.max_inflight_backup_pages``):

@@ -382,6 +382,8 @@ class CacheHead:
             if ctl.storage is not None:
                 out["storage"] = ctl.storage.counters.snapshot()
                 out["storage"]["cost_model"] = ctl.storage.cost.snapshot()  # the load-or-recompute estimates
+                if ctl.storage.values:  # a hybrid tree's component values in L3
+                    out["storage"]["component_values"] = dataclasses.asdict(ctl.storage.values.counters)
                 out["storage_errors"] = ctl.workers.storage_errors()  # by kind (transfers.L3_ERROR_KINDS)
                 out["storage_breaker"] = ctl.workers.storage_breaker_state()  # closed / half_open / open
         if self.drain_progress is not None:

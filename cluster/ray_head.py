@@ -136,6 +136,11 @@ class ReplicaConfig:
             if self.head.tree.capacity_pages is None:
                 raise ValueError("workers hold the L1 pool: TreeConfig.capacity_pages must be set")
             self.head.component_pools(self.workers.component_specs)  # a hybrid head's pools: ValueError if unset
+            extra = sorted(set(self.workers.component_specs) - set(self.head.component_host_slots()))
+            if extra:  # a pool no head component fills: the model and the head disagree
+                raise ValueError(f"component_specs {extra} name pools the head keeps no host tier for (its "
+                                 f"components: {[c.kind.value for c in self.head.components] or 'none'}"
+                                 f"{'' if self.head.hicache is not None else ', no HiCacheConfig'})")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
         if not self.health_interval_s > 0 or not self.rebuild_backoff_s > 0:

@@ -49,6 +49,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hicache.cluster.builder import ComponentKind
 from hicache.cluster.errors import HiCacheUnavailableError
 from hicache.cluster.tpu import WorkerPlacement, cpu_placement
 from hicache.workers.plan import TransferAck, TransferPlan
@@ -79,8 +80,9 @@ class WorkerGroupOptions:
     start_timeout_s: float = 120.0  # actors up + jax.distributed + pools
     call_timeout_s: float = 30.0  # bound on any single poll/ping answer; longer = host lost
     impl: str | None = None  # paged-copy implementation (None: per backend)
-    # A hybrid model's other paged pools by component name (e.g. "swa": its sliding-window layers' K/V);
-    # their sizes come from the head's component configs (``HeadConfig.component_pools``)
+    # A hybrid model's other paged pools by component name ("swa": its sliding-window layers' K/V, pages of
+    # ``spec.page_size``; "mamba": its recurrent states, one a page of size 1); their sizes come from the
+    # head's component configs (``HeadConfig.component_pools``)
     component_specs: Mapping[str, KVCacheSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,9 +90,10 @@ class WorkerGroupOptions:
             raise TypeError(f"spec must be a KVCacheSpec, got {type(self.spec).__name__}")
         object.__setattr__(self, "component_specs", dict(self.component_specs))
         for name, cspec in self.component_specs.items():
-            if not isinstance(cspec, KVCacheSpec) or cspec.page_size != self.spec.page_size:
-                raise ValueError(f"component_specs[{name!r}] must be a KVCacheSpec with page_size "
-                                 f"{self.spec.page_size}, got {cspec!r}")
+            # a paged pool (SWA) has L1's pages; the state pool's page is one state (``ComponentPool``)
+            page = 1 if name == ComponentKind.MAMBA.value else self.spec.page_size
+            if not isinstance(cspec, KVCacheSpec) or cspec.page_size != page:
+                raise ValueError(f"component_specs[{name!r}] must be a KVCacheSpec with page_size {page}, got {cspec!r}")
         if not isinstance(self.placement, WorkerPlacement):
             raise TypeError(f"placement must be a WorkerPlacement, got {type(self.placement).__name__}")
         if self.platform not in ("cpu", "tpu", "gpu", "cuda"):
@@ -232,7 +235,10 @@ class HostWorkerActor:
         w = self._w()
         if isinstance(w.storage_executor, StorageExecutor):
             w.storage_executor.close()
-        w.storage_executor = None if attachment is None else StorageExecutor(attachment, w.host_pool)
+        from hicache.cluster.worker_group import component_host_pools
+
+        w.storage_executor = None if attachment is None else StorageExecutor(attachment, w.host_pool,
+                                                                             component_pools=component_host_pools(w))
 
     def _storage(self) -> Any:
         from hicache.workers.storage_exec import StorageExecutor
@@ -249,6 +255,11 @@ class HostWorkerActor:
                        fingerprint: ModelFingerprint | None = None, chunk_start_key: str | None = None) -> int:
         return self._storage().batch_exists(keys, first_page=first_page, min_pages=min_pages, fingerprint=fingerprint,
                                             chunk_start_key=chunk_start_key)
+
+    def storage_exists_each(self, pool: str, keys: Sequence[str]) -> list[bool]:
+        from hicache.storage import PoolKind
+
+        return self._storage().exists_each(keys, pool=PoolKind(pool))
 
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         self._storage().record_prefix(namespace, tokens)
@@ -461,6 +472,16 @@ class RayWorkerGroup:
             log.warning("replica %s: L3 existence check failed: %s", self.replica, e)
             return 0
         return min(found)
+
+    def storage_exists_each(self, pool: str, keys: Sequence[str]) -> list[bool]:
+        """AND over hosts; a host that cannot answer holds none (a shorter hit)."""
+        try:
+            per_host = ray.get([a.storage_exists_each.remote(pool, list(keys)) for a in self.actors],
+                               timeout=self.options.call_timeout_s)
+        except Exception as e:  # storage trouble is a miss, never an error for the request
+            log.warning("replica %s: L3 existence check of %s failed: %s", self.replica, pool, e)
+            return [False] * len(keys)
+        return [all(flags) for flags in zip(*per_host)] if per_host else []
 
     def storage_record_prefix(self, namespace: Any, tokens: np.ndarray) -> None:
         try:

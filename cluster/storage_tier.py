@@ -77,15 +77,17 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 
+from hicache.cluster.component_host import ComponentHostPool
 from hicache.cluster.cost_model import CostModel, CostOptions, PendingFetch
 from hicache.cluster.host_tier import HostTier
 from hicache.cluster.inflight import PendingTransfer
+from hicache.cluster.storage_components import ComponentObjects, FetchParts, servable_end
 from hicache.cluster.tree import RadixKey, RadixTree, TreeNode
 from hicache.cluster.worker_group import WorkerGroup
 from hicache.storage import ChainKeys, ModelFingerprint, Namespace, StorageConfig, page_keys
@@ -98,6 +100,7 @@ COST_SKIPPED = "skipped by the cost model"  # PrefetchProgress.reason: recomputi
 FINGERPRINT_DIFFERS = "L3 holds it under a previous fingerprint"  # PrefetchProgress.reason (previous_fingerprints)
 NOT_ENOUGH = "not enough pages in L3"  # PrefetchProgress.reason: L3 answered, short of prefetch_min_tokens
 NO_ANCHOR_COPY = "matched prefix has no L2 copy to hang fetched pages below"  # its L1->L2 copy could not start
+VALUES_MISSING = "L3 lacks a component's values (SWA window / Mamba state) at every end of what it holds"
 _QUERY_THREADS = 4  # existence queries in flight at once (each ends by the storage's existence deadline)
 _QUERY_SLACK_S = 1.0  # past the storage's existence deadline, an unanswered query is a miss
 
@@ -227,6 +230,9 @@ class _Prefetch:
     elsewhere_answer: cf.Future | None = None  # its answer (set after the query's own: a miss is known first)
     # first_page inside an L3 object's chunk: the key of that chunk's first page (the leading-page index's folder)
     chunk_key: str | None = None
+    # hybrid trees: per component pool, which candidate pages L3 holds its objects of (set by the query thread)
+    value_flags: dict[str, list[bool]] = field(default_factory=dict)
+    values: FetchParts | None = None  # the component values the fetch brings (their L2 ids reserved)
 
 
 @dataclass
@@ -236,6 +242,7 @@ class _Backup:
     last: TreeNode
     num_pages: int
     keys: tuple[str, ...] = ()
+    values: list[tuple[str, str, int]] = field(default_factory=list)  # component values it stores (by name)
 
 
 @dataclass
@@ -287,13 +294,24 @@ def _stored_elsewhere(exists: Callable[..., int], fingerprints: tuple[ModelFinge
     return False
 
 
+def _with_values(exists: Callable[..., int], values: ComponentObjects, exists_each: Callable[..., list[bool]],
+                 candidates: Sequence[str], base: int, least: int, into: dict[str, list[bool]],
+                 keys: Sequence[str], first: int, min_pages: int) -> int:
+    """``exists`` (the Full pages past ``base`` of ``candidates``), then cut to the last end where every
+    component's objects are there (``ComponentObjects.query``; runs on the query thread)."""
+    found = base + int(exists(keys, first, min_pages))
+    return values.query(exists_each, candidates, found, least, into) - base
+
+
 class StorageTier:
     def __init__(self, tree: RadixTree, host: HostTier, workers: WorkerGroup, params: StorageParams,
                  queue_op: Callable[[TransferOp, list[TreeNode]], PendingTransfer], op_ids: itertools.count,
-                 back_up: Callable[[TreeNode], bool] | None = None) -> None:
+                 back_up: Callable[[TreeNode], bool] | None = None,
+                 component_hosts: Mapping[str, ComponentHostPool] | None = None) -> None:
         """``back_up``: starts the L1 -> L2 copy of a node and its ancestors without one (the controller's);
         a fetch below a match that ends on an L1-only node asks it (its pages hang below that node's L2
-        copy). None: such a fetch is not sent."""
+        copy). None: such a fetch is not sent. ``component_hosts``: a hybrid tree's component L2 pools (the
+        controller's): their values go to L3 and come back with the Full pages (``storage_components``)."""
         if params.fingerprint.page_size != tree.page_size:
             raise ValueError(f"fingerprint page_size {params.fingerprint.page_size} != tree page_size {tree.page_size}")
         self.tree, self.host, self.workers, self.params = tree, host, workers, params
@@ -302,6 +320,10 @@ class StorageTier:
         self._back_up = back_up
         self._parked: list[_Prefetch] = []  # fetched, waiting for their anchor's L2 copy (``_settle_parked``)
         self.counters = StorageCounters()
+        self.values = ComponentObjects(component_hosts or {}, tree.page_size)
+        if tree.extra_components and any(c.l3_value_pages > 0 and c.name not in (component_hosts or {})
+                                         for c in tree.extra_components):
+            raise ValueError("an L3 of a hybrid tree needs an L2 for every component: its values reach L3 from L2")
         self.cost = CostModel(params.cost)
         self._backups: dict[int, _Backup] = {}
         self._prefetches: dict[int, _Prefetch] = {}  # op_id -> task
@@ -337,7 +359,7 @@ class StorageTier:
         self._bg_lists = False  # the running job lists the manifest (else: a probe only)
         workers.attach_storage(params.attachment())  # builds clients (no storage I/O)
         self.pages_per_object = workers.storage_pages_per_object()
-        tree.storage_only.cap_tokens = params.warm_restart_max_tokens if not tree.extra_components else 0
+        tree.storage_only.cap_tokens = params.warm_restart_max_tokens
         tree.storage_only.trim()
         self._warm_due = bool(tree.storage_only.cap_tokens)  # a warm restart is still to be done
         if self._warm_due:
@@ -503,9 +525,9 @@ class StorageTier:
             if not node.stored and first_new is None:
                 first_new = page
             page += node.num_tokens // ps
-        if first_new is None:
+        if first_new is None and not self.values:
             return
-        start = first_new - first_new % C
+        start = page if first_new is None else first_new - first_new % C
         pinned, slots, page = [], [], 0
         for node in path:
             n = node.num_tokens // ps
@@ -520,12 +542,21 @@ class StorageTier:
         if self._inflight_backup_pages + num_pages > self.params.max_inflight_backup_pages:
             self.counters.backup_skipped_pages += num_pages
             return
-        keys = self._page_keys(path, self._namespace(last), start)
-        op = TransferOp(next(self._op_ids), OpKind.BACKUP_H2S, np.empty(0, np.int32), np.concatenate(slots),
-                        tuple(keys), first_page=start)
+        ns = self._namespace(last)
+        keys = self._page_keys(path, ns, start) if num_pages else []
+        parts: list = []
+        names: list = []
+        if self.values:  # a hybrid tree: the host copies of its components' values on the path go too
+            parts, held, names = self.values.backup(path, lambda p: self._page_keys(path, ns, p))
+            pinned += [n for n in held if all(n is not m for m in pinned)]
+            if not parts and not num_pages:
+                return
+        op = TransferOp(next(self._op_ids), OpKind.BACKUP_H2S, np.empty(0, np.int32),
+                        np.concatenate(slots) if slots else np.empty(0, np.int32), tuple(keys), first_page=start,
+                        storage_parts=tuple(parts))
         for node in pinned:
             node.host_pin += 1
-        self._backups[op.op_id] = _Backup(op.op_id, pinned, last, num_pages, tuple(keys))
+        self._backups[op.op_id] = _Backup(op.op_id, pinned, last, num_pages, tuple(keys), names)
         self._inflight_backup_pages += num_pages
         if self._holding():
             self._held.append(op)
@@ -627,6 +658,8 @@ class StorageTier:
         ps = self.tree.page_size
         tokens = key.token_ids
         whole = len(tokens) - len(tokens) % ps
+        if self.values:  # a hybrid match ends where its components can serve: fetch below the Full KV only
+            anchor, depth = self.tree.storage_only.fetch_anchor(anchor, tokens, depth)
         skip = self._skip
         if whole - depth < max(self.params.prefetch_min_tokens, ps):
             return skip(req_id, "below prefetch_min_tokens")
@@ -643,7 +676,9 @@ class StorageTier:
         # lazy: a miss hashes only the pages storage asks about (a few), not the whole prompt's
         keys = ChainKeys(ns, tokens[depth:whole], parent=prev)
         first_key = keys[0]
-        known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps if anchor.children else 0
+        # (a hybrid tree still asks: the manifest knows the Full pages, not which component values are stored)
+        known = self.tree.storage_only.known_tokens(anchor, tokens[depth:whole]) // ps \
+            if anchor.children and not self.values else 0
         if known * ps < self.params.prefetch_min_tokens:
             known = 0
         if not known and first_key in self._misses:
@@ -702,6 +737,9 @@ class StorageTier:
         keys, first = task.keys[task.base:], task.first_page + task.base
         least = 1 if task.base else self._exists_min_pages
         exists = functools.partial(self.workers.storage_exists, chunk_start_key=None if task.base else task.chunk_key)
+        if self.values:  # a hybrid tree: the hit ends where every component's objects are there too
+            exists = functools.partial(_with_values, exists, self.values, self.workers.storage_exists_each,
+                                       task.keys, task.base, self._exists_min_pages, task.value_flags)
         elsewhere = task.elsewhere
         if elsewhere is None:
             if self.workers.storage_local:  # (an error is a miss, as from the query thread: ``advance``)
@@ -821,6 +859,15 @@ class StorageTier:
         found = self._worth_fetching(task, found)
         if not found:
             return False
+        if self.values:  # (cut above by the in-flight bound or the cost model: end where the values are)
+            cut = found
+            found = servable_end(task.value_flags, self.values.value_pages, found, self._exists_min_pages)
+            if found < cut:
+                self.values.counters.fetches_cut += 1
+            if not found:
+                self.values.counters.fetches_without_values += 1
+                self._end_without_fetch(task, VALUES_MISSING)
+                return False
         if not self._l2_copy_coming(task.anchor, start=True):
             self._end_without_fetch(task, NO_ANCHOR_COPY)
             return False
@@ -828,10 +875,20 @@ class StorageTier:
         if slots is None:
             self._end_without_fetch(task, "no L2 room")
             return False
+        parts: tuple = ()
+        if self.values:
+            task.values = self.values.reserve(task.value_flags, found, task.first_page, task.keys)
+            if task.values is None:
+                self.host.unreserve(slots)
+                self.values.counters.fetches_without_values += 1
+                self._end_without_fetch(task, "no L2 room for the components' values")
+                return False
+            parts = tuple(task.values.parts)
         ps = self.tree.page_size
         task.keys, task.tokens, task.slots = task.keys[:found], task.tokens[: found * ps], slots
         op = TransferOp(next(self._op_ids), OpKind.PREFETCH_S2H, np.empty(0, np.int32), slots,
-                        tuple(task.keys), first_page=task.first_page, chunk_start_key=task.chunk_key)
+                        tuple(task.keys), first_page=task.first_page, chunk_start_key=task.chunk_key,
+                        storage_parts=parts)
         task.op_id = op.op_id
         task.fetch_started = time.monotonic()
         task.deadline = task.fetch_started + self.params.prefetch_timeout_s(found * ps)
@@ -1051,9 +1108,11 @@ class StorageTier:
             self._inflight_backup_pages -= b.num_pages
             for node in b.pinned:
                 node.host_pin -= 1
-                if p.ok:
+                if p.ok and node.host_slots is not None:
                     node.stored = True
                 self.host.maybe_push(node)
+            if b.values:
+                (self.values.stored if p.ok else self.values.forget)(b.values)
             if p.ok:
                 self.counters.backup_pages += b.num_pages
                 if self._misses:
@@ -1134,6 +1193,9 @@ class StorageTier:
         nodes = self.tree.storage_only.adopt(anchor, task.tokens) if usable else None
         if not ok and alive:  # a missing or corrupt object: what the tree thought stored is not
             self.counters.storage_only_dropped_tokens += self.tree.storage_only.drop_path(anchor, task.tokens)
+        if task.values is not None:  # the values' ids: the new last node's host copies, or freed
+            self.values.adopt(nodes, task.values)
+            task.values = None
         if nodes is None:
             self.host.unreserve(task.slots)
             if ok:

@@ -183,6 +183,8 @@ class TransferCommitter:
                 pool.component.commit_hicache_transfer(node, HiCachePhase.BACKUP, [t], ok=ok)
                 (pool.commit if ok else pool.unreserve)(t.dst)
             self.tree.full.unlock(node)
+            if ok and self.storage is not None:  # its Full pages went to L3 before: the value follows alone
+                self.storage.on_host_committed([node])
 
     def _commit_load_parts(self, leaf, transfers, ok: bool = True) -> None:
         """A load of the chain ending at ``leaf`` acked (``ok``): every component with a host tier restores what

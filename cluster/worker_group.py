@@ -46,6 +46,10 @@ class WorkerGroup(Protocol):
     # under another model fingerprint (a miss's diagnostic, never loaded); chunk_start_key: the key of the
     # first page of first_page's chunk where it lies inside one (FsspecStorage.batch_exists)
 
+    # Per key, whether every host holds the one-page object of component pool ``pool`` ("mamba", "swa") it names
+    # (AND over hosts; storage trouble is False).
+    def storage_exists_each(self, pool: str, keys: Sequence[str]) -> list[bool]: ...
+
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None: ...
 
     def storage_list_prefixes(self, namespace: Namespace) -> list: ...  # list[StoredPrefix], from host 0
@@ -80,6 +84,11 @@ def sum_error_counts(per_host) -> dict[str, int]:  # Iterable[dict[str, int]] ->
 
 def worst_breaker_state(states) -> str:  # Iterable[str] -> the worst (an open breaker on any host wins)
     return max(states, key=BREAKER_STATES.index, default="closed")
+
+
+def component_host_pools(worker) -> dict:  # (HostWorker) -> its component pools' L2 by name
+    """The L2 pools of a worker's component pools (a hybrid model's), which its storage executor registers."""
+    return {name: host for name, (_, host, _) in getattr(worker, "pools", {}).items()}
 
 
 class LocalWorkerGroup:
@@ -121,8 +130,8 @@ class LocalWorkerGroup:
         for worker in self.workers:
             if isinstance(worker.storage_executor, StorageExecutor):
                 worker.storage_executor.close()
-            worker.storage_executor = (None if attachment is None
-                                       else StorageExecutor(attachment, worker.host_pool, self._open_storage))
+            worker.storage_executor = (None if attachment is None else StorageExecutor(
+                attachment, worker.host_pool, self._open_storage, component_host_pools(worker)))
 
     def _executors(self) -> list[StorageExecutor]:
         execs = [w.storage_executor for w in self.workers]
@@ -147,6 +156,15 @@ class LocalWorkerGroup:
             found = min(found, e.storage.batch_exists(keys, first_page=first_page, min_pages=min_pages,
                                                       fingerprint=fingerprint, chunk_start_key=chunk_start_key))
         return found
+
+    def storage_exists_each(self, pool: str, keys: Sequence[str]) -> list[bool]:
+        flags = [True] * len(keys)
+        for e in self._executors():  # AND over hosts
+            kind = e.parts[pool][2] if pool in e.parts else None
+            if kind is None:
+                return [False] * len(keys)
+            flags = [a and b for a, b in zip(flags, e.storage.exists_each(keys, pool=kind))]
+        return flags
 
     def storage_record_prefix(self, namespace: Namespace, tokens: np.ndarray) -> None:
         self._executors()[0].storage.record_prefix(namespace, tokens)

@@ -12,7 +12,9 @@ Example (see ``ray_configs/replicas/``)::
                               # swa component and a host tier: the workers keep those layers' pool)
     components:               # absent: full attention only; else the model's other cache components
       swa: {window: 4096, num_tokens: 262144, host_tokens: 1048576}   # SWAConfig fields
-      mamba: {num_slots: 512, state_shapes: [[4, 128], [16, 64]], dtype: float32}  # MambaConfig fields
+      mamba: {num_slots: 512, state_shapes: [[4, 128]], dtype: float32}  # MambaConfig fields; with a host
+                              # tier, one [layers, hidden] shape (the workers' state pool, hidden split
+                              # over 2 x num_kv_heads)
     workers:                  # absent: control plane only (a head without data plane)
       platform: cpu           # cpu (fake hosts) | tpu
       num_hosts: 2            # cpu
@@ -107,8 +109,8 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
                                page_size, str(model.get("dtype", "bfloat16")))
             platform = w.get("platform", "cpu")
             extra: dict[str, Any] = {k: float(w[k]) for k in ("start_timeout_s", "call_timeout_s") if k in w}
-            if "swa_layers" in model:  # the sliding-window layers' pool, paged like L1
-                extra["component_specs"] = {"swa": dataclasses.replace(spec, num_layers=int(model["swa_layers"]))}
+            if hicache is not None:  # the workers keep the pools of the components' host tiers
+                extra["component_specs"] = _component_specs(model, spec, components)
             if platform == "cpu":
                 workers = WorkerGroupOptions.fake_cpu_hosts(spec, int(w.get("num_hosts", 1)),
                                                             int(w.get("devices_per_host", 1)), **extra)
@@ -127,6 +129,26 @@ def replica_config(raw: Mapping[str, Any], where: str = "config"):  # -> Replica
         raise ValueError(f"{where}: missing key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _component_specs(model: Mapping[str, Any], spec: Any, components: tuple[ComponentConfig, ...]) -> dict[str, Any]:
+    """The layouts of the workers' component pools: ``swa`` (``model.swa_layers``: that many sliding-window
+    layers, paged like L1) and ``mamba`` (the states, laid out as the reference engine keeps them: one
+    ``[layers, hidden]`` state shape, ``hidden`` split into 2 x num_kv_heads parts, one state a page)."""
+    out = {}
+    if "swa_layers" in model:
+        out["swa"] = dataclasses.replace(spec, num_layers=int(model["swa_layers"]))
+    mamba = next((c for c in components if isinstance(c, MambaConfig)), None)
+    if mamba is not None:
+        heads = spec.num_kv_heads
+        shapes = mamba.state_shapes
+        if len(shapes) != 1 or len(shapes[0]) != 2 or shapes[0][1] % (2 * heads):
+            raise ValueError(f"components.mamba.state_shapes {[list(s) for s in shapes]}: workers keep one state "
+                             f"shape [layers, hidden] with hidden a multiple of 2 x num_kv_heads ({2 * heads})")
+        layers, hidden = shapes[0]
+        out["mamba"] = dataclasses.replace(spec, num_layers=layers, head_dim=hidden // (2 * heads), page_size=1,
+                                           dtype=mamba.dtype)
+    return out
 
 
 def _preemption(raw: Any, where: str):  # -> PreemptionConfig | None

@@ -252,6 +252,11 @@ class HiCacheStorage(abc.ABC):
     ) -> list[bool]:
         return self.batch_set_pools([PoolTransfer(pool, keys, host_slots, first_page)], timeout_s=timeout_s)[0]
 
+    def exists_each(self, keys: Sequence[str], *, pool: PoolKind, timeout_s: float | None = None) -> list[bool]:
+        """Per key, whether the one-page object of ``pool`` named by it is stored (a pool registered with one
+        page per object: sparse values such as recurrent states at node ends). Errors are ``False``."""
+        raise NotImplementedError(f"{type(self).__name__} has no exists_each")
+
     @abc.abstractmethod
     def exists(self, key: str, page_index: int, *, pool: PoolKind = PoolKind.KV) -> bool:
         """Whether an object named ``key`` (ending at page ``page_index``) is stored."""

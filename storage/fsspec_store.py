@@ -471,6 +471,19 @@ class FsspecStorage(HiCacheStorage):
             return False
         return bool(r)
 
+    def exists_each(self, keys: Sequence[str], *, pool: PoolKind, timeout_s: float | None = None) -> list[bool]:
+        """Per key, whether ``pool``'s object of that one page is stored: one batched existence round (pools of
+        one page per object only: a hybrid model's sparse values, e.g. recurrent states at node ends)."""
+        reg = self._reg(pool)
+        if reg.ppo != 1:
+            raise ValueError(f"exists_each needs a pool of one page per object; {reg.kind.value!r} has {reg.ppo}")
+        keys = check_keys(keys)
+        self._count(exists_calls=1)
+        if not keys:
+            return []
+        deadline = self._deadline(timeout_s, self._exists_timeout())
+        return [self._flag(r) for r in self._io.exists_many([reg.chunking.path(k) for k in keys], deadline)]
+
     def batch_get_pools(self, transfers: Sequence[PoolTransfer], *, timeout_s: float | None = None) -> list[list[bool]]:
         queries = self._check_transfers(transfers, for_set=False)
         deadline = self._deadline(timeout_s)
@@ -643,8 +656,10 @@ class FsspecStorage(HiCacheStorage):
                     tally["bytes_written"] = tally.get("bytes_written", 0) + size
                     written.append((o.t, o.start, o.path, size))
             self._count(**tally)
-            if self.config.leading_page_index and published:
-                self._write_index(queries, published, deadline, written)
+            # (a pool of one page per object needs no entry: each object is found by its own page's key)
+            indexed = [o for o in published if queries[o.t].reg.ppo > 1]
+            if self.config.leading_page_index and indexed:
+                self._write_index(queries, indexed, deadline, written)
         if gi < len(todo):
             self._count(timeouts=len(todo) - gi)
 

@@ -359,8 +359,8 @@ def test_l3_faults_quick(tmp_path):
 
 @pytest.mark.parametrize("kind", [pytest.param("swa", marks=pytest.mark.slow), "mamba"])  # (swa: its pool sweep compiles)
 def test_multiturn_hybrid_model_kinds_tiny(tmp_path, kind):
-    """``--model-kind swa|mamba``: every config served exactly (it raises otherwise), L3 reported as not
-    served (no objects per pool), the targets and (swa) the pool sweep in the JSON."""
+    """``--model-kind swa|mamba``: every config served exactly (it raises otherwise), L1+L2+L3 included (L3
+    objects per pool), the targets and (swa) the pool sweep in the JSON."""
     from benchmarks import multiturn
 
     out = tmp_path / f"mt-{kind}.json"
@@ -368,14 +368,15 @@ def test_multiturn_hybrid_model_kinds_tiny(tmp_path, kind):
                            "--system-tokens", "24", "40", "--request-tokens", "8", "16", "--output-tokens", "4",
                            "--window", "16", "--swa-fractions", "0.5", "--json", str(out)]) == []
     rec = json.loads(out.read_text())
-    assert rec["model_kind"] == kind and rec["l1_l2_l3"]["served"] is False
-    for name in ("l1_only", "l1_l2", "l1_l2_unbounded"):
+    assert rec["model_kind"] == kind and rec["l1_l2_l3"]["served"] is True
+    for name in ("l1_only", "l1_l2", "l1_l2_l3", "l1_l2_unbounded"):
         c = rec["configs"][name]
         assert c["exact"] and c["requests"] == 6
         assert c["prefill_tokens_computed"] + c["l1_hit_tokens"] + c["l2_hit_tokens"] == c["prompt_tokens"]
     assert rec["configs"]["l1_only"]["l2_hit_tokens"] == 0
     assert set(rec["targets"]["met"]) == {"prefill_2_5x_l1_l2_l3", "prefill_2_5x_with_l1_l2_only",
                                           "prefill_2_5x_bound_for_l3"}
+    assert rec["targets"]["prefill_reduction_l1_l2_l3_vs_l1_only"] > 0
     assert rec["full_model_same_path"]["configs"]["l1_l2"]["exact"]
     if kind == "swa":
         sweep = rec["swa_pool_sweep"]

@@ -6,13 +6,13 @@ Workers execute plans and never decide (no imports of ``hicache.cluster``). Impo
 
 from hicache.workers.device_pool import DevicePool, default_mesh
 from hicache.workers.host_pool import HostPool, HostPoolConfig, SlotAllocator, size_host_pool
-from hicache.workers.plan import OpKind, PoolCopy, TransferAck, TransferOp, TransferPlan
+from hicache.workers.plan import OpKind, PoolCopy, StoragePart, TransferAck, TransferOp, TransferPlan
 from hicache.workers.spec import ComponentPool, KVCacheSpec
 from hicache.workers.transfer import TransferEngine, TransferHandle
 from hicache.workers.worker import HostWorker, StorageOpFn
 
 __all__ = [
-    "ComponentPool", "DevicePool", "HostPool", "HostPoolConfig", "HostWorker", "KVCacheSpec", "OpKind", "PoolCopy", "SlotAllocator",
+    "ComponentPool", "DevicePool", "HostPool", "HostPoolConfig", "HostWorker", "KVCacheSpec", "OpKind", "PoolCopy", "SlotAllocator", "StoragePart",
     "StorageOpFn", "TransferAck", "TransferEngine", "TransferHandle", "TransferOp", "TransferPlan",
     "default_mesh", "size_host_pool",
 ]

@@ -77,6 +77,39 @@ MAIN_POOL = "kv"  # the Full attention KV pool: ``TransferOp.device_pages`` / ``
 
 
 @dataclass(frozen=True, eq=False, slots=True)
+class StoragePart:
+    """The part of an L2<->L3 op (H2S / S2H) that moves one run of a component pool's pages (``pool``: e.g.
+    "mamba", one state per node end; "swa", the window's pages before a hit end): ``keys[i]`` names page
+    ``first_page + i`` of the chain, held in that pool's L2 slot ``host_slots[i]``."""
+
+    pool: str
+    first_page: int
+    keys: tuple[str, ...]
+    host_slots: np.ndarray  # i32[len(keys)]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool, str) or not self.pool or self.pool == MAIN_POOL:
+            raise ValueError(f"StoragePart.pool must name a component pool (not {MAIN_POOL!r}), got {self.pool!r}")
+        if isinstance(self.first_page, bool) or not isinstance(self.first_page, (int, np.integer)) or self.first_page < 0:
+            raise ValueError(f"StoragePart.first_page must be an int >= 0, got {self.first_page!r}")
+        object.__setattr__(self, "keys", tuple(self.keys))
+        for k in self.keys:
+            check_key(k, what=f"pool {self.pool!r} key")
+        object.__setattr__(self, "host_slots", _as_id_array(self.host_slots, "storage part host_slots"))
+        if len(self.keys) != self.host_slots.size or not self.keys:
+            raise ValueError(f"pool {self.pool!r}: {len(self.keys)} keys vs {self.host_slots.size} host_slots "
+                             "(a part moves at least one page)")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StoragePart):
+            return NotImplemented
+        return (self.pool, self.first_page, self.keys) == (other.pool, other.first_page, other.keys) and \
+            np.array_equal(self.host_slots, other.host_slots)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class TransferOp:
     """One copy between tiers. Pairs are positional: ``device_pages[i] <-> host_slots[i]``
     (and ``host_slots[i] <-> storage_keys[i]`` for storage ops)."""
@@ -91,9 +124,18 @@ class TransferOp:
     # a fetch (S2H) whose first_page lies inside an L3 object's chunk: the chain key of that chunk's first
     # page, so storage can find the chunk's objects by it (``PoolTransfer.chunk_start_key``)
     chunk_start_key: str | None = None
+    # H2S / S2H of a hybrid model: the same op's pages of component pools (one ack for every pool: a fetch is
+    # committed, or fails, whole)
+    storage_parts: tuple[StoragePart, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
+        object.__setattr__(self, "storage_parts", tuple(self.storage_parts))
+        for part in self.storage_parts:
+            if not isinstance(part, StoragePart):
+                raise TypeError(f"TransferOp.storage_parts must hold StoragePart, got {type(part).__name__}")
+        if self.storage_parts and self.kind not in (OpKind.BACKUP_H2S, OpKind.PREFETCH_S2H):
+            raise ValueError(f"op {self.op_id}: storage parts in a {self.kind.value} op (H2S/S2H only)")
         if self.chunk_start_key is not None:
             check_key(self.chunk_start_key, what=f"op {self.op_id}: chunk_start_key")
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -135,7 +177,7 @@ class TransferOp:
         op = object.__new__(cls)
         for name, value in (("op_id", op_id), ("kind", kind), ("device_pages", device_pages),
                             ("host_slots", host_slots), ("storage_keys", ()), ("first_page", 0), ("pools", pools),
-                            ("chunk_start_key", None)):
+                            ("chunk_start_key", None), ("storage_parts", ())):
             object.__setattr__(op, name, value)  # the frozen class's own way to set a field
         return op
 
@@ -146,8 +188,8 @@ class TransferOp:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TransferOp):
             return NotImplemented
-        return (self.op_id, self.kind, self.storage_keys, self.pools) == (
-            other.op_id, other.kind, other.storage_keys, other.pools) and (
+        return (self.op_id, self.kind, self.storage_keys, self.pools, self.storage_parts) == (
+            other.op_id, other.kind, other.storage_keys, other.pools, other.storage_parts) and (
             np.array_equal(self.device_pages, other.device_pages) and np.array_equal(self.host_slots, other.host_slots)
         )
 

@@ -19,13 +19,13 @@ when the op is acked. A failed, partial or timed-out prefetch never touches the 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import numpy as np
 
-from hicache.storage import FsspecStorage, ModelFingerprint, ShardCoord, StorageConfig
+from hicache.storage import FsspecStorage, ModelFingerprint, PoolKind, PoolTransfer, ShardCoord, StorageConfig
 from hicache.workers.host_pool import HostPool
 from hicache.workers.plan import OpKind, TransferOp
 
@@ -84,8 +84,19 @@ class _DeferredWrites:
             writes.append((np.array(slots, np.int32), data))
 
 
+def component_shard(pool: HostPool) -> ShardCoord:
+    """This host's slice of a component pool's page (its own heads and layers: e.g. a recurrent state's)."""
+    a, b = pool.head_range
+    spec = pool.device_pool.spec
+    return ShardCoord(a, b, spec.num_kv_heads, 0, spec.num_layers, spec.num_layers)
+
+
 class StorageExecutor:
-    def __init__(self, attachment: StorageAttachment, pool: HostPool, open_storage: OpenStorage = FsspecStorage) -> None:
+    def __init__(self, attachment: StorageAttachment, pool: HostPool, open_storage: OpenStorage = FsspecStorage,
+                 component_pools: Mapping[str, HostPool] | None = None) -> None:
+        """``component_pools``: a hybrid model's other L2 pools by name (``PoolKind`` values: "swa", "mamba"),
+        registered with the storage as pools of their own (one page per object: their values are sparse
+        along the chain), moved by the ops' ``StoragePart``s."""
         self.attachment = attachment
         self.storage = open_storage(attachment.url, attachment.fingerprint, attachment.config)
         self._view = _DeferredWrites(pool)
@@ -94,6 +105,13 @@ class StorageExecutor:
         )
         self.pool = pool
         self.slot_bytes = pool.slot_bytes
+        # name -> (its pool, the storage's view of it, its PoolKind)
+        self.parts: dict[str, tuple[HostPool, _DeferredWrites, PoolKind]] = {}
+        for name, cpool in (component_pools or {}).items():
+            view = _DeferredWrites(cpool)
+            kind = PoolKind(name)
+            self.storage.register_host_pool(view, shard=component_shard(cpool), kind=kind, pages_per_object=1)
+            self.parts[name] = (cpool, view, kind)
 
     @property
     def inline_reads(self) -> bool:
@@ -101,32 +119,57 @@ class StorageExecutor:
         less time than a hand-off to the storage thread takes, while a request may be waiting for it."""
         return self.storage.runs_inline
 
+    def _transfers(self, op: TransferOp) -> list[PoolTransfer]:
+        """The op's pages as storage transfers: the Full pages (if any), then each component part."""
+        out = []
+        if op.storage_keys:
+            out.append(PoolTransfer(PoolKind.KV, list(op.storage_keys), op.host_slots, op.first_page,
+                                    op.chunk_start_key if op.kind is OpKind.PREFETCH_S2H else None))
+        for part in op.storage_parts:
+            entry = self.parts.get(part.pool)
+            if entry is None:
+                raise ValueError(f"storage executor has no component pool {part.pool!r} (has {sorted(self.parts)})")
+            out.append(PoolTransfer(entry[2], part.keys, part.host_slots, part.first_page))
+        return out
+
     def __call__(self, op: TransferOp, pool: HostPool) -> int | tuple[int, Callable[[], None]]:
-        keys = list(op.storage_keys)
         if pool is not self.pool:
             raise ValueError("storage executor was built for another host pool")
         commit: Callable[[], None] | None = None
+        # (an op of Full pages only, the usual one, goes through the one-pool calls)
+        transfers = self._transfers(op) if op.storage_parts else None
         if op.kind is OpKind.BACKUP_H2S:
-            done = self.storage.batch_set(keys, op.host_slots, first_page=op.first_page)
+            if transfers is None:
+                done = [self.storage.batch_set(list(op.storage_keys), op.host_slots, first_page=op.first_page)]
+            else:
+                done = self.storage.batch_set_pools(transfers)
         elif op.kind is OpKind.PREFETCH_S2H:
-            writes = self._view.begin()
+            targets = [(pool, self._view)] + [(self.parts[p.pool][0], self.parts[p.pool][1]) for p in op.storage_parts]
+            collected = [view.begin() for _, view in targets]
             try:
-                done = self.storage.batch_get(keys, op.host_slots, first_page=op.first_page,
-                                              chunk_start_key=op.chunk_start_key)
+                if transfers is None:
+                    done = [self.storage.batch_get(list(op.storage_keys), op.host_slots, first_page=op.first_page,
+                                                   chunk_start_key=op.chunk_start_key)]
+                else:
+                    done = self.storage.batch_get_pools(transfers)
             finally:
-                self._view.end()
+                for _, view in targets:
+                    view.end()
 
             def commit() -> None:
-                if writes:  # one pool write for the whole op: its cost is mostly per call
-                    pool.write_slots(np.concatenate([slots for slots, _ in writes]),
-                                     np.concatenate([data for _, data in writes]))
+                for (target, _), writes in zip(targets, collected):
+                    if writes:  # one pool write per pool for the whole op: its cost is mostly per call
+                        target.write_slots(np.concatenate([slots for slots, _ in writes]),
+                                           np.concatenate([data for _, data in writes]))
         else:
             raise ValueError(f"not a storage op: {op.kind.value}")
-        missing = len(done) - sum(done)
+        pages = [flag for flags in done for flag in flags]
+        missing = len(pages) - sum(pages)
         if missing:
-            raise RuntimeError(f"{op.kind.value}: {missing} of {len(done)} pages failed (storage stats: "
+            raise RuntimeError(f"{op.kind.value}: {missing} of {len(pages)} pages failed (storage stats: "
                                f"{self.storage.stats().corrupt_objects} corrupt, {self.storage.stats().timeouts} timeouts)")
-        moved = len(done) * self.slot_bytes
+        moved = len(op.storage_keys) * self.slot_bytes + sum(
+            len(p.keys) * self.parts[p.pool][0].slot_bytes for p in op.storage_parts)
         return moved if commit is None else (moved, commit)
 
     def close(self) -> None:

@@ -346,7 +346,13 @@ class HostWorker:
                     if op.pools:
                         parts[op.op_id] = self._check_pools(op)
                 else:
-                    self.host_pool.check_slots(op.host_slots)
+                    if op.host_slots.size or not op.storage_parts:  # (a component value may go alone)
+                        self.host_pool.check_slots(op.host_slots)
+                    for part in op.storage_parts:
+                        entry = self.pools.get(part.pool)
+                        if entry is None:
+                            raise ValueError(f"unknown component pool {part.pool!r} (this worker has {sorted(self.pools)})")
+                        entry[1].check_slots(part.host_slots)
                     checked.append(None)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"plan {plan.seq} op {op.op_id} ({op.kind.value}): {e}") from None

@@ -214,6 +214,20 @@ class TreeComponent(ABC):
         """The host ids of every host copy this component records (host tier checks)."""
         return []
 
+    # -- L3 (the storage tier keeps this component's host copies as objects of its own pool) ----------------
+    # Pages before a node end whose values a hit ending there reads (Mamba: 1, its state; SWA: the window's);
+    # 0: the component keeps nothing in L3 (an L3 hit cannot serve it)
+    l3_value_pages: int = 0
+
+    def host_copy(self, node: TreeNode) -> np.ndarray | None:
+        """The host ids of ``node``'s host copy (its last ``len`` pages' values, in page order), or None."""
+        return None
+
+    def adopt_host_copy(self, node: TreeNode, host_ids: np.ndarray) -> None:
+        """``node`` (a host-only node just made from an L3 fetch) holds its last ``len(host_ids)`` pages' values
+        in these committed host ids."""
+        raise NotImplementedError(f"component {self.name!r} keeps no values in L3")
+
     # -- match -----------------------------------------------------------------------------------
     def limit_match(self, path: list[TreeNode]) -> int:
         """How many nodes of the matched L1 path this component can serve (default: all)."""

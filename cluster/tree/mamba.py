@@ -392,6 +392,18 @@ class MambaComponent(TreeComponent):
             freed += node.num_tokens
         return freed
 
+    l3_value_pages = 1  # a hit at a node end reads the state stored under that end's last page
+
+    def host_copy(self, node: TreeNode) -> np.ndarray | None:
+        slot = self._state(node).host_slot
+        return None if slot < 0 else np.array([slot], dtype=np.int32)
+
+    def adopt_host_copy(self, node: TreeNode, host_ids: np.ndarray) -> None:
+        st = self._state(node)
+        if np.shape(host_ids) != (1,) or st.host_slot >= 0 or node.parent is None:
+            raise ValueError(f"node {node.id}: a Mamba host copy is one state of a node without one, got {host_ids!r}")
+        st.host_slot = int(host_ids[0])
+
     def host_copies(self) -> list[np.ndarray]:
         """The host id of every state in L2 (host tier checks)."""
         return [np.array([st.host_slot], dtype=np.int32) for node in self.tree.iter_nodes()

@@ -56,7 +56,8 @@ class MatchInsert(TreeStructure):
         if not use_host:
             path = device_path
         values = NO_VALUES
-        if self.extra_components:
+        walked = path
+        if self.extra_components:  # (a cut path loses its storage-only suffix: counted on the walked one below)
             device_path, path, values = self._component_match(device_path, path)
         if device_path:
             last_device = device_path[-1]
@@ -78,8 +79,8 @@ class MatchInsert(TreeStructure):
         best = last_host if host_len else last_device
         self._matched_tokens += device_len + host_len
         stored_len = 0
-        if path and path[-1].device_pages is None and path[-1].host_slots is None:  # storage-only suffix
-            stored_len = self.storage_only.hit_len(path, device_len + host_len)
+        if walked and walked[-1].device_pages is None and walked[-1].host_slots is None:  # storage-only suffix
+            stored_len = self.storage_only.hit_len(walked, device_len + host_len)
         return MatchResult(pages, device_len, host_len, last_device.id, last_host.id, best.id, values, stored_len)
 
     def peek_prefix(self, key: RadixKey) -> tuple[int, int, int]:

@@ -49,8 +49,6 @@ class StorageOnlyEntries:
         tokens added (existing nodes on the path are left as they are)."""
         tree = self.tree
         ps = tree.page_size
-        if tree.extra_components:
-            raise ValueError("storage-only entries need a Full-only tree")
         end = tokens.shape[0] - tokens.shape[0] % ps
         tb = np.ascontiguousarray(tokens[:end], dtype=np.int32).tobytes()
         path, partial = tree._walk(root, tb, 0, end)
@@ -137,6 +135,30 @@ class StorageOnlyEntries:
             parent.children[leaf.key_bytes[: tree._ck]] = leaf
             path.append(leaf)
         return path
+
+    def fetch_anchor(self, anchor: TreeNode, tokens: np.ndarray, depth: int) -> tuple[TreeNode, int]:
+        """Where an L3 fetch of ``tokens`` (page-aligned; ``anchor`` ends at ``depth`` of them) may hang its
+        pages in a hybrid tree: the deepest node with Full KV along them, split at the page where they leave
+        it (a match a component cut short, e.g. at the last Mamba state in L1, leaves Full nodes below the
+        anchor, which a fetch must not cover again). Returns (node, its depth). Nodes in flight are not split."""
+        ps = self.tree.page_size
+        end = tokens.shape[0] - tokens.shape[0] % ps
+        if end <= depth or not anchor.children:
+            return anchor, depth
+        tb = np.ascontiguousarray(tokens[:end], dtype=np.int32).tobytes()
+        path, partial = self.tree._walk(anchor, tb, depth, end)
+        for i, node in enumerate(path):
+            if is_storage_only(node):  # (in L3 only: a fetch covers it; the fetch hangs above it)
+                path, partial = path[:i], 0
+                break
+        partial -= partial % ps
+        if path and (partial or sum(n.num_tokens for n in path) + depth > end):
+            last = path.pop()
+            if partial and last.pending is None and not last.loading:
+                path.append(self.tree._split(last, partial))
+        if not path:
+            return anchor, depth
+        return path[-1], depth + sum(n.num_tokens for n in path)
 
     def drop_path(self, anchor: TreeNode, tokens: np.ndarray) -> int:
         """A read of ``tokens`` below ``anchor`` failed: drops the storage-only nodes on that way (with

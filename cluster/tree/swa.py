@@ -262,6 +262,7 @@ class SWAComponent(TreeComponent):
         self.queue.tree = tree
         self.page_size = ps
         self.window_pages = -(-self.window // ps)  # pages a hit at a (page-aligned) node end reads
+        self.l3_value_pages = self.window_pages
         self.allocator = SWAPagePool(None if self.num_tokens is None else self.num_tokens // ps, self)
         self.mapped = MappedPageAllocator(old.capacity if old.bounded else None, self)
         tree.full.allocator = self.mapped
@@ -731,6 +732,16 @@ class SWAComponent(TreeComponent):
             st.host_slots = None
             freed += tokens
         return freed
+
+    def host_copy(self, node: TreeNode) -> np.ndarray | None:
+        return self._state(node).host_slots
+
+    def adopt_host_copy(self, node: TreeNode, host_ids: np.ndarray) -> None:
+        st = self._state(node)
+        k = np.shape(host_ids)[0] if np.ndim(host_ids) == 1 else 0
+        if not 0 < k <= min(self.window_pages, node.num_tokens // self.page_size) or st.host_slots is not None:
+            raise ValueError(f"node {node.id}: an SWA host tail is 1..{self.window_pages} of its pages, got {host_ids!r}")
+        st.host_slots = np.asarray(host_ids, dtype=np.int32).copy()
 
     def host_copies(self) -> list[np.ndarray]:
         """The host ids of every SWA host copy in the tree (host tier checks)."""

@@ -25,31 +25,69 @@ head rebuilds the gang (fresh pools, no model); ``refresh()`` takes the new hand
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from hicache.cluster.builder import ComponentKind, MambaConfig, SWAConfig, components_of
 from hicache.cluster.errors import HiCacheTimeoutError, HiCacheUnavailableError
-from hicache.cluster.ray_head import worker_handles
+from hicache.cluster.ray_head import ReplicaConfig, get_head, worker_handles
 from hicache.reference.engine.config import ForwardConfig, ModelConfig
 from hicache.reference.engine.runner import ModelRunner
 from hicache.reference.engine_adapters import RemoteModelEngine
 from hicache.storage import ModelFingerprint
 
 
-def build_runner(model: ModelConfig, forward: ForwardConfig, kv_pool: Any, swa_pages: int = 0) -> ModelRunner:
+def build_runner(model: ModelConfig, forward: ForwardConfig, kv_pool: Any, swa_pages: int = 0,
+                 state_slots: int = 0) -> ModelRunner:
     """The per-host model runner over a worker's L1 array (runs inside the host worker); ``swa_pages``: its
-    sliding-window layers' pool (the worker's ``"swa"`` component pool, lent by ``run_model``)."""
-    return ModelRunner(model, forward, pool=kv_pool, swa_pages=swa_pages)
+    sliding-window layers' pool, ``state_slots``: its recurrent state pool (the worker's ``"swa"`` and
+    ``"mamba"`` component pools when the replica has a host tier, lent by ``run_model``; else the runner's own)."""
+    return ModelRunner(model, forward, pool=kv_pool, swa_pages=swa_pages, state_slots=state_slots)
+
+
+@dataclass(frozen=True)
+class EnginePools:
+    """The pools a replica's head gives the engine's hybrid layers: ``swa_pages`` (its SWA pool, the head's
+    SWA page ids), ``state_slots`` (its Mamba pool, the head's state slots); 0: none."""
+
+    swa_pages: int = 0
+    state_slots: int = 0
+
+
+def engine_pools(model: ModelConfig, config: ReplicaConfig) -> EnginePools:
+    """The pools ``model`` uses on replica ``config``; ``ValueError`` naming the mismatch unless the head's
+    components are the ones the model needs (``check_components``) and the workers' component pools have the
+    model's layout (``component_specs``)."""
+    from hicache.reference.stack import check_components, component_specs
+
+    head = config.head
+    try:
+        check_components(model, head.components)
+    except ValueError as e:
+        raise ValueError(f"replica {head.replica!r}: {e}") from None
+    if config.workers is not None:
+        want = component_specs(model, head.tree.page_size)
+        for pool in head.component_pools(config.workers.component_specs):
+            if pool.spec != want[pool.name]:
+                raise ValueError(f"replica {head.replica!r}: the workers' {pool.name} pool layout {pool.spec} "
+                                 f"is not the model's {want[pool.name]}")
+    by_kind = components_of(head.components)
+    swa, mamba = by_kind.get(ComponentKind.SWA), by_kind.get(ComponentKind.MAMBA)
+    return EnginePools(
+        swa.num_tokens // head.tree.page_size if isinstance(swa, SWAConfig) and swa.num_tokens else 0,
+        mamba.num_slots if isinstance(mamba, MambaConfig) and mamba.num_slots else 0)
 
 
 class RayEngine(RemoteModelEngine):
     """The engine of Ray replica ``replica``: a ``ModelRunner`` in each of its host workers."""
 
     def __init__(self, replica: str, model: ModelConfig, forward: ForwardConfig = ForwardConfig(),
-                 *, timeout_s: float = 120.0, swa_pages: int = 0) -> None:
-        """``swa_pages``: the SWA pool's pages (the head's ``SWAConfig.num_tokens // page_size``) for a model
-        whose sliding-window layers keep their K/V there; 0: in the L1 pool."""
+                 *, timeout_s: float = 120.0) -> None:
+        """A hybrid model's layers use the pools of the replica's head components (``engine_pools``): its
+        sliding-window layers the SWA pool, its recurrent layers the state pool; ``ValueError`` if the
+        replica's components or the workers' pool layouts do not match the model."""
         if not isinstance(model, ModelConfig) or not isinstance(forward, ForwardConfig):
             raise TypeError(f"need a ModelConfig and a ForwardConfig, got {type(model).__name__}, "
                             f"{type(forward).__name__}")
@@ -60,7 +98,8 @@ class RayEngine(RemoteModelEngine):
         self.forward = forward
         self.page_size = forward.page_size
         self.timeout_s = float(timeout_s)
-        self.swa_pages = int(swa_pages)
+        config = self._get([get_head(replica).get_config.remote()], "get_config")[0]
+        self.pools = engine_pools(model, config)
         self.workers: list[Any] = []
         self.epoch: int | None = None
         self.mesh_shape: tuple[int, ...] = ()
@@ -73,10 +112,21 @@ class RayEngine(RemoteModelEngine):
         epoch, workers, _ = worker_handles(self.replica, self.timeout_s)
         if not workers:
             raise ValueError(f"replica {self.replica!r} has no host workers: the model needs a data plane")
-        factory = functools.partial(build_runner, self.model, self.forward, swa_pages=self.swa_pages)
+        factory = functools.partial(build_runner, self.model, self.forward, swa_pages=self.pools.swa_pages,
+                                    state_slots=self.pools.state_slots)
         infos = self._get([w.attach_model.remote(factory) for w in workers], "attach_model")
         self.epoch, self.workers = epoch, workers
         self.mesh_shape, self.backend = tuple(infos[0]["mesh_shape"]), str(infos[0]["backend"])
+
+    @property
+    def swa_tables(self) -> bool:
+        """The model's sliding-window layers use the head's SWA pool (``Scheduler(swa_tables=)``)."""
+        return self.pools.swa_pages > 0
+
+    @property
+    def recurrent(self) -> bool:
+        """The model's recurrent layers use the head's state pool (``Scheduler(recurrent=)``)."""
+        return self.pools.state_slots > 0
 
     def fingerprint(self) -> ModelFingerprint:
         """L3 identity of this replica's KV (the workers' mesh and backend are part of the numerics)."""

@@ -302,6 +302,16 @@ class Scheduler:
         table = _table(b.match.device_pages, b.pages) if hit else b.pages
         return table, hit, b.match.last_device_node, loaded, not loaded_ok, r.miss_reason, b.components
 
+    def _begin_l1(self, key: RadixKey,
+                  total: int) -> tuple[np.ndarray, int, int, int, bool, MissReason | None, Mapping[str, Any]]:
+        """A hybrid request starts from a match of L1 only (lock, alloc, its component values), as
+        ``_reuse_then_begin`` does after its load: nothing to load."""
+        b = self.client.step([Call(Method.BEGIN_REQUEST, BeginParams(key, total, l1_only=True))])[0].unwrap()
+        assert b.pages is not None  # (an L1-only match has nothing to load or fetch)
+        hit = b.match.device_hit_len
+        table = _table(b.match.device_pages, b.pages) if hit else b.pages
+        return table, hit, b.match.last_device_node, 0, False, None, b.components
+
     def _begin_params(self, key: RadixKey, total: int, arrival: _Arrival | None) -> BeginParams:
         """The request's first head call. With L3: L3 is asked when the whole pages past the L1+L2 match
         hold >= ``l3_min_tokens``; for a request that ``arrive``d, its prefetch (if any) is checked first,
@@ -344,6 +354,8 @@ class Scheduler:
             comps: Mapping[str, Any] = NO_VALUES
             if (self.recurrent or self.swa_tables) and m.host_hit_len > 0:
                 table, hit, node, loaded, failed, refused, comps = self._reuse_then_begin(m, key, total)
+            elif self.recurrent or self.swa_tables:  # (after a prefetch that brought nothing to load)
+                table, hit, node, loaded, failed, refused, comps = self._begin_l1(key, total)
             else:
                 table, hit, node, loaded, failed, refused = self._reuse(m, total)
             not_loaded = m.device_hit_len + m.host_hit_len - hit  # the L2 part the load-back refused or failed

@@ -87,7 +87,9 @@ class ServedReplica:
         """``storage``: the scheduler asks L3 per request (default: when ``gs_url`` names one to attach).
         ``wait_for_l3``: requests wait for their L3 query and fetch up to ``timeout_s / 2`` and the cost model
         is off, so that what L3 holds is served from L3 however slow this box is (a drill that asserts
-        L3 hits); otherwise the replica's policy decides, as in serving."""
+        L3 hits); otherwise the replica's policy decides, as in serving. ``model``: the reference model
+        (default: 2 Full layers); a hybrid one's sliding-window and recurrent layers use the pools of the
+        replica's components (``RayEngine``), and the scheduler serves it with them."""
         self.replica, self.timeout_s, self.gs_url = replica, timeout_s, gs_url
         self.setup_timeout_s, self.wait_for_l3 = setup_timeout_s, wait_for_l3
         self.model = _model(8) if model is None else model
@@ -112,7 +114,8 @@ class ServedReplica:
         if self.gs_url is not None and (first or "storage" not in self.client.cache_stats()):
             self.attach_l3()  # before any request asks L3; again if a rebuilt state's re-attach failed
         self.scheduler = Scheduler(self.client, self.engine, hicache=True, storage=self.storage,
-                                   prefill_budget=max(16, self.page))
+                                   prefill_budget=max(16, self.page), swa_tables=self.engine.swa_tables,
+                                   recurrent=self.engine.recurrent)
         # A new gang compiles its forwards on first use: that happens here, under the setup bound, on a
         # throwaway prompt; the served requests then run under the serving bound (``timeout_s``).
         self._warm_seed += 1

@@ -8,7 +8,9 @@ exactly the KV written for its tokens, and at the end everything cached in eithe
 checked once more. Seeds 6 and 13 run a hybrid SWA+Full head (an SWA pool smaller than L1, an SWA L2
 smaller than the Full L2): every hit also needs exactly the right SWA KV in the window before its end.
 Seeds 7 and 8 run a hybrid Mamba+Full head (fewer state slots than L1 pages, a state L2 smaller than the
-Full L2): every hit also needs exactly the state of its tokens, loaded back with its L2 part.
+Full L2): every hit also needs exactly the state of its tokens, loaded back with its L2 part. Seeds 9 (SWA)
+and 10 (Mamba) add an L3 (file://) below them: what L1 and L2 lost comes back from L3 with the component's
+values (the SWA window's pages, the state at the hit's end), checked as exactly as any other hit.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 from support.hicache_env import HiCacheEnv
 
 from hicache.cluster.builder import MambaConfig, SWAConfig
+from hicache.cluster.cost_model import CostOptions
 from hicache.cluster.tree import RadixKey
 from hicache.workers import OpKind
 
@@ -45,15 +48,18 @@ def _stream(rng: random.Random, n: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("seed,policy", [(0, "write_through"), (1, "write_through_selective"), (2, "write_back"),
                                          (3, "write_through"), (4, "write_back"),
                                          pytest.param(13, "write_through", marks=pytest.mark.slow), (6, "write_back"),
-                                         (7, "write_through"), pytest.param(8, "write_back", marks=pytest.mark.slow)])
-def test_random_stream_with_faults(seed, policy):
+                                         (7, "write_through"), pytest.param(8, "write_back", marks=pytest.mark.slow),
+                                         pytest.param(9, "write_through", marks=pytest.mark.slow), (10, "write_through")])
+def test_random_stream_with_faults(seed, policy, tmp_path):
     rng = random.Random(seed)
-    swa = SWAConfig(window=6, num_tokens=16 * 4, host_tokens=12 * 4) if seed in (6, 13) else None
-    mamba = MambaConfig(num_slots=10, host_slots=6) if seed in (7, 8) else None
+    swa = SWAConfig(window=6, num_tokens=16 * 4, host_tokens=12 * 4) if seed in (6, 13, 9) else None
+    mamba = MambaConfig(num_slots=10, host_slots=6) if seed in (7, 8, 10) else None
+    l3 = {"storage_url": f"file://{tmp_path}/l3",  # (the cost model off: L3 hits whatever this box's speed)
+          "storage_kwargs": {"cost": CostOptions(enabled=False), "prefetch_policy": "wait_complete"}} if seed in (9, 10) else {}
     env = HiCacheEnv(page_size=4, device_pages=24, host_slots=20, write_policy=policy,
                      faults={"fail_kinds": (OpKind.BACKUP_D2H, OpKind.LOAD_H2D), "fail_rate": 0.25,
                              "delay_polls": 3, "seed": seed}, load_lock=seed >= 3, swa=swa, mamba=mamba,
-                     ack_timeout_s=60.0)  # (a loaded box: a first copy of a new shape compiles before its ack)
+                     ack_timeout_s=60.0, **l3)  # (a loaded box: a first copy of a new shape compiles before its ack)
     head = env.head
     stream = _stream(rng, 45)
     while stream:
@@ -103,3 +109,5 @@ def test_random_stream_with_faults(seed, policy):
         assert 0 < c["swa"]["host_tokens"] <= c["swa"]["host_capacity_tokens"] == 48
     if mamba is not None:  # states went to L2 within its bound and came back with loads
         assert 0 < c["mamba"]["host_states"] <= c["mamba"]["host_capacity_states"] == 6
+    if l3:  # L3 hits, the components' values came back with them (and were checked as hits since)
+        assert c["storage"]["prefetch_pages"] > 0 and c["storage"]["component_values"]["values_fetched"] > 0

@@ -433,9 +433,10 @@ def test_storage_only_entries_lru_cap_and_tier_transitions():
     assert entries.tokens == 32
     tree.check_invariants()
     hybrid = RadixTree(TreeConfig(page_size=4), [SWAComponent(8)])
-    hybrid.storage_only.cap_tokens = 48
-    with pytest.raises(ValueError, match="Full-only"):
-        hybrid.storage_only.add_path(hybrid.default_root, x)
+    hybrid.storage_only.cap_tokens = 48  # a hybrid tree keeps them too (their component values: none)
+    assert hybrid.storage_only.add_path(hybrid.default_root, x) == len(x) - len(x) % 4
+    assert hybrid.match_prefix(RadixKey(x)).storage_hit_len == len(x) - len(x) % 4
+    hybrid.check_invariants()
 
 
 def test_storage_only_entries_survive_l1_and_l2_eviction_above_them(tmp_path):

@@ -232,49 +232,159 @@ def test_two_replicas_side_by_side(replica_x, env_x):
         hicache.connect("y")
 
 
-def test_swa_engine_on_two_hosts_is_exact_with_l2_hits_of_full_and_swa_pages(replica_x):
-    """A hybrid SWA+Full replica on two hosts: every host worker keeps the SWA pool (sharded on KV heads like
-    L1) and its L2; the reference engine's sliding-window layers read it. After L1 is emptied, a turn loads
-    its prefix back (Full pages and the window's SWA pages, one op per host) and equals the no-cache run."""
-    from hicache.cluster.builder import SWAConfig
-    from hicache.reference.engine import ForwardConfig, ModelConfig
-    from hicache.reference.ray_engine import RayEngine
-    from hicache.reference.scheduler import Scheduler
-    from hicache.reference.serve_types import ServeRequest
+# -- hybrid models (SWA+Full, Mamba+Full) served through a Ray replica ---------------------------------------
+def hybrid_model(kind: str):
+    """3 layers of SPEC's heads: "swa", layers 0 and 2 local (window 12); "mamba", layer 1 recurrent."""
+    from hicache.reference.engine import ModelConfig
 
-    model = ModelConfig(vocab_size=256, num_layers=3, num_q_heads=8, num_kv_heads=SPEC.num_kv_heads,
-                        head_dim=SPEC.head_dim, hidden=32, mlp_hidden=64, sliding_window=12)  # layers 0, 2 local
-    spec = KVCacheSpec(3, SPEC.num_kv_heads, SPEC.head_dim, PS, "float32")
-    swa_spec = KVCacheSpec(len(model.swa_layers), SPEC.num_kv_heads, SPEC.head_dim, PS, "float32")
-    head = HeadConfig("s", TreeConfig(PS, 64), HiCacheConfig(256, ack_timeout_s=10.0, backup_batch_pages=4),
-                      components=(SWAConfig(12, 48 * PS, host_tokens=64 * PS),))
-    with pytest.raises(ValueError, match=r"need a pool layout \(component_specs\['swa'\]"):
-        ReplicaConfig(head, WorkerGroupOptions.fake_cpu_hosts(spec, num_hosts=2, devices_per_host=2))
-    handle = hicache.start_replica(ReplicaConfig(  # noqa: F841  # a non-detached head lives as long as its handle
-        head, WorkerGroupOptions.fake_cpu_hosts(spec, num_hosts=2, devices_per_host=2, component_specs={"swa": swa_spec}),
-        detached=False, health_interval_s=0.25))
+    extra = {"swa": {"sliding_window": 12}, "mamba": {"recurrent_layers": (1,)}}[kind]
+    return ModelConfig(vocab_size=256, num_layers=3, num_q_heads=8, num_kv_heads=SPEC.num_kv_heads,
+                       head_dim=SPEC.head_dim, hidden=32, mlp_hidden=64, **extra)
+
+
+def hybrid_replica(name: str, kind: str, num_hosts: int) -> ReplicaConfig:
+    from hicache.replica_file import replica_config
+
+    return dataclasses.replace(replica_config(hybrid_replica_file(name, kind, num_hosts)), health_interval_s=0.25)
+
+
+def hybrid_replica_file(name: str, kind: str, num_hosts: int, l1_pages: int = 16) -> dict:
+    """A replica file (``hicache up``'s path): L1 of ``l1_pages`` (a conversation or two of the chat below:
+    later turns come back from L2), the component's L1 pool about as large and its L2 smaller than the Full
+    L2; the workers' component pool layouts come from the file's model and components."""
+    model = hybrid_model(kind)
+    components = {"swa": {"swa": {"window": 12, "num_tokens": l1_pages * PS, "host_tokens": 64 * PS}},
+                  "mamba": {"mamba": {"num_slots": 8, "state_shapes": [[1, model.hidden]], "host_slots": 24}}}[kind]
+    layers = {"num_layers": model.num_layers, "num_kv_heads": SPEC.num_kv_heads, "head_dim": SPEC.head_dim,
+              "dtype": "float32"} | ({"swa_layers": len(model.swa_layers)} if kind == "swa" else {})
+    return {"replica": name, "page_size": PS, "l1_pages": l1_pages, "l2_slots": 128, "detached": False,
+            "model": layers, "components": components,
+            "workers": {"num_hosts": num_hosts, "devices_per_host": 4 // num_hosts}}
+
+
+def serve_hybrid_chat(name: str, kind: str, conversations: int = 2, turns: int = 4) -> dict:
+    """The Ray drivers' multi-turn chat (``hicache.testing.drivers``) on replica ``name``: every output and its
+    logits equal the no-cache run's on the same mesh; L1 and L2 hits; nothing held after, and evicting all
+    returns every pool (Full L1, the component's L1) to free."""
+    from hicache.testing.drivers import ServedReplica, chat_workload
+
+    served = ServedReplica(name, 120.0, None, 300.0, model=hybrid_model(kind), page=PS)  # per call: a loaded CI box
+    assert (served.engine.swa_tables, served.engine.recurrent) == (kind == "swa", kind == "mamba")
+    assert served.engine.mesh_shape == (4,)
+    work = chat_workload(served, conversations, turns, seed=5)
+    l1 = l2 = 0
+    for i in [c * turns + t for t in range(turns) for c in range(conversations)]:  # turn-major
+        prompt, ref = work[i]
+        res = served.serve(prompt)
+        assert res.output == ref.tokens, (kind, i)
+        np.testing.assert_array_equal(res.logits, ref.logits)
+        assert_tokens_accounted(res)
+        l1 += res.device_hit_tokens
+        l2 += res.loaded_tokens - res.storage_tokens
+        served.client.flush_write_through_acks()  # what L2 holds does not depend on this box's speed
+    c = served.client
+    st, comp = c.stats(), c.cache_stats()[kind]
+    assert st.request_pages == 0 and st.protected_tokens == 0
+    assert comp["request_pages" if kind == "swa" else "request_slots"] == 0
+    c.evict(10_000)
+    st, comp = c.stats(), c.cache_stats()[kind]
+    assert st.free_pages == 16 and st.evictable_tokens == 0
+    if kind == "swa":
+        assert comp["free_pages"] == comp["capacity_pages"] == 16
+        assert 0 < comp["host_tokens"] <= comp["host_capacity_tokens"] == 64 * PS
+    else:
+        assert comp["free_slots"] == comp["capacity_slots"] == 8
+        assert 0 < comp["host_states"] <= comp["host_capacity_states"] == 24
+    return {"l1": l1, "l2": l2}
+
+
+@pytest.mark.parametrize("kind, num_hosts", [
+    ("mamba", 2), ("swa", 2), pytest.param("mamba", 1, marks=pytest.mark.slow), pytest.param("swa", 1, marks=pytest.mark.slow)])
+def test_hybrid_multi_turn_on_a_ray_replica_equals_no_cache(replica_x, kind, num_hosts):
+    """A hybrid model served through a Ray replica (beside x): every host worker keeps the component's pools
+    (sharded on KV heads like L1, with their L2), the plans carry the component's L1<->L2 copies to every host,
+    the engine reads its SWA pages / recurrent states from them. Multi-turn chats under L1 pressure are exact,
+    with L1 and L2 hits."""
+    from hicache.reference.engine import ForwardConfig
+    from hicache.reference.ray_engine import RayEngine
+
+    name, fwd = f"hyb-{kind}-{num_hosts}", ForwardConfig(chunk_size=16, page_size=PS, max_pages=24)
+    handle = hicache.start_replica(hybrid_replica(name, kind, num_hosts))  # noqa: F841  # lives with its handle
     try:
-        engine = RayEngine("s", model, ForwardConfig(chunk_size=16, page_size=PS, max_pages=16), swa_pages=48)
-        c = hicache.connect("s", timeout_s=30.0)
-        sched = Scheduler(c, engine, hicache=True, swa_tables=True)
-        rng = np.random.default_rng(3)
-        history = rng.integers(0, model.vocab_size, 29, dtype=np.int32)
-        loaded = 0
-        for i in range(3):
-            res = sched.serve(ServeRequest(history, max_new_tokens=3))
-            ref = engine.generate_no_cache(history, 3)
-            assert res.output == ref.tokens
-            np.testing.assert_array_equal(res.last_logits, ref.logits[0])
-            loaded += res.loaded_tokens
-            history = np.concatenate([history, np.asarray(res.output, np.int32),
-                                      rng.integers(0, model.vocab_size, 6, dtype=np.int32)])
-            c.flush_write_through_acks()
-            assert c.evict(10_000).evicted_tokens > 0  # the next turn's prefix comes from L2
-        assert loaded >= 32
-        swa = c.cache_stats()["swa"]
-        assert 0 < swa["host_tokens"] <= swa["host_capacity_tokens"] == 64 * PS
+        assert worker_handles(name)[2] == ([(0, 2), (2, 4)] if num_hosts == 2 else [(0, 4)])  # KV heads per host
+        hits = serve_hybrid_chat(name, kind)
+        assert hits["l1"] > 0 and hits["l2"] > 0, hits
+        # a model the replica's components or pool layouts do not fit: refused before anything is attached
+        other = hybrid_model("mamba" if kind == "swa" else "swa")
+        with pytest.raises(ValueError, match=rf"replica '{name}': .*component"):
+            RayEngine(name, other, fwd)
+        if kind == "swa":  # the window fits, but one local layer where the workers keep two
+            with pytest.raises(ValueError, match=r"the workers' swa pool layout .* is not the model's"):
+                RayEngine(name, dataclasses.replace(hybrid_model(kind), sliding_window_layers=(0,)), fwd)
+        else:  # a state of another width than the component's
+            with pytest.raises(ValueError, match=r"state_shapes=\(\(1, 64\),\)"):
+                RayEngine(name, dataclasses.replace(hybrid_model(kind), hidden=64), fwd)
     finally:
-        stop_replica("s")
+        stop_replica(name)
+
+
+@pytest.mark.slow  # (two hybrid replicas start and compile one after the other: about a minute here)
+@pytest.mark.parametrize("kind", ["mamba", "swa"])
+def test_a_second_hybrid_replica_serves_from_the_l3_the_first_filled(replica_x, kind, tmp_path):
+    """L3 per component pool on the Ray path: a hybrid replica's hosts store their shards of the Full pages and of
+    the component values (SWA pages / recurrent states) as objects of each pool; a second replica (new head, new
+    workers: nothing in L1 or L2) serves the same chat from them, exact, with L3 hits whose values it fetched."""
+    from hicache.testing.drivers import ServedReplica, chat_workload
+
+    work = None
+    for n, name in enumerate((f"l3a-{kind}", f"l3b-{kind}")):
+        handle = hicache.start_replica(hybrid_replica(name, kind, 2))  # noqa: F841  # lives with its handle
+        try:
+            served = ServedReplica(name, 120.0, f"file://{tmp_path}", 300.0, model=hybrid_model(kind), page=PS,
+                                   wait_for_l3=True)
+            work = work or chat_workload(served, 2, 3, seed=7)
+            fetched = 0
+            for prompt, ref in work[::-1] if n else work:  # (the second: the longest turns first, from L3)
+                res = served.serve(prompt)
+                assert res.output == ref.tokens
+                np.testing.assert_array_equal(res.logits, ref.logits)
+                fetched += res.storage_tokens
+                served.client.flush_write_through_acks()
+            values = served.client.cache_stats()["storage"]["component_values"]
+            if n:
+                assert fetched > 0 and values["values_fetched"] > 0, values
+            else:
+                assert values["values_stored"] > 0, values
+        finally:
+            stop_replica(name)
+
+
+def test_hybrid_replica_config_names_missing_or_foreign_component_pools():
+    """A hybrid head's workers need each component's pool layout; a layout for a pool the head does not keep,
+    or a state pool paged like KV, is refused too: one ValueError at start, naming it."""
+    from hicache.reference.stack import component_specs
+
+    for kind in ("swa", "mamba"):
+        assert hybrid_replica("ok", kind, 2).workers.component_specs == component_specs(hybrid_model(kind), PS)
+        cfg = hybrid_replica("bad", kind, 2)
+        with pytest.raises(ValueError, match=rf"need a pool layout \(component_specs\['{kind}'\]"):
+            dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, component_specs={}))
+        with pytest.raises(ValueError, match=rf"component_specs \['{kind}'\] name pools the head keeps no host tier"):
+            ReplicaConfig(HeadConfig("bad", cfg.head.tree, cfg.head.hicache), cfg.workers)
+    from hicache.replica_file import replica_config
+
+    raw = hybrid_replica_file("bad", "mamba", 2)
+    for shapes in ([[1, 32], [2]], [[1, 12]]):  # not one [layers, hidden] state; hidden not split over 2 x 4 heads
+        raw["components"]["mamba"]["state_shapes"] = shapes
+        with pytest.raises(ValueError, match=r"config: components.mamba.state_shapes .* workers keep one state shape"):
+            replica_config(raw)
+    raw = hybrid_replica_file("bad", "swa", 2)
+    del raw["model"]["swa_layers"]
+    with pytest.raises(ValueError, match=r"config: the swa component has a host tier: .*component_specs\['swa'\]"):
+        replica_config(raw)
+    specs = component_specs(hybrid_model("mamba"), PS)
+    with pytest.raises(ValueError, match=r"component_specs\['mamba'\] must be a KVCacheSpec with page_size 1"):
+        WorkerGroupOptions.fake_cpu_hosts(SPEC, 2, component_specs={"mamba": dataclasses.replace(specs["mamba"], page_size=PS)})
 
 
 def test_the_test_hooks_are_refused_unless_the_replica_enables_them(replica_x):

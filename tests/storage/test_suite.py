@@ -314,6 +314,32 @@ def test_multi_pool_transfer(scheme, make_url, fp):
     st.close()
 
 
+def test_exists_each_answers_per_key_for_one_page_pools(scheme, make_url, fp):
+    """A component pool's values are sparse along the chain (a state at some node ends): ``exists_each`` answers
+    per key in one round; write-once holds for them as for KV (a second write skips the stored object); a pool
+    of several pages per object is refused, naming it."""
+    st = FsspecStorage(make_url(scheme), fp, StorageConfig(pages_per_object=4, storage_options=_opts(scheme)))
+    kv = NumpyHostPool(8, (2, 2, 4, 2, 8), np.float32)
+    mamba = NumpyHostPool(8, (3, 5), np.float32)
+    st.register_host_pool(kv, shard=ShardCoord.full(fp))
+    st.register_host_pool(mamba, shard=ShardCoord(0, 1, 1, 0, 2, 2), kind=PoolKind.MAMBA, pages_per_object=1)
+    _, _, keys = _chain(fp, 6)
+    mamba.fill_random(S(0, 2), 5)
+    tr = [PoolTransfer(PoolKind.MAMBA, keys[1:2], S(0, 1), first_page=1),
+          PoolTransfer(PoolKind.MAMBA, keys[4:5], S(1, 2), first_page=4)]
+    assert st.batch_set_pools(tr) == [[True], [True]]
+    assert st.exists_each(keys, pool=PoolKind.MAMBA) == [False, True, False, False, True, False]
+    assert st.exists_each([], pool=PoolKind.MAMBA) == []
+    written = st.stats().objects_written
+    assert st.batch_set_pools(tr[:1]) == [[True]]  # write-once: already stored, not written again
+    assert st.stats().objects_written == written and st.stats().objects_skipped_existing >= 1
+    with pytest.raises(ValueError, match="'kv' has 4"):
+        st.exists_each(keys, pool=PoolKind.KV)
+    with pytest.raises(ValueError, match="swa"):
+        st.exists_each(keys, pool=PoolKind.SWA)
+    st.close()
+
+
 def test_bfloat16_pool(scheme, make_url):
     fp16 = ModelFingerprint("bf", "bfloat16", 4, 2, 2, 8)
     st = FsspecStorage(make_url(scheme), fp16, StorageConfig(storage_options=_opts(scheme)))

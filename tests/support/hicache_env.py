@@ -187,7 +187,7 @@ class HiCacheEnv:
         tokens = np.asarray(tokens, dtype=np.int32)
         head, ps = self.head, self.ps
         key = RadixKey(tokens)
-        m = head.match_prefix(key)
+        m, prefetched = self._prefetch(key, head.match_prefix(key))
         loaded, load_failed, load_node = 0, False, None
         if load_back and m.host_hit_len:
             r = head.init_load_back(LoadBackParams(m.best_match_node, m.host_hit_len, lock=self.load_lock))
@@ -225,7 +225,21 @@ class HiCacheEnv:
             value = comps["mamba"]
         head.cache_finished_req(RequestState(key, table, hit, node, 0, comps))
         return {"device_hit": b.match.device_hit_len - loaded, "loaded": loaded, "load_failed": load_failed,
-                "host_hit": m.host_hit_len, "prefetched": 0}
+                "host_hit": m.host_hit_len, "prefetched": prefetched}
+
+    def _prefetch(self, key: RadixKey, m):
+        """With L3: the pages past the match that L3 holds, fetched into L2 (waited for); the match again."""
+        ps = self.ps
+        tokens = key.token_ids
+        if not self.storage or m.device_hit_len + m.host_hit_len >= len(tokens) - len(tokens) % ps:
+            return m, 0
+        self._req += 1
+        req = f"r{self._req}"
+        self.head.prefetch_from_storage(PrefetchParams(req, key, m.best_match_node))
+        progress = self.head.check_prefetch_progress(req)
+        if progress.state is PrefetchState.DONE:
+            return self.head.match_prefix(key), progress.tokens
+        return m, 0
 
     def serve(self, tokens, load_back: bool = True):
         """Match (+ load-back), lock, alloc, 'compute' the missing pages, finish. Returns stats."""
@@ -234,16 +248,7 @@ class HiCacheEnv:
         tokens = np.asarray(tokens, dtype=np.int32)
         head, ps = self.head, self.ps
         key = RadixKey(tokens)
-        m = head.match_prefix(key)
-        prefetched = 0
-        if self.storage and m.device_hit_len + m.host_hit_len < len(tokens) - len(tokens) % ps:
-            self._req += 1
-            req = f"r{self._req}"
-            head.prefetch_from_storage(PrefetchParams(req, key, m.best_match_node))
-            progress = head.check_prefetch_progress(req)
-            if progress.state is PrefetchState.DONE:
-                prefetched = progress.tokens
-                m = head.match_prefix(key)
+        m, prefetched = self._prefetch(key, head.match_prefix(key))
         pages, hit, node, loaded, load_failed = m.device_pages, m.device_hit_len, m.last_device_node, 0, False
         locked = False
         if load_back and m.host_hit_len:
