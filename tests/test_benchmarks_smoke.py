@@ -382,3 +382,4 @@ def test_multiturn_hybrid_model_kinds_tiny(tmp_path, kind):
         sweep = rec["swa_pool_sweep"]
         assert [r["swa_fraction"] for r in sweep["rows"]] == [1.0, 0.5]
         assert sweep["same_hit_rate"]["swa_pool_pages"] <= sweep["same_hit_rate"]["full_pool_pages"]
+        assert sweep["within_2pct"]["swa_pool_pages"] <= sweep["same_hit_rate"]["swa_pool_pages"]

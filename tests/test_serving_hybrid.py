@@ -62,6 +62,28 @@ def test_hybrid_multi_turn_under_eviction_equals_no_cache(kind):
         assert stats["swa"]["request_pages"] == 0 and stats["swa"]["evicted_tokens"] > 0
 
 
+def test_swa_pool_a_third_of_l1_keeps_every_hit_and_stays_exact():
+    """L1 holds every chat (no Full eviction); the SWA pool a third of it (16 of 48 pages) is short on almost
+    every request. The window-aware eviction frees the SWA KV no continuation reads (heads out of every window,
+    past turns' ends) and keeps each chat's window: the same L1 hits as an SWA pool as large as L1, outputs
+    bit-exact (the whole-node LRU tombstones served 256 of the 464 hit tokens here)."""
+    model = MODELS["swa"]
+    hits = {}
+    for swa_pages in (48, 16):
+        stack = build_stack(StackOptions(model=model, forward=FWD, l1_pages=48, swa_tokens=swa_pages * FWD.page_size))
+        hits[swa_pages] = chats(stack.runner, stack, rounds=4)["hits"]
+        stats = stack.head.cache_stats()
+        assert stats["device_evicted_tokens"] == 0
+        tree = stack.head.tree
+        tree.check_invariants()
+        assert tree.stats().request_pages == 0 and stats["swa"]["request_pages"] == 0
+        if swa_pages == 16:
+            assert stats["swa"]["evicted_tokens"] > 0
+            swa = tree.component("swa")  # cached nodes whose head went and whose window stayed
+            assert any(swa.has_live(n) and not swa.is_live(n) for n in tree.iter_nodes())
+    assert hits[16] == hits[48] > 0
+
+
 L2_OPTIONS = {  # L1 for about two conversations, component L2s smaller than the Full L2 (64 pages)
     "swa": {"swa_tokens": 112, "swa_host_tokens": 160},
     "mamba": {"state_slots": 6, "state_host_slots": 6},

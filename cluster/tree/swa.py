@@ -30,9 +30,11 @@ conservative: continuing a sequence at position ``p`` needs the SWA KV of ``[p -
   request's SWA pages (``swa_of`` is re-pointed, no data moves).
 - Match: accepted only at node ends whose window ``[p - window, p)`` is live (or live back to the root).
 - Eviction: ``evict(swa_num_tokens=n)`` (and SWA allocation when short) first frees spare request pages,
-  then tombstones unlocked nodes with a live tail in LRU order; a tombstoned leaf is deleted outright, and
-  so is a parent left as an unlocked tombstone leaf after a Full eviction (it could never end a match).
-  Full eviction frees SWA with the full pages.
+  then is window-aware (``swa_window``): it frees the heads of cached nodes that no hit point reads, then
+  the pages only past turns' ends read (nodes with one live child), and only then tombstones unlocked
+  nodes with a live tail in LRU order, each followed by the pages only its window read. A tombstoned
+  leaf is deleted outright, and so is a parent left as an unlocked tombstone leaf after a Full eviction
+  (it could never end a match). Full eviction frees SWA with the full pages.
 - Locks: a request lock on node N (position p) locks, for SWA, only the nodes intersecting
   ``[p - window, p)``. Unlock recomputes the same walk; exactness across later splits comes from
   ``bounds``: the topmost (partially covered) node records the lock's window start ``q``, and a split
@@ -68,6 +70,7 @@ from hicache.cluster.tree.component import ComponentTransfer, HiCachePhase, Host
 from hicache.cluster.tree.eviction import ComponentQueue, QueuedValue
 from hicache.cluster.tree.node import TreeNode
 from hicache.cluster.tree.params import InsertParams, RequestState
+from hicache.cluster.tree.swa_window import WindowTrims
 
 if TYPE_CHECKING:
     from hicache.cluster.tree.radix import RadixTree
@@ -244,6 +247,7 @@ class SWAComponent(TreeComponent):
         self.window = int(window)
         self.num_tokens = None if num_tokens is None else int(num_tokens)
         self.queue = ComponentQueue(self.name, self.is_evictable)
+        self.trims = WindowTrims(self)  # window-aware eviction's candidates (pages no hit point reads)
         self.evicted_tokens = 0
         self.released_host_copies: list[tuple[str, int, np.ndarray]] = []
 
@@ -335,10 +339,12 @@ class SWAComponent(TreeComponent):
         assert pages is not None  # the tree attached the new node's pages first
         if self.mapped.swa_of.item(pages.item(-1)) >= 0:  # a live tail: an SWA candidate
             self.queue.push(node)
+        self.trims.mark_up(node)  # its parent's end may be a past turn's now
 
     def on_revive(self, node: TreeNode, params: InsertParams, page_start: int, page_end: int) -> None:
         pages = node.device_pages
         assert pages is not None  # the tree attached the revived node's pages first
+        self.trims.mark_up(node)
         c = count_true(self.mapped.swa_of[pages.astype(np.intp)] >= 0)
         if c == pages.shape[0]:
             self.queue.push(node)
@@ -370,6 +376,7 @@ class SWAComponent(TreeComponent):
         swa_of[node.device_pages] = sp
         swa_of[idx] = -1
         self.mapped.spare[idx] = False
+        self.trims.mark(node)
         if self._state(node).lock == 0:
             self.queue.push(node)
 
@@ -393,8 +400,11 @@ class SWAComponent(TreeComponent):
             st.bounds = rest or None
         if pst.lock == 0 and self.has_live(prefix):
             self.queue.push(prefix)
+        self.trims.mark(prefix)
+        self.trims.mark(suffix)
 
     def on_remove(self, node: TreeNode) -> None:
+        self.trims.forget(node)  # (the ancestors its hits read may keep less now)
         st = node.component_data["swa"]
         if st.host_slots is not None:
             self.released_host_copies.append((self.name, node.id, st.host_slots))
@@ -431,10 +441,13 @@ class SWAComponent(TreeComponent):
                         del bounds[q]
                         if not bounds:
                             st.bounds = None
-            if lock == 0 and not st.queued:
-                pages = node.device_pages
-                if pages is not None and swa_of.item(pages.item(-1)) >= 0:
-                    self.queue.push(node)  # unlocked with a live tail: an SWA eviction candidate
+            if lock == 0:
+                if delta < 0:
+                    self.trims.unlocked(node)  # no longer kept whole for the lock
+                if not st.queued:
+                    pages = node.device_pages
+                    if pages is not None and swa_of.item(pages.item(-1)) >= 0:
+                        self.queue.push(node)  # unlocked with a live tail: an SWA eviction candidate
             if start <= q:
                 return
             end = start
@@ -539,8 +552,13 @@ class SWAComponent(TreeComponent):
 
     # -- eviction --------------------------------------------------------------------------------------
     def evict_component(self, amount: int) -> int:
+        """Frees at least ``amount`` SWA tokens if it can, cheapest first: spare request pages, then cached
+        pages no hit point needs, then pages only secondary hit points need (``swa_window``), then whole
+        live tails in LRU order (each followed by the pages only its hit point needed)."""
         ps = self.page_size
         freed = self.release_spare(-(-amount // ps)) * ps if amount > 0 else 0
+        if freed < amount:
+            freed += self.trim_unneeded(amount - freed, with_secondary=True)
         rebuilt = False
         while freed < amount:
             node = self.queue.pop()
@@ -551,9 +569,34 @@ class SWAComponent(TreeComponent):
                 rebuilt = True
                 continue
             freed += self._tombstone(node) * ps
+            self.trims.mark_up(node)  # the window pages in its ancestors and children only its hit read
+            self.trims.mark_down(node)
             self._drop_dead_leaves(node)  # a tombstoned leaf goes entirely (full pages too)
+            if freed < amount:
+                freed += self.trim_unneeded(amount - freed, with_secondary=False)
         self.evicted_tokens += freed
         self.queue.maybe_compact(self.tree)
+        return freed
+
+    def trim_unneeded(self, amount: int, with_secondary: bool) -> int:
+        """Frees the heads of cached nodes that no hit point needs (``with_secondary``: then those only
+        secondary hit points need), in ``WindowTrims.pop``'s order, until ``amount`` tokens; returns the
+        tokens freed. A node trimmed to nothing is a tombstone (a tombstoned leaf goes entirely)."""
+        ps, freed, trims = self.page_size, 0, self.trims
+        while freed < amount:
+            got = trims.pop(with_secondary)
+            if got is None:
+                break
+            node, phase, keep = got
+            pages = node.device_pages
+            assert pages is not None  # ``pop`` checked it
+            freed += self.mapped.unmap(pages[: pages.shape[0] - keep].astype(np.intp)) * ps
+            trims.mark(node)  # (its phase-2 trim next)
+            if phase == 2:  # its end is no hit now: what only that window read, above and below, goes next
+                trims.mark_up(node)
+                trims.mark_down(node)
+            if keep == 0:
+                self._drop_dead_leaves(node)
         return freed
 
     def _drop_dead_leaves(self, node: TreeNode) -> int:
@@ -588,6 +631,8 @@ class SWAComponent(TreeComponent):
 
     def after_device_evict(self, parent: TreeNode) -> int:
         """A child of ``parent`` left L1: ``parent`` may be a dead leaf now."""
+        if parent.parent is not None:
+            self.trims.mark_up(parent)
         return self._drop_dead_leaves(parent)
 
     # -- HiCache ---------------------------------------------------------------------------------------
@@ -642,7 +687,9 @@ class SWAComponent(TreeComponent):
             return
         # Contract: called before the controller clears ``loading`` on the chain.
         restored = {n.id: k for cover in covers for n, k in cover}
+        self.trims.mark_up(node)  # no longer kept whole for the load
         for n in self._loading_chain(node):
+            self.trims.mark(n)
             pages = n.device_pages
             assert pages is not None  # a loading node has its pages attached
             head = pages.shape[0] - restored.get(n.id, 0)
@@ -751,5 +798,6 @@ class SWAComponent(TreeComponent):
     def reset(self) -> None:
         self.allocator.reset()
         self.queue.clear()
+        self.trims.clear()
         self.evicted_tokens = 0
         self.released_host_copies = []

@@ -206,11 +206,66 @@ def test_component_queues_hold_one_entry_per_node_across_lock_cycles():
             tree.dec_lock_ref(m.last_device_node)
     assert (len(swa.queue), len(mamba.queue)) == entries
     assert tree.evict(0, mamba_num=1).components == {"mamba_num": 1}  # 10..'s state
-    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 6}  # and then its window
+    # SWA: first the heads no hit reads (window 2: 4 of each node's 6 tokens), 10..'s first (LRU)
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 4}
+    assert tree.evict(0, swa_num_tokens=8).components == {"swa_num_tokens": 8}  # the other two heads
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 2}  # and then 10..'s window
     assert tree.stats().num_nodes == 2  # a tombstoned leaf goes entirely
     assert tree.match_prefix(RadixKey(np.arange(10, 16))).device_hit_len == 0
     for base in (0, 20):
         assert tree.match_prefix(RadixKey(np.arange(base, base + 6))).device_hit_len == 6
+    tree.check_invariants()
+
+
+def test_swa_pool_short_trims_a_head_no_hit_reads_and_keeps_the_lru_window():
+    """The old eviction tombstoned the LRU node whole (its window too: a miss); now its head goes first."""
+    tree = swa_tree(window=4, swa_tokens=30)
+    swa = tree.component("swa")
+    serve(tree, range(12), trim=False)  # A: one live node [0, 12), the least recently used
+    serve(tree, range(100, 112), trim=False)  # B
+    assert swa.allocator.num_free == 6
+    m, state = start(tree, range(200, 212))  # 12 SWA pages, 6 free: 6 come from the cache
+    (a,) = (n for n in tree.iter_nodes() if n.key[0] == 0)
+    np.testing.assert_array_equal(swa.translate(a.device_pages) >= 0, np.arange(12) >= 8)  # A's window stays
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+    for base in (0, 100, 200):  # every conversation still continues from its end
+        assert tree.match_prefix(RadixKey(np.arange(base, base + 13))).device_hit_len == 12
+
+
+def test_swa_eviction_drops_past_turn_ends_before_any_conversation_end():
+    """Two chats of two turns, leaf shorter than the window: a short pool frees the pages only the first
+    turns' ends read (secondary hit points) of both chats; the old LRU tombstone took chat A's first turn
+    whole and with it the window of A's end."""
+    tree = swa_tree(window=6, swa_tokens=24)
+    swa = tree.component("swa")
+    for base in (0, 100):
+        serve(tree, range(base, base + 6), trim=False)  # turn 1: [0, 6)
+        serve(tree, range(base, base + 10), trim=False)  # turn 2 continues it: [6, 10) reads [4, 6)
+    tree.match_prefix(RadixKey(np.arange(100, 111)))  # B used last: A is the least recently used
+    assert swa.allocator.num_free == 4
+    m, state = start(tree, range(200, 210))  # 10 pages, 4 free
+    tree.trim_request(state)  # [200, 204) out of its window: spare, and reclaimed first
+    tree.cache_finished_req(state)
+    tree.check_invariants()
+    for base in (0, 100):
+        first, second = sorted((n for n in tree.iter_nodes() if n.key[0] in (base, base + 6)), key=tree.depth)
+        np.testing.assert_array_equal(swa.translate(first.device_pages) >= 0, np.arange(6) >= 4)  # [4, 6) kept
+        assert swa.is_live(second)
+        assert tree.match_prefix(RadixKey(np.arange(base, base + 11))).device_hit_len == 10  # the chat goes on
+        assert tree.match_prefix(RadixKey(np.r_[np.arange(base, base + 6), 99])).device_hit_len == 0  # turn 1's end
+    # the pool is short again: first the head of the third chat that no hit reads (its spare pages were
+    # cached live), then A's end, the LRU hit point: its window goes
+    for base in (200, 100):
+        tree.match_prefix(RadixKey(np.arange(base, base + 11)))
+    assert tree.evict(0, swa_num_tokens=5).components == {"swa_num_tokens": 4 + 4}
+    assert tree.match_prefix(RadixKey(np.arange(11))).device_hit_len == 0
+    # A's first turn keeps [4, 6), which only A's end read: the first pages the next eviction frees, and the
+    # node, a tombstoned leaf then, leaves L1
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 2}
+    assert not any(n.key[0] == 0 for n in tree.iter_nodes())
+    assert tree.match_prefix(RadixKey(np.arange(100, 111))).device_hit_len == 10
+    assert tree.match_prefix(RadixKey(np.arange(200, 211))).device_hit_len == 10
     tree.check_invariants()
 
 
@@ -352,6 +407,28 @@ def test_swa_hicache_backup_loads_only_the_window_and_host_eviction_records():
     tracker = RecordingTracker(pinned_ids={b.id})
     assert swa.drive_host_eviction(100, tracker) == 3
     assert tracker.released == [("swa", a.id, tuple(range(1000, 1003)), 3)]
+
+
+def test_swa_trim_keeps_the_l1_tail_an_l2_hit_below_reads():
+    """A node whose own end is no hit (its window broken) keeps the tail that the window of its L2-only child
+    reads: trimming frees only the rest, and the L2 hit stays."""
+    tree = swa_tree(window=6)
+    swa = tree.component("swa")
+    serve(tree, range(8), trim=False)
+    serve(tree, range(12), trim=False)  # a = [0, 8), b = [8, 12): b's window [6, 12) reads a's last 2 tokens
+    a, b = sorted(tree.iter_nodes(), key=tree.depth)
+    (t,) = swa.build_hicache_transfers(b, HiCachePhase.BACKUP)
+    swa.commit_hicache_transfer(b, HiCachePhase.BACKUP, RecordingHost().place((t,)))
+    _host_only(tree, [b.id])
+    tree.evict(4)
+    assert b.device_pages is None and a.device_pages is not None
+    swa.mapped.unmap(a.device_pages[:4].astype(np.intp))  # a's live tail [4, 8): a's own end is no hit now
+    assert tree.match_prefix(RadixKey(np.r_[np.arange(8), 99])).device_hit_len == 0
+    assert tree.match_prefix(RadixKey(np.arange(13))).host_hit_len == 4
+    assert tree.evict(0, swa_num_tokens=1).components == {"swa_num_tokens": 2}  # [4, 6): no hit reads them
+    np.testing.assert_array_equal(swa.translate(a.device_pages) >= 0, np.arange(8) >= 6)
+    assert tree.match_prefix(RadixKey(np.arange(13))).host_hit_len == 4
+    tree.check_invariants()
 
 
 def test_swa_host_tail_splits_with_its_node():

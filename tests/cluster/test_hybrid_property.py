@@ -186,6 +186,47 @@ class HybridMachine(RuleBasedStateMachine):
         res = self.tree.evict(n, **amounts)
         assert res.evicted_tokens >= 0
 
+    @precondition(lambda self: self.has_swa)
+    @rule(data=st.data(), secondary=st.booleans())
+    def evict_swa_pages_no_hit_reads(self, data, secondary):
+        """Window-aware SWA eviction, checked by brute force: freeing at most what its first phase offers
+        (pages no hit point reads) keeps every node end that was a hit a hit; freeing at most what the
+        first two offer (also pages only secondary hit points read) keeps every primary end a hit."""
+        swa, ps = self.swa, self.ps
+        offered = 0  # pages the first phase (or the first two) may free: live pages beyond the keep
+        for _node, live, keep_all, keep_primary in swa.trims.scan():
+            offered += max(0, live - (keep_primary if secondary else keep_all))
+        if not offered:
+            return
+        amount = data.draw(st.integers(1, offered * ps))
+        kept = {node.id: node for node, hit, primary in self._node_ends() if hit and (primary or not secondary)}
+        res = self.tree.evict(0, swa_num_tokens=amount)
+        assert res.components["swa_num_tokens"] >= amount
+        ends = {node.id: hit for node, hit, _ in self._node_ends()}
+        lost = [node for i, node in kept.items() if not ends.get(i)]
+        assert not lost, f"an SWA eviction of {amount} tokens that no {'primary ' if secondary else ''}hit needed lost {lost}"
+
+    def _node_ends(self):
+        """(node, its end is a hit: the window before it has SWA KV, its end is primary: not one L1 child
+        that goes on, with live SWA pages or children) for every L1 node (brute force over the path's pages)."""
+        out = []
+        for ns, root in self.tree.roots().items():
+            stack = [(c, np.empty(0, np.int32)) for c in root.children.values()]
+            while stack:
+                node, above = stack.pop()
+                if node.device_pages is None:
+                    continue
+                pages = np.r_[above, node.device_pages].astype(np.int32)
+                end = pages.size * self.ps
+                hit = window_live(self.swa, pages, end, self.ps) and self.swa.translate(pages[-1:])[0] >= 0
+                kids = list(node.children.values())
+                goes_on = len(kids) == 1 and kids[0].device_pages is not None and not kids[0].loading and (
+                    bool(kids[0].children) or self.swa.translate(kids[0].device_pages[-1:])[0] >= 0)
+                primary = not goes_on
+                out.append((node, hit, primary))
+                stack.extend((c, pages) for c in kids)
+        return out
+
     @rule(kind=st.integers(0, 5))
     def bad_input(self, kind):
         before = snapshot(self.tree)
@@ -272,6 +313,18 @@ class MambaMachine(HybridMachine):
     components = ("full", "mamba")
 
 
+class SWASmallPoolMachine(HybridMachine):
+    """SWA pools of a few pages (the Full pool larger): most allocations evict SWA KV, so every phase of the
+    window-aware eviction runs (heads no hit reads, secondary ends, LRU windows)."""
+
+    components = ("full", "swa")
+
+    @initialize(page_size=st.sampled_from([1, 2]), capacity=st.integers(24, 40), window=st.integers(1, 6),
+                swa_cap=st.integers(3, 9))
+    def setup(self, page_size, capacity, window, swa_cap):
+        HybridMachine.setup(self, page_size, capacity, window, swa_cap, None)
+
+
 class SWAMambaMachine(HybridMachine):
     components = ("full", "swa", "mamba")
 
@@ -282,6 +335,9 @@ SWAMachine.TestCase.settings = _settings
 MambaMachine.TestCase.settings = _settings
 SWAMambaMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
+SWASmallPoolMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+                                                 suppress_health_check=[HealthCheck.too_slow])
 test_swa_matches_model = SWAMachine.TestCase
+test_swa_small_pool_matches_model = SWASmallPoolMachine.TestCase
 test_mamba_matches_model = MambaMachine.TestCase
 test_swa_mamba_matches_model = SWAMambaMachine.TestCase
