@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -69,7 +70,21 @@ def serve(name: str, options: StackOptions, stream, runner, args) -> dict:
     if options.l3_url is None:
         return _serve(name, options, stream, runner, args)
     with tempfile.TemporaryDirectory(prefix="hicache-mt-hybrid-") as tmp:  # a fresh L3 per run
-        return _serve(name, dataclasses.replace(options, l3_url=f"file://{tmp}"), stream, runner, args)
+        out = _serve(name, dataclasses.replace(options, l3_url=f"file://{tmp}"), stream, runner, args)
+        out["components"]["l3"]["objects"] = l3_objects(Path(tmp))
+        return out
+
+
+def l3_objects(root: Path) -> dict[str, int]:
+    """Files in an L3 directory per pool folder (``.../v*/<fingerprint>/<pool>/...``): objects, and apart the
+    leading-page index entries (``/i/``), which cost a write each too."""
+    out: dict[str, int] = {}
+    for p in root.rglob("*"):
+        parts = p.relative_to(root).parts
+        if p.is_file() and len(parts) > 3 and parts[0].startswith("v"):
+            name = parts[2] + ("_index" if "i" in parts[3:-1] else "")
+            out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _serve(name: str, options: StackOptions, stream, runner, args) -> dict:

@@ -802,6 +802,8 @@ class StorageTier:
                     found = task.base + int(q.result())
                 except Exception:  # storage trouble is a miss, never an error for a request
                     found, failed = task.base, True
+                if self.values:  # (the answer is complete once the query is done)
+                    self.values.counters.existence_requests += sum(len(f) for f in task.value_flags.values())
             if found < self._exists_min_pages:
                 # the request's miss reason (token_account): L3 did not answer, or its breaker opened meanwhile
                 down = failed or self.workers.storage_breaker_state() != "closed"
@@ -861,7 +863,7 @@ class StorageTier:
             return False
         if self.values:  # (cut above by the in-flight bound or the cost model: end where the values are)
             cut = found
-            found = servable_end(task.value_flags, self.values.value_pages, found, self._exists_min_pages)
+            found = servable_end(task.value_flags, found, self._exists_min_pages)
             if found < cut:
                 self.values.counters.fetches_cut += 1
             if not found:
@@ -877,7 +879,7 @@ class StorageTier:
             return False
         parts: tuple = ()
         if self.values:
-            task.values = self.values.reserve(task.value_flags, found, task.first_page, task.keys)
+            task.values = self.values.reserve(found, task.first_page, task.keys)
             if task.values is None:
                 self.host.unreserve(slots)
                 self.values.counters.fetches_without_values += 1

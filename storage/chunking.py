@@ -55,6 +55,9 @@ class Chunking:
 
     prefix: str
     pages_per_object: int
+    # objects found by their own name only (a hybrid model's values at a node end, one object each, written
+    # at chunk position 0): no shorter partial object of a chunk is probed, no leading-page index is kept
+    named: bool = False
 
     def path(self, key: str) -> str:
         return f"{self.prefix}/{key[0]}/{key}"
@@ -99,6 +102,8 @@ class Chunking:
         """Objects of the chunk at ``start`` shorter than ``m`` pages that end inside the query at
         its page ``min_pages - 1`` or later (a shorter hit is of no use to the caller), longest
         first."""
+        if self.named:
+            return []
         shortest = max(1, first + min_pages - start)
         return [self.object(t, keys, first, start, mm) for mm in range(m - 1, shortest - 1, -1)]
 

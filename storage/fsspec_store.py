@@ -363,7 +363,10 @@ class FsspecStorage(HiCacheStorage):
         shard: ShardCoord,
         kind: PoolKind = PoolKind.KV,
         pages_per_object: int | None = None,
+        named_objects: bool = False,
     ) -> None:
+        """``named_objects``: the pool's objects are found by their own name only (``Chunking.named``; a
+        component pool whose values at a node end are one object: ``exists_each``)."""
         kind = check_pool_kind(kind)
         if not isinstance(pool, HostSlots):
             raise TypeError(f"pool must implement HostSlots (read_slots, write_slots, slot_shape, dtype, slot_bytes), got {type(pool).__name__}")
@@ -382,7 +385,9 @@ class FsspecStorage(HiCacheStorage):
         if kind in self._pools:
             raise ValueError(f"a host pool is already registered for {kind.value!r}")
         ppo = pages_per_object or self.config.pages_per_object or max(1, self.config.object_bytes_for(self.scheme) // int(pool.slot_bytes))
-        chunking = Chunking(f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}", ppo)
+        if named_objects and kind is PoolKind.KV:
+            raise ValueError("named_objects is for component pools; the KV pool's objects are chunks of the chain")
+        chunking = Chunking(f"{self._base}/{kind.value}/{shard.tag()}/c{ppo}", ppo, bool(named_objects))
         header = HeaderEncoder(ObjectKind.PAGES, self._fp, dtype.name, shape)
         self._pools[kind] = _PoolReg(pool, shard, kind, chunking, dtype.name, header, shape, int(pool.slot_bytes))
 
@@ -457,7 +462,7 @@ class FsspecStorage(HiCacheStorage):
             # the other fingerprint's objects of this shard, chunked alike (its own shard only: a diagnostic)
             base = f"{self._root}/v{FORMAT_VERSION}/{fingerprint.hexdigest()[:16]}"
             other = dataclasses.replace(reg, chunking=Chunking(
-                f"{base}/{reg.kind.value}/{reg.shard.tag()}/c{reg.ppo}", reg.ppo))
+                f"{base}/{reg.kind.value}/{reg.shard.tag()}/c{reg.ppo}", reg.ppo, reg.chunking.named))
             return sum(o.stop() - o.start for o in self._resolve([_Transfer(other, keys, _NO_SLOTS, first)], deadline, least)[0])
         return sum(seg.pages for seg in self._covered([_Transfer(reg, keys, _NO_SLOTS, first, before)], deadline, least)[2][0])
 
@@ -472,11 +477,13 @@ class FsspecStorage(HiCacheStorage):
         return bool(r)
 
     def exists_each(self, keys: Sequence[str], *, pool: PoolKind, timeout_s: float | None = None) -> list[bool]:
-        """Per key, whether ``pool``'s object of that one page is stored: one batched existence round (pools of
-        one page per object only: a hybrid model's sparse values, e.g. recurrent states at node ends)."""
+        """Per key, whether ``pool``'s object named by that key (the one ending at that page) is stored: one
+        batched existence round (pools of one page per object, or of named objects: a hybrid model's sparse values,
+        one object per node end, e.g. a recurrent state or an SWA window's pages)."""
         reg = self._reg(pool)
-        if reg.ppo != 1:
-            raise ValueError(f"exists_each needs a pool of one page per object; {reg.kind.value!r} has {reg.ppo}")
+        if reg.ppo != 1 and not reg.chunking.named:
+            raise ValueError(f"exists_each needs a pool of one page or one named object per key; {reg.kind.value!r} "
+                             f"has {reg.ppo} pages per object along the chain (use batch_exists)")
         keys = check_keys(keys)
         self._count(exists_calls=1)
         if not keys:
@@ -657,7 +664,7 @@ class FsspecStorage(HiCacheStorage):
                     written.append((o.t, o.start, o.path, size))
             self._count(**tally)
             # (a pool of one page per object needs no entry: each object is found by its own page's key)
-            indexed = [o for o in published if queries[o.t].reg.ppo > 1]
+            indexed = [o for o in published if queries[o.t].reg.ppo > 1 and not queries[o.t].reg.chunking.named]
             if self.config.leading_page_index and indexed:
                 self._write_index(queries, indexed, deadline, written)
         if gi < len(todo):
@@ -784,7 +791,7 @@ class _Leading:
 
     def folder(self, t: int, start: int) -> str | None:
         q = self.queries[t]
-        first_key = q.key_at(start)
+        first_key = None if q.reg.chunking.named else q.key_at(start)
         return None if first_key is None else q.reg.chunking.index_dir(first_key)
 
     def find(self, asks: list[tuple[int, int, int]], listed: list[Any]) -> list[ObjectRef | None]:

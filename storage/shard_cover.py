@@ -102,7 +102,9 @@ def discover(io: BatchIO, pool_dir: str, own: ShardCoord, own_chunking: Chunking
             m = _CHUNK_RE.match(sub)
             if m is None or int(m.group(1)) < 1:
                 continue
-            chunking = Chunking(f"{pool_dir}/{tag}/{sub}", int(m.group(1)))
+            if own_chunking.named and int(m.group(1)) != own_chunking.pages_per_object:
+                continue  # (named objects of another chunk size hold other runs of pages under the same names)
+            chunking = Chunking(f"{pool_dir}/{tag}/{sub}", int(m.group(1)), own_chunking.named)
             src = source_for(own, own_shape, coord, chunking)
             if src is not None and chunking != own_chunking:
                 out.append(src)

@@ -79,25 +79,53 @@ def test_a_fresh_stack_serves_hybrid_requests_from_l3_exactly(tmp_path, kind):
     assert (comp["host_states"] if kind == "mamba" else comp["host_tokens"]) > 0  # fetched into the component's L2
 
 
-@pytest.mark.parametrize("damage", ["deleted", "corrupt"])
-def test_missing_or_corrupt_mamba_states_give_a_miss_and_exact_outputs(tmp_path, damage):
-    reqs = fill("mamba", tmp_path)
-    states = component_objects(tmp_path, "mamba")
-    assert states
-    for p in states:
+@pytest.mark.parametrize("kind, damage", [("mamba", "deleted"), ("mamba", "corrupt"), ("swa", "corrupt"),
+                                         ("swa", "short")])
+def test_missing_or_corrupt_component_objects_give_a_miss_and_exact_outputs(tmp_path, kind, damage):
+    """A Mamba state, or an SWA window's object (several pages), deleted, with a payload byte flipped or cut
+    short: no fetch uses it, every output stays exact."""
+    reqs = fill(kind, tmp_path)
+    objects = component_objects(tmp_path, kind)
+    assert objects
+    for p in objects:
         if damage == "deleted":
             p.unlink()
-        else:  # the last payload byte flipped: the checksum fails
+        elif damage == "corrupt":  # the last payload byte flipped: the checksum fails
             data = bytearray(p.read_bytes())
             data[-1] ^= 0xFF
             p.write_bytes(bytes(data))
-    fresh = build_stack(options("mamba", tmp_path))
+        else:  # its last page's bytes cut off: shorter than its header says
+            data = p.read_bytes()
+            p.write_bytes(data[: len(data) - len(data) // 4])
+    fresh = build_stack(options(kind, tmp_path))
     out = serve_all(fresh, reqs[::-1])  # exact all the same (checked per request)
     assert out["component_values"]["values_fetched"] == 0
     if damage == "deleted":  # no end has a state: no fetch is sent at all
         assert out["prefetch_started"] == 0 and out["l3_queries"] > 0  # (the query found Full pages only)
     else:  # found, fetched, failed verification: the whole fetch fails (no Full page of it is used either)
         assert out["prefetch_failures"] > 0 and out["prefetch_pages"] == 0
+
+
+def test_the_swa_window_before_a_node_end_is_one_object(tmp_path):
+    """Each SWA object holds the window's pages before one node end (``min(window, end)`` pages), named by the
+    key of the end's last page: one object write and one existence request per node end, not one per page."""
+    from hicache.storage import ChainKeys, Namespace
+    from hicache.storage.format import declared_num_pages
+
+    reqs = fill("swa", tmp_path)
+    stack = build_stack(options("swa", tmp_path))
+    ns = Namespace(stack.head.controller.storage.params.fingerprint)
+    end_of: dict[str, int] = {}  # chain key -> the page end it names (prompts and their outputs: the cached paths)
+    for prompt in reqs:
+        gen = stack.runner.generate_no_cache(prompt, 4)
+        tokens = np.concatenate([prompt, np.asarray(gen.tokens, np.int32)])
+        end_of.update({k: i + 1 for i, k in enumerate(ChainKeys(ns, tokens))})
+    window = stack.head.controller.storage.values.value_pages["swa"]
+    objects = component_objects(tmp_path, "swa")
+    assert window == 3 and objects and all(p.name in end_of for p in objects)
+    pages = [declared_num_pages(p.read_bytes()) for p in objects]
+    assert pages == [min(window, end_of[p.name]) for p in objects]
+    assert sum(pages) > len(objects)  # (several pages an object: the one-page layout fails here)
 
 
 @pytest.mark.parametrize("kind", ["swa", "mamba"])
@@ -118,7 +146,7 @@ def test_a_deleted_component_object_shortens_the_l3_hit(tmp_path, kind):
     keys = list(ChainKeys(Namespace(probe.head.controller.storage.params.fingerprint), prompt))
     flags = storage.exists_each(keys, pool=PoolKind(kind))
     n = probe.head.controller.storage.values.value_pages[kind]
-    end = servable_end({kind: flags}, {kind: n}, len(keys), 2)
+    end = servable_end({kind: flags}, len(keys), 2)
     assert end > n  # (an earlier end exists for the damaged copy to fall back to, or a miss)
     (damaged / Path(storage.object_path(keys[end - 1], pool=PoolKind(kind))).relative_to(intact)).unlink()
     got = {}

@@ -78,32 +78,35 @@ MAIN_POOL = "kv"  # the Full attention KV pool: ``TransferOp.device_pages`` / ``
 
 @dataclass(frozen=True, eq=False, slots=True)
 class StoragePart:
-    """The part of an L2<->L3 op (H2S / S2H) that moves one run of a component pool's pages (``pool``: e.g.
-    "mamba", one state per node end; "swa", the window's pages before a hit end): ``keys[i]`` names page
-    ``first_page + i`` of the chain, held in that pool's L2 slot ``host_slots[i]``."""
+    """The part of an L2<->L3 op (H2S / S2H) that moves the values of one node end of a component pool (``pool``:
+    e.g. "mamba", the state at the end; "swa", the window's pages before it) as ONE object of that pool: its pages
+    ``first_page .. first_page + n - 1`` of the chain, held in that pool's L2 slots ``host_slots`` (``n`` of them),
+    named ``key``: the chain key of its last page (the end), which also fixes ``n`` for the values a pool keeps at
+    an end (see ``hicache.cluster.storage_components``)."""
 
     pool: str
     first_page: int
-    keys: tuple[str, ...]
-    host_slots: np.ndarray  # i32[len(keys)]
+    key: str
+    host_slots: np.ndarray  # i32[n], n >= 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, str) or not self.pool or self.pool == MAIN_POOL:
             raise ValueError(f"StoragePart.pool must name a component pool (not {MAIN_POOL!r}), got {self.pool!r}")
         if isinstance(self.first_page, bool) or not isinstance(self.first_page, (int, np.integer)) or self.first_page < 0:
             raise ValueError(f"StoragePart.first_page must be an int >= 0, got {self.first_page!r}")
-        object.__setattr__(self, "keys", tuple(self.keys))
-        for k in self.keys:
-            check_key(k, what=f"pool {self.pool!r} key")
+        check_key(self.key, what=f"pool {self.pool!r} key")
         object.__setattr__(self, "host_slots", _as_id_array(self.host_slots, "storage part host_slots"))
-        if len(self.keys) != self.host_slots.size or not self.keys:
-            raise ValueError(f"pool {self.pool!r}: {len(self.keys)} keys vs {self.host_slots.size} host_slots "
-                             "(a part moves at least one page)")
+        if not self.host_slots.size:
+            raise ValueError(f"pool {self.pool!r}: a storage part moves at least one page")
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.host_slots.size)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StoragePart):
             return NotImplemented
-        return (self.pool, self.first_page, self.keys) == (other.pool, other.first_page, other.keys) and \
+        return (self.pool, self.first_page, self.key) == (other.pool, other.first_page, other.key) and \
             np.array_equal(self.host_slots, other.host_slots)
 
     __hash__ = None  # type: ignore[assignment]

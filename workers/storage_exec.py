@@ -27,7 +27,7 @@ import numpy as np
 
 from hicache.storage import FsspecStorage, ModelFingerprint, PoolKind, PoolTransfer, ShardCoord, StorageConfig
 from hicache.workers.host_pool import HostPool
-from hicache.workers.plan import OpKind, TransferOp
+from hicache.workers.plan import OpKind, StoragePart, TransferOp
 
 # How a host opens its L3 client: ``FsspecStorage`` itself, or (embedded stacks only) a subclass that
 # observes it, as a replay that gates what each replica sees of the others' writes by its own clock.
@@ -91,12 +91,28 @@ def component_shard(pool: HostPool) -> ShardCoord:
     return ShardCoord(a, b, spec.num_kv_heads, 0, spec.num_layers, spec.num_layers)
 
 
+# Pages a component pool's object may hold: the values of one node end (an SWA window's pages, a state) are
+# written as pages ``[0, n)`` of a chunk this long, so the storage makes them ONE object named by its last
+# key (the end's; ``chunking``): object writes and existence requests go per node end, not per page (GCS
+# charges each). The size is in the objects' path (``c{C}``): changing it makes older objects unreadable.
+COMPONENT_OBJECT_PAGES = 4096
+
+
+def _part_transfer(kind: PoolKind, part: StoragePart) -> PoolTransfer:
+    """``part`` as a storage transfer of one object: the chunk position is 0 for every node end (the key alone
+    names the object and fixes its page count: ``StoragePart``); only the last key of the run is ever read."""
+    if part.num_pages > COMPONENT_OBJECT_PAGES:
+        raise ValueError(f"pool {part.pool!r}: a part of {part.num_pages} pages is longer than one object "
+                         f"({COMPONENT_OBJECT_PAGES} pages)")
+    return PoolTransfer(kind, [part.key] * part.num_pages, part.host_slots, 0)
+
+
 class StorageExecutor:
     def __init__(self, attachment: StorageAttachment, pool: HostPool, open_storage: OpenStorage = FsspecStorage,
                  component_pools: Mapping[str, HostPool] | None = None) -> None:
         """``component_pools``: a hybrid model's other L2 pools by name (``PoolKind`` values: "swa", "mamba"),
-        registered with the storage as pools of their own (one page per object: their values are sparse
-        along the chain), moved by the ops' ``StoragePart``s."""
+        registered with the storage as pools of their own, moved by the ops' ``StoragePart``s: the values of
+        one node end are one object (``_part_transfer``)."""
         self.attachment = attachment
         self.storage = open_storage(attachment.url, attachment.fingerprint, attachment.config)
         self._view = _DeferredWrites(pool)
@@ -110,7 +126,8 @@ class StorageExecutor:
         for name, cpool in (component_pools or {}).items():
             view = _DeferredWrites(cpool)
             kind = PoolKind(name)
-            self.storage.register_host_pool(view, shard=component_shard(cpool), kind=kind, pages_per_object=1)
+            self.storage.register_host_pool(view, shard=component_shard(cpool), kind=kind,
+                                            pages_per_object=COMPONENT_OBJECT_PAGES, named_objects=True)
             self.parts[name] = (cpool, view, kind)
 
     @property
@@ -129,7 +146,7 @@ class StorageExecutor:
             entry = self.parts.get(part.pool)
             if entry is None:
                 raise ValueError(f"storage executor has no component pool {part.pool!r} (has {sorted(self.parts)})")
-            out.append(PoolTransfer(entry[2], part.keys, part.host_slots, part.first_page))
+            out.append(_part_transfer(entry[2], part))
         return out
 
     def __call__(self, op: TransferOp, pool: HostPool) -> int | tuple[int, Callable[[], None]]:
@@ -169,7 +186,7 @@ class StorageExecutor:
             raise RuntimeError(f"{op.kind.value}: {missing} of {len(pages)} pages failed (storage stats: "
                                f"{self.storage.stats().corrupt_objects} corrupt, {self.storage.stats().timeouts} timeouts)")
         moved = len(op.storage_keys) * self.slot_bytes + sum(
-            len(p.keys) * self.parts[p.pool][0].slot_bytes for p in op.storage_parts)
+            p.num_pages * self.parts[p.pool][0].slot_bytes for p in op.storage_parts)
         return moved if commit is None else (moved, commit)
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """Where an L3 hit of a hybrid tree may end (``storage_components.servable_end``): at the last page end where
-every component's objects before it are stored (Mamba: the state at that end; SWA: the window's pages),
+every component's object of that end is stored (Mamba: the state at that end; SWA: the window's pages before it,
+one object named by the end's last page),
 never past what the Full pages reached, never below the prefetch minimum."""
 
 from __future__ import annotations
@@ -11,20 +12,19 @@ from hicache.cluster.storage_components import servable_end
 T, F = True, False
 
 
-@pytest.mark.parametrize("flags, pages, found, least, want", [
-    ({"mamba": [F, T, F, T, F]}, {"mamba": 1}, 5, 1, 4),  # the last state before the Full pages' end
-    ({"mamba": [F, T, F, T, F]}, {"mamba": 1}, 3, 1, 2),  # cut by the Full pages (or the cost model)
-    ({"mamba": [F, T, F, F, F]}, {"mamba": 1}, 5, 3, 0),  # the only state ends below the minimum: a miss
-    ({"mamba": [F, F, F]}, {"mamba": 1}, 3, 1, 0),  # no state at all: a miss, never a hit without one
-    ({"swa": [F, T, T, T, F]}, {"swa": 3}, 5, 1, 4),  # the window's three pages before the end
-    ({"swa": [F, F, T, T, T]}, {"swa": 3}, 5, 1, 5),
-    ({"swa": [T, T, F, T, T]}, {"swa": 3}, 5, 1, 2),  # a hole in the window: back to where it is whole
-    ({"swa": [T, F, F]}, {"swa": 3}, 3, 1, 1),  # a window reaching before the fetch: the tree's own pages
-    ({"swa": [T, T, T, T], "mamba": [F, F, T, F]}, {"swa": 2, "mamba": 1}, 4, 1, 3),  # every pool at once
-    ({"swa": [T, F, T, T], "mamba": [F, F, T, F]}, {"swa": 2, "mamba": 1}, 4, 1, 0),
+@pytest.mark.parametrize("flags, found, least, want", [
+    ({"mamba": [F, T, F, T, F]}, 5, 1, 4),  # the last state before the Full pages' end
+    ({"mamba": [F, T, F, T, F]}, 3, 1, 2),  # cut by the Full pages (or the cost model)
+    ({"mamba": [F, T, F, F, F]}, 5, 3, 0),  # the only state ends below the minimum: a miss
+    ({"mamba": [F, F, F]}, 3, 1, 0),  # no state at all: a miss, never a hit without one
+    ({"swa": [F, F, F, T, F]}, 5, 1, 4),  # the object of the window before the end 4 (its last page's key)
+    ({"swa": [F, F, T, F, T]}, 5, 1, 5),
+    ({"swa": [T, T, T, F, F]}, 5, 1, 3),  # no object at the ends 4, 5: back to the last end that has one
+    ({"swa": [T, T, T, T], "mamba": [F, F, T, F]}, 4, 1, 3),  # every pool at once
+    ({"swa": [T, F, F, T], "mamba": [F, F, T, F]}, 4, 1, 0),
 ])
-def test_servable_end(flags, pages, found, least, want):
-    assert servable_end(flags, pages, found, least) == want
+def test_servable_end(flags, found, least, want):
+    assert servable_end(flags, found, least) == want
 
 
 def test_fetched_swa_window_is_split_over_the_nodes_it_ends_in():
@@ -48,8 +48,8 @@ def test_fetched_swa_window_is_split_over_the_nodes_it_ends_in():
     assert nodes == [a, b]
     pool = ComponentHostPool(tree, tree.component("swa"), 8)
     values = ComponentObjects({"swa": pool}, 8)
-    fetched = values.reserve({"swa": [True] * 12}, 12, 0, [f"{i:064x}" for i in range(12)])
-    assert isinstance(fetched, FetchParts) and fetched.parts[0].first_page == 9
+    fetched = values.reserve(12, 0, [f"{i:064x}" for i in range(12)])
+    assert isinstance(fetched, FetchParts) and fetched.parts[0].first_page == 9 and fetched.parts[0].key == f"{11:064x}"
     ids = fetched.reserved[0][1].copy()
     values.adopt(nodes, fetched)
     swa = tree.component("swa")

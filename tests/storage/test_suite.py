@@ -340,6 +340,31 @@ def test_exists_each_answers_per_key_for_one_page_pools(scheme, make_url, fp):
     st.close()
 
 
+def test_named_objects_hold_a_run_of_pages_under_one_name(scheme, make_url, fp):
+    """A pool of named objects (a hybrid model's values at a node end, e.g. an SWA window's pages): a run written
+    at position 0 is ONE object named by its last key, found by ``exists_each`` and read back whole; no
+    leading-page index entry beside it, no shorter object probed on a miss; the KV pool refuses the layout."""
+    st = FsspecStorage(make_url(scheme), fp, StorageConfig(pages_per_object=4, storage_options=_opts(scheme)))
+    kv = NumpyHostPool(8, (2, 2, 4, 2, 8), np.float32)
+    swa = NumpyHostPool(8, (3, 5), np.float32)
+    with pytest.raises(ValueError, match="named_objects is for component pools"):
+        st.register_host_pool(kv, shard=ShardCoord.full(fp), kind=PoolKind.KV, named_objects=True)
+    st.register_host_pool(kv, shard=ShardCoord.full(fp))
+    st.register_host_pool(swa, shard=ShardCoord(0, 1, 1, 0, 2, 2), kind=PoolKind.SWA, pages_per_object=64,
+                          named_objects=True)
+    _, _, keys = _chain(fp, 6)
+    swa.fill_random(S(0, 3), 6)
+    assert st.batch_set_pools([PoolTransfer(PoolKind.SWA, [keys[4]] * 3, S(0, 3))]) == [[True] * 3]
+    assert st.stats().objects_written == 1 and st.stats().index_written == 0
+    assert st.exists_each(keys, pool=PoolKind.SWA) == [False, False, False, False, True, False]
+    assert st.batch_get_pools([PoolTransfer(PoolKind.SWA, [keys[4]] * 3, S(4, 7))]) == [[True] * 3]
+    assert same_bytes(swa.buf[0:3], swa.buf[4:7])
+    asked = st.stats().exists_calls
+    assert st.batch_get_pools([PoolTransfer(PoolKind.SWA, [keys[5]] * 3, S(4, 7))]) == [[False] * 3]
+    assert st.stats().exists_calls == asked and st.stats().index_lookups == 0
+    st.close()
+
+
 def test_bfloat16_pool(scheme, make_url):
     fp16 = ModelFingerprint("bf", "bfloat16", 4, 2, 2, 8)
     st = FsspecStorage(make_url(scheme), fp16, StorageConfig(storage_options=_opts(scheme)))

@@ -125,13 +125,15 @@ def test_storage_ops_move_component_pages_with_the_full_pages_and_commit_togethe
         full, swa = _rows(worker.device_pool, 4, 3), _rows(worker.pools["swa"][0], 2, 4)
         worker.host_pool.write_slots(np.array([0, 1, 2, 3], np.int32), full)
         swa_host.write_slots(np.array([3, 1], np.int32), swa)
-        part = StoragePart("swa", 2, tuple(keys[2:4]), np.array([3, 1], np.int32))  # the last two pages' window
+        part = StoragePart("swa", 2, keys[3], np.array([3, 1], np.int32))  # the last two pages' window
         empty = np.empty(0, np.int32)
         assert ex(TransferOp(1, OpKind.BACKUP_H2S, empty, np.arange(4, dtype=np.int32), tuple(keys),
                              storage_parts=(part,)), worker.host_pool) == (4 * worker.host_pool.slot_bytes
                                                                            + 2 * swa_host.slot_bytes)
-        assert sum(1 for p in (tmp_path / "l3").rglob("*") if p.is_file() and "/swa/" in str(p)) == 2  # (no index entries: one page an object)
-        back = StoragePart("swa", 2, tuple(keys[2:4]), np.array([0, 4], np.int32))
+        # the window's pages are ONE object, named by the key of its last page (no index entries)
+        (obj,) = [p for p in (tmp_path / "l3").rglob("*") if p.is_file() and "/swa/" in str(p)]
+        assert obj.name == keys[3]
+        back = StoragePart("swa", 2, keys[3], np.array([0, 4], np.int32))
         before = swa_host.read_slots(np.array([0, 4], np.int32))
         _, commit = ex(TransferOp(2, OpKind.PREFETCH_S2H, empty, np.array([4, 5, 6, 7], np.int32), tuple(keys),
                                   storage_parts=(back,)), worker.host_pool)
@@ -139,7 +141,7 @@ def test_storage_ops_move_component_pages_with_the_full_pages_and_commit_togethe
         commit()
         np.testing.assert_array_equal(worker.host_pool.read_slots(np.array([4, 5, 6, 7], np.int32)), full)
         np.testing.assert_array_equal(swa_host.read_slots(np.array([0, 4], np.int32)), swa)
-        missing = StoragePart("swa", 0, tuple(keys[:1]), np.array([2], np.int32))  # never stored
+        missing = StoragePart("swa", 0, keys[0], np.array([2], np.int32))  # never stored
         with pytest.raises(RuntimeError, match="1 of 3 pages failed"):
             ex(TransferOp(3, OpKind.PREFETCH_S2H, empty, np.array([0, 1], np.int32), tuple(keys[:2]),
                           storage_parts=(missing,)), worker.host_pool)
@@ -152,15 +154,15 @@ def test_bad_storage_parts_are_refused(worker):
 
     key = "ab" * 32
     with pytest.raises(ValueError, match="not 'kv'"):
-        StoragePart("kv", 0, (key,), [0])
-    with pytest.raises(ValueError, match="1 keys vs 2 host_slots"):
-        StoragePart("swa", 0, (key,), [0, 1])
+        StoragePart("kv", 0, key, [0])
+    with pytest.raises(ValueError, match="at least one page"):
+        StoragePart("swa", 0, key, [])
     with pytest.raises(ValueError, match="first_page"):
-        StoragePart("swa", -1, (key,), [0])
+        StoragePart("swa", -1, key, [0])
     with pytest.raises(ValueError, match=r"H2S/S2H only"):
-        TransferOp(1, OpKind.BACKUP_D2H, [0], [0], storage_parts=(StoragePart("swa", 0, (key,), [0]),))
-    for part, match in ((StoragePart("mamba", 0, (key,), [0]), "unknown component pool 'mamba'"),
-                        (StoragePart("swa", 0, (key,), [5]), "host_slots")):
+        TransferOp(1, OpKind.BACKUP_D2H, [0], [0], storage_parts=(StoragePart("swa", 0, key, [0]),))
+    for part, match in ((StoragePart("mamba", 0, key, [0]), "unknown component pool 'mamba'"),
+                        (StoragePart("swa", 0, key, [5]), "host_slots")):
         with pytest.raises(ValueError, match=match):
             worker.submit(TransferPlan(1, (TransferOp(1, OpKind.PREFETCH_S2H, [], [0], (key,), storage_parts=(part,)),)))
         assert worker.num_pending == 0
