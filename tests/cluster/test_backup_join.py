@@ -103,3 +103,27 @@ def test_a_chain_below_a_queued_backup_joins_its_op_and_commits_or_rolls_back_wi
         assert (m.device_hit_len, m.host_hit_len) == (24, 0)
     check(env)
 
+
+
+def test_a_lost_host_tier_rolls_back_a_joined_op_that_was_never_sent():
+    """The worker is lost while ``a``'s op, with ``a`` + ``b``'s chain joined to it, waits unsent: both chains
+    go back to device-only, every slot is free, no lock is left, and L2 fills again afterwards."""
+    env = HiCacheEnv(page_size=4, device_pages=32, host_slots=64)
+    ctl = env.head.controller
+    a = seq(0, 16)
+    ab = np.concatenate([a, seq(500, 8)])
+    env.serve(a)
+    env.serve(ab)
+    assert len(ctl.outbox.open_backups.chains) == 2
+    assert ctl.drop_host_tier() == 0  # nothing was in L2 yet
+    st = env.head.cache_stats()
+    assert st["in_flight"] == 0 and st["host_tokens"] == 0 and ctl.host.num_free == 64
+    assert env.head.stats().protected_tokens == 0
+    assert all(n.host_slots is None and n.staged_slots is None and n.pending is None
+               for n in env.head.tree.iter_nodes())
+    check(env)
+    env.serve(ab)  # a hit: nothing new to back up; a new leaf below it is backed up with its path
+    env.serve(np.concatenate([ab, seq(900, 4)]))
+    env.head.flush_write_through_acks()
+    assert env.head.cache_stats()["host_tokens"] == 28
+    check(env)
