@@ -196,11 +196,10 @@ class HiCacheController:
             if blocker is not None:
                 if blocker.staged_slots is None or blocker is node:
                     return False
-                # Hybrid trees: when the ancestor's backup is still queued, the nodes below it join the same op
-                # (one ack commits both chains, ancestors first; a failed op rolls both back): a recurrent
-                # request caches several node ends per prefill, and deferred ones were evicted before the ack.
-                # (Full-only trees keep deferring: their serving figures stay comparable; see the perf notes.)
-                if not self.component_hosts or blocker.pending is not self.outbox.open_backups:
+                # When the ancestor's backup is still queued, the nodes below it join the same op (one ack
+                # commits both chains, ancestors first; a failed op rolls both back): a chunked prefill caches
+                # a node end per chunk, and deferred ones were evicted from L1 before the ancestor's ack.
+                if blocker.pending is not self.outbox.open_backups:
                     self._deferred[node.id] = node  # an ancestor's backup is in flight: after its ack
                     return False
                 chain = self._chain_below(node, blocker)
