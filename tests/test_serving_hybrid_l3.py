@@ -5,6 +5,7 @@ corrupt component object makes the hit shorter or a miss, never wrong KV."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -172,3 +173,36 @@ def test_a_restarted_hybrid_head_reads_the_manifest_and_its_l3_hits_stay_exact(t
     out = serve_all(fresh, reqs[::-1])
     assert out["prefetch_pages"] > 0 and out["component_values"]["values_fetched"] > 0
     assert out["prefetch_known_stored"] == 0  # (never sized by the manifest alone in a hybrid tree)
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_one_stack_under_eviction_serves_hits_from_l1_l2_and_l3_exactly(tmp_path, kind):
+    """Six conversations of three turns, served round robin on one stack whose L1 (16 pages) and L2 (24 slots)
+    hold less than the conversations: later turns find their history in L1, in L2 or (evicted from both) in
+    L3 only; each tier serves some, every output equals the no-cache run."""
+    opts = dataclasses.replace(options(kind, tmp_path), l1_pages=16, l2_slots=24)
+    stack = build_stack(opts)
+    runner = stack.runner
+    rng = np.random.default_rng(7)
+    vocab = runner.model.vocab_size
+    system = rng.integers(0, vocab, 13, dtype=np.int32)
+    history = [system.copy() for _ in range(6)]
+    hits = {"l1": 0, "l2": 0, "l3": 0}
+    for _turn in range(3):
+        for c in range(6):
+            prompt = np.concatenate([history[c], rng.integers(0, vocab, 11, dtype=np.int32)])
+            res = stack.scheduler.serve(ServeRequest(prompt, max_new_tokens=4))
+            ref = runner.generate_no_cache(prompt, 4)
+            assert res.output == ref.tokens
+            np.testing.assert_array_equal(res.logits, ref.logits)
+            hits["l1"] += res.device_hit_tokens
+            hits["l2"] += res.loaded_tokens - res.storage_tokens
+            hits["l3"] += res.storage_tokens
+            history[c] = np.concatenate([prompt, np.asarray(res.output, dtype=np.int32)])
+            stack.client.flush_write_through_acks()  # (each request's copies land before the next: deterministic)
+    stats = stack.head.cache_stats()
+    assert stats["device_evicted_tokens"] > 0 and stats["host_evicted_tokens"] > 0  # both tiers overflowed
+    assert hits["l1"] > 0 and hits["l2"] > 0 and hits["l3"] > 0, hits
+    assert stats["storage"]["component_values"]["values_fetched"] > 0
+    stack.head.tree.check_invariants()
+    stack.head.controller.check_invariants()
