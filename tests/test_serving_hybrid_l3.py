@@ -25,9 +25,11 @@ MODELS = {
 
 
 def options(kind: str, root: Path) -> StackOptions:
-    # the cost model off and wait_complete: what L3 holds is fetched and waited for, whatever this box's speed
+    # the cost model off, wait_complete and a long query wait: what L3 holds is fetched and waited for,
+    # whatever this box's speed
     return StackOptions(model=MODELS[kind], forward=FWD, l1_pages=24, l2_slots=48, l3_url=f"file://{root}",
-                        prefetch_min_tokens=16, l3_cost=CostOptions(enabled=False), pages_per_object=2)
+                        prefetch_min_tokens=16, l3_cost=CostOptions(enabled=False), pages_per_object=2,
+                        l3_query_wait_s=60.0)
 
 
 def prompts(vocab: int, seed: int = 0) -> list[np.ndarray]:

@@ -10,7 +10,7 @@ process that uses the same model fingerprint.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
@@ -49,6 +49,9 @@ class StackOptions:
     # The head's load-or-recompute choice for what L3 holds (None: ``CostOptions()``, measured on this
     # machine); a replay on a virtual clock turns it off, as its wall times are not that clock's.
     l3_cost: CostOptions | None = None
+    # How long a request waits for its L3 existence answer (None: ``StorageParams.query_wait_max_s``); tests that
+    # assert L3 hits wait long, so that the answer never loses to a busy box's thread scheduling.
+    l3_query_wait_s: float | None = None
     prefill_budget: int = 0
     # The head's cache components besides Full; None: the model's (``model_components``: SWA for a model
     # with ``sliding_window``, sized ``swa_tokens``; Mamba for one with ``recurrent_layers``, ``state_slots``).
@@ -174,10 +177,13 @@ def build_stack(options: StackOptions, runner: ModelRunner | None = None) -> Emb
     assert isinstance(attached, ModelRunner)
     if options.l3_url is not None:
         mesh_shape = tuple(worker.device_pool.mesh.devices.shape)
-        head.attach_storage_backend(StorageParams(
+        l3 = StorageParams(
             options.l3_url, fingerprint_for(m, options.forward, mesh_shape), prefetch_policy=options.prefetch_policy,
             prefetch_min_tokens=options.prefetch_min_tokens, pages_per_object=options.pages_per_object,
-            cost=CostOptions() if options.l3_cost is None else options.l3_cost))
+            cost=CostOptions() if options.l3_cost is None else options.l3_cost)
+        if options.l3_query_wait_s is not None:
+            l3 = replace(l3, query_wait_max_s=options.l3_query_wait_s)
+        head.attach_storage_backend(l3)
     client = CacheClient(EmbeddedTransport(head), ps)
     sched = Scheduler(client, WorkerEngine(worker), hicache=True,
                       storage=options.l3_url is not None, prefill_budget=options.prefill_budget,

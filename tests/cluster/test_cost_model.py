@@ -152,7 +152,7 @@ def runner():
 
 def _options() -> StackOptions:
     return StackOptions(MODEL, FWD, l1_pages=24, l2_slots=64, l3_url=f"memory://placeholder-{uuid.uuid4().hex[:8]}",
-                        prefetch_min_tokens=8, pages_per_object=2)
+                        prefetch_min_tokens=8, pages_per_object=2, l3_query_wait_s=60.0)  # (answers, then decides)
 
 
 @pytest.fixture(scope="module")

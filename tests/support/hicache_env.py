@@ -236,6 +236,9 @@ class HiCacheEnv:
         self._req += 1
         req = f"r{self._req}"
         self.head.prefetch_from_storage(PrefetchParams(req, key, m.best_match_node))
+        # the existence query answered before the check: a request's query wait (``query_wait_max_s``) ends
+        # on a busy box before a thread answers, and the test would then fetch nothing, by timing
+        assert self.head.controller.storage.settle(60.0)
         progress = self.head.check_prefetch_progress(req)
         if progress.state is PrefetchState.DONE:
             return self.head.match_prefix(key), progress.tokens
