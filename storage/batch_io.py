@@ -27,7 +27,8 @@ ends before the deadline.
 
 Breaker (``breaker.Breaker``, one per store): a batch the open breaker does not allow fails fast
 with ``StorageUnavailableError`` per item, without touching the network; every batch let through
-reports its outcome (any answer; any timeout or connection error; every item refused).
+reports its outcome (any answer; any timeout or connection error; every item refused), once per
+call as a failure (the call's ``Deadline`` remembers that a round of it failed).
 
 Mixed rounds (``mixed``): existence checks, reads and listings of one call that do not depend on
 each other go out as one round (``IoItem`` each; an item may end earlier than the round, so a slow
@@ -66,12 +67,14 @@ LOOP_GRACE_S = 0.05  # cancelled items' time to unwind; the loop's to hand back 
 
 
 class Deadline:
-    """The end of one storage call (monotonic clock)."""
+    """The end of one storage call (monotonic clock), and whether a round of that call already
+    counted a failure toward the breaker (``failed``: its later failed rounds do not count again)."""
 
-    __slots__ = ("end",)
+    __slots__ = ("end", "failed")
 
     def __init__(self, timeout_s: float) -> None:
         self.end = time.monotonic() + timeout_s
+        self.failed = False
 
     def left(self) -> float:
         return max(0.0, self.end - time.monotonic())
@@ -137,9 +140,11 @@ class BatchIO(abc.ABC):
             kinds = [classify(r) if isinstance(r, BaseException) and not (
                 ends is not None and isinstance(r, TimeoutError) and ends[i].end < deadline.end) else None
                 for i, r in enumerate(out)]
+            tripped = not out or any(k in TRIPS_BREAKER for k in kinds)
             self.breaker.record(answered=any(k not in TRIPS_BREAKER and k is not ErrorKind.UNAVAILABLE for k in kinds),
-                                tripped=not out or any(k in TRIPS_BREAKER for k in kinds),
-                                refused=bool(kinds) and all(k is ErrorKind.REFUSED for k in kinds))
+                                tripped=tripped, refused=bool(kinds) and all(k is ErrorKind.REFUSED for k in kinds),
+                                repeat=deadline.failed)
+            deadline.failed = deadline.failed or tripped
         return out
 
     # ---- our retry policy ------------------------------------------------------------------

@@ -5,8 +5,10 @@ States (``BreakerState``):
 - ``closed``: every call goes to the backend. A round of operations (one ``BatchIO`` batch) in
   which any operation timed out or could not connect is a failure, also when others of the round
   got an answer (a hang that costs a request its deadline counts however many calls it shares the
-  round with). ``threshold`` failed rounds within ``window_s`` open the breaker, whatever clean
-  rounds (answers only: data, "not found", a lost write race, a corrupt object) came between: an
+  round with). A storage call that makes several rounds (a listing, then existence checks) counts
+  one failure at most (``record(repeat=True)`` for its later failed rounds), so ``threshold`` is a
+  number of failed calls whatever their rounds. ``threshold`` failures within ``window_s`` open the
+  breaker, whatever clean rounds (answers only: data, "not found", a lost write race, a corrupt object) came between: an
   endpoint that hangs on a fraction of calls opens it too (with a reset on every clean round,
   small backup rounds kept a 20% hang rate from ever opening it), and a rare timeout of a healthy
   one leaves the window. A round in which every operation could not connect (connection
@@ -51,7 +53,7 @@ class Breaker:
         self._lock = threading.Lock()
         self._state = BreakerState.CLOSED
         self.window_s = float(window_s)
-        self._failures: collections.deque[float] = collections.deque()  # times of failed rounds while closed
+        self._failures: collections.deque[float] = collections.deque()  # times of failures (calls) while closed
         self._opened_at = 0.0
         self.opens = 0  # times the breaker opened (closed/half-open -> open)
 
@@ -83,10 +85,11 @@ class Breaker:
                 return True
             return False
 
-    def record(self, *, answered: bool, tripped: bool, refused: bool = False) -> None:
+    def record(self, *, answered: bool, tripped: bool, refused: bool = False, repeat: bool = False) -> None:
         """Outcome of a round that ``allow`` let through: ``answered`` if any operation got an
         answer from the backend, ``tripped`` if any timed out or could not connect, ``refused``
-        if every one could not connect."""
+        if every one could not connect; ``repeat`` if an earlier round of the same call already
+        counted a failure (this one then does not count again while closed)."""
         with self._lock:
             if self._state is BreakerState.HALF_OPEN:  # the probe (or a round begun before it)
                 if answered and not tripped:
@@ -97,7 +100,7 @@ class Breaker:
             elif self._state is BreakerState.CLOSED:
                 if refused:
                     self._open_locked()
-                elif tripped:
+                elif tripped and not repeat:
                     now = self.clock()
                     self._failures.append(now)
                     while self._failures[0] < now - self.window_s:

@@ -20,9 +20,9 @@ takes microseconds, less than handing it to an I/O thread; the callers are backg
 already (a worker's storage lanes, the head's query and manifest threads). Any other root, and
 ``LocalIO.THREADS``, uses I/O threads and abandons what the deadline passes.
 
-Breaker (``breaker``): ``breaker_threshold`` rounds with a timeout or connection error within
-``breaker_window_s`` open it (a round of refusals at once); ``breaker_cooldown_s`` later one probe
-call goes through.
+Breaker (``breaker``): ``breaker_threshold`` calls with a timeout or connection error within
+``breaker_window_s`` open it (a call counts once, whatever its rounds; a round of refusals opens it at
+once); ``breaker_cooldown_s`` later one probe call goes through.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class StorageConfig:
     close_timeout_s: float = 5.0  # close waits this long for operations in flight, then cancels
     retries: int = 2  # extra attempts of an operation after a transient error, within its deadline
     retry_backoff_s: float = 0.05  # first backoff; doubles per attempt; never past the deadline
-    breaker_threshold: int = 3  # failed rounds (timeouts / connection errors) within breaker_window_s that open it
-    breaker_window_s: float = 10.0  # how long a failed round counts toward breaker_threshold
+    breaker_threshold: int = 3  # failed calls (timeouts / connection errors) within breaker_window_s that open it
+    breaker_window_s: float = 10.0  # how long a failed call counts toward breaker_threshold
     breaker_cooldown_s: float = 5.0  # open breaker: fail fast this long, then let one probe through
     io_threads: int = 8  # sync backends: worker threads; async: max concurrent requests / 4
     local_io: LocalIO = LocalIO.AUTO  # file:// only: I/O on the calling thread or on I/O threads

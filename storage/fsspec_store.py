@@ -78,8 +78,8 @@ Deadlines and the breaker. Every call has a deadline (``timeout_s=`` or the ``St
 default of its kind: ``exists_timeout_s`` for existence checks, ``list_timeout_s`` for listings,
 ``timeout_s`` for reads and writes; ``close_timeout_s`` for ``close``): operations not finished by
 then are abandoned or cancelled (counted in ``timeouts``) and their pages report ``False``. After
-``breaker_threshold`` rounds with timeouts / connection errors within ``breaker_window_s`` (or one
-round in which every connection was refused), the location's breaker opens (``available`` is False): calls answer
+``breaker_threshold`` calls with timeouts / connection errors within ``breaker_window_s`` (a call
+counts once, whatever its rounds; or one round in which every connection was refused), the location's breaker opens (``available`` is False): calls answer
 at once as misses (``unavailable``), and ``batch_set`` raises ``StorageUnavailableError`` before
 touching the pool (``skipped_write_pages``: the caller counts the skipped backup), until a probe
 after ``breaker_cooldown_s`` gets an answer.

@@ -36,6 +36,18 @@ def test_threshold_failed_rounds_within_the_window_open_it():
     assert (b.state, b.opens) == (BreakerState.OPEN, 1) and not b.allow()
 
 
+def test_a_call_counts_one_failure_whatever_its_rounds():
+    b = Breaker(2, 5.0, ManualClock())
+    b.record(answered=False, tripped=True)  # a call's listing timed out ...
+    b.record(answered=False, tripped=True, repeat=True)  # ... and then its existence round
+    assert b.state is BreakerState.CLOSED
+    b.record(answered=False, tripped=True)  # the next failed call
+    assert (b.state, b.opens) == (BreakerState.OPEN, 1)
+    b2 = Breaker(2, 5.0, ManualClock())
+    b2.record(answered=False, tripped=True, refused=True, repeat=True)  # every connection refused: at once
+    assert b2.state is BreakerState.OPEN
+
+
 def test_a_round_of_refusals_opens_it_at_once():
     b = Breaker(3, 5.0, ManualClock())
     b.record(answered=False, tripped=True, refused=True)

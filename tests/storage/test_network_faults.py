@@ -243,7 +243,7 @@ def test_breaker_opens_fails_fast_and_a_probe_closes_it(scheme, make, fault):
     fs = st.faulty
     calls = 0
     while st.stats().breaker_state == "closed":
-        assert calls < 3  # threshold rounds at most (an existence check may make two)
+        assert calls < 3  # threshold calls at most (a call counts once, whatever its rounds)
         n, took = _timed(lambda: st.batch_exists(keys))
         assert n == 0 and took < deadline + MARGIN_S
         calls += 1
@@ -269,6 +269,25 @@ def test_breaker_opens_fails_fast_and_a_probe_closes_it(scheme, make, fault):
     assert st.batch_exists(keys, timeout_s=20.0) == PAGES  # the probe
     assert st.stats().breaker_state == "closed"
     assert st.batch_get(keys, S(20, 28), timeout_s=20.0) == [True] * PAGES
+
+
+def test_a_call_of_several_failed_rounds_counts_once_toward_the_breaker(scheme, make):
+    """Every operation times out fast (the endpoint's own timeout, well before the call's deadline): one
+    ``batch_exists`` lists the other layouts, then asks the natural objects, then the partial ones,
+    each round failed; it is one failed call, so ``breaker_threshold`` calls open the breaker."""
+    writer = make(scheme)
+    _fill_store(writer)
+    _, _, keys = _chains()[0]
+    st = make(scheme, url=writer.url_, plan=FaultPlan.every(OpFaults(hang_p=1.0), hang_max_s=0.05),
+              exists_timeout_s=20.0, breaker_threshold=3)
+    for call in range(3):
+        assert st.stats().breaker_state == "closed"
+        hung = st.faulty.injected()["hang"]
+        assert st.batch_exists(keys) == 0
+        if call == 0:  # (later calls skip the listing: it is refreshed every layout_refresh_s)
+            assert st.faulty.injected()["hang"] - hung > PAGES // PPO  # more than one round ran
+    s = st.stats()
+    assert (s.breaker_state, s.breaker_opens) == ("open", 1) and s.timeouts > 3
 
 
 def test_probe_watches_the_location_without_a_request(make):
