@@ -184,7 +184,7 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small stream (CI smoke test)")
     p.add_argument("--faults", nargs="*", default=[f.name for f in FAULTS], choices=[f.name for f in FAULTS])
     p.add_argument("--breaker-threshold", type=int, default=StorageConfig.breaker_threshold,
-                   help="StorageConfig.breaker_threshold of the serving stack (failed rounds that open the breaker)")
+                   help="StorageConfig.breaker_threshold of the serving stack (failed calls that open the breaker)")
     a = p.parse_args(argv)
     quick = dict(clients=3, rounds=2, system_prompts=1, system_tokens=(24, 40), request_tokens=(8, 16), output_tokens=4)
     full = dict(clients=8, rounds=4, system_prompts=2, system_tokens=(96, 160), request_tokens=(16, 32), output_tokens=8)
