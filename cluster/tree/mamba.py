@@ -24,7 +24,8 @@ Runs on the head, inside the replica's radix tree (DESIGN.md §1); workers and t
   caller says at finish how many tokens it holds (``MambaRequest.track_len``). A finished request whose key
   is not page-aligned gives the node ending at the key's last whole page the track slot when it holds the
   state of exactly that many tokens and the node has no state. Every slot the tree does not take is freed
-  with the request (finish, abandon).
+  with the request (finish, abandon). An unfinished request whose working slot the tree takes when the
+  pool has no other slot continues in its track slot (and has none from then on).
 - Locks: a request lock holds the state of its node only (the source of its copy), not the whole path.
 - Eviction: ``evict(mamba_num=n)`` frees n unlocked states in LRU order (nodes keep their full KV); a
   request slot allocation evicts when the pool is full. Full eviction frees the node's state too.
@@ -298,6 +299,8 @@ class MambaComponent(TreeComponent):
             return None
         if open_end is not None and aligned:
             fresh = self._alloc_slot(required=False)
+            if fresh < 0 and track >= 0:  # a state cached now beats one the decode may leave: the track goes
+                fresh, value = track, replace(value, track=-1, track_len=0)
             if fresh >= 0:
                 self._adopt(end, open_end, slot)
                 return replace(value, slot=fresh, copies=((slot, fresh),))

@@ -414,6 +414,23 @@ def test_mamba_track_slot_of_a_node_that_has_a_state_is_freed():
     tree.check_invariants()
 
 
+def test_mamba_chunk_cached_on_a_full_pool_continues_in_the_track_slot():
+    """cache_unfinished_req at a page end on a full pool (nothing evictable): the node takes the working slot
+    and the request continues in its track slot (no track from then on) rather than leaving the node stateless."""
+    tree = mamba_tree(slots=2, page_size=4)
+    mamba = tree.component("mamba")
+    _, state = start(tree, np.arange(8), extra=4)
+    value = state.components["mamba"]
+    assert value.track >= 0 and mamba.allocator.num_free == 0
+    new = tree.cache_unfinished_req(state)
+    moved = new.components["mamba"]
+    assert (moved.slot, moved.track, moved.copies) == (value.track, -1, ((value.slot, value.track),))
+    assert mamba.state_slot(tree.node(new.last_node)) == value.slot
+    tree.cache_finished_req(_grow(tree, new, [1, 2, 3]))
+    assert mamba.stats()["mamba"].request_slots == 0 and mamba.stats()["mamba"].tree_slots == 1
+    tree.check_invariants()
+
+
 def test_mamba_no_track_slot_when_the_pool_has_none_to_spare():
     tree = mamba_tree(slots=2, page_size=4)
     mamba = tree.component("mamba")
