@@ -19,13 +19,14 @@ Runs on the head, inside the replica's radix tree (DESIGN.md §1); workers and t
   ``(taken, fresh)`` (unfinished, only when a slot can be had; otherwise the node stays stateless).
   Otherwise a finished request's slot is freed. ``MambaRequest.copies`` must run before its next forward.
 - Track slot (SGLang's Mamba "extra buffer"): ``begin_request`` also gives the request a second REQUEST
-  slot when the pool can spare one (else -1: the request caches as without it). Only the engine's decode
-  writes it: the working state whenever that is at a page end (``ModelRunner.decode(track_slot=)``); the
-  caller says at finish how many tokens it holds (``MambaRequest.track_len``). A finished request whose key
-  is not page-aligned gives the node ending at the key's last whole page the track slot when it holds the
-  state of exactly that many tokens and the node has no state. Every slot the tree does not take is freed
-  with the request (finish, abandon). An unfinished request whose working slot the tree takes when the
-  pool has no other slot continues in its track slot (and has none from then on).
+  slot when the pool has a free one (no cached state is evicted for it; else -1: the request caches as
+  without it). Only the engine's decode writes it: the working state whenever that is at a page end
+  (``ModelRunner.decode(track_slot=)``); the caller says at finish how many tokens it holds
+  (``MambaRequest.track_len``). A finished request whose key is not page-aligned gives the node ending at
+  the key's last whole page the track slot when it holds the state of exactly that many tokens and the
+  node has no state. Every slot the tree does not take is freed with the request (finish, abandon). An
+  unfinished request whose working slot the tree takes when the pool has no other slot continues in its
+  track slot (and has none from then on).
 - Locks: a request lock holds the state of its node only (the source of its copy), not the whole path.
 - Eviction: ``evict(mamba_num=n)`` frees n unlocked states in LRU order (nodes keep their full KV); a
   request slot allocation evicts when the pool is full. Full eviction frees the node's state too.
@@ -256,7 +257,9 @@ class MambaComponent(TreeComponent):
             if st.lock <= 0:
                 raise ValueError(f"lock node {node.id} (inc_lock_ref) before begin_request: its state is the copy source")
         slot = self._alloc_slot()
-        track = self._alloc_slot(required=False)  # (may evict an LRU state: the answer's end is worth more)
+        alloc = self.allocator
+        # A free slot only: evicting cached states for tracks cost more hits than they gave in small pools.
+        track = alloc.alloc_one() if not alloc.bounded or alloc.num_free else -1
         return MambaRequest(slot, ((src, slot),) if src >= 0 else (), mm.branching_seqlen, track)
 
     def validate_request(self, state: RequestState) -> None:

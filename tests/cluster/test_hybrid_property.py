@@ -204,6 +204,9 @@ class HybridMachine(RuleBasedStateMachine):
             old, value = state.components["mamba"], new.components["mamba"]
             self._run_copies(value, state.key.namespace, None)
             assert value.slot == old.slot or value.copies == ((old.slot, value.slot),)
+            if value.track != old.track:  # the pool had no other slot: the request continues in its track slot
+                assert value.track == -1 and value.slot == old.track
+                self.tracked[j] = 0
         # the request grows: its key gets more tokens and it allocates pages for them
         tokens = [int(t) for t in state.key.token_ids] + list(grow)
         have = new.device_pages.size
