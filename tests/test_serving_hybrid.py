@@ -313,3 +313,40 @@ def test_serving_loop_interleaves_hybrid_requests_exactly(kind):
     assert sum(r.device_hit_tokens for r in results) > 0
     st = stack.head.tree.stats()
     assert st.request_pages == 0 and st.protected_tokens == 0
+
+
+@pytest.mark.parametrize("path", ["serve", "serve_hook", "loop", "worker", "worker_hook", "l2"])
+def test_the_next_turn_hits_the_previous_answers_whole_pages(path):
+    """A recurrent request's decode leaves the state at its last whole page in its track slot, which the tree
+    caches at finish: the next turn (history + answer + new text) hits up to the answer's last whole page,
+    not only the previous prompt's, exact, through every decode path (the runner's decode, its per-step
+    decoder, the serving loop's decode steps, a worker's engine; from L2 after L1 was emptied)."""
+    from hicache.reference.serving_loop import LoopOptions, ServingLoop
+
+    host = path.startswith("worker") or path == "l2"
+    stack = build_stack(StackOptions(model=MODELS["mamba"], forward=FWD, l1_pages=40, state_slots=8,
+                                     l2_slots=64 if host else 0))
+    rng = np.random.default_rng(3)
+    first = rng.integers(0, 512, 21, dtype=np.int32)  # key after 23 new tokens: 43, last whole page 40 (page 8)
+
+    def serve(prompt, n):
+        if path == "loop":
+            return ServingLoop(stack.scheduler, LoopOptions(max_running=2)).run([ServeRequest(prompt, n)])[0]
+        hook = (lambda: None) if path.endswith("hook") else None
+        return stack.scheduler.serve(ServeRequest(prompt, n), between_steps=hook)
+
+    answer = serve(first, 23).output
+    if path == "l2":
+        stack.client.flush_write_through_acks()  # the state adopted at finish went to L2 (late backup)
+        stack.head.evict(10**6)
+    second = np.r_[first, np.asarray(answer, np.int32), rng.integers(0, 512, 5)].astype(np.int32)
+    res = serve(second, 4)
+    ref = stack.runner.generate_no_cache(second, 4)
+    assert res.output == ref.tokens
+    np.testing.assert_array_equal(res.logits, ref.logits)
+    assert res.device_hit_tokens + res.loaded_tokens == 40  # (the previous prompt's last whole page: 16)
+    if path == "l2":
+        assert res.loaded_tokens == 40
+    stats = stack.head.cache_stats()["mamba"]
+    assert stats["request_slots"] == 0
+    stack.head.tree.check_invariants()

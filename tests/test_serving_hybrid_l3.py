@@ -208,3 +208,23 @@ def test_one_stack_under_eviction_serves_hits_from_l1_l2_and_l3_exactly(tmp_path
     assert stats["storage"]["component_values"]["values_fetched"] > 0
     stack.head.tree.check_invariants()
     stack.head.controller.check_invariants()
+
+
+def test_the_answers_page_end_state_a_decode_tracked_reaches_l3(tmp_path):
+    """The state a recurrent request's track slot cached at finish (its answer's last whole page) is backed up
+    like any node end's: L2, then an L3 object of the Mamba pool. A fresh stack (empty L1 and L2) serves the
+    conversation's next turn from L3 up to that page end, exactly."""
+    rng = np.random.default_rng(11)
+    first = rng.integers(0, 512, 21, dtype=np.int32)  # key after 23 new tokens: 43, last whole page 40 (page 8)
+    stack = build_stack(options("mamba", tmp_path))
+    answer = stack.scheduler.serve(ServeRequest(first, max_new_tokens=23)).output
+    stack.client.flush_write_through_acks()
+    stack.head.controller.storage.flush_manifest()
+    second = np.r_[first, np.asarray(answer, np.int32), rng.integers(0, 512, 5)].astype(np.int32)
+    fresh = build_stack(options("mamba", tmp_path))
+    res = fresh.scheduler.serve(ServeRequest(second, max_new_tokens=4))
+    ref = fresh.runner.generate_no_cache(second, 4)
+    assert res.output == ref.tokens
+    np.testing.assert_array_equal(res.logits, ref.logits)
+    assert res.storage_tokens == 40  # (without the track: the first prompt's last whole page, 16)
+    fresh.head.tree.check_invariants()

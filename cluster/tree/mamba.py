@@ -18,6 +18,15 @@ Runs on the head, inside the replica's radix tree (DESIGN.md §1); workers and t
   takes the request's slot (finished) or takes it and hands the request a fresh slot plus the copy
   ``(taken, fresh)`` (unfinished, only when a slot can be had; otherwise the node stays stateless).
   Otherwise a finished request's slot is freed. ``MambaRequest.copies`` must run before its next forward.
+- Track slot (SGLang's Mamba "extra buffer"): ``begin_request`` also gives the request a second REQUEST
+  slot when the pool has a free one (no cached state is evicted for it; else -1: the request caches as
+  without it). Only the engine's decode writes it: the working state whenever that is at a page end
+  (``ModelRunner.decode(track_slot=)``); the caller says at finish how many tokens it holds
+  (``MambaRequest.track_len``). A finished request whose key is not page-aligned gives the node ending at
+  the key's last whole page the track slot when it holds the state of exactly that many tokens and the
+  node has no state. Every slot the tree does not take is freed with the request (finish, abandon). An
+  unfinished request whose working slot the tree takes when the pool has no other slot continues in its
+  track slot (and has none from then on).
 - Locks: a request lock holds the state of its node only (the source of its copy), not the whole path.
 - Eviction: ``evict(mamba_num=n)`` frees n unlocked states in LRU order (nodes keep their full KV); a
   request slot allocation evicts when the pool is full. Full eviction frees the node's state too.
@@ -34,7 +43,7 @@ valid for its L1 part when it has none: a request starts after the load with a m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +72,8 @@ class MambaRequest:
     slot: int  # the request's own working state slot (only the request writes it)
     copies: tuple[tuple[int, int], ...] = ()  # (src slot, dst slot) to copy before the next forward
     branching_seqlen: int = 0
+    track: int = -1  # the request's track slot (only its decode writes it), -1: none
+    track_len: int = 0  # tokens whose state ``track`` holds (a page multiple; 0: none), set before the finish
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,7 @@ class MambaStats:
     capacity_slots: int
     free_slots: int
     tree_slots: int
-    request_slots: int
+    request_slots: int  # running requests' working and track slots, and slots reserved for loads
     bytes_per_slot: int
     evicted_states: int
 
@@ -246,7 +257,10 @@ class MambaComponent(TreeComponent):
             if st.lock <= 0:
                 raise ValueError(f"lock node {node.id} (inc_lock_ref) before begin_request: its state is the copy source")
         slot = self._alloc_slot()
-        return MambaRequest(slot, ((src, slot),) if src >= 0 else (), mm.branching_seqlen)
+        alloc = self.allocator
+        # A free slot only: evicting cached states for tracks cost more hits than they gave in small pools.
+        track = alloc.alloc_one() if not alloc.bounded or alloc.num_free else -1
+        return MambaRequest(slot, ((src, slot),) if src >= 0 else (), mm.branching_seqlen, track)
 
     def validate_request(self, state: RequestState) -> None:
         value = state.components.get(self.name)
@@ -254,33 +268,52 @@ class MambaComponent(TreeComponent):
             raise ValueError("RequestState.components lacks 'mamba': pass tree.begin_request(match)")
         if not isinstance(value, MambaRequest):
             raise TypeError(f"RequestState.components['mamba'] must be a MambaRequest, got {type(value).__name__}")
-        self.allocator.check_one(_as_slot(value.slot, "MambaRequest.slot"), PageOwner.REQUEST, "request state slot")
+        slot = _as_slot(value.slot, "MambaRequest.slot")
+        self.allocator.check_one(slot, PageOwner.REQUEST, "request state slot")
+        track, track_len = _as_slot(value.track, "MambaRequest.track"), value.track_len
+        if track >= 0:
+            if track == slot:
+                raise ValueError(f"MambaRequest.track {track} is the request's working slot")
+            self.allocator.check_one(track, PageOwner.REQUEST, "request track slot")
+        if (not isinstance(track_len, (int, np.integer)) or isinstance(track_len, bool) or track_len < 0
+                or track_len % self.page_size or track_len > len(state.key) or (track_len and track < 0)):
+            raise ValueError(f"MambaRequest.track_len must be a page multiple in [0, {len(state.key)}] (the key's "
+                             f"length) and 0 without a track slot, got {track_len!r} (track {track})")
 
     def on_request_cached(self, state: RequestState, end: TreeNode, finished: bool) -> MambaRequest | None:
         value: MambaRequest = state.components[self.name]
-        slot = int(value.slot)
+        slot, track = int(value.slot), int(value.track)
         st = end.component_data["mamba"] if end.parent is not None else None
-        # The end node's state the request's slot can become (None: it keeps no state from this request).
-        adoptable = (
-            st
-            if st is not None and st.slot < 0 and end.device_pages is not None and len(state.key) % self.page_size == 0
-            else None
-        )
+        # The end node's state a slot of the request can become (None: it keeps no state from this request).
+        open_end = st if st is not None and st.slot < 0 and end.device_pages is not None else None
+        aligned = len(state.key) % self.page_size == 0
         if finished:
-            if adoptable is not None:
-                self._adopt(end, adoptable, slot)
-            else:
-                self.allocator.release_one(slot)
+            # ``end`` ends at the key's last whole page: the working slot holds its state when the key is
+            # page-aligned, the track slot when the decode last copied the working state there.
+            whole = len(state.key) - len(state.key) % self.page_size
+            taken = slot if aligned else track if track >= 0 and value.track_len == whole else -1
+            if open_end is None:
+                taken = -1
+            elif taken >= 0:
+                self._adopt(end, open_end, taken)
+            for own in (slot, track):
+                if own >= 0 and own != taken:
+                    self.allocator.release_one(own)
             return None
-        if adoptable is not None:
+        if open_end is not None and aligned:
             fresh = self._alloc_slot(required=False)
+            if fresh < 0 and track >= 0:  # a state cached now beats one the decode may leave: the track goes
+                fresh, value = track, replace(value, track=-1, track_len=0)
             if fresh >= 0:
-                self._adopt(end, adoptable, slot)
-                return MambaRequest(fresh, ((slot, fresh),), value.branching_seqlen)
-        return MambaRequest(slot, (), value.branching_seqlen)
+                self._adopt(end, open_end, slot)
+                return replace(value, slot=fresh, copies=((slot, fresh),))
+        return replace(value, copies=())
 
     def release_request(self, state: RequestState) -> None:
-        self.allocator.release_one(int(state.components[self.name].slot))  # (validated: a REQUEST slot)
+        value = state.components[self.name]  # (validated: REQUEST slots)
+        self.allocator.release_one(int(value.slot))
+        if value.track >= 0:
+            self.allocator.release_one(int(value.track))
 
     def _adopt(self, node: TreeNode, st: _MambaNode, slot: int) -> None:
         self.allocator.transfer_one(slot, PageOwner.TREE)

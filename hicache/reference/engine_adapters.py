@@ -36,20 +36,23 @@ class Engine(Protocol):
 
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None,
-               state_slot: int | None = None, swa_table: TokenIds | None = None) -> Generation: ...
+               state_slot: int | None = None, swa_table: TokenIds | None = None,
+               track_slot: int | None = None) -> Generation: ...
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None: ...
 
     def zero_states(self, slots: Sequence[int]) -> None: ...
 
     def decode_step(self, tokens: TokenIds, page_table: TokenIds, state_slot: int | None = None,
-                    swa_table: TokenIds | None = None) -> np.ndarray: ...
+                    swa_table: TokenIds | None = None, track_slot: int | None = None) -> np.ndarray: ...
 
     def generate_no_cache(self, tokens: TokenIds, max_new_tokens: int) -> Generation: ...
 
 
-def _extra(state_slot: int | None, swa_table: TokenIds | None) -> tuple[Any, ...]:
-    """The trailing (state slot, SWA table) arguments of a model call: none for a Full-only model."""
+def _extra(state_slot: int | None, swa_table: TokenIds | None, track_slot: int | None = None) -> tuple[Any, ...]:
+    """The trailing (state slot, SWA table[, track slot]) arguments of a model call: none for a Full-only model."""
+    if track_slot is not None:
+        return state_slot, swa_table, track_slot
     return () if state_slot is None and swa_table is None else (state_slot, swa_table)
 
 
@@ -71,19 +74,21 @@ class RemoteModelEngine(ABC):
 
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None,
-               state_slot: int | None = None, swa_table: TokenIds | None = None) -> Generation:
+               state_slot: int | None = None, swa_table: TokenIds | None = None,
+               track_slot: int | None = None) -> Generation:
         """One call for the whole decode; with ``between_steps``, one call per step and the hook between
-        them, here (it may call the cache, which may transfer over L1: never inside a model call)."""
+        them, here (it may call the cache, which may transfer over L1: never inside a model call). The
+        track slot's page-end copies run inside those model calls (``ModelRunner.decode_step``)."""
         if between_steps is None:
-            extra = _extra(state_slot, swa_table)
+            extra = _extra(state_slot, swa_table, track_slot)
             return self.call("decode", tokens, last_logits, page_table, max_new_tokens, *((None, None) if extra else ()),
                              *extra)
-        return greedy_decode(lambda seq: self.decode_step(seq, page_table, state_slot, swa_table), tokens,
+        return greedy_decode(lambda seq: self.decode_step(seq, page_table, state_slot, swa_table, track_slot), tokens,
                              last_logits, max_new_tokens, between_steps=between_steps)
 
     def decode_step(self, tokens: TokenIds, page_table: TokenIds, state_slot: int | None = None,
-                    swa_table: TokenIds | None = None) -> np.ndarray:
-        return self.call("decode_step", tokens, page_table, *_extra(state_slot, swa_table))
+                    swa_table: TokenIds | None = None, track_slot: int | None = None) -> np.ndarray:
+        return self.call("decode_step", tokens, page_table, *_extra(state_slot, swa_table, track_slot))
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         self.call("copy_states", copies)
@@ -120,13 +125,14 @@ class WorkerEngine(RemoteModelEngine):
 
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, *, between_steps: Callable[[], None] | None = None,
-               state_slot: int | None = None, swa_table: TokenIds | None = None) -> Generation:
+               state_slot: int | None = None, swa_table: TokenIds | None = None,
+               track_slot: int | None = None) -> Generation:
         """As ``RemoteModelEngine.decode``, the request checked once (``ModelRunner.decoder``: no pool
         touched), not at every step; each step one model call, the hook between them."""
         if between_steps is None:
             return super().decode(tokens, last_logits, page_table, max_new_tokens, state_slot=state_slot,
-                                  swa_table=swa_table)
-        step = self.worker.model.decoder(tokens, page_table, max_new_tokens, state_slot, swa_table)
+                                  swa_table=swa_table, track_slot=track_slot)
+        step = self.worker.model.decoder(tokens, page_table, max_new_tokens, state_slot, swa_table, track_slot)
         return greedy_decode(lambda seq: self.worker.run_model(lambda _: step(seq)), tokens, last_logits,
                              max_new_tokens, between_steps=between_steps)
 

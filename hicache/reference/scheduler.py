@@ -27,6 +27,7 @@ engine's model calls all run on the serving thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -45,7 +46,7 @@ from hicache.cluster.storage_tier import PrefetchParams, PrefetchProgress, Prefe
 from hicache.cluster.token_account import TokenAccount, account_request, explain_l3
 from hicache.cluster.tree import RadixKey, RequestState
 from hicache.cluster.tree.params import NO_VALUES
-from hicache.reference.engine.runner import Generation
+from hicache.reference.engine.runner import Generation, tracked_len
 from hicache.reference.engine_adapters import Engine
 from hicache.reference.serve_types import ServePhases, ServeRequest, ServeResult
 
@@ -107,6 +108,16 @@ class Begun(NamedTuple):
         """The keyword arguments of its forwards past the page table (state slot, SWA table; none for Full)."""
         return engine_args(self.components, self.swa_table)
 
+    @property
+    def decode_args(self) -> dict[str, Any]:
+        """``engine_args`` of its decode steps: with its track slot, if the head gave it one (the engine copies
+        the working state there at page ends, for ``finish`` to cache)."""
+        out = engine_args(self.components, self.swa_table)
+        value = self.components.get("mamba")
+        if value is not None and value.track >= 0:
+            out["track_slot"] = int(value.track)
+        return out
+
 
 def engine_args(components: Mapping[str, Any], swa_table: np.ndarray | None) -> dict[str, Any]:
     slot = state_slot(components)
@@ -162,7 +173,10 @@ class Scheduler:
 
         ``recurrent``: the engine keeps recurrent states in the head's Mamba pool (``ModelRunner(state_slots=)``).
         With either (a hybrid model), a request whose match has an L2 part starts, after the load-back, from
-        a match of L1 only (``BeginParams.l1_only``: Mamba, the working state slot copying the loaded state)."""
+        a match of L1 only (``BeginParams.l1_only``: Mamba, the working state slot copying the loaded state).
+        A recurrent request's decode copies its working state into its track slot at page ends
+        (``Begun.decode_args``) and ``finish`` says which state that is (``tracked_len``): the tree caches the
+        answer's last whole page, which the conversation's next turn hits."""
         ps = client.page_size
         if ps != engine.page_size:
             raise ValueError(f"cache page_size {ps} != engine page_size {engine.page_size}")
@@ -495,7 +509,11 @@ class Scheduler:
         sends held backups, applies acks, off the next request's critical path) and sums up its times."""
         t = time.perf_counter()
         seq = np.concatenate([b.prompt, np.asarray(gen.tokens[:-1], dtype=np.int32)])
-        state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node, 0, b.components)
+        comps, value = b.components, b.components.get("mamba")
+        if value is not None and value.track >= 0:  # which state its decode left in the track slot (``decode_args``)
+            track_len = tracked_len(b.prompt.size, seq.size, self.client.page_size)
+            comps = {**comps, "mamba": dataclasses.replace(value, track_len=track_len)}
+        state = RequestState(RadixKey(seq, *b.ns), b.table, b.prefix_len, b.node, 0, comps)
         mk, p, n = b.marks, b.prefix, int(b.prompt.size)
         # the L3 cost model's recompute rate: this prefill's computed tokens and seconds (with L3 only)
         report = PrefillReport(n - p.hit, max(0.0, mk[-1] - mk[-2])) if self.storage else None
@@ -549,7 +567,7 @@ class Scheduler:
             b = self.begin(req, resume=False)
             step = _AfterFirstToken(between_steps, self.client.resume_storage_writes)
         t = time.perf_counter()
-        extra = b.engine_args
+        extra = b.decode_args
         try:
             if extra:
                 gen = self.engine.decode(b.prompt, b.logits, b.table, req.max_new_tokens, between_steps=step, **extra)

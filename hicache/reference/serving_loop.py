@@ -204,7 +204,7 @@ class ServingLoop:
             logits = self._decode([r.seq for r in batch], [r.begun.table for r in batch])
         else:  # recurrent layers / an SWA pool: each step with its request's slot and SWA table (no batched program)
             engine = self.scheduler.engine
-            logits = [engine.decode_step(r.seq, r.begun.table, **r.begun.engine_args) for r in batch]
+            logits = [engine.decode_step(r.seq, r.begun.table, **r.begun.decode_args) for r in batch]
         share = (time.perf_counter() - t) / len(batch)
         done = []
         for r, row in zip(batch, logits):

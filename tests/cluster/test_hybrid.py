@@ -3,6 +3,8 @@ the chunk cache, per-component HiCache hooks (with a recording host double) and 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from support.hybrid_model import RecordingHost, RecordingTracker
@@ -23,6 +25,7 @@ from hicache.cluster.tree import (
     HiCachePhase,
     MambaComponent,
     MambaRequest,
+    PageOwner,
     RadixKey,
     RadixTree,
     RequestState,
@@ -332,17 +335,137 @@ def test_mamba_match_truncates_to_a_state_and_reports_branching_seqlen():
 
 
 def test_mamba_unaligned_key_caches_no_state_and_eviction_skips_locked():
-    tree = mamba_tree(slots=3, page_size=4)
+    tree = mamba_tree(slots=4, page_size=4)
     mamba = tree.component("mamba")
-    serve(tree, range(10))  # 10 tokens, page 4: the state after 10 is not a page boundary's
+    serve(tree, range(10))  # 10 tokens, page 4: the state after 10 is not a page boundary's (no track_len given)
     assert tree.match_prefix(RadixKey(np.arange(10))).device_hit_len == 0
     serve(tree, range(100, 108))
     serve(tree, range(200, 208))
     m, state = start(tree, np.r_[np.arange(100, 108), 5])
-    assert m.device_hit_len == 8  # pool: 2 cached + 1 request slot; the locked state survives eviction
+    assert m.device_hit_len == 8  # pool: 2 cached + 2 request slots; the locked state survives eviction
+    assert state.components["mamba"].track >= 0 and mamba.stats()["mamba"].request_slots == 2
     assert tree.evict(0, mamba_num=5).components == {"mamba_num": 1}
     assert mamba.state_slot(tree.node(m.last_device_node)) >= 0
     tree.cache_finished_req(state)
+    tree.check_invariants()
+    assert mamba.stats()["mamba"].request_slots == 0
+
+
+def _with_track_len(state: RequestState, track_len: int) -> RequestState:
+    value = dataclasses.replace(state.components["mamba"], track_len=track_len)
+    return dataclasses.replace(state, components={"mamba": value})
+
+
+def _grow(tree: RadixTree, state: RequestState, tokens) -> RequestState:
+    """The request decodes ``tokens`` more (pages for them allocated)."""
+    key = RadixKey(np.r_[state.key.token_ids, tokens].astype(np.int32))
+    have = state.device_pages.shape[0]
+    more = tree.alloc(max(0, -(-len(key) // tree.page_size) - have) * tree.page_size)
+    return dataclasses.replace(state, key=key, device_pages=np.r_[state.device_pages, more].astype(np.int32))
+
+
+def test_mamba_finished_unaligned_key_caches_the_track_slot_at_its_last_whole_page():
+    """A finished request whose key is not page-aligned gives the node ending at its last whole page the track
+    slot (the state its decode copied there), not the working slot; the next turn hits that page end."""
+    tree = mamba_tree(slots=6, page_size=4)
+    mamba = tree.component("mamba")
+    _, state = start(tree, np.arange(6), extra=8)
+    value = state.components["mamba"]
+    assert value.track >= 0 and value.track != value.slot and value.track_len == 0
+    state = tree.cache_unfinished_req(state)  # the prefill's cut at 4 (the key's last whole page then)
+    assert state.components["mamba"].track == value.track  # the track slot stays with the request
+    state = _grow(tree, state, np.arange(6, 11))  # decoded to 11 tokens: the track holds the state after 8
+    working, track = state.components["mamba"].slot, value.track
+    tree.cache_finished_req(_with_track_len(state, 8))
+    m = tree.match_prefix(RadixKey(np.r_[np.arange(11), 50]))
+    assert m.device_hit_len == 8 and m.components["mamba"].state_slot == track
+    assert mamba.allocator.owners(np.array([working]))[0] == PageOwner.FREE
+    assert mamba.stats()["mamba"].request_slots == 0
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("key_len, track_len, why", [
+    (11, 4, "the track is not at the key's last whole page"),
+    (11, 0, "the decode crossed no page end"),
+    (12, 8, "an aligned key: the working slot holds the end's state"),
+])
+def test_mamba_finish_adopts_the_track_only_at_the_last_whole_page(key_len, track_len, why):
+    tree = mamba_tree(slots=6, page_size=4)
+    mamba = tree.component("mamba")
+    _, state = start(tree, np.arange(key_len))
+    value = state.components["mamba"]
+    tree.cache_finished_req(_with_track_len(state, track_len))
+    end = tree.node(tree.match_prefix(RadixKey(np.arange(key_len))).best_match_node)
+    want = value.slot if key_len % 4 == 0 else -1
+    assert mamba.state_slot(end) == want, why
+    assert mamba.stats()["mamba"].request_slots == 0 and mamba.stats()["mamba"].tree_slots == (want >= 0)
+    tree.check_invariants()
+
+
+def test_mamba_track_slot_of_a_node_that_has_a_state_is_freed():
+    tree = mamba_tree(slots=6, page_size=4)
+    mamba = tree.component("mamba")
+    serve(tree, range(8))
+    cached = mamba.state_slot(tree.node(tree.match_prefix(RadixKey(np.arange(8))).last_device_node))
+    _, state = start(tree, np.arange(10))
+    tree.cache_finished_req(_with_track_len(state, 8))
+    assert mamba.stats()["mamba"].tree_slots == 1 and mamba.stats()["mamba"].request_slots == 0
+    assert mamba.state_slot(tree.node(tree.match_prefix(RadixKey(np.arange(8))).last_device_node)) == cached
+    tree.check_invariants()
+
+
+def test_mamba_chunk_cached_on_a_full_pool_continues_in_the_track_slot():
+    """cache_unfinished_req at a page end on a full pool (nothing evictable): the node takes the working slot
+    and the request continues in its track slot (no track from then on) rather than leaving the node stateless."""
+    tree = mamba_tree(slots=2, page_size=4)
+    mamba = tree.component("mamba")
+    _, state = start(tree, np.arange(8), extra=4)
+    value = state.components["mamba"]
+    assert value.track >= 0 and mamba.allocator.num_free == 0
+    new = tree.cache_unfinished_req(state)
+    moved = new.components["mamba"]
+    assert (moved.slot, moved.track, moved.copies) == (value.track, -1, ((value.slot, value.track),))
+    assert mamba.state_slot(tree.node(new.last_node)) == value.slot
+    tree.cache_finished_req(_grow(tree, new, [1, 2, 3]))
+    assert mamba.stats()["mamba"].request_slots == 0 and mamba.stats()["mamba"].tree_slots == 1
+    tree.check_invariants()
+
+
+def test_mamba_no_track_slot_when_the_pool_has_none_to_spare():
+    tree = mamba_tree(slots=2, page_size=4)
+    mamba = tree.component("mamba")
+    serve(tree, range(8))
+    m, state = start(tree, np.r_[np.arange(8), 9, 10])
+    assert m.device_hit_len == 8 and state.components["mamba"].track == -1  # the locked state is not evicted
+    tree.cache_finished_req(state)
+    assert mamba.stats()["mamba"].request_slots == 0
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("track_len, match", [
+    (3, "track_len must be a page multiple"),
+    (16, r"track_len must be a page multiple in \[0, 10\]"),
+    (-4, "track_len must be"),
+    (True, "track_len must be"),
+])
+def test_mamba_bad_track_len_is_refused_and_changes_nothing(track_len, match):
+    tree = mamba_tree(slots=6, page_size=4)
+    mamba = tree.component("mamba")
+    _, state = start(tree, np.arange(10))
+    before = mamba.allocator.owners(np.arange(6)).copy()
+    for call in (tree.cache_finished_req, tree.cache_unfinished_req, tree.abandon_request):
+        with pytest.raises(ValueError, match=match):
+            call(_with_track_len(state, track_len))
+        np.testing.assert_array_equal(mamba.allocator.owners(np.arange(6)), before)
+    no_track = dataclasses.replace(state.components["mamba"], track=-1, track_len=4)
+    with pytest.raises(ValueError, match="0 without a track slot"):
+        tree.cache_finished_req(dataclasses.replace(state, components={"mamba": no_track}))
+    same = dataclasses.replace(state.components["mamba"], track=state.components["mamba"].slot)
+    with pytest.raises(ValueError, match="is the request's working slot"):
+        tree.cache_finished_req(dataclasses.replace(state, components={"mamba": same}))
+    np.testing.assert_array_equal(mamba.allocator.owners(np.arange(6)), before)
+    tree.abandon_request(state)  # frees the working and the track slot
+    assert mamba.stats()["mamba"].request_slots == 0
     tree.check_invariants()
 
 

@@ -7,14 +7,19 @@ kind of eviction, bad input). Checked at every step:
   node end on the key's L1 path with that property; windows of running requests stay live; the Full hit
   before the SWA limit equals the prefix model's.
 - Mamba: a simulated state store (slot -> the token sequence its state summarises) is driven by the
-  copies the tree emits: a hit's state is exactly the state of ``device_hit_len`` tokens, every cached
-  state is its node's prefix, the hit ends at the deepest L1 node with a state, two running requests
-  never hold or write the same slot, and no copy writes a cached slot.
+  copies the tree emits and by decode steps (the engine's track copy: before the forward at a page end,
+  the track slot takes the working state): a hit's state is exactly the state of ``device_hit_len``
+  tokens, every cached state is its node's prefix (so the tree adopted the right slot, working or
+  track), the hit ends at the deepest L1 node with a state, a finished request whose working or track
+  slot holds its last whole page's state leaves that page end a hit, two running requests never hold or
+  write the same slot, and no copy writes a cached slot.
 - Page ownership per pool (full pages, SWA pages, state slots): tree + requests + free = capacity.
 - Bad input raises ValueError/TypeError and changes nothing.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -63,6 +68,7 @@ class HybridMachine(RuleBasedStateMachine):
         self.mamba = self.tree.component("mamba") if self.has_mamba else None
         self.requests: list[RequestState] = []
         self.granted: list[bool] = []  # True: the request's lock came from a match (its SWA window is live)
+        self.tracked: list[int] = []  # per request: tokens whose state its decode last copied to its track slot
         self.content: dict[int, tuple] = {}  # simulated Mamba state store: slot -> (ns, tokens...)
 
     # -- helpers --------------------------------------------------------------------------------------
@@ -113,6 +119,8 @@ class HybridMachine(RuleBasedStateMachine):
             except CacheCapacityError:
                 if self.has_mamba:
                     self.mamba.free_slot(values["mamba"].slot)
+                    if values["mamba"].track >= 0:
+                        self.mamba.free_slot(values["mamba"].track)
                 raise
         except CacheCapacityError:
             self.tree.dec_lock_ref(m.last_device_node)
@@ -123,6 +131,7 @@ class HybridMachine(RuleBasedStateMachine):
         self._compute(state)
         self.requests.append(state)
         self.granted.append(True)
+        self.tracked.append(0)
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 100))
@@ -144,9 +153,43 @@ class HybridMachine(RuleBasedStateMachine):
         j = i % len(self.requests)
         state = self.requests.pop(j)
         self.granted.pop(j)
+        tracked = self.tracked.pop(j)
         if trim:
             self.tree.trim_request(state)
+        if self.has_mamba and tracked:  # the scheduler's claim: the state its decode left in the track slot
+            value = dataclasses.replace(state.components["mamba"], track_len=tracked)
+            state = dataclasses.replace(state, components={**state.components, "mamba": value})
         self.tree.cache_finished_req(state)
+        whole = len(state.key) // self.ps * self.ps
+        if self.has_mamba and whole and (whole == len(state.key) or tracked == whole):
+            # its working (aligned key) or track slot held the last whole page's state: that end is a hit now
+            assert self.tree.match_prefix(state.key.prefix(whole)).device_hit_len == whole
+
+    @precondition(lambda self: self.requests and self.has_mamba)
+    @rule(i=st.integers(0, 100), n=st.integers(1, 6))
+    def decode_request(self, i, n):
+        """The engine decodes ``n`` tokens one forward each: before the forward at a page end, the request's
+        track slot (if it has one) takes a copy of its working state."""
+        j = i % len(self.requests)
+        state = self.requests[j]
+        value = state.components["mamba"]
+        tokens = [int(t) for t in state.key.token_ids]
+        have = state.device_pages.size
+        try:
+            more = self.tree.alloc(max(0, -(-(len(tokens) + n) // self.ps) - have) * self.ps)
+        except CacheCapacityError:
+            return
+        for k in range(n):
+            pos = len(tokens)
+            if value.track >= 0 and pos % self.ps == 0:
+                assert self.mamba.allocator.owners(np.array([value.track]))[0] == PageOwner.REQUEST
+                self.content[value.track] = self.content[value.slot]
+                self.tracked[j] = pos
+            tokens.append((i + k) % 3)
+            self.content[value.slot] = (state.key.namespace, *tokens)
+        key = RadixKey(np.asarray(tokens, dtype=np.int32), *state.key.namespace)
+        self.requests[j] = RequestState(key, np.r_[state.device_pages, more].astype(np.int32), state.prefix_len,
+                                        state.last_node, 0, state.components)
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 100), grow=tokens_st)
@@ -161,6 +204,9 @@ class HybridMachine(RuleBasedStateMachine):
             old, value = state.components["mamba"], new.components["mamba"]
             self._run_copies(value, state.key.namespace, None)
             assert value.slot == old.slot or value.copies == ((old.slot, value.slot),)
+            if value.track != old.track:  # the pool had no other slot: the request continues in its track slot
+                assert value.track == -1 and value.slot == old.track
+                self.tracked[j] = 0
         # the request grows: its key gets more tokens and it allocates pages for them
         tokens = [int(t) for t in state.key.token_ids] + list(grow)
         have = new.device_pages.size
@@ -227,7 +273,7 @@ class HybridMachine(RuleBasedStateMachine):
                 stack.extend((c, pages) for c in kids)
         return out
 
-    @rule(kind=st.integers(0, 5))
+    @rule(kind=st.integers(0, 6))
     def bad_input(self, kind):
         before = snapshot(self.tree)
         swa_before = self.swa.mapped.swa_of.copy() if self.has_swa else None
@@ -252,6 +298,11 @@ class HybridMachine(RuleBasedStateMachine):
                 self.tree.evict(-1)
             elif kind == 5 and self.has_swa:
                 self.tree.evict(0, swa_num_tokens=-2)
+            elif kind == 6 and self.requests and self.has_mamba:
+                s = self.requests[0]
+                bad = dataclasses.replace(s.components["mamba"], track_len=len(s.key) // self.ps * self.ps + self.ps)
+                self.tree.cache_finished_req(RequestState(s.key, s.device_pages, s.prefix_len, s.last_node, 0,
+                                                          {**s.components, "mamba": bad}))
             else:
                 return
         except (ValueError, TypeError):
@@ -292,7 +343,8 @@ class HybridMachine(RuleBasedStateMachine):
         if self.has_mamba:
             pool = self.mamba.allocator
             slots = [s.components["mamba"].slot for s in self.requests]
-            assert len(set(slots)) == len(slots), "two running requests share a state slot"
+            slots += [t for s in self.requests if (t := s.components["mamba"].track) >= 0]  # their track slots
+            assert len(set(slots)) == len(slots), "two running requests (or a working and a track slot) share a slot"
             assert all(pool.owners(np.array(slots, dtype=np.int32)) == PageOwner.REQUEST) if slots else True
             assert pool.count(PageOwner.REQUEST) == len(slots), "a request state slot leaked"
             for node in tree.iter_nodes():

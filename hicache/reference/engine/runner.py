@@ -108,6 +108,14 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def tracked_len(prompt_len: int, seq_len: int, page_size: int) -> int:
+    """The tokens whose state a decode with a ``track_slot`` (``ModelRunner.decode_step``) left there, once
+    its steps computed positions ``[prompt_len, seq_len)``: the last page end ``p`` with
+    ``prompt_len <= p < seq_len``, or 0 when it crossed none (the slot holds no state of this request)."""
+    last = (seq_len - 1) // page_size * page_size
+    return last if seq_len > prompt_len and last >= prompt_len else 0
+
+
 def prefill_start(hit_len: int, num_tokens: int, page_size: int) -> int:
     """Where prefill starts given a cached prefix of ``hit_len`` tokens: page-aligned and leaving at
     least the last prompt token to compute (its logits start decoding)."""
@@ -324,10 +332,17 @@ class ModelRunner:
         return self.start_extend(tokens, page_table, int(start_pos), state_slot, swa_table).last()
 
     def decode_step(self, tokens: TokenIds, page_table: TokenIds, state_slot: int | None = None,
-                    swa_table: TokenIds | None = None) -> np.ndarray:
+                    swa_table: TokenIds | None = None, track_slot: int | None = None) -> np.ndarray:
         """One decode step: computes the last position of ``tokens`` (all earlier ones are in the
-        pages) and returns its logits ``f32[vocab]``."""
-        return self.start_extend(tokens, page_table, len(tokens) - 1, state_slot, swa_table).last()
+        pages) and returns its logits ``f32[vocab]``. ``track_slot`` (recurrent layers): before the forward,
+        when the working state is at a page end (``len(tokens) - 1`` tokens, a page multiple), that slot takes
+        a copy of it, on device (SGLang's Mamba extra buffer: the state a finished request caches there)."""
+        pos = len(tokens) - 1
+        toks, table = self._check(tokens, page_table, pos)
+        extra = (self._check_slot(state_slot), self._check_swa_table(swa_table, int(toks.size)))
+        track = self._check_track(track_slot, extra[0])
+        self._track(pos, extra[0], track)
+        return self._run(toks, table, pos, extra).last()
 
     def decode_step_input(self, tokens: TokenIds, page_table: TokenIds) -> tuple[np.ndarray, int, int]:
         """What ``decode_step`` forwards, checked as it checks it: (the step input
@@ -347,19 +362,20 @@ class ModelRunner:
     def decode(self, tokens: TokenIds, last_logits: np.ndarray, page_table: TokenIds,
                max_new_tokens: int, stop_token: int | None = None,
                between_steps: Callable[[], None] | None = None, state_slot: int | None = None,
-               swa_table: TokenIds | None = None) -> Generation:
+               swa_table: TokenIds | None = None, track_slot: int | None = None) -> Generation:
         """Greedy decoding after a prefill of ``tokens`` whose last logits are ``last_logits``.
 
         Generates up to ``max_new_tokens`` (stops after ``stop_token``). Writes K/V for every
         generated token except the last, so ``page_table`` must cover
         ``len(tokens) + max_new_tokens - 1`` positions. ``between_steps()`` runs before each decode
-        step (see ``greedy_decode``).
+        step (see ``greedy_decode``). ``track_slot``: as ``decode_step``'s, at every step (``tracked_len``
+        says which state it holds at the end).
         """
-        return greedy_decode(self.decoder(tokens, page_table, max_new_tokens, state_slot, swa_table), tokens,
-                             last_logits, max_new_tokens, stop_token, between_steps)
+        return greedy_decode(self.decoder(tokens, page_table, max_new_tokens, state_slot, swa_table, track_slot),
+                             tokens, last_logits, max_new_tokens, stop_token, between_steps)
 
     def decoder(self, tokens: TokenIds, page_table: TokenIds, max_new_tokens: int, state_slot: int | None = None,
-                swa_table: TokenIds | None = None) -> Callable[[TokenIds], np.ndarray]:
+                swa_table: TokenIds | None = None, track_slot: int | None = None) -> Callable[[TokenIds], np.ndarray]:
         """One request's decode steps, checked once: ``max_new_tokens`` and the table's length now, the
         prompt ``tokens`` and the pages of its final length ``len(tokens) + max_new_tokens - 1`` at the
         first step, before its forward (``ValueError``; after the first token is out, as
@@ -371,6 +387,7 @@ class ModelRunner:
         (``WorkerEngine``) calls ``step`` with the pool lent back."""
         self._check_decode(tokens, page_table, max_new_tokens)
         extra = (self._check_slot(state_slot), self._check_swa_table(swa_table, len(tokens) + max_new_tokens - 1))
+        track = self._check_track(track_slot, extra[0])
         c, vocab = self.fwd.chunk_size, self.model.vocab_size
         first = end = 0  # positions [first, end) have checked pages; set by the first step
         table: np.ndarray | None = None
@@ -388,6 +405,7 @@ class ModelRunner:
             token = int(seq[-1])
             if not 0 <= token < vocab:
                 raise ValueError(f"token id {token} at index {pos} is outside the vocabulary [0, {vocab})")
+            self._track(pos, extra[0], track)
             return PendingLogits([self._dispatch(np.array([token], np.int32), table, pos - pos % c, pos,
                                                  pos + 1, extra)]).last()
 
@@ -460,6 +478,26 @@ class ModelRunner:
         if not 0 <= state_slot < n:
             raise ValueError(f"state_slot {state_slot} is outside the state pool [0, {n})")
         return int(state_slot)
+
+    def _check_track(self, track_slot: int | None, state_slot: int | None) -> int | None:
+        """The request's track slot (``decode_step``), if any: inside the state pool, not its working slot."""
+        if track_slot is None:
+            return None
+        if state_slot is None:
+            raise ValueError(f"track_slot={track_slot!r} given without a state_slot (a model with recurrent layers)")
+        if not isinstance(track_slot, (int, np.integer)) or isinstance(track_slot, bool):
+            raise ValueError(f"track_slot must be an int slot id, got {track_slot!r}")
+        n = recurrent.num_slots(self._require_states())
+        if not 0 <= track_slot < n or track_slot == state_slot:
+            raise ValueError(f"track_slot {track_slot} must be a slot of the state pool [0, {n}) other than the "
+                             f"working state_slot {state_slot}")
+        return int(track_slot)
+
+    def _track(self, pos: int, slot: int | None, track: int | None) -> None:
+        """Before the forward at ``pos``: the working state is the state after ``pos`` tokens; at a page end
+        the track slot takes a copy (one small on-device op per page, queued before the forward)."""
+        if track is not None and slot is not None and pos % self.fwd.page_size == 0:
+            self._state = recurrent.copy_states(self._require_states(), ((slot, track),))
 
     def _check_swa_table(self, swa_table: TokenIds | None, n: int) -> np.ndarray | None:
         """The request's SWA page table padded to ``i32[max_pages]`` (-1 past its pages): required with an
