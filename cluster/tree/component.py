@@ -159,8 +159,9 @@ class TreeComponent(ABC):
     def validate_request(self, state: RequestState) -> None:
         """Raise ValueError/TypeError if the request's per-component value is wrong; must not mutate."""
 
-    def begin_request(self, match: MatchResult) -> Any:
-        """Per-request resources for a request continuing from ``match`` (None: the component needs none)."""
+    def begin_request(self, match: MatchResult, decode_positions: range | None = None) -> Any:
+        """Per-request resources for a request continuing from ``match`` (None: the component needs none).
+        ``decode_positions``: the positions its decode steps will compute at most (None: unknown)."""
         return None
 
     def trim_request(self, state: RequestState) -> int:
@@ -274,7 +275,7 @@ class ComponentHooks:
     limit_host_match: tuple[Callable[[list[TreeNode], list[TreeNode]], int], ...]
     match_value: tuple[tuple[str, Callable[[list[TreeNode], int], Any]], ...]
     validate_request: tuple[Callable[[RequestState], None], ...]
-    begin_request: tuple[tuple[str, Callable[[MatchResult], Any]], ...]
+    begin_request: tuple[tuple[str, Callable[[MatchResult, range | None], Any]], ...]
     trim_request: tuple[Callable[[RequestState], int], ...]
     on_request_cached: tuple[tuple[str, Callable[[RequestState, TreeNode, bool], Any]], ...]
     on_create: tuple[Callable[[TreeNode, InsertParams, int, int], None], ...]

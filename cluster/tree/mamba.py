@@ -241,7 +241,7 @@ class MambaComponent(TreeComponent):
         return MambaMatch(device_path[-1].component_data["mamba"].slot if device_path else -1, branch_len)
 
     # -- requests --------------------------------------------------------------------------------------
-    def begin_request(self, match: MatchResult) -> MambaRequest:
+    def begin_request(self, match: MatchResult, decode_positions: range | None = None) -> MambaRequest:
         mm = match.components.get(self.name)
         if not isinstance(mm, MambaMatch):
             raise ValueError("the MatchResult has no Mamba part: it does not come from this tree's match_prefix")
@@ -258,8 +258,11 @@ class MambaComponent(TreeComponent):
                 raise ValueError(f"lock node {node.id} (inc_lock_ref) before begin_request: its state is the copy source")
         slot = self._alloc_slot()
         alloc = self.allocator
-        # A free slot only: evicting cached states for tracks cost more hits than they gave in small pools.
-        track = alloc.alloc_one() if not alloc.bounded or alloc.num_free else -1
+        # A free slot only: evicting cached states for tracks cost more hits than they gave in small pools;
+        # and none for a decode that crosses no page end (it would never write it).
+        ps = self.page_size
+        crosses = decode_positions is None or -(-decode_positions.start // ps) * ps < decode_positions.stop
+        track = alloc.alloc_one() if crosses and (not alloc.bounded or alloc.num_free) else -1
         return MambaRequest(slot, ((src, slot),) if src >= 0 else (), mm.branching_seqlen, track)
 
     def validate_request(self, state: RequestState) -> None:

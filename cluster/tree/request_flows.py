@@ -105,19 +105,25 @@ class RequestFlows(MatchInsert):
         for validate_request in self.hooks.validate_request:
             validate_request(state)
 
-    def begin_request(self, match: MatchResult) -> Mapping[str, Any]:
+    def begin_request(self, match: MatchResult, decode_positions: range | None = None) -> Mapping[str, Any]:
         """Per-component resources of a request that continues from ``match`` (lock its node first).
 
         Returns the mapping to pass as ``RequestState.components``; empty for Full-only and SWA trees.
-        Mamba: a fresh working state slot plus the copy-on-write instruction from the cached state.
+        Mamba: a fresh working state slot plus the copy-on-write instruction from the cached state, and a
+        track slot when ``decode_positions`` (the positions its decode steps compute at most; None: unknown)
+        cross a page end.
         """
         if not isinstance(match, MatchResult):
             raise TypeError(f"begin_request expects a MatchResult, got {type(match).__name__}")
+        if decode_positions is not None and (type(decode_positions) is not range or decode_positions.step != 1
+                                             or decode_positions.start < 0):
+            raise ValueError(f"decode_positions must be a range of positions >= 0 with step 1 or None, got "
+                             f"{decode_positions!r}")
         if not self.hooks.begin_request:
             return NO_VALUES
         values = {}
         for name, begin_request in self.hooks.begin_request:
-            value = begin_request(match)
+            value = begin_request(match, decode_positions)
             if value is not None:
                 values[name] = value
         return values

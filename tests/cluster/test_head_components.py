@@ -46,6 +46,18 @@ def test_a_mamba_head_begins_a_request_and_caches_its_state():
     assert client.cache_stats() == before
 
 
+def test_a_mamba_head_gives_a_track_slot_only_to_a_decode_that_crosses_a_page_end():
+    client = embedded(HeadConfig(tree=TreeConfig(PS, 64), components=(MambaConfig(8),)))
+    key = RadixKey(np.arange(9, dtype=np.int32))
+    # the decode computes [9, total - 1); at 13 the finished key ends at 12, page-aligned: the working slot serves
+    for total, track in ((11, False), (13, False), (14, True), (20, True)):
+        begun = client.begin_request(BeginParams(key, total))
+        assert (begun.components["mamba"].track >= 0) is track, total
+        state = RequestState(key, begun.pages, 0, begun.match.last_device_node, 0, begun.components)
+        client.abandon_request(state)
+    assert client.cache_stats()["mamba"]["request_slots"] == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -442,6 +442,36 @@ def test_mamba_no_track_slot_when_the_pool_has_none_to_spare():
     tree.check_invariants()
 
 
+@pytest.mark.parametrize("decode, track", [
+    (range(10, 12), False),  # 10 and 11: no page end (page 4), the decode would never write a track
+    (range(10, 13), True),  # reaches 12
+    (range(12, 13), True),  # starts on a page end (the prompt's end, 12 tokens)
+    (range(10, 10), False),  # no decode step (one new token)
+    (None, True),  # unknown: a track when the pool has one
+])
+def test_mamba_track_slot_only_for_a_decode_that_crosses_a_page_end(decode, track):
+    tree = mamba_tree(slots=8, page_size=4)
+    mamba = tree.component("mamba")
+    key = RadixKey(np.arange(10, dtype=np.int32))
+    m = tree.match_prefix(key)
+    tree.inc_lock_ref(m.last_device_node)
+    value = tree.begin_request(m, decode)["mamba"]
+    assert (value.track >= 0) is track and mamba.stats()["mamba"].request_slots == 1 + track
+    state = RequestState(key, tree.alloc(12), 0, m.last_device_node, 0, {"mamba": value})
+    tree.abandon_request(state)
+    assert mamba.stats()["mamba"].request_slots == 0
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("decode", [range(0, 8, 2), range(-1, 4), [10, 11], (10, 12)])
+def test_mamba_bad_decode_positions_are_refused_and_change_nothing(decode):
+    tree = mamba_tree(slots=8, page_size=4)
+    m = tree.match_prefix(RadixKey(np.arange(10, dtype=np.int32)))
+    with pytest.raises(ValueError, match="decode_positions must be a range"):
+        tree.begin_request(m, decode)
+    assert tree.component("mamba").stats()["mamba"].request_slots == 0
+
+
 @pytest.mark.parametrize("track_len, match", [
     (3, "track_len must be a page multiple"),
     (16, r"track_len must be a page multiple in \[0, 10\]"),
