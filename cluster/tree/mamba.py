@@ -20,7 +20,7 @@ Runs on the head, inside the replica's radix tree (DESIGN.md §1); workers and t
   Otherwise a finished request's slot is freed. ``MambaRequest.copies`` must run before its next forward.
 - Track slot (SGLang's Mamba "extra buffer"): ``begin_request`` also gives the request a second REQUEST
   slot when the pool has a free one (no cached state is evicted for it; else -1: the request caches as
-  without it). Only the engine's decode writes it: the working state whenever that is at a page end
+  without it) and its ``decode_positions`` (None: unknown) hold a page end (else the decode never writes it). Only the engine's decode writes it: the working state whenever that is at a page end
   (``ModelRunner.decode(track_slot=)``); the caller says at finish how many tokens it holds
   (``MambaRequest.track_len``). A finished request whose key is not page-aligned gives the node ending at
   the key's last whole page the track slot when it holds the state of exactly that many tokens and the
