@@ -521,7 +521,7 @@ class CacheHead:
         if self.tree.hooks.begin_request:  # hybrid trees only: the request's component values (Mamba slot)
             try:
                 # its decode computes positions [prompt, total - 1) at most: the last new token is never fed
-                values = self.tree.begin_request(m, range(len(key), max(len(key), params.total_tokens - 1)))
+                values = self.tree.begin_request(m, range(len(key), params.total_tokens - 1))
             except BaseException:
                 self.tree.free(pages)
                 self.tree.unlock_path(node)

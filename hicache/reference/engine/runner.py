@@ -315,11 +315,14 @@ class ModelRunner:
         return self.start_extend(tokens, page_table, start_pos, state_slot, swa_table).result()
 
     def start_extend(self, tokens: TokenIds, page_table: TokenIds, start_pos: int,
-                     state_slot: int | None = None, swa_table: TokenIds | None = None) -> PendingLogits:
+                     state_slot: int | None = None, swa_table: TokenIds | None = None,
+                     track_slot: int | None = None) -> PendingLogits:
         """``extend`` without waiting: dispatches the forwards (the pool is rebound to their output at
-        once, so later transfers and forwards are ordered after them) and returns their logits to come."""
+        once, so later transfers and forwards are ordered after them) and returns their logits to come.
+        ``track_slot``: as ``decode_step``'s (everything is checked before the copy)."""
         toks, table = self._check(tokens, page_table, start_pos)
         extra = (self._check_slot(state_slot), self._check_swa_table(swa_table, int(toks.size)))
+        self._track(start_pos, extra[0], self._check_track(track_slot, extra[0]))
         return self._run(toks, table, start_pos, extra)
 
     def prefill(self, tokens: TokenIds, page_table: TokenIds, start_pos: int = 0,
@@ -337,12 +340,7 @@ class ModelRunner:
         pages) and returns its logits ``f32[vocab]``. ``track_slot`` (recurrent layers): before the forward,
         when the working state is at a page end (``len(tokens) - 1`` tokens, a page multiple), that slot takes
         a copy of it, on device (SGLang's Mamba extra buffer: the state a finished request caches there)."""
-        pos = len(tokens) - 1
-        toks, table = self._check(tokens, page_table, pos)
-        extra = (self._check_slot(state_slot), self._check_swa_table(swa_table, int(toks.size)))
-        track = self._check_track(track_slot, extra[0])
-        self._track(pos, extra[0], track)
-        return self._run(toks, table, pos, extra).last()
+        return self.start_extend(tokens, page_table, len(tokens) - 1, state_slot, swa_table, track_slot).last()
 
     def decode_step_input(self, tokens: TokenIds, page_table: TokenIds) -> tuple[np.ndarray, int, int]:
         """What ``decode_step`` forwards, checked as it checks it: (the step input
